@@ -1,0 +1,97 @@
+"""What a KV cache looks like, and the handshake that refuses a cache of another shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import ml_dtypes
+import numpy as np
+
+from pdserve.v1 import worker_pb2 as pb
+
+KvDtype = Literal["float32", "bfloat16", "float16", "fp8_e4m3", "int8"]
+ScaleGranularity = Literal["none", "block_head"]
+
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+    "fp8_e4m3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "int8": np.dtype(np.int8),
+}
+QUANTIZED: frozenset[str] = frozenset({"fp8_e4m3", "int8"})
+
+
+class HandshakeError(ValueError):
+    """The sender's model or KV layout differs from the receiver's."""
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: KvDtype
+    scale_granularity: ScaleGranularity = "none"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in NUMPY_DTYPES:
+            raise ValueError(f"kv dtype {self.dtype!r} is not one of {', '.join(NUMPY_DTYPES)}")
+        if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) <= 0:
+            raise ValueError(f"every KV layout dimension must be positive: {self}")
+        if (self.dtype in QUANTIZED) != (self.scale_granularity != "none"):
+            raise ValueError(f"kv dtype {self.dtype} needs scale granularity block_head, others none")
+
+    @property
+    def np_dtype(self) -> np.dtype:
+        return NUMPY_DTYPES[self.dtype]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers (scales excluded)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.np_dtype.itemsize
+
+    def num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def describe(self) -> str:
+        return (
+            f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_dim={self.head_dim} "
+            f"block_size={self.block_size} dtype={self.dtype} scales={self.scale_granularity}"
+        )
+
+    def to_proto(self) -> pb.KvLayout:
+        return pb.KvLayout(
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=self.block_size,
+            dtype=self.dtype,
+            scale_granularity=self.scale_granularity,
+        )
+
+    @classmethod
+    def from_proto(cls, msg: pb.KvLayout) -> KvLayout:
+        return cls(
+            num_layers=msg.num_layers,
+            num_kv_heads=msg.num_kv_heads,
+            head_dim=msg.head_dim,
+            block_size=msg.block_size,
+            dtype=msg.dtype,  # type: ignore[arg-type]
+            scale_granularity=msg.scale_granularity or "none",  # type: ignore[arg-type]
+        )
+
+
+def check_handshake(
+    ours: KvLayout, our_fingerprint: str, theirs: KvLayout, their_fingerprint: str, *, peer: str = "sender"
+) -> None:
+    """Raises HandshakeError naming both sides when the model or the layout differ."""
+    if our_fingerprint != their_fingerprint:
+        raise HandshakeError(
+            f"model fingerprint mismatch: {peer} serves {their_fingerprint[:16]}…, this worker "
+            f"{our_fingerprint[:16]}…; both tiers must load the same checkpoint"
+        )
+    if ours != theirs:
+        raise HandshakeError(f"KV layout mismatch: {peer} sends [{theirs.describe()}], this worker holds [{ours.describe()}]")

@@ -1,0 +1,1 @@
+"""pdserve: disaggregated prefill (JAX) / decode (torch) LLM serving."""

@@ -1,0 +1,1 @@
+"""Model loading shared by every tier: HF config, safetensors weights, tokenizer."""

@@ -1,0 +1,134 @@
+"""Writes small random-weight HF checkpoints, with a byte-level BPE tokenizer trained in-process.
+
+Used by the tests (through the real loading code) and as `pdserve up`'s default model.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+from pathlib import Path
+from typing import Literal
+
+Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+
+EOS = "<|endoftext|>"
+BOS = "<|begin_of_text|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+# Small, but with head_dim 32 (what vLLM's CPU attention accepts) and GQA (4 q heads, 2 kv heads).
+_SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.05,
+)
+
+
+def training_text(max_chars: int = 400_000) -> str:
+    """Python standard-library sources: text that lies on every machine with Python."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts: list[str] = []
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        text = path.read_text(encoding="utf-8", errors="ignore")
+        parts.append(text)
+        total += len(text)
+        if total >= max_chars:
+            break
+    return "".join(parts)[:max_chars]
+
+
+def train_tokenizer(vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, BOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = training_text()
+    lines = text.splitlines(keepends=True)
+    tok.train_from_iterator(lines, trainer=trainer)
+    return tok
+
+
+def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int):
+    import transformers
+
+    common = dict(_SHAPE, vocab_size=vocab_size, eos_token_id=eos_id, bos_token_id=bos_id)
+    if family == "llama":
+        # Llama 3.2-style: llama3 rope scaling and tied embeddings.
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_parameters=rope)
+    if family == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None, rope_theta=10000.0)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
+    raise ValueError(f"unknown family {family!r}; choose llama, mistral, qwen2 or qwen3")
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    family: Family = "llama",
+    *,
+    dtype: Literal["float32", "bfloat16"] = "float32",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+) -> Path:
+    """Writes config, safetensors weights, tokenizer and generation config to out_dir."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise SystemExit(f"make-tiny-model needs torch and transformers: pip install 'pdserve[dev]' ({e})")
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer()
+    eos_id, bos_id = tok.token_to_id(EOS), tok.token_to_id(BOS)
+    config = _hf_config(family, tok.get_vocab_size(), eos_id, bos_id)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(getattr(torch, dtype)).eval()
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out, **kwargs)
+    tok.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "bos_token": BOS,
+                "add_bos_token": False,
+                "model_max_length": _SHAPE["max_position_embeddings"],
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos_id, "bos_token_id": bos_id, "do_sample": False}, indent=2)
+    )
+    return out

@@ -1,0 +1,92 @@
+"""Reads HF safetensors checkpoints (one file or sharded with an index) into numpy arrays.
+
+safetensors' own numpy loader has no bfloat16, so the (simple) format is read here directly:
+an 8-byte little-endian header length, a JSON header, then the raw tensor bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from server.model.config import ModelLoadError
+
+_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file and the offset its data starts at."""
+    with open(path, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) != 8:
+            raise ModelLoadError(f"{path} is truncated: no safetensors header")
+        (n,) = struct.unpack("<Q", raw_len)
+        if n > 100 * 2**20:
+            raise ModelLoadError(f"{path} is corrupt: header length {n} is implausible")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path} is corrupt: its header is not JSON ({e})") from e
+    return header, 8 + n
+
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    header, data_start = read_header(path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    out: dict[str, np.ndarray] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise ModelLoadError(f"{path}: tensor {name} has unsupported dtype {meta['dtype']}")
+        begin, end = meta["data_offsets"]
+        if data_start + end > data.size:
+            raise ModelLoadError(f"{path} is truncated: tensor {name} runs past the end of the file")
+        flat = np.asarray(data[data_start + begin : data_start + end]).view(dtype)
+        out[name] = flat.reshape(meta["shape"])
+    return out
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index} is corrupt: {e}") from e
+        files = [model_dir / f for f in sorted(set(weight_map.values()))]
+    elif (model_dir / "model.safetensors").exists():
+        files = [model_dir / "model.safetensors"]
+    else:
+        raise ModelLoadError(
+            f"no weights in {model_dir}: expected model.safetensors or model.safetensors.index.json"
+        )
+    missing = [str(f) for f in files if not f.exists()]
+    if missing:
+        raise ModelLoadError(f"weight shards are missing: {', '.join(missing)}")
+    return files
+
+
+def load_weights(model_dir: str | Path) -> dict[str, np.ndarray]:
+    """Every tensor of the checkpoint, by its HF name, in the dtype it is stored in."""
+    weights: dict[str, np.ndarray] = {}
+    for path in checkpoint_files(model_dir):
+        weights.update(read_safetensors(path))
+    return weights
