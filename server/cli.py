@@ -1,0 +1,243 @@
+"""The `pdserve` command: one subcommand per process role, plus `up`, `generate` and helpers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_FAMILY = "llama"
+
+
+def _setup_logging() -> None:
+    name = os.environ.get("PDSERVE_PROCESS", "pdserve")
+    logging.basicConfig(
+        level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
+        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def default_model_dir() -> Path:
+    """The embedded default model: a tiny checkpoint built once into a cache directory."""
+    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    out = cache / "models" / f"tiny-{DEFAULT_FAMILY}"
+    if not (out / "config.json").exists():
+        from server.model.tiny import make_tiny_model
+
+        print(f"building the default model into {out} ...", file=sys.stderr)
+        make_tiny_model(out.with_suffix(".partial"), DEFAULT_FAMILY)
+        out.with_suffix(".partial").rename(out)
+    print(f"serving the embedded default model from {out}: a tiny {DEFAULT_FAMILY} with RANDOM weights, "
+          f"so its text is noise; pass --model DIR to serve a real HF checkpoint", file=sys.stderr)
+    return out
+
+
+def _model_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("--model", type=Path, required=required, help="local HF checkpoint directory")
+
+
+def _server_args(p: argparse.ArgumentParser, port: int) -> None:
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--host", default="127.0.0.1")
+
+
+def _check_model(model_dir: Path) -> None:
+    from server.model.config import ModelLoadError, load_config
+    from server.model.weights import checkpoint_files
+
+    try:
+        load_config(model_dir)
+        checkpoint_files(model_dir)
+    except ModelLoadError as e:
+        raise SystemExit(f"pdserve: cannot serve {model_dir}: {e}")
+
+
+def cmd_up(args) -> int:
+    from server import launcher
+
+    model = args.model or default_model_dir()
+    _check_model(model)
+    print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
+    try:
+        cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+                                  port=args.port, host=args.host)
+    except (RuntimeError, TimeoutError) as e:
+        print(f"pdserve up failed: {e}", file=sys.stderr)
+        return 1
+    state = cluster.describe()
+    if args.state_file:
+        launcher.write_state(cluster, args.state_file)
+    print(f"pdserve listening on {state['coordinator']} (prefill: {', '.join(state['prefill'])}; "
+          f"decode: {', '.join(state['decode'])})", flush=True)
+    print(f"try: pdserve generate --addr {state['coordinator']} --prompt 'def main():'", flush=True)
+    import signal
+    import time
+
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    try:
+        while not stopping:
+            dead = cluster.failed()
+            if dead is not None:
+                print(f"{dead.name} exited with code {dead.popen.returncode}; stopping everything", file=sys.stderr)
+                cluster.stop()
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    print("stopping ...", file=sys.stderr)
+    cluster.stop()
+    return 0
+
+
+def cmd_coordinator(args) -> int:
+    from server import serving
+    from server.coordinator.config import CoordinatorConfig
+    from server.coordinator.main import serve
+
+    _check_model(args.model)
+    config = CoordinatorConfig(model_dir=args.model, port=args.port, host=args.host,
+                               prefill_addresses=args.prefill, decode_addresses=args.decode)
+    serving.run(lambda: serve(config))
+    return 0
+
+
+def cmd_prefill(args) -> int:
+    from server import serving
+    from server.prefill.config import PrefillConfig
+    from server.prefill.main import serve
+
+    _check_model(args.model)
+    config = PrefillConfig(model_dir=args.model, port=args.port, host=args.host,
+                           max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype)
+    serving.run(lambda: serve(config))
+    return 0
+
+
+def cmd_decode(args) -> int:
+    from server import serving
+    from server.decode.config import DecodeConfig
+    from server.decode.main import serve
+
+    _check_model(args.model)
+    config = DecodeConfig(model_dir=args.model, port=args.port, host=args.host, block_size=args.block_size,
+                          kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running,
+                          weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads)
+    serving.run(lambda: serve(config))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from server.client import build_request, run_generate
+
+    ids = [int(t) for t in args.token_ids.split(",")] if args.token_ids else None
+    request = build_request(prompt=args.prompt, token_ids=ids, max_tokens=args.max_tokens,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            stop=args.stop or [], ignore_eos=args.ignore_eos)
+    return run_generate(args.addr, request, args.json, timeout=args.timeout)
+
+
+def cmd_make_tiny_model(args) -> int:
+    from server.model.tiny import make_tiny_model
+
+    out = make_tiny_model(args.dir, args.family, dtype=args.dtype)
+    print(f"wrote a random-weight tiny {args.family} checkpoint to {out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from server import launcher
+    from server.client import build_request, run_generate
+
+    model = args.model or default_model_dir()
+    _check_model(model)
+    print("starting 1 prefill worker (JAX), 1 decode worker (torch) and the coordinator ...", file=sys.stderr)
+    cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1")
+    try:
+        addr = cluster.coordinator.address
+        print(f"\n$ pdserve generate --addr {addr} --prompt {args.prompt!r} --max-tokens {args.max_tokens}")
+        code = run_generate(addr, build_request(prompt=args.prompt, max_tokens=args.max_tokens, temperature=0.0),
+                            as_json=False, timeout=120)
+    finally:
+        cluster.stop()
+    return code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start a coordinator and workers on this host")
+    _model_arg(p, required=False)
+    p.add_argument("--prefill-workers", type=int, default=1)
+    p.add_argument("--decode-workers", type=int, default=1)
+    _server_args(p, 50051)
+    p.add_argument("--state-file", type=Path, help="write the processes' addresses here as JSON")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("coordinator", help="run the coordinator (public API)")
+    _model_arg(p)
+    _server_args(p, 50051)
+    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker")
+    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker")
+    p.set_defaults(func=cmd_coordinator)
+
+    p = sub.add_parser("prefill", help="run a prefill worker (JAX)")
+    _model_arg(p)
+    _server_args(p, 50052)
+    p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--weight-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.set_defaults(func=cmd_prefill)
+
+    p = sub.add_parser("decode", help="run a decode worker (torch)")
+    _model_arg(p)
+    _server_args(p, 50053)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-tokens", type=int, default=16384)
+    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--weight-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.set_defaults(func=cmd_decode)
+
+    p = sub.add_parser("generate", help="stream one generation from a running server")
+    p.add_argument("--addr", default="127.0.0.1:50051")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--prompt")
+    g.add_argument("--token-ids", help="comma-separated ids, e.g. 1,2,3")
+    p.add_argument("--max-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("make-tiny-model", help="write a small random-weight HF checkpoint")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--family", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(func=cmd_make_tiny_model)
+
+    p = sub.add_parser("demo", help="start a small cluster, stream one generation, stop")
+    _model_arg(p, required=False)
+    p.add_argument("--prompt", default="def fibonacci(n):")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    _setup_logging()
+    args = build_parser().parse_args(argv)
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""The decode worker's settings, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    model_dir: Path
+    port: int = 0
+    host: str = "127.0.0.1"
+    block_size: int = 16
+    kv_cache_tokens: int = 16384
+    """Capacity of the paged KV cache in tokens (rounded up to whole blocks)."""
+    max_running: int = 64
+    """Most requests decoded together; more are refused with RESOURCE_EXHAUSTED."""
+    weight_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """auto: the dtype the checkpoint is stored in."""
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """auto: the model's compute dtype."""
+    threads: int = 0
+    """torch intra-op threads; 0 leaves torch's default."""
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
+        if self.kv_cache_tokens < self.block_size:
+            raise ValueError(f"--kv-cache-tokens must hold at least one block ({self.block_size} tokens)")
+        if self.max_running <= 0:
+            raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.kv_cache_tokens // self.block_size)

@@ -1,0 +1,61 @@
+"""One request on the decode worker: its blocks, its tokens so far, where its output goes."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.v1 import generation_pb2 as gen_pb
+
+
+class SeqState(enum.Enum):
+    WAITING_KV = "waiting_kv"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: gen_pb.SamplingParams
+    block_table: list[int]
+    eos_ids: frozenset[int]
+    max_model_len: int
+    num_prior_outputs: int = 0
+    """Outputs produced before this worker took the request (the tail of prompt_ids)."""
+    output_ids: list[int] = field(default_factory=list)
+    state: SeqState = SeqState.WAITING_KV
+    finish_reason: int = gen_pb.FINISH_REASON_UNSPECIFIED
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """Lists of new token ids, then None when finished."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def sample_index(self) -> int:
+        """Which output token (counted from the request's start) is sampled next."""
+        return self.num_prior_outputs + len(self.output_ids)
+
+    def check_stop(self, token: int) -> int:
+        """The finish reason after appending `token`, or UNSPECIFIED to go on."""
+        s = self.sampling
+        if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
+            return gen_pb.FINISH_REASON_STOP
+        if self.sample_index >= s.max_tokens or self.num_tokens >= self.max_model_len:
+            return gen_pb.FINISH_REASON_LENGTH
+        return gen_pb.FINISH_REASON_UNSPECIFIED
+
+    def append(self, token: int) -> None:
+        self.output_ids.append(token)
+        reason = self.check_stop(token)
+        if reason != gen_pb.FINISH_REASON_UNSPECIFIED:
+            self.finish(reason)
+
+    def finish(self, reason: int) -> None:
+        if self.state is not SeqState.FINISHED:
+            self.state = SeqState.FINISHED
+            self.finish_reason = reason

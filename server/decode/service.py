@@ -1,0 +1,107 @@
+"""The decode worker's gRPC face: Decode (stream), Abort, KV push, worker info."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+
+from kvcache.block_pool import OutOfBlocks
+from kvcache.receiver import KvReceiver
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc
+from server.decode.engine import DecodeEngine
+from server.decode.sequence import Sequence
+
+log = logging.getLogger("pdserve.decode")
+
+RETRY_AFTER_MS = "250"
+
+
+class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServicer):
+    def __init__(self, engine: DecodeEngine, receiver: KvReceiver, *, fingerprint: str, description: str,
+                 eos_ids: frozenset[int], max_model_len: int, address: str = ""):
+        self.engine = engine
+        self.receiver = receiver
+        self.fingerprint = fingerprint
+        self.description = description
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.address = address
+        self.draining = False
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
+        engine = self.engine
+        rid = request.request_id
+        prompt = list(request.prompt_token_ids)
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; pick another")
+        if rid in engine.sequences:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already decoding here")
+        if not prompt or request.sampling.max_tokens <= 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids and sampling.max_tokens must be set")
+        if len(engine.sequences) >= engine.max_running:
+            await context.send_initial_metadata((("retry-after-ms", RETRY_AFTER_MS),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"decode worker runs its maximum of {engine.max_running} requests; you may retry")
+        remaining = request.sampling.max_tokens - request.num_output_tokens
+        need = engine.blocks_needed(len(prompt), remaining, self.max_model_len)
+        try:
+            blocks = engine.pool.allocate(need)
+        except OutOfBlocks as e:
+            await context.send_initial_metadata((("retry-after-ms", RETRY_AFTER_MS),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {e}; you may retry")
+        seq = Sequence(
+            request_id=rid, prompt_ids=prompt, sampling=request.sampling, block_table=blocks,
+            eos_ids=self.eos_ids, max_model_len=self.max_model_len,
+            num_prior_outputs=request.num_output_tokens,
+        )
+        engine.reserve(seq)
+        try:
+            transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(prompt))
+            yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
+            lease = request.lease_seconds or 30.0
+            try:
+                first_token = await asyncio.wait_for(asyncio.shield(transfer.done), lease)
+            except TimeoutError:
+                log.warning("request %s: KV did not arrive within the %.1f s lease; blocks freed", rid, lease)
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {rid} did not arrive within {lease:.1f} s")
+            except Exception as e:  # the transfer failed: say why
+                if isinstance(e, asyncio.CancelledError):
+                    raise
+                await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
+            engine.start(seq, first_token)
+            while True:
+                ids = await seq.events.get()
+                if ids is None:
+                    break
+                yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=ids))
+            message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
+            yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason, message=message))
+        finally:
+            engine.abort(rid, gen_pb.FINISH_REASON_ABORT)
+            self.receiver.cancel(rid)
+            engine.release(seq)
+
+    async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
+        return pb.AbortResponse(found=self.engine.abort(request.request_id, gen_pb.FINISH_REASON_ABORT))
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:
+        engine = self.engine
+        running = len(engine.running)
+        return pb.WorkerInfo(
+            role="decode",
+            address=self.address,
+            fingerprint=pb.ModelFingerprint(digest=self.fingerprint, description=self.description),
+            kv_layout=engine.layout.to_proto(),
+            load=pb.WorkerLoad(
+                running_requests=running,
+                waiting_requests=len(engine.sequences) - running,
+                free_kv_blocks=engine.pool.num_free,
+                total_kv_blocks=engine.pool.num_total,
+            ),
+            max_model_len=self.max_model_len,
+        )

@@ -1,0 +1,123 @@
+"""`pdserve up`: a coordinator and its workers as separate OS processes on one host."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Proc:
+    name: str
+    address: str
+    popen: subprocess.Popen
+
+
+@dataclass
+class Cluster:
+    coordinator: Proc | None = None
+    prefill: list[Proc] = field(default_factory=list)
+    decode: list[Proc] = field(default_factory=list)
+
+    @property
+    def procs(self) -> list[Proc]:
+        return [*self.prefill, *self.decode, *([self.coordinator] if self.coordinator else [])]
+
+    def describe(self) -> dict:
+        return {
+            "coordinator": self.coordinator.address if self.coordinator else None,
+            "prefill": [p.address for p in self.prefill],
+            "decode": [p.address for p in self.decode],
+            "pids": {p.name: p.popen.pid for p in self.procs},
+        }
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM every process (coordinator first), then SIGKILL what is left."""
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                p.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.popen.kill()
+                p.popen.wait()
+
+    def failed(self) -> Proc | None:
+        return next((p for p in self.procs if p.popen.poll() is not None), None)
+
+
+def _spawn(name: str, args: list[str], port: int, host: str) -> Proc:
+    cmd = [sys.executable, "-m", "server.cli", *args, "--port", str(port), "--host", host]
+    env = dict(os.environ, PDSERVE_PROCESS=name)
+    return Proc(name, f"{host}:{port}", subprocess.Popen(cmd, env=env))
+
+
+def wait_serving(cluster: Cluster, procs: list[Proc], timeout: float) -> None:
+    """Blocks until every process answers SERVING on grpc.health.v1; fails fast if one dies."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        dead = cluster.failed()
+        if dead is not None:
+            raise RuntimeError(f"{dead.name} exited with code {dead.popen.returncode} during start-up; "
+                               f"its log above says why")
+        if time.monotonic() > deadline:
+            names = ", ".join(p.name for p in pending)
+            raise TimeoutError(f"{names} not serving after {timeout:.0f} s; check the logs above")
+        proc = pending[0]
+        try:
+            with grpc.insecure_channel(proc.address) as ch:
+                reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                pending.pop(0)
+                continue
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+
+
+def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: int, host: str,
+           prefill_args: list[str] = (), decode_args: list[str] = (), coordinator_args: list[str] = (),
+           timeout: float = 600.0) -> Cluster:
+    cluster = Cluster()
+    try:
+        for i in range(prefill_workers):
+            cluster.prefill.append(_spawn(f"prefill-{i}", ["prefill", "--model", str(model_dir), *prefill_args],
+                                          free_port(host), host))
+        for i in range(decode_workers):
+            cluster.decode.append(_spawn(f"decode-{i}", ["decode", "--model", str(model_dir), *decode_args],
+                                         free_port(host), host))
+        wait_serving(cluster, cluster.procs, timeout)
+        workers = [a for p in cluster.prefill for a in ("--prefill", p.address)]
+        workers += [a for p in cluster.decode for a in ("--decode", p.address)]
+        cluster.coordinator = _spawn("coordinator", ["coordinator", "--model", str(model_dir), *workers,
+                                                     *coordinator_args], port or free_port(host), host)
+        wait_serving(cluster, [cluster.coordinator], timeout)
+    except BaseException:
+        cluster.stop()
+        raise
+    return cluster
+
+
+def write_state(cluster: Cluster, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cluster.describe(), indent=2))
+    tmp.replace(path)

@@ -1,0 +1,88 @@
+"""The prefill worker's gRPC face: Prefill returns the first token, then pushes the KV."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from kvcache.layout import KvLayout
+from kvcache.sender import KvSender
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc
+from server.model.config import ModelConfig
+from server.prefill.engine import PrefillEngine
+
+log = logging.getLogger("pdserve.prefill")
+
+WIRE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlServicer):
+    def __init__(self, engine: PrefillEngine, sender: KvSender, model_config: ModelConfig, *,
+                 fingerprint: str, address: str = ""):
+        self.engine = engine
+        self.sender = sender
+        self.model_config = model_config
+        self.fingerprint = pb.ModelFingerprint(digest=fingerprint, description=model_config.describe())
+        self.address = address
+        self.pushes: set[asyncio.Task] = set()
+        self.draining = False
+
+    def _check_target(self, layout: KvLayout) -> str | None:
+        c = self.model_config
+        ours = (c.num_layers, c.num_kv_heads, c.head_dim)
+        theirs = (layout.num_layers, layout.num_kv_heads, layout.head_dim)
+        if ours != theirs:
+            return (f"decode worker's KV layout (layers, kv heads, head dim) = {theirs} does not fit this "
+                    f"prefill worker's model {ours}: both tiers must serve the same checkpoint")
+        if layout.dtype not in WIRE_DTYPES:
+            return (f"decode worker wants KV dtype {layout.dtype}; this prefill worker sends "
+                    f"{', '.join(WIRE_DTYPES)}")
+        return None
+
+    async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; pick another")
+        try:
+            layout = KvLayout.from_proto(request.target.layout)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"target KV layout: {e}")
+        problem = self._check_target(layout)
+        if problem:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
+        ids = list(request.token_ids)
+        if not ids or max(ids) >= self.model_config.vocab_size or min(ids) < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"token_ids must be 1..{self.model_config.max_model_len} ids in [0, {self.model_config.vocab_size})")
+        t0 = time.perf_counter()
+        result = await self.engine.submit(ids, request.sampling, request.sample_index, layout.dtype)
+        seconds = time.perf_counter() - t0
+        header = pb.KvHeader(
+            request_id=request.request_id, attempt=request.attempt, transfer_token=request.transfer_token,
+            fingerprint=self.fingerprint, layout=layout.to_proto(), num_tokens=len(ids),
+        )
+        task = asyncio.create_task(self._push(request.target.address, header, layout, result))
+        self.pushes.add(task)
+        task.add_done_callback(self.pushes.discard)
+        return pb.PrefillResponse(first_token_id=result.first_token, prefill_seconds=seconds)
+
+    async def _push(self, address: str, header: pb.KvHeader, layout: KvLayout, result) -> None:
+        try:
+            await self.sender.send(address, header, layout, result.k, result.v, result.first_token)
+        except grpc.aio.AioRpcError as e:
+            log.warning("request %s: KV push to %s refused: %s %s", header.request_id, address,
+                        e.code().name, e.details())
+        except Exception:
+            log.exception("request %s: KV push to %s failed", header.request_id, address)
+
+    async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:
+        return pb.WorkerInfo(
+            role="prefill",
+            address=self.address,
+            fingerprint=self.fingerprint,
+            load=pb.WorkerLoad(queued_prefill_tokens=self.engine.queued_tokens, running_requests=len(self.pushes)),
+            max_model_len=self.model_config.max_model_len,
+        )

@@ -1,0 +1,38 @@
+"""Shared fixtures: tiny checkpoints of every family, built once per session through transformers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+def _tiny(tiny_models_dir: Path, family: str, dtype: str = "float32") -> Path:
+    from server.model.tiny import make_tiny_model
+
+    out = tiny_models_dir / f"{family}-{dtype}"
+    if not (out / "config.json").exists():
+        make_tiny_model(out, family, dtype=dtype)  # type: ignore[arg-type]
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models_dir):
+    """tiny_model(family, dtype="float32") -> the checkpoint's directory (built once)."""
+    return lambda family, dtype="float32": _tiny(tiny_models_dir, family, dtype)
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_model(request, tiny_models_dir) -> tuple[str, Path]:
+    return request.param, _tiny(tiny_models_dir, request.param)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,58 @@
+"""Greedy tokens through `pdserve up` (2 prefill + 2 decode processes) equal transformers' generate."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from server.client import build_request, stream
+from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
+
+PROMPTS = [
+    "def",
+    "import os\n",
+    "class Foo(object):\n    def __init__(self):",
+    "for i in range(10):\n    print(i)\n",
+    "# Copyright 2001 Python Software Foundation\n",
+    "return self._value if self._value is not None else default_value",
+    'if __name__ == "__main__":\n    main()\n' * 3,
+    "x = [1, 2, 3]\n" * 12,
+]
+MAX_TOKENS = 12
+
+
+def hf_greedy(model_dir, prompt_ids: list[int]) -> list[int]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def generate_ids(addr: str, prompt: str) -> tuple[list[int], int]:
+    ids: list[int] = []
+    reason = 0
+    for msg in stream(addr, build_request(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0), timeout=120):
+        ids.extend(msg.token_ids)
+        reason = msg.finish_reason or reason
+    return ids, reason
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_equals_transformers(family, tiny_model, tmp_path):
+    model_dir = tiny_model(family)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in PROMPTS]
+    assert len({len(tok.encode(p).ids) for p in PROMPTS}) >= 6, "prompts must differ in length"
+    with pdserve_up(model_dir, tmp_path) as state:
+        addr = state["coordinator"]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: generate_ids(addr, p), PROMPTS))
+        for prompt, want, (ids, reason) in zip(PROMPTS, expected, got):
+            assert ids == want, f"{family}: prompt {prompt!r}"
+            assert reason in (1, 2)
+        pairs = wait_all_blocks_free(state["decode"])
+        assert all(free == total for free, total in pairs), pairs
