@@ -1,0 +1,167 @@
+"""The decoder-only transformer (llama, mistral, qwen2, qwen3) in plain torch, over a paged KV cache.
+
+Every forward writes the new tokens' K (post-RoPE, HF rotate_half convention) and V into the cache,
+then attends over the cache, so prompt KV computed here and KV received from the prefill tier are read
+the same way. Numerics follow transformers: RMSNorm in fp32, RoPE cos/sin from fp32 frequencies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from server.decode.kv_cache import PagedKvCache, numpy_to_torch
+from server.model.config import ModelConfig
+from server.model.rope import inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, weight: Callable[[str], torch.Tensor], index: int):
+        super().__init__()
+        self.config = config
+        self.index = index
+        p = f"model.layers.{index}."
+        attn = [f"{p}self_attn.{name}_proj" for name in "qkv"]
+        self.wqkv = nn.Buffer(torch.cat([weight(f"{n}.weight") for n in attn]))  # [(H + 2 Hkv) D, d]
+        self.bqkv = nn.Buffer(torch.cat([weight(f"{n}.bias") for n in attn])) if config.qkv_bias else None
+        self.q_norm = nn.Buffer(weight(f"{p}self_attn.q_norm.weight")) if config.qk_norm else None  # [D]
+        self.k_norm = nn.Buffer(weight(f"{p}self_attn.k_norm.weight")) if config.qk_norm else None  # [D]
+        self.wo = nn.Buffer(weight(f"{p}self_attn.o_proj.weight"))  # [d, H D]
+        mlp = [weight(f"{p}mlp.{name}_proj.weight") for name in ("gate", "up")]
+        self.w_gate_up = nn.Buffer(torch.cat(mlp))  # [2 I, d]
+        self.w_down = nn.Buffer(weight(f"{p}mlp.down_proj.weight"))  # [d, I]
+        self.attn_norm = nn.Buffer(weight(f"{p}input_layernorm.weight"))  # [d]
+        self.mlp_norm = nn.Buffer(weight(f"{p}post_attention_layernorm.weight"))  # [d]
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, S, d]
+        cos: torch.Tensor,  # [B, S, 1, D]
+        sin: torch.Tensor,  # [B, S, 1, D]
+        slots: torch.Tensor,  # [B, S] flat cache slot of each new token
+        block_tables: torch.Tensor,  # [B, M]
+        mask: torch.Tensor,  # [B, S, M * block_size] bool, True = attend
+        cache: PagedKvCache,
+    ) -> torch.Tensor:
+        c = self.config
+        B, S, _ = x.shape
+        eps = c.rms_norm_eps
+        qkv = F.linear(rms_norm(x, self.attn_norm, eps), self.wqkv, self.bqkv)
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+        q = q.view(B, S, H, D)  # [B, S, H, D]
+        k = k.view(B, S, Hkv, D)  # [B, S, Hkv, D]
+        v = v.view(B, S, Hkv, D)
+        if c.qk_norm:
+            q, k = rms_norm(q, self.q_norm, eps), rms_norm(k, self.k_norm, eps)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+
+        cache.store(self.index, slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
+        k_all, v_all = cache.gather(self.index, block_tables)  # [B, T, Hkv, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # [B, H, S, D]
+            k_all.transpose(1, 2).to(q.dtype),  # [B, Hkv, T, D]
+            v_all.transpose(1, 2).to(q.dtype),
+            attn_mask=mask[:, None],  # [B, 1, S, T]
+            enable_gqa=True,
+        )  # [B, H, S, D]
+        x = x + F.linear(out.transpose(1, 2).reshape(B, S, -1), self.wo)
+
+        gate_up = F.linear(rms_norm(x, self.mlp_norm, eps), self.w_gate_up)  # [B, S, 2 I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, self.w_down)
+
+
+class DecoderModel(nn.Module):
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: torch.dtype = torch.float32
+    ):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+
+        def weight(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"the checkpoint lacks {name} ({config.describe()})")
+            return numpy_to_torch(weights[name]).to(dtype)
+
+        self.embed = nn.Buffer(weight("model.embed_tokens.weight"))  # [V, d]
+        tied = config.tie_word_embeddings
+        self.untied_lm_head = None if tied else nn.Buffer(weight("lm_head.weight"))  # [V, d]
+        self.layers = nn.ModuleList(DecoderLayer(config, weight, i) for i in range(config.num_layers))
+        self.norm = nn.Buffer(weight("model.norm.weight"))  # [d]
+        self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)))  # [D / 2] float32
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.embed if self.untied_lm_head is None else self.untied_lm_head
+
+    def _forward(
+        self,
+        token_ids: torch.Tensor,  # [B, S]
+        positions: torch.Tensor,  # [B, S]
+        block_tables: torch.Tensor,  # [B, M]
+        mask: torch.Tensor,  # [B, S, M * block_size]
+        cache: PagedKvCache,
+    ) -> torch.Tensor:
+        bs = cache.block_size
+        slots = block_tables.gather(1, positions // bs) * bs + positions % bs  # [B, S]
+        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, D / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, S, 1, D]
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        x = F.embedding(token_ids, self.embed)  # [B, S, d]
+        for layer in self.layers:
+            x = layer(x, cos, sin, slots, block_tables, mask, cache)
+        return F.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()  # [B, S, V]
+
+    @torch.inference_mode()
+    def prefill(
+        self, token_ids: torch.Tensor, block_table: list[int], cache: PagedKvCache, start_pos: int = 0
+    ) -> torch.Tensor:
+        """Logits f32 [S, V] of S new tokens of one sequence whose first start_pos tokens are cached."""
+        device = self.embed.device
+        total = start_pos + token_ids.shape[0]
+        num_blocks = -(-total // cache.block_size)
+        if num_blocks > len(block_table):
+            raise ValueError(f"{total} tokens need {num_blocks} blocks; the table has {len(block_table)}")
+        table = torch.tensor(block_table[:num_blocks], dtype=torch.int64, device=device)[None]  # [1, M]
+        positions = torch.arange(start_pos, total, device=device)[None]  # [1, S]
+        keys = torch.arange(num_blocks * cache.block_size, device=device)  # [T]
+        mask = keys <= positions[..., None]  # [1, S, T] causal
+        return self._forward(token_ids.to(device)[None], positions, table, mask, cache)[0]
+
+    @torch.inference_mode()
+    def decode(
+        self,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        cache: PagedKvCache,
+    ) -> torch.Tensor:
+        """Logits f32 [B, V] of one new token per sequence, at positions [B], attending context_lens [B].
+
+        All M columns of block_tables are gathered (no host sync): keep M at the batch's longest table.
+        """
+        device = self.embed.device
+        block_tables = block_tables.to(device)  # [B, M]
+        keys = torch.arange(block_tables.shape[1] * cache.block_size, device=device)  # [T]
+        mask = (keys < context_lens.to(device)[:, None])[:, None]  # [B, 1, T]
+        positions = positions.to(device)[:, None]  # [B, 1]
+        return self._forward(token_ids.to(device)[:, None], positions, block_tables, mask, cache)[:, 0]

@@ -1,0 +1,175 @@
+"""The prefill model as pure JAX functions of (params, tokens): llama, mistral, qwen2 and qwen3.
+
+Per-layer weights are stacked on a leading layer axis, so the layer loop is one `jax.lax.scan` and
+compile time does not grow with depth. Matmuls run in the compute dtype with fp32 accumulation;
+norms, softmax and RoPE run in fp32. Shapes: B batch, S sequence, H hidden, V vocab, L layers,
+Hq/Hkv query/kv heads, G = Hq // Hkv, D head dim, I intermediate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from server.model.config import ModelConfig
+from server.model.rope import inv_freq
+
+Params = dict
+"""A pytree of jax arrays: embed, final_norm, [lm_head], layers (each stacked over L)."""
+
+F32 = jnp.float32
+
+
+def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str = "float32") -> Params:
+    """Device params from HF-named weights; matmul weights in `dtype`, norm weights in fp32."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ValueError(f"prefill dtype {dtype!r} is not supported (float32, bfloat16)")
+    dt = jnp.dtype(dtype)
+    hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
+
+    def get(name: str) -> np.ndarray:
+        if name not in weights:
+            raise ValueError(f"the checkpoint lacks the tensor {name!r} that {config.family} needs")
+        return np.asarray(weights[name])
+
+    def stack(suffix: str, fn: Callable = lambda w: w, as_dtype=dt) -> jax.Array:
+        per_layer = [fn(get(f"model.layers.{i}.{suffix}")) for i in range(config.num_layers)]
+        return jnp.asarray(np.stack(per_layer), dtype=as_dtype)
+
+    def heads(n: int) -> Callable:
+        return lambda w: w.T.reshape(-1, n, d)  # HF [n*D, H] -> [H, n, D]
+
+    layers = {
+        "attn_norm": stack("input_layernorm.weight", as_dtype=F32),  # [L, H]
+        "wq": stack("self_attn.q_proj.weight", heads(hq)),  # [L, H, Hq, D]
+        "wk": stack("self_attn.k_proj.weight", heads(hkv)),  # [L, H, Hkv, D]
+        "wv": stack("self_attn.v_proj.weight", heads(hkv)),  # [L, H, Hkv, D]
+        "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(hq, d, -1)),  # [L, Hq, D, H]
+        "mlp_norm": stack("post_attention_layernorm.weight", as_dtype=F32),  # [L, H]
+        "w_gate": stack("mlp.gate_proj.weight", np.transpose),  # [L, H, I]
+        "w_up": stack("mlp.up_proj.weight", np.transpose),  # [L, H, I]
+        "w_down": stack("mlp.down_proj.weight", np.transpose),  # [L, I, H]
+    }
+    if config.qkv_bias:
+        layers["bq"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(hq, d))  # [L, Hq, D]
+        layers["bk"] = stack("self_attn.k_proj.bias", lambda b: b.reshape(hkv, d))  # [L, Hkv, D]
+        layers["bv"] = stack("self_attn.v_proj.bias", lambda b: b.reshape(hkv, d))  # [L, Hkv, D]
+    if "model.layers.0.self_attn.o_proj.bias" in weights:  # llama with attention_bias
+        layers["bo"] = stack("self_attn.o_proj.bias")  # [L, H]
+    if config.qk_norm:
+        layers["q_norm"] = stack("self_attn.q_norm.weight", as_dtype=F32)  # [L, D]
+        layers["k_norm"] = stack("self_attn.k_norm.weight", as_dtype=F32)  # [L, D]
+    params: Params = {
+        "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype=dt),  # [V, H]
+        "final_norm": jnp.asarray(get("model.norm.weight"), dtype=F32),  # [H]
+        "layers": layers,
+    }
+    if not config.tie_word_embeddings:
+        params["lm_head"] = jnp.asarray(get("lm_head.weight"), dtype=dt)  # [V, H]
+    return params
+
+
+def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis in fp32; returns x's dtype."""
+    x32 = x.astype(F32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * w).astype(x.dtype)
+
+
+def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF rotate_half RoPE in fp32. x [B, S, N, D]; cos, sin [S, D]."""
+    x32 = x.astype(F32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+
+
+def _mm(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(x.dtype)
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal GQA. q [B, S, Hq, D]; k, v [B, S, Hkv, D] -> [B, S, Hq, D]."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, s, hkv, hq // hkv, d)  # [B, S, Hkv, G, D]: q head h reads kv head h // G
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) * d**-0.5  # [B, Hkv, G, S, S]
+    causal = jnp.tril(jnp.ones((s, s), dtype=bool))  # [S, S]
+    scores = jnp.where(causal, scores, jnp.finfo(F32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=F32)  # [B, S, Hkv, G, D]
+    return out.astype(v.dtype).reshape(b, s, hq, d)
+
+
+def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, x: jax.Array, p: Params):
+    """One decoder layer. x [B, S, H] -> (x [B, S, H], (k, v) [B, S, Hkv, D])."""
+    eps = config.rms_norm_eps
+    h = _rms_norm(x, p["attn_norm"], eps)
+    q = _mm("bsh,hnd->bsnd", h, p["wq"])  # [B, S, Hq, D]
+    k = _mm("bsh,hnd->bsnd", h, p["wk"])  # [B, S, Hkv, D]
+    v = _mm("bsh,hnd->bsnd", h, p["wv"])  # [B, S, Hkv, D]
+    if config.qkv_bias:
+        q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
+    if config.qk_norm:
+        q, k = _rms_norm(q, p["q_norm"], eps), _rms_norm(k, p["k_norm"], eps)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    attn = _mm("bsnd,ndh->bsh", _attention(q, k, v), p["wo"])  # [B, S, H]
+    x = x + (attn + p["bo"] if "bo" in p else attn)
+    h = _rms_norm(x, p["mlp_norm"], eps)
+    gate = _mm("bsh,hi->bsi", h, p["w_gate"])  # [B, S, I]
+    up = _mm("bsh,hi->bsi", h, p["w_up"])  # [B, S, I]
+    x = x + _mm("bsi,ih->bsh", jax.nn.silu(gate) * up, p["w_down"])
+    return x, (k, v)
+
+
+def _hidden(params: Params, tokens: jax.Array, config: ModelConfig):
+    """tokens [B, S] -> (hidden [B, S, H] before the final norm, k, v [L, B, S, Hkv, D])."""
+    s = tokens.shape[1]
+    angles = jnp.arange(s, dtype=F32)[:, None] * jnp.asarray(inv_freq(config))[None]  # [S, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [S, D]
+    x = jnp.take(params["embed"], tokens, axis=0, mode="clip")  # [B, S, H]
+    x, (k, v) = jax.lax.scan(partial(_layer, config, jnp.cos(angles), jnp.sin(angles)), x, params["layers"])
+    return x, k, v
+
+
+def _logits(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
+    """x [..., H] -> f32 [..., V]."""
+    h = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
+    head = params.get("lm_head", params["embed"])  # [V, H]
+    return jnp.einsum("...h,vh->...v", h, head, preferred_element_type=F32)
+
+
+def prefill(
+    params: Params, tokens: jax.Array, lengths: jax.Array, *, config: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """tokens int32[B, S] right-padded, lengths int32[B] -> (logits f32[B, V] at lengths-1, k, v).
+
+    k, v [L, B, S, Hkv, D] in the compute dtype, k post-RoPE (HF rotate_half); positions at or after
+    a row's length hold garbage. Right padding needs no mask beyond the causal one.
+    """
+    x, k, v = _hidden(params, tokens, config)
+    last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)  # [B]
+    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, H]
+    return _logits(params, x_last, config), k, v
+
+
+def make_prefill_fn(config: ModelConfig) -> Callable:
+    """The jitted prefill, called as fn(params, tokens, lengths); one compile per (B, S) shape."""
+    return jax.jit(partial(prefill, config=config))
+
+
+def forward_logits(params: Params, tokens: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """Logits f32[B, S, V] at every position (for tests and benchmarks)."""
+    x, _, _ = _hidden(params, tokens, config)
+    return _logits(params, x, config)
+
+
+def bucket_length(n: int, max_len: int, min_bucket: int = 16) -> int:
+    """The padded length for an n-token prompt: a power of two >= n and >= min_bucket, capped at max_len."""
+    if not 1 <= n <= max_len:
+        raise ValueError(f"prompt length {n} is outside [1, {max_len}]")
+    return min(max(min_bucket, 1 << (n - 1).bit_length()), max_len)
