@@ -1,0 +1,187 @@
+"""KV arrays <-> KvBlocks messages: whole blocks of tokens, layer groups when a block is too big.
+
+A piece is the KV of layers [layer_start, +l) for tokens [token_start, +n). Its bytes are the arrays'
+raw C-order bytes in the layout's dtype, so bf16 and fp8 travel bit-exact. Quantized dtypes carry
+float32 scales [l, blocks covered, Hkv] beside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvcache.layout import QUANTIZED, KvLayout
+from pdserve.v1 import worker_pb2 as pb
+
+MAX_CHUNK_BYTES = 4 * 2**20
+_ENVELOPE_BYTES = 64  # KvBlocks fields (<= 48 bytes) + the KvChunk wrapper (<= 6): a KvChunk fits too
+_SCALE_DTYPE = np.dtype(np.float32)
+
+
+@dataclass
+class KvPiece:
+    layer_start: int
+    token_start: int
+    k: np.ndarray  # [l, n, Hkv, D] layout.np_dtype (read-only views on the message's bytes)
+    v: np.ndarray  # [l, n, Hkv, D]
+    k_scales: np.ndarray | None  # [l, blocks covered, Hkv] float32, for quantized dtypes only
+    v_scales: np.ndarray | None
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[1]
+
+
+def iter_pieces(
+    layout: KvLayout, num_tokens: int, max_chunk_bytes: int = MAX_CHUNK_BYTES
+) -> Iterator[tuple[int, int, int, int]]:
+    """(layer_start, layer_count, token_start, token_count) of every piece, token-major.
+
+    Pieces hold as many whole blocks of all layers as fit; when one block of all layers does not
+    fit, the layers split into even groups. Only a piece ending at num_tokens may be partial.
+    Raises ValueError at once (not on iteration) when one block of one layer cannot fit.
+    """
+    layers_per_group, tokens_per_piece = _plan(layout, max_chunk_bytes)
+    return (
+        (
+            layer_start,
+            min(layers_per_group, layout.num_layers - layer_start),
+            token_start,
+            min(tokens_per_piece, num_tokens - token_start),
+        )
+        for token_start in range(0, num_tokens, tokens_per_piece)
+        for layer_start in range(0, layout.num_layers, layers_per_group)
+    )
+
+
+def encode_blocks(
+    layout: KvLayout,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    k_scales: np.ndarray | None = None,
+    v_scales: np.ndarray | None = None,
+    max_chunk_bytes: int = MAX_CHUNK_BYTES,
+) -> Iterator[pb.KvBlocks]:
+    """k, v: [L, T, Hkv, D] for the true length T. Messages of at most max_chunk_bytes, encoded lazily.
+
+    The arrays and the limit are checked at the call (ValueError), before the first message.
+    """
+    num_tokens = _check_arrays(layout, k, v, k_scales, v_scales)
+    pieces = iter_pieces(layout, num_tokens, max_chunk_bytes)
+    return _encode(layout, pieces, k, v, k_scales, v_scales)
+
+
+def _encode(
+    layout: KvLayout,
+    pieces: Iterator[tuple[int, int, int, int]],
+    k: np.ndarray,
+    v: np.ndarray,
+    k_scales: np.ndarray | None,
+    v_scales: np.ndarray | None,
+) -> Iterator[pb.KvBlocks]:
+    bs = layout.block_size
+    for l0, lc, t0, tc in pieces:
+        msg = pb.KvBlocks(
+            layer_start=l0,
+            layer_count=lc,
+            token_start=t0,
+            token_count=tc,
+            k=k[l0 : l0 + lc, t0 : t0 + tc].tobytes(),
+            v=v[l0 : l0 + lc, t0 : t0 + tc].tobytes(),
+        )
+        if k_scales is not None and v_scales is not None:
+            b0, b1 = t0 // bs, -(-(t0 + tc) // bs)
+            msg.k_scales = k_scales[l0 : l0 + lc, b0:b1].tobytes()
+            msg.v_scales = v_scales[l0 : l0 + lc, b0:b1].tobytes()
+        yield msg
+
+
+def decode_blocks(layout: KvLayout, msg: pb.KvBlocks) -> KvPiece:
+    """Checks the piece's place and byte sizes against the layout (ValueError saying what is wrong)."""
+    lc, tc = msg.layer_count, msg.token_count
+    where = f"piece layers {msg.layer_start}+{lc} tokens {msg.token_start}+{tc}"
+    if lc == 0 or tc == 0:
+        raise ValueError(f"{where}: a piece needs at least one layer and one token")
+    if msg.layer_start + lc > layout.num_layers:
+        raise ValueError(f"{where}: the layout has only {layout.num_layers} layers")
+    if msg.token_start % layout.block_size:
+        raise ValueError(f"{where}: token_start must be a multiple of the block size {layout.block_size}")
+    kv_shape = (lc, tc, layout.num_kv_heads, layout.head_dim)
+    k = _view(where, "k", msg.k, layout.np_dtype, kv_shape, layout.dtype)  # read each field once: upb copies
+    v = _view(where, "v", msg.v, layout.np_dtype, kv_shape, layout.dtype)
+    k_scales_bytes, v_scales_bytes = msg.k_scales, msg.v_scales
+    if layout.dtype not in QUANTIZED:
+        if k_scales_bytes or v_scales_bytes:
+            raise ValueError(f"{where}: {layout.dtype} KV carries no scales, but the piece has some")
+        return KvPiece(msg.layer_start, msg.token_start, k, v, None, None)
+    scale_shape = (lc, layout.num_blocks(tc), layout.num_kv_heads)
+    k_scales = _view(where, "k_scales", k_scales_bytes, _SCALE_DTYPE, scale_shape, "float32")
+    v_scales = _view(where, "v_scales", v_scales_bytes, _SCALE_DTYPE, scale_shape, "float32")
+    return KvPiece(msg.layer_start, msg.token_start, k, v, k_scales, v_scales)
+
+
+def _view(where: str, name: str, data: bytes, dtype: np.dtype, shape: tuple[int, ...], dtype_name: str):
+    """A read-only array over the message's bytes, once their size is right."""
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(data) != expected:
+        raise ValueError(
+            f"{where}: {name} has {len(data)} bytes, expected {expected} for {dtype_name} {shape}"
+        )
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+
+def _plan(layout: KvLayout, max_chunk_bytes: int) -> tuple[int, int]:
+    """(layers per group, tokens per piece) for messages of at most max_chunk_bytes."""
+    budget = max_chunk_bytes - _ENVELOPE_BYTES
+    per_layer_block = _piece_payload(layout, 1, layout.block_size)
+    if per_layer_block > budget:
+        raise ValueError(
+            f"one block of one layer takes {per_layer_block} bytes, over the {max_chunk_bytes}-byte "
+            f"chunk limit ({layout.describe()}); raise the limit or use a smaller block size"
+        )
+    max_layers = min(layout.num_layers, budget // per_layer_block)
+    num_groups = -(-layout.num_layers // max_layers)
+    layers_per_group = -(-layout.num_layers // num_groups)
+    blocks_per_piece = max(1, budget // (layers_per_group * per_layer_block))
+    return layers_per_group, blocks_per_piece * layout.block_size
+
+
+def _piece_payload(layout: KvLayout, num_layers: int, num_tokens: int) -> int:
+    kv = 2 * num_layers * num_tokens * layout.num_kv_heads * layout.head_dim * layout.np_dtype.itemsize
+    if layout.dtype not in QUANTIZED:
+        return kv
+    return kv + 2 * num_layers * layout.num_blocks(num_tokens) * layout.num_kv_heads * _SCALE_DTYPE.itemsize
+
+
+def _check_arrays(
+    layout: KvLayout, k: np.ndarray, v: np.ndarray, k_scales: np.ndarray | None, v_scales: np.ndarray | None
+) -> int:
+    if k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"k and v must both be [L, T, Hkv, D], got {k.shape} and {v.shape}")
+    num_layers, num_tokens, heads, head_dim = k.shape
+    if (num_layers, heads, head_dim) != (layout.num_layers, layout.num_kv_heads, layout.head_dim):
+        raise ValueError(
+            f"k and v are {k.shape}, the layout wants [{layout.num_layers}, T, "
+            f"{layout.num_kv_heads}, {layout.head_dim}]"
+        )
+    if k.dtype != layout.np_dtype or v.dtype != layout.np_dtype:
+        raise ValueError(f"k and v are {k.dtype}/{v.dtype}, the layout wants {layout.dtype}: quantize first")
+    if layout.dtype not in QUANTIZED:
+        if k_scales is not None or v_scales is not None:
+            raise ValueError(f"{layout.dtype} KV takes no scales")
+        return num_tokens
+    scale_shape = (num_layers, layout.num_blocks(num_tokens), heads)
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if scales is None or scales.shape != scale_shape or scales.dtype != _SCALE_DTYPE:
+            got = "nothing" if scales is None else f"{scales.dtype} {scales.shape}"
+            raise ValueError(
+                f"{layout.dtype} KV needs {name} float32 {scale_shape} (per block, per head), got {got}"
+            )
+    return num_tokens
