@@ -1,0 +1,56 @@
+"""The coordinator's settings, checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _check_address(address: str, flag: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{flag}: {address!r} is not HOST:PORT (for example 127.0.0.1:50061)")
+
+
+@dataclass
+class CoordinatorConfig:
+    model_dir: Path
+    """The checkpoint directory: config.json for the limits, tokenizer.json for text."""
+    port: int = 50051
+    """0 picks a free port."""
+    host: str = "127.0.0.1"
+    prefill_addresses: list[str] = field(default_factory=list)
+    decode_addresses: list[str] = field(default_factory=list)
+    lease_seconds: float = 30.0
+    """How long a decode worker holds a request's blocks while waiting for its KV."""
+    refresh_seconds: float = 0.5
+    """How often every worker's GetInfo (readiness and load) is polled."""
+    grace_seconds: float = 5.0
+    """On shutdown, how long in-flight requests may run before they are cancelled."""
+
+    def __post_init__(self) -> None:
+        self.model_dir = Path(self.model_dir)
+        self.prefill_addresses = list(self.prefill_addresses)
+        self.decode_addresses = list(self.decode_addresses)
+        if not self.model_dir.is_dir():
+            raise ValueError(f"model_dir {str(self.model_dir)!r} is not a directory")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port must lie in [0, 65535], got {self.port}")
+        if not self.host:
+            raise ValueError("host must not be empty")
+        for flag, addresses in (
+            ("prefill_addresses", self.prefill_addresses),
+            ("decode_addresses", self.decode_addresses),
+        ):
+            for address in addresses:
+                _check_address(address, flag)
+        every = [*self.prefill_addresses, *self.decode_addresses]
+        duplicates = sorted({a for a in every if every.count(a) > 1})
+        if duplicates:
+            raise ValueError(f"worker addresses given twice: {', '.join(duplicates)}")
+        if not self.lease_seconds > 0:
+            raise ValueError(f"lease_seconds must be > 0, got {self.lease_seconds}")
+        if not self.refresh_seconds > 0:
+            raise ValueError(f"refresh_seconds must be > 0, got {self.refresh_seconds}")
+        if not self.grace_seconds >= 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")

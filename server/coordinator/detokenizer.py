@@ -1,0 +1,155 @@
+"""Token ids to text, one piece at a time, and stop strings found across piece boundaries."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+"""What a decoder yields for bytes that are not (yet) a whole UTF-8 character."""
+
+PROMPT_CONTEXT = 5
+"""Prompt tokens decoded in front of the output, so the first output piece gets its spacing right."""
+
+
+MAX_CHAR_TOKENS = 3
+"""An incomplete UTF-8 character at the tail has at most 3 bytes, so it lies in the last 3 tokens."""
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns output ids into text deltas without ever splitting a multi-byte character.
+
+    Keeps two offsets into all ids (prompt + output): text is read from `prefix_offset`, and what
+    `ids[prefix_offset:read_offset]` decodes to has been emitted already. Each push decodes only
+    that short window, so the cost per token stays bounded however long the output grows.
+    """
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def push(self, ids: list[int]) -> str:
+        """Takes new output ids; returns the text they complete (possibly "")."""
+        self.ids.extend(ids)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """At the end of the output: whatever is held back (an incomplete character decodes as U+FFFD)."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        end = len(self.ids)
+        if self.read_offset == end:
+            return ""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        if new_text.endswith(REPLACEMENT) and not final:
+            end, new_text = self._last_whole_character(end)
+            if end == self.read_offset:
+                return ""  # the last bytes may begin a character: wait for the rest
+        delta = new_text[len(prefix_text) :]
+        # The window now starts at the old read offset; ids before it are dropped.
+        del self.ids[: self.read_offset]
+        self.prefix_offset, self.read_offset = 0, end - self.read_offset
+        return delta
+
+    def _last_whole_character(self, end: int) -> tuple[int, str]:
+        """The text ends inside a character, whose bytes lie in the last MAX_CHAR_TOKENS ids: the
+        longest shorter window that decodes to whole characters. With none, when more than
+        MAX_CHAR_TOKENS ids wait, the first of them hold invalid bytes for good: let them go."""
+        for cut in range(end - 1, max(self.read_offset, end - MAX_CHAR_TOKENS - 1), -1):
+            text = self.tokenizer.decode(self.ids[self.prefix_offset : cut])
+            if not text.endswith(REPLACEMENT):
+                return cut, text
+        if end - self.read_offset > MAX_CHAR_TOKENS:
+            cut = end - MAX_CHAR_TOKENS
+            return cut, self.tokenizer.decode(self.ids[self.prefix_offset : cut])
+        return self.read_offset, ""
+
+
+class StopStringMatcher:
+    """Finds stop strings in streamed text; holds back text that could still begin one."""
+
+    def __init__(self, stops: list[str]):
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        self.stops = list(stops)
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Appends text; returns (the text now safe to emit, whether a stop string was found).
+
+        On a stop the text is cut right before the earliest stop string, and the matcher stays
+        stopped: further feeds return ("", True).
+        """
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return text, False
+        buf = self.held + text
+        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self.held = True, ""
+            return buf[: min(hits)], True
+        keep = self._longest_stop_prefix_suffix(buf)
+        self.held = buf[len(buf) - keep :] if keep else ""
+        return buf[: len(buf) - keep], False
+
+    def flush(self) -> str:
+        """At the end of the output: the held-back text, which can no longer become a stop string."""
+        held, self.held = self.held, ""
+        return "" if self.stopped else held
+
+    def _longest_stop_prefix_suffix(self, buf: str) -> int:
+        """Length of the longest tail of buf that is a proper prefix of some stop string."""
+        best = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(buf)), best, -1):
+                if buf.endswith(stop[:k]):
+                    best = k
+                    break
+        return best
+
+
+class Completion:
+    """One request's output as the client sees it: every id, and the text up to the first stop string."""
+
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.matcher = StopStringMatcher(stops)
+        self.num_tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was found: later ids are not part of the output."""
+        return self.matcher.stopped
+
+    def add(self, ids: list[int]) -> tuple[list[int], str]:
+        """Takes new ids; returns those that belong to the output and the text now safe to send.
+
+        With stop strings the ids go one at a time, so the output ends at the id that completed one.
+        """
+        if not self.matcher.stops:
+            self.num_tokens += len(ids)
+            return list(ids), self.detokenizer.push(list(ids))
+        taken: list[int] = []
+        pieces: list[str] = []
+        for i in ids:
+            if self.stopped:
+                break
+            taken.append(i)
+            text, _ = self.matcher.feed(self.detokenizer.push([i]))
+            pieces.append(text)
+        self.num_tokens += len(taken)
+        return taken, "".join(pieces)
+
+    def finish(self) -> str:
+        """At the end: the held-back text (an incomplete last character, a possible stop prefix)."""
+        text, stopped = self.matcher.feed(self.detokenizer.flush())
+        return text if stopped else text + self.matcher.flush()

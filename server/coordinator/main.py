@@ -1,0 +1,77 @@
+"""The coordinator process: the public Generation service in front of the worker pools."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health
+
+from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from server.coordinator.config import CoordinatorConfig
+from server.coordinator.router import Worker, WorkerPool
+from server.coordinator.service import GenerationService
+from server.coordinator.validate import Limits
+from server.model.config import load_config
+from server.model.tokenizer import Tokenizer
+from server.serving import new_server, set_serving, wait_for_signal
+
+log = logging.getLogger("pdserve.coordinator")
+
+SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+@dataclass
+class Coordinator:
+    config: CoordinatorConfig
+    server: grpc.aio.Server
+    health: health.aio.HealthServicer
+    pool: WorkerPool
+    port: int
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING first (load balancers stop sending), then in-flight requests get `grace` seconds."""
+        await set_serving(self.health, [SERVICE_NAME], False)
+        await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        await self.pool.close()
+
+
+async def start(config: CoordinatorConfig) -> Coordinator:
+    """Loads the tokenizer and limits, polls the workers once, and starts serving."""
+    model = load_config(config.model_dir)
+    tokenizer = Tokenizer.from_dir(config.model_dir)
+    server, health_servicer, port = new_server([SERVICE_NAME], config.port, config.host)
+    await set_serving(health_servicer, [SERVICE_NAME], False)
+
+    async def on_change(serving: bool) -> None:
+        log.info(
+            "coordinator is %s",
+            "SERVING" if serving else "NOT_SERVING (needs a ready prefill and decode worker)",
+        )
+        await set_serving(health_servicer, [SERVICE_NAME], serving)
+
+    pool = WorkerPool(config.refresh_seconds, on_change)
+    for address in config.prefill_addresses:
+        pool.add(Worker(address, "prefill"))
+    for address in config.decode_addresses:
+        pool.add(Worker(address, "decode"))
+    limits = Limits(max_model_len=model.max_model_len, vocab_size=model.vocab_size)
+    service = GenerationService(tokenizer, limits, pool, config.lease_seconds)
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    await pool.start()
+    await server.start()
+    return Coordinator(config, server, health_servicer, pool, port)
+
+
+async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:
+    """Serves until SIGINT or SIGTERM, then drains."""
+    coordinator = await start(config)
+    log.info("coordinator listening on %s:%d", config.host, coordinator.port)
+    if ready is not None:
+        ready.set()
+    try:
+        await wait_for_signal()
+    finally:
+        await coordinator.stop()

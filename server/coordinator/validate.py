@@ -1,0 +1,113 @@
+"""Checks a GenerateRequest and fills in the sampling defaults the workers receive explicitly."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from dataclasses import dataclass
+from typing import Protocol
+
+from pdserve.v1 import generation_pb2
+
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_TEMPERATURE = 1.0
+DEFAULT_TOP_P = 1.0
+DEFAULT_TOP_K = 0
+MAX_STOP_STRINGS = 16
+MAX_REQUEST_ID_CHARS = 256
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses with INVALID_ARGUMENT; the message starts with the field's name."""
+
+
+class Encoder(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int
+    """Longest prompt + output the model serves."""
+    vocab_size: int
+    """Token ids must lie in [0, vocab_size)."""
+
+
+@dataclass(frozen=True)
+class ValidRequest:
+    request_id: str
+    prompt_ids: list[int]
+    sampling: generation_pb2.SamplingParams
+    """Every optional field but `seed` set; `seed` only when the client set it."""
+
+
+def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> generation_pb2.SamplingParams:
+    max_tokens = given.max_tokens if given.HasField("max_tokens") else DEFAULT_MAX_TOKENS
+    temperature = given.temperature if given.HasField("temperature") else DEFAULT_TEMPERATURE
+    top_p = given.top_p if given.HasField("top_p") else DEFAULT_TOP_P
+    top_k = given.top_k if given.HasField("top_k") else DEFAULT_TOP_K
+    if max_tokens <= 0:
+        raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise InvalidRequest(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise InvalidRequest(f"top_p must lie in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0 (0 turns it off), got {top_k}")
+    if len(given.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"stop holds {len(given.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    if any(not s for s in given.stop):
+        raise InvalidRequest("stop must not contain an empty string")
+    for i in given.stop_token_ids:
+        if not 0 <= i < limits.vocab_size:
+            raise InvalidRequest(f"stop_token_ids: id {i} lies outside [0, {limits.vocab_size})")
+    sampling = generation_pb2.SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        stop=given.stop,
+        stop_token_ids=given.stop_token_ids,
+        ignore_eos=given.ignore_eos,
+    )
+    if given.HasField("seed"):
+        sampling.seed = given.seed
+    return sampling
+
+
+def validate_prompt_ids(ids: list[int], limits: Limits) -> None:
+    for i in ids:
+        if not 0 <= i < limits.vocab_size:
+            raise InvalidRequest(f"token_ids: id {i} lies outside [0, {limits.vocab_size})")
+
+
+def validate(request: generation_pb2.GenerateRequest, tokenizer: Encoder, limits: Limits) -> ValidRequest:
+    """Raises InvalidRequest naming the field at fault; tokenizes a text prompt."""
+    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(
+            f"request_id has {len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
+    sampling = validate_sampling(request.sampling, limits)
+    kind = request.WhichOneof("prompt")
+    if kind == "text" and request.text:
+        prompt_ids = tokenizer.encode(request.text)
+        field = "text"
+    elif kind == "token_ids" and request.token_ids.ids:
+        prompt_ids = list(request.token_ids.ids)
+        validate_prompt_ids(prompt_ids, limits)
+        field = "token_ids"
+    else:
+        raise InvalidRequest("prompt must not be empty: set text or token_ids")
+    if not prompt_ids:
+        raise InvalidRequest(f"{field} encodes to no tokens")
+    total = len(prompt_ids) + sampling.max_tokens
+    if total > limits.max_model_len:
+        raise InvalidRequest(
+            f"max_tokens {sampling.max_tokens} + a prompt of {len(prompt_ids)} tokens = {total} exceeds "
+            f"the model's max_model_len {limits.max_model_len}"
+        )
+    return ValidRequest(
+        request_id=request.request_id or uuid.uuid4().hex,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+    )

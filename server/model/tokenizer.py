@@ -1,0 +1,104 @@
+"""The model's tokenizer: an HF `tokenizer.json` (through `tokenizers`) plus `tokenizer_config.json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HfTokenizer
+
+from server.model.config import ModelLoadError
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path} does not hold a JSON object")
+    return data
+
+
+class Tokenizer:
+    """Text <-> token ids. Adds BOS only when tokenizer_config.json says `add_bos_token: true`."""
+
+    def __init__(
+        self,
+        tokenizer: HfTokenizer,
+        *,
+        add_bos_token: bool = False,
+        bos_token_id: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
+        if add_bos_token and bos_token_id is None:
+            raise ModelLoadError("add_bos_token is true but the tokenizer has no BOS token")
+        self._tok = tokenizer
+        self.add_bos_token = add_bos_token
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise ModelLoadError(
+                f"{path} is missing: pdserve needs a fast (tokenizers) tokenizer.json beside the weights"
+            )
+        try:
+            tok = HfTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise ModelLoadError(f"{path} is not a valid tokenizer.json: {e}") from e
+        cfg = _read_json(model_dir / "tokenizer_config.json")
+        gen = _read_json(model_dir / "generation_config.json")
+
+        def token_id(value: Any) -> int | None:
+            content = _token_content(value)
+            return tok.token_to_id(content) if content is not None else None
+
+        bos = token_id(cfg.get("bos_token"))
+        if bos is None and isinstance(gen.get("bos_token_id"), int):
+            bos = gen["bos_token_id"]
+        eos: list[int] = []
+        first_eos = token_id(cfg.get("eos_token"))
+        if first_eos is not None:
+            eos.append(first_eos)
+        gen_eos = gen.get("eos_token_id")
+        for e in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+            if isinstance(e, int) and e not in eos:
+                eos.append(e)
+        return cls(
+            tok,
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            bos_token_id=bos,
+            eos_token_ids=tuple(eos),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows, added tokens included (the model's embedding may be larger)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token:
+            assert self.bos_token_id is not None
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)

@@ -1,0 +1,185 @@
+"""Scripted prefill and decode workers, served in-process, for driving the coordinator.
+
+FakePrefill answers a scripted first token and "pushes the KV" by telling the FakeDecode registered
+under the target address (checking the transfer token). FakeDecode sends `reserved`, waits for that
+KV under the lease, then sends the scripted token events and `finished` (or hangs until cancelled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+FinishReason = generation_pb2.FinishReason
+
+LAYOUT = worker_pb2.KvLayout(
+    num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32", scale_granularity="none"
+)
+
+
+class FakeControl(worker_pb2_grpc.ControlServicer):
+    def __init__(self, role: str):
+        self.role = role
+        self.address = ""
+        self.healthy = True
+        self.load = worker_pb2.WorkerLoad(free_kv_blocks=100, total_kv_blocks=100)
+
+    async def GetInfo(self, request, context):
+        if not self.healthy:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker is down")
+        return worker_pb2.WorkerInfo(
+            role=self.role, address=self.address, kv_layout=LAYOUT, load=self.load, max_model_len=512
+        )
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_ControlServicer_to_server(self, server)
+
+
+class FakeDecode(worker_pb2_grpc.DecodeServicer):
+    def __init__(self) -> None:
+        self.events: list[list[int]] = []
+        """Token events sent after the KV arrives (the ids after the first token)."""
+        self.finish: int | None = FinishReason.FINISH_REASON_LENGTH
+        """The `finished` reason sent after the events; None: hang until cancelled."""
+        self.finish_message = ""
+        self.refuse: grpc.StatusCode | None = None
+        """Refuse the call with this code before `reserved`."""
+        self.die_after: int | None = None
+        """After this many events the worker dies (its server stops at once)."""
+        self.server: grpc.aio.Server | None = None
+        self.death: asyncio.Task[None] | None = None
+        self.requests: list[worker_pb2.DecodeRequest] = []
+        self.cancelled = asyncio.Event()
+        self.completed = asyncio.Event()
+        self.aborted: list[str] = []
+        self.kv_pushes: list[worker_pb2.PrefillRequest] = []
+        self._kv: dict[str, asyncio.Event] = {}
+        self._tokens: dict[str, bytes] = {}
+
+    def push_kv(self, request: worker_pb2.PrefillRequest) -> None:
+        self.kv_pushes.append(request)
+        if self._tokens.get(request.request_id) == request.transfer_token:
+            self._kv[request.request_id].set()
+
+    async def Decode(self, request, context):
+        # The handler sees a client's cancel as CancelledError (context.cancelled() stays False).
+        self.requests.append(request)
+        try:
+            async for response in self._decode(request, context):
+                yield response
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        self.completed.set()
+
+    async def _decode(self, request, context):
+        if self.refuse is not None:
+            await context.send_initial_metadata((("retry-after-ms", "250"),))
+            await context.abort(self.refuse, "fake decode: 0 free KV blocks; you may retry")
+        self._kv[request.request_id] = asyncio.Event()
+        self._tokens[request.request_id] = request.transfer_token
+        yield worker_pb2.DecodeResponse(reserved=worker_pb2.Reserved(num_blocks=2))
+        try:
+            await asyncio.wait_for(self._kv[request.request_id].wait(), request.lease_seconds)
+        except TimeoutError:
+            yield worker_pb2.DecodeResponse(
+                finished=worker_pb2.Finished(
+                    reason=FinishReason.FINISH_REASON_ERROR, message="KV lease expired"
+                )
+            )
+            return
+        for n, ids in enumerate(self.events):
+            if n == self.die_after:
+                await self._die()
+            yield worker_pb2.DecodeResponse(tokens=worker_pb2.TokenEvent(token_ids=ids))
+        if self.die_after is not None:
+            await self._die()
+        if self.finish is None:
+            await asyncio.Event().wait()
+        yield worker_pb2.DecodeResponse(
+            finished=worker_pb2.Finished(reason=self.finish, message=self.finish_message)  # type: ignore[arg-type]
+        )
+
+    async def _die(self) -> None:
+        # Stopped from its own task: stopping the server cancels this handler.
+        assert self.server is not None
+        self.death = asyncio.create_task(self.server.stop(0))
+        await asyncio.Event().wait()
+
+    async def Abort(self, request, context):
+        self.aborted.append(request.request_id)
+        return worker_pb2.AbortResponse(found=request.request_id in self._kv)
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_DecodeServicer_to_server(self, server)
+
+
+class FakePrefill(worker_pb2_grpc.PrefillServicer):
+    def __init__(self) -> None:
+        self.first_token_id = 0
+        self.fail: grpc.StatusCode | None = None
+        self.hang = False
+        """Never answer: the call stays pending until cancelled."""
+        self.decoders: dict[str, FakeDecode] = {}
+        """Decode workers by address: where the "KV" goes."""
+        self.requests: list[worker_pb2.PrefillRequest] = []
+        self.cancelled = asyncio.Event()
+
+    async def Prefill(self, request, context):
+        self.requests.append(request)
+        if self.fail is not None:
+            await context.abort(self.fail, "fake prefill failed")
+        if self.hang:
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        target = self.decoders.get(request.target.address)
+        if target is not None:
+            target.push_kv(request)
+        return worker_pb2.PrefillResponse(first_token_id=self.first_token_id, prefill_seconds=0.001)
+
+    def add_to(self, server: grpc.aio.Server) -> None:
+        worker_pb2_grpc.add_PrefillServicer_to_server(self, server)
+
+
+@dataclass
+class FakeWorker:
+    """One in-process worker server: Control plus Prefill or Decode."""
+
+    server: grpc.aio.Server
+    address: str
+    control: FakeControl
+    service: FakePrefill | FakeDecode
+
+    @classmethod
+    async def start(cls, role: str, service: FakePrefill | FakeDecode) -> FakeWorker:
+        server = grpc.aio.server()
+        control = FakeControl(role)
+        control.add_to(server)
+        service.add_to(server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        control.address = f"127.0.0.1:{port}"
+        if isinstance(service, FakeDecode):
+            service.server = server
+        await server.start()
+        return cls(server, control.address, control, service)
+
+    async def stop(self) -> None:
+        if isinstance(self.service, FakeDecode) and self.service.death is not None:
+            await self.service.death
+        else:
+            await self.server.stop(0)
+
+
+async def wait_for(event: asyncio.Event, timeout: float = 5.0) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+    except TimeoutError:
+        return False
+    return True
