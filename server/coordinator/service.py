@@ -89,12 +89,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             missing = "decode" if decode is None else "prefill"
             raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready {missing} worker")
         attempt = 0  # retries and migration will count attempts up
+        # Workers key requests by this id; clients may reuse theirs, so make it unique here.
+        worker_request_id = f"{req.request_id}.{secrets.token_hex(4)}"
         transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)
         completion = Completion(self.tokenizer, req.prompt_ids, list(req.sampling.stop))
         assert decode.channel is not None
         decode_call = worker_pb2_grpc.DecodeStub(decode.channel).Decode(
             worker_pb2.DecodeRequest(
-                request_id=req.request_id,
+                request_id=worker_request_id,
                 attempt=attempt,
                 prompt_token_ids=req.prompt_ids,
                 sampling=req.sampling,
@@ -107,7 +109,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         decode.inflight += 1
         try:
             await self._read_reserved(decode, decode_call)
-            first = await self._prefill(prefill, decode, req, attempt, transfer_token, timeout)
+            first = await self._prefill(prefill, decode, req, worker_request_id, attempt, transfer_token, timeout)
             ids, text = completion.add([first])
             if completion.stopped:
                 yield _response(req, completion, ids, text, FinishReason.FINISH_REASON_STOP)
@@ -145,6 +147,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prefill: Worker,
         decode: Worker,
         req: ValidRequest,
+        worker_request_id: str,
         attempt: int,
         transfer_token: bytes,
         timeout: float | None,
@@ -153,7 +156,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         assert prefill.channel is not None and decode.info is not None
         call = worker_pb2_grpc.PrefillStub(prefill.channel).Prefill(
             worker_pb2.PrefillRequest(
-                request_id=req.request_id,
+                request_id=worker_request_id,
                 attempt=attempt,
                 token_ids=req.prompt_ids,
                 sampling=req.sampling,

@@ -91,8 +91,10 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if self.add_bos_token:
+        # The tokenizer's own post-processor adds what the checkpoint declares (Llama 3's BOS);
+        # `add_bos_token` in tokenizer_config.json asks for a BOS on top when it is not there yet.
+        ids = self._tok.encode(text, add_special_tokens=True).ids
+        if self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             assert self.bos_token_id is not None
             ids = [self.bos_token_id, *ids]
         return ids

@@ -126,7 +126,9 @@ async def test_workers_get_one_transfer_token_the_decode_target_and_explicit_def
     await generate(cluster, request("import os"))
     prompt = cluster.tokenizer.encode("import os")
     (dreq,), (preq,) = cluster.decode.requests, cluster.prefill.requests
-    assert len(dreq.request_id) == 32 and dreq.request_id == preq.request_id
+    # workers get the request id plus a suffix unique to this call: clients may reuse ids
+    client_id, suffix = dreq.request_id.split(".")
+    assert len(client_id) == 32 and len(suffix) == 8 and dreq.request_id == preq.request_id
     assert (dreq.attempt, preq.attempt, preq.sample_index, dreq.num_output_tokens) == (0, 0, 0, 0)
     assert list(dreq.prompt_token_ids) == list(preq.token_ids) == prompt
     assert len(dreq.transfer_token) == 16 and dreq.transfer_token == preq.transfer_token
