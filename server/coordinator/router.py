@@ -34,12 +34,25 @@ class Worker:
     """Requests this coordinator has routed to the worker and not yet finished."""
     ready: bool = False
     channel: grpc.aio.Channel | None = field(default=None, repr=False, compare=False)
+    reserved_blocks: int = 0
+    """KV blocks held by requests this coordinator routed here (known before the next GetInfo)."""
+    pending_tokens: int = 0
+    """Prompt tokens this coordinator has sent here and not yet seen prefilled."""
 
     def free_kv_blocks(self) -> int:
-        return self.info.load.free_kv_blocks if self.info else 0
+        if not self.info:
+            return 0
+        load = self.info.load
+        used = max(load.total_kv_blocks - load.free_kv_blocks, self.reserved_blocks)
+        return max(load.total_kv_blocks - used, 0)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        block_size = self.info.kv_layout.block_size if self.info and self.info.kv_layout.block_size else 1
+        return -(-num_tokens // block_size)
 
     def queued_prefill_tokens(self) -> int:
-        return self.info.load.queued_prefill_tokens if self.info else 0
+        reported = self.info.load.queued_prefill_tokens if self.info else 0
+        return max(reported, self.pending_tokens)
 
 
 class WorkerPool:

@@ -107,6 +107,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             timeout=timeout,
         )
         decode.inflight += 1
+        # Count the blocks now, so requests routed before the next GetInfo see them taken.
+        reserved = decode.blocks_for(len(req.prompt_ids) + req.sampling.max_tokens - 1)
+        decode.reserved_blocks += reserved
         try:
             await self._read_reserved(decode, decode_call)
             first = await self._prefill(prefill, decode, req, worker_request_id, attempt, transfer_token, timeout)
@@ -139,6 +142,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     return
         finally:
             decode.inflight -= 1
+            decode.reserved_blocks -= reserved
             if not decode_call.done():
                 decode_call.cancel()
 
@@ -167,12 +171,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             timeout=timeout,
         )
         prefill.inflight += 1
+        prefill.pending_tokens += len(req.prompt_ids)
         try:
             return (await call).first_token_id
         except grpc.aio.AioRpcError as e:
             raise await self._refused(prefill, e) from e
         finally:
             prefill.inflight -= 1
+            prefill.pending_tokens -= len(req.prompt_ids)
             if not call.done():
                 call.cancel()
 

@@ -398,7 +398,7 @@ async def test_routing_prefers_free_blocks_then_idle_decode_and_least_queued_pre
     from server.coordinator.router import Worker, WorkerPool
 
     def info(role: str, free: int = 0, queued: int = 0) -> worker_pb2.WorkerInfo:
-        load = worker_pb2.WorkerLoad(free_kv_blocks=free, queued_prefill_tokens=queued)
+        load = worker_pb2.WorkerLoad(free_kv_blocks=free, total_kv_blocks=100, queued_prefill_tokens=queued)
         return worker_pb2.WorkerInfo(role=role, kv_layout=LAYOUT, load=load)
 
     pool = WorkerPool()
@@ -414,6 +414,14 @@ async def test_routing_prefers_free_blocks_then_idle_decode_and_least_queued_pre
     assert (pool.pick_decode(), pool.pick_prefill()) == (d2, p2)
     d2.info.load.free_kv_blocks = 5
     assert pool.pick_decode() is d1
+    # blocks this coordinator reserved since the last GetInfo count as taken
+    d2.info.load.free_kv_blocks = 50
+    d2.reserved_blocks = 60  # more than GetInfo saw in use (50)
+    assert d2.free_kv_blocks() == 40 and pool.pick_decode() is d2
+    d2.reserved_blocks = 95
+    assert d2.free_kv_blocks() == 5 and pool.pick_decode() is d1
+    p2.pending_tokens = 20
+    assert p2.queued_prefill_tokens() == 20 and pool.pick_prefill() is p2  # p1 still queues 100
     p2.ready, p1.ready = False, False
     assert pool.pick_prefill() is None and not pool.serving
     await pool.close()
