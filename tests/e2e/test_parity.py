@@ -56,3 +56,14 @@ def test_greedy_equals_transformers(family, tiny_model, tmp_path):
             assert reason in (1, 2)
         pairs = wait_all_blocks_free(state["decode"])
         assert all(free == total for free, total in pairs), pairs
+
+
+def test_bf16_checkpoint_serves_end_to_end(tiny_model, tmp_path):
+    model_dir = tiny_model("qwen3", "bfloat16")
+    with pdserve_up(model_dir, tmp_path, prefill_workers=1, decode_workers=1) as state:
+        msgs = list(stream(state["coordinator"], build_request(prompt="def main():", max_tokens=8, temperature=0.0,
+                                                               ignore_eos=True), timeout=120))
+        assert sum(len(m.token_ids) for m in msgs) == 8
+        assert msgs[-1].finish_reason == 2  # length
+        pairs = wait_all_blocks_free(state["decode"])
+        assert all(free == total for free, total in pairs), pairs

@@ -66,6 +66,17 @@ def test_stop_string_cuts_text(cluster):
     assert text == full[: full.index(stop)]
 
 
+def test_stop_token_id_ends_the_stream(cluster):
+    addr = cluster["coordinator"]
+    kw = dict(prompt="class A:", max_tokens=10, temperature=0.0, ignore_eos=True)
+    full = [t for m in collect(addr, **kw) for t in m.token_ids]
+    stop_id = full[3]
+    msgs = collect(addr, **kw, stop_token_ids=[stop_id])
+    got = [t for m in msgs for t in m.token_ids]
+    assert got == full[: full.index(stop_id) + 1]
+    assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_STOP
+
+
 def test_cancel_mid_stream_frees_blocks(cluster):
     addr = cluster["coordinator"]
     with grpc.insecure_channel(addr) as ch:
@@ -105,6 +116,16 @@ def test_bad_input_is_invalid_argument_and_server_keeps_serving(cluster, kwargs,
     assert field in err.value.details()
     ok = collect(addr, prompt="ok", max_tokens=2, temperature=0.0, ignore_eos=True)
     assert ok[-1].finish_reason == gen_pb.FINISH_REASON_LENGTH
+
+
+def test_missing_or_corrupt_model_fails_at_start(tmp_path):
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "config.json").write_text("{oops")
+    for model in (tmp_path / "absent", tmp_path / "corrupt"):
+        out = subprocess.run([sys.executable, "-m", "server.cli", "up", "--model", str(model)],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0
+        assert str(model) in out.stderr and ("does not exist" in out.stderr or "not valid JSON" in out.stderr)
 
 
 def test_cli_generate_json(cluster):
