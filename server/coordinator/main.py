@@ -30,6 +30,7 @@ class Coordinator:
     health: health.aio.HealthServicer
     pool: WorkerPool
     port: int
+    service: GenerationService
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first (load balancers stop sending), then in-flight requests get `grace` seconds."""
@@ -62,7 +63,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     await pool.start()
     await server.start()
-    return Coordinator(config, server, health_servicer, pool, port)
+    return Coordinator(config, server, health_servicer, pool, port, service)
 
 
 async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:

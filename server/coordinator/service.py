@@ -76,6 +76,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             log.warning("request %s failed: %s", valid.request_id, e)
             await context.abort(e.code, e.details, e.metadata)
 
+    async def stream(
+        self, request: generation_pb2.GenerateRequest, timeout: float | None = None
+    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The request path every front shares (gRPC, HTTP, KServe): validate, route, stream.
+
+        Raises InvalidRequest (bad input) or RequestFailed (a status for the client). Closing the
+        iterator (`contextlib.aclosing`) cancels both worker calls.
+        """
+        valid = await self._validate(request)
+        async with contextlib.aclosing(self._generate(valid, timeout)) as responses:
+            async for response in responses:
+                yield response
+
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidRequest:
         if len(request.text) > LONG_TEXT_CHARS:
             return await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
