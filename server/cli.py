@@ -166,6 +166,12 @@ def cmd_demo(args) -> int:
     return code
 
 
+def cmd_bench(args) -> int:
+    from benchmarks.bench import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -230,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="load-test a pdserve (gRPC) or OpenAI-compatible server",
+                       description="Load generator: see benchmarks/bench.py and benchmarks/README.md")
+    from benchmarks.bench import build_parser as bench_parser
+
+    bench_parser(p)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
