@@ -61,9 +61,11 @@ def cmd_up(args) -> int:
     model = args.model or default_model_dir()
     _check_model(model)
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
+    http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
+    coordinator_args = ["--http-port", str(http_port)] if http_port is not None else []
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                                  port=args.port, host=args.host)
+                                  port=args.port, host=args.host, coordinator_args=coordinator_args)
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
@@ -72,6 +74,8 @@ def cmd_up(args) -> int:
         launcher.write_state(cluster, args.state_file)
     print(f"pdserve listening on {state['coordinator']} (prefill: {', '.join(state['prefill'])}; "
           f"decode: {', '.join(state['decode'])})", flush=True)
+    if http_port is not None:
+        print(f"OpenAI-compatible HTTP on http://{args.host}:{http_port}/v1", flush=True)
     print(f"try: pdserve generate --addr {state['coordinator']} --prompt 'def main():'", flush=True)
     import signal
     import time
@@ -100,7 +104,8 @@ def cmd_coordinator(args) -> int:
 
     _check_model(args.model)
     config = CoordinatorConfig(model_dir=args.model, port=args.port, host=args.host,
-                               prefill_addresses=args.prefill, decode_addresses=args.decode)
+                               prefill_addresses=args.prefill, decode_addresses=args.decode,
+                               http_port=args.http_port)
     serving.run(lambda: serve(config))
     return 0
 
@@ -182,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-workers", type=int, default=1)
     _server_args(p, 50051)
     p.add_argument("--state-file", type=Path, help="write the processes' addresses here as JSON")
+    p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("coordinator", help="run the coordinator (public API)")
@@ -189,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(p, 50051)
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker")
     p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker")
+    p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("prefill", help="run a prefill worker (JAX)")

@@ -27,6 +27,8 @@ class CoordinatorConfig:
     """How often every worker's GetInfo (readiness and load) is polled."""
     grace_seconds: float = 5.0
     """On shutdown, how long in-flight requests may run before they are cancelled."""
+    http_port: int | None = None
+    """OpenAI-compatible HTTP (`--http-port`); None: off, 0 picks a free port."""
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -38,6 +40,8 @@ class CoordinatorConfig:
             raise ValueError(f"port must lie in [0, 65535], got {self.port}")
         if not self.host:
             raise ValueError("host must not be empty")
+        if self.http_port is not None and not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must lie in [0, 65535], got {self.http_port}")
         for flag, addresses in (
             ("prefill_addresses", self.prefill_addresses),
             ("decode_addresses", self.decode_addresses),

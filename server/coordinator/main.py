@@ -10,7 +10,10 @@ import grpc
 from grpc_health.v1 import health
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from server.coordinator import kserve
 from server.coordinator.config import CoordinatorConfig
+from server.coordinator.http_server import HttpServer
+from server.coordinator.openai_api import serve_http, served_model_name
 from server.coordinator.router import Worker, WorkerPool
 from server.coordinator.service import GenerationService
 from server.coordinator.validate import Limits
@@ -31,11 +34,14 @@ class Coordinator:
     pool: WorkerPool
     port: int
     service: GenerationService
+    http: HttpServer | None = None
+    """The OpenAI-compatible HTTP front, when `http_port` is set."""
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first (load balancers stop sending), then in-flight requests get `grace` seconds."""
         await set_serving(self.health, [SERVICE_NAME], False)
-        await self.server.stop(self.config.grace_seconds if grace is None else grace)
+        grace = self.config.grace_seconds if grace is None else grace
+        await asyncio.gather(self.server.stop(grace), *([self.http.stop(grace)] if self.http else []))
         await self.pool.close()
 
 
@@ -43,7 +49,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     """Loads the tokenizer and limits, polls the workers once, and starts serving."""
     model = load_config(config.model_dir)
     tokenizer = Tokenizer.from_dir(config.model_dir)
-    server, health_servicer, port = new_server([SERVICE_NAME], config.port, config.host)
+    server, health_servicer, port = new_server([SERVICE_NAME, kserve.SERVICE_NAME], config.port, config.host)
     await set_serving(health_servicer, [SERVICE_NAME], False)
 
     async def on_change(serving: bool) -> None:
@@ -61,9 +67,14 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     limits = Limits(max_model_len=model.max_model_len, vocab_size=model.vocab_size)
     service = GenerationService(tokenizer, limits, pool, config.lease_seconds)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    kserve.add_to_server(kserve.KServeService(service, served_model_name(config.model_dir), lambda: pool.serving,
+                                              model.max_model_len), server)
     await pool.start()
     await server.start()
-    return Coordinator(config, server, health_servicer, pool, port, service)
+    http = None
+    if config.http_port is not None:
+        http = await serve_http(config, service, lambda: pool.serving, model.max_model_len)
+    return Coordinator(config, server, health_servicer, pool, port, service, http)
 
 
 async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:

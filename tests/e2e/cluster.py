@@ -19,13 +19,13 @@ from pdserve.v1 import worker_pb2_grpc
 
 @contextmanager
 def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_workers: int = 2,
-               timeout: float = 300.0):
+               timeout: float = 300.0, extra_args: list[str] = ()):
     state = tmp / "state.json"
     log = open(tmp / "up.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "server.cli", "up", "--model", str(model_dir), "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
-         "--state-file", str(state)],
+         "--state-file", str(state), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"),
     )
     try:

@@ -1,0 +1,128 @@
+"""Chat messages to prompt token ids through the model's own chat template, as `transformers` renders it.
+
+The template comes from `chat_template.jinja` or `tokenizer_config.json`'s `chat_template` (a string,
+or a list of named templates: "default" is used). It is rendered in a sandboxed jinja2 environment
+with `messages`, `add_generation_prompt=True` and the special tokens, then tokenized without adding
+special tokens (the template writes the BOS itself where the model wants one).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HfTokenizer
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered (bad shape, or the template itself refuses them)."""
+
+
+def _token_content(value: Any) -> str:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _read_template(model_dir: Path) -> tuple[str | None, dict[str, Any]]:
+    cfg_path = model_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    jinja_file = model_dir / "chat_template.jinja"
+    if jinja_file.exists():
+        return jinja_file.read_text(), cfg
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return (template if isinstance(template, str) and template else None), cfg
+
+
+def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """OpenAI messages to what templates expect: `content` a string (text parts joined)."""
+    if not messages:
+        raise ChatTemplateError("messages must hold at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"messages[{i}] must be an object with 'role' and 'content'")
+        role = message.get("role")
+        if role not in ROLES:
+            raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
+        content = message.get("content")
+        if content is None:
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ChatTemplateError(
+                        f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}"
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise ChatTemplateError(f"messages[{i}].content must be a string or a list of text parts")
+        out.append({**message, "content": content})
+    return out
+
+
+class ChatTemplate:
+    def __init__(self, template: str, encoder: HfTokenizer, special_tokens: dict[str, str]):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        try:
+            self._template = env.from_string(template)
+        except jinja2.TemplateSyntaxError as e:
+            raise ValueError(f"the model's chat template does not parse: {e}") from e
+        self._encoder = encoder
+        self.special_tokens = special_tokens
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
+        """None when the model has no chat template (a base model)."""
+        model_dir = Path(model_dir)
+        template, cfg = _read_template(model_dir)
+        if template is None:
+            return None
+        encoder = HfTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        special = {name: _token_content(cfg.get(name)) for name in SPECIAL_TOKENS}
+        return cls(template, encoder, special)
+
+    def render(self, messages: list[Any], add_generation_prompt: bool = True) -> str:
+        try:
+            return self._template.render(
+                messages=normalize_messages(messages),
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except ChatTemplateError:
+            raise
+        except jinja2.TemplateError as e:
+            raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from e
+
+    def encode(self, messages: list[Any]) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids (no special tokens added: the template has them)."""
+        text = self.render(messages)
+        return text, self._encoder.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,472 @@
+"""OpenAI-compatible HTTP on the coordinator: the same request path as pdserve.v1.Generation.
+
+- `POST /v1/completions`, `POST /v1/chat/completions`: with `stream: true` server-sent events ending in
+  `data: [DONE]`, else one JSON body. Each request becomes a `GenerateRequest` and runs through
+  `GenerationService.stream`; a chat first goes through the model's chat template.
+- `GET /v1/models`, `GET /health` (200 while a decode worker takes work, else 503), `GET /metrics`.
+- Errors are OpenAI error objects: 400 bad field, 401 bad API key, 404 unknown model, 429 admission
+  rejection (with Retry-After), 503 no worker, 504 deadline. An error after streaming began arrives
+  as an SSE event `{"error": ...}` before `[DONE]`.
+- A client that disconnects cancels its request: the stream is closed, which cancels the worker calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import grpc
+import prometheus_client
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pdserve.v1 import generation_pb2
+from server.coordinator import http_server
+from server.coordinator.chat_template import ChatTemplate, ChatTemplateError
+from server.coordinator.service import GenerationService, RequestFailed
+from server.coordinator.validate import InvalidRequest
+
+log = logging.getLogger("pdserve.coordinator.http")
+
+FinishReason = generation_pb2.FinishReason
+FINISH_NAMES = {
+    FinishReason.FINISH_REASON_STOP: "stop",
+    FinishReason.FINISH_REASON_LENGTH: "length",
+    FinishReason.FINISH_REASON_ABORT: "abort",
+}
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+DEFAULT_COMPLETION_TOKENS = 16
+"""OpenAI's default max_tokens for /v1/completions; a chat may use the rest of the context."""
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
+                          "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def _api_error(e: InvalidRequest | RequestFailed | ChatTemplateError) -> ApiError:
+    if isinstance(e, (InvalidRequest, ChatTemplateError)):
+        message = str(e)
+        return ApiError(400, message, param=message.split(" ", 1)[0].split(":")[0] or None)
+    status = HTTP_STATUS.get(e.code, 500)
+    headers = {}
+    retry_ms = dict(e.metadata).get("retry-after-ms")
+    if status == 429 and retry_ms is not None and retry_ms.isdigit():
+        headers["Retry-After"] = str(max(1, math.ceil(int(retry_ms) / 1000)))
+    return ApiError(status, e.details, code=e.code.name.lower(), headers=headers)
+
+
+# --- requests -----------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints share; unknown fields are ignored, as OpenAI-compatible servers do."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0
+    best_of: int | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def _unsupported(req: SamplingFields) -> None:
+    """Fields the engine cannot honour get a 400 rather than being silently ignored."""
+    checks = [
+        ("n", req.n != 1, "only n=1 is supported"),
+        ("best_of", req.best_of not in (None, 1), "only best_of=1 is supported"),
+        ("presence_penalty", req.presence_penalty not in (None, 0), "presence_penalty is not supported"),
+        ("frequency_penalty", req.frequency_penalty not in (None, 0), "frequency_penalty is not supported"),
+        ("repetition_penalty", req.repetition_penalty not in (None, 1), "repetition_penalty is not supported"),
+        ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
+        ("min_tokens", req.min_tokens != 0, "min_tokens is not supported"),
+        ("logprobs", req.logprobs not in (None, False), "logprobs are not supported"),
+        ("seed", req.seed is not None and not 0 <= req.seed < 2**64, "seed must lie in [0, 2**64)"),
+    ]
+    if isinstance(req, CompletionRequest):
+        checks += [("echo", req.echo, "echo is not supported"), ("suffix", bool(req.suffix), "suffix is not supported")]
+    if isinstance(req, ChatRequest):
+        checks += [
+            ("top_logprobs", req.top_logprobs not in (None, 0), "logprobs are not supported"),
+            ("tools", bool(req.tools), "tools are not supported"),
+            ("response_format", (req.response_format or {"type": "text"}).get("type") != "text",
+             "only response_format {\"type\": \"text\"} is supported"),
+        ]
+    for param, bad, message in checks:
+        if bad:
+            raise ApiError(400, f"{param}: {message}", param=param)
+
+
+def _sampling(req: SamplingFields, max_tokens: int | None) -> generation_pb2.SamplingParams:
+    sampling = generation_pb2.SamplingParams(
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        ignore_eos=req.ignore_eos,
+    )
+    for name, value in (("max_tokens", max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
+                        ("top_k", req.top_k), ("seed", req.seed)):
+        if value is not None:
+            try:
+                setattr(sampling, name, value)
+            except (ValueError, TypeError) as e:
+                raise ApiError(400, f"{name}: {value!r} is out of range", param=name) from e
+    return sampling
+
+
+# --- responses ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    text: str = ""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, response: generation_pb2.GenerateResponse) -> None:
+        self.text += response.text
+        if response.finish_reason:
+            self.finish_reason = FINISH_NAMES.get(response.finish_reason, "stop")
+            self.prompt_tokens = response.usage.prompt_tokens
+            self.completion_tokens = response.usage.completion_tokens
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+@dataclass
+class Front:
+    """What the endpoints need from the coordinator."""
+
+    generation: GenerationService
+    model_name: str
+    aliases: tuple[str, ...]
+    """Other names a request may give `model` (the checkpoint path, as vLLM names it)."""
+    max_model_len: int
+    chat: ChatTemplate | None
+    ready: Callable[[], bool]
+    api_key: str | None = None
+    timeout: float | None = None
+    created: int = 0
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name and model not in self.aliases:
+            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+
+Kind = Literal["completion", "chat"]
+
+
+async def _first(stream: AsyncIterator[generation_pb2.GenerateResponse]) -> generation_pb2.GenerateResponse:
+    """The first response: errors before any output become the HTTP status, not an SSE event."""
+    try:
+        return await anext(stream)
+    except (InvalidRequest, RequestFailed) as e:
+        raise _api_error(e) from e
+
+
+async def _until_disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _cancel_on_disconnect(request: Request, work: asyncio.Future) -> Any:
+    """Awaits `work`; a client that disconnects first cancels it (a non-streaming request)."""
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        log.info("client disconnected; request cancelled")
+        return Response(status_code=499)
+    return work.result()
+
+
+class Handler:
+    """One endpoint's request: build the GenerateRequest, run it, shape the answer."""
+
+    def __init__(self, front: Front, kind: Kind, req: SamplingFields, request_id: str):
+        self.front = front
+        self.kind = kind
+        self.req = req
+        self.id = request_id
+        self.created = int(time.time())
+        self.object = "text_completion" if kind == "completion" else "chat.completion"
+
+    def choice(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+        if self.kind == "completion":
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        if self.req.stream:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
+                "finish_reason": finish_reason}
+
+    def body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None, chunk: bool) -> dict[str, Any]:
+        obj = self.object + (".chunk" if chunk and self.kind == "chat" else "")
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.front.model_name,
+               "choices": choices}
+        if not chunk or self.include_usage:
+            out["usage"] = usage
+        return out
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    async def run(self, http: Request, generate: generation_pb2.GenerateRequest) -> Response:
+        stream = self.front.generation.stream(generate, self.front.timeout)
+        if self.req.stream:
+            first = await _first(stream)
+            return StreamingResponse(self.events(stream, first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _cancel_on_disconnect(http, asyncio.ensure_future(self.collect(stream)))
+
+    async def collect(self, stream: AsyncIterator[generation_pb2.GenerateResponse]) -> Response:
+        outcome = Outcome()
+        try:
+            async with contextlib.aclosing(stream):
+                async for response in stream:
+                    outcome.add(response)
+        except (InvalidRequest, RequestFailed) as e:
+            return _api_error(e).response()
+        return JSONResponse(self.body([self.choice(outcome.text, outcome.finish_reason)], outcome.usage(), False))
+
+    async def events(self, stream: AsyncIterator[generation_pb2.GenerateResponse],
+                     first: generation_pb2.GenerateResponse) -> AsyncIterator[bytes]:
+        """SSE chunks; cancelled (client gone) or not, closing `stream` cancels the worker calls."""
+        outcome = Outcome()
+        async with contextlib.aclosing(stream):
+            if self.kind == "chat":
+                yield _sse(self.body([self.choice(None, None, first=True)], None, True))
+            response: generation_pb2.GenerateResponse | None = first
+            try:
+                while response is not None:
+                    outcome.add(response)
+                    if response.text or response.finish_reason:
+                        yield _sse(self.body([self.choice(response.text, outcome.finish_reason)], None, True))
+                    response = await anext(stream, None)
+            except (InvalidRequest, RequestFailed) as e:
+                log.warning("request %s failed mid-stream: %s", self.id, e)
+                yield _sse(_api_error(e).body())
+                yield _sse("[DONE]")
+                return
+        if self.include_usage:
+            yield _sse(self.body([], outcome.usage(), True))
+        yield _sse("[DONE]")
+
+
+# --- the app ------------------------------------------------------------------------------------
+
+
+def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
+    errors = e.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    return f"{param or 'body'}: {first.get('msg', 'invalid')}", param
+
+
+def create_app(front: Front) -> FastAPI:
+    async def authenticate(request: Request) -> None:
+        if not front.api_key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), front.api_key.encode()):
+            raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(_: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(e)
+        return ApiError(400, message, param=param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return ApiError(e.status_code, str(e.detail)).response()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if front.ready():
+            return Response(status_code=200)
+        return ApiError(503, "no ready decode worker").response()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": front.model_name, "object": "model", "created": front.created, "owned_by": "pdserve",
+                "root": front.model_name, "parent": None, "max_model_len": front.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        front.check_model(body.model)
+        _unsupported(body)
+        generate = generation_pb2.GenerateRequest(sampling=_sampling(body, body.max_tokens or DEFAULT_COMPLETION_TOKENS))
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt: batches of {len(prompt)} prompts are not supported; send one per request",
+                               param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            generate.text = prompt
+        else:
+            generate.token_ids.ids.extend(prompt)
+        handler = Handler(front, "completion", body, f"cmpl-{secrets.token_hex(12)}")
+        generate.request_id = handler.id
+        return await handler.run(request, generate)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request) -> Response:
+        front.check_model(body.model)
+        _unsupported(body)
+        if front.chat is None:
+            raise ApiError(400, f"the model `{front.model_name}` has no chat template (tokenizer_config.json has "
+                                "no chat_template): use /v1/completions", param="messages",
+                           code="no_chat_template")
+        try:
+            _, ids = await asyncio.to_thread(front.chat.encode, body.messages)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e) if str(e).startswith("messages") else f"messages: {e}",
+                           param="messages") from e
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, front.max_model_len - len(ids))
+        generate = generation_pb2.GenerateRequest(sampling=_sampling(body, max_tokens))
+        generate.token_ids.ids.extend(ids)
+        handler = Handler(front, "chat", body, f"chatcmpl-{secrets.token_hex(12)}")
+        generate.request_id = handler.id
+        return await handler.run(request, generate)
+
+    app.include_router(v1)
+    return app
+
+
+def served_model_name(model_dir: Path) -> str:
+    """The name clients give `model`: the checkpoint directory's name."""
+    return Path(model_dir).resolve().name
+
+
+async def serve_http(config: Any, generation: GenerationService, ready: Callable[[], bool],
+                     max_model_len: int) -> http_server.HttpServer:
+    """Starts the OpenAI HTTP front for a CoordinatorConfig (`http_port`, `host`, `api_key`, `model_dir`)."""
+    model_dir = Path(config.model_dir)
+    front = Front(
+        generation=generation,
+        model_name=served_model_name(model_dir),
+        aliases=(str(model_dir), str(model_dir.resolve())),
+        max_model_len=max_model_len,
+        chat=ChatTemplate.from_dir(model_dir),
+        ready=ready,
+        api_key=getattr(config, "api_key", None),
+        created=int(time.time()),
+    )
+    server = await http_server.start(create_app(front), config.host, config.http_port)
+    log.info("OpenAI-compatible HTTP on http://%s:%d/v1", config.host, server.port)
+    return server
