@@ -1,0 +1,215 @@
+"""KServe v2 gRPC on the coordinator through tritonclient.grpc.aio, against scripted in-process workers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc.aio as triton
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from pdserve.v1 import generation_pb2
+from server.coordinator.config import CoordinatorConfig
+from server.coordinator.main import Coordinator, start
+from server.model.tokenizer import Tokenizer
+from tests.coordinator.fakes import FakeDecode, FakePrefill, FakeWorker, wait_for
+
+FinishReason = generation_pb2.FinishReason
+MODEL = "llama-float32"
+
+
+@dataclass
+class Cluster:
+    coordinator: Coordinator
+    prefill: FakePrefill
+    decode: FakeDecode
+    tokenizer: Tokenizer
+    address: str
+
+    def script(self, ids: list[int], finish: int | None = FinishReason.FINISH_REASON_LENGTH) -> None:
+        self.prefill.first_token_id = ids[0]
+        self.decode.events = [[i] for i in ids[1:]]
+        self.decode.finish = finish
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model) -> Path:
+    return tiny_model("llama")
+
+
+@pytest.fixture
+async def cluster(model_dir):
+    decode, prefill = FakeDecode(), FakePrefill()
+    decode_worker = await FakeWorker.start("decode", decode)
+    prefill_worker = await FakeWorker.start("prefill", prefill)
+    prefill.decoders[decode_worker.address] = decode
+    config = CoordinatorConfig(model_dir, port=0, prefill_addresses=[prefill_worker.address],
+                               decode_addresses=[decode_worker.address], refresh_seconds=0.1, lease_seconds=5)
+    coordinator = await start(config)
+    for _ in range(100):
+        if coordinator.pool.serving:
+            break
+        await asyncio.sleep(0.05)
+    yield Cluster(coordinator, prefill, decode, Tokenizer.from_dir(model_dir), f"127.0.0.1:{coordinator.port}")
+    await coordinator.stop(0)
+    await prefill_worker.stop()
+    await decode_worker.stop()
+
+
+@pytest.fixture
+async def client(cluster):
+    c = triton.InferenceServerClient(cluster.address)
+    yield c
+    await c.close()
+
+
+def inputs(prompt: str, stream: bool | None = None, sampling: dict | None = None,
+           exclude_input: bool | None = None) -> list[triton.InferInput]:
+    out = [triton.InferInput("text_input", [1], "BYTES").set_data_from_numpy(np.array([prompt.encode()], dtype=object))]
+    if stream is not None:
+        out.append(triton.InferInput("stream", [1], "BOOL").set_data_from_numpy(np.array([stream])))
+    if sampling is not None:
+        out.append(triton.InferInput("sampling_parameters", [1], "BYTES").set_data_from_numpy(
+            np.array([json.dumps(sampling).encode()], dtype=object)))
+    if exclude_input is not None:
+        out.append(triton.InferInput("exclude_input_in_output", [1], "BOOL").set_data_from_numpy(
+            np.array([exclude_input])))
+    return out
+
+
+def text(result) -> str:
+    return result.as_numpy("text_output")[0].decode()
+
+
+async def _requests(*items: dict):
+    for item in items:
+        yield item
+
+
+async def test_health_and_metadata(client):
+    assert await client.is_server_live() and await client.is_server_ready()
+    assert await client.is_model_ready(MODEL) and not await client.is_model_ready("other")
+    meta = await client.get_model_metadata(MODEL, as_json=True)
+    assert meta["name"] == MODEL and meta["versions"] == ["1"]
+    assert {i["name"]: i["datatype"] for i in meta["inputs"]} == {
+        "text_input": "BYTES", "stream": "BOOL", "sampling_parameters": "BYTES", "exclude_input_in_output": "BOOL"}
+    assert {o["name"] for o in meta["outputs"]} == {"text_output", "finish_reason", "num_input_tokens",
+                                                    "num_output_tokens"}
+    config = (await client.get_model_config(MODEL, as_json=True))["config"]
+    assert config["model_transaction_policy"]["decoupled"] is True
+    assert (await client.get_server_metadata(as_json=True))["name"] == "pdserve"
+    with pytest.raises(InferenceServerException) as e:
+        await client.get_model_metadata("other")
+    assert "unknown model" in e.value.message()
+
+
+async def test_stream_infer_streams_deltas_and_marks_the_final_response(cluster, client):
+    ids = cluster.tokenizer.encode(" return x + 1")
+    cluster.script(ids)
+    request = {"model_name": MODEL, "request_id": "k-1",
+               "inputs": inputs("def f(x):", stream=True, sampling={"max_tokens": len(ids), "temperature": 0})}
+    results = []
+    async for result, error in client.stream_infer(_requests(request)):
+        assert error is None
+        results.append(result)
+    assert "".join(text(r) for r in results) == " return x + 1"
+    response = results[-1].get_response()
+    assert response.id == "k-1" and response.parameters["triton_final_response"].bool_param
+    assert not any(r.get_response().parameters["triton_final_response"].bool_param for r in results[:-1])
+    assert results[-1].as_numpy("finish_reason")[0] == b"length"
+    assert results[-1].as_numpy("num_output_tokens")[0] == len(ids)
+    assert results[0].as_numpy("finish_reason") is None
+    sampling = cluster.decode.requests[0].sampling
+    assert (sampling.max_tokens, sampling.temperature) == (len(ids), 0.0)
+    assert list(cluster.decode.requests[0].prompt_token_ids) == cluster.tokenizer.encode("def f(x):")
+
+
+async def test_model_infer_answers_the_whole_text_with_the_prompt_unless_excluded(cluster, client):
+    cluster.script(cluster.tokenizer.encode(" = 3"), FinishReason.FINISH_REASON_STOP)
+    result = await client.infer(MODEL, inputs("x"), parameters={"max_tokens": 7, "top_k": "5", "seed": 11})
+    assert text(result) == "x = 3" and result.as_numpy("finish_reason")[0] == b"stop"
+    sampling = cluster.decode.requests[0].sampling
+    assert (sampling.max_tokens, sampling.top_k, sampling.seed) == (7, 5, 11)
+    result = await client.infer(MODEL, inputs("x", exclude_input=True, sampling={"max_tokens": 3}))
+    assert text(result) == " = 3"
+    assert cluster.decode.requests[1].sampling.max_tokens == 3
+
+
+@pytest.mark.parametrize("build, words", [
+    (lambda: [], "'text_input'"),
+    (lambda: inputs("x", sampling={"max_tokens": 0}), "max_tokens must be >= 1"),
+    (lambda: inputs("x", sampling={"temperature": "hot"}), "not a valid float"),
+    (lambda: inputs("x", sampling={"frequency_penalty": 0.5}), "frequency_penalty=0.5 is not supported"),
+    (lambda: inputs("x", sampling={"best": 2}), "unknown sampling parameter 'best'"),
+    (lambda: inputs("x", stream=True), "needs ModelStreamInfer"),
+    (lambda: [triton.InferInput("text_input", [2], "BYTES").set_data_from_numpy(
+        np.array([b"a", b"b"], dtype=object))], "batches are not supported"),
+    (lambda: [triton.InferInput("prompt", [1], "BYTES").set_data_from_numpy(np.array([b"a"], dtype=object))],
+     "unknown input 'prompt'"),
+])
+async def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(cluster, client, build, words):
+    with pytest.raises(InferenceServerException) as e:
+        await client.infer(MODEL, build())
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and words in e.value.message()
+    assert cluster.decode.requests == []
+    cluster.script([5, 6])
+    result = await client.infer(MODEL, inputs("x", exclude_input=True, sampling={"max_tokens": 2}))
+    assert result.as_numpy("num_output_tokens")[0] == 2
+
+
+async def test_a_bad_request_on_a_stream_gets_an_error_response_and_the_stream_goes_on(cluster, client):
+    cluster.script([5, 6])
+    bad = {"model_name": MODEL, "request_id": "bad", "inputs": inputs("x", sampling={"top_p": 2})}
+    good = {"model_name": MODEL, "request_id": "good", "inputs": inputs("x", stream=True, sampling={"max_tokens": 2})}
+    got = [(r, e) async for r, e in client.stream_infer(_requests(bad, good))]
+    errors = [e for _, e in got if e is not None]
+    assert len(errors) == 1 and "INVALID_ARGUMENT: top_p must lie in (0, 1]" in errors[0].message()
+    finals = [r for r, _ in got if r is not None and r.get_response().parameters["triton_final_response"].bool_param]
+    assert [r.get_response().id for r in finals] == ["good"]
+
+
+async def test_admission_rejection_keeps_its_status(cluster, client):
+    cluster.decode.refuse = grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(InferenceServerException) as e:
+        await client.infer(MODEL, inputs("x"))
+    assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+
+
+async def test_cancelling_a_stream_cancels_the_request(cluster, client):
+    cluster.script([5, 6, 7], finish=None)
+    request = {"model_name": MODEL, "inputs": inputs("x", stream=True)}
+
+    async def requests():
+        yield request
+        await asyncio.Event().wait()  # keep the request side open
+
+    responses = client.stream_infer(requests())
+    first, error = await anext(responses)
+    assert error is None and first is not None
+    responses.cancel()
+    assert await wait_for(cluster.decode.cancelled)
+
+
+def _reflect(address: str) -> tuple[set[str], list[str], bool]:
+    with grpc.insecure_channel(address) as channel:
+        db = ProtoReflectionDescriptorDatabase(channel)
+        services = set(db.get_services())
+        methods = [m.name for m in db.FindFileContainingSymbol("inference.GRPCInferenceService").service[0].method]
+        live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(service_pb2.ServerLiveRequest(), timeout=5)
+    return services, methods, live.live
+
+
+async def test_reflection_lists_every_service(cluster):
+    # a blocking client, off the event loop the coordinator serves on
+    services, methods, live = await asyncio.to_thread(_reflect, cluster.address)
+    assert {"pdserve.v1.Generation", "inference.GRPCInferenceService", "grpc.health.v1.Health",
+            "grpc.reflection.v1alpha.ServerReflection"} <= services
+    assert {"ModelInfer", "ModelStreamInfer", "ModelMetadata", "ServerReady"} <= set(methods)
+    assert live
