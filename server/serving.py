@@ -1,15 +1,22 @@
-"""What every pdserve process shares: a grpc.aio server with health and reflection, on uvloop."""
+"""What every pdserve process shares: a grpc.aio server with health and reflection, on uvloop.
+
+`configure(tls)` once at start-up makes every server and channel of the process use TLS (mTLS when a
+CA is given); `WorkerOptions` are the flags every worker shares (registration, metrics, KV port).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from server.security import TlsConfig
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [
@@ -19,18 +26,58 @@ CHANNEL_OPTIONS = [
 
 log = logging.getLogger("pdserve")
 
+_tls: TlsConfig | None = None
 
-def new_server(service_names: list[str], port: int, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Flags every worker shares, beside its tier's config."""
+
+    coordinator: str | None = None
+    """HOST:PORT of the coordinator to register with and heartbeat (None: static, from its flags)."""
+    advertise_address: str | None = None
+    """HOST:PORT peers dial (default: --host:--port)."""
+    metrics_port: int = 0
+    kv_port: int | None = None
+    """Decode: serve KvTransfer on its own server on this port (0 picks one; None: the main port)."""
+    drain_seconds: float = 60.0
+    """On SIGTERM, how long in-flight requests may take before the worker exits anyway."""
+
+
+def configure(tls: TlsConfig | None) -> None:
+    """Every server and channel this process makes from now on uses `tls` (None or disabled: plaintext)."""
+    global _tls
+    _tls = tls if tls is not None and tls.enabled else None
+
+
+def channel_credentials() -> grpc.ChannelCredentials | None:
+    return _tls.channel_credentials() if _tls is not None else None
+
+
+def new_server(
+    service_names: list[str], port: int, host: str = "127.0.0.1", interceptors: Sequence[Any] = ()
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A server with grpc.health.v1 and reflection added; the caller adds its own servicers."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = add_port(server, port, host)
+    return server, health_servicer, bound
+
+
+def add_port(server: grpc.aio.Server, port: int, host: str = "127.0.0.1") -> int:
+    """Listens on host:port (TLS when configured); returns the bound port."""
+    address = f"{host}:{port}"
+    try:
+        bound = (server.add_secure_port(address, _tls.server_credentials()) if _tls is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError:
+        bound = 0
     if bound == 0:
         raise SystemExit(f"cannot listen on {host}:{port}: is the port in use? Choose another with --port")
-    return server, health_servicer, bound
+    return bound
 
 
 async def set_serving(health_servicer: health.aio.HealthServicer, names: list[str], serving: bool) -> None:
@@ -40,7 +87,29 @@ async def set_serving(health_servicer: health.aio.HealthServicer, names: list[st
 
 
 def channel(address: str) -> grpc.aio.Channel:
+    if _tls is not None:
+        return grpc.aio.secure_channel(address, _tls.channel_credentials(), options=CHANNEL_OPTIONS)
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+async def drain(health_servicer: health.aio.HealthServicer, names: list[str], busy: Callable[[], bool],
+                seconds: float, beat: Callable[[], Coroutine[Any, Any, None]] | None = None) -> None:
+    """SIGTERM: NOT_SERVING, tell the coordinator (one heartbeat with draining set), then wait up to
+    `seconds` for `busy()` to turn False. The caller has already made its servicers refuse new work."""
+    await set_serving(health_servicer, names, False)
+    if beat is not None:
+        try:
+            await beat()
+        except Exception as e:  # the coordinator may be gone; GetInfo reports draining too
+            log.warning("could not tell the coordinator this worker drains: %r", e)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + seconds
+    if busy():
+        log.info("draining: waiting up to %.0f s for in-flight requests", seconds)
+    while busy() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if busy():
+        log.warning("drain: in-flight requests still running after %.0f s; stopping anyway", seconds)
 
 
 def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:

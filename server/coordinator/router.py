@@ -1,8 +1,13 @@
-"""The known prefill and decode workers, their load, and which one takes the next request.
+"""The live prefill and decode pools: who is there, in what state, and who takes the next request.
 
-A refresher calls `Control.GetInfo` on every worker each `refresh_seconds`: a worker that answers is
-ready and its `info` (load, KV layout) is kept; one that does not is unready until it answers again.
-Workers come from flags today; `add` / `remove` are the seam for live registration.
+Workers join two ways: from flags (`--prefill/--decode`, static) or by calling `Registry.Register`
+(`--coordinator` on the worker), after which they heartbeat their load. A refresher also calls
+`Control.GetInfo` on every worker each `refresh_seconds`, so a killed process is noticed within one
+round. A worker's state:
+- ready: answers, and (when registered) heartbeats within `heartbeat_timeout`; takes traffic.
+- draining: said so (SIGTERM) in a heartbeat or GetInfo; takes no new work, ever again.
+- dead: GetInfo failed, a call found it unreachable, or heartbeats stopped; takes no traffic until it
+  answers again. A registered worker dead for `forget_seconds` is dropped from the pool.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -17,27 +23,58 @@ from typing import Literal
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from server.coordinator.policies import DECODE_POLICIES, PREFILL_POLICIES
 from server.serving import channel
 
 log = logging.getLogger("pdserve.coordinator")
 
 Role = Literal["prefill", "decode"]
+State = Literal["ready", "draining", "dead"]
 
 
-@dataclass
+class RegistrationRefused(Exception):
+    """The worker may not join: its model or KV layout differs from the pool's."""
+
+
+@dataclass(eq=False)
 class Worker:
     address: str
     role: Role
     info: worker_pb2.WorkerInfo | None = None
-    """The last GetInfo answer: load, KV layout, fingerprint."""
+    """The last GetInfo or heartbeat: load, KV layout, fingerprint."""
     inflight: int = 0
     """Requests this coordinator has routed to the worker and not yet finished."""
     ready: bool = False
+    """The worker answered its last GetInfo (and, when registered, heartbeats on time)."""
     channel: grpc.aio.Channel | None = field(default=None, repr=False, compare=False)
     reserved_blocks: int = 0
     """KV blocks held by requests this coordinator routed here (known before the next GetInfo)."""
     pending_tokens: int = 0
     """Prompt tokens this coordinator has sent here and not yet seen prefilled."""
+    registered: bool = False
+    draining: bool = False
+    """Sticky: a draining worker never takes new work again (it exits when done)."""
+    last_heartbeat: float = 0.0
+    last_seen: float = 0.0
+    """time.monotonic() of the last answer (GetInfo, Register or Heartbeat)."""
+    dead_since: float | None = None
+    lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+    """Set when the worker stops answering; requests waiting on it give up on it at once."""
+
+    @property
+    def state(self) -> State:
+        if not self.ready:
+            return "dead"
+        return "draining" if self.draining else "ready"
+
+    @property
+    def routable(self) -> bool:
+        return self.ready and not self.draining
+
+    @property
+    def kv_address(self) -> str:
+        """Where prefill workers push this decode worker's KV (its --kv-port server, when it has one)."""
+        return (self.info.kv_address if self.info else "") or self.address
 
     def free_kv_blocks(self) -> int:
         if not self.info:
@@ -50,9 +87,40 @@ class Worker:
         block_size = self.info.kv_layout.block_size if self.info and self.info.kv_layout.block_size else 1
         return -(-num_tokens // block_size)
 
+    def under_running_cap(self) -> bool:
+        cap = self.info.load.max_running_requests if self.info else 0
+        if not cap:
+            return True
+        load = self.info.load  # type: ignore[union-attr]
+        return max(load.running_requests + load.waiting_requests, self.inflight) < cap
+
     def queued_prefill_tokens(self) -> int:
         reported = self.info.load.queued_prefill_tokens if self.info else 0
         return max(reported, self.pending_tokens)
+
+    def set_ready(self, ready: bool, reason: str = "") -> bool:
+        """Returns whether the state changed."""
+        if ready == self.ready:
+            return False
+        self.ready = ready
+        if ready:
+            self.dead_since = None
+            self.lost = asyncio.Event()
+            log.info("%s worker %s is ready", self.role, self.address)
+        else:
+            self.dead_since = time.monotonic()
+            self.lost.set()
+            log.warning("%s worker %s is dead: %s", self.role, self.address, reason)
+        return True
+
+
+def _describe(info: worker_pb2.WorkerInfo) -> str:
+    return f"{info.fingerprint.digest[:12]} ({info.fingerprint.description or 'no description'})"
+
+
+def _layout(layout: worker_pb2.KvLayout) -> str:
+    return (f"layers={layout.num_layers} kv_heads={layout.num_kv_heads} head_dim={layout.head_dim} "
+            f"block_size={layout.block_size} dtype={layout.dtype}")
 
 
 class WorkerPool:
@@ -60,13 +128,23 @@ class WorkerPool:
         self,
         refresh_seconds: float = 0.5,
         on_change: Callable[[bool], Awaitable[None]] | None = None,
+        *,
+        heartbeat_timeout: float = 3.0,
+        forget_seconds: float = 60.0,
+        prefill_policy: str = "least-queued",
+        decode_policy: str = "most-free-blocks",
     ):
-        """on_change(serving) is awaited whenever `serving` (a ready prefill and decode worker) flips."""
+        """on_change(serving) is awaited whenever `serving` (a routable decode worker) flips."""
         self.refresh_seconds = refresh_seconds
         self.on_change = on_change
+        self.heartbeat_timeout = heartbeat_timeout
+        self.forget_seconds = forget_seconds
+        self.prefill_policy = PREFILL_POLICIES[prefill_policy]
+        self.decode_policy = DECODE_POLICIES[decode_policy]
         self.workers: dict[str, Worker] = {}
         self._serving: bool | None = None
         self._task: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
 
     # ---- membership ------------------------------------------------------------
 
@@ -80,39 +158,111 @@ class WorkerPool:
 
     async def remove(self, address: str) -> None:
         worker = self.workers.pop(address, None)
-        if worker is not None and worker.channel is not None:
-            await worker.channel.close()
+        if worker is not None:
+            worker.set_ready(False, "removed from the pool")
+            if worker.channel is not None:
+                await worker.channel.close()
         await self._notify()
+
+    def check_joins(self, info: worker_pb2.WorkerInfo) -> None:
+        """Raises RegistrationRefused when the worker's model or KV layout differs from the pool's."""
+        if info.role not in ("prefill", "decode"):
+            raise RegistrationRefused(f"role must be prefill or decode, got {info.role!r}")
+        if not info.address:
+            raise RegistrationRefused("the worker sent no address to reach it at")
+        if info.role == "decode" and not info.HasField("kv_layout"):
+            raise RegistrationRefused(f"decode worker {info.address} sent no KV layout")
+        for other in self.workers.values():
+            if other.address == info.address or other.info is None or not other.info.fingerprint.digest:
+                continue
+            if other.info.fingerprint.digest != info.fingerprint.digest:
+                raise RegistrationRefused(
+                    f"{info.role} worker {info.address} serves model {_describe(info)} but the pool serves "
+                    f"{_describe(other.info)} ({other.role} worker {other.address}): every worker must "
+                    f"serve the same checkpoint"
+                )
+            if info.role == "decode" and other.role == "decode" and other.info.kv_layout != info.kv_layout:
+                raise RegistrationRefused(
+                    f"decode worker {info.address} has KV layout [{_layout(info.kv_layout)}] but the pool has "
+                    f"[{_layout(other.info.kv_layout)}] (decode worker {other.address})"
+                )
+
+    async def register(self, info: worker_pb2.WorkerInfo) -> Worker:
+        """Adds (or revives) a worker that called Register; raises RegistrationRefused."""
+        self.check_joins(info)
+        worker = self.workers.get(info.address)
+        if worker is not None and worker.role != info.role:
+            await self.remove(info.address)
+            worker = None
+        if worker is None:
+            worker = self.add(Worker(info.address, info.role))  # type: ignore[arg-type]
+        now = time.monotonic()
+        worker.registered = True
+        worker.info, worker.last_heartbeat, worker.last_seen = info, now, now
+        worker.draining = info.draining
+        worker.set_ready(True)
+        log.info("%s worker %s registered: model %s", info.role, info.address, _describe(info))
+        await self._notify()
+        return worker
+
+    async def heartbeat(self, info: worker_pb2.WorkerInfo) -> bool:
+        """False when the worker is unknown (this coordinator restarted): it must register again."""
+        worker = self.workers.get(info.address)
+        if worker is None or not worker.registered or worker.role != info.role:
+            return False
+        now = time.monotonic()
+        worker.info, worker.last_heartbeat, worker.last_seen = info, now, now
+        if info.draining and not worker.draining:
+            log.info("%s worker %s is draining", worker.role, worker.address)
+        worker.draining = worker.draining or info.draining
+        if not worker.ready:
+            worker.set_ready(True)
+        await self._notify()
+        return True
 
     # ---- routing ---------------------------------------------------------------
 
     def ready(self, role: Role) -> list[Worker]:
-        return [w for w in self.workers.values() if w.role == role and w.ready]
+        """The workers of a tier that take new work (ready, not draining)."""
+        return [w for w in self.workers.values() if w.role == role and w.routable]
 
-    def pick_decode(self) -> Worker | None:
-        """Most free KV blocks, then fewest in-flight requests."""
-        return min(self.ready("decode"), key=lambda w: (-w.free_kv_blocks(), w.inflight), default=None)
+    def pick_decode(self, tokens: int = 0) -> Worker | None:
+        """A decode worker with room for a request whose KV holds `tokens`, by the decode policy."""
+        return self.decode_policy(self.ready("decode"), tokens)
 
     def pick_prefill(self) -> Worker | None:
-        """Fewest queued prefill tokens, then fewest in-flight requests."""
-        return min(self.ready("prefill"), key=lambda w: (w.queued_prefill_tokens(), w.inflight), default=None)
+        return self.prefill_policy(self.ready("prefill"))
 
     @property
     def serving(self) -> bool:
-        return bool(self.ready("prefill")) and bool(self.ready("decode"))
+        """A decode worker takes work (without a prefill worker, it prefills locally)."""
+        return bool(self.ready("decode"))
 
     async def mark_failed(self, worker: Worker, reason: str) -> None:
-        """A call to the worker found it unreachable: route around it until GetInfo succeeds again."""
-        if worker.ready:
-            log.warning("%s worker %s is unready: %s", worker.role, worker.address, reason)
-            worker.ready = False
+        """A call to the worker found it unreachable: route around it until it answers again."""
+        if worker.set_ready(False, reason):
             await self._notify()
+
+    async def changed(self, timeout: float) -> None:
+        """Returns when the pool's state or load changes, or after `timeout` seconds."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._changed.wait()), timeout)
+
+    def poke(self) -> None:
+        """Wakes everyone waiting in `changed` (a request finished, so capacity freed)."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     # ---- refresh ---------------------------------------------------------------
 
     async def refresh(self) -> None:
-        """One GetInfo round over every worker, then a health update."""
+        """One GetInfo round over every worker, the heartbeat deadlines, then a health update."""
         await asyncio.gather(*(self._refresh_one(w) for w in list(self.workers.values())))
+        now = time.monotonic()
+        for worker in list(self.workers.values()):
+            if worker.registered and worker.dead_since is not None and now - worker.dead_since > self.forget_seconds:
+                log.info("%s worker %s forgotten after %.0f s dead", worker.role, worker.address, self.forget_seconds)
+                await self.remove(worker.address)
         await self._notify()
 
     async def _refresh_one(self, worker: Worker) -> None:
@@ -121,29 +271,30 @@ class WorkerPool:
         try:
             info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=max(1.0, 2 * self.refresh_seconds))
         except grpc.aio.AioRpcError as e:
-            if worker.ready:
-                log.warning(
-                    "%s worker %s is unready: %s %s", worker.role, worker.address, e.code().name, e.details()
-                )
-            worker.ready = False
+            worker.set_ready(False, f"GetInfo: {e.code().name} {e.details()}")
             return
         if info.role and info.role != worker.role:
             if worker.ready or worker.info is None:
-                log.error(
-                    "worker %s was given as %s but says it is %s", worker.address, worker.role, info.role
-                )
-            worker.info, worker.ready = info, False
+                log.error("worker %s was given as %s but says it is %s", worker.address, worker.role, info.role)
+            worker.info = info
+            worker.set_ready(False, f"it says it is a {info.role} worker")
             return
         if worker.role == "decode" and not info.HasField("kv_layout"):
-            if worker.ready or worker.info is None:
-                log.error("decode worker %s reports no KV layout: cannot route to it", worker.address)
-            worker.info, worker.ready = info, False
+            worker.info = info
+            worker.set_ready(False, "it reports no KV layout: cannot route to it")
             return
-        if not worker.ready:
-            log.info("%s worker %s is ready", worker.role, worker.address)
-        worker.info, worker.ready = info, True
+        now = time.monotonic()
+        if worker.registered and now - worker.last_heartbeat > self.heartbeat_timeout:
+            worker.set_ready(False, f"no heartbeat for {now - worker.last_heartbeat:.1f} s")
+            return
+        if info.draining and not worker.draining:
+            log.info("%s worker %s is draining", worker.role, worker.address)
+        worker.draining = worker.draining or info.draining
+        worker.info, worker.last_seen = info, now
+        worker.set_ready(True)
 
     async def _notify(self) -> None:
+        self.poke()
         serving = self.serving
         if serving != self._serving:
             self._serving = serving

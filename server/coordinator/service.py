@@ -1,16 +1,22 @@
 """pdserve.v1.Generation: one request's life in the coordinator.
 
-1. Validate and tokenize (`validate.py`); the workers get every sampling default explicitly.
-2. Pick a decode worker D (most free KV blocks) and a prefill worker P (least queued) (`router.py`).
+1. Validate and tokenize (`validate.py`); the workers get every sampling default explicitly. One
+   deadline (the client's, or `default_timeout`) bounds everything after this.
+2. Admission (`admission.py`): a decode worker D with room (by the decode policy), else wait in the
+   decode queue; a prefill worker P (least queued), else wait in the prefill queue. No prefill worker
+   alive: D prefills the prompt itself (a fallback, counted).
 3. Open `D.Decode`, a stream: its first message, `reserved`, means D holds blocks for the request
    under a lease. A refusal before it (RESOURCE_EXHAUSTED, ...) goes to the client as it is.
-4. Call `P.Prefill` with D as the KV target and the request's transfer token. P returns the first
-   token at once; it goes to the client before the KV reaches D (P pushes it to D itself).
+4. Call `P.Prefill` with D's KV endpoint as the target and the attempt's transfer token. P returns the
+   first token at once; it goes to the client before the KV reaches D (P pushes it to D itself).
 5. Read D's stream: `tokens` are the ids after the first; `finished` ends it. The ids are
    detokenized incrementally and cut at the first stop string (then D's call is cancelled, which
    frees its blocks). The last message carries finish_reason and usage.
-6. Client cancel, deadline or error: both worker calls are cancelled, so both workers free everything.
-   A worker failing mid-stream ends the call with UNAVAILABLE naming it (retries: a later seam).
+6. Failures. P dies or fails before the KV arrives: the attempt is retried (attempt + 1, a fresh
+   transfer token, so the dead attempt's chunks are refused) on another P. D dies mid-stream: the
+   request migrates: prompt + the tokens already sent are prefilled again on a live pair, whose
+   first token is the next one, so nothing is lost or repeated (at most `max_migrations` times).
+7. Client cancel, deadline or error: both worker calls are cancelled, so both workers free everything.
 """
 
 from __future__ import annotations
@@ -19,11 +25,15 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import grpc
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from server import logs, metrics
+from server.coordinator.admission import Deadline, RequestFailed, TierQueue
 from server.coordinator.detokenizer import Completion
 from server.coordinator.router import Worker, WorkerPool
 from server.coordinator.validate import InvalidRequest, Limits, ValidRequest, validate
@@ -31,7 +41,14 @@ from server.model.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.coordinator")
 
+__all__ = ["GenerationService", "InvalidRequest", "RequestFailed"]
+
 FinishReason = generation_pb2.FinishReason
+FINISH_NAMES = {
+    FinishReason.FINISH_REASON_STOP: "stop",
+    FinishReason.FINISH_REASON_LENGTH: "length",
+    FinishReason.FINISH_REASON_ABORT: "abort",
+}
 TRANSFER_TOKEN_BYTES = 16
 LONG_TEXT_CHARS = 16_384
 """Text prompts longer than this are tokenized off the event loop."""
@@ -41,22 +58,60 @@ _FORWARDED_METADATA = ("retry-after-ms",)
 """A refusing worker's hints that reach the client (as trailing metadata)."""
 
 
-class RequestFailed(Exception):
-    """Ends the client's call with this status."""
+class _Lost(Exception):
+    """A worker died or failed this attempt in a way another attempt can recover from."""
 
-    def __init__(self, code: grpc.StatusCode, details: str, metadata: tuple[tuple[str, str], ...] = ()):
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-        self.metadata = metadata
+    def __init__(self, worker: Worker, message: str):
+        super().__init__(message)
+        self.worker = worker
+        self.message = message
+
+
+@dataclass
+class _Request:
+    """One client request across its attempts."""
+
+    req: ValidRequest
+    deadline: Deadline
+    worker_request_id: str
+    outputs: list[int] = field(default_factory=list)
+    """Every token id sent on to the client so far (a migration continues after them)."""
+    attempt: int = 0
+    retries: int = 0
+    migrations: int = 0
+    last_failure: str = ""
+    """Why the previous attempt was lost."""
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker_request_id if self.attempt == 0 else f"{self.worker_request_id}.a{self.attempt}"
 
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer: Tokenizer, limits: Limits, pool: WorkerPool, lease_seconds: float):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        limits: Limits,
+        pool: WorkerPool,
+        lease_seconds: float,
+        *,
+        default_timeout: float = 600.0,
+        max_queue: int = 256,
+        max_migrations: int = 2,
+        max_retries: int = 3,
+        prefill_inflight_per_worker: int = 64,
+    ):
         self.tokenizer = tokenizer
         self.limits = limits
         self.pool = pool
         self.lease_seconds = lease_seconds
+        self.default_timeout = default_timeout
+        self.max_migrations = max_migrations
+        self.max_retries = max_retries
+        self.prefill_inflight_per_worker = prefill_inflight_per_worker
+        self.decode_queue = TierQueue("decode", max_queue)
+        self.prefill_queue = TierQueue("prefill", max_queue)
+        self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -73,7 +128,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 async for response in responses:
                     await context.write(response)
         except RequestFailed as e:
-            log.warning("request %s failed: %s", valid.request_id, e)
             await context.abort(e.code, e.details, e.metadata)
 
     async def stream(
@@ -90,164 +144,282 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 yield response
 
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidRequest:
-        if len(request.text) > LONG_TEXT_CHARS:
-            return await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
-        return validate(request, self.tokenizer, self.limits)
+        try:
+            if len(request.text) > LONG_TEXT_CHARS:
+                return await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
+            return validate(request, self.tokenizer, self.limits)
+        except InvalidRequest:
+            metrics.request_failure.labels(grpc.StatusCode.INVALID_ARGUMENT.name).inc()
+            raise
+
+    # ---- one request, across attempts ---------------------------------------------------
 
     async def _generate(
         self, req: ValidRequest, timeout: float | None
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        decode, prefill = self.pool.pick_decode(), self.pool.pick_prefill()
-        if decode is None or prefill is None:
-            missing = "decode" if decode is None else "prefill"
-            raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready {missing} worker")
-        attempt = 0  # retries and migration will count attempts up
+        logs.request_id.set(req.request_id)
+        arrived = time.monotonic()
         # Workers key requests by this id; clients may reuse theirs, so make it unique here.
-        worker_request_id = f"{req.request_id}.{secrets.token_hex(4)}"
-        transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)
+        r = _Request(req, Deadline.after(timeout if timeout is not None else self.default_timeout),
+                     f"{req.request_id}.{secrets.token_hex(4)}")
         completion = Completion(self.tokenizer, req.prompt_ids, list(req.sampling.stop))
+        metrics.prompt_tokens.inc(len(req.prompt_ids))
+        last_token_at: float | None = None
+        outcome = "abort"  # a client cancel ends the generator without either of the others
+        try:
+            while True:
+                reason = self._already_finished(r)
+                if reason is not None:
+                    outcome = FINISH_NAMES[reason]
+                    yield _response(req, completion, [], completion.finish(), reason)
+                    return
+                try:
+                    async with contextlib.aclosing(self._attempt(r)) as events:
+                        async for kind, value in events:
+                            if kind == "finished":
+                                text = completion.finish()
+                                reason = FinishReason.FINISH_REASON_STOP if completion.stopped else value
+                                outcome = FINISH_NAMES.get(reason, "stop")
+                                yield _response(req, completion, [], text, reason)
+                                return
+                            now = time.monotonic()
+                            if last_token_at is None:
+                                metrics.time_to_first_token.observe(now - arrived)
+                            else:
+                                for _ in value:
+                                    metrics.inter_token_latency.observe((now - last_token_at) / len(value))
+                            last_token_at = now
+                            r.outputs.extend(value)
+                            metrics.generation_tokens.inc(len(value))
+                            ids, text = completion.add(value)
+                            if completion.stopped:
+                                outcome = "stop"
+                                yield _response(req, completion, ids, text, FinishReason.FINISH_REASON_STOP)
+                                return
+                            if ids or text:
+                                yield _response(req, completion, ids, text)
+                except _Lost as lost:
+                    self._count_recovery(r, lost)
+                    r.attempt += 1
+                    r.last_failure = lost.message
+                    log.warning("request %s attempt %d: %s; retrying as attempt %d with %d tokens already sent",
+                                req.request_id, r.attempt - 1, lost.message, r.attempt, len(r.outputs))
+        except RequestFailed as e:
+            outcome = e.code.name
+            log.warning("request %s failed: %s", req.request_id, e)
+            raise
+        finally:
+            if outcome.isupper():
+                metrics.request_failure.labels(outcome).inc()
+            else:
+                metrics.request_success.labels(outcome).inc()
+                metrics.e2e_request_latency.observe(time.monotonic() - arrived)
+
+    def _already_finished(self, r: _Request) -> int | None:
+        """After a migration: the outputs already sent may have ended the request."""
+        if not r.outputs:
+            return None
+        s = r.req.sampling
+        last = r.outputs[-1]
+        if (last in self.eos_ids and not s.ignore_eos) or last in s.stop_token_ids:
+            return FinishReason.FINISH_REASON_STOP
+        if len(r.outputs) >= s.max_tokens or len(r.req.prompt_ids) + len(r.outputs) >= self.limits.max_model_len:
+            return FinishReason.FINISH_REASON_LENGTH
+        return None
+
+    def _count_recovery(self, r: _Request, lost: _Lost) -> None:
+        """Raises RequestFailed once the request has used up its retries or migrations."""
+        r.deadline.check()  # an expired deadline is never retried
+        migrating = lost.worker.role == "decode" and bool(r.outputs)
+        if migrating:
+            r.migrations += 1
+            if r.migrations > self.max_migrations:
+                raise RequestFailed(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{lost.message}; the request already migrated {self.max_migrations} times (--max-migrations)",
+                )
+            metrics.migrations.inc()
+        else:
+            r.retries += 1
+            if r.retries > self.max_retries:
+                raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{lost.message}; gave up after {self.max_retries} retries")
+            if lost.worker.role == "prefill":
+                metrics.prefill_retries.inc()
+
+    # ---- one attempt: a decode worker, a prefill worker (or none), one stream ------------
+
+    async def _attempt(self, r: _Request) -> AsyncIterator[tuple[str, list[int] | int]]:
+        """Yields ("tokens", ids) events, then ("finished", reason); raises _Lost or RequestFailed."""
+        req, deadline = r.req, r.deadline
+        prompt = [*req.prompt_ids, *r.outputs]
+        kv_tokens = len(prompt) + req.sampling.max_tokens - len(r.outputs) - 1
+        if not self.pool.ready("decode"):
+            raise self._no_worker_left(r, "decode")
+        queued_at = time.monotonic()
+        decode = await self.decode_queue.acquire(self.pool, lambda: self.pool.pick_decode(kv_tokens), deadline)
+        prefill = None
+        if self.pool.ready("prefill"):
+            prefill = await self.prefill_queue.acquire(self.pool, self._pick_prefill, deadline)
+        if r.attempt == 0:
+            metrics.request_queue_time.observe(time.monotonic() - queued_at)
+        transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)
         assert decode.channel is not None
-        decode_call = worker_pb2_grpc.DecodeStub(decode.channel).Decode(
+        call = worker_pb2_grpc.DecodeStub(decode.channel).Decode(
             worker_pb2.DecodeRequest(
-                request_id=worker_request_id,
-                attempt=attempt,
-                prompt_token_ids=req.prompt_ids,
+                request_id=r.worker_id,
+                attempt=r.attempt,
+                prompt_token_ids=prompt,
                 sampling=req.sampling,
                 transfer_token=transfer_token,
-                lease_seconds=self.lease_seconds,
-                num_output_tokens=0,
+                lease_seconds=self.lease_seconds,  # the call's deadline also frees the blocks
+                num_output_tokens=len(r.outputs),
+                local_prefill=prefill is None,
             ),
-            timeout=timeout,
+            timeout=deadline.check(),
         )
         decode.inflight += 1
         # Count the blocks now, so requests routed before the next GetInfo see them taken.
-        reserved = decode.blocks_for(len(req.prompt_ids) + req.sampling.max_tokens - 1)
+        reserved = decode.blocks_for(kv_tokens)
         decode.reserved_blocks += reserved
+        metrics.num_requests_running.inc()
         try:
-            await self._read_reserved(decode, decode_call)
-            first = await self._prefill(prefill, decode, req, worker_request_id, attempt, transfer_token, timeout)
-            ids, text = completion.add([first])
-            if completion.stopped:
-                yield _response(req, completion, ids, text, FinishReason.FINISH_REASON_STOP)
-                return
-            yield _response(req, completion, ids, text)
-
+            await self._read_reserved(decode, call, r)
+            if prefill is None:
+                metrics.local_prefill_fallbacks.inc()
+                log.info("request %s: no prefill worker alive; decode worker %s prefills it", req.request_id,
+                         decode.address)
+            else:
+                first = await self._prefill(prefill, decode, r, prompt, transfer_token)
+                yield "tokens", [first]
+                message = await self._first_decode_event(decode, call, prefill, r)
+                yield _event(message)
             while True:
-                message = await self._read_decode(decode, decode_call)
-                if message.WhichOneof("event") == "tokens":
-                    ids, text = completion.add(list(message.tokens.token_ids))
-                    if completion.stopped:
-                        decode_call.cancel()  # frees the decode worker's blocks now
-                        yield _response(req, completion, ids, text, FinishReason.FINISH_REASON_STOP)
-                        return
-                    if ids or text:
-                        yield _response(req, completion, ids, text)
-                elif message.WhichOneof("event") == "finished":
-                    reason = self._finish_reason(decode, message.finished)
-                    text = completion.finish()
-                    if completion.stopped:
-                        reason = FinishReason.FINISH_REASON_STOP
-                    yield _response(req, completion, [], text, reason)
+                message = await self._read_decode(decode, call, r)
+                yield _event(message)
+                if message.WhichOneof("event") == "finished":
                     # The worker ends its stream right after `finished`: wait briefly for that, so
                     # the call completes rather than being cancelled.
                     with contextlib.suppress(TimeoutError, grpc.aio.AioRpcError):
-                        await asyncio.wait_for(decode_call.read(), 1.0)
+                        await asyncio.wait_for(call.read(), 1.0)
                     return
         finally:
+            metrics.num_requests_running.dec()
             decode.inflight -= 1
             decode.reserved_blocks -= reserved
-            if not decode_call.done():
-                decode_call.cancel()
+            if not call.done():
+                call.cancel()  # frees the decode worker's blocks now
+            self.pool.poke()
+
+    def _pick_prefill(self) -> Worker | None:
+        room = [w for w in self.pool.ready("prefill") if w.inflight < self.prefill_inflight_per_worker]
+        return self.pool.prefill_policy(room)
+
+    def _no_worker_left(self, r: _Request, role: str) -> RequestFailed:
+        if r.last_failure:
+            return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{r.last_failure}; no ready {role} worker to continue on")
+        return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready {role} worker")
 
     async def _prefill(
-        self,
-        prefill: Worker,
-        decode: Worker,
-        req: ValidRequest,
-        worker_request_id: str,
-        attempt: int,
-        transfer_token: bytes,
-        timeout: float | None,
+        self, prefill: Worker, decode: Worker, r: _Request, prompt: list[int], transfer_token: bytes
     ) -> int:
         """The first token; the prefill worker then pushes the KV to the decode worker itself."""
         assert prefill.channel is not None and decode.info is not None
         call = worker_pb2_grpc.PrefillStub(prefill.channel).Prefill(
             worker_pb2.PrefillRequest(
-                request_id=worker_request_id,
-                attempt=attempt,
-                token_ids=req.prompt_ids,
-                sampling=req.sampling,
-                target=worker_pb2.KvTarget(address=decode.address, layout=decode.info.kv_layout),
+                request_id=r.worker_id,
+                attempt=r.attempt,
+                token_ids=prompt,
+                sampling=r.req.sampling,
+                target=worker_pb2.KvTarget(address=decode.kv_address, layout=decode.info.kv_layout),
                 transfer_token=transfer_token,
-                sample_index=0,
+                sample_index=len(r.outputs),
             ),
-            timeout=timeout,
+            timeout=r.deadline.check(),
         )
         prefill.inflight += 1
-        prefill.pending_tokens += len(req.prompt_ids)
+        prefill.pending_tokens += len(prompt)
         try:
             return (await call).first_token_id
         except grpc.aio.AioRpcError as e:
-            raise await self._refused(prefill, e) from e
+            raise await self._refused(prefill, e, r) from e
         finally:
             prefill.inflight -= 1
-            prefill.pending_tokens -= len(req.prompt_ids)
+            prefill.pending_tokens -= len(prompt)
             if not call.done():
                 call.cancel()
 
-    async def _read_decode(self, decode: Worker, call: grpc.aio.UnaryStreamCall) -> worker_pb2.DecodeResponse:
-        """The next `tokens` or `finished` event after `reserved`."""
+    async def _first_decode_event(
+        self, decode: Worker, call: grpc.aio.UnaryStreamCall, prefill: Worker, r: _Request
+    ) -> worker_pb2.DecodeResponse:
+        """D's first event after the prefill answered: it means the KV arrived. Should P die before
+        that, the attempt is lost at once (D would otherwise wait out its lease)."""
+        read = asyncio.ensure_future(self._read_decode(decode, call, r, kv_from=prefill))
+        lost = asyncio.ensure_future(prefill.lost.wait())
+        try:
+            await asyncio.wait({read, lost}, timeout=r.deadline.check(), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError, _Lost, RequestFailed):
+                    await read
+        if read.done() and not read.cancelled():
+            return read.result()
+        if lost.done() and not lost.cancelled():
+            raise _Lost(prefill, f"prefill worker {prefill.address} died before its KV reached decode worker "
+                                 f"{decode.address}")
+        r.deadline.check()
+        raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded waiting for the KV")
+
+    async def _read_decode(
+        self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request, kv_from: Worker | None = None
+    ) -> worker_pb2.DecodeResponse:
+        """The next `tokens` or `finished` event after `reserved`. `kv_from`: the KV has not arrived
+        yet, so a failed transfer is the prefill worker's failure."""
         try:
             message = await call.read()
         except grpc.aio.AioRpcError as e:
-            raise await self._failed_mid_stream(decode, e) from e
+            if kv_from is not None and e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
+                if e.code() == grpc.StatusCode.ABORTED or not r.deadline.expired:
+                    raise _Lost(kv_from, f"the KV from prefill worker {kv_from.address} never reached decode "
+                                         f"worker {decode.address}: {e.details()}") from e
+            raise await self._failed_mid_stream(decode, e, r) from e
         if message is grpc.aio.EOF:
-            raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE,
-                f"decode worker {decode.address} ended the stream without finishing the request",
-            )
+            raise _Lost(decode, f"decode worker {decode.address} ended the stream without finishing the request")
         if message.WhichOneof("event") not in ("tokens", "finished"):
             raise RequestFailed(
                 grpc.StatusCode.INTERNAL,
                 f"decode worker {decode.address} sent {message.WhichOneof('event')!r} mid-stream",
             )
+        if message.WhichOneof("event") == "finished":
+            self._check_finished(decode, message.finished)
         return message
 
     @staticmethod
-    def _finish_reason(decode: Worker, finished: worker_pb2.Finished) -> int:
+    def _check_finished(decode: Worker, finished: worker_pb2.Finished) -> None:
         if finished.reason == FinishReason.FINISH_REASON_ERROR:
-            raise RequestFailed(
-                grpc.StatusCode.INTERNAL, f"decode worker {decode.address}: {finished.message}"
-            )
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address}: {finished.message}")
         if finished.reason == FinishReason.FINISH_REASON_UNSPECIFIED:
-            raise RequestFailed(
-                grpc.StatusCode.INTERNAL, f"decode worker {decode.address} finished without a reason"
-            )
-        return finished.reason
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} finished without a reason")
 
-    async def _read_reserved(self, decode: Worker, call: grpc.aio.UnaryStreamCall) -> None:
+    async def _read_reserved(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request) -> None:
         try:
             message = await call.read()
         except grpc.aio.AioRpcError as e:
-            raise await self._refused(decode, e) from e
+            raise await self._refused(decode, e, r) from e
         if message is grpc.aio.EOF:
-            raise RequestFailed(
-                grpc.StatusCode.UNAVAILABLE,
-                f"decode worker {decode.address} ended the stream before reserving",
-            )
+            raise _Lost(decode, f"decode worker {decode.address} ended the stream before reserving")
         event = message.WhichOneof("event")
         if event == "reserved":
             return
         if event == "finished" and message.finished.reason == FinishReason.FINISH_REASON_ERROR:
-            raise RequestFailed(
-                grpc.StatusCode.INTERNAL, f"decode worker {decode.address}: {message.finished.message}"
-            )
-        raise RequestFailed(
-            grpc.StatusCode.INTERNAL, f"decode worker {decode.address} sent {event!r} before 'reserved'"
-        )
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address}: {message.finished.message}")
+        raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} sent {event!r} before 'reserved'")
 
-    async def _refused(self, worker: Worker, e: grpc.aio.AioRpcError) -> RequestFailed:
+    async def _refused(self, worker: Worker, e: grpc.aio.AioRpcError, r: _Request) -> Exception:
         """A worker call failed before any output: the client gets its status, unless the worker is gone."""
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RequestFailed(e.code(), e.details() or "deadline exceeded")
         if e.code() not in _WORKER_GONE:
             hints = [*(e.initial_metadata() or ()), *(e.trailing_metadata() or ())]
             return RequestFailed(
@@ -257,18 +429,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         return await self._gone(worker, e)
 
-    async def _failed_mid_stream(self, worker: Worker, e: grpc.aio.AioRpcError) -> RequestFailed:
+    async def _failed_mid_stream(self, worker: Worker, e: grpc.aio.AioRpcError, r: _Request) -> Exception:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
             return RequestFailed(e.code(), e.details() or "deadline exceeded")
+        if e.code() not in _WORKER_GONE:
+            return RequestFailed(e.code(), f"decode worker {worker.address}: {e.details()}")
         return await self._gone(worker, e)
 
-    async def _gone(self, worker: Worker, e: grpc.aio.AioRpcError) -> RequestFailed:
+    async def _gone(self, worker: Worker, e: grpc.aio.AioRpcError) -> _Lost:
         if e.code() == grpc.StatusCode.UNAVAILABLE:
             await self.pool.mark_failed(worker, e.details() or "")
-        return RequestFailed(
-            grpc.StatusCode.UNAVAILABLE,
-            f"{worker.role} worker {worker.address} failed: {e.code().name}: {e.details()}",
-        )
+        return _Lost(worker, f"{worker.role} worker {worker.address} failed: {e.code().name}: {e.details()}")
+
+
+def _event(message: worker_pb2.DecodeResponse) -> tuple[str, list[int] | int]:
+    if message.WhichOneof("event") == "tokens":
+        return "tokens", list(message.tokens.token_ids)
+    return "finished", message.finished.reason
 
 
 def _response(

@@ -423,5 +423,8 @@ async def test_routing_prefers_free_blocks_then_idle_decode_and_least_queued_pre
     p2.pending_tokens = 20
     assert p2.queued_prefill_tokens() == 20 and pool.pick_prefill() is p2  # p1 still queues 100
     p2.ready, p1.ready = False, False
-    assert pool.pick_prefill() is None and not pool.serving
+    assert pool.pick_prefill() is None
+    assert pool.serving  # decode workers prefill locally when no prefill worker is alive
+    d1.ready, d2.ready = False, False
+    assert pool.pick_decode() is None and not pool.serving
     await pool.close()

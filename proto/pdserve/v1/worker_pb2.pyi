@@ -58,7 +58,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "attempt", "prompt_token_ids", "sampling", "transfer_token", "lease_seconds", "num_output_tokens")
+    __slots__ = ("request_id", "attempt", "prompt_token_ids", "sampling", "transfer_token", "lease_seconds", "num_output_tokens", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class DecodeRequest(_message.Message):
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -73,7 +74,8 @@ class DecodeRequest(_message.Message):
     transfer_token: bytes
     lease_seconds: float
     num_output_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("num_blocks",)
@@ -190,31 +192,89 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queued_prefill_tokens", "running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks")
+    __slots__ = ("queued_prefill_tokens", "running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "max_running_requests")
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     queued_prefill_tokens: int
     running_requests: int
     waiting_requests: int
     free_kv_blocks: int
     total_kv_blocks: int
-    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ...) -> None: ...
+    max_running_requests: int
+    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len")
+    __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len", "draining", "kv_address")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     fingerprint: ModelFingerprint
     kv_layout: KvLayout
     load: WorkerLoad
     max_model_len: int
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    draining: bool
+    kv_address: str
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_address: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("heartbeat_seconds",)
+    HEARTBEAT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_seconds: float
+    def __init__(self, heartbeat_seconds: _Optional[float] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class ListWorkersRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerStatus(_message.Message):
+    __slots__ = ("info", "state", "registered", "seconds_since_seen", "inflight", "role", "address")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_SEEN_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    info: WorkerInfo
+    state: str
+    registered: bool
+    seconds_since_seen: float
+    inflight: int
+    role: str
+    address: str
+    def __init__(self, info: _Optional[_Union[WorkerInfo, _Mapping]] = ..., state: _Optional[str] = ..., registered: _Optional[bool] = ..., seconds_since_seen: _Optional[float] = ..., inflight: _Optional[int] = ..., role: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
+
+class ListWorkersResponse(_message.Message):
+    __slots__ = ("workers",)
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
+    def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...

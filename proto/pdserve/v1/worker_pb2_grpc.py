@@ -382,3 +382,170 @@ class Control:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class RegistryStub:
+    """---- Registry (served by the coordinator) -------------------------------------
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Register = channel.unary_unary(
+                '/pdserve.v1.Registry/Register',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.RegisterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.RegisterResponse.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/pdserve.v1.Registry/Heartbeat',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
+                _registered_method=True)
+        self.ListWorkers = channel.unary_unary(
+                '/pdserve.v1.Registry/ListWorkers',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ListWorkersResponse.FromString,
+                _registered_method=True)
+
+
+class RegistryServicer:
+    """---- Registry (served by the coordinator) -------------------------------------
+
+    """
+
+    def Register(self, request, context):
+        """A worker joins its pool; FAILED_PRECONDITION when its model or KV layout differs from the pool's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Every heartbeat_seconds: the worker's load and whether it drains. Missed heartbeats: dead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWorkers(self, request, context):
+        """Every worker the coordinator knows, with its state (for `pdserve status`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_RegistryServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Register': grpc.unary_unary_rpc_method_handler(
+                    servicer.Register,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.RegisterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.RegisterResponse.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'ListWorkers': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWorkers,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ListWorkersRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ListWorkersResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.Registry', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.Registry', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Registry:
+    """---- Registry (served by the coordinator) -------------------------------------
+
+    """
+
+    @staticmethod
+    def Register(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/Register',
+            pdserve_dot_v1_dot_worker__pb2.RegisterRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.RegisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/Heartbeat',
+            pdserve_dot_v1_dot_worker__pb2.HeartbeatRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWorkers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/ListWorkers',
+            pdserve_dot_v1_dot_worker__pb2.ListWorkersRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ListWorkersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
