@@ -11,13 +11,10 @@ from pathlib import Path
 DEFAULT_FAMILY = "llama"
 
 
-def _setup_logging() -> None:
-    name = os.environ.get("PDSERVE_PROCESS", "pdserve")
-    logging.basicConfig(
-        level=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"),
-        format=f"%(asctime)s %(levelname)s {name} %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _setup_logging(log_format: str = "text") -> None:
+    from server.logs import setup_logging
+
+    setup_logging(log_format)  # type: ignore[arg-type]
 
 
 def default_model_dir() -> Path:
@@ -42,6 +39,47 @@ def _model_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
 def _server_args(p: argparse.ArgumentParser, port: int) -> None:
     p.add_argument("--port", type=int, default=port)
     p.add_argument("--host", default="127.0.0.1")
+
+
+def _common_args(p: argparse.ArgumentParser) -> None:
+    """Flags every server role takes: metrics, TLS, log format."""
+    p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus /metrics on this port (0: off)")
+    p.add_argument("--tls-cert", type=Path, help="this process's certificate (PEM): TLS on every gRPC link")
+    p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
+    p.add_argument("--tls-ca", type=Path, help="the CA to trust (PEM); servers then require client certs (mTLS)")
+    p.add_argument("--log-format", choices=["text", "json"], default="text")
+
+
+def _worker_args(p: argparse.ArgumentParser) -> None:
+    _common_args(p)
+    p.add_argument("--coordinator", metavar="HOST:PORT", help="register with this coordinator and heartbeat")
+    p.add_argument("--advertise-address", metavar="HOST:PORT", help="the address peers dial (default HOST:PORT)")
+    p.add_argument("--drain-seconds", type=float, default=60.0,
+                   help="on SIGTERM, how long in-flight requests may take before the worker exits")
+
+
+def _client_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-ca", type=Path, help="the CA that signed the server's certificate (PEM): use TLS")
+    p.add_argument("--tls-cert", type=Path, help="a client certificate (PEM), for mTLS")
+    p.add_argument("--tls-key", type=Path, help="the client certificate's key (PEM)")
+
+
+def _configure_tls(args) -> None:
+    from server import serving
+    from server.security import TlsConfig
+
+    try:
+        serving.configure(TlsConfig(args.tls_cert, args.tls_key, args.tls_ca))
+    except ValueError as e:
+        raise SystemExit(f"pdserve: {e}")
+
+
+def _worker_options(args, kv_port: int | None = None):
+    from server.serving import WorkerOptions
+
+    _configure_tls(args)
+    return WorkerOptions(coordinator=args.coordinator, advertise_address=args.advertise_address,
+                         metrics_port=args.metrics_port, kv_port=kv_port, drain_seconds=args.drain_seconds)
 
 
 def _check_model(model_dir: Path) -> None:
@@ -106,6 +144,15 @@ def cmd_coordinator(args) -> int:
     config = CoordinatorConfig(model_dir=args.model, port=args.port, host=args.host,
                                prefill_addresses=args.prefill, decode_addresses=args.decode,
                                http_port=args.http_port)
+    _configure_tls(args)
+    from dataclasses import replace
+
+    from server.security import resolve_api_key
+
+    config = replace(config, api_key=resolve_api_key(args.api_key), metrics_port=args.metrics_port,
+                     max_queue=args.max_queue, default_timeout=args.default_timeout,
+                     prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+                     heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations)
     serving.run(lambda: serve(config))
     return 0
 
@@ -118,7 +165,8 @@ def cmd_prefill(args) -> int:
     _check_model(args.model)
     config = PrefillConfig(model_dir=args.model, port=args.port, host=args.host,
                            max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype)
-    serving.run(lambda: serve(config))
+    options = _worker_options(args)
+    serving.run(lambda: serve(config, options))
     return 0
 
 
@@ -131,7 +179,8 @@ def cmd_decode(args) -> int:
     config = DecodeConfig(model_dir=args.model, port=args.port, host=args.host, block_size=args.block_size,
                           kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running,
                           weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads)
-    serving.run(lambda: serve(config))
+    options = _worker_options(args, kv_port=args.kv_port)
+    serving.run(lambda: serve(config, options))
     return 0
 
 
@@ -142,7 +191,25 @@ def cmd_generate(args) -> int:
     request = build_request(prompt=args.prompt, token_ids=ids, max_tokens=args.max_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=args.stop or [], ignore_eos=args.ignore_eos)
-    return run_generate(args.addr, request, args.json, timeout=args.timeout)
+    from server.security import resolve_api_key
+
+    return run_generate(args.addr, request, args.json, timeout=args.timeout, api_key=resolve_api_key(args.api_key),
+                        tls=_client_tls(args))
+
+
+def _client_tls(args):
+    from server.security import TlsConfig
+
+    try:
+        return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca)
+    except ValueError as e:
+        raise SystemExit(f"pdserve: {e}")
+
+
+def cmd_status(args) -> int:
+    from server.client import run_status
+
+    return run_status(args.addr, args.json, _client_tls(args))
 
 
 def cmd_make_tiny_model(args) -> int:
@@ -196,6 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker")
     p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker")
     p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
+    _common_args(p)
+    p.add_argument("--api-key", help="require 'authorization: Bearer KEY' on the public API (or $PDSERVE_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait per tier; more: RESOURCE_EXHAUSTED")
+    p.add_argument("--default-timeout", type=float, default=600.0, help="deadline (s) of requests that set none")
+    p.add_argument("--prefill-policy", choices=["least-queued"], default="least-queued")
+    p.add_argument("--decode-policy", choices=["most-free-blocks", "power-of-two"], default="most-free-blocks")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="a registered worker silent this long is dead")
+    p.add_argument("--max-migrations", type=int, default=2, help="moves of one request to another decode worker")
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("prefill", help="run a prefill worker (JAX)")
@@ -203,6 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(p, 50052)
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--weight-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    _worker_args(p)
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser("decode", help="run a decode worker (torch)")
@@ -214,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    _worker_args(p)
+    p.add_argument("--kv-port", type=int, help="serve KvTransfer alone on this port (default: the main port)")
     p.set_defaults(func=cmd_decode)
 
     p = sub.add_parser("generate", help="stream one generation from a running server")
@@ -230,7 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    _client_args(p)
+    p.add_argument("--api-key", help="sent as 'authorization: Bearer KEY' (default $PDSERVE_API_KEY)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("status", help="print the coordinator's workers: role, state, load, KV usage")
+    p.add_argument("--addr", default="127.0.0.1:50051", help="the coordinator")
+    p.add_argument("--json", action="store_true", help="one JSON object per worker")
+    _client_args(p)
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("make-tiny-model", help="write a small random-weight HF checkpoint")
     p.add_argument("dir", type=Path)
@@ -254,8 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _setup_logging()
     args = build_parser().parse_args(argv)
+    _setup_logging(getattr(args, "log_format", "text"))
     return args.func(args) or 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 
 def _check_address(address: str, flag: str) -> None:
@@ -27,6 +28,20 @@ class CoordinatorConfig:
     """How often every worker's GetInfo (readiness and load) is polled."""
     grace_seconds: float = 5.0
     """On shutdown, how long in-flight requests may run before they are cancelled."""
+    heartbeat_timeout: float = 3.0
+    """A registered worker without a heartbeat for this long is dead (`--heartbeat-timeout`)."""
+    max_queue: int = 256
+    """Requests that may wait per tier for a worker with room; more get RESOURCE_EXHAUSTED (`--max-queue`)."""
+    default_timeout: float = 600.0
+    """The deadline of a request whose client set none (`--default-timeout`)."""
+    prefill_policy: Literal["least-queued"] = "least-queued"
+    decode_policy: Literal["most-free-blocks", "power-of-two"] = "most-free-blocks"
+    max_migrations: int = 2
+    """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
+    api_key: str | None = None
+    """The public API needs `authorization: Bearer KEY` when set (`--api-key` or $PDSERVE_API_KEY)."""
+    metrics_port: int = 0
+    """Prometheus /metrics on this port; 0: off."""
     http_port: int | None = None
     """OpenAI-compatible HTTP (`--http-port`); None: off, 0 picks a free port."""
 
@@ -58,3 +73,15 @@ class CoordinatorConfig:
             raise ValueError(f"refresh_seconds must be > 0, got {self.refresh_seconds}")
         if not self.grace_seconds >= 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+        if not self.heartbeat_timeout > 0:
+            raise ValueError(f"--heartbeat-timeout must be > 0, got {self.heartbeat_timeout}")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if not self.default_timeout > 0:
+            raise ValueError(f"--default-timeout must be > 0, got {self.default_timeout}")
+        if self.max_migrations < 0:
+            raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
+        if self.prefill_policy not in ("least-queued",):
+            raise ValueError(f"--prefill-policy must be least-queued, got {self.prefill_policy!r}")
+        if self.decode_policy not in ("most-free-blocks", "power-of-two"):
+            raise ValueError(f"--decode-policy must be most-free-blocks or power-of-two, got {self.decode_policy!r}")

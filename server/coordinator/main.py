@@ -9,16 +9,20 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
-from pdserve.v1 import generation_pb2, generation_pb2_grpc
+from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 from server.coordinator import kserve
 from server.coordinator.config import CoordinatorConfig
 from server.coordinator.http_server import HttpServer
 from server.coordinator.openai_api import serve_http, served_model_name
+from server.coordinator.registry import SERVICE_NAME as REGISTRY_SERVICE
+from server.coordinator.registry import RegistryService
 from server.coordinator.router import Worker, WorkerPool
 from server.coordinator.service import GenerationService
 from server.coordinator.validate import Limits
 from server.model.config import load_config
 from server.model.tokenizer import Tokenizer
+from server.metrics import serve_metrics
+from server.security import ApiKeyInterceptor
 from server.serving import new_server, set_serving, wait_for_signal
 
 log = logging.getLogger("pdserve.coordinator")
@@ -49,26 +53,34 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     """Loads the tokenizer and limits, polls the workers once, and starts serving."""
     model = load_config(config.model_dir)
     tokenizer = Tokenizer.from_dir(config.model_dir)
-    server, health_servicer, port = new_server([SERVICE_NAME, kserve.SERVICE_NAME], config.port, config.host)
+    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    server, health_servicer, port = new_server([SERVICE_NAME, REGISTRY_SERVICE, kserve.SERVICE_NAME], config.port,
+                                               config.host, interceptors)
     await set_serving(health_servicer, [SERVICE_NAME], False)
 
     async def on_change(serving: bool) -> None:
         log.info(
             "coordinator is %s",
-            "SERVING" if serving else "NOT_SERVING (needs a ready prefill and decode worker)",
+            "SERVING" if serving else "NOT_SERVING (needs a ready decode worker)",
         )
         await set_serving(health_servicer, [SERVICE_NAME], serving)
 
-    pool = WorkerPool(config.refresh_seconds, on_change)
+    pool = WorkerPool(config.refresh_seconds, on_change, heartbeat_timeout=config.heartbeat_timeout,
+                      prefill_policy=config.prefill_policy, decode_policy=config.decode_policy)
     for address in config.prefill_addresses:
         pool.add(Worker(address, "prefill"))
     for address in config.decode_addresses:
         pool.add(Worker(address, "decode"))
     limits = Limits(max_model_len=model.max_model_len, vocab_size=model.vocab_size)
-    service = GenerationService(tokenizer, limits, pool, config.lease_seconds)
+    service = GenerationService(tokenizer, limits, pool, config.lease_seconds,
+                                default_timeout=config.default_timeout, max_queue=config.max_queue,
+                                max_migrations=config.max_migrations)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, served_model_name(config.model_dir), lambda: pool.serving,
                                               model.max_model_len), server)
+    worker_pb2_grpc.add_RegistryServicer_to_server(
+        RegistryService(pool, heartbeat_seconds=min(config.refresh_seconds, config.heartbeat_timeout / 3)), server)
+    serve_metrics(config.metrics_port, config.host)
     await pool.start()
     await server.start()
     http = None

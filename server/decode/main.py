@@ -7,12 +7,13 @@ import logging
 import time
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from kvcache.layout import KvLayout
 from kvcache.receiver import KvReceiver
 from pdserve.v1 import worker_pb2_grpc
-from server import serving
+from server import metrics, serving
 from server.decode.config import DecodeConfig
 from server.decode.engine import DecodeEngine
 from server.decode.kv_cache import TORCH_DTYPES
@@ -22,6 +23,7 @@ from server.model.config import load_config
 from server.model.fingerprint import fingerprint
 from server.model.weights import load_weights
 
+from server.registration import Registration
 log = logging.getLogger("pdserve.decode")
 
 SERVICES = ["pdserve.v1.Decode", "pdserve.v1.KvTransfer", "pdserve.v1.Control"]
@@ -34,9 +36,24 @@ class DecodeWorker:
     engine: DecodeEngine
     port: int
 
+    health: object = None
+    kv_server: object = None
+    """The KvTransfer-only server (`--kv-port`), or None when KvTransfer shares the main port."""
+    kv_port: int = 0
+    registration: Registration | None = None
+
+    async def drain(self, seconds: float) -> None:
+        """No new Decode calls, the coordinator told; in-flight requests finish (up to `seconds`)."""
+        self.service.draining = True
+        await serving.drain(self.health, SERVICES, lambda: bool(self.engine.sequences), seconds,
+                            self.registration.beat if self.registration else None)
     async def stop(self, grace: float = 1.0) -> None:
         await self.server.stop(grace)
+        if self.registration is not None:
+            await self.registration.close()
         await self.engine.close()
+        if self.kv_server is not None:
+            await self.kv_server.stop(grace)
 
 
 def build_engine(config: DecodeConfig):
@@ -61,7 +78,7 @@ def build_engine(config: DecodeConfig):
     return model_config, engine, layout
 
 
-async def start(config: DecodeConfig) -> DecodeWorker:
+async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> DecodeWorker:
     model_config, engine, layout = build_engine(config)
     digest = fingerprint(config.model_dir, model_config)
     receiver = KvReceiver(layout, digest, engine)
@@ -69,19 +86,44 @@ async def start(config: DecodeConfig) -> DecodeWorker:
     service = DecodeService(
         engine, receiver, fingerprint=digest, description=model_config.describe(),
         eos_ids=frozenset(model_config.eos_token_ids), max_model_len=model_config.max_model_len,
-        address=f"{config.host}:{port}",
+        address=address, kv_address=kv_address,
     )
     worker_pb2_grpc.add_DecodeServicer_to_server(service, server)
     worker_pb2_grpc.add_ControlServicer_to_server(service, server)
-    worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
+    address = options.advertise_address or f"{config.host}:{port}"
+    kv_server, kv_port, kv_address = None, port, ""
+    if options.kv_port is not None:  # KvTransfer alone on its own port (a NetworkPolicy opens it to prefill)
+        kv_server = grpc.aio.server(options=serving.CHANNEL_OPTIONS)
+        kv_port = serving.add_port(kv_server, options.kv_port, config.host)
+        kv_address = f"{address.rpartition(':')[0]}:{kv_port}"
+        worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, kv_server)
+    else:
+        worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
     await server.start()
     await serving.set_serving(health, SERVICES, True)
-    log.info("decode worker listening on %s:%d", config.host, port)
-    return DecodeWorker(server, service, engine, port)
+    metrics.watch_kv_blocks(lambda: engine.pool.num_free, lambda: engine.pool.num_total)
+    metrics.num_requests_running.set_function(lambda: len(engine.running))
+    metrics.num_requests_waiting.set_function(lambda: len(engine.sequences) - len(engine.running))
+    metrics.serve_metrics(options.metrics_port, config.host)
+    log.info("decode worker listening on %s:%d%s", config.host, port,
+             f" (KV transfer on port {kv_port})" if kv_server is not None else "")
+    worker = DecodeWorker(server, service, engine, port, health, kv_server, kv_port)
+    if options.coordinator:
+        worker.registration = Registration(options.coordinator, lambda: service.info())
+        try:
+            await worker.registration.start()
+        except SystemExit:
+            await worker.stop(0)
+            raise
+    return worker
 
 
-async def serve(config: DecodeConfig) -> None:
-    worker = await start(config)
+async def serve(config: DecodeConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> None:
+    worker = await start(config, options)
+    if kv_server is not None:
+        await kv_server.start()
     await serving.wait_for_signal()
     log.info("decode worker stopping")
     await worker.stop()
+    log.info("decode worker draining")
+    await worker.drain(options.drain_seconds)

@@ -7,13 +7,16 @@ import logging
 from collections.abc import AsyncIterator
 
 import grpc
+import torch
 
 from kvcache.block_pool import OutOfBlocks
 from kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
+from server import metrics
 from server.decode.engine import DecodeEngine
+from server.decode.sampler import sample
 from server.decode.sequence import Sequence
 
 log = logging.getLogger("pdserve.decode")
@@ -23,7 +26,7 @@ RETRY_AFTER_MS = "250"
 
 class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServicer):
     def __init__(self, engine: DecodeEngine, receiver: KvReceiver, *, fingerprint: str, description: str,
-                 eos_ids: frozenset[int], max_model_len: int, address: str = ""):
+                 eos_ids: frozenset[int], max_model_len: int, address: str = "", kv_address: str = ""):
         self.engine = engine
         self.receiver = receiver
         self.fingerprint = fingerprint
@@ -31,7 +34,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.address = address
+        self.kv_address = kv_address
         self.draining = False
+        """SIGTERM: new Decode calls are refused (UNAVAILABLE), in-flight ones finish."""
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         engine = self.engine
@@ -61,18 +66,30 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         )
         engine.reserve(seq)
         try:
-            transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(prompt))
-            yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
-            lease = request.lease_seconds or 30.0
-            try:
-                first_token = await asyncio.wait_for(asyncio.shield(transfer.done), lease)
-            except TimeoutError:
-                log.warning("request %s: KV did not arrive within the %.1f s lease; blocks freed", rid, lease)
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {rid} did not arrive within {lease:.1f} s")
-            except Exception as e:  # the transfer failed: say why
-                if isinstance(e, asyncio.CancelledError):
-                    raise
-                await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
+            if request.local_prefill:  # no prefill worker is alive: run the prompt here
+                yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
+                try:
+                    first_token = await asyncio.to_thread(self._prefill_locally, seq)
+                except Exception as e:
+                    log.exception("request %s: local prefill failed", rid)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"local prefill of {rid} failed: {e!r}")
+                metrics.local_prefill_fallbacks.inc()
+                yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=[first_token]))
+            else:
+                transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(prompt))
+                yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
+                lease = request.lease_seconds or 30.0
+                try:
+                    first_token = await asyncio.wait_for(asyncio.shield(transfer.done), lease)
+                except TimeoutError:
+                    log.warning("request %s: KV did not arrive within the %.1f s lease; blocks freed", rid, lease)
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {rid} did not arrive within {lease:.1f} s")
+                except Exception as e:  # the transfer failed: say why
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
+                metrics.kv_transfer_bytes.inc(transfer.bytes_received)
+                metrics.kv_transfer_seconds.observe(transfer.seconds)
             engine.start(seq, first_token)
             while True:
                 ids = await seq.events.get()
@@ -86,10 +103,29 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             self.receiver.cancel(rid)
             engine.release(seq)
 
+    def _prefill_locally(self, seq: Sequence) -> int:
+        """The prompt's KV into the sequence's blocks with the torch model; the first token (a worker thread)."""
+        engine = self.engine
+        logits = engine.model.prefill(torch.tensor(seq.prompt_ids, dtype=torch.int64), seq.block_table,
+                                      engine.cache)  # [S, V]
+        p = seq.sampling
+        token = sample(
+            logits[-1:],
+            torch.tensor([p.temperature], dtype=torch.float32),
+            torch.tensor([p.top_k], dtype=torch.int64),
+            torch.tensor([p.top_p], dtype=torch.float32),
+            [p.seed if p.HasField("seed") else None],
+            [seq.sample_index],
+        )
+        return int(token[0])
+
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id, gen_pb.FINISH_REASON_ABORT))
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:
+        return self.info()
+
+    def info(self) -> pb.WorkerInfo:
         engine = self.engine
         running = len(engine.running)
         return pb.WorkerInfo(
@@ -102,6 +138,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                 waiting_requests=len(engine.sequences) - running,
                 free_kv_blocks=engine.pool.num_free,
                 total_kv_blocks=engine.pool.num_total,
+                max_running_requests=engine.max_running,
             ),
             max_model_len=self.max_model_len,
+            draining=self.draining,
+            kv_address=self.kv_address,
         )

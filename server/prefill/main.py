@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2_grpc
-from server import serving
+from server import metrics, serving
 from server.model.config import load_config
 from server.model.fingerprint import fingerprint
 from server.model.weights import load_weights
@@ -16,6 +16,7 @@ from server.prefill.config import PrefillConfig
 from server.prefill.engine import PrefillEngine
 from server.prefill.model import load_params
 from server.prefill.service import PrefillService
+from server.registration import Registration
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -27,13 +28,23 @@ class PrefillWorker:
     server: object
     service: PrefillService
     port: int
+    health: object = None
+    registration: Registration | None = None
+
+    async def drain(self, seconds: float) -> None:
+        """No new Prefill calls, the coordinator told; running prefills and KV pushes finish."""
+        self.service.draining = True
+        await serving.drain(self.health, SERVICES, self.service.busy, seconds,
+                            self.registration.beat if self.registration else None)
 
     async def stop(self, grace: float = 1.0) -> None:
+        if self.registration is not None:
+            await self.registration.close()
         await self.server.stop(grace)
         await self.service.sender.close()
 
 
-async def start(config: PrefillConfig) -> PrefillWorker:
+async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> PrefillWorker:
     model_config = load_config(config.model_dir)
     dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
     t0 = time.perf_counter()
@@ -42,19 +53,33 @@ async def start(config: PrefillConfig) -> PrefillWorker:
     engine.warmup()
     log.info("prefill model %s loaded and compiled in %.1f s", model_config.describe(), time.perf_counter() - t0)
     server, health, port = serving.new_server(SERVICES, config.port, config.host)
-    service = PrefillService(engine, KvSender(channel_options=serving.CHANNEL_OPTIONS), model_config,
+    sender = KvSender(channel_options=serving.CHANNEL_OPTIONS, credentials=serving.channel_credentials())
+    service = PrefillService(engine, sender, model_config,
                              fingerprint=fingerprint(config.model_dir, model_config),
-                             address=f"{config.host}:{port}")
+                             address=options.advertise_address or f"{config.host}:{port}")
     worker_pb2_grpc.add_PrefillServicer_to_server(service, server)
     worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     await server.start()
     await serving.set_serving(health, SERVICES, True)
+    metrics.prefill_queued_tokens.set_function(lambda: engine.queued_tokens)
+    metrics.num_requests_running.set_function(lambda: service.active)
+    metrics.serve_metrics(options.metrics_port, config.host)
     log.info("prefill worker listening on %s:%d", config.host, port)
-    return PrefillWorker(server, service, port)
+    worker = PrefillWorker(server, service, port, health)
+    if options.coordinator:
+        worker.registration = Registration(options.coordinator, service.info)
+        try:
+            await worker.registration.start()
+        except SystemExit:
+            await worker.stop(0)
+            raise
+    return worker
 
 
-async def serve(config: PrefillConfig) -> None:
-    worker = await start(config)
+async def serve(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> None:
+    worker = await start(config, options)
     await serving.wait_for_signal()
+    log.info("prefill worker draining")
+    await worker.drain(options.drain_seconds)
     log.info("prefill worker stopping")
     await worker.stop()

@@ -12,6 +12,7 @@ from kvcache.layout import KvLayout
 from kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
+from server import metrics
 from server.model.config import ModelConfig
 from server.prefill.engine import PrefillEngine
 
@@ -30,6 +31,9 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         self.address = address
         self.pushes: set[asyncio.Task] = set()
         self.draining = False
+        """SIGTERM: new Prefill calls are refused (UNAVAILABLE); running ones and their pushes finish."""
+        self.active = 0
+        """Prefill calls being served now."""
 
     def _check_target(self, layout: KvLayout) -> str | None:
         c = self.model_config
@@ -58,8 +62,13 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"token_ids must be 1..{self.model_config.max_model_len} ids in [0, {self.model_config.vocab_size})")
         t0 = time.perf_counter()
-        result = await self.engine.submit(ids, request.sampling, request.sample_index, layout.dtype)
+        self.active += 1
+        try:
+            result = await self.engine.submit(ids, request.sampling, request.sample_index, layout.dtype)
+        finally:
+            self.active -= 1
         seconds = time.perf_counter() - t0
+        metrics.prompt_tokens.inc(len(ids))
         header = pb.KvHeader(
             request_id=request.request_id, attempt=request.attempt, transfer_token=request.transfer_token,
             fingerprint=self.fingerprint, layout=layout.to_proto(), num_tokens=len(ids),
@@ -69,9 +78,15 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         task.add_done_callback(self.pushes.discard)
         return pb.PrefillResponse(first_token_id=result.first_token, prefill_seconds=seconds)
 
+    def busy(self) -> bool:
+        return bool(self.active or self.pushes or self.engine.queued_tokens)
+
     async def _push(self, address: str, header: pb.KvHeader, layout: KvLayout, result) -> None:
         try:
-            await self.sender.send(address, header, layout, result.k, result.v, result.first_token)
+            t0 = time.perf_counter()
+            reply = await self.sender.send(address, header, layout, result.k, result.v, result.first_token)
+            metrics.kv_transfer_bytes.inc(reply.bytes_received)
+            metrics.kv_transfer_seconds.observe(time.perf_counter() - t0)
         except grpc.aio.AioRpcError as e:
             log.warning("request %s: KV push to %s refused: %s %s", header.request_id, address,
                         e.code().name, e.details())
@@ -79,10 +94,14 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             log.exception("request %s: KV push to %s failed", header.request_id, address)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:
+        return self.info()
+
+    def info(self) -> pb.WorkerInfo:
         return pb.WorkerInfo(
             role="prefill",
             address=self.address,
             fingerprint=self.fingerprint,
             load=pb.WorkerLoad(queued_prefill_tokens=self.engine.queued_tokens, running_requests=len(self.pushes)),
             max_model_len=self.model_config.max_model_len,
+            draining=self.draining,
         )
