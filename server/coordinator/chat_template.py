@@ -35,7 +35,9 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
+) -> str:
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
 
 
@@ -73,7 +75,11 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
         elif isinstance(content, list):
             parts = []
             for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise ChatTemplateError(
                         f"messages[{i}].content[{j}]: only text parts are supported, got {kind!r}"
@@ -88,7 +94,9 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
 
 class ChatTemplate:
     def __init__(self, template: str, encoder: HfTokenizer, special_tokens: dict[str, str]):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = _strftime_now

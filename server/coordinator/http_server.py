@@ -37,15 +37,18 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise SystemExit(f"cannot listen for HTTP on {host}:{port} ({e}): choose another with --http-port")
+        raise SystemExit(
+            f"cannot listen for HTTP on {host}:{port} ({e}): choose another with --http-port"
+        ) from e
     sock.setblocking(False)
     return sock
 
 
 async def start(app, host: str, port: int) -> HttpServer:
     sock = _bind(host, port)
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none",
-                            timeout_keep_alive=30)
+    config = uvicorn.Config(
+        app, log_config=None, access_log=False, lifespan="off", ws="none", timeout_keep_alive=30
+    )
     config.load()
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)

@@ -68,8 +68,16 @@ SAMPLING_KEYS = {
     "stop_token_ids": list,
     "ignore_eos": bool,
 }
-NEUTRAL_KEYS = {"n": 1, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-                "min_tokens": 0, "logprobs": None, "skip_special_tokens": True}
+NEUTRAL_KEYS = {
+    "n": 1,
+    "best_of": 1,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+    "min_tokens": 0,
+    "logprobs": None,
+    "skip_special_tokens": True,
+}
 """vLLM sampling keys accepted at their neutral value only (the engine has no such knob)."""
 
 
@@ -101,28 +109,38 @@ def _bytes_tensor(values: list[bytes]) -> bytes:
 def _input_values(request: service_pb2.ModelInferRequest) -> dict[str, list[Any]]:
     """Each input's elements, from raw_input_contents (what tritonclient sends) or typed contents."""
     if request.raw_input_contents and len(request.raw_input_contents) != len(request.inputs):
-        raise BadInput(f"{len(request.inputs)} inputs but {len(request.raw_input_contents)} raw_input_contents")
+        raise BadInput(
+            f"{len(request.inputs)} inputs but {len(request.raw_input_contents)} raw_input_contents"
+        )
     values: dict[str, list[Any]] = {}
     for i, tensor in enumerate(request.inputs):
         if tensor.name not in INPUTS:
             raise BadInput(f"unknown input {tensor.name!r}; the inputs are {', '.join(INPUTS)}")
         datatype = INPUTS[tensor.name][0]
         if tensor.datatype != datatype:
-            raise BadInput(f"input {tensor.name!r} must be {datatype}, got {tensor.datatype or 'no datatype'}")
+            raise BadInput(
+                f"input {tensor.name!r} must be {datatype}, got {tensor.datatype or 'no datatype'}"
+            )
         if "shared_memory_region" in tensor.parameters:
             raise BadInput(f"input {tensor.name!r}: shared memory inputs are not supported")
         if request.raw_input_contents:
             raw = request.raw_input_contents[i]
             elements: list[Any] = _bytes_elements(raw) if datatype == "BYTES" else [b != 0 for b in raw]
         else:
-            elements = list(tensor.contents.bytes_contents if datatype == "BYTES" else tensor.contents.bool_contents)
+            elements = list(
+                tensor.contents.bytes_contents if datatype == "BYTES" else tensor.contents.bool_contents
+            )
         count = 1
         for d in tensor.shape:
             count *= d
         if count != len(elements):
-            raise BadInput(f"input {tensor.name!r} has shape {list(tensor.shape)} but {len(elements)} elements")
+            raise BadInput(
+                f"input {tensor.name!r} has shape {list(tensor.shape)} but {len(elements)} elements"
+            )
         if len(elements) != 1:
-            raise BadInput(f"input {tensor.name!r} must hold one element (shape [1]); batches are not supported")
+            raise BadInput(
+                f"input {tensor.name!r} must hold one element (shape [1]); batches are not supported"
+            )
         values[tensor.name] = elements
     return values
 
@@ -193,7 +211,9 @@ class Inference:
     timeout: float | None = None
 
     def generate_request(self) -> generation_pb2.GenerateRequest:
-        return generation_pb2.GenerateRequest(request_id=self.id[:256], text=self.prompt, sampling=self.sampling)
+        return generation_pb2.GenerateRequest(
+            request_id=self.id[:256], text=self.prompt, sampling=self.sampling
+        )
 
 
 def parse(request: service_pb2.ModelInferRequest) -> Inference:
@@ -240,7 +260,9 @@ class Output:
     completion_tokens: int = 0
 
 
-def _infer_response(model: str, inference: Inference, out: Output, final: bool) -> service_pb2.ModelInferResponse:
+def _infer_response(
+    model: str, inference: Inference, out: Output, final: bool
+) -> service_pb2.ModelInferResponse:
     response = service_pb2.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=inference.id)
     tensors: list[tuple[str, str, bytes]] = [("text_output", "BYTES", _bytes_tensor([out.text.encode()]))]
     if out.finish_reason is not None:
@@ -264,8 +286,9 @@ def _min_timeout(*timeouts: float | None) -> float | None:
 
 
 class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, generation: GenerationService, model_name: str, ready: Callable[[], bool],
-                 max_model_len: int):
+    def __init__(
+        self, generation: GenerationService, model_name: str, ready: Callable[[], bool], max_model_len: int
+    ):
         self.generation = generation
         self.model_name = model_name
         self.ready = ready
@@ -280,7 +303,9 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ServerReadyResponse(ready=self.ready())
 
     async def ModelReady(self, request, context):
-        return service_pb2.ModelReadyResponse(ready=self._known(request.name, request.version) and self.ready())
+        return service_pb2.ModelReadyResponse(
+            ready=self._known(request.name, request.version) and self.ready()
+        )
 
     async def ServerMetadata(self, request, context):
         try:
@@ -295,10 +320,14 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
             name=self.model_name,
             versions=[MODEL_VERSION],
             platform="pdserve",
-            inputs=[service_pb2.ModelMetadataResponse.TensorMetadata(name=n, datatype=d, shape=[1])
-                    for n, (d, _) in INPUTS.items()],
-            outputs=[service_pb2.ModelMetadataResponse.TensorMetadata(name=n, datatype=d, shape=[-1])
-                     for n, (d, _) in OUTPUTS.items()],
+            inputs=[
+                service_pb2.ModelMetadataResponse.TensorMetadata(name=n, datatype=d, shape=[1])
+                for n, (d, _) in INPUTS.items()
+            ],
+            outputs=[
+                service_pb2.ModelMetadataResponse.TensorMetadata(name=n, datatype=d, shape=[-1])
+                for n, (d, _) in OUTPUTS.items()
+            ],
         )
 
     async def ModelConfig(self, request, context):
@@ -308,9 +337,13 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
             platform="pdserve",
             backend="pdserve",
             max_batch_size=0,
-            input=[model_config_pb2.ModelInput(name=n, data_type=t, dims=[1], optional=n != "text_input")
-                   for n, (_, t) in INPUTS.items()],
-            output=[model_config_pb2.ModelOutput(name=n, data_type=t, dims=[-1]) for n, (_, t) in OUTPUTS.items()],
+            input=[
+                model_config_pb2.ModelInput(name=n, data_type=t, dims=[1], optional=n != "text_input")
+                for n, (_, t) in INPUTS.items()
+            ],
+            output=[
+                model_config_pb2.ModelOutput(name=n, data_type=t, dims=[-1]) for n, (_, t) in OUTPUTS.items()
+            ],
             model_transaction_policy=model_config_pb2.ModelTransactionPolicy(decoupled=True),
         )
         return service_pb2.ModelConfigResponse(config=config)
@@ -328,16 +361,24 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     # --- inference ---
 
-    async def _run(self, inference: Inference, timeout: float | None) -> AsyncIterator[service_pb2.ModelInferResponse]:
+    async def _run(
+        self, inference: Inference, timeout: float | None
+    ) -> AsyncIterator[service_pb2.ModelInferResponse]:
         """The request's responses: text deltas when streaming, else one with the whole text."""
-        stream = self.generation.stream(inference.generate_request(), _min_timeout(timeout, inference.timeout))
+        stream = self.generation.stream(
+            inference.generate_request(), _min_timeout(timeout, inference.timeout)
+        )
         text = "" if inference.stream or inference.exclude_input else inference.prompt
         async with contextlib.aclosing(stream):
             async for r in stream:
                 out = Output(r.text)
                 if r.finish_reason:
-                    out = Output(r.text, FINISH_NAMES.get(r.finish_reason, "stop"), r.usage.prompt_tokens,
-                                 r.usage.completion_tokens)
+                    out = Output(
+                        r.text,
+                        FINISH_NAMES.get(r.finish_reason, "stop"),
+                        r.usage.prompt_tokens,
+                        r.usage.completion_tokens,
+                    )
                 if inference.stream:
                     if out.text or out.finish_reason:
                         yield _infer_response(self.model_name, inference, out, final=bool(out.finish_reason))
@@ -382,15 +423,24 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
 
-    async def _stream_one(self, request: service_pb2.ModelInferRequest, timeout: float | None,
-                          emit: Callable[[service_pb2.ModelStreamInferResponse], None]) -> None:
+    async def _stream_one(
+        self,
+        request: service_pb2.ModelInferRequest,
+        timeout: float | None,
+        emit: Callable[[service_pb2.ModelStreamInferResponse], None],
+    ) -> None:
         def error(message: str) -> None:
-            emit(service_pb2.ModelStreamInferResponse(
-                error_message=message, infer_response=service_pb2.ModelInferResponse(id=request.id)))
+            emit(
+                service_pb2.ModelStreamInferResponse(
+                    error_message=message, infer_response=service_pb2.ModelInferResponse(id=request.id)
+                )
+            )
 
         if not self._known(request.model_name, request.model_version):
-            error(f"unknown model {request.model_name!r} version {request.model_version!r}; "
-                  f"this server serves {self.model_name!r}")
+            error(
+                f"unknown model {request.model_name!r} version {request.model_version!r}; "
+                f"this server serves {self.model_name!r}"
+            )
             return
         try:
             inference = parse(request)

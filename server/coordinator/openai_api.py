@@ -71,8 +71,14 @@ DEFAULT_COMPLETION_TOKENS = 16
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -81,8 +87,14 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": ERROR_TYPES.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -156,20 +168,30 @@ def _unsupported(req: SamplingFields) -> None:
         ("best_of", req.best_of not in (None, 1), "only best_of=1 is supported"),
         ("presence_penalty", req.presence_penalty not in (None, 0), "presence_penalty is not supported"),
         ("frequency_penalty", req.frequency_penalty not in (None, 0), "frequency_penalty is not supported"),
-        ("repetition_penalty", req.repetition_penalty not in (None, 1), "repetition_penalty is not supported"),
+        (
+            "repetition_penalty",
+            req.repetition_penalty not in (None, 1),
+            "repetition_penalty is not supported",
+        ),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("min_tokens", req.min_tokens != 0, "min_tokens is not supported"),
         ("logprobs", req.logprobs not in (None, False), "logprobs are not supported"),
         ("seed", req.seed is not None and not 0 <= req.seed < 2**64, "seed must lie in [0, 2**64)"),
     ]
     if isinstance(req, CompletionRequest):
-        checks += [("echo", req.echo, "echo is not supported"), ("suffix", bool(req.suffix), "suffix is not supported")]
+        checks += [
+            ("echo", req.echo, "echo is not supported"),
+            ("suffix", bool(req.suffix), "suffix is not supported"),
+        ]
     if isinstance(req, ChatRequest):
         checks += [
             ("top_logprobs", req.top_logprobs not in (None, 0), "logprobs are not supported"),
             ("tools", bool(req.tools), "tools are not supported"),
-            ("response_format", (req.response_format or {"type": "text"}).get("type") != "text",
-             "only response_format {\"type\": \"text\"} is supported"),
+            (
+                "response_format",
+                (req.response_format or {"type": "text"}).get("type") != "text",
+                'only response_format {"type": "text"} is supported',
+            ),
         ]
     for param, bad, message in checks:
         if bad:
@@ -182,8 +204,13 @@ def _sampling(req: SamplingFields, max_tokens: int | None) -> generation_pb2.Sam
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
     )
-    for name, value in (("max_tokens", max_tokens), ("temperature", req.temperature), ("top_p", req.top_p),
-                        ("top_k", req.top_k), ("seed", req.seed)):
+    for name, value in (
+        ("max_tokens", max_tokens),
+        ("temperature", req.temperature),
+        ("top_p", req.top_p),
+        ("top_k", req.top_k),
+        ("seed", req.seed),
+    ):
         if value is not None:
             try:
                 setattr(sampling, name, value)
@@ -210,8 +237,11 @@ class Outcome:
             self.completion_tokens = response.usage.completion_tokens
 
     def usage(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -235,8 +265,12 @@ class Front:
 
     def check_model(self, model: str) -> None:
         if model != self.model_name and model not in self.aliases:
-            raise ApiError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
 
 
 Kind = Literal["completion", "chat"]
@@ -290,13 +324,24 @@ class Handler:
             if text:
                 delta["content"] = text
             return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return {"index": 0, "message": {"role": "assistant", "content": text or ""}, "logprobs": None,
-                "finish_reason": finish_reason}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text or ""},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
 
-    def body(self, choices: list[dict[str, Any]], usage: dict[str, int] | None, chunk: bool) -> dict[str, Any]:
+    def body(
+        self, choices: list[dict[str, Any]], usage: dict[str, int] | None, chunk: bool
+    ) -> dict[str, Any]:
         obj = self.object + (".chunk" if chunk and self.kind == "chat" else "")
-        out = {"id": self.id, "object": obj, "created": self.created, "model": self.front.model_name,
-               "choices": choices}
+        out = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.front.model_name,
+            "choices": choices,
+        }
         if not chunk or self.include_usage:
             out["usage"] = usage
         return out
@@ -309,8 +354,11 @@ class Handler:
         stream = self.front.generation.stream(generate, self.front.timeout)
         if self.req.stream:
             first = await _first(stream)
-            return StreamingResponse(self.events(stream, first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                self.events(stream, first),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
         return await _cancel_on_disconnect(http, asyncio.ensure_future(self.collect(stream)))
 
     async def collect(self, stream: AsyncIterator[generation_pb2.GenerateResponse]) -> Response:
@@ -321,10 +369,13 @@ class Handler:
                     outcome.add(response)
         except (InvalidRequest, RequestFailed) as e:
             return _api_error(e).response()
-        return JSONResponse(self.body([self.choice(outcome.text, outcome.finish_reason)], outcome.usage(), False))
+        return JSONResponse(
+            self.body([self.choice(outcome.text, outcome.finish_reason)], outcome.usage(), False)
+        )
 
-    async def events(self, stream: AsyncIterator[generation_pb2.GenerateResponse],
-                     first: generation_pb2.GenerateResponse) -> AsyncIterator[bytes]:
+    async def events(
+        self, stream: AsyncIterator[generation_pb2.GenerateResponse], first: generation_pb2.GenerateResponse
+    ) -> AsyncIterator[bytes]:
         """SSE chunks; cancelled (client gone) or not, closing `stream` cancels the worker calls."""
         outcome = Outcome()
         async with contextlib.aclosing(stream):
@@ -367,9 +418,12 @@ def create_app(front: Front) -> FastAPI:
         if not front.api_key:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), front.api_key.encode()):
-            raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(
+            token.strip().encode(), front.api_key.encode()
+        ):
+            raise ApiError(
+                401, "Incorrect API key provided: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
@@ -399,20 +453,32 @@ def create_app(front: Front) -> FastAPI:
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        card = {"id": front.model_name, "object": "model", "created": front.created, "owned_by": "pdserve",
-                "root": front.model_name, "parent": None, "max_model_len": front.max_model_len}
+        card = {
+            "id": front.model_name,
+            "object": "model",
+            "created": front.created,
+            "owned_by": "pdserve",
+            "root": front.model_name,
+            "parent": None,
+            "max_model_len": front.max_model_len,
+        }
         return {"object": "list", "data": [card]}
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         front.check_model(body.model)
         _unsupported(body)
-        generate = generation_pb2.GenerateRequest(sampling=_sampling(body, body.max_tokens or DEFAULT_COMPLETION_TOKENS))
+        generate = generation_pb2.GenerateRequest(
+            sampling=_sampling(body, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
+        )
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ApiError(400, f"prompt: batches of {len(prompt)} prompts are not supported; send one per request",
-                               param="prompt")
+                raise ApiError(
+                    400,
+                    f"prompt: batches of {len(prompt)} prompts are not supported; send one per request",
+                    param="prompt",
+                )
             prompt = prompt[0]
         if isinstance(prompt, str):
             generate.text = prompt
@@ -427,14 +493,19 @@ def create_app(front: Front) -> FastAPI:
         front.check_model(body.model)
         _unsupported(body)
         if front.chat is None:
-            raise ApiError(400, f"the model `{front.model_name}` has no chat template (tokenizer_config.json has "
-                                "no chat_template): use /v1/completions", param="messages",
-                           code="no_chat_template")
+            raise ApiError(
+                400,
+                f"the model `{front.model_name}` has no chat template (tokenizer_config.json has "
+                "no chat_template): use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
         try:
             _, ids = await asyncio.to_thread(front.chat.encode, body.messages)
         except ChatTemplateError as e:
-            raise ApiError(400, str(e) if str(e).startswith("messages") else f"messages: {e}",
-                           param="messages") from e
+            raise ApiError(
+                400, str(e) if str(e).startswith("messages") else f"messages: {e}", param="messages"
+            ) from e
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, front.max_model_len - len(ids))
@@ -453,8 +524,9 @@ def served_model_name(model_dir: Path) -> str:
     return Path(model_dir).resolve().name
 
 
-async def serve_http(config: Any, generation: GenerationService, ready: Callable[[], bool],
-                     max_model_len: int) -> http_server.HttpServer:
+async def serve_http(
+    config: Any, generation: GenerationService, ready: Callable[[], bool], max_model_len: int
+) -> http_server.HttpServer:
     """Starts the OpenAI HTTP front for a CoordinatorConfig (`http_port`, `host`, `api_key`, `model_dir`)."""
     model_dir = Path(config.model_dir)
     front = Front(

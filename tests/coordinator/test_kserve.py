@@ -50,14 +50,22 @@ async def cluster(model_dir):
     decode_worker = await FakeWorker.start("decode", decode)
     prefill_worker = await FakeWorker.start("prefill", prefill)
     prefill.decoders[decode_worker.address] = decode
-    config = CoordinatorConfig(model_dir, port=0, prefill_addresses=[prefill_worker.address],
-                               decode_addresses=[decode_worker.address], refresh_seconds=0.1, lease_seconds=5)
+    config = CoordinatorConfig(
+        model_dir,
+        port=0,
+        prefill_addresses=[prefill_worker.address],
+        decode_addresses=[decode_worker.address],
+        refresh_seconds=0.1,
+        lease_seconds=5,
+    )
     coordinator = await start(config)
     for _ in range(100):
         if coordinator.pool.serving:
             break
         await asyncio.sleep(0.05)
-    yield Cluster(coordinator, prefill, decode, Tokenizer.from_dir(model_dir), f"127.0.0.1:{coordinator.port}")
+    yield Cluster(
+        coordinator, prefill, decode, Tokenizer.from_dir(model_dir), f"127.0.0.1:{coordinator.port}"
+    )
     await coordinator.stop(0)
     await prefill_worker.stop()
     await decode_worker.stop()
@@ -70,17 +78,28 @@ async def client(cluster):
     await c.close()
 
 
-def inputs(prompt: str, stream: bool | None = None, sampling: dict | None = None,
-           exclude_input: bool | None = None) -> list[triton.InferInput]:
-    out = [triton.InferInput("text_input", [1], "BYTES").set_data_from_numpy(np.array([prompt.encode()], dtype=object))]
+def inputs(
+    prompt: str, stream: bool | None = None, sampling: dict | None = None, exclude_input: bool | None = None
+) -> list[triton.InferInput]:
+    out = [
+        triton.InferInput("text_input", [1], "BYTES").set_data_from_numpy(
+            np.array([prompt.encode()], dtype=object)
+        )
+    ]
     if stream is not None:
         out.append(triton.InferInput("stream", [1], "BOOL").set_data_from_numpy(np.array([stream])))
     if sampling is not None:
-        out.append(triton.InferInput("sampling_parameters", [1], "BYTES").set_data_from_numpy(
-            np.array([json.dumps(sampling).encode()], dtype=object)))
+        out.append(
+            triton.InferInput("sampling_parameters", [1], "BYTES").set_data_from_numpy(
+                np.array([json.dumps(sampling).encode()], dtype=object)
+            )
+        )
     if exclude_input is not None:
-        out.append(triton.InferInput("exclude_input_in_output", [1], "BOOL").set_data_from_numpy(
-            np.array([exclude_input])))
+        out.append(
+            triton.InferInput("exclude_input_in_output", [1], "BOOL").set_data_from_numpy(
+                np.array([exclude_input])
+            )
+        )
     return out
 
 
@@ -99,9 +118,17 @@ async def test_health_and_metadata(client):
     meta = await client.get_model_metadata(MODEL, as_json=True)
     assert meta["name"] == MODEL and meta["versions"] == ["1"]
     assert {i["name"]: i["datatype"] for i in meta["inputs"]} == {
-        "text_input": "BYTES", "stream": "BOOL", "sampling_parameters": "BYTES", "exclude_input_in_output": "BOOL"}
-    assert {o["name"] for o in meta["outputs"]} == {"text_output", "finish_reason", "num_input_tokens",
-                                                    "num_output_tokens"}
+        "text_input": "BYTES",
+        "stream": "BOOL",
+        "sampling_parameters": "BYTES",
+        "exclude_input_in_output": "BOOL",
+    }
+    assert {o["name"] for o in meta["outputs"]} == {
+        "text_output",
+        "finish_reason",
+        "num_input_tokens",
+        "num_output_tokens",
+    }
     config = (await client.get_model_config(MODEL, as_json=True))["config"]
     assert config["model_transaction_policy"]["decoupled"] is True
     assert (await client.get_server_metadata(as_json=True))["name"] == "pdserve"
@@ -113,8 +140,11 @@ async def test_health_and_metadata(client):
 async def test_stream_infer_streams_deltas_and_marks_the_final_response(cluster, client):
     ids = cluster.tokenizer.encode(" return x + 1")
     cluster.script(ids)
-    request = {"model_name": MODEL, "request_id": "k-1",
-               "inputs": inputs("def f(x):", stream=True, sampling={"max_tokens": len(ids), "temperature": 0})}
+    request = {
+        "model_name": MODEL,
+        "request_id": "k-1",
+        "inputs": inputs("def f(x):", stream=True, sampling={"max_tokens": len(ids), "temperature": 0}),
+    }
     results = []
     async for result, error in client.stream_infer(_requests(request)):
         assert error is None
@@ -142,18 +172,31 @@ async def test_model_infer_answers_the_whole_text_with_the_prompt_unless_exclude
     assert cluster.decode.requests[1].sampling.max_tokens == 3
 
 
-@pytest.mark.parametrize("build, words", [
-    (lambda: [], "'text_input'"),
-    (lambda: inputs("x", sampling={"max_tokens": 0}), "max_tokens must be >= 1"),
-    (lambda: inputs("x", sampling={"temperature": "hot"}), "not a valid float"),
-    (lambda: inputs("x", sampling={"frequency_penalty": 0.5}), "frequency_penalty=0.5 is not supported"),
-    (lambda: inputs("x", sampling={"best": 2}), "unknown sampling parameter 'best'"),
-    (lambda: inputs("x", stream=True), "needs ModelStreamInfer"),
-    (lambda: [triton.InferInput("text_input", [2], "BYTES").set_data_from_numpy(
-        np.array([b"a", b"b"], dtype=object))], "batches are not supported"),
-    (lambda: [triton.InferInput("prompt", [1], "BYTES").set_data_from_numpy(np.array([b"a"], dtype=object))],
-     "unknown input 'prompt'"),
-])
+@pytest.mark.parametrize(
+    "build, words",
+    [
+        (lambda: [], "'text_input'"),
+        (lambda: inputs("x", sampling={"max_tokens": 0}), "max_tokens must be >= 1"),
+        (lambda: inputs("x", sampling={"temperature": "hot"}), "not a valid float"),
+        (lambda: inputs("x", sampling={"frequency_penalty": 0.5}), "frequency_penalty=0.5 is not supported"),
+        (lambda: inputs("x", sampling={"best": 2}), "unknown sampling parameter 'best'"),
+        (lambda: inputs("x", stream=True), "needs ModelStreamInfer"),
+        (
+            lambda: [
+                triton.InferInput("text_input", [2], "BYTES").set_data_from_numpy(
+                    np.array([b"a", b"b"], dtype=object)
+                )
+            ],
+            "batches are not supported",
+        ),
+        (
+            lambda: [
+                triton.InferInput("prompt", [1], "BYTES").set_data_from_numpy(np.array([b"a"], dtype=object))
+            ],
+            "unknown input 'prompt'",
+        ),
+    ],
+)
 async def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(cluster, client, build, words):
     with pytest.raises(InferenceServerException) as e:
         await client.infer(MODEL, build())
@@ -167,11 +210,17 @@ async def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(cl
 async def test_a_bad_request_on_a_stream_gets_an_error_response_and_the_stream_goes_on(cluster, client):
     cluster.script([5, 6])
     bad = {"model_name": MODEL, "request_id": "bad", "inputs": inputs("x", sampling={"top_p": 2})}
-    good = {"model_name": MODEL, "request_id": "good", "inputs": inputs("x", stream=True, sampling={"max_tokens": 2})}
+    good = {
+        "model_name": MODEL,
+        "request_id": "good",
+        "inputs": inputs("x", stream=True, sampling={"max_tokens": 2}),
+    }
     got = [(r, e) async for r, e in client.stream_infer(_requests(bad, good))]
     errors = [e for _, e in got if e is not None]
     assert len(errors) == 1 and "INVALID_ARGUMENT: top_p must lie in (0, 1]" in errors[0].message()
-    finals = [r for r, _ in got if r is not None and r.get_response().parameters["triton_final_response"].bool_param]
+    finals = [
+        r for r, _ in got if r is not None and r.get_response().parameters["triton_final_response"].bool_param
+    ]
     assert [r.get_response().id for r in finals] == ["good"]
 
 
@@ -201,15 +250,23 @@ def _reflect(address: str) -> tuple[set[str], list[str], bool]:
     with grpc.insecure_channel(address) as channel:
         db = ProtoReflectionDescriptorDatabase(channel)
         services = set(db.get_services())
-        methods = [m.name for m in db.FindFileContainingSymbol("inference.GRPCInferenceService").service[0].method]
-        live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(service_pb2.ServerLiveRequest(), timeout=5)
+        methods = [
+            m.name for m in db.FindFileContainingSymbol("inference.GRPCInferenceService").service[0].method
+        ]
+        live = service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(
+            service_pb2.ServerLiveRequest(), timeout=5
+        )
     return services, methods, live.live
 
 
 async def test_reflection_lists_every_service(cluster):
     # a blocking client, off the event loop the coordinator serves on
     services, methods, live = await asyncio.to_thread(_reflect, cluster.address)
-    assert {"pdserve.v1.Generation", "inference.GRPCInferenceService", "grpc.health.v1.Health",
-            "grpc.reflection.v1alpha.ServerReflection"} <= services
+    assert {
+        "pdserve.v1.Generation",
+        "inference.GRPCInferenceService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= services
     assert {"ModelInfer", "ModelStreamInfer", "ModelMetadata", "ServerReady"} <= set(methods)
     assert live

@@ -51,17 +51,28 @@ async def cluster(model_dir):
     decode_worker = await FakeWorker.start("decode", decode)
     prefill_worker = await FakeWorker.start("prefill", prefill)
     prefill.decoders[decode_worker.address] = decode
-    config = CoordinatorConfig(model_dir, port=0, prefill_addresses=[prefill_worker.address],
-                               decode_addresses=[decode_worker.address], refresh_seconds=0.1, lease_seconds=5,
-                               http_port=0)
+    config = CoordinatorConfig(
+        model_dir,
+        port=0,
+        prefill_addresses=[prefill_worker.address],
+        decode_addresses=[decode_worker.address],
+        refresh_seconds=0.1,
+        lease_seconds=5,
+        http_port=0,
+    )
     coordinator = await start(config)
     for _ in range(100):
         if coordinator.pool.serving:
             break
         await asyncio.sleep(0.05)
     assert coordinator.http is not None
-    yield Cluster(coordinator, prefill, decode, Tokenizer.from_dir(model_dir),
-                  f"http://127.0.0.1:{coordinator.http.port}")
+    yield Cluster(
+        coordinator,
+        prefill,
+        decode,
+        Tokenizer.from_dir(model_dir),
+        f"http://127.0.0.1:{coordinator.http.port}",
+    )
     await coordinator.stop(0)
     await prefill_worker.stop()
     await decode_worker.stop()
@@ -80,15 +91,29 @@ def sdk(cluster: Cluster) -> openai.AsyncOpenAI:
 async def test_completion_without_stream(cluster, client):
     ids = cluster.tokenizer.encode(" print('hello')")
     cluster.script(ids)
-    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "import os", "max_tokens": len(ids),
-                                                   "temperature": 0, "seed": 3, "stop": "zzz"})
+    r = await client.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "import os",
+            "max_tokens": len(ids),
+            "temperature": 0,
+            "seed": 3,
+            "stop": "zzz",
+        },
+    )
     assert r.status_code == 200
     body = r.json()
     prompt = cluster.tokenizer.encode("import os")
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
-    assert body["choices"] == [{"index": 0, "text": " print('hello')", "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(ids),
-                             "total_tokens": len(prompt) + len(ids)}
+    assert body["choices"] == [
+        {"index": 0, "text": " print('hello')", "logprobs": None, "finish_reason": "length"}
+    ]
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": len(ids),
+        "total_tokens": len(prompt) + len(ids),
+    }
     (sent,) = cluster.decode.requests
     assert list(sent.prompt_token_ids) == prompt
     assert (sent.sampling.max_tokens, sent.sampling.temperature, sent.sampling.seed) == (len(ids), 0.0, 3)
@@ -99,9 +124,17 @@ async def test_completion_without_stream(cluster, client):
 async def test_completion_stream_through_the_sdk_with_usage(cluster):
     ids = cluster.tokenizer.encode("x = 1\ny = 2")
     cluster.script(ids, FinishReason.FINISH_REASON_STOP)
-    chunks = [c async for c in await sdk(cluster).completions.create(
-        model=MODEL, prompt=[5, 6, 7], max_tokens=20, stream=True, stream_options={"include_usage": True},
-        extra_body={"top_k": 4, "ignore_eos": True})]
+    chunks = [
+        c
+        async for c in await sdk(cluster).completions.create(
+            model=MODEL,
+            prompt=[5, 6, 7],
+            max_tokens=20,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"top_k": 4, "ignore_eos": True},
+        )
+    ]
     assert "".join(c.choices[0].text for c in chunks if c.choices) == "x = 1\ny = 2"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
     assert all(c.usage is None for c in chunks[:-1])
@@ -115,9 +148,16 @@ async def test_completion_stream_through_the_sdk_with_usage(cluster):
 async def test_chat_stream_renders_the_template_and_streams_deltas(cluster, model_dir):
     ids = cluster.tokenizer.encode("Hi there!")
     cluster.script(ids)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    chunks = [c async for c in await sdk(cluster).chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=len(ids), stream=True, temperature=0)]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
+    chunks = [
+        c
+        async for c in await sdk(cluster).chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=len(ids), stream=True, temperature=0
+        )
+    ]
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hi there!"
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -130,7 +170,9 @@ async def test_chat_stream_renders_the_template_and_streams_deltas(cluster, mode
 async def test_chat_without_stream_defaults_max_tokens_to_the_rest_of_the_context(cluster):
     ids = cluster.tokenizer.encode("ok")
     cluster.script(ids, FinishReason.FINISH_REASON_STOP)
-    reply = await sdk(cluster).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    reply = await sdk(cluster).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+    )
     assert reply.choices[0].message.content == "ok" and reply.choices[0].message.role == "assistant"
     assert reply.choices[0].finish_reason == "stop" and reply.object == "chat.completion"
     prompt = list(cluster.decode.requests[0].prompt_token_ids)
@@ -138,24 +180,46 @@ async def test_chat_without_stream_defaults_max_tokens_to_the_rest_of_the_contex
     assert reply.usage.prompt_tokens == len(prompt)
 
 
-@pytest.mark.parametrize("path, body, param, words", [
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n", "only n=1"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs", "logprobs are not supported"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs",
-     "logprobs are not supported"),
-    ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 600}, "max_tokens", "exceeds the model's max_model_len"),
-    ("/v1/completions", {"prompt": [1, 99999]}, "token_ids", "lies outside"),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "batches of 2 prompts"),
-    ("/v1/completions", {}, "prompt", "Field required"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens", "valid integer"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role must be one of"),
-    ("/v1/chat/completions", {"messages": []}, "messages", "at least one message"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages",
-     "only text parts"),
-])
-async def test_bad_fields_get_400_with_an_openai_error_and_the_server_keeps_serving(cluster, client, path, body,
-                                                                                       param, words):
+@pytest.mark.parametrize(
+    "path, body, param, words",
+    [
+        ("/v1/completions", {"prompt": "x", "n": 2}, "n", "only n=1"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2}, "logprobs", "logprobs are not supported"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
+            "logprobs",
+            "logprobs are not supported",
+        ),
+        ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "max_tokens": 600},
+            "max_tokens",
+            "exceeds the model's max_model_len",
+        ),
+        ("/v1/completions", {"prompt": [1, 99999]}, "token_ids", "lies outside"),
+        ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "batches of 2 prompts"),
+        ("/v1/completions", {}, "prompt", "Field required"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, "max_tokens", "valid integer"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            "messages",
+            "role must be one of",
+        ),
+        ("/v1/chat/completions", {"messages": []}, "messages", "at least one message"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+            "messages",
+            "only text parts",
+        ),
+    ],
+)
+async def test_bad_fields_get_400_with_an_openai_error_and_the_server_keeps_serving(
+    cluster, client, path, body, param, words
+):
     r = await client.post(path, json={"model": MODEL, **body})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
@@ -168,7 +232,9 @@ async def test_bad_fields_get_400_with_an_openai_error_and_the_server_keeps_serv
 
 
 async def test_invalid_json_unknown_model_and_unknown_route(client):
-    r = await client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = await client.post(
+        "/v1/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     r = await client.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
@@ -194,9 +260,11 @@ async def test_admission_rejection_is_429_with_retry_after(cluster, client):
 async def test_mid_stream_failure_is_an_sse_error_event(cluster, client):
     cluster.script([5, 6, 7, 8])
     cluster.decode.die_after = 1
-    async with client.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}) as r:
+    async with client.stream(
+        "POST", "/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True}
+    ) as r:
         assert r.status_code == 200
-        events = [line[len("data: "):] async for line in r.aiter_lines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] async for line in r.aiter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert "decode worker" in error["message"] and error["code"] == "unavailable"
@@ -204,8 +272,11 @@ async def test_mid_stream_failure_is_an_sse_error_event(cluster, client):
 
 async def test_stream_client_disconnect_cancels_the_request(cluster, client):
     cluster.script([5, 6, 7], finish=None)  # decode hangs after its events, until cancelled
-    async with client.stream("POST", "/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True}) as r:
+    async with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "stream": True},
+    ) as r:
         lines = r.aiter_lines()
         assert (await anext(lines)).startswith("data: ")
     assert await wait_for(cluster.decode.cancelled)
@@ -241,8 +312,14 @@ async def test_models_health_and_metrics(cluster, client):
 
 
 def _front(model_dir: Path, **kw) -> Front:
-    defaults = dict(generation=None, model_name=MODEL, aliases=(), max_model_len=MAX_MODEL_LEN,
-                    chat=ChatTemplate.from_dir(model_dir), ready=lambda: False)
+    defaults = dict(
+        generation=None,
+        model_name=MODEL,
+        aliases=(),
+        max_model_len=MAX_MODEL_LEN,
+        chat=ChatTemplate.from_dir(model_dir),
+        ready=lambda: False,
+    )
     return Front(**{**defaults, **kw})  # type: ignore[arg-type]
 
 
@@ -263,18 +340,29 @@ async def test_api_key_is_required_on_v1_when_set(model_dir):
 
 async def test_a_model_without_chat_template_gets_a_clear_400(model_dir):
     async with await _asgi(_front(model_dir, chat=None)) as c:
-        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
+        r = await c.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+        )
     assert r.status_code == 400
-    assert r.json()["error"]["code"] == "no_chat_template" and "no chat template" in r.json()["error"]["message"]
+    assert (
+        r.json()["error"]["code"] == "no_chat_template" and "no chat template" in r.json()["error"]["message"]
+    )
 
 
 def test_chat_template_from_tokenizer_config_and_its_errors(tmp_path, model_dir):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes((model_dir / name).read_bytes())
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = [{"name": "default", "template": (
-        "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
-        "{{ raise_exception('System role not supported') }}{% endif %}[{{ m['content'] }}]{% endfor %}")}]
+    cfg["chat_template"] = [
+        {
+            "name": "default",
+            "template": (
+                "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}"
+                "[{{ m['content'] }}]{% endfor %}"
+            ),
+        }
+    ]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     template = ChatTemplate.from_dir(tmp_path)
     text, ids = template.encode([{"role": "user", "content": "hi"}])
