@@ -1,0 +1,184 @@
+"""Real pdserve processes on 127.0.0.1, started one by one (`pdserve coordinator|prefill|decode`), so
+tests can add workers to a live pool, SIGTERM or `kill -9` them, and read their metrics and logs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import generation_pb2_grpc
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc
+from server.launcher import free_port
+
+
+@dataclass
+class Proc:
+    name: str
+    role: str
+    address: str
+    popen: subprocess.Popen
+    log: Path
+    metrics_port: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        """The process's pdserve_* samples, `name{labels}` -> value."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("pdserve_"):
+                key, value = line.rsplit(" ", 1)
+                out[key] = float(value)
+        return out
+
+
+@dataclass
+class Procs:
+    model_dir: Path
+    tmp: Path
+    procs: dict[str, Proc] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self, name: str, role: str, *args: str, model_dir: Path | None = None, metrics: bool = True,
+              wait: bool = True) -> Proc:
+        port, mport = free_port(), free_port() if metrics else 0
+        log = self.tmp / f"{name}.log"
+        cmd = [sys.executable, "-m", "server.cli", role, "--model", str(model_dir or self.model_dir),
+               "--port", str(port), "--host", "127.0.0.1", *(["--metrics-port", str(mport)] if metrics else []),
+               *args]
+        env = dict(os.environ, PDSERVE_PROCESS=name, PDSERVE_LOG_LEVEL="INFO", **self.env)
+        with open(log, "w") as out:
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = Proc(name, role, f"127.0.0.1:{port}", popen, log, mport)
+        self.procs[name] = proc
+        if wait:
+            self.wait_serving(proc)
+        return proc
+
+    def coordinator(self, name: str = "coordinator", *args: str) -> Proc:
+        return self.start(name, "coordinator", "--heartbeat-timeout", "2", *args)
+
+    def worker(self, name: str, role: str, coordinator: Proc, *args: str, **kw) -> Proc:
+        proc = self.start(name, role, "--coordinator", coordinator.address, *args, **kw)
+        if kw.get("wait", True):
+            wait_until(lambda: state_of(coordinator, proc) == "ready", f"{name} ready in {coordinator.name}")
+        return proc
+
+    def wait_serving(self, proc: Proc, timeout: float = 120.0) -> None:
+        def serving() -> bool:
+            if proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log.read_text()[-3000:]}")
+            from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+            try:
+                with grpc.insecure_channel(proc.address) as ch:
+                    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
+            except grpc.RpcError:
+                return False
+            return reply.status == health_pb2.HealthCheckResponse.SERVING or proc.role == "coordinator"
+
+        wait_until(serving, f"{proc.name} serving", timeout)
+
+    def kill(self, name: str) -> None:
+        """kill -9."""
+        proc = self.procs[name]
+        os.kill(proc.popen.pid, signal.SIGKILL)
+        proc.popen.wait()
+
+    def terminate(self, name: str) -> None:
+        os.kill(self.procs[name].popen.pid, signal.SIGTERM)
+
+    def stop_all(self) -> None:
+        for proc in self.procs.values():
+            if proc.popen.poll() is None:
+                proc.popen.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.popen.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+
+
+def wait_until(condition, what: str, timeout: float = 60.0, every: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+def list_workers(coordinator: Proc) -> list[pb.WorkerStatus]:
+    with grpc.insecure_channel(coordinator.address) as ch:
+        return list(worker_pb2_grpc.RegistryStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers)
+
+
+def state_of(coordinator: Proc, worker: Proc) -> str | None:
+    return next((w.state for w in list_workers(coordinator) if w.address == worker.address), None)
+
+
+def blocks(decode: Proc) -> tuple[int, int]:
+    """(free, total) KV blocks of a live decode worker."""
+    with grpc.insecure_channel(decode.address) as ch:
+        load = worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5).load
+    return load.free_kv_blocks, load.total_kv_blocks
+
+
+def wait_blocks_free(decodes: list[Proc], timeout: float = 15.0) -> list[tuple[int, int]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        pairs = [blocks(d) for d in decodes]
+        if all(f == t for f, t in pairs) or time.monotonic() > deadline:
+            return pairs
+        time.sleep(0.1)
+
+
+def request(ids: list[int], max_tokens: int, **sampling) -> gen_pb.GenerateRequest:
+    return gen_pb.GenerateRequest(
+        token_ids=gen_pb.TokenIds(ids=ids),
+        sampling=gen_pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, **sampling),
+    )
+
+
+def generate(address: str, req: gen_pb.GenerateRequest, timeout: float = 60.0, metadata=()) -> list[int]:
+    """Every token id of a completed stream; raises grpc.RpcError."""
+    with grpc.insecure_channel(address) as ch:
+        return [t for m in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=timeout, metadata=metadata)
+                for t in m.token_ids]
+
+
+class Stream(threading.Thread):
+    """One Generate call in a thread: `tokens` as they come, then `error` (a grpc.RpcError) or `finish_reason`."""
+
+    def __init__(self, address: str, req: gen_pb.GenerateRequest, timeout: float = 120.0):
+        super().__init__(daemon=True)
+        self.address, self.req, self.timeout = address, req, timeout
+        self.tokens: list[int] = []
+        self.error: grpc.RpcError | None = None
+        self.finish_reason = 0
+        self.start()
+
+    def run(self) -> None:
+        try:
+            with grpc.insecure_channel(self.address) as ch:
+                for m in generation_pb2_grpc.GenerationStub(ch).Generate(self.req, timeout=self.timeout):
+                    self.tokens.extend(m.token_ids)
+                    self.finish_reason = m.finish_reason or self.finish_reason
+        except grpc.RpcError as e:
+            self.error = e
+
+
+def counter(samples: dict[str, float], name: str) -> float:
+    """A counter's value summed over its labels (0 when absent)."""
+    return sum(v for k, v in samples.items() if re.fullmatch(rf"{name}(\{{.*\}})?", k))
