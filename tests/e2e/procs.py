@@ -57,7 +57,10 @@ class Procs:
         cmd = [sys.executable, "-m", "server.cli", role, "--model", str(model_dir or self.model_dir),
                "--port", str(port), "--host", "127.0.0.1", *(["--metrics-port", str(mport)] if metrics else []),
                *args]
-        env = dict(os.environ, PDSERVE_PROCESS=name, PDSERVE_LOG_LEVEL="INFO", **self.env)
+        # One XLA compilation cache for the session: later prefill workers load, not compile.
+        cache = dict(JAX_COMPILATION_CACHE_DIR=str(self.tmp.parent / "jax-cache"),
+                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        env = dict(os.environ, PDSERVE_PROCESS=name, PDSERVE_LOG_LEVEL="INFO", **cache, **self.env)
         with open(log, "w") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         proc = Proc(name, role, f"127.0.0.1:{port}", popen, log, mport)
