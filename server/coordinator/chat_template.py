@@ -108,13 +108,13 @@ class ChatTemplate:
         self.special_tokens = special_tokens
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ChatTemplate | None:
-        """None when the model has no chat template (a base model)."""
+    def from_dir(cls, model_dir: str | Path, encoder: HfTokenizer | None = None) -> ChatTemplate | None:
+        """None when the model has no chat template (a base model). `encoder`: tokenizer.json, if loaded."""
         model_dir = Path(model_dir)
         template, cfg = _read_template(model_dir)
         if template is None:
             return None
-        encoder = HfTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        encoder = encoder or HfTokenizer.from_file(str(model_dir / "tokenizer.json"))
         special = {name: _token_content(cfg.get(name)) for name in SPECIAL_TOKENS}
         return cls(template, encoder, special)
 

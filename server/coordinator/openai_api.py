@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import Tokenizer as HfTokenizer
 
 from pdserve.v1 import generation_pb2
 from server.coordinator import http_server
@@ -152,6 +153,18 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
+class TokenizeRequest(BaseModel):
+    model: str
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str
+    tokens: list[int]
+
+
 class ChatRequest(SamplingFields):
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
@@ -262,6 +275,8 @@ class Front:
     api_key: str | None = None
     timeout: float | None = None
     created: int = 0
+    encoder: HfTokenizer | None = None
+    """For /tokenize without special tokens (vLLM's extension); None: the endpoint answers 501."""
 
     def check_model(self, model: str) -> None:
         if model != self.model_name and model not in self.aliases:
@@ -451,6 +466,36 @@ def create_app(front: Front) -> FastAPI:
     async def metrics() -> Response:
         return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
+    @app.post("/tokenize", dependencies=[Depends(authenticate)])
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's extension (what `vllm bench serve` aligns its prompts with)."""
+        front.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "prompt or messages: give exactly one", param="prompt")
+        if body.messages is not None:
+            if front.chat is None:
+                raise ApiError(400, "messages: the model has no chat template", param="messages")
+            try:
+                _, ids = front.chat.encode(body.messages)
+            except ChatTemplateError as e:
+                raise ApiError(400, f"messages: {e}", param="messages") from e
+        elif body.add_special_tokens:
+            ids = front.generation.tokenizer.encode(body.prompt or "")
+        elif front.encoder is not None:
+            ids = front.encoder.encode(body.prompt or "", add_special_tokens=False).ids
+        else:
+            raise ApiError(501, "add_special_tokens=false is not available here")
+        return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids, "token_strs": None}
+
+    @app.post("/detokenize", dependencies=[Depends(authenticate)])
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        front.check_model(body.model)
+        vocab = front.generation.limits.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise ApiError(400, f"tokens: id {bad[0]} lies outside [0, {vocab})", param="tokens")
+        return {"prompt": front.generation.tokenizer.decode(body.tokens)}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
         card = {
@@ -529,15 +574,17 @@ async def serve_http(
 ) -> http_server.HttpServer:
     """Starts the OpenAI HTTP front for a CoordinatorConfig (`http_port`, `host`, `api_key`, `model_dir`)."""
     model_dir = Path(config.model_dir)
+    encoder = HfTokenizer.from_file(str(model_dir / "tokenizer.json"))
     front = Front(
         generation=generation,
         model_name=served_model_name(model_dir),
         aliases=(str(model_dir), str(model_dir.resolve())),
         max_model_len=max_model_len,
-        chat=ChatTemplate.from_dir(model_dir),
+        chat=ChatTemplate.from_dir(model_dir, encoder),
         ready=ready,
         api_key=getattr(config, "api_key", None),
         created=int(time.time()),
+        encoder=encoder,
     )
     server = await http_server.start(create_app(front), config.host, config.http_port)
     log.info("OpenAI-compatible HTTP on http://%s:%d/v1", config.host, server.port)

@@ -374,3 +374,22 @@ def test_chat_template_from_tokenizer_config_and_its_errors(tmp_path, model_dir)
     del cfg["chat_template"]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     assert ChatTemplate.from_dir(tmp_path) is None
+
+
+async def test_tokenize_and_detokenize_as_vllm_answers_them(cluster, client):
+    ids = cluster.tokenizer.encode("import os")
+    r = await client.post(
+        "/tokenize", json={"model": MODEL, "prompt": "import os", "add_special_tokens": False}
+    )
+    assert r.status_code == 200 and r.json() == {
+        "count": len(ids),
+        "max_model_len": MAX_MODEL_LEN,
+        "tokens": ids,
+        "token_strs": None,
+    }
+    r = await client.post("/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.json()["tokens"] == cluster.tokenizer.encode("<|user|>\nhi\n<|assistant|>\n")
+    r = await client.post("/detokenize", json={"model": MODEL, "tokens": ids})
+    assert r.json() == {"prompt": "import os"}
+    r = await client.post("/detokenize", json={"model": MODEL, "tokens": [1, 10**6]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
