@@ -23,6 +23,9 @@ KUSTOMIZATIONS = {
     "gke": DEPLOY / "overlays" / "gke",
 }
 POD_IP = "10.8.0.17"
+POD_NAME = "pdserve-decode-7d9f8c6b5-x2x9q"
+POD_NAMESPACE = "pdserve"
+FIELDS = {"status.podIP": POD_IP, "metadata.name": POD_NAME, "metadata.namespace": POD_NAMESPACE}
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -71,7 +74,7 @@ class Process:
 
 
 def env_values(container: dict, maps: dict[str, dict[str, str]]) -> tuple[dict[str, str], dict[str, tuple[str, str]]]:
-    """What kubelet would set: literal values, ConfigMap keys and downward-API fields (pod IP)."""
+    """What kubelet would set: literal values, ConfigMap keys and downward-API fields."""
     values: dict[str, str] = {}
     keys: dict[str, tuple[str, str]] = {}
     for var in container.get("env", []):
@@ -84,8 +87,8 @@ def env_values(container: dict, maps: dict[str, dict[str, str]]) -> tuple[dict[s
             assert ref["key"] in maps[ref["name"]], f"{var['name']}: ConfigMap {ref['name']} has no key {ref['key']}"
             values[var["name"]] = maps[ref["name"]][ref["key"]]
             keys[var["name"]] = (ref["name"], ref["key"])
-        elif source.get("fieldRef", {}).get("fieldPath") == "status.podIP":
-            values[var["name"]] = POD_IP
+        elif "fieldRef" in source:
+            values[var["name"]] = FIELDS[source["fieldRef"]["fieldPath"]]
     return values, keys
 
 

@@ -57,7 +57,8 @@ def test_renders_hold_the_expected_objects(rendered):
         + [f"PodDisruptionBudget/{t}" for t in tiers]
         + [f"NetworkPolicy/{t}" for t in tiers]
         + ["HorizontalPodAutoscaler/pdserve-decode", "HorizontalPodAutoscaler/pdserve-prefill"]
-        + ["Service/pdserve-coordinator", "Service/pdserve-coordinator-registry", "Service/pdserve-decode-kv"]
+        + ["Service/pdserve-coordinator", "Service/pdserve-coordinator-registry", "Service/pdserve-decode-kv",
+           "Service/pdserve-prefill"]
     )
     config_maps = sorted(f"ConfigMap/{o['metadata']['name']}" for o in by_kind(rendered["base"], "ConfigMap"))
     assert [c.rsplit("-", 1)[0] for c in config_maps] == [f"ConfigMap/{t}" for t in tiers]

@@ -13,6 +13,8 @@ from tests.deploy.manifests import (
     DEPLOY,
     KUSTOMIZATIONS,
     POD_IP,
+    POD_NAME,
+    POD_NAMESPACE,
     by_kind,
     config_maps,
     container_ports,
@@ -53,7 +55,18 @@ def test_every_container_runs_a_pdserve_command_that_parses(rendered, kustomizat
             assert option(proc.argv, "--log-format") == "json", proc.name
             if args.command != "coordinator":
                 assert args.coordinator == "pdserve-coordinator-registry:50051", proc.name
-                assert args.advertise_address == f"{POD_IP}:{args.port}", proc.name
+                # Plaintext: the pod IP. mTLS (gke): the pod's DNS name under its headless Service,
+                # which its certificate carries.
+                pod = named(rendered[kustomization], "Deployment", proc.deployment)["spec"]["template"]
+                if kustomization == "gke":
+                    subdomain = named(rendered[kustomization], "Service", pod["spec"]["subdomain"])["spec"]
+                    assert subdomain["clusterIP"] == "None" and subdomain["publishNotReadyAddresses"] is True
+                    assert selects({"matchLabels": subdomain["selector"]}, pod["metadata"]["labels"])
+                    host = f"{POD_NAME}.{pod['spec']['subdomain']}.{POD_NAMESPACE}.svc"
+                else:
+                    assert "subdomain" not in pod["spec"]
+                    host = POD_IP
+                assert args.advertise_address == f"{host}:{args.port}", proc.name
         else:
             assert args.command == "make-tiny-model" and str(args.dir) == "/models/model", proc.name
 
@@ -243,7 +256,18 @@ def test_gke_puts_prefill_on_tpu_and_decode_on_gpu(rendered):
     assert "nodeSelector" not in coordinator and "tolerations" not in coordinator
     for spec in (prefill, decode, coordinator):
         assert next(v for v in spec["volumes"] if v["name"] == "tls")["csi"]["driver"] == "csi.cert-manager.io"
+    # Every name a peer dials is in the certificate of the pod it reaches.
     for proc in processes(objects):
+        pod = named(objects, "Deployment", proc.deployment)["spec"]["template"]["spec"]
+        attributes = next(v for v in pod["volumes"] if v["name"] == "tls")["csi"]["volumeAttributes"]
+        sans = attributes["csi.cert-manager.io/dns-names"].split(",")
+        assert attributes["csi.cert-manager.io/ip-sans"] == "127.0.0.1"  # the pod's own health check
+        if proc.deployment == "pdserve-coordinator":
+            dialed = ["pdserve-coordinator", "pdserve-coordinator-registry"]
+        else:  # the advertised host as the manifest writes it, in the CSI driver's ${VAR} syntax
+            host = option(proc.container["args"], "--advertise-address").rsplit(":", 1)[0]
+            dialed = [host.replace("$(", "${").replace(")", "}")]
+        assert set(dialed) <= set(sans), (proc.name, dialed, sans)
         assert option(proc.argv, "--tls-ca") == "/etc/pdserve/tls/ca.crt", proc.name
         assert option(proc.argv, "--tls-cert") == "/etc/pdserve/tls/tls.crt", proc.name
         assert option(proc.argv, "--tls-key") == "/etc/pdserve/tls/tls.key", proc.name
