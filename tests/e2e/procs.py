@@ -32,6 +32,11 @@ class Proc:
     log: Path
     metrics_port: int = 0
 
+    def families(self) -> set[str]:
+        """The metric families the process exports (`# TYPE` lines; counters without `_total`)."""
+        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE pdserve_")}
+
     def metrics(self) -> dict[str, float]:
         """The process's pdserve_* samples, `name{labels}` -> value."""
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()

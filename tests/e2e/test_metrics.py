@@ -1,0 +1,102 @@
+"""Prometheus metrics (agreed names, real values), admission (queue overflow, deadline) and JSON logs,
+on a coordinator and one decode worker that prefills locally (no prefill worker: quick to start)."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from tests.e2e.procs import Procs, Stream, blocks, counter, generate, list_workers, request, wait_blocks_free, wait_until
+
+AGREED = [
+    "pdserve_num_requests_running", "pdserve_num_requests_waiting", "pdserve_kv_cache_usage_perc",
+    "pdserve_kv_blocks_used", "pdserve_kv_blocks_total", "pdserve_prefill_queued_tokens",
+    "pdserve_request_success_total", "pdserve_request_failure_total", "pdserve_time_to_first_token_seconds",
+    "pdserve_inter_token_latency_seconds", "pdserve_e2e_request_latency_seconds",
+    "pdserve_request_queue_time_seconds", "pdserve_prompt_tokens_total", "pdserve_generation_tokens_total",
+    "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds", "pdserve_prefill_retries_total",
+    "pdserve_migrations_total", "pdserve_local_prefill_fallbacks_total", "pdserve_admission_rejections_total",
+]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    procs = Procs(tiny_model("llama"), tmp_path_factory.mktemp("metrics"))
+    try:
+        coordinator = procs.coordinator("coordinator", "--max-queue", "1", "--log-format", "json")
+        procs.worker("d0", "decode", coordinator, "--max-running", "2", "--kv-cache-tokens", "4096")
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+def test_every_agreed_metric_is_exported_with_real_values(cluster):
+    coordinator, d0 = cluster.procs["coordinator"], cluster.procs["d0"]
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    outputs = [generate(coordinator.address, request(prompt, 9)) for prompt in prompts]
+    assert [len(o) for o in outputs] == [9, 9]
+    c, d = coordinator.metrics(), d0.metrics()
+    families = coordinator.families() | d0.families()
+    assert [n for n in AGREED if n not in families and n.removesuffix("_total") not in families] == []
+    assert c['pdserve_request_success_total{finished_reason="length"}'] == 2
+    assert c["pdserve_prompt_tokens_total"] == 7 and c["pdserve_generation_tokens_total"] == 18
+    assert c["pdserve_time_to_first_token_seconds_count"] == 2
+    assert c["pdserve_inter_token_latency_seconds_count"] == 16
+    assert c["pdserve_e2e_request_latency_seconds_count"] == 2
+    assert c["pdserve_local_prefill_fallbacks_total"] == 2 and d["pdserve_local_prefill_fallbacks_total"] == 2
+    free, total = blocks(d0)
+    assert d["pdserve_kv_blocks_total"] == total == 256
+    assert d["pdserve_kv_blocks_used"] == total - free == 0 and d["pdserve_kv_cache_usage_perc"] == 0.0
+    assert d["pdserve_num_requests_running"] == 0
+
+
+def test_queue_overflow_is_resource_exhausted_with_a_hint_and_a_deadline_is_deadline_exceeded(cluster):
+    coordinator, d0 = cluster.procs["coordinator"], cluster.procs["d0"]
+    # Two requests that wait for KV that never comes fill d0's running cap (2) until cancelled.
+    channel = grpc.insecure_channel(d0.address)
+    holds = [worker_pb2_grpc.DecodeStub(channel).Decode(worker_pb2.DecodeRequest(
+        request_id=f"hold-{i}", prompt_token_ids=[3, 4, 5], sampling=gen_pb.SamplingParams(max_tokens=20),
+        transfer_token=b"t" * 16, lease_seconds=60)) for i in range(2)]
+    assert [next(h).WhichOneof("event") for h in holds] == ["reserved", "reserved"]
+    wait_until(lambda: list_workers(coordinator)[0].info.load.waiting_requests == 2, "the coordinator sees the cap")
+    assert blocks(d0) == (256 - 4, 256)
+    queued = Stream(coordinator.address, request([11, 12], 5), timeout=1.5)  # waits for room, then expires
+    wait_until(lambda: coordinator.metrics()["pdserve_num_requests_waiting"] == 1, "one request queued", every=0.02)
+    with pytest.raises(grpc.RpcError) as e:
+        generate(coordinator.address, request([13, 14], 5))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "decode queue is full (1 waiting); you may retry" in e.value.details()
+    assert ("retry-after-ms", "500") in tuple(e.value.trailing_metadata())
+    queued.join(30)
+    assert queued.error is not None and queued.error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert queued.tokens == []
+    for h in holds:  # a cancelled Decode frees its blocks at once
+        h.cancel()
+    channel.close()
+    free, total = wait_blocks_free([d0])[0]
+    assert free == total
+    c = coordinator.metrics()
+    assert c['pdserve_admission_rejections_total{tier="decode"}'] == 1
+    assert c['pdserve_request_failure_total{code="RESOURCE_EXHAUSTED"}'] == 1
+    assert c["pdserve_request_queue_time_seconds_count"] >= 2
+    assert [w.inflight for w in list_workers(coordinator)] == [0]
+    assert len(generate(coordinator.address, request([13, 14], 5))) == 5  # room again
+
+
+def test_json_logs_carry_the_request_id_on_every_request_line(cluster):
+    coordinator = cluster.procs["coordinator"]
+    req = request([21, 22, 23], 4)
+    req.request_id = "log-me-7"
+    with pytest.raises(grpc.RpcError):  # an invalid request still logs nothing but its own id
+        generate(coordinator.address, gen_pb.GenerateRequest(text=""))
+    assert len(generate(coordinator.address, req)) == 4
+    lines = [json.loads(line) for line in coordinator.log.read_text().splitlines() if line.strip()]
+    assert all({"time", "level", "process", "logger", "request_id", "message"} <= set(line) for line in lines)
+    mine = [line for line in lines if line["request_id"] == "log-me-7"]
+    assert mine and all(line["process"] == "coordinator" for line in mine)
+    assert any("prefills it" in line["message"] for line in mine)  # the local-prefill line names it
+    assert counter(coordinator.metrics(), "pdserve_request_failure_total") >= 2
