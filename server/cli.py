@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 DEFAULT_FAMILY = "llama"
+WEIGHT_DTYPES = ["auto", "float32", "bfloat16", "int8", "fp8"]
+KV_DTYPES = ["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"]
 
 
 def _setup_logging(log_format: str = "text") -> None:
@@ -103,7 +105,10 @@ def cmd_up(args) -> int:
     coordinator_args = ["--http-port", str(http_port)] if http_port is not None else []
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                                  port=args.port, host=args.host, coordinator_args=coordinator_args)
+                                  port=args.port, host=args.host, coordinator_args=coordinator_args,
+                                  prefill_args=["--weight-dtype", args.prefill_weight_dtype],
+                                  decode_args=["--weight-dtype", args.decode_weight_dtype,
+                                               "--kv-dtype", args.kv_dtype])
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
@@ -255,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(p, 50051)
     p.add_argument("--state-file", type=Path, help="write the processes' addresses here as JSON")
     p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
+    p.add_argument("--prefill-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="prefill workers' weights")
+    p.add_argument("--decode-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="decode workers' weights")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("coordinator", help="run the coordinator (public API)")
@@ -277,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(p)
     _server_args(p, 50052)
     p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--weight-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
+    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
+                   help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
     _worker_args(p)
     p.set_defaults(func=cmd_prefill)
 
@@ -287,8 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
     p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--weight-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    p.add_argument("--kv-dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
+                   help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="auto: the compute dtype; fp8_e4m3/int8: per-block, per-kv-head scales")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     _worker_args(p)
     p.add_argument("--kv-port", type=int, help="serve KvTransfer alone on this port (default: the main port)")

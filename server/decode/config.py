@@ -17,10 +17,11 @@ class DecodeConfig:
     """Capacity of the paged KV cache in tokens (rounded up to whole blocks)."""
     max_running: int = 64
     """Most requests decoded together; more are refused with RESOURCE_EXHAUSTED."""
-    weight_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """auto: the dtype the checkpoint is stored in."""
-    kv_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """auto: the model's compute dtype."""
+    weight_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = "auto"
+    """auto: the dtype the checkpoint is stored in; int8/fp8: weight-only, per-output-channel scales,
+    computing in the checkpoint's dtype."""
+    kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"] = "auto"
+    """auto: the model's compute dtype; fp8_e4m3/int8 keep a float32 scale per block per kv head."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
 
@@ -29,6 +30,12 @@ class DecodeConfig:
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(f"--kv-cache-tokens must hold at least one block ({self.block_size} tokens)")
+        if self.weight_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
+            raise ValueError(f"--weight-dtype must be auto, float32, bfloat16, int8 or fp8, not {self.weight_dtype!r}")
+        if self.kv_dtype not in ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"):
+            raise ValueError(
+                f"--kv-dtype must be auto, float32, bfloat16, float16, fp8_e4m3 or int8, not {self.kv_dtype!r}"
+            )
         if self.max_running <= 0:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
 

@@ -59,7 +59,8 @@ class DecodeEngine:
         seq = self.sequences.get(request_id)
         if seq is None or seq.state is not SeqState.WAITING_KV:
             raise KeyError(f"request {request_id} holds no blocks on this worker")
-        self.cache.write(seq.block_table, piece.layer_start, piece.token_start, piece.k, piece.v)
+        self.cache.write(seq.block_table, piece.layer_start, piece.token_start, piece.k, piece.v,
+                         piece.k_scales, piece.v_scales)
 
     # ---- running ----------------------------------------------------------------
 

@@ -2,7 +2,14 @@
 
 Token t of a request lives in block `block_table[t // block_size]` at offset `t % block_size`; its
 flat slot is `block_id * block_size + offset`. The model stores and gathers through `store`/`gather`,
-the transfer receiver writes prompt KV through `write`; a quantized dtype would convert in those three.
+the transfer receiver writes prompt KV through `write`.
+
+Quantized caches (fp8_e4m3, int8) hold one float32 scale per block per kv head beside the blocks
+(`k_scales`, `v_scales` [L, N, Hkv]; x ≈ q * scale, as `kvcache.quant` defines). `write` stores the
+prefill tier's bytes and scales as they came, never re-quantizing them. `store` quantizes the tokens
+decode computes itself: a block's scale starts at the first token written at offset 0 and grows when
+a later token exceeds its range (the block's earlier values are then re-expressed in the larger scale,
+a rare event: the absmax of K/V varies little along a block). `gather` dequantizes to float32.
 """
 
 from __future__ import annotations
@@ -10,13 +17,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcache.layout import KvLayout
+from kvcache.layout import QUANTIZED, KvLayout
+from kvcache.quant import QMAX
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+QUANTIZED_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "int8": torch.int8,
+}
+_FROM_NUMPY: dict[str, torch.dtype] = TORCH_DTYPES | {"float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8}
 _SAME_SIZE_INT: dict[int, tuple[type, torch.dtype]] = {
     1: (np.int8, torch.int8),
     2: (np.int16, torch.int16),
@@ -25,10 +38,10 @@ _SAME_SIZE_INT: dict[int, tuple[type, torch.dtype]] = {
 
 
 def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
-    """A CPU tensor with the same bits and dtype (bfloat16 included, which torch.from_numpy lacks)."""
-    dtype = TORCH_DTYPES.get(array.dtype.name)
+    """A CPU tensor with the same bits and dtype (bfloat16 and fp8 included, which torch.from_numpy lacks)."""
+    dtype = _FROM_NUMPY.get(array.dtype.name)
     if dtype is None:
-        raise ValueError(f"dtype {array.dtype.name} is not one of {', '.join(TORCH_DTYPES)}")
+        raise ValueError(f"dtype {array.dtype.name} is not one of {', '.join(_FROM_NUMPY)}")
     array = np.ascontiguousarray(array)
     if not array.flags.writeable:  # torch.from_numpy warns on read-only memory (memmaps, wire buffers)
         array = array.copy()
@@ -38,30 +51,61 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
 
 class PagedKvCache:
     def __init__(self, layout: KvLayout, num_blocks: int, device: str | torch.device = "cpu"):
-        if layout.dtype not in TORCH_DTYPES:
-            raise ValueError(f"the torch KV cache holds {', '.join(TORCH_DTYPES)}, not {layout.dtype}")
+        if layout.dtype not in TORCH_DTYPES | QUANTIZED_TORCH_DTYPES:
+            raise ValueError(
+                f"the torch KV cache holds {', '.join(TORCH_DTYPES | QUANTIZED_TORCH_DTYPES)}, not {layout.dtype}"
+            )
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.layout = layout
         self.num_blocks = num_blocks
         self.block_size = layout.block_size
-        self.dtype = TORCH_DTYPES[layout.dtype]
+        self.quantized = layout.dtype in QUANTIZED
+        self.dtype = (TORCH_DTYPES | QUANTIZED_TORCH_DTYPES)[layout.dtype]
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
         self.v = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
+        self.k_scales: torch.Tensor | None = None  # [L, N, Hkv] float32, quantized dtypes only
+        self.v_scales: torch.Tensor | None = None
+        if self.quantized:
+            self.qmax = QMAX[layout.dtype]
+            scale_shape = (layout.num_layers, num_blocks, layout.num_kv_heads)
+            self.k_scales = torch.zeros(scale_shape, dtype=torch.float32, device=device)
+            self.v_scales = torch.zeros(scale_shape, dtype=torch.float32, device=device)
 
     @property
     def device(self) -> torch.device:
         return self.k.device
 
     @staticmethod
+    def bytes_per_block(layout: KvLayout) -> int:
+        """K and V of one block over all layers, plus its float32 scales (2 x L x Hkv x 4 bytes) when quantized."""
+        scales = 2 * layout.num_layers * layout.num_kv_heads * 4 if layout.dtype in QUANTIZED else 0
+        return layout.bytes_per_token * layout.block_size + scales
+
+    @staticmethod
     def num_blocks_for_budget(layout: KvLayout, budget_bytes: int) -> int:
-        return budget_bytes // (layout.bytes_per_token * layout.block_size)
+        return budget_bytes // PagedKvCache.bytes_per_block(layout)
+
+    @property
+    def nbytes(self) -> int:
+        scales = 0 if self.k_scales is None else self.k_scales.nbytes + self.v_scales.nbytes
+        return self.k.nbytes + self.v.nbytes + scales
 
     def write(
-        self, block_table: list[int], layer_start: int, token_start: int, k: np.ndarray, v: np.ndarray
+        self,
+        block_table: list[int],
+        layer_start: int,
+        token_start: int,
+        k: np.ndarray,
+        v: np.ndarray,
+        k_scales: np.ndarray | None = None,
+        v_scales: np.ndarray | None = None,
     ) -> None:
-        """Copies k, v [l, n, Hkv, D] bit-exactly to tokens [token_start, +n) of layers [layer_start, +l)."""
+        """Copies k, v [l, n, Hkv, D] bit-exactly to tokens [token_start, +n) of layers [layer_start, +l).
+
+        Quantized caches take the pieces' scales [l, ceil(n / block_size), Hkv] too, stored as they are.
+        """
         layout = self.layout
         heads = (layout.num_kv_heads, layout.head_dim)
         if k.shape != v.shape or k.ndim != 4 or k.shape[2:] != heads:
@@ -81,6 +125,19 @@ class PagedKvCache:
         blocks = torch.tensor(block_table, dtype=torch.int64)[tokens // self.block_size]  # [n]
         slots = (blocks * self.block_size + tokens % self.block_size).to(self.device)  # [n]
         layers = slice(layer_start, layer_start + num_layers)
+        if self.quantized:
+            covered = layout.num_blocks(n)
+            scale_shape = (num_layers, covered, layout.num_kv_heads)
+            for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+                if scales is None or scales.shape != scale_shape or scales.dtype != np.float32:
+                    got = "nothing" if scales is None else f"{scales.dtype} {scales.shape}"
+                    raise ValueError(f"{layout.dtype} KV needs {name} float32 {scale_shape}, got {got}")
+            first = token_start // self.block_size
+            block_ids = torch.tensor(block_table[first : first + covered], dtype=torch.int64, device=self.device)
+            self.k_scales[layers, block_ids] = torch.from_numpy(np.array(k_scales)).to(self.device)
+            self.v_scales[layers, block_ids] = torch.from_numpy(np.array(v_scales)).to(self.device)
+        elif k_scales is not None or v_scales is not None:
+            raise ValueError(f"{layout.dtype} KV takes no scales")
         self.k[layers].flatten(1, 2)[:, slots] = numpy_to_torch(k).to(self.device)  # [l, n, Hkv, D]
         self.v[layers].flatten(1, 2)[:, slots] = numpy_to_torch(v).to(self.device)
 
@@ -93,13 +150,53 @@ class PagedKvCache:
         v = self.v[:, blocks].reshape(L, -1, H, D)[:, :num_tokens]
         return k, v
 
+    def read_scales(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V scales [L, ceil(num_tokens / block_size), Hkv] of a quantized cache (a copy)."""
+        if not self.quantized:
+            raise ValueError(f"a {self.layout.dtype} cache has no scales")
+        blocks = torch.tensor(block_table[: self.layout.num_blocks(num_tokens)], dtype=torch.int64)
+        return self.k_scales[:, blocks.to(self.device)], self.v_scales[:, blocks.to(self.device)]
+
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes k, v [N, Hkv, D] of one layer at flat slots [N] (block_id * block_size + offset)."""
-        self.k[layer].flatten(0, 1)[slots] = k.to(self.dtype)
-        self.v[layer].flatten(0, 1)[slots] = v.to(self.dtype)
+        """Writes k, v [N, Hkv, D] of one layer at flat slots [N] (block_id * block_size + offset).
+
+        Slots must come in order within a block (as tokens do); quantized caches quantize here.
+        """
+        if not self.quantized:
+            self.k[layer].flatten(0, 1)[slots] = k.to(self.dtype)
+            self.v[layer].flatten(0, 1)[slots] = v.to(self.dtype)
+            return
+        self._store_quantized(self.k[layer], self.k_scales[layer], slots, k)
+        self._store_quantized(self.v[layer], self.v_scales[layer], slots, v)
+
+    def _store_quantized(self, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, x: torch.Tensor):
+        """data [N, bs, Hkv, D] and scales [N, Hkv] of one layer; x [n, Hkv, D] for flat slots [n]."""
+        blocks = slots // self.block_size  # [n]
+        scales[blocks[slots % self.block_size == 0]] = 0.0  # a block starts afresh at its first token
+        touched, where = torch.unique(blocks, return_inverse=True)  # [U], [n]
+        old = scales[touched]  # [U, Hkv]
+        need = x.detach().abs().amax(-1).float() / self.qmax  # [n, Hkv]
+        new = old.scatter_reduce(0, where[:, None].expand_as(need), need, "amax")  # [U, Hkv]
+        grown = (new > old).any(-1) & (old > 0).any(-1)  # [U] blocks whose earlier values change scale
+        if grown.any():
+            ids = touched[grown]
+            ratio = old[grown] / new[grown]  # [G, Hkv] <= 1
+            data[ids] = self._quantize(data[ids].float() * ratio[:, None, :, None])
+        scales[touched] = new
+        per_token = new[where]  # [n, Hkv]
+        safe = torch.where(per_token > 0, per_token, torch.ones_like(per_token))
+        data.flatten(0, 1)[slots] = self._quantize(x.float() / safe[..., None])
+
+    def _quantize(self, y: torch.Tensor) -> torch.Tensor:
+        """Values already divided by their scale -> the storage dtype (round to nearest, saturate)."""
+        y = y.clamp(-self.qmax, self.qmax)
+        return (y.round() if self.dtype == torch.int8 else y).to(self.dtype)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [B, M * block_size, Hkv, D] of one layer for block tables [B, M]."""
+        """K and V [B, M * block_size, Hkv, D] of one layer for block tables [B, M] (float32 when quantized)."""
         k = self.k[layer][block_tables]  # [B, M, bs, Hkv, D]
         v = self.v[layer][block_tables]
+        if self.quantized:
+            k = k.float() * self.k_scales[layer][block_tables][:, :, None, :, None]  # scales [B, M, 1, Hkv, 1]
+            v = v.float() * self.v_scales[layer][block_tables][:, :, None, :, None]
         return k.flatten(1, 2), v.flatten(1, 2)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kvcache.layout import KvLayout
+from kvcache.layout import QUANTIZED, KvLayout
 from kvcache.receiver import KvReceiver
 from pdserve.v1 import worker_pb2_grpc
 from server import metrics, serving
@@ -18,6 +18,7 @@ from server.decode.config import DecodeConfig
 from server.decode.engine import DecodeEngine
 from server.decode.kv_cache import TORCH_DTYPES
 from server.decode.model import DecoderModel
+from server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
 from server.decode.service import DecodeService
 from server.model.config import load_config
 from server.model.fingerprint import fingerprint
@@ -59,22 +60,28 @@ class DecodeWorker:
 def build_engine(config: DecodeConfig):
     model_config = load_config(config.model_dir)
     weight_dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
-    kv_dtype = weight_dtype if config.kv_dtype == "auto" else config.kv_dtype
+    quantized = weight_dtype in QUANTIZED_WEIGHTS
+    compute_dtype = (model_config.dtype if model_config.dtype in TORCH_DTYPES else "float32") if quantized \
+        else weight_dtype
+    kv_dtype = compute_dtype if config.kv_dtype == "auto" else config.kv_dtype
     if config.threads:
         torch.set_num_threads(config.threads)
     t0 = time.perf_counter()
-    model = DecoderModel(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[weight_dtype])
+    model = DecoderModel(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
+                         weight_format=weight_dtype if quantized else None)
     layout = KvLayout(
         num_layers=model_config.num_layers,
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         block_size=config.block_size,
         dtype=kv_dtype,
+        scale_granularity="block_head" if kv_dtype in QUANTIZED else "none",
     )
     engine = DecodeEngine(model, layout, config.num_blocks, config.max_running)
-    log.info("decode model %s loaded in %.1f s; KV cache %d blocks x %d tokens (%s, %.1f MiB)",
-             model_config.describe(), time.perf_counter() - t0, config.num_blocks, config.block_size,
-             kv_dtype, config.num_blocks * config.block_size * layout.bytes_per_token / 2**20)
+    log.info("decode model %s loaded in %.1f s; weights %.1f MiB (%s, compute %s); KV cache %d blocks x %d "
+             "tokens (%s, %.1f MiB incl. scales)", model_config.describe(), time.perf_counter() - t0,
+             buffer_bytes(model) / 2**20, weight_dtype, compute_dtype, config.num_blocks, config.block_size,
+             kv_dtype, engine.cache.nbytes / 2**20)
     return model_config, engine, layout
 
 

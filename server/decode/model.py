@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from server.decode.kv_cache import PagedKvCache, numpy_to_torch
+from server.decode.quant import Linear, WeightFormat
 from server.model.config import ModelConfig
 from server.model.rope import inv_freq
 
@@ -31,22 +32,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weight: Callable[[str], torch.Tensor], index: int):
+    def __init__(self, config: ModelConfig, weight: Callable[[str], torch.Tensor], index: int,
+                 linear: Callable[[torch.Tensor, torch.Tensor | None], Linear], dtype: torch.dtype):
         super().__init__()
         self.config = config
         self.index = index
         p = f"model.layers.{index}."
         attn = [f"{p}self_attn.{name}_proj" for name in "qkv"]
-        self.wqkv = nn.Buffer(torch.cat([weight(f"{n}.weight") for n in attn]))  # [(H + 2 Hkv) D, d]
-        self.bqkv = nn.Buffer(torch.cat([weight(f"{n}.bias") for n in attn])) if config.qkv_bias else None
-        self.q_norm = nn.Buffer(weight(f"{p}self_attn.q_norm.weight")) if config.qk_norm else None  # [D]
-        self.k_norm = nn.Buffer(weight(f"{p}self_attn.k_norm.weight")) if config.qk_norm else None  # [D]
-        self.wo = nn.Buffer(weight(f"{p}self_attn.o_proj.weight"))  # [d, H D]
+        bqkv = torch.cat([weight(f"{n}.bias") for n in attn]) if config.qkv_bias else None
+        self.wqkv = linear(torch.cat([weight(f"{n}.weight") for n in attn]), bqkv)  # [(H + 2 Hkv) D, d]
+        norm = lambda name: nn.Buffer(weight(name).to(dtype))  # noqa: E731
+        self.q_norm = norm(f"{p}self_attn.q_norm.weight") if config.qk_norm else None  # [D]
+        self.k_norm = norm(f"{p}self_attn.k_norm.weight") if config.qk_norm else None  # [D]
+        self.wo = linear(weight(f"{p}self_attn.o_proj.weight"), None)  # [d, H D]
         mlp = [weight(f"{p}mlp.{name}_proj.weight") for name in ("gate", "up")]
-        self.w_gate_up = nn.Buffer(torch.cat(mlp))  # [2 I, d]
-        self.w_down = nn.Buffer(weight(f"{p}mlp.down_proj.weight"))  # [d, I]
-        self.attn_norm = nn.Buffer(weight(f"{p}input_layernorm.weight"))  # [d]
-        self.mlp_norm = nn.Buffer(weight(f"{p}post_attention_layernorm.weight"))  # [d]
+        self.w_gate_up = linear(torch.cat(mlp), None)  # [2 I, d]
+        self.w_down = linear(weight(f"{p}mlp.down_proj.weight"), None)  # [d, I]
+        self.attn_norm = norm(f"{p}input_layernorm.weight")  # [d]
+        self.mlp_norm = norm(f"{p}post_attention_layernorm.weight")  # [d]
 
     def forward(
         self,
@@ -61,7 +64,7 @@ class DecoderLayer(nn.Module):
         c = self.config
         B, S, _ = x.shape
         eps = c.rms_norm_eps
-        qkv = F.linear(rms_norm(x, self.attn_norm, eps), self.wqkv, self.bqkv)
+        qkv = self.wqkv(rms_norm(x, self.attn_norm, eps))
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
         q = q.view(B, S, H, D)  # [B, S, H, D]
@@ -81,31 +84,44 @@ class DecoderLayer(nn.Module):
             attn_mask=mask[:, None],  # [B, 1, S, T]
             enable_gqa=True,
         )  # [B, H, S, D]
-        x = x + F.linear(out.transpose(1, 2).reshape(B, S, -1), self.wo)
+        x = x + self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
-        gate_up = F.linear(rms_norm(x, self.mlp_norm, eps), self.w_gate_up)  # [B, S, 2 I]
+        gate_up = self.w_gate_up(rms_norm(x, self.mlp_norm, eps))  # [B, S, 2 I]
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.w_down)
+        return x + self.w_down(F.silu(gate) * up)
 
 
 class DecoderModel(nn.Module):
     def __init__(
-        self, config: ModelConfig, weights: dict[str, np.ndarray], dtype: torch.dtype = torch.float32
+        self,
+        config: ModelConfig,
+        weights: dict[str, np.ndarray],
+        dtype: torch.dtype = torch.float32,
+        weight_format: WeightFormat | None = None,
     ):
+        """dtype: the compute dtype; weight_format: int8/fp8 quantizes the layers' linear weights at load
+        (weight-only, per-output-channel scales), embeddings, norms and biases stay in dtype."""
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.weight_format = weight_format
+        source = torch.float32 if weight_format else dtype  # quantize from the checkpoint's own values
 
         def weight(name: str) -> torch.Tensor:
             if name not in weights:
                 raise ValueError(f"the checkpoint lacks {name} ({config.describe()})")
-            return numpy_to_torch(weights[name]).to(dtype)
+            return numpy_to_torch(weights[name]).to(source)
 
-        self.embed = nn.Buffer(weight("model.embed_tokens.weight"))  # [V, d]
+        def linear(w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            return Linear(w, bias, dtype, weight_format)
+
+        self.embed = nn.Buffer(weight("model.embed_tokens.weight").to(dtype))  # [V, d]
         tied = config.tie_word_embeddings
-        self.untied_lm_head = None if tied else nn.Buffer(weight("lm_head.weight"))  # [V, d]
-        self.layers = nn.ModuleList(DecoderLayer(config, weight, i) for i in range(config.num_layers))
-        self.norm = nn.Buffer(weight("model.norm.weight"))  # [d]
+        self.untied_lm_head = None if tied else nn.Buffer(weight("lm_head.weight").to(dtype))  # [V, d]
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, weight, i, linear, dtype) for i in range(config.num_layers)
+        )
+        self.norm = nn.Buffer(weight("model.norm.weight").to(dtype))  # [d]
         self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)))  # [D / 2] float32
 
     @property

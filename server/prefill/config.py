@@ -18,10 +18,13 @@ class PrefillConfig:
     """Most padded tokens in one batch."""
     min_bucket: int = 16
     """Prompt lengths are padded to powers of two from this up, so XLA compiles few shapes."""
-    weight_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    weight_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = "auto"
+    """auto: the checkpoint's dtype; int8/fp8: weight-only, per-output-channel scales, quantized at load."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size <= 0:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
+        if self.weight_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
+            raise ValueError(f"--weight-dtype must be auto, float32, bfloat16, int8 or fp8, not {self.weight_dtype!r}")
         if self.min_bucket <= 0 or self.min_bucket & (self.min_bucket - 1):
             raise ValueError(f"--min-bucket must be a power of two, got {self.min_bucket}")

@@ -5,7 +5,8 @@ Life cycle of a prompt here:
 2. The loop takes the queued prompts (up to the batch limits), pads lengths to a power-of-two
    bucket and the batch to a power of two, so XLA compiles a bounded set of shapes.
 3. The model runs in a worker thread; the first token is sampled on the device.
-4. Each prompt gets its first token and its KV for the true length only, in the wire dtype.
+4. Each prompt gets its first token and its KV for the true length only, in the wire dtype: for
+   fp8_e4m3/int8 quantized on the device with per-block, per-kv-head scales (prefill.quant).
    The caller streams that KV while the next batch computes.
 """
 
@@ -21,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvcache.layout import NUMPY_DTYPES
+from kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.v1 import generation_pb2 as gen_pb
 from server.model.config import ModelConfig
 from server.prefill.config import PrefillConfig
 from server.prefill.model import bucket_length, make_prefill_fn
+from server.prefill.quant import quantize_kv
 from server.prefill.sampler import sample_jit
 
 log = logging.getLogger("pdserve.prefill")
@@ -36,6 +38,8 @@ class PrefillResult:
     first_token: int
     k: np.ndarray  # [L, T, Hkv, D] in the wire dtype
     v: np.ndarray  # [L, T, Hkv, D]
+    k_scales: np.ndarray | None = None  # [L, ceil(T / block_size), Hkv] float32 for fp8_e4m3/int8
+    v_scales: np.ndarray | None = None
 
 
 @dataclass
@@ -44,6 +48,7 @@ class PrefillJob:
     sampling: gen_pb.SamplingParams
     sample_index: int
     kv_dtype: str
+    block_size: int
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -58,6 +63,7 @@ class PrefillEngine:
         self.config = config
         self.max_len = _pow2(model_config.max_model_len)
         self._fn = make_prefill_fn(model_config)
+        self._quantize_kv = jax.jit(quantize_kv, static_argnames=("block_size", "fmt"))
         self._queue: deque[PrefillJob] = deque()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -65,8 +71,9 @@ class PrefillEngine:
         self.batches = 0
 
     async def submit(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
-                     kv_dtype: str) -> PrefillResult:
-        job = PrefillJob(token_ids, sampling, sample_index, kv_dtype)
+                     kv_dtype: str, block_size: int = 16) -> PrefillResult:
+        """block_size: the target cache's, over which fp8_e4m3/int8 scales are computed."""
+        job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size)
         self._queue.append(job)
         self.queued_tokens += len(token_ids)
         self._wakeup.set()
@@ -140,16 +147,25 @@ class PrefillEngine:
             column([j.sample_index for j in batch], np.int32),
         )
         first = np.asarray(first)
-        host: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        for dtype in {j.kv_dtype for j in batch}:
-            wire = NUMPY_DTYPES[dtype]
-            host[dtype] = (np.asarray(k.astype(wire)), np.asarray(v.astype(wire)))
+        host: dict[tuple[str, int], tuple[np.ndarray, ...]] = {}
+        for dtype, bs in {(j.kv_dtype, j.block_size) for j in batch}:
+            if dtype in QUANTIZED:  # on the device, over each row's true length
+                qk, k_scales = self._quantize_kv(k, true_lengths, block_size=bs, fmt=dtype)
+                qv, v_scales = self._quantize_kv(v, true_lengths, block_size=bs, fmt=dtype)
+                host[dtype, bs] = tuple(np.asarray(a) for a in (qk, qv, k_scales, v_scales))
+            else:
+                wire = NUMPY_DTYPES[dtype]
+                host[dtype, bs] = (np.asarray(k.astype(wire)), np.asarray(v.astype(wire)), None, None)
         results = []
         for i, job in enumerate(batch):
-            hk, hv = host[job.kv_dtype]
+            hk, hv, hks, hvs = host[job.kv_dtype, job.block_size]
             n = lengths[i]
-            results.append(PrefillResult(int(first[i]), np.ascontiguousarray(hk[:, i, :n]),
-                                         np.ascontiguousarray(hv[:, i, :n])))
+            nb = -(-n // job.block_size)
+            results.append(PrefillResult(
+                int(first[i]), np.ascontiguousarray(hk[:, i, :n]), np.ascontiguousarray(hv[:, i, :n]),
+                None if hks is None else np.ascontiguousarray(hks[:, i, :nb]),
+                None if hvs is None else np.ascontiguousarray(hvs[:, i, :nb]),
+            ))
         return results
 
     def warmup(self) -> None:

@@ -14,7 +14,8 @@ from server.model.fingerprint import fingerprint
 from server.model.weights import load_weights
 from server.prefill.config import PrefillConfig
 from server.prefill.engine import PrefillEngine
-from server.prefill.model import load_params
+from server.prefill.model import compute_dtype, load_params
+from server.prefill.quant import param_bytes
 from server.prefill.service import PrefillService
 from server.registration import Registration
 
@@ -51,7 +52,9 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
     engine = PrefillEngine(model_config, params, config)
     engine.warmup()
-    log.info("prefill model %s loaded and compiled in %.1f s", model_config.describe(), time.perf_counter() - t0)
+    log.info("prefill model %s loaded and compiled in %.1f s; weights %.1f MiB (%s, compute %s)",
+             model_config.describe(), time.perf_counter() - t0, param_bytes(params) / 2**20, dtype,
+             compute_dtype(model_config, dtype))
     server, health, port = serving.new_server(SERVICES, config.port, config.host)
     sender = KvSender(channel_options=serving.CHANNEL_OPTIONS, credentials=serving.channel_credentials())
     service = PrefillService(engine, sender, model_config,

@@ -17,6 +17,7 @@ import numpy as np
 
 from server.model.config import ModelConfig
 from server.model.rope import inv_freq
+from server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
 
 Params = dict
 """A pytree of jax arrays: embed, final_norm, [lm_head], layers (each stacked over L)."""
@@ -24,11 +25,23 @@ Params = dict
 F32 = jnp.float32
 
 
+def compute_dtype(config: ModelConfig, weight_dtype: str) -> str:
+    """The activations' dtype: the weights' own, or for int8/fp8 weights the checkpoint's (fp32 or bf16)."""
+    if weight_dtype in WEIGHT_FORMATS:
+        return config.dtype if config.dtype in ("float32", "bfloat16") else "float32"
+    return weight_dtype
+
+
 def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str = "float32") -> Params:
-    """Device params from HF-named weights; matmul weights in `dtype`, norm weights in fp32."""
-    if dtype not in ("float32", "bfloat16"):
-        raise ValueError(f"prefill dtype {dtype!r} is not supported (float32, bfloat16)")
-    dt = jnp.dtype(dtype)
+    """Device params from HF-named weights; matmul weights in `dtype`, norm weights in fp32.
+
+    dtype int8/fp8: the layers' matmul weights are quantized at load (weight-only, per output channel,
+    see prefill.quant); embeddings, lm_head and biases stay in the compute dtype (`compute_dtype`).
+    """
+    if dtype not in ("float32", "bfloat16", *WEIGHT_FORMATS):
+        raise ValueError(f"prefill dtype {dtype!r} is not supported (float32, bfloat16, int8, fp8)")
+    quantized = dtype in WEIGHT_FORMATS
+    dt = jnp.dtype(compute_dtype(config, dtype))
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
 
     def get(name: str) -> np.ndarray:
@@ -36,9 +49,9 @@ def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str 
             raise ValueError(f"the checkpoint lacks the tensor {name!r} that {config.family} needs")
         return np.asarray(weights[name])
 
-    def stack(suffix: str, fn: Callable = lambda w: w, as_dtype=dt) -> jax.Array:
+    def stack(suffix: str, fn: Callable = lambda w: w, as_dtype=dt) -> np.ndarray:
         per_layer = [fn(get(f"model.layers.{i}.{suffix}")) for i in range(config.num_layers)]
-        return jnp.asarray(np.stack(per_layer), dtype=as_dtype)
+        return np.stack(per_layer).astype(np.float32 if quantized else as_dtype)
 
     def heads(n: int) -> Callable:
         return lambda w: w.T.reshape(-1, n, d)  # HF [n*D, H] -> [H, n, D]
@@ -63,10 +76,18 @@ def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str 
     if config.qk_norm:
         layers["q_norm"] = stack("self_attn.q_norm.weight", as_dtype=F32)  # [L, D]
         layers["k_norm"] = stack("self_attn.k_norm.weight", as_dtype=F32)  # [L, D]
+    if quantized:
+        layers = quantize_layers(layers, dtype)  # int8/fp8 [L, ...] + float32 <name>_scale
+        for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+            if name in layers:
+                layers[name] = layers[name].astype(np.float32)
+        for name in ("bq", "bk", "bv", "bo"):
+            if name in layers:
+                layers[name] = layers[name].astype(dt)
     params: Params = {
         "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype=dt),  # [V, H]
         "final_norm": jnp.asarray(get("model.norm.weight"), dtype=F32),  # [H]
-        "layers": layers,
+        "layers": {name: jnp.asarray(w) for name, w in layers.items()},
     }
     if not config.tie_word_embeddings:
         params["lm_head"] = jnp.asarray(get("lm_head.weight"), dtype=dt)  # [V, H]
@@ -108,21 +129,22 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, x: jax.Array, p: Params):
     """One decoder layer. x [B, S, H] -> (x [B, S, H], (k, v) [B, S, Hkv, D])."""
     eps = config.rms_norm_eps
+    w = partial(dequantize, p, dtype=x.dtype)  # int8/fp8 weights -> the compute dtype, fused by XLA
     h = _rms_norm(x, p["attn_norm"], eps)
-    q = _mm("bsh,hnd->bsnd", h, p["wq"])  # [B, S, Hq, D]
-    k = _mm("bsh,hnd->bsnd", h, p["wk"])  # [B, S, Hkv, D]
-    v = _mm("bsh,hnd->bsnd", h, p["wv"])  # [B, S, Hkv, D]
+    q = _mm("bsh,hnd->bsnd", h, w("wq"))  # [B, S, Hq, D]
+    k = _mm("bsh,hnd->bsnd", h, w("wk"))  # [B, S, Hkv, D]
+    v = _mm("bsh,hnd->bsnd", h, w("wv"))  # [B, S, Hkv, D]
     if config.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
         q, k = _rms_norm(q, p["q_norm"], eps), _rms_norm(k, p["k_norm"], eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    attn = _mm("bsnd,ndh->bsh", _attention(q, k, v), p["wo"])  # [B, S, H]
+    attn = _mm("bsnd,ndh->bsh", _attention(q, k, v), w("wo"))  # [B, S, H]
     x = x + (attn + p["bo"] if "bo" in p else attn)
     h = _rms_norm(x, p["mlp_norm"], eps)
-    gate = _mm("bsh,hi->bsi", h, p["w_gate"])  # [B, S, I]
-    up = _mm("bsh,hi->bsi", h, p["w_up"])  # [B, S, I]
-    x = x + _mm("bsi,ih->bsh", jax.nn.silu(gate) * up, p["w_down"])
+    gate = _mm("bsh,hi->bsi", h, w("w_gate"))  # [B, S, I]
+    up = _mm("bsh,hi->bsi", h, w("w_up"))  # [B, S, I]
+    x = x + _mm("bsi,ih->bsh", jax.nn.silu(gate) * up, w("w_down"))
     return x, (k, v)
 
 

@@ -18,7 +18,10 @@ from server.prefill.engine import PrefillEngine
 
 log = logging.getLogger("pdserve.prefill")
 
-WIRE_DTYPES = ("float32", "bfloat16", "float16")
+WIRE_FORMATS = {"float32": "none", "bfloat16": "none", "float16": "none", "fp8_e4m3": "block_head",
+                "int8": "block_head"}
+"""The KV dtypes this prefill worker can send, with the scale granularity each carries."""
+WIRE_DTYPES = tuple(WIRE_FORMATS)
 
 
 class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlServicer):
@@ -47,9 +50,23 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
                     f"{', '.join(WIRE_DTYPES)}")
         return None
 
+    def _check_format(self, target: pb.KvTarget) -> str | None:
+        """Why the decode worker's KV format cannot meet what this worker sends, naming both sides; or None."""
+        granularity = target.layout.scale_granularity or "none"
+        if WIRE_FORMATS.get(target.layout.dtype) == granularity:
+            return None
+        sends = ", ".join(f"{d} (scales {g})" for d, g in WIRE_FORMATS.items())
+        weights = getattr(getattr(self.engine, "config", None), "weight_dtype", "auto")
+        return (f"KV formats cannot meet: decode worker {target.address or '?'} holds KV as dtype="
+                f"{target.layout.dtype or '?'} scales={granularity}; this prefill worker (--weight-dtype "
+                f"{weights}) sends {sends}")
+
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; pick another")
+        mismatch = self._check_format(request.target)
+        if mismatch:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, mismatch)
         try:
             layout = KvLayout.from_proto(request.target.layout)
         except ValueError as e:
@@ -64,7 +81,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         t0 = time.perf_counter()
         self.active += 1
         try:
-            result = await self.engine.submit(ids, request.sampling, request.sample_index, layout.dtype)
+            result = await self.engine.submit(ids, request.sampling, request.sample_index, layout.dtype,
+                                              layout.block_size)
         finally:
             self.active -= 1
         seconds = time.perf_counter() - t0
@@ -84,7 +102,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
     async def _push(self, address: str, header: pb.KvHeader, layout: KvLayout, result) -> None:
         try:
             t0 = time.perf_counter()
-            reply = await self.sender.send(address, header, layout, result.k, result.v, result.first_token)
+            reply = await self.sender.send(address, header, layout, result.k, result.v, result.first_token,
+                                           k_scales=result.k_scales, v_scales=result.v_scales)
             metrics.kv_transfer_bytes.inc(reply.bytes_received)
             metrics.kv_transfer_seconds.observe(time.perf_counter() - t0)
         except grpc.aio.AioRpcError as e:

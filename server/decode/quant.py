@@ -1,0 +1,59 @@
+"""Weight-only quantized linear layers for the decode tier: int8 and fp8 (e4m3), per-output-channel scales.
+
+Weights are quantized once at load from the checkpoint's values: `w ≈ q * scale[out]`, scale =
+absmax over the input dimension / qmax (127 for int8, 448 for fp8). On CPU the matmul runs by
+dequantizing to the compute dtype per call; the quantized store is what the worker holds in memory.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WeightFormat = Literal["int8", "fp8"]
+QUANTIZED_WEIGHTS: dict[str, tuple[torch.dtype, float]] = {
+    "int8": (torch.int8, 127.0),
+    "fp8": (torch.float8_e4m3fn, 448.0),
+}
+
+
+def quantize_weight(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] -> (q [out, in] int8 or float8_e4m3fn, scale [out, 1] float32)."""
+    dtype, qmax = QUANTIZED_WEIGHTS[fmt]
+    w = w.float()
+    scale = w.abs().amax(dim=1, keepdim=True) / qmax  # [out, 1]
+    y = (w / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp(-qmax, qmax)
+    return (y.round() if fmt == "int8" else y).to(dtype), scale
+
+
+class Linear(nn.Module):
+    """y = x @ w.T + b with w held as given (float) or quantized (int8/fp8 + per-row scales)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
+                 fmt: WeightFormat | None = None):
+        super().__init__()
+        self.dtype = dtype
+        if fmt is None:
+            self.weight = nn.Buffer(weight.to(dtype))  # [out, in]
+            self.scale = None
+        else:
+            q, scale = quantize_weight(weight, fmt)
+            self.weight = nn.Buffer(q)  # [out, in] int8 / float8_e4m3fn
+            self.scale = nn.Buffer(scale)  # [out, 1] float32
+        self.bias = None if bias is None else nn.Buffer(bias.to(dtype))
+
+    def dequantized(self) -> torch.Tensor:
+        if self.scale is None:
+            return self.weight
+        return (self.weight.float() * self.scale).to(self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized(), self.bias)
+
+
+def buffer_bytes(module: nn.Module) -> int:
+    """Bytes of every buffer and parameter the module holds (what its weights take in memory)."""
+    return sum(t.nbytes for t in module.buffers()) + sum(p.nbytes for p in module.parameters())
