@@ -20,7 +20,9 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
+from server.client import open_channel
 from server.launcher import free_port
+from server.security import TlsConfig
 
 
 @dataclass
@@ -31,6 +33,8 @@ class Proc:
     popen: subprocess.Popen
     log: Path
     metrics_port: int = 0
+    tls: TlsConfig | None = None
+    """How clients reach it (None: plaintext)."""
 
     def families(self) -> set[str]:
         """The metric families the process exports (`# TYPE` lines; counters without `_total`)."""
@@ -54,6 +58,8 @@ class Procs:
     tmp: Path
     procs: dict[str, Proc] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    tls: TlsConfig | None = None
+    """mTLS for every process (and the test's own calls) when set."""
 
     def start(self, name: str, role: str, *args: str, model_dir: Path | None = None, metrics: bool = True,
               wait: bool = True) -> Proc:
@@ -62,13 +68,15 @@ class Procs:
         cmd = [sys.executable, "-m", "server.cli", role, "--model", str(model_dir or self.model_dir),
                "--port", str(port), "--host", "127.0.0.1", *(["--metrics-port", str(mport)] if metrics else []),
                *args]
+        if self.tls is not None:
+            cmd += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key), "--tls-ca", str(self.tls.ca)]
         # One XLA compilation cache for the session: later prefill workers load, not compile.
         cache = dict(JAX_COMPILATION_CACHE_DIR=str(self.tmp.parent / "jax-cache"),
                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         env = dict(os.environ, PDSERVE_PROCESS=name, PDSERVE_LOG_LEVEL="INFO", **cache, **self.env)
         with open(log, "w") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        proc = Proc(name, role, f"127.0.0.1:{port}", popen, log, mport)
+        proc = Proc(name, role, f"127.0.0.1:{port}", popen, log, mport, self.tls)
         self.procs[name] = proc
         if wait:
             self.wait_serving(proc)
@@ -90,7 +98,7 @@ class Procs:
             from grpc_health.v1 import health_pb2, health_pb2_grpc
 
             try:
-                with grpc.insecure_channel(proc.address) as ch:
+                with open_channel(proc.address, proc.tls) as ch:
                     reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1)
             except grpc.RpcError:
                 return False
@@ -128,7 +136,7 @@ def wait_until(condition, what: str, timeout: float = 60.0, every: float = 0.1) 
 
 
 def list_workers(coordinator: Proc) -> list[pb.WorkerStatus]:
-    with grpc.insecure_channel(coordinator.address) as ch:
+    with open_channel(coordinator.address, coordinator.tls) as ch:
         return list(worker_pb2_grpc.RegistryStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers)
 
 
@@ -138,7 +146,7 @@ def state_of(coordinator: Proc, worker: Proc) -> str | None:
 
 def blocks(decode: Proc) -> tuple[int, int]:
     """(free, total) KV blocks of a live decode worker."""
-    with grpc.insecure_channel(decode.address) as ch:
+    with open_channel(decode.address, decode.tls) as ch:
         load = worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5).load
     return load.free_kv_blocks, load.total_kv_blocks
 
@@ -159,9 +167,10 @@ def request(ids: list[int], max_tokens: int, **sampling) -> gen_pb.GenerateReque
     )
 
 
-def generate(address: str, req: gen_pb.GenerateRequest, timeout: float = 60.0, metadata=()) -> list[int]:
+def generate(address: str, req: gen_pb.GenerateRequest, timeout: float = 60.0, metadata=(),
+             tls: TlsConfig | None = None) -> list[int]:
     """Every token id of a completed stream; raises grpc.RpcError."""
-    with grpc.insecure_channel(address) as ch:
+    with open_channel(address, tls) as ch:
         return [t for m in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=timeout, metadata=metadata)
                 for t in m.token_ids]
 
