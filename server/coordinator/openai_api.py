@@ -514,7 +514,9 @@ def create_app(front: Front) -> FastAPI:
         front.check_model(body.model)
         _unsupported(body)
         generate = generation_pb2.GenerateRequest(
-            sampling=_sampling(body, body.max_tokens or DEFAULT_COMPLETION_TOKENS)
+            sampling=_sampling(
+                body, DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+            )
         )
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -551,7 +553,7 @@ def create_app(front: Front) -> FastAPI:
             raise ApiError(
                 400, str(e) if str(e).startswith("messages") else f"messages: {e}", param="messages"
             ) from e
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         if max_tokens is None:
             max_tokens = max(1, front.max_model_len - len(ids))
         generate = generation_pb2.GenerateRequest(sampling=_sampling(body, max_tokens))

@@ -192,6 +192,13 @@ async def test_chat_without_stream_defaults_max_tokens_to_the_rest_of_the_contex
             "logprobs are not supported",
         ),
         ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature", "temperature must be >= 0"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be >= 1"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0},
+            "max_tokens",
+            "max_tokens must be >= 1",
+        ),
         (
             "/v1/completions",
             {"prompt": "x", "max_tokens": 600},
