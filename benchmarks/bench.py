@@ -43,8 +43,15 @@ class RunResult:
     end: float
 
 
-async def _send_group(target: Target, group: Group, start: float, duration: float | None,
-                      tasks: list[asyncio.Task], outputs: list[RequestOutput], on_done) -> None:
+async def _send_group(
+    target: Target,
+    group: Group,
+    start: float,
+    duration: float | None,
+    tasks: list[asyncio.Task],
+    outputs: list[RequestOutput],
+    on_done,
+) -> None:
     sem = asyncio.Semaphore(group.load.concurrency) if group.load.concurrency else None
 
     async def one(req: datasets.BenchRequest) -> None:
@@ -74,8 +81,9 @@ async def _send_group(target: Target, group: Group, start: float, duration: floa
         tasks.append(asyncio.create_task(one(group.requests[i % len(group.requests)])))
 
 
-async def run_groups(target: Target, groups: list[Group], *, duration: float | None = None,
-                     progress: bool = True) -> RunResult:
+async def run_groups(
+    target: Target, groups: list[Group], *, duration: float | None = None, progress: bool = True
+) -> RunResult:
     """Sends every group's requests concurrently; returns when all have finished."""
     for g in groups:
         if g.max_requests is None and duration is None:
@@ -116,16 +124,41 @@ async def warmup(target: Target, requests: list[datasets.BenchRequest], n: int) 
     await asyncio.gather(*(one(requests[i % len(requests)]) for i in range(n)))
 
 
-def write_results(out_dir: Path, result: RunResult, config: dict, *, slo_ttft_ms: float | None = None,
-                  slo_tpot_ms: float | None = None, plots: bool = True, title: str = "") -> dict:
+def write_results(
+    out_dir: Path,
+    result: RunResult,
+    config: dict,
+    *,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    plots: bool = True,
+    title: str = "",
+) -> dict:
     """results.json (+ PNGs): the whole run's summary, one per group, and every request's record."""
     outs = result.outputs
-    summary = summarize(outs, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, duration=result.end - result.start)
+    summary = summarize(
+        outs, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms, duration=result.end - result.start
+    )
     groups = sorted({o.group for o in outs})
-    by_group = {g: summarize([o for o in outs if o.group == g], slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
-                             duration=result.end - result.start) for g in groups} if len(groups) > 1 else {}
-    doc = {"config": config, "summary": summary, "groups": by_group,
-           "requests": report.request_records(outs, result.start)}
+    by_group = (
+        {
+            g: summarize(
+                [o for o in outs if o.group == g],
+                slo_ttft_ms=slo_ttft_ms,
+                slo_tpot_ms=slo_tpot_ms,
+                duration=result.end - result.start,
+            )
+            for g in groups
+        }
+        if len(groups) > 1
+        else {}
+    )
+    doc = {
+        "config": config,
+        "summary": summary,
+        "groups": by_group,
+        "requests": report.request_records(outs, result.start),
+    }
     out_dir.mkdir(parents=True, exist_ok=True)
     report.write_json(out_dir / "results.json", doc)
     if plots:
@@ -135,24 +168,30 @@ def write_results(out_dir: Path, result: RunResult, config: dict, *, slo_ttft_ms
 
 
 def format_summary(s: dict, name: str = "") -> str:
-    lines = [f"==== {name or 'result'} ====",
-             f"requests: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.2f} s",
-             f"request throughput: {s['request_throughput']:.3f} req/s   goodput: {s['goodput']:.3f} req/s   "
-             f"SLO attainment: {100 * s['slo_attainment']:.1f}%",
-             f"output throughput: {s['output_throughput']:.2f} tok/s   total: {s['total_token_throughput']:.2f} tok/s",
-             f"{'(ms)':<6}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}"]
+    lines = [
+        f"==== {name or 'result'} ====",
+        f"requests: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.2f} s",
+        f"request throughput: {s['request_throughput']:.3f} req/s   goodput: {s['goodput']:.3f} req/s   "
+        f"SLO attainment: {100 * s['slo_attainment']:.1f}%",
+        f"output throughput: {s['output_throughput']:.2f} tok/s   total: {s['total_token_throughput']:.2f} tok/s",
+        f"{'(ms)':<6}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}",
+    ]
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
         st = s[key]
         if st.get("n"):
-            lines.append(f"{key[:-3].upper():<6}" + "".join(f"{st[k]:>10.2f}" for k in ("mean", "median", "p90", "p99")))
+            lines.append(
+                f"{key[:-3].upper():<6}"
+                + "".join(f"{st[k]:>10.2f}" for k in ("mean", "median", "p90", "p99"))
+            )
     for err, n in s.get("errors", {}).items():
         lines.append(f"error x{n}: {err}")
     return "\n".join(lines)
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    p = parser or argparse.ArgumentParser(prog="pdserve bench", description=__doc__,
-                                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser or argparse.ArgumentParser(
+        prog="pdserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     t = p.add_argument_group("target")
     t.add_argument("--target", choices=["grpc", "openai"], default="grpc")
     t.add_argument("--addr", default="127.0.0.1:50051", help="pdserve gRPC address (--target grpc)")
@@ -163,26 +202,38 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     d = p.add_argument_group("data")
     d.add_argument("--dataset", choices=["synthetic", "sharegpt"], default="synthetic")
     d.add_argument("--dataset-path", type=Path, help="ShareGPT JSON or JSONL file")
-    d.add_argument("--tokenizer", type=Path, help="tokenizer.json or model dir, to count ShareGPT prompt tokens")
+    d.add_argument(
+        "--tokenizer", type=Path, help="tokenizer.json or model dir, to count ShareGPT prompt tokens"
+    )
     d.add_argument("--input-len", type=int, default=128)
     d.add_argument("--output-len", type=int, default=32)
     d.add_argument("--length-dist", choices=["fixed", "uniform", "lognormal"], default="fixed")
     d.add_argument("--range-ratio", type=float, default=0.5, help="uniform: lengths in len*(1 +- ratio)")
     d.add_argument("--sigma", type=float, default=0.5, help="log-normal: sigma of log(length)")
-    d.add_argument("--vocab-size", type=int, default=None,
-                   help="synthetic token ids below this (default: from --tokenizer, else 500)")
+    d.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="synthetic token ids below this (default: from --tokenizer, else 500)",
+    )
     d.add_argument("--seed", type=int, default=0)
     ld = p.add_argument_group("load")
-    ld.add_argument("--num-prompts", type=int, default=None, help="requests to send (default 100 without --duration)")
+    ld.add_argument(
+        "--num-prompts", type=int, default=None, help="requests to send (default 100 without --duration)"
+    )
     ld.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
-    ld.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (default inf: closed loop)")
+    ld.add_argument(
+        "--request-rate", type=float, default=math.inf, help="requests/s (default inf: closed loop)"
+    )
     ld.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
     ld.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
     ld.add_argument("--warmup", type=int, default=0, help="requests sent and discarded first")
     r = p.add_argument_group("results")
     r.add_argument("--slo-ttft-ms", type=float, default=None)
     r.add_argument("--slo-tpot-ms", type=float, default=None)
-    r.add_argument("--out", type=Path, default=None, help="results directory (default benchmarks/results/<time>)")
+    r.add_argument(
+        "--out", type=Path, default=None, help="results directory (default benchmarks/results/<time>)"
+    )
     r.add_argument("--no-plots", action="store_true")
     r.add_argument("--no-progress", action="store_true")
     return p
@@ -204,8 +255,16 @@ def make_requests(args, n: int) -> list[datasets.BenchRequest]:
         if not args.dataset_path:
             raise SystemExit("--dataset sharegpt needs --dataset-path")
         return datasets.sharegpt(args.dataset_path, n, tokenizer_path=args.tokenizer, seed=args.seed)
-    return datasets.synthetic(n, input_len=args.input_len, output_len=args.output_len, vocab_size=_vocab_size(args),
-                              dist=args.length_dist, range_ratio=args.range_ratio, sigma=args.sigma, seed=args.seed)
+    return datasets.synthetic(
+        n,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        vocab_size=_vocab_size(args),
+        dist=args.length_dist,
+        range_ratio=args.range_ratio,
+        sigma=args.sigma,
+        seed=args.seed,
+    )
 
 
 def make_target(args) -> Target:
@@ -213,16 +272,24 @@ def make_target(args) -> Target:
         return GrpcTarget(args.addr, timeout=args.timeout)
     import os
 
-    return OpenAITarget(args.base_url, model=args.model, api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
-                        timeout=args.timeout)
+    return OpenAITarget(
+        args.base_url,
+        model=args.model,
+        api_key=args.api_key or os.environ.get("PDSERVE_API_KEY"),
+        timeout=args.timeout,
+    )
 
 
 async def _main(args) -> dict:
     n = args.num_prompts or (None if args.duration else 100)
     requests = make_requests(args, n or 1000)
     target = make_target(args)
-    group = Group("default", requests, LoadSpec(rate=args.request_rate, arrival=args.arrival,
-                                                concurrency=args.concurrency, seed=args.seed), max_requests=n)
+    group = Group(
+        "default",
+        requests,
+        LoadSpec(rate=args.request_rate, arrival=args.arrival, concurrency=args.concurrency, seed=args.seed),
+        max_requests=n,
+    )
     try:
         if args.warmup:
             await warmup(target, requests, args.warmup)
@@ -232,11 +299,20 @@ async def _main(args) -> dict:
     out = args.out or Path("benchmarks/results") / time.strftime("%Y%m%d-%H%M%S")
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     config["load"] = asdict(group.load)
-    doc = write_results(out, result, config, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
-                        plots=not args.no_plots, title=f"{target.name} {args.addr if args.target == 'grpc' else args.base_url}")
+    doc = write_results(
+        out,
+        result,
+        config,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        plots=not args.no_plots,
+        title=f"{target.name} {args.addr if args.target == 'grpc' else args.base_url}",
+    )
     print(format_summary(doc["summary"], target.name))
-    print(f"results: {out / 'results.json'}" + ("" if args.no_plots else f", {out / 'latency_cdf.png'}, "
-                                                f"{out / 'throughput.png'}"))
+    print(
+        f"results: {out / 'results.json'}"
+        + ("" if args.no_plots else f", {out / 'latency_cdf.png'}, {out / 'throughput.png'}")
+    )
     return doc
 
 

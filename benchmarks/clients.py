@@ -56,8 +56,8 @@ class GrpcTarget(Target):
 
     def __init__(self, address: str, timeout: float | None = None):
         import grpc
-
         from pdserve.v1 import generation_pb2_grpc
+
         from server.serving import CHANNEL_OPTIONS
 
         self.address, self.timeout = address, timeout
@@ -69,9 +69,13 @@ class GrpcTarget(Target):
 
         from server.client import FINISH_NAMES, build_request
 
-        req = build_request(prompt=request.prompt_text, max_tokens=request.output_len, temperature=0.0,
-                            ignore_eos=True,
-                            token_ids=list(request.prompt_ids) if request.prompt_ids is not None else None)
+        req = build_request(
+            prompt=request.prompt_text,
+            max_tokens=request.output_len,
+            temperature=0.0,
+            ignore_eos=True,
+            token_ids=list(request.prompt_ids) if request.prompt_ids is not None else None,
+        )
         out.sent = time.perf_counter()
         try:
             async for msg in self._stub.Generate(req, timeout=self.timeout):
@@ -103,15 +107,24 @@ class OpenAITarget(Target):
 
     name = "openai-http"
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None,
-                 timeout: float | None = None):
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        timeout: float | None = None,
+    ):
         import httpx
 
         self.base_url, self.model = base_url.rstrip("/"), model
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self._client = httpx.AsyncClient(base_url=self.base_url, headers=headers, limits=limits,
-                                         timeout=httpx.Timeout(timeout, connect=30.0))
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            limits=limits,
+            timeout=httpx.Timeout(timeout, connect=30.0),
+        )
 
     async def _model(self) -> str:
         if self.model is None:
@@ -126,14 +139,19 @@ class OpenAITarget(Target):
         body = {
             "model": await self._model(),
             "prompt": list(request.prompt_ids) if request.prompt_ids is not None else request.prompt_text,
-            "max_tokens": request.output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": request.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
         }
         out.sent = time.perf_counter()
         try:
             async with self._client.stream("POST", "/v1/completions", json=body) as resp:
                 if resp.status_code != 200:
-                    out.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                    out.error = (
+                        f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                    )
                     out.done = time.perf_counter()
                     return
                 async for line in resp.aiter_lines():

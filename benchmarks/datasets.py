@@ -27,8 +27,16 @@ class BenchRequest:
     group: str = "default"
 
 
-def sample_lengths(n: int, mean: int, dist: LengthDist, rng: np.random.Generator, *,
-                   range_ratio: float = 0.0, sigma: float = 0.5, minimum: int = 1) -> list[int]:
+def sample_lengths(
+    n: int,
+    mean: int,
+    dist: LengthDist,
+    rng: np.random.Generator,
+    *,
+    range_ratio: float = 0.0,
+    sigma: float = 0.5,
+    minimum: int = 1,
+) -> list[int]:
     """n lengths around `mean`: fixed; uniform in mean*(1 +- range_ratio); log-normal with median mean."""
     if dist == "fixed":
         values = np.full(n, mean)
@@ -42,18 +50,35 @@ def sample_lengths(n: int, mean: int, dist: LengthDist, rng: np.random.Generator
     return [max(minimum, int(v)) for v in values]
 
 
-def synthetic(n: int, *, input_len: int, output_len: int, vocab_size: int, dist: LengthDist = "fixed",
-              range_ratio: float = 0.0, sigma: float = 0.5, seed: int = 0, max_input_len: int | None = None,
-              first_token_id: int = 10, group: str = "default") -> list[BenchRequest]:
+def synthetic(
+    n: int,
+    *,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    dist: LengthDist = "fixed",
+    range_ratio: float = 0.0,
+    sigma: float = 0.5,
+    seed: int = 0,
+    max_input_len: int | None = None,
+    first_token_id: int = 10,
+    group: str = "default",
+) -> list[BenchRequest]:
     """Prompts of random token ids in [first_token_id, vocab_size), seeded: same seed, same requests."""
     rng = np.random.default_rng(seed)
     ins = sample_lengths(n, input_len, dist, rng, range_ratio=range_ratio, sigma=sigma)
     outs = sample_lengths(n, output_len, dist, rng, range_ratio=range_ratio, sigma=sigma)
     if max_input_len is not None:
         ins = [min(i, max_input_len) for i in ins]
-    return [BenchRequest(prompt_len=i, output_len=o, group=group,
-                         prompt_ids=tuple(int(t) for t in rng.integers(first_token_id, vocab_size, size=i)))
-            for i, o in zip(ins, outs)]
+    return [
+        BenchRequest(
+            prompt_len=i,
+            output_len=o,
+            group=group,
+            prompt_ids=tuple(int(t) for t in rng.integers(first_token_id, vocab_size, size=i)),
+        )
+        for i, o in zip(ins, outs)
+    ]
 
 
 def _conversations(path: Path) -> list[dict]:
@@ -64,9 +89,17 @@ def _conversations(path: Path) -> list[dict]:
     return data if isinstance(data, list) else [data]
 
 
-def sharegpt(path: str | Path, n: int, *, tokenizer_path: str | Path | None = None, seed: int = 0,
-             output_len: int | None = None, max_prompt_len: int = 1024, max_total_len: int = 2048,
-             group: str = "default") -> list[BenchRequest]:
+def sharegpt(
+    path: str | Path,
+    n: int,
+    *,
+    tokenizer_path: str | Path | None = None,
+    seed: int = 0,
+    output_len: int | None = None,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+    group: str = "default",
+) -> list[BenchRequest]:
     """The first human turn of each conversation as the prompt; the first reply's length as output length
     (vLLM's sampling). Conversations shorter than 4 tokens or longer than the limits are skipped."""
     count = _counter(tokenizer_path)

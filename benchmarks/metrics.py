@@ -29,7 +29,12 @@ def stats(values_s: Sequence[float], percentiles: Sequence[int] = PERCENTILES) -
     if len(values_s) == 0:
         return {"n": 0}
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0
-    out = {"n": int(ms.size), "mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std())}
+    out = {
+        "n": int(ms.size),
+        "mean": float(ms.mean()),
+        "median": float(np.median(ms)),
+        "std": float(ms.std()),
+    }
     out.update({f"p{p}": float(np.percentile(ms, p)) for p in percentiles})
     return out
 
@@ -43,8 +48,13 @@ def meets_slo(o: RequestOutput, slo_ttft_ms: float | None, slo_tpot_ms: float | 
     return slo_tpot_ms is None or t * 1000.0 <= slo_tpot_ms
 
 
-def summarize(outputs: Sequence[RequestOutput], *, slo_ttft_ms: float | None = None,
-              slo_tpot_ms: float | None = None, duration: float | None = None) -> dict:
+def summarize(
+    outputs: Sequence[RequestOutput],
+    *,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    duration: float | None = None,
+) -> dict:
     """The run's figures. `duration` defaults to first send .. last stream end of `outputs`."""
     ok = [o for o in outputs if o.success]
     if duration is None:
@@ -80,7 +90,9 @@ def summarize(outputs: Sequence[RequestOutput], *, slo_ttft_ms: float | None = N
     return summary
 
 
-def throughput_timeline(outputs: Sequence[RequestOutput], start: float, bin_s: float = 1.0) -> dict[str, list]:
+def throughput_timeline(
+    outputs: Sequence[RequestOutput], start: float, bin_s: float = 1.0
+) -> dict[str, list]:
     """Per `bin_s` window from `start`: output tokens/s, completed requests/s and requests in flight."""
     ends = [o.done - start for o in outputs] or [0.0]
     n_bins = max(1, int(np.ceil(max(ends) / bin_s)))
@@ -93,6 +105,10 @@ def throughput_timeline(outputs: Sequence[RequestOutput], start: float, bin_s: f
         if o.success:
             completed[min(n_bins - 1, int((o.done - start) / bin_s))] += 1
         lo, hi = int((o.sent - start) / bin_s), int((o.done - start) / bin_s)
-        running[lo:min(n_bins, hi + 1)] += 1
-    return {"t_s": [float(i * bin_s) for i in range(n_bins)], "output_tokens_per_s": list(tokens / bin_s),
-            "completed_per_s": list(completed / bin_s), "in_flight": list(running)}
+        running[lo : min(n_bins, hi + 1)] += 1
+    return {
+        "t_s": [float(i * bin_s) for i in range(n_bins)],
+        "output_tokens_per_s": list(tokens / bin_s),
+        "completed_per_s": list(completed / bin_s),
+        "in_flight": list(running),
+    }

@@ -14,10 +14,22 @@ from benchmarks.metrics import throughput_timeline, tpot
 
 
 def request_records(outputs: Sequence[RequestOutput], start: float) -> list[dict]:
-    return [{"group": o.group, "prompt_len": o.prompt_len, "output_len": o.output_len, "success": o.success,
-             "error": o.error, "finish_reason": o.finish_reason, "sent_s": o.sent - start,
-             "ttft_s": o.ttft if o.chunk_times else None, "tpot_s": tpot(o) if o.chunk_times else None,
-             "e2el_s": o.latency, "itl_s": o.itl} for o in outputs]
+    return [
+        {
+            "group": o.group,
+            "prompt_len": o.prompt_len,
+            "output_len": o.output_len,
+            "success": o.success,
+            "error": o.error,
+            "finish_reason": o.finish_reason,
+            "sent_s": o.sent - start,
+            "ttft_s": o.ttft if o.chunk_times else None,
+            "tpot_s": tpot(o) if o.chunk_times else None,
+            "e2el_s": o.latency,
+            "itl_s": o.itl,
+        }
+        for o in outputs
+    ]
 
 
 def write_json(path: Path, result: dict) -> Path:
@@ -41,10 +53,12 @@ def plot_latency_cdfs(path: Path, outputs: Sequence[RequestOutput], title: str =
 
     groups = sorted({o.group for o in outputs})
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    panels = [("TTFT", lambda os: [o.ttft for o in os]),
-              ("TPOT", lambda os: [t for o in os if (t := tpot(o)) is not None]),
-              ("ITL", lambda os: [g for o in os for g in o.itl]),
-              ("E2E latency", lambda os: [o.latency for o in os])]
+    panels = [
+        ("TTFT", lambda os: [o.ttft for o in os]),
+        ("TPOT", lambda os: [t for o in os if (t := tpot(o)) is not None]),
+        ("ITL", lambda os: [g for o in os for g in o.itl]),
+        ("E2E latency", lambda os: [o.latency for o in os]),
+    ]
     for ax, (name, pick) in zip(axes.flat, panels):
         for g in groups:
             ok = [o for o in outputs if o.success and o.group == g]

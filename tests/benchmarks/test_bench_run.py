@@ -21,19 +21,55 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
-    with pdserve_up(tiny_model("llama"), tmp_path_factory.mktemp("bench-up"), prefill_workers=1,
-                    decode_workers=1) as state:
+    with pdserve_up(
+        tiny_model("llama"), tmp_path_factory.mktemp("bench-up"), prefill_workers=1, decode_workers=1
+    ) as state:
         yield state
 
 
 def test_pdserve_bench_against_pdserve_up(cluster, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "server.cli", "bench", "--target", "grpc", "--addr", cluster["coordinator"],
-         "--num-prompts", "12", "--request-rate", "20", "--arrival", "poisson", "--concurrency", "4",
-         "--input-len", "24", "--output-len", "6", "--vocab-size", "500", "--seed", "7", "--warmup", "2",
-         "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--timeout", "120", "--out", str(out)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "bench",
+            "--target",
+            "grpc",
+            "--addr",
+            cluster["coordinator"],
+            "--num-prompts",
+            "12",
+            "--request-rate",
+            "20",
+            "--arrival",
+            "poisson",
+            "--concurrency",
+            "4",
+            "--input-len",
+            "24",
+            "--output-len",
+            "6",
+            "--vocab-size",
+            "500",
+            "--seed",
+            "7",
+            "--warmup",
+            "2",
+            "--slo-ttft-ms",
+            "60000",
+            "--slo-tpot-ms",
+            "60000",
+            "--timeout",
+            "120",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "output throughput" in proc.stdout
     doc = json.loads((out / "results.json").read_text())
@@ -56,15 +92,26 @@ async def _fake_openai(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
     """Just enough of /v1/completions (stream) and /v1/models: one SSE chunk per token, then usage."""
     head = await reader.readuntil(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
-    length = next((int(v) for k, _, v in (ln.partition(": ") for ln in lines) if k.lower() == "content-length"), 0)
+    length = next(
+        (int(v) for k, _, v in (ln.partition(": ") for ln in lines) if k.lower() == "content-length"), 0
+    )
     body = json.loads(await reader.readexactly(length)) if length else {}
     if lines[0].startswith("GET /v1/models"):
         payload = json.dumps({"data": [{"id": "fake-model"}]}).encode()
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(payload)
-                     + payload)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(payload)
+            + payload
+        )
     else:
-        assert body["model"] == "fake-model" and body["stream"] and body["temperature"] == 0.0 and body["ignore_eos"]
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        assert (
+            body["model"] == "fake-model"
+            and body["stream"]
+            and body["temperature"] == 0.0
+            and body["ignore_eos"]
+        )
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
 
         def event(obj) -> bytes:
             data = b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
@@ -73,9 +120,13 @@ async def _fake_openai(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         n = body["max_tokens"]
         for i in range(n):
             await asyncio.sleep(0.002)
-            writer.write(event({"choices": [{"text": f"t{i}", "finish_reason": "length" if i == n - 1 else None}]}))
+            writer.write(
+                event({"choices": [{"text": f"t{i}", "finish_reason": "length" if i == n - 1 else None}]})
+            )
             await writer.drain()
-        writer.write(event({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}}))
+        writer.write(
+            event({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
+        )
         writer.write(event(b"[DONE]") + b"0\r\n\r\n")
     await writer.drain()
     writer.close()
@@ -87,12 +138,43 @@ async def test_openai_target_streams_and_counts():
     target = OpenAITarget(f"http://127.0.0.1:{port}", timeout=30)
     try:
         reqs = datasets.synthetic(4, input_len=9, output_len=5, vocab_size=300, seed=2)
-        result = await run_groups(target, [Group("default", reqs, LoadSpec(concurrency=2), max_requests=6)],
-                                  progress=False)
+        result = await run_groups(
+            target, [Group("default", reqs, LoadSpec(concurrency=2), max_requests=6)], progress=False
+        )
     finally:
         await target.close()
         server.close()
         await server.wait_closed()
-    assert [(o.success, o.prompt_len, o.output_len, len(o.chunk_times), o.finish_reason) for o in result.outputs] == \
-        [(True, 9, 5, 5, "length")] * 6
+    assert [
+        (o.success, o.prompt_len, o.output_len, len(o.chunk_times), o.finish_reason) for o in result.outputs
+    ] == [(True, 9, 5, 5, "length")] * 6
     assert all(len(o.itl) == 4 and o.ttft > 0 for o in result.outputs)
+
+
+def test_gpu_script_runs_end_to_end_tiny(tmp_path):
+    """benchmarks/gpu.py --tiny: every stage of the H200 script on this machine's CPU, table last."""
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu", "--tiny", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    measures = [r["measure"] for r in doc["rows"]]
+    for b in (1, 8, 32, 64):
+        assert f"tokens/s B={b} ctx=64" in measures and f"GB/s read B={b}" in measures
+    for s in (32, 64, 128):
+        assert f"TFLOP/s S={s}" in measures
+    handoff = [r for r in doc["rows"] if r["tier"] == "kv-handoff"]
+    # 128 tokens x 512 B/token (k + v, 2 layers, 2 kv heads, 32 dims, bf16)
+    assert len(handoff) == 1 and handoff[0]["measure"].startswith("GB/s 128 tok 0.0655 MB")
+    assert all(r["value"] > 0 for r in doc["rows"])
+    assert set(doc["ceilings"]) == {
+        "copy_gbps",
+        "matmul_torch_bf16_tflops",
+        "matmul_jax_bf16_tflops",
+        "grpc_loopback_gbps",
+    }
+    assert proc.stdout.splitlines()[0].split()[:2] == ["tier", "measure"]  # the table is printed last, alone

@@ -14,13 +14,22 @@ from benchmarks.clients import RequestOutput, Target
 from benchmarks.load import LoadSpec, arrival_offsets
 from benchmarks.metrics import stats, summarize, throughput_timeline, tpot
 
-approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-9)  # noqa: E731
+approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-9)
 
 
 def trace(sent, chunks, done, output_len, prompt_len, success=True):
-    return RequestOutput(group="g", prompt_len=prompt_len, sent=sent, chunk_times=[t for t, _ in chunks],
-                         chunk_tokens=[k for _, k in chunks], done=done, output_len=output_len, success=success,
-                         finish_reason="length" if success else "", error="" if success else "UNAVAILABLE: x")
+    return RequestOutput(
+        group="g",
+        prompt_len=prompt_len,
+        sent=sent,
+        chunk_times=[t for t, _ in chunks],
+        chunk_tokens=[k for _, k in chunks],
+        done=done,
+        output_len=output_len,
+        success=success,
+        finish_reason="length" if success else "",
+        error="" if success else "UNAVAILABLE: x",
+    )
 
 
 @pytest.fixture
@@ -49,21 +58,36 @@ def test_summary_throughputs_and_percentiles(traces):
     assert s["output_throughput"] == approx(8.0)
     assert s["total_token_throughput"] == approx(43.0)
     # TTFT [100, 500, 400] ms; np.percentile linear: p90 at rank 1.8 of [100, 400, 500]
-    assert s["ttft_ms"] == {"n": 3, "mean": approx(1000 / 3), "median": approx(400), "std": approx(s["ttft_ms"]["std"]),
-                            "p50": approx(400), "p90": approx(480), "p99": approx(498)}
-    assert s["ttft_ms"]["std"] == approx(math.sqrt(((100 - 1000 / 3) ** 2 + (500 - 1000 / 3) ** 2
-                                                    + (400 - 1000 / 3) ** 2) / 3))
+    assert s["ttft_ms"] == {
+        "n": 3,
+        "mean": approx(1000 / 3),
+        "median": approx(400),
+        "std": approx(s["ttft_ms"]["std"]),
+        "p50": approx(400),
+        "p90": approx(480),
+        "p99": approx(498),
+    }
+    assert s["ttft_ms"]["std"] == approx(
+        math.sqrt(((100 - 1000 / 3) ** 2 + (500 - 1000 / 3) ** 2 + (400 - 1000 / 3) ** 2) / 3)
+    )
     # ITL pooled over requests: [200, 300, 100]
-    assert (s["itl_ms"]["n"], s["itl_ms"]["mean"], s["itl_ms"]["p90"], s["itl_ms"]["p99"]) == (3, approx(200), approx(280),
-                                                                                               approx(298))
+    assert (s["itl_ms"]["n"], s["itl_ms"]["mean"], s["itl_ms"]["p90"], s["itl_ms"]["p99"]) == (
+        3,
+        approx(200),
+        approx(280),
+        approx(298),
+    )
     # TPOT only for output_len > 1: [250, 33.33..]
     assert s["tpot_ms"]["n"] == 2
     assert s["tpot_ms"]["mean"] == approx((250 + 100 / 3) / 2)
     assert s["tpot_ms"]["p90"] == approx(100 / 3 + 0.9 * (250 - 100 / 3))
     assert s["tpot_ms"]["p99"] == approx(100 / 3 + 0.99 * (250 - 100 / 3))
     # E2E [600, 500, 500]
-    assert (s["e2el_ms"]["mean"], s["e2el_ms"]["median"], s["e2el_ms"]["p90"]) == (approx(1600 / 3), approx(500),
-                                                                                   approx(580))
+    assert (s["e2el_ms"]["mean"], s["e2el_ms"]["median"], s["e2el_ms"]["p90"]) == (
+        approx(1600 / 3),
+        approx(500),
+        approx(580),
+    )
     assert s["errors"] == {"UNAVAILABLE: x": 1}
 
 
@@ -113,11 +137,14 @@ def test_synthetic_lengths_and_seed():
     assert all(10 <= t < 100 for r in fixed for t in r.prompt_ids)
     assert fixed == datasets.synthetic(5, input_len=12, output_len=7, vocab_size=100, seed=1)
     assert fixed != datasets.synthetic(5, input_len=12, output_len=7, vocab_size=100, seed=2)
-    uni = datasets.synthetic(400, input_len=100, output_len=10, vocab_size=100, dist="uniform", range_ratio=0.5)
+    uni = datasets.synthetic(
+        400, input_len=100, output_len=10, vocab_size=100, dist="uniform", range_ratio=0.5
+    )
     assert min(r.prompt_len for r in uni) >= 50 and max(r.prompt_len for r in uni) <= 150
     assert len({r.prompt_len for r in uni}) > 50
-    logn = datasets.synthetic(2000, input_len=64, output_len=8, vocab_size=100, dist="lognormal", sigma=0.5,
-                              max_input_len=300)
+    logn = datasets.synthetic(
+        2000, input_len=64, output_len=8, vocab_size=100, dist="lognormal", sigma=0.5, max_input_len=300
+    )
     lens = sorted(r.prompt_len for r in logn)
     assert lens[1000] == pytest.approx(64, rel=0.1) and lens[-1] <= 300  # median = exp(mu)
 
@@ -125,7 +152,9 @@ def test_synthetic_lengths_and_seed():
 def test_sharegpt(tmp_path):
     convs = [
         {"conversations": [{"from": "human", "value": "x" * 40}, {"from": "gpt", "value": "y" * 80}]},
-        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "y" * 80}]},  # < 4 tokens
+        {
+            "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "y" * 80}]
+        },  # < 4 tokens
         {"conversations": [{"from": "human", "value": "z" * 400}]},  # no reply
         {"conversations": [{"from": "human", "value": "w" * 20}, {"from": "gpt", "value": "v" * 16}]},
     ]
@@ -161,9 +190,14 @@ async def test_run_groups_counts_and_concurrency():
     target = FakeTarget()
     reqs = datasets.synthetic(3, input_len=4, output_len=5, vocab_size=50)
     bursts = datasets.synthetic(2, input_len=9, output_len=1, vocab_size=50, group="burst")
-    result = await run_groups(target, [Group("decode", reqs, LoadSpec(concurrency=2), max_requests=7),
-                                       Group("burst", bursts, LoadSpec(rate=1000.0, arrival="constant"), max_requests=3)],
-                              progress=False)
+    result = await run_groups(
+        target,
+        [
+            Group("decode", reqs, LoadSpec(concurrency=2), max_requests=7),
+            Group("burst", bursts, LoadSpec(rate=1000.0, arrival="constant"), max_requests=3),
+        ],
+        progress=False,
+    )
     assert sorted(o.group for o in result.outputs) == ["burst"] * 3 + ["decode"] * 7
     assert all(o.success for o in result.outputs)
     assert sum(o.output_len for o in result.outputs if o.group == "decode") == 35
