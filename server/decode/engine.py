@@ -94,8 +94,10 @@ class DecodeEngine:
         if seq in self.running:
             self.running.remove(seq)
         if seq.request_id in self._in_step:
+            # The step running in its thread still reads this table: free (and forget) it after.
             self._deferred_free.append(seq.block_table)
-        elif seq.block_table:
+            return
+        if seq.block_table:
             self.pool.free(seq.block_table)
         seq.block_table = []
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -68,8 +69,13 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         try:
             if request.local_prefill:  # no prefill worker is alive: run the prompt here
                 yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
+                local = asyncio.ensure_future(asyncio.to_thread(self._prefill_locally, seq))
                 try:
-                    first_token = await asyncio.to_thread(self._prefill_locally, seq)
+                    first_token = await asyncio.shield(local)
+                except asyncio.CancelledError:
+                    with contextlib.suppress(Exception):  # it writes into our blocks: free them after it
+                        await local
+                    raise
                 except Exception as e:
                     log.exception("request %s: local prefill failed", rid)
                     await context.abort(grpc.StatusCode.INTERNAL, f"local prefill of {rid} failed: {e!r}")
