@@ -33,6 +33,7 @@ import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from pdserve.v1 import generation_pb2
+from server import metrics
 from server.coordinator.service import GenerationService, RequestFailed
 from server.coordinator.validate import InvalidRequest
 
@@ -397,6 +398,7 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 raise BadInput("stream=true needs ModelStreamInfer (decoupled); ModelInfer answers once")
             responses = [r async for r in self._run(inference, context.time_remaining())]
         except (BadInput, InvalidRequest) as e:
+            _count(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except RequestFailed as e:
             await context.abort(e.code, e.details, e.metadata)
@@ -447,10 +449,17 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
             async for response in self._run(inference, timeout):
                 emit(service_pb2.ModelStreamInferResponse(infer_response=response))
         except (BadInput, InvalidRequest) as e:
+            _count(e)
             error(f"INVALID_ARGUMENT: {e}")
         except RequestFailed as e:
             log.warning("stream request %r failed: %s", request.id, e)
             error(f"{e.code.name}: {e.details}")
+
+
+def _count(e: Exception) -> None:
+    """Requests refused here, before the shared request path (which counts its own refusals)."""
+    if isinstance(e, BadInput):
+        metrics.request_failure.labels(grpc.StatusCode.INVALID_ARGUMENT.name).inc()
 
 
 def add_to_server(service: KServeService, server: grpc.aio.Server) -> None:

@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer as HfTokenizer
 
 from pdserve.v1 import generation_pb2
+from server import metrics
 from server.coordinator import http_server
 from server.coordinator.chat_template import ChatTemplate, ChatTemplateError
 from server.coordinator.service import GenerationService, RequestFailed
@@ -84,6 +85,8 @@ class ApiError(Exception):
         self.status = status
         self.message = message
         self.param = param
+        self.counted = False
+        """The request path counted it in pdserve_request_failure_total already."""
         self.code = code
         self.headers = headers or {}
 
@@ -104,13 +107,17 @@ class ApiError(Exception):
 def _api_error(e: InvalidRequest | RequestFailed | ChatTemplateError) -> ApiError:
     if isinstance(e, (InvalidRequest, ChatTemplateError)):
         message = str(e)
-        return ApiError(400, message, param=message.split(" ", 1)[0].split(":")[0] or None)
+        error = ApiError(400, message, param=message.split(" ", 1)[0].split(":")[0] or None)
+        error.counted = isinstance(e, InvalidRequest)
+        return error
     status = HTTP_STATUS.get(e.code, 500)
     headers = {}
     retry_ms = dict(e.metadata).get("retry-after-ms")
     if status == 429 and retry_ms is not None and retry_ms.isdigit():
         headers["Retry-After"] = str(max(1, math.ceil(int(retry_ms) / 1000)))
-    return ApiError(status, e.details, code=e.code.name.lower(), headers=headers)
+    error = ApiError(status, e.details, code=e.code.name.lower(), headers=headers)
+    error.counted = True
+    return error
 
 
 # --- requests -----------------------------------------------------------------------------------
@@ -445,12 +452,14 @@ def create_app(front: Front) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        if e.status == 400 and not e.counted:  # refused here, before the shared request path
+            metrics.request_failure.labels(grpc.StatusCode.INVALID_ARGUMENT.name).inc()
         return e.response()
 
     @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def bad_body(request: Request, e: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(e)
-        return ApiError(400, message, param=param).response()
+        return await api_error(request, ApiError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
@@ -463,7 +472,7 @@ def create_app(front: Front) -> FastAPI:
         return ApiError(503, "no ready decode worker").response()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def prometheus() -> Response:
         return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", dependencies=[Depends(authenticate)])

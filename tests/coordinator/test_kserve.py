@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import prometheus_client
 import pytest
 import tritonclient.grpc.aio as triton
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -60,7 +61,7 @@ async def cluster(model_dir):
     )
     coordinator = await start(config)
     for _ in range(100):
-        if coordinator.pool.serving:
+        if coordinator.pool.ready("prefill") and coordinator.pool.ready("decode"):
             break
         await asyncio.sleep(0.05)
     yield Cluster(
@@ -198,13 +199,22 @@ async def test_model_infer_answers_the_whole_text_with_the_prompt_unless_exclude
     ],
 )
 async def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(cluster, client, build, words):
+    before = _failures()
     with pytest.raises(InferenceServerException) as e:
         await client.infer(MODEL, build())
+    assert _failures() - before == 1
     assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and words in e.value.message()
     assert cluster.decode.requests == []
     cluster.script([5, 6])
     result = await client.infer(MODEL, inputs("x", exclude_input=True, sampling={"max_tokens": 2}))
     assert result.as_numpy("num_output_tokens")[0] == 2
+
+
+def _failures() -> float:
+    sample = prometheus_client.REGISTRY.get_sample_value(
+        "pdserve_request_failure_total", {"code": "INVALID_ARGUMENT"}
+    )
+    return sample or 0.0
 
 
 async def test_a_bad_request_on_a_stream_gets_an_error_response_and_the_stream_goes_on(cluster, client):

@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import httpx
 import openai
+import prometheus_client
 import pytest
 
 from pdserve.v1 import generation_pb2
@@ -62,7 +63,7 @@ async def cluster(model_dir):
     )
     coordinator = await start(config)
     for _ in range(100):
-        if coordinator.pool.serving:
+        if coordinator.pool.ready("prefill") and coordinator.pool.ready("decode"):
             break
         await asyncio.sleep(0.05)
     assert coordinator.http is not None
@@ -400,3 +401,22 @@ async def test_tokenize_and_detokenize_as_vllm_answers_them(cluster, client):
     assert r.json() == {"prompt": "import os"}
     r = await client.post("/detokenize", json={"model": MODEL, "tokens": [1, 10**6]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+
+
+async def test_every_refusal_is_counted_once_in_request_failure_total(cluster, client):
+    def failures() -> float:
+        return (
+            prometheus_client.REGISTRY.get_sample_value(
+                "pdserve_request_failure_total", {"code": "INVALID_ARGUMENT"}
+            )
+            or 0.0
+        )
+
+    before = failures()
+    await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})  # refused by the front
+    await client.post("/v1/completions", json={"model": MODEL})  # a body that does not parse
+    await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 3}
+    )  # by the request path
+    await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 3, "stream": True})
+    assert failures() - before == 4
