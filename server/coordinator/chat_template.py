@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
@@ -43,6 +45,20 @@ def _tojson(
 
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers marks assistant text so): rendered as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):  # type: ignore[no-untyped-def]
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller):  # type: ignore[no-untyped-def]
+        return caller()
 
 
 def _read_template(model_dir: Path) -> tuple[str | None, dict[str, Any]]:
@@ -95,7 +111,7 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
 class ChatTemplate:
     def __init__(self, template: str, encoder: HfTokenizer, special_tokens: dict[str, str]):
         env = ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlocks]
         )
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
@@ -123,6 +139,8 @@ class ChatTemplate:
             return self._template.render(
                 messages=normalize_messages(messages),
                 add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
                 **self.special_tokens,
             )
         except ChatTemplateError:

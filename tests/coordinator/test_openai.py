@@ -420,3 +420,38 @@ async def test_every_refusal_is_counted_once_in_request_failure_total(cluster, c
     )  # by the request path
     await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 3, "stream": True})
     assert failures() - before == 4
+
+
+TEMPLATES = [
+    # Llama 3 style: BOS written by the template, header tokens, trimmed content
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|start|>' + m['role'] + '<|end|>\\n\\n' + m['content'] | trim }}"
+    "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<|start|>assistant<|end|>\\n\\n{% endif %}",
+    # tools/documents given as none, tojson, loop controls, transformers' {% generation %} blocks
+    "{%- if tools is not none %}TOOLS{% endif %}"
+    "{%- for m in messages %}{%- if m.role == 'system' %}{% continue %}"
+    "{% endif %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+    "{% else %}{{ m | tojson }}\n{% endif %}{%- endfor %}{% if add_generation_prompt %}>>{% endif %}",
+]
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+def test_chat_template_renders_and_tokenizes_as_transformers_does(tmp_path, model_dir, template):
+    import transformers
+
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((model_dir / name).read_bytes())
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": template}))
+    messages = [
+        {"role": "system", "content": "Be brief. "},
+        {"role": "user", "content": 'héllo "quoted" 你好'},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    ]
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    hf_messages = [{**m, "content": "ab"} if isinstance(m["content"], list) else m for m in messages]
+    text, ids = ChatTemplate.from_dir(tmp_path).encode(messages)
+    assert text == hf.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
+    hf_ids = hf.apply_chat_template(hf_messages, tokenize=True, add_generation_prompt=True)
+    assert ids == list(hf_ids["input_ids"] if isinstance(hf_ids, dict) or hasattr(hf_ids, "keys") else hf_ids)
