@@ -1,0 +1,102 @@
+"""The live pool on its own: registration and its refusals, heartbeats, draining, policies, the tier queue."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+import pytest
+
+from pdserve.v1 import worker_pb2 as pb
+from server.coordinator.admission import Deadline, RequestFailed, TierQueue
+from server.coordinator.policies import most_free_blocks, power_of_two
+from server.coordinator.router import RegistrationRefused, Worker, WorkerPool
+from tests.coordinator.fakes import LAYOUT, FakeDecode, FakeWorker
+
+
+def info(role: str, address: str, digest: str = "abc", free: int = 100, layout=LAYOUT, **load) -> pb.WorkerInfo:
+    return pb.WorkerInfo(
+        role=role, address=address, fingerprint=pb.ModelFingerprint(digest=digest, description="tiny llama"),
+        kv_layout=layout if role == "decode" else None,
+        load=pb.WorkerLoad(free_kv_blocks=free, total_kv_blocks=100, **load),
+    )
+
+
+async def test_register_refuses_another_model_or_kv_layout_naming_both():
+    pool = WorkerPool(heartbeat_timeout=5)
+    await pool.register(info("decode", "d:1"))
+    await pool.register(info("prefill", "p:1"))
+    with pytest.raises(RegistrationRefused) as e:
+        await pool.register(info("decode", "d:2", digest="zzz"))
+    assert str(e.value) == (
+        "decode worker d:2 serves model zzz (tiny llama) but the pool serves abc (tiny llama) (decode worker d:1): "
+        "every worker must serve the same checkpoint"
+    )
+    other = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype="float32")
+    with pytest.raises(RegistrationRefused) as e:
+        await pool.register(info("decode", "d:3", layout=other))
+    assert "block_size=32" in str(e.value) and "block_size=16" in str(e.value) and "d:1" in str(e.value)
+    assert sorted(pool.workers) == ["d:1", "p:1"]
+    assert [w.state for w in pool.workers.values()] == ["ready", "ready"]
+    await pool.close()
+
+
+async def test_draining_is_sticky_and_missed_heartbeats_mean_dead():
+    decode = await FakeWorker.start("decode", FakeDecode())
+    pool = WorkerPool(refresh_seconds=0.05, heartbeat_timeout=0.3)
+    worker = await pool.register(info("decode", decode.address))
+    assert pool.pick_decode() is worker and pool.serving
+    draining = info("decode", decode.address)
+    draining.draining = True
+    assert await pool.heartbeat(draining) is True
+    assert worker.state == "draining" and pool.pick_decode() is None and not pool.serving
+    await pool.refresh()  # GetInfo still answers (not draining): the worker stays draining
+    assert worker.state == "draining"
+    lost = worker.lost
+    await asyncio.sleep(0.35)
+    await pool.refresh()  # no heartbeat for longer than the timeout
+    assert worker.state == "dead" and lost.is_set()
+    assert await pool.heartbeat(info("decode", "unknown:1")) is False  # unknown: register again
+    await pool.close()
+    await decode.stop()
+
+
+def _worker(address: str, free: int, cap: int = 0, running: int = 0) -> Worker:
+    return Worker(address, "decode", info("decode", address, free=free, max_running_requests=cap,
+                                          running_requests=running), ready=True)
+
+
+def test_decode_policies_skip_workers_at_their_cap_or_without_room():
+    full = _worker("a", free=90, cap=2, running=2)
+    small = _worker("b", free=2)
+    roomy = _worker("c", free=50)
+    assert most_free_blocks([full, small, roomy], tokens=16) is roomy
+    assert most_free_blocks([full, small, roomy], tokens=50 * 16 + 1) is None  # 51 blocks fit nowhere
+    assert most_free_blocks([full, small], tokens=16) is small
+    workers = [_worker(f"w{i}", free=10 + i) for i in range(8)]
+    picks = {power_of_two(workers, 16, random.Random(seed)).address for seed in range(40)}
+    assert "w0" not in picks  # the emptier of two never loses to w0, the fullest
+    assert len(picks) > 2  # and the load spreads
+
+
+async def test_tier_queue_waits_for_room_then_refuses_past_its_size():
+    pool = WorkerPool()
+    worker = pool.add(_worker("d:1", free=0))
+    queue = TierQueue("decode", max_size=1)
+    pick = lambda: pool.pick_decode(16)  # noqa: E731
+    waiting = asyncio.create_task(queue.acquire(pool, pick, Deadline.after(5)))
+    await asyncio.sleep(0.05)
+    assert queue.waiting == 1
+    with pytest.raises(RequestFailed) as e:
+        await queue.acquire(pool, pick, Deadline.after(5))
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.metadata == (("retry-after-ms", "500"),)
+    worker.info.load.free_kv_blocks = 10  # room: the waiter gets the worker
+    pool.poke()
+    assert await asyncio.wait_for(waiting, 2) is worker
+    worker.info.load.free_kv_blocks = 0
+    with pytest.raises(RequestFailed) as e:
+        await queue.acquire(pool, pick, Deadline.after(0.1))
+    assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and queue.waiting == 0
+    await pool.close()
