@@ -15,7 +15,7 @@ from kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from server import metrics
+from server import logs, metrics
 from server.decode.engine import DecodeEngine
 from server.decode.sampler import sample
 from server.decode.sequence import Sequence
@@ -42,6 +42,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         engine = self.engine
         rid = request.request_id
+        logs.request_id.set(rid)  # every line logged for this request names it
         prompt = list(request.prompt_token_ids)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; pick another")

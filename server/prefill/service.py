@@ -12,7 +12,7 @@ from kvcache.layout import KvLayout
 from kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from server import metrics
+from server import logs, metrics
 from server.model.config import ModelConfig
 from server.prefill.engine import PrefillEngine
 
@@ -62,6 +62,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
                 f"{weights}) sends {sends}")
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        logs.request_id.set(request.request_id)  # every line logged for this request (and its push) names it
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; pick another")
         mismatch = self._check_format(request.target)
