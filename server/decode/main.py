@@ -23,8 +23,8 @@ from server.decode.service import DecodeService
 from server.model.config import load_config
 from server.model.fingerprint import fingerprint
 from server.model.weights import load_weights
-
 from server.registration import Registration
+
 log = logging.getLogger("pdserve.decode")
 
 SERVICES = ["pdserve.v1.Decode", "pdserve.v1.KvTransfer", "pdserve.v1.Control"]
@@ -36,7 +36,6 @@ class DecodeWorker:
     service: DecodeService
     engine: DecodeEngine
     port: int
-
     health: object = None
     kv_server: object = None
     """The KvTransfer-only server (`--kv-port`), or None when KvTransfer shares the main port."""
@@ -48,13 +47,14 @@ class DecodeWorker:
         self.service.draining = True
         await serving.drain(self.health, SERVICES, lambda: bool(self.engine.sequences), seconds,
                             self.registration.beat if self.registration else None)
+
     async def stop(self, grace: float = 1.0) -> None:
-        await self.server.stop(grace)
         if self.registration is not None:
             await self.registration.close()
-        await self.engine.close()
+        await self.server.stop(grace)
         if self.kv_server is not None:
             await self.kv_server.stop(grace)
+        await self.engine.close()
 
 
 def build_engine(config: DecodeConfig):
@@ -90,13 +90,6 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
     digest = fingerprint(config.model_dir, model_config)
     receiver = KvReceiver(layout, digest, engine)
     server, health, port = serving.new_server(SERVICES, config.port, config.host)
-    service = DecodeService(
-        engine, receiver, fingerprint=digest, description=model_config.describe(),
-        eos_ids=frozenset(model_config.eos_token_ids), max_model_len=model_config.max_model_len,
-        address=address, kv_address=kv_address,
-    )
-    worker_pb2_grpc.add_DecodeServicer_to_server(service, server)
-    worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     address = options.advertise_address or f"{config.host}:{port}"
     kv_server, kv_port, kv_address = None, port, ""
     if options.kv_port is not None:  # KvTransfer alone on its own port (a NetworkPolicy opens it to prefill)
@@ -106,7 +99,16 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, kv_server)
     else:
         worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
+    service = DecodeService(
+        engine, receiver, fingerprint=digest, description=model_config.describe(),
+        eos_ids=frozenset(model_config.eos_token_ids), max_model_len=model_config.max_model_len,
+        address=address, kv_address=kv_address,
+    )
+    worker_pb2_grpc.add_DecodeServicer_to_server(service, server)
+    worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     await server.start()
+    if kv_server is not None:
+        await kv_server.start()
     await serving.set_serving(health, SERVICES, True)
     metrics.watch_kv_blocks(lambda: engine.pool.num_free, lambda: engine.pool.num_total)
     metrics.num_requests_running.set_function(lambda: len(engine.running))
@@ -127,10 +129,8 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
 
 async def serve(config: DecodeConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> None:
     worker = await start(config, options)
-    if kv_server is not None:
-        await kv_server.start()
     await serving.wait_for_signal()
-    log.info("decode worker stopping")
-    await worker.stop()
     log.info("decode worker draining")
     await worker.drain(options.drain_seconds)
+    log.info("decode worker stopping")
+    await worker.stop()
