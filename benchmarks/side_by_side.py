@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, help="checkpoint dir (default: make the Qwen2.5-0.5B-shaped one)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--systems", default="vllm,pdserve")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of load per scenario")
+    p.add_argument("--duration", type=float, default=90.0, help="seconds of load per scenario")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -351,10 +351,10 @@ def main(argv: list[str] | None = None) -> int:
         "--decode-len", type=int, default=96, help="bursts: tokens each decoding request generates"
     )
     p.add_argument("--burst-len", type=int, default=512, help="bursts: prompt tokens of each burst request")
-    p.add_argument("--burst-rate", type=float, default=0.05, help="bursts: Poisson arrivals per second")
+    p.add_argument("--burst-rate", type=float, default=0.1, help="bursts: Poisson arrivals per second")
     p.add_argument("--burst-after", type=float, default=5.0, help="bursts: seconds of plain decoding first")
-    p.add_argument("--slo-ttft-ms", type=float, default=5000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=500.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=10000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=1000.0)
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument(
         "--pdserve-front",
