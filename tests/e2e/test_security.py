@@ -125,5 +125,15 @@ def test_kv_push_needs_the_coordinator_issued_transfer_token(cluster):
         assert push(b"s" * 16, request_id="nobody").code() == grpc.StatusCode.NOT_FOUND
         assert blocks(d0)[0] == blocks(d0)[1] - 1  # the refused pushes wrote nothing; still waiting
         call.cancel()
+        assert wait_blocks_free([d0])[0] == (blocks(d0)[1], blocks(d0)[1])
+        # KV that never comes: the worker frees the reservation when the lease ends
+        call = worker_pb2_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(
+            request_id="orphan", prompt_token_ids=[3, 4, 5], sampling=gen_pb.SamplingParams(max_tokens=4),
+            transfer_token=b"o" * 16, lease_seconds=0.3), timeout=30)
+        assert next(call).WhichOneof("event") == "reserved"
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert e.value.details() == "KV for orphan did not arrive within 0.3 s"
     free, total = wait_blocks_free([d0])[0]
     assert free == total
