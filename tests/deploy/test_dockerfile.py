@@ -107,3 +107,19 @@ def test_copied_sources_exist_and_dockerignore_keeps_the_context_small():
                 assert (ROOT / source).exists(), source
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "tests", "**/__pycache__"} <= set(ignored)
+
+
+def test_the_coordinator_image_needs_neither_jax_nor_torch():
+    """The coordinator image installs the base dependencies only: its modules must not import a framework."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pkgutil, sys\n"
+        "import server.cli, server.coordinator as c\n"
+        "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('server.coordinator.' + m.name)\n"
+        "print(sorted(n for n in ('jax', 'torch', 'transformers') if n in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
