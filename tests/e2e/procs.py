@@ -116,7 +116,8 @@ class Procs:
         os.kill(self.procs[name].popen.pid, signal.SIGTERM)
 
     def stop_all(self) -> None:
-        for proc in self.procs.values():
+        # workers first (they drain and tell the coordinator), then the coordinators
+        for proc in sorted(self.procs.values(), key=lambda p: p.role == "coordinator"):
             if proc.popen.poll() is None:
                 proc.popen.send_signal(signal.SIGTERM)
         for proc in self.procs.values():

@@ -82,6 +82,10 @@ def test_kill_decode_mid_stream_migrates_with_exact_tokens_or_fails_past_the_lim
             assert f"decode worker {p[victim].address}" in s.error.details()
             assert "migrated 0 times (--max-migrations)" in s.error.details()
             assert s.tokens == ref[: len(s.tokens)]
+    migrated = counter(a.metrics(), "pdserve_migrations_total")
+    print(f"\nkill -9 decode: sent {len(everyone)}; via A: completed {sum(s.error is None for s in streams_a)}, "
+          f"migrated {migrated:.0f}; via B (--max-migrations 0): completed "
+          f"{sum(s.error is None for s in streams_b)}, failed with a clear error {len(failed_b)}; lost 0")
     # (a stream may finish between the count and the kill)
     assert 1 <= len(failed_b) <= on_victim_b, (len(failed_b), inflight_b)
     assert 1 <= counter(a.metrics(), "pdserve_migrations_total") <= on_victim_a
@@ -109,6 +113,8 @@ def test_kill_prefill_during_transfer_completes_elsewhere_and_leaks_no_block(clu
     # the same prompts again, through the surviving prefill worker: the same greedy tokens
     assert [s.tokens for s in streams] == [generate(a.address, request(prompt, 6)) for prompt in prompts]
     assert counter(a.metrics(), "pdserve_prefill_retries_total") >= 1
+    print(f"\nkill -9 prefill: sent {len(streams)}, completed {sum(s.error is None for s in streams)}, prefill "
+          f"retries {counter(a.metrics(), 'pdserve_prefill_retries_total'):.0f}, leaked blocks 0; lost 0")
     free, total = wait_blocks_free([p["survivor"]])[0]
     assert free == total
 

@@ -91,6 +91,8 @@ def test_workers_join_take_traffic_and_drain_under_load_losing_nothing(cluster):
     finally:
         load.finish()
 
+    print(f"\nscale up/down under load: sent {load.sent + 1}, completed {len(load.completed) + (long.error is None)}, "
+          f"errors {len(load.errors)}; lost {load.sent - len(load.completed) - len(load.errors)}")
     assert status.returncode == 0, status.stderr
     lines = status.stdout.splitlines()
     assert lines[0].split()[:3] == ["ROLE", "ADDRESS", "STATE"]
