@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from benchmarks.accuracy import Pipeline
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free, worker_info
 from tests.e2e.procs import Procs, counter, generate, request, wait_until
 
@@ -39,6 +41,24 @@ def test_streams_equal_the_in_process_disaggregated_numerics(cluster):
     assert (layout.dtype, layout.scale_granularity, layout.block_size) == (setting[2], "block_head", 16)
     free, total = wait_all_blocks_free(state["decode"])[0]
     assert free == total > 0
+
+
+@pytest.mark.parametrize("dtype, granularity", [("fp8_e4m3", "none"), ("fp8_e5m2", "block_head"), ("int8", "tensor")])
+def test_a_kv_format_the_prefill_worker_cannot_meet_is_refused_naming_both_sides(cluster, dtype, granularity):
+    setting, _, state = cluster
+    layout = worker_info(state["decode"][0]).kv_layout
+    layout.dtype, layout.scale_granularity = dtype, granularity
+    req = pb.PrefillRequest(request_id="mismatch", token_ids=[3, 4, 5], transfer_token=b"t",
+                            target=pb.KvTarget(address="10.1.2.3:50053", layout=layout))
+    with grpc.insecure_channel(state["prefill"][0]) as ch:
+        with pytest.raises(grpc.RpcError) as err:
+            worker_pb2_grpc.PrefillStub(ch).Prefill(req, timeout=30)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == (
+        f"KV formats cannot meet: decode worker 10.1.2.3:50053 holds KV as dtype={dtype} scales={granularity}; "
+        f"this prefill worker (--weight-dtype {setting[0]}) sends float32 (scales none), bfloat16 (scales none), "
+        f"float16 (scales none), fp8_e4m3 (scales block_head), int8 (scales block_head)"
+    )
 
 
 def test_kv_bytes_per_token_on_the_wire_from_the_transfer_metrics(tiny_model, tmp_path_factory):
