@@ -8,7 +8,6 @@ with RESOURCE_EXHAUSTED and a `retry-after-ms` hint (trailing metadata).
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
