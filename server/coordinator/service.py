@@ -208,6 +208,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             outcome = e.code.name
             log.warning("request %s failed: %s", req.request_id, e)
             raise
+        except Exception:
+            outcome = grpc.StatusCode.INTERNAL.name  # a bug: the client sees UNKNOWN, the metrics a failure
+            log.exception("request %s failed", req.request_id)
+            raise
         finally:
             if outcome.isupper():
                 metrics.request_failure.labels(outcome).inc()
