@@ -17,7 +17,8 @@ import grpc
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 PUBLIC_SERVICES = ("pdserve.v1.Generation",)
-"""Services that need the API key (internal ones rely on mTLS; health and reflection stay open)."""
+"""What needs the API key: services, or single methods as `service/Method` (internal services rely on
+mTLS; health and reflection stay open to probes)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, api_key: str, services: tuple[str, ...] = PUBLIC_SERVICES):
         self.api_key = api_key
-        self.prefixes = tuple(f"/{s}/" for s in services)
+        self.prefixes = tuple(f"/{s}" if "/" in s else f"/{s}/" for s in services)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)

@@ -53,7 +53,9 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     """Loads the tokenizer and limits, polls the workers once, and starts serving."""
     model = load_config(config.model_dir)
     tokenizer = Tokenizer.from_dir(config.model_dir)
-    interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+    # The API key guards generation on both public gRPC APIs (KServe's liveness and metadata stay open).
+    guarded = (SERVICE_NAME, f"{kserve.SERVICE_NAME}/ModelInfer", f"{kserve.SERVICE_NAME}/ModelStreamInfer")
+    interceptors = [ApiKeyInterceptor(config.api_key, guarded)] if config.api_key else []
     server, health_servicer, port = new_server([SERVICE_NAME, REGISTRY_SERVICE, kserve.SERVICE_NAME], config.port,
                                                config.host, interceptors)
     await set_serving(health_servicer, [SERVICE_NAME], False)

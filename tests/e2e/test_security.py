@@ -14,6 +14,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
@@ -87,6 +88,11 @@ def test_mtls_everywhere_and_the_api_key(cluster):
     with open_channel(coordinator.address, tls) as ch:  # health stays open to probes (over mTLS)
         assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
             health_pb2.HealthCheckResponse.SERVING
+        kserve = service_pb2_grpc.GRPCInferenceServiceStub(ch)  # KServe: liveness open, inference guarded
+        assert kserve.ServerLive(service_pb2.ServerLiveRequest(), timeout=5).live
+        with pytest.raises(grpc.RpcError) as e:
+            kserve.ModelInfer(service_pb2.ModelInferRequest(model_name="x"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     (cluster.tmp / "stranger").mkdir(exist_ok=True)
     stranger, _ = make_pki(cluster.tmp / "stranger")  # a certificate from a CA the servers do not trust
     for bad_tls in (None, TlsConfig(ca=tls.ca), stranger):  # plaintext; no client certificate; untrusted one
