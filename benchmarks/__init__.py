@@ -1,0 +1,1 @@
+"""Benchmarks: the tier benchmarks (`python -m benchmarks.tiers`) beside this machine's ceilings."""

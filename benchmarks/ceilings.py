@@ -1,0 +1,124 @@
+"""This machine's ceilings, measured in the same run as the tiers they bound.
+
+- Memory: a large float32 copy. GB/s counts read + write bytes (2 x the array) per second: the rate
+  the memory system moves bytes, which a read-only stream (a decode step) can at best match.
+- Matmul: fp32 n x n @ n x n, 2 n^3 flops, in JAX (the prefill tier's framework) and torch (decode's).
+- gRPC loopback: one client-streaming call on an in-process grpc.aio server on 127.0.0.1 carrying
+  pre-made `bytes` messages (identity serializers, no proto): what grpcio alone moves, to set beside
+  the KV transfer of the same byte count.
+
+Every number is the best of a few timed runs after a warm-up: the machine is shared, and the best
+run is the one least disturbed by other processes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+
+from kvcache.sender import CHANNEL_OPTIONS
+
+GB = 1e9
+_LOOPBACK_METHOD = "/pdserve.bench.Loopback/Push"
+
+
+def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """The fastest of `repeats` timed calls of fn, in seconds, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memcpy_numpy_gbps(nbytes: int, repeats: int) -> float:
+    """(read + write) GB/s of np.copyto between two float32 arrays of nbytes each."""
+    src = np.ones(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    seconds = best_time(lambda: np.copyto(dst, src), repeats)
+    return 2 * src.nbytes / seconds / GB
+
+
+def memcpy_torch_gbps(nbytes: int, repeats: int) -> float:
+    """(read + write) GB/s of Tensor.copy_ between two float32 CPU tensors of nbytes each (multi-threaded)."""
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    seconds = best_time(lambda: dst.copy_(src), repeats)
+    return 2 * src.numel() * 4 / seconds / GB
+
+
+def matmul_jax_gflops(n: int, repeats: int) -> float:
+    """GFLOP/s of jax.jit(jnp.dot) on fp32 [n, n] @ [n, n]."""
+    import jax
+    import jax.numpy as jnp
+
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype=jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype=jnp.float32)
+    dot = jax.jit(jnp.dot)
+    seconds = best_time(lambda: dot(a, b).block_until_ready(), repeats)
+    return 2 * n**3 / seconds / 1e9
+
+
+def matmul_torch_gflops(n: int, repeats: int) -> float:
+    """GFLOP/s of torch.mm on fp32 [n, n] @ [n, n]."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    seconds = best_time(lambda: torch.mm(a, b, out=out), repeats)
+    return 2 * n**3 / seconds / 1e9
+
+
+async def _push(request_iterator, context) -> bytes:
+    received = 0
+    async for message in request_iterator:
+        received += len(message)
+    return received.to_bytes(8, "little")
+
+
+async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = 2**20) -> float:
+    """GB/s of total_bytes streamed in message_bytes `bytes` messages through one client-streaming call.
+
+    Run inside the event loop the KV transfer will use, so both see the same grpc.aio machinery.
+    """
+    handler = grpc.method_handlers_generic_handler(
+        "pdserve.bench.Loopback", {"Push": grpc.stream_unary_rpc_method_handler(_push)}
+    )  # no serializers: the handler sees the wire bytes
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    push = channel.stream_unary(_LOOPBACK_METHOD)
+    payload = os.urandom(message_bytes)
+    count, rest = divmod(total_bytes, message_bytes)
+
+    async def messages():
+        for _ in range(count):
+            yield payload
+        if rest:
+            yield payload[:rest]
+
+    try:
+        best = float("inf")
+        for attempt in range(repeats + 1):  # the first connects and warms up
+            start = time.perf_counter()
+            reply = await push(messages())
+            seconds = time.perf_counter() - start
+            if (received := int.from_bytes(reply, "little")) != total_bytes:
+                raise RuntimeError(f"the loopback server received {received} of {total_bytes} bytes")
+            if attempt:
+                best = min(best, seconds)
+    finally:
+        await channel.close()
+        await server.stop(None)
+    return total_bytes / best / GB
