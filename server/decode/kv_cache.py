@@ -14,6 +14,8 @@ a rare event: the absmax of K/V varies little along a block). `gather` dequantiz
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -47,6 +49,34 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
         array = array.copy()
     np_int, torch_int = _SAME_SIZE_INT[array.dtype.itemsize]
     return torch.from_numpy(array.view(np_int)).view(torch_int).view(dtype)
+
+
+def _borrow(array: np.ndarray) -> torch.Tensor:
+    """A tensor over the array's memory without a copy, even when it is read-only (it is only read)."""
+    if array.flags.writeable or not array.flags.c_contiguous:
+        return numpy_to_torch(array)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only memory; we never write it
+        np_int, torch_int = _SAME_SIZE_INT[array.dtype.itemsize]
+        return torch.from_numpy(array.view(np_int)).view(torch_int).view(_FROM_NUMPY[array.dtype.name])
+
+
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor's memory as same-width integers (numpy has no bf16/fp8)."""
+    np_int, torch_int = _SAME_SIZE_INT[tensor.element_size()]
+    return tensor.view(torch_int).numpy()
+
+
+def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
+    """(index of the first, length, first block id) of each run of consecutive block ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, block_id in enumerate(block_ids):
+        if runs and block_id == runs[-1][2] + runs[-1][1] and i == runs[-1][0] + runs[-1][1]:
+            start, length, first = runs[-1]
+            runs[-1] = (start, length + 1, first)
+        else:
+            runs.append((i, 1, block_id))
+    return runs
 
 
 class PagedKvCache:
@@ -121,9 +151,6 @@ class PagedKvCache:
             raise ValueError(f"token_start {token_start} is not a multiple of block size {self.block_size}")
         if (needed := layout.num_blocks(token_start + n)) > len(block_table):
             raise ValueError(f"{token_start + n} tokens need {needed} blocks; table has {len(block_table)}")
-        tokens = torch.arange(token_start, token_start + n)  # [n]
-        blocks = torch.tensor(block_table, dtype=torch.int64)[tokens // self.block_size]  # [n]
-        slots = (blocks * self.block_size + tokens % self.block_size).to(self.device)  # [n]
         layers = slice(layer_start, layer_start + num_layers)
         if self.quantized:
             covered = layout.num_blocks(n)
@@ -138,8 +165,21 @@ class PagedKvCache:
             self.v_scales[layers, block_ids] = torch.from_numpy(np.array(v_scales)).to(self.device)
         elif k_scales is not None or v_scales is not None:
             raise ValueError(f"{layout.dtype} KV takes no scales")
-        self.k[layers].flatten(1, 2)[:, slots] = numpy_to_torch(k).to(self.device)  # [l, n, Hkv, D]
-        self.v[layers].flatten(1, 2)[:, slots] = numpy_to_torch(v).to(self.device)
+        first = token_start // self.block_size
+        runs = _runs(block_table[first : first + layout.num_blocks(n)])
+        for cache, src in ((self.k, k), (self.v, v)):
+            # On CPU, numpy copies (a plain memcpy): torch's multi-threaded copy_ collapses when the
+            # cores are busy with other work, and this runs beside the decode loop.
+            if cache.device.type == "cpu":
+                dst = _bits(cache)[layers].reshape(num_layers, -1, *heads)  # [l, N * bs, Hkv, D], a view
+                src = np.ascontiguousarray(src).view(dst.dtype)
+            else:
+                dst, src = cache[layers].flatten(1, 2), _borrow(src).to(cache.device)
+            # Whole runs of consecutive block ids are one strided copy each (no scatter, no index tensor).
+            for run_start, run_len, block_id in runs:
+                t0, t1 = run_start * self.block_size, min((run_start + run_len) * self.block_size, n)
+                slot = block_id * self.block_size
+                dst[:, slot : slot + t1 - t0] = src[:, t0:t1]
 
     def read(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [L, T, Hkv, D] of a request's first num_tokens tokens (a copy)."""
