@@ -102,6 +102,11 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
         for i in range(prefill_workers):
             cluster.prefill.append(_spawn(f"prefill-{i}", ["prefill", "--model", str(model_dir), *prefill_args],
                                           free_port(host), host))
+        # Workers on one host share its cores: torch's intra-op threads spin-wait, and two processes
+        # each running as many threads as there are cores slow decode by 10-100x (benchmarks/README).
+        if "--threads" not in decode_args:
+            share = max(1, (os.cpu_count() or 1) // max(1, prefill_workers + decode_workers))
+            decode_args = [*decode_args, "--threads", str(share)]
         for i in range(decode_workers):
             cluster.decode.append(_spawn(f"decode-{i}", ["decode", "--model", str(model_dir), *decode_args],
                                          free_port(host), host))
