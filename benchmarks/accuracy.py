@@ -24,6 +24,7 @@ give flat distributions, where small errors flip the top-1 often: read its agree
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -68,9 +69,13 @@ QWEN_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=1
 class Pipeline:
     """One setting's two tiers over one checkpoint: JAX prefill -> quantized KV -> torch decode."""
 
-    def __init__(self, model_dir: Path, setting: Setting, block_size: int = 16):
+    def __init__(self, model_dir: Path, setting: Setting, block_size: int = 16, fp32_compute: bool = False):
+        """fp32_compute: int8/fp8 weights compute in fp32 whatever the checkpoint's dtype (the workers
+        compute in the checkpoint's), so that a row measures the quantization alone."""
         prefill_weights, decode_weights, kv_dtype = setting
         self.config = config = load_config(model_dir)
+        if fp32_compute:
+            config = dataclasses.replace(config, dtype="float32")
         weights = load_weights(model_dir)
         self.params = load_params(config, weights, prefill_weights)
         self.prefill_fn = make_prefill_fn(config)
@@ -166,7 +171,7 @@ def evaluate(model_dir: Path, text: np.ndarray, prompt_len: int, greedy_steps: i
     rows, ref = [], None
     for setting in [BASELINE, *settings]:
         t0 = time.perf_counter()
-        pipe = Pipeline(model_dir, setting)
+        pipe = Pipeline(model_dir, setting, fp32_compute=True)
         logp = pipe.teacher_forced(prompts, cont)  # [N, C, V]
         greedy = pipe.greedy(prompts, greedy_steps)  # [N, G]
         del pipe
@@ -211,7 +216,7 @@ def markdown(results: dict) -> str:
     for name, entry in results["models"].items():
         lines += [f"**{name}** — {entry['description']}", "",
                   "| prefill weights | decode weights | KV | mean KL | top-1 agreement | greedy agreement "
-                  f"(of {results['greedy_steps']}) | perplexity |",
+                  f"(of {entry.get('greedy_steps', results['greedy_steps'])}) | perplexity |",
                   "|---|---|---|---|---|---|---|"]
         for r in entry["rows"]:
             p, d, kv = r["setting"]
@@ -254,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = evaluate(model_dir, text, args.prompt_len, args.greedy_steps, SETTINGS,
                         log=lambda s: print(s, flush=True))
         results["models"][name] = {"description": description, "model_dir": str(model_dir),
+                                   "greedy_steps": args.greedy_steps, "positions": args.prompts * args.text_len,
                                    "rows": [r.__dict__ | {"setting": list(r.setting)} for r in rows]}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "accuracy.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -21,12 +21,12 @@ import transformers
 
 from server.model.tiny import BOS, CHAT_TEMPLATE, EOS, train_tokenizer, training_text
 
-SHAPE = dict(  # ~1.1M parameters: trains to a peaked model in minutes on 2 CPU cores
-    hidden_size=128,
+SHAPE = dict(  # ~2.5M parameters (5 MB in bf16)
+    hidden_size=256,
     intermediate_size=512,
     num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
+    num_attention_heads=8,
+    num_key_value_heads=4,
     head_dim=32,
     max_position_embeddings=512,
     rms_norm_eps=1e-5,
@@ -41,7 +41,8 @@ def token_stream(tok, max_chars: int) -> np.ndarray:
 
 
 def train(out: Path, *, minutes: float, seq_len: int, batch_size: int, lr: float, max_chars: int,
-          seed: int, dtype: str) -> dict:
+          seed: int, dtype: str, init: Path | None = None, shape: dict = SHAPE) -> dict:
+    """Trains for `minutes` of wall time (from `init`'s weights when given) and saves to `out`."""
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     tok = train_tokenizer()
@@ -49,9 +50,16 @@ def train(out: Path, *, minutes: float, seq_len: int, batch_size: int, lr: float
     data = token_stream(tok, max_chars)
     held_out = data[-20_000:]  # the last stretch is never trained on
     data = data[:-20_000]
-    config = transformers.LlamaConfig(**SHAPE, vocab_size=tok.get_vocab_size(), eos_token_id=eos_id,
+    config = transformers.LlamaConfig(**shape, vocab_size=tok.get_vocab_size(), eos_token_id=eos_id,
                                       bos_token_id=bos_id)
-    model = transformers.LlamaForCausalLM(config)
+    previous = {}
+    if init is not None:  # continue a checkpoint this script wrote
+        model = transformers.LlamaForCausalLM.from_pretrained(init, dtype=torch.float32)
+        if (init / "training.json").exists():
+            previous = json.loads((init / "training.json").read_text())
+    else:
+        model = transformers.LlamaForCausalLM(config)
+    model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     budget = minutes * 60
     t0 = time.monotonic()
@@ -76,8 +84,10 @@ def train(out: Path, *, minutes: float, seq_len: int, batch_size: int, lr: float
         chunks = torch.from_numpy(held_out[: (len(held_out) // seq_len) * seq_len].reshape(-1, seq_len))
         held_loss = float(np.mean([model(input_ids=c[None], labels=c[None]).loss.item() for c in chunks]))
     save(model.to(getattr(torch, dtype)), tok, out, eos_id, bos_id)
-    stats = {"steps": step, "tokens_seen": step * batch_size * seq_len, "train_loss": float(np.mean(losses[-50:])),
-             "held_out_loss": held_loss, "held_out_ppl": math.exp(held_loss), "minutes": minutes,
+    steps = step + previous.get("steps", 0)
+    stats = {"steps": steps, "tokens_seen": step * batch_size * seq_len + previous.get("tokens_seen", 0), "train_loss": float(np.mean(losses[-50:])),
+             "held_out_loss": held_loss, "held_out_ppl": math.exp(held_loss),
+             "minutes": minutes + previous.get("minutes", 0),
              "params": sum(p.numel() for p in model.parameters()), "dtype": dtype}
     (out / "training.json").write_text(json.dumps(stats, indent=2) + "\n")
     return stats
@@ -107,11 +117,20 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--init", type=Path, help="continue training this checkpoint (written by this script)")
+    p.add_argument("--hidden-size", type=int, default=SHAPE["hidden_size"])
+    p.add_argument("--layers", type=int, default=SHAPE["num_hidden_layers"])
+    p.add_argument("--intermediate-size", type=int, default=SHAPE["intermediate_size"])
+    p.add_argument("--heads", type=int, default=SHAPE["num_attention_heads"])
+    p.add_argument("--kv-heads", type=int, default=SHAPE["num_key_value_heads"])
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     stats = train(args.out, minutes=args.minutes, seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr,
-                  max_chars=args.max_chars, seed=args.seed, dtype=args.dtype)
+                  max_chars=args.max_chars, seed=args.seed, dtype=args.dtype, init=args.init,
+                  shape=SHAPE | dict(hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+                                     intermediate_size=args.intermediate_size, num_attention_heads=args.heads,
+                                     num_key_value_heads=args.kv_heads))
     print(json.dumps(stats, indent=2))
 
 

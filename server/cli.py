@@ -19,8 +19,17 @@ def _setup_logging(log_format: str = "text") -> None:
     setup_logging(log_format)  # type: ignore[arg-type]
 
 
+EMBEDDED_MODEL = Path(__file__).resolve().parent / "model" / "default"
+"""A small Llama trained on Python standard-library sources (benchmarks/train_tiny.py), committed."""
+
+
 def default_model_dir() -> Path:
-    """The embedded default model: a tiny checkpoint built once into a cache directory."""
+    """The embedded default model: the committed trained checkpoint, else a random one built into the cache."""
+    if (EMBEDDED_MODEL / "config.json").exists():
+        print(f"serving the embedded default model from {EMBEDDED_MODEL}: a tiny Llama trained for minutes on the "
+              f"Python standard library (it writes Python-flavoured text); pass --model DIR to serve a real HF "
+              f"checkpoint", file=sys.stderr)
+        return EMBEDDED_MODEL
     cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
     out = cache / "models" / f"tiny-{DEFAULT_FAMILY}"
     if not (out / "config.json").exists():
