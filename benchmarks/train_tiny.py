@@ -4,7 +4,12 @@ Random weights give flat next-token distributions; this model's are peaked like 
 accuracy harness can tell what quantization does to a model that has learned something. It is also
 `pdserve up`'s embedded default model (server/model/default/), so the demo writes plausible Python.
 
-    .venv/bin/python -m benchmarks.train_tiny --out server/model/default --minutes 20
+    .venv/bin/python -m benchmarks.train_tiny --out /tmp/tiny --minutes 14
+    .venv/bin/python -m benchmarks.train_tiny --init /tmp/tiny --out server/model/default --minutes 34 --lr 3e-3
+
+(how the committed model was made, on 2 shared CPU cores: 799 steps of 16 x 128 tokens, held-out
+perplexity 19.6; `training.json` beside the weights records it). Training runs for wall-clock minutes,
+so a faster machine makes more steps from the same command.
 """
 
 from __future__ import annotations
