@@ -183,3 +183,39 @@ async def wait_for(event: asyncio.Event, timeout: float = 5.0) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+@dataclass
+class FakePools:
+    """A real coordinator in front of one fake prefill and one fake decode worker."""
+
+    coordinator: object  # server.coordinator.main.Coordinator
+    prefill: FakePrefill
+    decode: FakeDecode
+    prefill_worker: FakeWorker
+    decode_worker: FakeWorker
+
+    async def stop(self) -> None:
+        await self.coordinator.stop(0)
+        await self.prefill_worker.stop()
+        await self.decode_worker.stop()
+
+
+async def start_fake_pools(model_dir, **config) -> FakePools:
+    """Starts both fakes and a coordinator routing to them (extra CoordinatorConfig fields in config)."""
+    from server.coordinator.config import CoordinatorConfig
+    from server.coordinator.main import start
+
+    decode, prefill = FakeDecode(), FakePrefill()
+    decode_worker = await FakeWorker.start("decode", decode)
+    prefill_worker = await FakeWorker.start("prefill", prefill)
+    prefill.decoders[decode_worker.address] = decode
+    coordinator = await start(CoordinatorConfig(
+        model_dir, port=0, prefill_addresses=[prefill_worker.address],
+        decode_addresses=[decode_worker.address], refresh_seconds=0.1, lease_seconds=5, **config,
+    ))
+    for _ in range(100):
+        if coordinator.pool.ready("prefill") and coordinator.pool.ready("decode"):
+            break
+        await asyncio.sleep(0.05)
+    return FakePools(coordinator, prefill, decode, prefill_worker, decode_worker)

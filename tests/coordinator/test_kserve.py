@@ -17,10 +17,9 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from pdserve.v1 import generation_pb2
-from server.coordinator.config import CoordinatorConfig
-from server.coordinator.main import Coordinator, start
+from server.coordinator.main import Coordinator
 from server.model.tokenizer import Tokenizer
-from tests.coordinator.fakes import FakeDecode, FakePrefill, FakeWorker, wait_for
+from tests.coordinator.fakes import FakeDecode, FakePrefill, start_fake_pools, wait_for
 
 FinishReason = generation_pb2.FinishReason
 MODEL = "llama-float32"
@@ -47,29 +46,12 @@ def model_dir(tiny_model) -> Path:
 
 @pytest.fixture
 async def cluster(model_dir):
-    decode, prefill = FakeDecode(), FakePrefill()
-    decode_worker = await FakeWorker.start("decode", decode)
-    prefill_worker = await FakeWorker.start("prefill", prefill)
-    prefill.decoders[decode_worker.address] = decode
-    config = CoordinatorConfig(
-        model_dir,
-        port=0,
-        prefill_addresses=[prefill_worker.address],
-        decode_addresses=[decode_worker.address],
-        refresh_seconds=0.1,
-        lease_seconds=5,
-    )
-    coordinator = await start(config)
-    for _ in range(100):
-        if coordinator.pool.ready("prefill") and coordinator.pool.ready("decode"):
-            break
-        await asyncio.sleep(0.05)
+    pools = await start_fake_pools(model_dir)
+    coordinator = pools.coordinator
     yield Cluster(
-        coordinator, prefill, decode, Tokenizer.from_dir(model_dir), f"127.0.0.1:{coordinator.port}"
+        coordinator, pools.prefill, pools.decode, Tokenizer.from_dir(model_dir), f"127.0.0.1:{coordinator.port}"
     )
-    await coordinator.stop(0)
-    await prefill_worker.stop()
-    await decode_worker.stop()
+    await pools.stop()
 
 
 @pytest.fixture

@@ -15,11 +15,10 @@ import pytest
 
 from pdserve.v1 import generation_pb2
 from server.coordinator.chat_template import ChatTemplate, ChatTemplateError
-from server.coordinator.config import CoordinatorConfig
-from server.coordinator.main import Coordinator, start
+from server.coordinator.main import Coordinator
 from server.coordinator.openai_api import Front, create_app
 from server.model.tokenizer import Tokenizer
-from tests.coordinator.fakes import FakeDecode, FakePrefill, FakeWorker, wait_for
+from tests.coordinator.fakes import FakeDecode, FakePrefill, start_fake_pools, wait_for
 
 FinishReason = generation_pb2.FinishReason
 MODEL = "llama-float32"
@@ -48,35 +47,17 @@ def model_dir(tiny_model) -> Path:
 
 @pytest.fixture
 async def cluster(model_dir):
-    decode, prefill = FakeDecode(), FakePrefill()
-    decode_worker = await FakeWorker.start("decode", decode)
-    prefill_worker = await FakeWorker.start("prefill", prefill)
-    prefill.decoders[decode_worker.address] = decode
-    config = CoordinatorConfig(
-        model_dir,
-        port=0,
-        prefill_addresses=[prefill_worker.address],
-        decode_addresses=[decode_worker.address],
-        refresh_seconds=0.1,
-        lease_seconds=5,
-        http_port=0,
-    )
-    coordinator = await start(config)
-    for _ in range(100):
-        if coordinator.pool.ready("prefill") and coordinator.pool.ready("decode"):
-            break
-        await asyncio.sleep(0.05)
+    pools = await start_fake_pools(model_dir, http_port=0)
+    coordinator = pools.coordinator
     assert coordinator.http is not None
     yield Cluster(
         coordinator,
-        prefill,
-        decode,
+        pools.prefill,
+        pools.decode,
         Tokenizer.from_dir(model_dir),
         f"http://127.0.0.1:{coordinator.http.port}",
     )
-    await coordinator.stop(0)
-    await prefill_worker.stop()
-    await decode_worker.stop()
+    await pools.stop()
 
 
 @pytest.fixture
