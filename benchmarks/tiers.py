@@ -94,21 +94,10 @@ def qwen25_05b_random(out: Path) -> None:
     import torch
     import transformers
 
+    from benchmarks.checkpoint import QWEN25_05B
+
     config = transformers.Qwen2Config(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=32768,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        bos_token_id=151643,
-        eos_token_id=151643,
+        **QWEN25_05B, use_sliding_window=False, bos_token_id=151643, eos_token_id=151643
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
