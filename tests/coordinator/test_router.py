@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.v1 import worker_pb2 as pb
 from server.coordinator.admission import Deadline, RequestFailed, TierQueue
-from server.coordinator.policies import most_free_blocks, power_of_two
+from server.coordinator.policies import LARGE_POOL, most_free_blocks, power_of_two
 from server.coordinator.router import RegistrationRefused, Worker, WorkerPool
 from tests.coordinator.fakes import LAYOUT, FakeDecode, FakeWorker
 
@@ -78,6 +78,10 @@ def test_decode_policies_skip_workers_at_their_cap_or_without_room():
     picks = {power_of_two(workers, 16, random.Random(seed)).address for seed in range(40)}
     assert "w0" not in picks  # the emptier of two never loses to w0, the fullest
     assert len(picks) > 2  # and the load spreads
+    assert most_free_blocks(workers, 16) is workers[-1]  # a small pool: always the emptiest
+    large = [_worker(f"w{i}", free=10 + i) for i in range(LARGE_POOL)]
+    picks = {most_free_blocks(large, 16, random.Random(seed)).address for seed in range(40)}
+    assert "w0" not in picks and len(picks) > 2  # a large pool: power of two choices, no herd
 
 
 async def test_tier_queue_waits_for_room_then_refuses_past_its_size():
