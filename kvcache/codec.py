@@ -75,6 +75,25 @@ def encode_blocks(
     """
     num_tokens = _check_arrays(layout, k, v, k_scales, v_scales)
     pieces = iter_pieces(layout, num_tokens, max_chunk_bytes)
+    return (chunk.blocks for chunk in _encode(layout, pieces, k, v, k_scales, v_scales))
+
+
+def encode_chunks(
+    layout: KvLayout,
+    k: np.ndarray,
+    v: np.ndarray,
+    *,
+    k_scales: np.ndarray | None = None,
+    v_scales: np.ndarray | None = None,
+    max_chunk_bytes: int = MAX_CHUNK_BYTES,
+) -> Iterator[pb.KvChunk]:
+    """As encode_blocks, each piece already inside the KvChunk the stream sends.
+
+    Filled in place: wrapping a finished KvBlocks (`KvChunk(blocks=msg)`) copies its bytes again,
+    which cost more than the encoding itself (2.9 ms vs 0.34 ms per 4 MiB).
+    """
+    num_tokens = _check_arrays(layout, k, v, k_scales, v_scales)
+    pieces = iter_pieces(layout, num_tokens, max_chunk_bytes)
     return _encode(layout, pieces, k, v, k_scales, v_scales)
 
 
@@ -85,22 +104,19 @@ def _encode(
     v: np.ndarray,
     k_scales: np.ndarray | None,
     v_scales: np.ndarray | None,
-) -> Iterator[pb.KvBlocks]:
+) -> Iterator[pb.KvChunk]:
     bs = layout.block_size
     for l0, lc, t0, tc in pieces:
-        msg = pb.KvBlocks(
-            layer_start=l0,
-            layer_count=lc,
-            token_start=t0,
-            token_count=tc,
-            k=k[l0 : l0 + lc, t0 : t0 + tc].tobytes(),
-            v=v[l0 : l0 + lc, t0 : t0 + tc].tobytes(),
-        )
+        chunk = pb.KvChunk()
+        msg = chunk.blocks
+        msg.layer_start, msg.layer_count, msg.token_start, msg.token_count = l0, lc, t0, tc
+        msg.k = k[l0 : l0 + lc, t0 : t0 + tc].tobytes()
+        msg.v = v[l0 : l0 + lc, t0 : t0 + tc].tobytes()
         if k_scales is not None and v_scales is not None:
             b0, b1 = t0 // bs, -(-(t0 + tc) // bs)
             msg.k_scales = k_scales[l0 : l0 + lc, b0:b1].tobytes()
             msg.v_scales = v_scales[l0 : l0 + lc, b0:b1].tobytes()
-        yield msg
+        yield chunk
 
 
 def decode_blocks(layout: KvLayout, msg: pb.KvBlocks) -> KvPiece:

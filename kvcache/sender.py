@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import numpy as np
 
-from kvcache.codec import MAX_CHUNK_BYTES, encode_blocks
+from kvcache.codec import MAX_CHUNK_BYTES, encode_chunks
 from kvcache.layout import KvLayout
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
@@ -58,7 +58,7 @@ class KvSender:
                 f"header layout [{KvLayout.from_proto(header.layout).describe()}] is not the "
                 f"layout of k and v [{layout.describe()}]"
             )
-        blocks = encode_blocks(  # checks the arrays now; encodes as the stream is consumed
+        blocks = encode_chunks(  # checks the arrays now; encodes as the stream is consumed
             layout, k, v, k_scales=k_scales, v_scales=v_scales, max_chunk_bytes=self._max_chunk_bytes
         )
         chunks = _chunks(header, blocks, first_token_id)
@@ -82,10 +82,10 @@ class KvSender:
 
 
 async def _chunks(
-    header: pb.KvHeader, blocks: Iterator[pb.KvBlocks], first_token_id: int
+    header: pb.KvHeader, blocks: Iterator[pb.KvChunk], first_token_id: int
 ) -> AsyncIterator[pb.KvChunk]:
     """One piece at a time, as gRPC's flow control asks for the next message."""
     yield pb.KvChunk(header=header)
-    for msg in blocks:
-        yield pb.KvChunk(blocks=msg)
+    for chunk in blocks:
+        yield chunk
     yield pb.KvChunk(end=pb.KvEnd(first_token_id=first_token_id))

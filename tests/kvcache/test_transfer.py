@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import kvcache.sender
-from kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_blocks
+from kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_blocks, encode_chunks
 from kvcache.layout import KvLayout
 from kvcache.receiver import KvReceiver, Transfer, TransferError, TransferState
 from kvcache.sender import KvSender
@@ -163,11 +163,11 @@ async def test_a_big_push_streams_lazily_over_one_cached_channel(harnesses, monk
     encoded: list[int] = []
 
     def counting_encode(*args, **kwargs):
-        for msg in encode_blocks(*args, **kwargs):
+        for msg in encode_chunks(*args, **kwargs):
             encoded.append(1)
             yield msg
 
-    monkeypatch.setattr(kvcache.sender, "encode_blocks", counting_encode)
+    monkeypatch.setattr(kvcache.sender, "encode_chunks", counting_encode)
     layout = KvLayout(4, 8, 128, 16, "float32")  # a block of all layers: 512 KiB
     harness = await harnesses(layout, max_chunk_bytes=2**20 + 64)  # two blocks (1 MiB) per message
     encoded_at_writes: list[int] = []
