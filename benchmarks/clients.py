@@ -6,6 +6,7 @@ when each chunk holding new tokens arrived: all latency metrics derive from thos
 
 from __future__ import annotations
 
+import abc
 import json
 import time
 from dataclasses import dataclass, field
@@ -39,11 +40,12 @@ class RequestOutput:
         return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
 
 
-class Target:
+class Target(abc.ABC):
     name = "target"
 
+    @abc.abstractmethod
     async def send(self, request: BenchRequest, out: RequestOutput) -> None:
-        raise NotImplementedError
+        """Sends one request and records its chunk times and token counts into `out`."""
 
     async def close(self) -> None:
         pass
