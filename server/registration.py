@@ -85,3 +85,24 @@ class Registration:
             with contextlib.suppress(asyncio.CancelledError, SystemExit):
                 await self._task
         await self._channel.close()
+
+
+async def join(worker, coordinator: str, info: Callable[[], pb.WorkerInfo]) -> None:
+    """Registers a started worker (`worker.registration`); a refusal stops it and exits non-zero."""
+    worker.registration = Registration(coordinator, info)
+    try:
+        await worker.registration.start()
+    except SystemExit:
+        await worker.stop(0)
+        raise
+
+
+async def serve_until_signal(worker, role: str, drain_seconds: float) -> None:
+    """Serves until SIGINT or SIGTERM, then drains (in-flight work finishes) and stops."""
+    from server.serving import wait_for_signal
+
+    await wait_for_signal()
+    log.info("%s worker draining", role)
+    await worker.drain(drain_seconds)
+    log.info("%s worker stopping", role)
+    await worker.stop()

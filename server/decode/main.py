@@ -23,7 +23,7 @@ from server.decode.service import DecodeService
 from server.model.config import load_config
 from server.model.fingerprint import fingerprint
 from server.model.weights import load_weights
-from server.registration import Registration
+from server.registration import Registration, join, serve_until_signal
 
 log = logging.getLogger("pdserve.decode")
 
@@ -118,19 +118,9 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
              f" (KV transfer on port {kv_port})" if kv_server is not None else "")
     worker = DecodeWorker(server, service, engine, port, health, kv_server, kv_port)
     if options.coordinator:
-        worker.registration = Registration(options.coordinator, lambda: service.info())
-        try:
-            await worker.registration.start()
-        except SystemExit:
-            await worker.stop(0)
-            raise
+        await join(worker, options.coordinator, lambda: service.info())
     return worker
 
 
 async def serve(config: DecodeConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> None:
-    worker = await start(config, options)
-    await serving.wait_for_signal()
-    log.info("decode worker draining")
-    await worker.drain(options.drain_seconds)
-    log.info("decode worker stopping")
-    await worker.stop()
+    await serve_until_signal(await start(config, options), "decode", options.drain_seconds)

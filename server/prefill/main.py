@@ -17,7 +17,7 @@ from server.prefill.engine import PrefillEngine
 from server.prefill.model import compute_dtype, load_params
 from server.prefill.quant import param_bytes
 from server.prefill.service import PrefillService
-from server.registration import Registration
+from server.registration import Registration, join, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -70,19 +70,9 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     log.info("prefill worker listening on %s:%d", config.host, port)
     worker = PrefillWorker(server, service, port, health)
     if options.coordinator:
-        worker.registration = Registration(options.coordinator, service.info)
-        try:
-            await worker.registration.start()
-        except SystemExit:
-            await worker.stop(0)
-            raise
+        await join(worker, options.coordinator, service.info)
     return worker
 
 
 async def serve(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> None:
-    worker = await start(config, options)
-    await serving.wait_for_signal()
-    log.info("prefill worker draining")
-    await worker.drain(options.drain_seconds)
-    log.info("prefill worker stopping")
-    await worker.stop()
+    await serve_until_signal(await start(config, options), "prefill", options.drain_seconds)

@@ -113,3 +113,14 @@ def test_workers_join_take_traffic_and_drain_under_load_losing_nothing(cluster):
     wait_until(lambda: {w.address: w.state for w in list_workers(coordinator)}[p["d0"].address] == "dead",
                "d0 dead after exit")
     assert len(generate(coordinator.address, request([9, 9, 9], 5))) == 5
+
+
+def test_a_worker_serving_another_model_is_refused_at_registration(cluster, tiny_model):
+    coordinator = cluster.procs["coordinator"]
+    stranger = cluster.start("d-other", "decode", "--coordinator", coordinator.address,
+                             model_dir=tiny_model("qwen2"), metrics=False, wait=False)
+    assert stranger.popen.wait(120) != 0
+    log = stranger.log.read_text()
+    assert "FAILED_PRECONDITION" in log or "refused" in log, log[-2000:]
+    assert "every worker must serve the same checkpoint" in log, log[-2000:]
+    assert stranger.address not in {w.address for w in list_workers(coordinator)}
