@@ -285,26 +285,18 @@ def bench_prefill(config, weights, plan: Plan, ceil: dict) -> tuple[list[Row], d
     return rows, kv
 
 
-class _DeviceSink:
-    def __init__(self, cache, block_table: list[int]):
-        self.cache, self.block_table = cache, block_table
-
-    def write(self, request_id: str, piece) -> None:
-        self.cache.write(self.block_table, piece.layer_start, piece.token_start, piece.k, piece.v)
 
 
 async def _handoff(config, kv: dict, plan: Plan, device: str) -> tuple[float, float, int]:
     """(best seconds device KV -> host -> KvSender -> KvReceiver -> device cache, raw grpcio GB/s, bytes)."""
-    import grpc
     import jax
     import torch
-    from pdserve.v1 import worker_pb2 as pb
-    from pdserve.v1 import worker_pb2_grpc
 
+    from benchmarks import kv_push
     from benchmarks.ceilings import grpc_loopback_gbps
     from kvcache.layout import KvLayout
     from kvcache.receiver import KvReceiver
-    from kvcache.sender import CHANNEL_OPTIONS, KvSender
+    from kvcache.sender import KvSender
     from server.decode.kv_cache import PagedKvCache
 
     layout = KvLayout(
@@ -316,25 +308,15 @@ async def _handoff(config, kv: dict, plan: Plan, device: str) -> tuple[float, fl
     table = list(range(layout.num_blocks(n)))
     cache = PagedKvCache(layout, len(table), device=device)
     digest = "gpu-bench"
-    receiver = KvReceiver(layout, digest, _DeviceSink(cache, table))
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
+    receiver = KvReceiver(layout, digest, kv_push.CacheSink(cache, table))
+    server, address = await kv_push.serve_receiver(receiver)
     sender = KvSender()
     best = float("inf")
     try:
         for attempt in range(plan.repeats + 1):
             rid, token = f"gpu-{attempt}", os.urandom(16)
             transfer = receiver.expect(rid, 0, token, n)
-            header = pb.KvHeader(
-                request_id=rid,
-                attempt=0,
-                transfer_token=token,
-                fingerprint=pb.ModelFingerprint(digest=digest),
-                layout=layout.to_proto(),
-                num_tokens=n,
-            )
+            header = kv_push.header(rid, token, digest, layout, n)
             t = time.perf_counter()
             k, v = jax.device_get(kv["k"]), jax.device_get(kv["v"])  # [L, T, Hkv, D] bf16 on the host
             await sender.send(

@@ -251,25 +251,13 @@ def _decode_steps(model, cache, block_tables, first_token: int, prompt_len: int,
         token_ids = logits.argmax(-1)
 
 
-class _CacheSink:
-    """What the decode engine does with a received piece: write it into the paged cache."""
-
-    def __init__(self, cache, block_table: list[int]) -> None:
-        self.cache = cache
-        self.block_table = block_table
-
-    def write(self, request_id: str, piece) -> None:
-        self.cache.write(self.block_table, piece.layer_start, piece.token_start, piece.k, piece.v)
 
 
 async def _transfer(layout, digest: str, num_tokens: int, repeats: int) -> tuple[float, float, int]:
     """(KV transfer seconds, raw grpcio loopback GB/s of the same bytes, bytes) in one event loop."""
-    import grpc
-
+    from benchmarks import kv_push
     from kvcache.receiver import KvReceiver
-    from kvcache.sender import CHANNEL_OPTIONS, KvSender
-    from pdserve.v1 import worker_pb2 as pb
-    from pdserve.v1 import worker_pb2_grpc
+    from kvcache.sender import KvSender
     from server.decode.kv_cache import PagedKvCache
 
     rng = np.random.default_rng(0)
@@ -281,25 +269,15 @@ async def _transfer(layout, digest: str, num_tokens: int, repeats: int) -> tuple
 
     block_table = list(range(layout.num_blocks(num_tokens)))
     cache = PagedKvCache(layout, len(block_table))
-    receiver = KvReceiver(layout, digest, _CacheSink(cache, block_table))
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
-    address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
+    receiver = KvReceiver(layout, digest, kv_push.CacheSink(cache, block_table))
+    server, address = await kv_push.serve_receiver(receiver)
     sender = KvSender()
     best = float("inf")
     try:
         for attempt in range(repeats + 1):  # the first connects and warms up
             request_id, token = f"bench-{attempt}", os.urandom(16)
             transfer = receiver.expect(request_id, 0, token, num_tokens)
-            header = pb.KvHeader(
-                request_id=request_id,
-                attempt=0,
-                transfer_token=token,
-                fingerprint=pb.ModelFingerprint(digest=digest),
-                layout=layout.to_proto(),
-                num_tokens=num_tokens,
-            )
+            header = kv_push.header(request_id, token, digest, layout, num_tokens)
             start = time.perf_counter()
             await sender.send(address, header, layout, k, v, first_token_id=7)
             await transfer.done

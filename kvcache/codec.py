@@ -73,9 +73,8 @@ def encode_blocks(
 
     The arrays and the limit are checked at the call (ValueError), before the first message.
     """
-    num_tokens = _check_arrays(layout, k, v, k_scales, v_scales)
-    pieces = iter_pieces(layout, num_tokens, max_chunk_bytes)
-    return (chunk.blocks for chunk in _encode(layout, pieces, k, v, k_scales, v_scales))
+    chunks = encode_chunks(layout, k, v, k_scales=k_scales, v_scales=v_scales, max_chunk_bytes=max_chunk_bytes)
+    return (chunk.blocks for chunk in chunks)
 
 
 def encode_chunks(
