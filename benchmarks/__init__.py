@@ -1,1 +1,1 @@
-"""Benchmarks: the tier benchmarks (`python -m benchmarks.tiers`) beside this machine's ceilings."""
+"""Benchmarks: the tier benchmarks (`python -m pdserve.benchmarks.tiers`) beside this machine's ceilings."""

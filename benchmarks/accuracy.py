@@ -11,8 +11,8 @@ fp32 pipeline (fp32 weights on both tiers, fp32 KV) on the same checkpoint and t
 - greedy agreement: how many greedy tokens from each prompt match fp32's before the first difference,
 - perplexity of the fixed text (a stretch of the Python standard library).
 
-    .venv/bin/python -m benchmarks.accuracy                       # both models, writes benchmarks/results/
-    .venv/bin/python -m benchmarks.accuracy --models trained --prompts 4   # quicker
+    .venv/bin/python -m pdserve.benchmarks.accuracy                       # both models, writes benchmarks/results/
+    .venv/bin/python -m pdserve.benchmarks.accuracy --models trained --prompts 4   # quicker
 
 Models: `trained` is the embedded default model (server/model/default, made by benchmarks.train_tiny),
 whose distributions are peaked like a real model's; `qwen-shape` is a random-weight model of
@@ -39,13 +39,13 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from kvcache.layout import NUMPY_DTYPES, QUANTIZED, KvLayout
-from server.decode.kv_cache import TORCH_DTYPES, PagedKvCache
-from server.decode.model import DecoderModel
-from server.model.config import load_config
-from server.model.weights import load_weights
-from server.prefill.model import bucket_length, compute_dtype, load_params, make_prefill_fn
-from server.prefill.quant import WEIGHT_FORMATS, quantize_kv
+from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED, KvLayout
+from pdserve.server.decode.kv_cache import TORCH_DTYPES, PagedKvCache
+from pdserve.server.decode.model import DecoderModel
+from pdserve.server.model.config import load_config
+from pdserve.server.model.weights import load_weights
+from pdserve.server.prefill.model import bucket_length, compute_dtype, load_params, make_prefill_fn
+from pdserve.server.prefill.quant import WEIGHT_FORMATS, quantize_kv
 
 Setting = tuple[str, str, str]  # (prefill weights, decode weights, KV dtype)
 BASELINE: Setting = ("float32", "float32", "float32")
@@ -155,7 +155,7 @@ def fixed_text(tokenizer_dir: Path, num: int, length: int) -> np.ndarray:
     """num rows of length tokens from a fixed stretch of the standard library that training never saw."""
     from tokenizers import Tokenizer
 
-    from server.model.tiny import training_text
+    from pdserve.server.model.tiny import training_text
 
     tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
     ids = tok.encode(training_text(3_000_000)[-60_000:]).ids  # the tail: train_tiny holds it out
@@ -196,7 +196,7 @@ def make_qwen_shape(out: Path, layers: int) -> Path:
         return out
     import transformers
 
-    from server.model.tiny import EOS, train_tokenizer
+    from pdserve.server.model.tiny import EOS, train_tokenizer
 
     tmp = out.with_suffix(".partial")
     tok = train_tokenizer()
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")))
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    results = {"command": "python -m benchmarks.accuracy " + " ".join(argv if argv is not None else sys.argv[1:]),
+    results = {"command": "python -m pdserve.benchmarks.accuracy " + " ".join(argv if argv is not None else sys.argv[1:]),
                "prompts": args.prompts, "prompt_len": args.prompt_len, "text_len": args.text_len,
                "greedy_steps": args.greedy_steps, "baseline": list(BASELINE), "models": {}}
     text = fixed_text(args.trained_model, args.prompts, args.prompt_len + args.text_len)

@@ -20,10 +20,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from benchmarks import datasets, report
-from benchmarks.clients import GrpcTarget, OpenAITarget, RequestOutput, Target
-from benchmarks.load import LoadSpec, arrival_offsets
-from benchmarks.metrics import summarize
+from pdserve.benchmarks import datasets, report
+from pdserve.benchmarks.clients import GrpcTarget, OpenAITarget, RequestOutput, Target
+from pdserve.benchmarks.load import LoadSpec, arrival_offsets
+from pdserve.benchmarks.metrics import summarize
 
 
 @dataclass

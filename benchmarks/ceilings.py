@@ -20,7 +20,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
-from kvcache.sender import CHANNEL_OPTIONS
+from pdserve.kvcache.sender import CHANNEL_OPTIONS
 
 GB = 1e9
 _LOOPBACK_METHOD = "/pdserve.bench.Loopback/Push"

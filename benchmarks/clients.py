@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from benchmarks.datasets import BenchRequest
+from pdserve.benchmarks.datasets import BenchRequest
 
 
 @dataclass
@@ -60,7 +60,7 @@ class GrpcTarget(Target):
         import grpc
         from pdserve.v1 import generation_pb2_grpc
 
-        from server.serving import CHANNEL_OPTIONS
+        from pdserve.server.serving import CHANNEL_OPTIONS
 
         self.address, self.timeout = address, timeout
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
@@ -69,7 +69,7 @@ class GrpcTarget(Target):
     async def send(self, request: BenchRequest, out: RequestOutput) -> None:
         import grpc
 
-        from server.client import FINISH_NAMES, build_request
+        from pdserve.server.client import FINISH_NAMES, build_request
 
         req = build_request(
             prompt=request.prompt_text,

@@ -1,7 +1,7 @@
 """The tiers on one GPU (the lent H200), each beside a ceiling measured in the same run.
 
-    python -m benchmarks.gpu                 # Llama-3-8B shape, bf16, random weights (~8 minutes)
-    python -m benchmarks.gpu --tiny          # a tiny Llama on whatever device there is (CPU in tests)
+    python -m pdserve.benchmarks.gpu                 # Llama-3-8B shape, bf16, random weights (~8 minutes)
+    python -m pdserve.benchmarks.gpu --tiny          # a tiny Llama on whatever device there is (CPU in tests)
 
 1. Ceilings: device memory copy (read + write bytes/s, torch), bf16 matmul (torch and JAX), raw grpcio
    loopback (benchmarks.ceilings).
@@ -203,9 +203,9 @@ def jax_matmul_tflops(n: int, repeats: int) -> float:
 def bench_decode(config, weights, plan: Plan, device: str, ceil: dict) -> list[Row]:
     import torch
 
-    from kvcache.layout import KvLayout
-    from server.decode.kv_cache import PagedKvCache
-    from server.decode.model import DecoderModel
+    from pdserve.kvcache.layout import KvLayout
+    from pdserve.server.decode.kv_cache import PagedKvCache
+    from pdserve.server.decode.model import DecoderModel
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     log("decode: building the model on the device")
@@ -254,7 +254,7 @@ def bench_prefill(config, weights, plan: Plan, ceil: dict) -> tuple[list[Row], d
     import jax
     import jax.numpy as jnp
 
-    from server.prefill.model import load_params, make_prefill_fn
+    from pdserve.server.prefill.model import load_params, make_prefill_fn
 
     log(f"prefill: params onto {jax.default_backend()}")
     params = load_params(config, weights, dtype="bfloat16")
@@ -292,12 +292,12 @@ async def _handoff(config, kv: dict, plan: Plan, device: str) -> tuple[float, fl
     import jax
     import torch
 
-    from benchmarks import kv_push
-    from benchmarks.ceilings import grpc_loopback_gbps
-    from kvcache.layout import KvLayout
-    from kvcache.receiver import KvReceiver
-    from kvcache.sender import KvSender
-    from server.decode.kv_cache import PagedKvCache
+    from pdserve.benchmarks import kv_push
+    from pdserve.benchmarks.ceilings import grpc_loopback_gbps
+    from pdserve.kvcache.layout import KvLayout
+    from pdserve.kvcache.receiver import KvReceiver
+    from pdserve.kvcache.sender import KvSender
+    from pdserve.server.decode.kv_cache import PagedKvCache
 
     layout = KvLayout(
         config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype="bfloat16"
@@ -356,7 +356,7 @@ def table(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu",
+        prog="python -m pdserve.benchmarks.gpu",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import uvloop
 
-    from server.model.config import parse_config
+    from pdserve.server.model.config import parse_config
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = parse_config(plan.raw_config)

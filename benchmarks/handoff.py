@@ -1,7 +1,7 @@
 """The latency the P/D handoff adds: the same model, prefilled and decoded in one process vs through
 `pdserve up` (coordinator + prefill worker + decode worker, KV over gRPC).
 
-    python -m benchmarks.handoff [--model DIR] [--lengths 128,448] [--repeats 5]
+    python -m pdserve.benchmarks.handoff [--model DIR] [--lengths 128,448] [--repeats 5]
 
 One process: the prefill tier's jitted JAX prefill (the engine's bucket padding, batch 1) gives the
 first token; its KV goes, as numpy, straight into the decode tier's `PagedKvCache`; one
@@ -29,12 +29,12 @@ def one_process(model_dir: Path, lengths: list[int], repeats: int) -> dict[int, 
     import jax.numpy as jnp
     import torch
 
-    from kvcache.layout import KvLayout
-    from server.decode.kv_cache import PagedKvCache
-    from server.decode.model import DecoderModel
-    from server.model.config import load_config
-    from server.model.weights import load_weights
-    from server.prefill.model import bucket_length, load_params, make_prefill_fn
+    from pdserve.kvcache.layout import KvLayout
+    from pdserve.server.decode.kv_cache import PagedKvCache
+    from pdserve.server.decode.model import DecoderModel
+    from pdserve.server.model.config import load_config
+    from pdserve.server.model.weights import load_weights
+    from pdserve.server.prefill.model import bucket_length, load_params, make_prefill_fn
 
     # One torch thread: with two, each small step waits at OpenMP barriers for a core that JAX's threads
     # (or any other process) hold; measured here at ~110 ms vs ~1 ms a step for the tiny model.
@@ -72,8 +72,8 @@ def one_process(model_dir: Path, lengths: list[int], repeats: int) -> dict[int, 
 
 
 async def _disaggregated(address: str, vocab: int, lengths: list[int], repeats: int) -> dict[int, tuple[float, float]]:
-    from benchmarks.clients import GrpcTarget, RequestOutput
-    from benchmarks.datasets import synthetic
+    from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
+    from pdserve.benchmarks.datasets import synthetic
 
     target = GrpcTarget(address, timeout=300)
     out = {}
@@ -95,15 +95,15 @@ async def _disaggregated(address: str, vocab: int, lengths: list[int], repeats: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.handoff", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.handoff", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="checkpoint (default: pdserve's embedded tiny model)")
     p.add_argument("--lengths", default="128,448")
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args(argv)
-    from server import launcher
-    from server.cli import default_model_dir
-    from server.model.config import load_config
+    from pdserve.server import launcher
+    from pdserve.server.cli import default_model_dir
+    from pdserve.server.model.config import load_config
 
     model = args.model or default_model_dir()
     lengths = [int(x) for x in args.lengths.split(",")]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import grpc
 
-from kvcache.layout import KvLayout
-from kvcache.receiver import KvReceiver
-from kvcache.sender import CHANNEL_OPTIONS
+from pdserve.kvcache.layout import KvLayout
+from pdserve.kvcache.receiver import KvReceiver
+from pdserve.kvcache.sender import CHANNEL_OPTIONS
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 

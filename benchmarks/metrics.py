@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.clients import RequestOutput
+from pdserve.benchmarks.clients import RequestOutput
 
 PERCENTILES = (50, 90, 99)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.clients import RequestOutput
-from benchmarks.metrics import throughput_timeline, tpot
+from pdserve.benchmarks.clients import RequestOutput
+from pdserve.benchmarks.metrics import throughput_timeline, tpot
 
 
 def request_records(outputs: Sequence[RequestOutput], start: float) -> list[dict]:

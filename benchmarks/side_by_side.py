@@ -1,6 +1,6 @@
 """vLLM vs pdserve on this machine: same checkpoint, same load from the same harness, one table.
 
-    .venv/bin/python -m benchmarks.side_by_side            # or: make side-by-side
+    .venv/bin/python -m pdserve.benchmarks.side_by_side            # or: make side-by-side
 
 1. Makes (once) a random-weight checkpoint of Qwen2.5-0.5B's shape (benchmarks/checkpoint.py).
 2. For each system: starts it, warms it up, then runs
@@ -35,11 +35,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import datasets
-from benchmarks.bench import Group, run_groups, warmup, write_results
-from benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
-from benchmarks.clients import GrpcTarget, OpenAITarget, Target
-from benchmarks.load import LoadSpec
+from pdserve.benchmarks import datasets
+from pdserve.benchmarks.bench import Group, run_groups, warmup, write_results
+from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
+from pdserve.benchmarks.clients import GrpcTarget, OpenAITarget, Target
+from pdserve.benchmarks.load import LoadSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
@@ -138,7 +138,7 @@ def start_vllm(model: Path, dtype: str, out: Path, max_model_len: int) -> Server
 
 
 def start_pdserve(model: Path, dtype: str, out: Path, front: str) -> Server:
-    py = [sys.executable, "-m", "server.cli"]
+    py = [sys.executable, "-m", "pdserve.server.cli"]
     pp, dp, cp = free_port(), free_port(), free_port()
     host = "127.0.0.1"
     logs = [out / "pdserve-prefill.log", out / "pdserve-decode.log", out / "pdserve-coordinator.log"]
@@ -396,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
     text = table(results)
-    cmd = "python -m benchmarks.side_by_side " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m pdserve.benchmarks.side_by_side " + " ".join(argv if argv is not None else sys.argv[1:])
     (run_dir / "table.md").write_text(f"`{cmd.strip()}` (model {model.name})\n\n{text}\n")
     (run_dir / "side_by_side.json").write_text(
         json.dumps({"config": _cfg(args), "model": str(model), "results": results}, indent=1)

@@ -1,6 +1,6 @@
 """Prefill tokens/s, decode tokens/s and KV-transfer GB/s, each beside this machine's ceiling.
 
-    python -m benchmarks.tiers [--models tiny,qwen2.5-0.5b] [--json out.json] [--quick]
+    python -m pdserve.benchmarks.tiers [--models tiny,qwen2.5-0.5b] [--json out.json] [--quick]
 
 Each model is loaded once through the real loading code and run through the real tiers:
 1. Prefill (JAX `make_prefill_fn`) at a few (batch x length) shapes; compile excluded.
@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import ceilings
-from benchmarks.ceilings import GB, best_time
-from server.model.config import ModelConfig, load_config
-from server.model.fingerprint import fingerprint
-from server.model.weights import load_weights
+from pdserve.benchmarks import ceilings
+from pdserve.benchmarks.ceilings import GB, best_time
+from pdserve.server.model.config import ModelConfig, load_config
+from pdserve.server.model.fingerprint import fingerprint
+from pdserve.server.model.weights import load_weights
 
 MODELS = ("tiny", "qwen2.5-0.5b")
 _START = time.perf_counter()
@@ -94,7 +94,7 @@ def qwen25_05b_random(out: Path) -> None:
     import torch
     import transformers
 
-    from benchmarks.checkpoint import QWEN25_05B
+    from pdserve.benchmarks.checkpoint import QWEN25_05B
 
     config = transformers.Qwen2Config(
         **QWEN25_05B, use_sliding_window=False, bos_token_id=151643, eos_token_id=151643
@@ -113,7 +113,7 @@ def model_dir(name: str, cache: Path) -> Path:
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     if name == "tiny":
-        from server.model.tiny import make_tiny_model
+        from pdserve.server.model.tiny import make_tiny_model
 
         make_tiny_model(tmp, "llama")
     else:
@@ -166,7 +166,7 @@ def bench_prefill(name: str, config: ModelConfig, weights, plan: Plan, ceil: dic
     import jax
     import jax.numpy as jnp
 
-    from server.prefill.model import load_params, make_prefill_fn
+    from pdserve.server.prefill.model import load_params, make_prefill_fn
 
     params = load_params(config, weights, dtype="float32")
     fn = make_prefill_fn(config)
@@ -199,9 +199,9 @@ def _prefill(fn, params, tokens, lengths) -> None:
 def bench_decode(name: str, config: ModelConfig, weights, plan: Plan, ceil: dict) -> list[Row]:
     import torch
 
-    from kvcache.layout import KvLayout
-    from server.decode.kv_cache import PagedKvCache
-    from server.decode.model import DecoderModel
+    from pdserve.kvcache.layout import KvLayout
+    from pdserve.server.decode.kv_cache import PagedKvCache
+    from pdserve.server.decode.model import DecoderModel
 
     model = DecoderModel(config, weights, dtype=torch.float32)
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype="float32")
@@ -255,10 +255,10 @@ def _decode_steps(model, cache, block_tables, first_token: int, prompt_len: int,
 
 async def _transfer(layout, digest: str, num_tokens: int, repeats: int) -> tuple[float, float, int]:
     """(KV transfer seconds, raw grpcio loopback GB/s of the same bytes, bytes) in one event loop."""
-    from benchmarks import kv_push
-    from kvcache.receiver import KvReceiver
-    from kvcache.sender import KvSender
-    from server.decode.kv_cache import PagedKvCache
+    from pdserve.benchmarks import kv_push
+    from pdserve.kvcache.receiver import KvReceiver
+    from pdserve.kvcache.sender import KvSender
+    from pdserve.server.decode.kv_cache import PagedKvCache
 
     rng = np.random.default_rng(0)
     shape = (layout.num_layers, num_tokens, layout.num_kv_heads, layout.head_dim)  # [L, T, Hkv, D]
@@ -295,7 +295,7 @@ async def _transfer(layout, digest: str, num_tokens: int, repeats: int) -> tuple
 def bench_transfer(name: str, config: ModelConfig, digest: str, plan: Plan, ceil: dict) -> list[Row]:
     import uvloop  # what every pdserve process runs on
 
-    from kvcache.layout import KvLayout
+    from pdserve.kvcache.layout import KvLayout
 
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype="float32")
     tokens = plan.transfer_tokens
@@ -383,7 +383,7 @@ CONVENTIONS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.tiers", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.tiers", description=__doc__.split("\n")[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true", help="the tiny model only, fewer iterations")

@@ -4,8 +4,8 @@ Random weights give flat next-token distributions; this model's are peaked like 
 accuracy harness can tell what quantization does to a model that has learned something. It is also
 `pdserve up`'s embedded default model (server/model/default/), so the demo writes plausible Python.
 
-    .venv/bin/python -m benchmarks.train_tiny --out /tmp/tiny --minutes 14
-    .venv/bin/python -m benchmarks.train_tiny --init /tmp/tiny --out server/model/default --minutes 34 --lr 3e-3
+    .venv/bin/python -m pdserve.benchmarks.train_tiny --out /tmp/tiny --minutes 14
+    .venv/bin/python -m pdserve.benchmarks.train_tiny --init /tmp/tiny --out server/model/default --minutes 34 --lr 3e-3
 
 (how the committed model was made, on 2 shared CPU cores: 799 steps of 16 x 128 tokens, held-out
 perplexity 19.6; `training.json` beside the weights records it). Training runs for wall-clock minutes,
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import transformers
 
-from server.model.tiny import BOS, CHAT_TEMPLATE, EOS, train_tokenizer, training_text
+from pdserve.server.model.tiny import BOS, CHAT_TEMPLATE, EOS, train_tokenizer, training_text
 
 SHAPE = dict(  # ~2.5M parameters (5 MB in bf16)
     hidden_size=256,

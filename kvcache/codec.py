@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcache.layout import QUANTIZED, KvLayout
+from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.v1 import worker_pb2 as pb
 
 MAX_CHUNK_BYTES = 4 * 2**20

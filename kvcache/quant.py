@@ -15,7 +15,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from kvcache.layout import NUMPY_DTYPES, QUANTIZED
+from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 
 QMAX: dict[str, float] = {"fp8_e4m3": float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max), "int8": 127.0}
 

@@ -24,8 +24,8 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from kvcache.codec import KvPiece, decode_blocks
-from kvcache.layout import HandshakeError, KvLayout, check_handshake
+from pdserve.kvcache.codec import KvPiece, decode_blocks
+from pdserve.kvcache.layout import HandshakeError, KvLayout, check_handshake
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 import numpy as np
 
-from kvcache.codec import MAX_CHUNK_BYTES, encode_chunks
-from kvcache.layout import KvLayout
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES, encode_chunks
+from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 

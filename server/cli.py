@@ -14,7 +14,7 @@ KV_DTYPES = ["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"]
 
 
 def _setup_logging(log_format: str = "text") -> None:
-    from server.logs import setup_logging
+    from pdserve.server.logs import setup_logging
 
     setup_logging(log_format)  # type: ignore[arg-type]
 
@@ -33,7 +33,7 @@ def default_model_dir() -> Path:
     cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
     out = cache / "models" / f"tiny-{DEFAULT_FAMILY}"
     if not (out / "config.json").exists():
-        from server.model.tiny import make_tiny_model
+        from pdserve.server.model.tiny import make_tiny_model
 
         print(f"building the default model into {out} ...", file=sys.stderr)
         make_tiny_model(out.with_suffix(".partial"), DEFAULT_FAMILY)
@@ -76,8 +76,8 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 
 
 def _configure_tls(args) -> None:
-    from server import serving
-    from server.security import TlsConfig
+    from pdserve.server import serving
+    from pdserve.server.security import TlsConfig
 
     try:
         serving.configure(TlsConfig(args.tls_cert, args.tls_key, args.tls_ca))
@@ -86,7 +86,7 @@ def _configure_tls(args) -> None:
 
 
 def _worker_options(args, kv_port: int | None = None):
-    from server.serving import WorkerOptions
+    from pdserve.server.serving import WorkerOptions
 
     _configure_tls(args)
     return WorkerOptions(coordinator=args.coordinator, advertise_address=args.advertise_address,
@@ -94,8 +94,8 @@ def _worker_options(args, kv_port: int | None = None):
 
 
 def _check_model(model_dir: Path) -> None:
-    from server.model.config import ModelLoadError, load_config
-    from server.model.weights import checkpoint_files
+    from pdserve.server.model.config import ModelLoadError, load_config
+    from pdserve.server.model.weights import checkpoint_files
 
     try:
         load_config(model_dir)
@@ -105,7 +105,7 @@ def _check_model(model_dir: Path) -> None:
 
 
 def cmd_up(args) -> int:
-    from server import launcher
+    from pdserve.server import launcher
 
     model = args.model or default_model_dir()
     _check_model(model)
@@ -150,9 +150,9 @@ def cmd_up(args) -> int:
 
 
 def cmd_coordinator(args) -> int:
-    from server import serving
-    from server.coordinator.config import CoordinatorConfig
-    from server.coordinator.main import serve
+    from pdserve.server import serving
+    from pdserve.server.coordinator.config import CoordinatorConfig
+    from pdserve.server.coordinator.main import serve
 
     _check_model(args.model)
     config = CoordinatorConfig(model_dir=args.model, port=args.port, host=args.host,
@@ -161,7 +161,7 @@ def cmd_coordinator(args) -> int:
     _configure_tls(args)
     from dataclasses import replace
 
-    from server.security import resolve_api_key
+    from pdserve.server.security import resolve_api_key
 
     config = replace(config, api_key=resolve_api_key(args.api_key), metrics_port=args.metrics_port,
                      max_queue=args.max_queue, default_timeout=args.default_timeout,
@@ -172,9 +172,9 @@ def cmd_coordinator(args) -> int:
 
 
 def cmd_prefill(args) -> int:
-    from server import serving
-    from server.prefill.config import PrefillConfig
-    from server.prefill.main import serve
+    from pdserve.server import serving
+    from pdserve.server.prefill.config import PrefillConfig
+    from pdserve.server.prefill.main import serve
 
     _check_model(args.model)
     config = PrefillConfig(model_dir=args.model, port=args.port, host=args.host,
@@ -185,9 +185,9 @@ def cmd_prefill(args) -> int:
 
 
 def cmd_decode(args) -> int:
-    from server import serving
-    from server.decode.config import DecodeConfig
-    from server.decode.main import serve
+    from pdserve.server import serving
+    from pdserve.server.decode.config import DecodeConfig
+    from pdserve.server.decode.main import serve
 
     _check_model(args.model)
     config = DecodeConfig(model_dir=args.model, port=args.port, host=args.host, block_size=args.block_size,
@@ -199,20 +199,20 @@ def cmd_decode(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from server.client import build_request, run_generate
+    from pdserve.server.client import build_request, run_generate
 
     ids = [int(t) for t in args.token_ids.split(",")] if args.token_ids else None
     request = build_request(prompt=args.prompt, token_ids=ids, max_tokens=args.max_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=args.stop or [], ignore_eos=args.ignore_eos)
-    from server.security import resolve_api_key
+    from pdserve.server.security import resolve_api_key
 
     return run_generate(args.addr, request, args.json, timeout=args.timeout, api_key=resolve_api_key(args.api_key),
                         tls=_client_tls(args))
 
 
 def _client_tls(args):
-    from server.security import TlsConfig
+    from pdserve.server.security import TlsConfig
 
     try:
         return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca)
@@ -221,13 +221,13 @@ def _client_tls(args):
 
 
 def cmd_status(args) -> int:
-    from server.client import run_status
+    from pdserve.server.client import run_status
 
     return run_status(args.addr, args.json, _client_tls(args))
 
 
 def cmd_make_tiny_model(args) -> int:
-    from server.model.tiny import make_tiny_model
+    from pdserve.server.model.tiny import make_tiny_model
 
     out = make_tiny_model(args.dir, args.family, dtype=args.dtype)
     print(f"wrote a random-weight tiny {args.family} checkpoint to {out}")
@@ -235,8 +235,8 @@ def cmd_make_tiny_model(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from server import launcher
-    from server.client import build_request, run_generate
+    from pdserve.server import launcher
+    from pdserve.server.client import build_request, run_generate
 
     model = args.model or default_model_dir()
     _check_model(model)
@@ -253,7 +253,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from benchmarks.bench import run_cli
+    from pdserve.benchmarks.bench import run_cli
 
     return run_cli(args)
 
@@ -352,7 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="load-test a pdserve (gRPC) or OpenAI-compatible server",
                        description="Load generator: see benchmarks/bench.py and benchmarks/README.md")
-    from benchmarks.bench import build_parser as bench_parser
+    from pdserve.benchmarks.bench import build_parser as bench_parser
 
     bench_parser(p)
     p.set_defaults(func=cmd_bench)

@@ -10,7 +10,7 @@ import grpc
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from server.security import TlsConfig
+from pdserve.server.security import TlsConfig
 
 FINISH_NAMES = {
     gen_pb.FINISH_REASON_STOP: "stop",

@@ -65,7 +65,7 @@ class Cluster:
 
 
 def _spawn(name: str, args: list[str], port: int, host: str) -> Proc:
-    cmd = [sys.executable, "-m", "server.cli", *args, "--port", str(port), "--host", host]
+    cmd = [sys.executable, "-m", "pdserve.server.cli", *args, "--port", str(port), "--host", host]
     env = dict(os.environ, PDSERVE_PROCESS=name)
     return Proc(name, f"{host}:{port}", subprocess.Popen(cmd, env=env))
 

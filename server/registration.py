@@ -18,7 +18,7 @@ import grpc
 
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from server.serving import channel
+from pdserve.server.serving import channel
 
 log = logging.getLogger("pdserve.registration")
 
@@ -99,7 +99,7 @@ async def join(worker, coordinator: str, info: Callable[[], pb.WorkerInfo]) -> N
 
 async def serve_until_signal(worker, role: str, drain_seconds: float) -> None:
     """Serves until SIGINT or SIGTERM, then drains (in-flight work finishes) and stops."""
-    from server.serving import wait_for_signal
+    from pdserve.server.serving import wait_for_signal
 
     await wait_for_signal()
     log.info("%s worker draining", role)

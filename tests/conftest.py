@@ -16,7 +16,7 @@ def tiny_models_dir(tmp_path_factory) -> Path:
 
 
 def _tiny(tiny_models_dir: Path, family: str, dtype: str = "float32") -> Path:
-    from server.model.tiny import make_tiny_model
+    from pdserve.server.model.tiny import make_tiny_model
 
     out = tiny_models_dir / f"{family}-{dtype}"
     if not (out / "config.json").exists():

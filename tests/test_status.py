@@ -6,9 +6,9 @@ import asyncio
 import json
 
 from pdserve.v1 import worker_pb2 as pb
-from server.client import format_status, run_status
-from server.coordinator.config import CoordinatorConfig
-from server.coordinator.main import start
+from pdserve.server.client import format_status, run_status
+from pdserve.server.coordinator.config import CoordinatorConfig
+from pdserve.server.coordinator.main import start
 from tests.coordinator.fakes import FakeDecode, FakePrefill, FakeWorker
 
 

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from server import metrics
+from pdserve.server import metrics
 
 if TYPE_CHECKING:
-    from server.coordinator.router import Worker, WorkerPool
+    from pdserve.server.coordinator.router import Worker, WorkerPool
 
 RETRY_AFTER_MS = 500
 

@@ -33,9 +33,9 @@ import grpc
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from pdserve.v1 import generation_pb2
-from server import metrics
-from server.coordinator.service import GenerationService, RequestFailed
-from server.coordinator.validate import InvalidRequest
+from pdserve.server import metrics
+from pdserve.server.coordinator.service import GenerationService, RequestFailed
+from pdserve.server.coordinator.validate import InvalidRequest
 
 log = logging.getLogger("pdserve.coordinator.kserve")
 

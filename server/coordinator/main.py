@@ -10,20 +10,20 @@ import grpc
 from grpc_health.v1 import health
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
-from server.coordinator import kserve
-from server.coordinator.config import CoordinatorConfig
-from server.coordinator.http_server import HttpServer
-from server.coordinator.openai_api import serve_http, served_model_name
-from server.coordinator.registry import SERVICE_NAME as REGISTRY_SERVICE
-from server.coordinator.registry import RegistryService
-from server.coordinator.router import Worker, WorkerPool
-from server.coordinator.service import GenerationService
-from server.coordinator.validate import Limits
-from server.model.config import load_config
-from server.model.tokenizer import Tokenizer
-from server.metrics import serve_metrics
-from server.security import ApiKeyInterceptor
-from server.serving import new_server, set_serving, wait_for_signal
+from pdserve.server.coordinator import kserve
+from pdserve.server.coordinator.config import CoordinatorConfig
+from pdserve.server.coordinator.http_server import HttpServer
+from pdserve.server.coordinator.openai_api import serve_http, served_model_name
+from pdserve.server.coordinator.registry import SERVICE_NAME as REGISTRY_SERVICE
+from pdserve.server.coordinator.registry import RegistryService
+from pdserve.server.coordinator.router import Worker, WorkerPool
+from pdserve.server.coordinator.service import GenerationService
+from pdserve.server.coordinator.validate import Limits
+from pdserve.server.model.config import load_config
+from pdserve.server.model.tokenizer import Tokenizer
+from pdserve.server.metrics import serve_metrics
+from pdserve.server.security import ApiKeyInterceptor
+from pdserve.server.serving import new_server, set_serving, wait_for_signal
 
 log = logging.getLogger("pdserve.coordinator")
 

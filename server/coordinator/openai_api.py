@@ -34,11 +34,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer as HfTokenizer
 
 from pdserve.v1 import generation_pb2
-from server import metrics
-from server.coordinator import http_server
-from server.coordinator.chat_template import ChatTemplate, ChatTemplateError
-from server.coordinator.service import GenerationService, RequestFailed
-from server.coordinator.validate import InvalidRequest
+from pdserve.server import metrics
+from pdserve.server.coordinator import http_server
+from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.server.coordinator.service import GenerationService, RequestFailed
+from pdserve.server.coordinator.validate import InvalidRequest
 
 log = logging.getLogger("pdserve.coordinator.http")
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from server.coordinator.router import Worker
+    from pdserve.server.coordinator.router import Worker
 
 PrefillPolicyName = Literal["least-queued"]
 DecodePolicyName = Literal["most-free-blocks", "power-of-two"]

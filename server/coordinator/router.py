@@ -23,8 +23,8 @@ from typing import Literal
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
-from server.coordinator.policies import DECODE_POLICIES, PREFILL_POLICIES
-from server.serving import channel
+from pdserve.server.coordinator.policies import DECODE_POLICIES, PREFILL_POLICIES
+from pdserve.server.serving import channel
 
 log = logging.getLogger("pdserve.coordinator")
 

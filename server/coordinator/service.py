@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from server import logs, metrics
-from server.coordinator.admission import Deadline, RequestFailed, TierQueue
-from server.coordinator.detokenizer import Completion
-from server.coordinator.router import Worker, WorkerPool
-from server.coordinator.validate import InvalidRequest, Limits, ValidRequest, validate
-from server.model.tokenizer import Tokenizer
+from pdserve.server import logs, metrics
+from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQueue
+from pdserve.server.coordinator.detokenizer import Completion
+from pdserve.server.coordinator.router import Worker, WorkerPool
+from pdserve.server.coordinator.validate import InvalidRequest, Limits, ValidRequest, validate
+from pdserve.server.model.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.coordinator")
 

@@ -16,13 +16,13 @@ import logging
 
 import torch
 
-from kvcache.block_pool import BlockPool
-from kvcache.codec import KvPiece
-from kvcache.layout import KvLayout
-from server.decode.kv_cache import PagedKvCache
-from server.decode.model import DecoderModel
-from server.decode.sampler import sample
-from server.decode.sequence import Sequence, SeqState
+from pdserve.kvcache.block_pool import BlockPool
+from pdserve.kvcache.codec import KvPiece
+from pdserve.kvcache.layout import KvLayout
+from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.sampler import sample
+from pdserve.server.decode.sequence import Sequence, SeqState
 
 log = logging.getLogger("pdserve.decode")
 

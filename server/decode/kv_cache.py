@@ -19,8 +19,8 @@ import warnings
 import numpy as np
 import torch
 
-from kvcache.layout import QUANTIZED, KvLayout
-from kvcache.quant import QMAX
+from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.kvcache.quant import QMAX
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

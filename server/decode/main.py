@@ -10,20 +10,20 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from kvcache.layout import QUANTIZED, KvLayout
-from kvcache.receiver import KvReceiver
+from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import worker_pb2_grpc
-from server import metrics, serving
-from server.decode.config import DecodeConfig
-from server.decode.engine import DecodeEngine
-from server.decode.kv_cache import TORCH_DTYPES
-from server.decode.model import DecoderModel
-from server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
-from server.decode.service import DecodeService
-from server.model.config import load_config
-from server.model.fingerprint import fingerprint
-from server.model.weights import load_weights
-from server.registration import Registration, join, serve_until_signal
+from pdserve.server import metrics, serving
+from pdserve.server.decode.config import DecodeConfig
+from pdserve.server.decode.engine import DecodeEngine
+from pdserve.server.decode.kv_cache import TORCH_DTYPES
+from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
+from pdserve.server.decode.service import DecodeService
+from pdserve.server.model.config import load_config
+from pdserve.server.model.fingerprint import fingerprint
+from pdserve.server.model.weights import load_weights
+from pdserve.server.registration import Registration, join, serve_until_signal
 
 log = logging.getLogger("pdserve.decode")
 

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from server.decode.kv_cache import PagedKvCache, numpy_to_torch
-from server.decode.quant import Linear, WeightFormat
-from server.model.config import ModelConfig
-from server.model.rope import inv_freq
+from pdserve.server.decode.kv_cache import PagedKvCache, numpy_to_torch
+from pdserve.server.decode.quant import Linear, WeightFormat
+from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.rope import inv_freq
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -10,15 +10,15 @@ from collections.abc import AsyncIterator
 import grpc
 import torch
 
-from kvcache.block_pool import OutOfBlocks
-from kvcache.receiver import KvReceiver
+from pdserve.kvcache.block_pool import OutOfBlocks
+from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from server import logs, metrics
-from server.decode.engine import DecodeEngine
-from server.decode.sampler import sample
-from server.decode.sequence import Sequence
+from pdserve.server import logs, metrics
+from pdserve.server.decode.engine import DecodeEngine
+from pdserve.server.decode.sampler import sample
+from pdserve.server.decode.sequence import Sequence
 
 log = logging.getLogger("pdserve.decode")
 

@@ -6,8 +6,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from server.model.config import ModelConfig
-from server.model.weights import checkpoint_files, read_header
+from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.weights import checkpoint_files, read_header
 
 _SAMPLE = 1 << 20  # bytes hashed at each end of every weight file
 

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from server.model.config import ModelConfig
+from pdserve.server.model.config import ModelConfig
 
 
 def inv_freq(config: ModelConfig) -> np.ndarray:

@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HfTokenizer
 
-from server.model.config import ModelLoadError
+from pdserve.server.model.config import ModelLoadError
 
 
 def _token_content(value: Any) -> str | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from server.model.config import ModelLoadError
+from pdserve.server.model.config import ModelLoadError
 
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),

@@ -22,13 +22,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvcache.layout import NUMPY_DTYPES, QUANTIZED
+from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.v1 import generation_pb2 as gen_pb
-from server.model.config import ModelConfig
-from server.prefill.config import PrefillConfig
-from server.prefill.model import bucket_length, make_prefill_fn
-from server.prefill.quant import quantize_kv
-from server.prefill.sampler import sample_jit
+from pdserve.server.model.config import ModelConfig
+from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.model import bucket_length, make_prefill_fn
+from pdserve.server.prefill.quant import quantize_kv
+from pdserve.server.prefill.sampler import sample_jit
 
 log = logging.getLogger("pdserve.prefill")
 

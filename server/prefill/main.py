@@ -6,18 +6,18 @@ import logging
 import time
 from dataclasses import dataclass
 
-from kvcache.sender import KvSender
+from pdserve.kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2_grpc
-from server import metrics, serving
-from server.model.config import load_config
-from server.model.fingerprint import fingerprint
-from server.model.weights import load_weights
-from server.prefill.config import PrefillConfig
-from server.prefill.engine import PrefillEngine
-from server.prefill.model import compute_dtype, load_params
-from server.prefill.quant import param_bytes
-from server.prefill.service import PrefillService
-from server.registration import Registration, join, serve_until_signal
+from pdserve.server import metrics, serving
+from pdserve.server.model.config import load_config
+from pdserve.server.model.fingerprint import fingerprint
+from pdserve.server.model.weights import load_weights
+from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.engine import PrefillEngine
+from pdserve.server.prefill.model import compute_dtype, load_params
+from pdserve.server.prefill.quant import param_bytes
+from pdserve.server.prefill.service import PrefillService
+from pdserve.server.registration import Registration, join, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
 

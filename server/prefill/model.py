@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from server.model.config import ModelConfig
-from server.model.rope import inv_freq
-from server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
+from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.rope import inv_freq
+from pdserve.server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
 
 Params = dict
 """A pytree of jax arrays: embed, final_norm, [lm_head], layers (each stacked over L)."""

@@ -8,13 +8,13 @@ import time
 
 import grpc
 
-from kvcache.layout import KvLayout
-from kvcache.sender import KvSender
+from pdserve.kvcache.layout import KvLayout
+from pdserve.kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from server import logs, metrics
-from server.model.config import ModelConfig
-from server.prefill.engine import PrefillEngine
+from pdserve.server import logs, metrics
+from pdserve.server.model.config import ModelConfig
+from pdserve.server.prefill.engine import PrefillEngine
 
 log = logging.getLogger("pdserve.prefill")
 

@@ -13,8 +13,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from server.model.config import ModelConfig
-from server.prefill.model import Params
+from pdserve.server.model.config import ModelConfig
+from pdserve.server.prefill.model import Params
 
 AXIS = "tp"
 

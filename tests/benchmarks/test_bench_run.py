@@ -10,10 +10,10 @@ import sys
 
 import pytest
 
-from benchmarks import datasets
-from benchmarks.bench import Group, run_groups
-from benchmarks.clients import OpenAITarget
-from benchmarks.load import LoadSpec
+from pdserve.benchmarks import datasets
+from pdserve.benchmarks.bench import Group, run_groups
+from pdserve.benchmarks.clients import OpenAITarget
+from pdserve.benchmarks.load import LoadSpec
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -33,7 +33,7 @@ def test_pdserve_bench_against_pdserve_up(cluster, tmp_path):
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "pdserve.server.cli",
             "bench",
             "--target",
             "grpc",
@@ -155,7 +155,7 @@ def test_gpu_script_runs_end_to_end_tiny(tmp_path):
     """benchmarks/gpu.py --tiny: every stage of the H200 script on this machine's CPU, table last."""
     out = tmp_path / "gpu.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.gpu", "--tiny", "--json", str(out)],
+        [sys.executable, "-m", "pdserve.benchmarks.gpu", "--tiny", "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from benchmarks import datasets
-from benchmarks.bench import Group, run_groups
-from benchmarks.clients import RequestOutput, Target
-from benchmarks.load import LoadSpec, arrival_offsets
-from benchmarks.metrics import stats, summarize, throughput_timeline, tpot
+from pdserve.benchmarks import datasets
+from pdserve.benchmarks.bench import Group, run_groups
+from pdserve.benchmarks.clients import RequestOutput, Target
+from pdserve.benchmarks.load import LoadSpec, arrival_offsets
+from pdserve.benchmarks.metrics import stats, summarize, throughput_timeline, tpot
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-9)
 

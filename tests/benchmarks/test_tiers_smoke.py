@@ -1,4 +1,4 @@
-"""`python -m benchmarks.tiers --quick` runs end to end and reports a positive number for every measure."""
+"""`python -m pdserve.benchmarks.tiers --quick` runs end to end and reports a positive number for every measure."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_quick_run_reports_every_tier_and_ceiling(tmp_path, tiny_model):
     (cache / "tiny-llama").symlink_to(tiny_model("llama"))  # the session's tiny llama, not a new one
     out = tmp_path / "tiers.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.tiers", "--quick", "--json", str(out), "--cache-dir", str(cache)],
+        [sys.executable, "-m", "pdserve.benchmarks.tiers", "--quick", "--json", str(out), "--cache-dir", str(cache)],
         cwd=REPO,
         check=False,
         capture_output=True,

@@ -189,7 +189,7 @@ async def wait_for(event: asyncio.Event, timeout: float = 5.0) -> bool:
 class FakePools:
     """A real coordinator in front of one fake prefill and one fake decode worker."""
 
-    coordinator: object  # server.coordinator.main.Coordinator
+    coordinator: object  # pdserve.server.coordinator.main.Coordinator
     prefill: FakePrefill
     decode: FakeDecode
     prefill_worker: FakeWorker
@@ -203,8 +203,8 @@ class FakePools:
 
 async def start_fake_pools(model_dir, **config) -> FakePools:
     """Starts both fakes and a coordinator routing to them (extra CoordinatorConfig fields in config)."""
-    from server.coordinator.config import CoordinatorConfig
-    from server.coordinator.main import start
+    from pdserve.server.coordinator.config import CoordinatorConfig
+    from pdserve.server.coordinator.main import start
 
     decode, prefill = FakeDecode(), FakePrefill()
     decode_worker = await FakeWorker.start("decode", decode)

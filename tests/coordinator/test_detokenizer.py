@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.coordinator.detokenizer import Completion, IncrementalDetokenizer, StopStringMatcher
-from server.model.tokenizer import Tokenizer
+from pdserve.server.coordinator.detokenizer import Completion, IncrementalDetokenizer, StopStringMatcher
+from pdserve.server.model.tokenizer import Tokenizer
 
 TEXT = "def greet():\n    return '你好，世界！ 😀🎉 héllo — ok'\n"
 EOS = 0

@@ -17,8 +17,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
 from pdserve.v1 import generation_pb2
-from server.coordinator.main import Coordinator
-from server.model.tokenizer import Tokenizer
+from pdserve.server.coordinator.main import Coordinator
+from pdserve.server.model.tokenizer import Tokenizer
 from tests.coordinator.fakes import FakeDecode, FakePrefill, start_fake_pools, wait_for
 
 FinishReason = generation_pb2.FinishReason

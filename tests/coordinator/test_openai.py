@@ -14,10 +14,10 @@ import prometheus_client
 import pytest
 
 from pdserve.v1 import generation_pb2
-from server.coordinator.chat_template import ChatTemplate, ChatTemplateError
-from server.coordinator.main import Coordinator
-from server.coordinator.openai_api import Front, create_app
-from server.model.tokenizer import Tokenizer
+from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.server.coordinator.main import Coordinator
+from pdserve.server.coordinator.openai_api import Front, create_app
+from pdserve.server.model.tokenizer import Tokenizer
 from tests.coordinator.fakes import FakeDecode, FakePrefill, start_fake_pools, wait_for
 
 FinishReason = generation_pb2.FinishReason

@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from pdserve.v1 import worker_pb2 as pb
-from server.coordinator.admission import Deadline, RequestFailed, TierQueue
-from server.coordinator.policies import LARGE_POOL, most_free_blocks, power_of_two
-from server.coordinator.router import RegistrationRefused, Worker, WorkerPool
+from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQueue
+from pdserve.server.coordinator.policies import LARGE_POOL, most_free_blocks, power_of_two
+from pdserve.server.coordinator.router import RegistrationRefused, Worker, WorkerPool
 from tests.coordinator.fakes import LAYOUT, FakeDecode, FakeWorker
 
 

@@ -10,9 +10,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
-from server.coordinator.config import CoordinatorConfig
-from server.coordinator.main import Coordinator, start
-from server.model.tokenizer import Tokenizer
+from pdserve.server.coordinator.config import CoordinatorConfig
+from pdserve.server.coordinator.main import Coordinator, start
+from pdserve.server.model.tokenizer import Tokenizer
 from tests.coordinator.fakes import LAYOUT, FakeDecode, FakePrefill, FakeWorker, wait_for
 
 FinishReason = generation_pb2.FinishReason
@@ -367,7 +367,7 @@ async def test_serve_logs_its_address_and_stops_when_cancelled(model_dir, caplog
     import logging
     import signal
 
-    from server.coordinator.main import serve
+    from pdserve.server.coordinator.main import serve
 
     caplog.set_level(logging.INFO, logger="pdserve.coordinator")
     ready = asyncio.Event()
@@ -395,7 +395,7 @@ async def test_serve_logs_its_address_and_stops_when_cancelled(model_dir, caplog
 
 async def test_routing_prefers_free_blocks_then_idle_decode_and_least_queued_prefill():
     from pdserve.v1 import worker_pb2
-    from server.coordinator.router import Worker, WorkerPool
+    from pdserve.server.coordinator.router import Worker, WorkerPool
 
     def info(role: str, free: int = 0, queued: int = 0) -> worker_pb2.WorkerInfo:
         load = worker_pb2.WorkerLoad(free_kv_blocks=free, total_kv_blocks=100, queued_prefill_tokens=queued)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve.v1 import generation_pb2
-from server.coordinator.config import CoordinatorConfig
-from server.coordinator.validate import InvalidRequest, Limits, validate
+from pdserve.server.coordinator.config import CoordinatorConfig
+from pdserve.server.coordinator.validate import InvalidRequest, Limits, validate
 
 LIMITS = Limits(max_model_len=64, vocab_size=100)
 

@@ -6,13 +6,13 @@ import asyncio
 
 import torch
 
-from kvcache.layout import KvLayout
+from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
-from server.decode.engine import DecodeEngine
-from server.decode.model import DecoderModel
-from server.decode.sequence import Sequence
-from server.model.config import load_config
-from server.model.weights import load_weights
+from pdserve.server.decode.engine import DecodeEngine
+from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.sequence import Sequence
+from pdserve.server.model.config import load_config
+from pdserve.server.model.weights import load_weights
 
 
 def _greedy(max_tokens: int) -> gen_pb.SamplingParams:

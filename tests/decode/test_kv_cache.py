@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache.layout import KvLayout
-from server.decode.kv_cache import PagedKvCache, numpy_to_torch
+from pdserve.kvcache.layout import KvLayout
+from pdserve.server.decode.kv_cache import PagedKvCache, numpy_to_torch
 
 L, HKV, D, BS = 3, 2, 4, 4
 

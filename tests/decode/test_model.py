@@ -7,11 +7,11 @@ import pytest
 import torch
 import transformers
 
-from kvcache.layout import KvLayout
-from server.decode.kv_cache import PagedKvCache
-from server.decode.model import DecoderModel
-from server.model.config import load_config
-from server.model.weights import load_weights
+from pdserve.kvcache.layout import KvLayout
+from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.model import DecoderModel
+from pdserve.server.model.config import load_config
+from pdserve.server.model.weights import load_weights
 
 TOL = 1e-4
 NEW_TOKENS = 8

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvcache.layout import KvLayout
-from kvcache.quant import QMAX, dequantize, error_bound, quantize
-from server.decode.kv_cache import PagedKvCache
+from pdserve.kvcache.layout import KvLayout
+from pdserve.kvcache.quant import QMAX, dequantize, error_bound, quantize
+from pdserve.server.decode.kv_cache import PagedKvCache
 
 L, HKV, D, BS = 2, 2, 8, 4
 
@@ -123,10 +123,10 @@ def test_kv_capacity_doubles_with_fp8_and_int8_for_a_fixed_budget():
 
 # ---- the decode model with quantized weights and a quantized cache -----------------------------------
 
-from server.decode.model import DecoderModel  # noqa: E402
-from server.decode.quant import Linear, buffer_bytes, quantize_weight  # noqa: E402
-from server.model.config import load_config  # noqa: E402
-from server.model.weights import load_weights  # noqa: E402
+from pdserve.server.decode.model import DecoderModel  # noqa: E402
+from pdserve.server.decode.quant import Linear, buffer_bytes, quantize_weight  # noqa: E402
+from pdserve.server.model.config import load_config  # noqa: E402
+from pdserve.server.model.weights import load_weights  # noqa: E402
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])

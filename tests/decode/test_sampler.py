@@ -1,6 +1,6 @@
 import torch
 
-from server.decode.sampler import sample
+from pdserve.server.decode.sampler import sample
 
 
 def _params(b: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):

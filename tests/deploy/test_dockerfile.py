@@ -60,7 +60,7 @@ def test_final_stage_runs_as_non_root_with_a_health_check(name):
     (healthcheck,) = values(all_stages[name], "HEALTHCHECK")
     assert healthcheck.endswith('CMD ["/opt/pdserve/bin/python", "/usr/local/bin/pdserve-healthcheck"]')
     # The health check asks the port this tier listens on by default (server/cli.py).
-    from server.cli import build_parser
+    from pdserve.server.cli import build_parser
 
     default_port = build_parser().parse_args([name, "--model", "/m"]).port
     env = " ".join(values(all_stages[name], "ENV") + values(all_stages["runtime"], "ENV"))
@@ -117,7 +117,7 @@ def test_the_coordinator_image_needs_neither_jax_nor_torch():
     code = (
         "import importlib, pkgutil, sys\n"
         "import server.cli, server.coordinator as c\n"
-        "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('server.coordinator.' + m.name)\n"
+        "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('pdserve.server.coordinator.' + m.name)\n"
         "print(sorted(n for n in ('jax', 'torch', 'transformers') if n in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)

@@ -85,7 +85,7 @@ def cluster(tiny_model, tmp_path_factory):
                 ports[50051] = coordinator_port
             argv = localize(procs[name].argv, ports, f"{LOCAL}:{coordinator_port}", str(tiny_model("llama")))
             assert argv[0] == "pdserve"
-            cmd = [sys.executable, "-m", "server.cli", *argv[1:]]
+            cmd = [sys.executable, "-m", "pdserve.server.cli", *argv[1:]]
             log = open(logs / f"{name}.log", "w")
             started[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             layout[name] = {"argv": argv, "ports": ports}
@@ -113,7 +113,7 @@ def cluster(tiny_model, tmp_path_factory):
 
 def test_a_generation_goes_through(cluster):
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--addr", cluster["address"], "--token-ids", "1,2,3",
+        [sys.executable, "-m", "pdserve.server.cli", "generate", "--addr", cluster["address"], "--token-ids", "1,2,3",
          "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--json"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from server.cli import build_parser
+from pdserve.server.cli import build_parser
 from tests.deploy.manifests import (
     DEPLOY,
     KUSTOMIZATIONS,
@@ -172,7 +172,7 @@ def agreed_metric_names() -> set[str]:
     """The series pdserve's processes export, as server/metrics.py declares them."""
     from prometheus_client.metrics import MetricWrapperBase
 
-    import server.metrics as metrics
+    import pdserve.server.metrics as metrics
 
     suffixes = {"gauge": [""], "counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
     names = set()

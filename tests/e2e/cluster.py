@@ -23,7 +23,7 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
     state = tmp / "state.json"
     log = open(tmp / "up.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "up", "--model", str(model_dir), "--port", "0",
+        [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model_dir), "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
          "--state-file", str(state), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"),

@@ -20,9 +20,9 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from server.client import open_channel
-from server.launcher import free_port
-from server.security import TlsConfig
+from pdserve.server.client import open_channel
+from pdserve.server.launcher import free_port
+from pdserve.server.security import TlsConfig
 
 
 @dataclass
@@ -65,7 +65,7 @@ class Procs:
               wait: bool = True) -> Proc:
         port, mport = free_port(), free_port() if metrics else 0
         log = self.tmp / f"{name}.log"
-        cmd = [sys.executable, "-m", "server.cli", role, "--model", str(model_dir or self.model_dir),
+        cmd = [sys.executable, "-m", "pdserve.server.cli", role, "--model", str(model_dir or self.model_dir),
                "--port", str(port), "--host", "127.0.0.1", *(["--metrics-port", str(mport)] if metrics else []),
                *args]
         if self.tls is not None:

@@ -18,9 +18,9 @@ import tritonclient.grpc as triton_grpc
 import tritonclient.grpc.aio as triton_aio
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from server.client import build_request, stream
-from server.coordinator.chat_template import ChatTemplate
-from server.launcher import free_port
+from pdserve.server.client import build_request, stream
+from pdserve.server.coordinator.chat_template import ChatTemplate
+from pdserve.server.launcher import free_port
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
 
 MAX_TOKENS = 12

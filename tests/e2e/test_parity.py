@@ -8,7 +8,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from server.client import build_request, stream
+from pdserve.server.client import build_request, stream
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
 
 PROMPTS = [

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc
-from server.client import build_request, stream
+from pdserve.server.client import build_request, stream
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
 
 
@@ -122,7 +122,7 @@ def test_missing_or_corrupt_model_fails_at_start(tmp_path):
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "config.json").write_text("{oops")
     for model in (tmp_path / "absent", tmp_path / "corrupt"):
-        out = subprocess.run([sys.executable, "-m", "server.cli", "up", "--model", str(model)],
+        out = subprocess.run([sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model)],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode != 0
         assert str(model) in out.stderr and ("does not exist" in out.stderr or "not valid JSON" in out.stderr)
@@ -130,7 +130,7 @@ def test_missing_or_corrupt_model_fails_at_start(tmp_path):
 
 def test_cli_generate_json(cluster):
     out = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--addr", cluster["coordinator"], "--prompt", "def",
+        [sys.executable, "-m", "pdserve.server.cli", "generate", "--addr", cluster["coordinator"], "--prompt", "def",
          "--max-tokens", "5", "--temperature", "0", "--ignore-eos", "--json"],
         capture_output=True, text=True, timeout=60, check=True,
     )

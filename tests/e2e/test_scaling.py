@@ -81,7 +81,7 @@ def test_workers_join_take_traffic_and_drain_under_load_losing_nothing(cluster):
         cluster.terminate("d0")
         wait_until(lambda: {w.address: w.state for w in list_workers(coordinator)}[p["d0"].address] != "ready",
                    "d0 leaves the routable pool", every=0.02)
-        status = subprocess.run([sys.executable, "-m", "server.cli", "status", "--addr", coordinator.address],
+        status = subprocess.run([sys.executable, "-m", "pdserve.server.cli", "status", "--addr", coordinator.address],
                                 capture_output=True, text=True, timeout=30)
         cluster.terminate("p0")
         assert p["d0"].popen.wait(60) == 0 and p["p0"].popen.wait(60) == 0

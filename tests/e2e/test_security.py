@@ -16,12 +16,12 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from kvcache.layout import KvLayout
+from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from server.client import open_channel
-from server.security import TlsConfig
+from pdserve.server.client import open_channel
+from pdserve.server.security import TlsConfig
 from tests.e2e.procs import Procs, blocks, generate, list_workers, request, wait_blocks_free, wait_until
 
 API_KEY = "sk-test-1234"

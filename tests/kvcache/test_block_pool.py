@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.block_pool import BlockPool, OutOfBlocks
+from pdserve.kvcache.block_pool import BlockPool, OutOfBlocks
 
 
 def test_fresh_pool_hands_out_lowest_ids_first():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvcache.codec import MAX_CHUNK_BYTES, decode_blocks, encode_blocks, iter_pieces
-from kvcache.layout import QUANTIZED, KvLayout
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES, decode_blocks, encode_blocks, iter_pieces
+from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.v1 import worker_pb2 as pb
 
 

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvcache.layout import HandshakeError, KvLayout, check_handshake
+from pdserve.kvcache.layout import HandshakeError, KvLayout, check_handshake
 from pdserve.v1 import worker_pb2 as pb
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype="bfloat16")

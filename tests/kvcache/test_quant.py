@@ -6,8 +6,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kvcache.layout import KvLayout
-from kvcache.quant import QMAX, block_scales, dequantize, error_bound, quantize
+from pdserve.kvcache.layout import KvLayout
+from pdserve.kvcache.quant import QMAX, block_scales, dequantize, error_bound, quantize
 from pdserve.v1 import worker_pb2 as pb
 
 from .test_transfer import TOKEN, Harness

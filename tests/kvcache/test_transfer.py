@@ -9,11 +9,11 @@ import grpc
 import numpy as np
 import pytest
 
-import kvcache.sender
-from kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_blocks, encode_chunks
-from kvcache.layout import KvLayout
-from kvcache.receiver import KvReceiver, Transfer, TransferError, TransferState
-from kvcache.sender import KvSender
+import pdserve.kvcache.sender as kv_sender
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_blocks, encode_chunks
+from pdserve.kvcache.layout import KvLayout
+from pdserve.kvcache.receiver import KvReceiver, Transfer, TransferError, TransferState
+from pdserve.kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 
@@ -167,7 +167,7 @@ async def test_a_big_push_streams_lazily_over_one_cached_channel(harnesses, monk
             encoded.append(1)
             yield msg
 
-    monkeypatch.setattr(kvcache.sender, "encode_chunks", counting_encode)
+    monkeypatch.setattr(kv_sender, "encode_chunks", counting_encode)
     layout = KvLayout(4, 8, 128, 16, "float32")  # a block of all layers: 512 KiB
     harness = await harnesses(layout, max_chunk_bytes=2**20 + 64)  # two blocks (1 MiB) per message
     encoded_at_writes: list[int] = []

@@ -8,9 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from server.model.config import ModelLoadError, load_config, parse_config
-from server.model.rope import inv_freq
-from server.model.weights import load_weights
+from pdserve.server.model.config import ModelLoadError, load_config, parse_config
+from pdserve.server.model.rope import inv_freq
+from pdserve.server.model.weights import load_weights
 
 
 def test_families_load(family_model):
@@ -76,7 +76,7 @@ def test_missing_and_corrupt_directories(tmp_path, tiny_model):
 
 
 def test_sharded_and_bf16_checkpoints_load(tmp_path):
-    from server.model.tiny import make_tiny_model
+    from pdserve.server.model.tiny import make_tiny_model
 
     sharded = make_tiny_model(tmp_path / "sharded", "qwen2", max_shard_size="300KB")
     assert (sharded / "model.safetensors.index.json").exists()

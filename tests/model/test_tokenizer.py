@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from server.model.config import ModelLoadError
-from server.model.tokenizer import Tokenizer
+from pdserve.server.model.config import ModelLoadError
+from pdserve.server.model.tokenizer import Tokenizer
 
 EOS, BOS = 0, 1  # the tiny tokenizer's <|endoftext|> and <|begin_of_text|>
 

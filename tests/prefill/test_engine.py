@@ -7,11 +7,11 @@ import asyncio
 import numpy as np
 
 from pdserve.v1 import generation_pb2 as gen_pb
-from server.model.config import load_config
-from server.model.weights import load_weights
-from server.prefill.config import PrefillConfig
-from server.prefill.engine import PrefillEngine
-from server.prefill.model import load_params
+from pdserve.server.model.config import load_config
+from pdserve.server.model.weights import load_weights
+from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.engine import PrefillEngine
+from pdserve.server.prefill.model import load_params
 
 GREEDY = gen_pb.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=0)
 

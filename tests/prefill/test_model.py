@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
-from server.model.config import load_config
-from server.model.weights import load_weights
-from server.prefill.model import bucket_length, forward_logits, load_params, make_prefill_fn
+from pdserve.server.model.config import load_config
+from pdserve.server.model.weights import load_weights
+from pdserve.server.prefill.model import bucket_length, forward_logits, load_params, make_prefill_fn
 
 TOL = 1e-4
 

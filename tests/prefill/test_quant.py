@@ -8,15 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvcache.quant import dequantize as kv_dequantize
-from kvcache.quant import error_bound, quantize
+from pdserve.kvcache.quant import dequantize as kv_dequantize
+from pdserve.kvcache.quant import error_bound, quantize
 from pdserve.v1 import generation_pb2 as gen_pb
-from server.model.config import load_config
-from server.model.weights import load_weights
-from server.prefill.config import PrefillConfig
-from server.prefill.engine import PrefillEngine
-from server.prefill.model import forward_logits, load_params
-from server.prefill.quant import param_bytes, quantize_kv, quantize_weight
+from pdserve.server.model.config import load_config
+from pdserve.server.model.weights import load_weights
+from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.engine import PrefillEngine
+from pdserve.server.prefill.model import forward_logits, load_params
+from pdserve.server.prefill.quant import param_bytes, quantize_kv, quantize_weight
 
 GREEDY = gen_pb.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from server.prefill.sampler import sample_jit
+from pdserve.server.prefill.sampler import sample_jit
 
 
 def _draw(logits, n: int, temperature=1.0, top_k=0, top_p=1.0, seed=7, index=None) -> np.ndarray:

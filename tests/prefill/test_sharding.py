@@ -14,10 +14,10 @@ import sys
 SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
-from server.model.config import load_config
-from server.model.weights import load_weights
-from server.prefill.model import load_params, make_prefill_fn
-from server.prefill.sharding import make_mesh, shard_params
+from pdserve.server.model.config import load_config
+from pdserve.server.model.weights import load_weights
+from pdserve.server.prefill.model import load_params, make_prefill_fn
+from pdserve.server.prefill.sharding import make_mesh, shard_params
 
 def spec(array):
     return [list(a) if isinstance(a, tuple) else a for a in array.sharding.spec]

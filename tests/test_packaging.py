@@ -1,0 +1,79 @@
+"""The wheel installs one import package, `pdserve`, and declares floors the generated wire code accepts."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {"pdserve": "proto/pdserve", "pdserve.server": "server", "pdserve.kvcache": "kvcache",
+                "pdserve.benchmarks": "benchmarks"}
+
+
+def _pyproject() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _floor(requirements: list[str], name: str) -> Version:
+    for line in requirements:
+        req = Requirement(line)
+        if req.name == name:
+            floors = [Version(s.version) for s in req.specifier if s.operator in (">=", "==")]
+            assert floors, f"{name} has no floor in pyproject.toml"
+            return max(floors)
+    raise AssertionError(f"{name} is not a dependency")
+
+
+def test_package_map_lists_every_python_package_in_the_repo():
+    """A new sub-package folder must be added to [tool.setuptools] packages, or the wheel silently lacks it."""
+    tool = _pyproject()["tool"]["setuptools"]
+    assert tool["package-dir"] == PACKAGE_DIRS
+    found = set()
+    for name, folder in PACKAGE_DIRS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder).parts
+            found.add(".".join((name, *rel)))
+    assert found == set(tool["packages"])
+
+
+def test_floors_match_the_generated_code():
+    deps = _pyproject()["project"]["dependencies"]
+    pb2 = (ROOT / "proto/pdserve/v1/worker_pb2.py").read_text()
+    grpc_stub = (ROOT / "proto/pdserve/v1/worker_pb2_grpc.py").read_text()
+    protobuf_needed = Version(re.search(r"Protobuf Python Version: ([\d.]+)", pb2).group(1))
+    grpc_needed = Version(re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", grpc_stub).group(1))
+    assert _floor(deps, "protobuf") >= protobuf_needed
+    for name in ("grpcio", "grpcio-health-checking", "grpcio-reflection"):
+        assert _floor(deps, name) >= grpc_needed, name
+
+
+def test_workers_do_not_need_the_coordinator_extra():
+    """fastapi, pydantic, uvicorn, jinja2 and tritonclient belong to the coordinator extra only."""
+    project = _pyproject()["project"]
+    base = {Requirement(r).name for r in project["dependencies"]}
+    coordinator = {Requirement(r).name for r in project["optional-dependencies"]["coordinator"]}
+    assert {"fastapi", "pydantic", "uvicorn", "jinja2", "tritonclient"} <= coordinator
+    assert not base & coordinator
+
+
+@pytest.mark.timeout(300)
+def test_wheel_has_only_pdserve_at_top_level(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                    str(tmp_path), str(ROOT)], check=True)
+    wheel = next(tmp_path.glob("pdserve-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
+    assert top == {"pdserve"}
+    for needed in ("pdserve/v1/worker_pb2.py", "pdserve/server/cli.py", "pdserve/kvcache/layout.py",
+                   "pdserve/benchmarks/tiers.py", "pdserve/server/model/default/config.json"):
+        assert needed in names, needed
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "pdserve = pdserve.server.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
