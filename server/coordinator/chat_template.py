@@ -38,9 +38,14 @@ def _raise_exception(message: str) -> None:
 
 
 def _tojson(
-    value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False
+    value: Any,
+    indent: int | None = None,
+    ensure_ascii: bool = False,
+    sort_keys: bool = False,
+    separators: tuple[str, str] | None = None,
 ) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+    """transformers' `tojson` filter (its arguments too)."""
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -134,21 +139,20 @@ class ChatTemplate:
         special = {name: _token_content(cfg.get(name)) for name in SPECIAL_TOKENS}
         return cls(template, encoder, special)
 
-    def render(self, messages: list[Any], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[Any], add_generation_prompt: bool = True,
+               template_kwargs: dict[str, Any] | None = None) -> str:
+        """`template_kwargs`: extra template variables (`chat_template_kwargs`, e.g. enable_thinking)."""
+        context = {"add_generation_prompt": add_generation_prompt, "tools": None, "documents": None,
+                   **self.special_tokens, **(template_kwargs or {})}
+        context["messages"] = normalize_messages(messages)
         try:
-            return self._template.render(
-                messages=normalize_messages(messages),
-                add_generation_prompt=add_generation_prompt,
-                tools=None,
-                documents=None,
-                **self.special_tokens,
-            )
+            return self._template.render(**context)
         except ChatTemplateError:
             raise
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from e
 
-    def encode(self, messages: list[Any]) -> tuple[str, list[int]]:
+    def encode(self, messages: list[Any], template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
         """The rendered prompt and its token ids (no special tokens added: the template has them)."""
-        text = self.render(messages)
+        text = self.render(messages, template_kwargs=template_kwargs)
         return text, self._encoder.encode(text, add_special_tokens=False).ids

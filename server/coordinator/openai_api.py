@@ -20,7 +20,8 @@ import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -37,6 +38,7 @@ from pdserve.v1 import generation_pb2
 from pdserve.server import metrics
 from pdserve.server.coordinator import http_server
 from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.server.coordinator.openai_logprobs import CompletionLogprobs, chat_logprobs
 from pdserve.server.coordinator.service import GenerationService, RequestFailed
 from pdserve.server.coordinator.validate import InvalidRequest
 
@@ -129,7 +131,8 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(BaseModel):
-    """What both endpoints share; unknown fields are ignored, as OpenAI-compatible servers do."""
+    """What both endpoints share. A field pdserve does not know is refused (400 naming it), never
+    dropped silently: `_unsupported` reads them from `model_extra`."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -150,7 +153,10 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
+    min_p: float | None = None
     best_of: int | None = None
+    user: str | None = None
+    """OpenAI's end-user id: accepted, not used."""
 
 
 class CompletionRequest(SamplingFields):
@@ -179,10 +185,14 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": false}."""
 
 
 def _unsupported(req: SamplingFields) -> None:
     """Fields the engine cannot honour get a 400 rather than being silently ignored."""
+    for name in req.model_extra or {}:
+        raise ApiError(400, f"{name}: unknown field; pdserve does not support it", param=name)
     checks = [
         ("n", req.n != 1, "only n=1 is supported"),
         ("best_of", req.best_of not in (None, 1), "only best_of=1 is supported"),
@@ -195,17 +205,16 @@ def _unsupported(req: SamplingFields) -> None:
         ),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("min_tokens", req.min_tokens != 0, "min_tokens is not supported"),
-        ("logprobs", req.logprobs not in (None, False), "logprobs are not supported"),
+        ("min_p", req.min_p not in (None, 0), "min_p is not supported"),
         ("seed", req.seed is not None and not 0 <= req.seed < 2**64, "seed must lie in [0, 2**64)"),
     ]
     if isinstance(req, CompletionRequest):
         checks += [
-            ("echo", req.echo, "echo is not supported"),
             ("suffix", bool(req.suffix), "suffix is not supported"),
         ]
     if isinstance(req, ChatRequest):
         checks += [
-            ("top_logprobs", req.top_logprobs not in (None, 0), "logprobs are not supported"),
+            ("top_logprobs", req.top_logprobs is not None and not req.logprobs, "top_logprobs needs logprobs: true"),
             ("tools", bool(req.tools), "tools are not supported"),
             (
                 "response_format",
@@ -230,6 +239,7 @@ def _sampling(req: SamplingFields, max_tokens: int | None) -> generation_pb2.Sam
         ("top_p", req.top_p),
         ("top_k", req.top_k),
         ("seed", req.seed),
+        *_logprob_fields(req),
     ):
         if value is not None:
             try:
@@ -237,6 +247,15 @@ def _sampling(req: SamplingFields, max_tokens: int | None) -> generation_pb2.Sam
             except (ValueError, TypeError) as e:
                 raise ApiError(400, f"{name}: {value!r} is out of range", param=name) from e
     return sampling
+
+
+def _logprob_fields(req: SamplingFields) -> list[tuple[str, int | None]]:
+    """The workers' logprobs and prompt_logprobs for the request's OpenAI fields."""
+    if isinstance(req, CompletionRequest):
+        return [("logprobs", req.logprobs), ("prompt_logprobs", req.logprobs if req.echo else None)]
+    if isinstance(req, ChatRequest) and req.logprobs:
+        return [("logprobs", req.top_logprobs or 0)]
+    return []
 
 
 # --- responses ----------------------------------------------------------------------------------
@@ -248,9 +267,13 @@ class Outcome:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
 
     def add(self, response: generation_pb2.GenerateResponse) -> None:
         self.text += response.text
+        self.logprobs.extend(response.logprobs)
+        self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason:
             self.finish_reason = FINISH_NAMES.get(response.finish_reason, "stop")
             self.prompt_tokens = response.usage.prompt_tokens
@@ -285,6 +308,10 @@ class Front:
     encoder: HfTokenizer | None = None
     """For /tokenize without special tokens (vLLM's extension); None: the endpoint answers 501."""
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs name it."""
+        return _token_text(self.generation.tokenizer, token_id)
+
     def check_model(self, model: str) -> None:
         if model != self.model_name and model not in self.aliases:
             raise ApiError(
@@ -296,6 +323,11 @@ class Front:
 
 
 Kind = Literal["completion", "chat"]
+
+
+@lru_cache(maxsize=65536)
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 async def _first(stream: AsyncIterator[generation_pb2.GenerateResponse]) -> generation_pb2.GenerateResponse:
@@ -330,26 +362,47 @@ async def _cancel_on_disconnect(request: Request, work: asyncio.Future) -> Any:
 class Handler:
     """One endpoint's request: build the GenerateRequest, run it, shape the answer."""
 
-    def __init__(self, front: Front, kind: Kind, req: SamplingFields, request_id: str):
+    def __init__(self, front: Front, kind: Kind, req: SamplingFields, request_id: str,
+                 echo: tuple[str, list[int]] | None = None):
         self.front = front
         self.kind = kind
         self.req = req
         self.id = request_id
         self.created = int(time.time())
         self.object = "text_completion" if kind == "completion" else "chat.completion"
+        self.echo = echo
+        """Completions with `echo`: the prompt's text and ids, put in front of the output."""
+        self.completion_logprobs = (CompletionLogprobs(front.token_text)
+                                    if kind == "completion" and req.logprobs is not None else None)
 
-    def choice(self, text: str | None, finish_reason: str | None, first: bool = False) -> dict[str, Any]:
+    def _logprobs(self, response: generation_pb2.GenerateResponse | Outcome, first: bool) -> dict[str, Any] | None:
+        """The logprobs of what `response` adds (a chunk, or the whole outcome), in the endpoint's shape."""
+        if self.kind == "chat":
+            return chat_logprobs(response.logprobs, self.front.token_text) if self.req.logprobs else None
+        lp = self.completion_logprobs
+        if lp is None:
+            return None
+        if first and self.echo is not None and self.echo[1]:
+            lp.add_first_prompt_token(self.echo[1][0])
+            lp.add(response.prompt_logprobs)
+        lp.add(response.logprobs)
+        return lp.take()
+
+    def choice(self, text: str | None, finish_reason: str | None, first: bool = False,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            if first and self.echo is not None:
+                text = self.echo[0] + (text or "")
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         if self.req.stream:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return {
             "index": 0,
             "message": {"role": "assistant", "content": text or ""},
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
         }
 
@@ -391,9 +444,9 @@ class Handler:
                     outcome.add(response)
         except (InvalidRequest, RequestFailed) as e:
             return _api_error(e).response()
-        return JSONResponse(
-            self.body([self.choice(outcome.text, outcome.finish_reason)], outcome.usage(), False)
-        )
+        choice = self.choice(outcome.text, outcome.finish_reason, first=True,
+                             logprobs=self._logprobs(outcome, first=True))
+        return JSONResponse(self.body([choice], outcome.usage(), False))
 
     async def events(
         self, stream: AsyncIterator[generation_pb2.GenerateResponse], first: generation_pb2.GenerateResponse
@@ -404,11 +457,15 @@ class Handler:
             if self.kind == "chat":
                 yield _sse(self.body([self.choice(None, None, first=True)], None, True))
             response: generation_pb2.GenerateResponse | None = first
+            is_first = self.kind == "completion"  # a chat's first chunk (the role) went above
             try:
                 while response is not None:
                     outcome.add(response)
-                    if response.text or response.finish_reason:
-                        yield _sse(self.body([self.choice(response.text, outcome.finish_reason)], None, True))
+                    if response.text or response.finish_reason or response.logprobs or is_first:
+                        choice = self.choice(response.text, outcome.finish_reason, first=is_first,
+                                             logprobs=self._logprobs(response, first=is_first))
+                        yield _sse(self.body([choice], None, True))
+                        is_first = False
                     response = await anext(stream, None)
             except (InvalidRequest, RequestFailed) as e:
                 log.warning("request %s failed mid-stream: %s", self.id, e)
@@ -536,11 +593,17 @@ def create_app(front: Front) -> FastAPI:
                     param="prompt",
                 )
             prompt = prompt[0]
+        echo = None
+        if body.echo:  # the prompt's ids here, to name its tokens
+            ids = front.generation.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            text = prompt if isinstance(prompt, str) else front.generation.tokenizer.decode(ids)
+            echo = (text, ids)
+            prompt = ids
         if isinstance(prompt, str):
             generate.text = prompt
         else:
             generate.token_ids.ids.extend(prompt)
-        handler = Handler(front, "completion", body, f"cmpl-{secrets.token_hex(12)}")
+        handler = Handler(front, "completion", body, f"cmpl-{secrets.token_hex(12)}", echo)
         generate.request_id = handler.id
         return await handler.run(request, generate)
 
@@ -557,7 +620,7 @@ def create_app(front: Front) -> FastAPI:
                 code="no_chat_template",
             )
         try:
-            _, ids = await asyncio.to_thread(front.chat.encode, body.messages)
+            _, ids = await asyncio.to_thread(front.chat.encode, body.messages, body.chat_template_kwargs)
         except ChatTemplateError as e:
             raise ApiError(
                 400, str(e) if str(e).startswith("messages") else f"messages: {e}", param="messages"

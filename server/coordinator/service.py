@@ -81,6 +81,26 @@ class _Request:
     migrations: int = 0
     last_failure: str = ""
     """Why the previous attempt was lost."""
+    prompt_logprobs: list[generation_pb2.TokenLogprob] | None = None
+    """From the prefill (when asked for); None until it answered, [] once sent on."""
+
+    @property
+    def sampling(self) -> generation_pb2.SamplingParams:
+        """What the workers get: the prompt's logprobs only until they have arrived."""
+        s = self.req.sampling
+        if self.prompt_logprobs is None or not s.HasField("prompt_logprobs"):
+            return s
+        without = generation_pb2.SamplingParams()
+        without.CopyFrom(s)
+        without.ClearField("prompt_logprobs")
+        return without
+
+    def take_prompt_logprobs(self) -> list[generation_pb2.TokenLogprob]:
+        """The prompt's logprobs for the next message to the client: once."""
+        out = self.prompt_logprobs or []
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = []
+        return out
 
     @property
     def worker_id(self) -> str:
@@ -171,7 +191,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 reason = self._already_finished(r)
                 if reason is not None:
                     outcome = FINISH_NAMES[reason]
-                    yield _response(req, completion, [], completion.finish(), reason)
+                    yield _response(req, completion, [], completion.finish(), reason, r.take_prompt_logprobs())
                     return
                 try:
                     async with contextlib.aclosing(self._attempt(r)) as events:
@@ -180,24 +200,30 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                 text = completion.finish()
                                 reason = FinishReason.FINISH_REASON_STOP if completion.stopped else value
                                 outcome = FINISH_NAMES.get(reason, "stop")
-                                yield _response(req, completion, [], text, reason)
+                                yield _response(req, completion, [], text, reason, r.take_prompt_logprobs())
                                 return
                             now = time.monotonic()
+                            new = list(value.token_ids)
                             if last_token_at is None:
                                 metrics.time_to_first_token.observe(now - arrived)
                             else:
-                                for _ in value:
-                                    metrics.inter_token_latency.observe((now - last_token_at) / len(value))
+                                for _ in new:
+                                    metrics.inter_token_latency.observe((now - last_token_at) / len(new))
                             last_token_at = now
-                            r.outputs.extend(value)
-                            metrics.generation_tokens.inc(len(value))
-                            ids, text = completion.add(value)
+                            r.outputs.extend(new)
+                            if value.prompt_logprobs:
+                                r.prompt_logprobs = list(value.prompt_logprobs)
+                            metrics.generation_tokens.inc(len(new))
+                            ids, text = completion.add(new)
+                            token_lps = list(value.logprobs)[: len(ids)]
                             if completion.stopped:
                                 outcome = "stop"
-                                yield _response(req, completion, ids, text, FinishReason.FINISH_REASON_STOP)
+                                yield _response(req, completion, ids, text, FinishReason.FINISH_REASON_STOP,
+                                                r.take_prompt_logprobs(), token_lps)
                                 return
                             if ids or text:
-                                yield _response(req, completion, ids, text)
+                                yield _response(req, completion, ids, text, prompt_logprobs=r.take_prompt_logprobs(),
+                                                logprobs=token_lps)
                 except _Lost as lost:
                     self._count_recovery(r, lost)
                     r.attempt += 1
@@ -252,8 +278,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # ---- one attempt: a decode worker, a prefill worker (or none), one stream ------------
 
-    async def _attempt(self, r: _Request) -> AsyncIterator[tuple[str, list[int] | int]]:
-        """Yields ("tokens", ids) events, then ("finished", reason); raises _Lost or RequestFailed."""
+    async def _attempt(self, r: _Request) -> AsyncIterator[tuple[str, worker_pb2.TokenEvent | int]]:
+        """Yields ("tokens", TokenEvent) events, then ("finished", reason); raises _Lost or RequestFailed."""
         req, deadline = r.req, r.deadline
         prompt = [*req.prompt_ids, *r.outputs]
         kv_tokens = len(prompt) + req.sampling.max_tokens - len(r.outputs) - 1
@@ -273,7 +299,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 request_id=r.worker_id,
                 attempt=r.attempt,
                 prompt_token_ids=prompt,
-                sampling=req.sampling,
+                sampling=r.sampling,
                 transfer_token=transfer_token,
                 lease_seconds=self.lease_seconds,  # the call's deadline also frees the blocks
                 num_output_tokens=len(r.outputs),
@@ -294,7 +320,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                          decode.address)
             else:
                 first = await self._prefill(prefill, decode, r, prompt, transfer_token)
-                yield "tokens", [first]
+                yield "tokens", first
                 message = await self._first_decode_event(decode, call, prefill, r)
                 yield _event(message)
             while True:
@@ -325,7 +351,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _prefill(
         self, prefill: Worker, decode: Worker, r: _Request, prompt: list[int], transfer_token: bytes
-    ) -> int:
+    ) -> worker_pb2.TokenEvent:
         """The first token; the prefill worker then pushes the KV to the decode worker itself."""
         assert prefill.channel is not None and decode.info is not None
         call = worker_pb2_grpc.PrefillStub(prefill.channel).Prefill(
@@ -333,7 +359,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 request_id=r.worker_id,
                 attempt=r.attempt,
                 token_ids=prompt,
-                sampling=r.req.sampling,
+                sampling=r.sampling,
                 target=worker_pb2.KvTarget(address=decode.kv_address, layout=decode.info.kv_layout),
                 transfer_token=transfer_token,
                 sample_index=len(r.outputs),
@@ -343,7 +369,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prefill.inflight += 1
         prefill.pending_tokens += len(prompt)
         try:
-            return (await call).first_token_id
+            reply = await call
         except grpc.aio.AioRpcError as e:
             raise await self._refused(prefill, e, r) from e
         finally:
@@ -351,6 +377,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             prefill.pending_tokens -= len(prompt)
             if not call.done():
                 call.cancel()
+        if r.sampling.HasField("prompt_logprobs"):
+            r.prompt_logprobs = list(reply.prompt_logprobs)
+        first = worker_pb2.TokenEvent(token_ids=[reply.first_token_id])
+        if reply.HasField("first_token_logprob"):
+            first.logprobs.append(reply.first_token_logprob)
+        return first
 
     async def _first_decode_event(
         self, decode: Worker, call: grpc.aio.UnaryStreamCall, prefill: Worker, r: _Request
@@ -446,9 +478,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return _Lost(worker, f"{worker.role} worker {worker.address} failed: {e.code().name}: {e.details()}")
 
 
-def _event(message: worker_pb2.DecodeResponse) -> tuple[str, list[int] | int]:
+def _event(message: worker_pb2.DecodeResponse) -> tuple[str, worker_pb2.TokenEvent | int]:
     if message.WhichOneof("event") == "tokens":
-        return "tokens", list(message.tokens.token_ids)
+        return "tokens", message.tokens
     return "finished", message.finished.reason
 
 
@@ -458,9 +490,12 @@ def _response(
     ids: list[int],
     text: str,
     reason: int = FinishReason.FINISH_REASON_UNSPECIFIED,
+    prompt_logprobs: list[generation_pb2.TokenLogprob] = (),
+    logprobs: list[generation_pb2.TokenLogprob] = (),
 ) -> generation_pb2.GenerateResponse:
     """One message to the client; the last one (with a finish reason) carries the usage."""
-    out = generation_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text)
+    out = generation_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text, logprobs=logprobs,
+                                          prompt_logprobs=prompt_logprobs)
     if reason != FinishReason.FINISH_REASON_UNSPECIFIED:
         out.finish_reason = reason  # type: ignore[assignment]
         out.usage.prompt_tokens = len(req.prompt_ids)

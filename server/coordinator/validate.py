@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+from pdserve.server.logprobs import MAX_LOGPROBS
 from pdserve.v1 import generation_pb2
 
 DEFAULT_MAX_TOKENS = 16
@@ -72,6 +73,11 @@ def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> g
     )
     if given.HasField("seed"):
         sampling.seed = given.seed
+    for name in ("logprobs", "prompt_logprobs"):
+        if given.HasField(name):
+            if getattr(given, name) > MAX_LOGPROBS:
+                raise InvalidRequest(f"{name} must lie in [0, {MAX_LOGPROBS}], got {getattr(given, name)}")
+            setattr(sampling, name, getattr(given, name))
     return sampling
 
 

@@ -21,7 +21,8 @@ from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
-from pdserve.server.decode.sampler import sample
+from pdserve.server import logprobs
+from pdserve.server.decode.sampler import sample, token_logprobs
 from pdserve.server.decode.sequence import Sequence, SeqState
 
 log = logging.getLogger("pdserve.decode")
@@ -110,19 +111,19 @@ class DecodeEngine:
             batch = list(self.running)
             self._in_step = {s.request_id for s in batch}
             try:
-                tokens = await asyncio.to_thread(self._step, batch)
+                tokens, token_lps = await asyncio.to_thread(self._step, batch)
             except Exception:
                 log.exception("decode step failed; aborting its %d requests", len(batch))
-                tokens = None
+                tokens, token_lps = None, None
             finally:
                 self._in_step = set()
                 for blocks in self._deferred_free:
                     self.pool.free(blocks)
                 self._deferred_free.clear()
             self.steps += 1
-            self._postprocess(batch, tokens)
+            self._postprocess(batch, tokens, token_lps)
 
-    def _step(self, batch: list[Sequence]) -> list[int]:
+    def _step(self, batch: list[Sequence]) -> tuple[list[int], list]:
         """One token for every sequence in the batch (runs in a worker thread)."""
         last = torch.tensor([s.output_ids[-1] for s in batch], dtype=torch.int64)  # [B]
         positions = torch.tensor([s.num_tokens - 1 for s in batch], dtype=torch.int64)  # [B]
@@ -141,9 +142,9 @@ class DecodeEngine:
             [p.seed if p.HasField("seed") else None for p in sp],
             [s.sample_index for s in batch],
         )
-        return next_ids.tolist()
+        return next_ids.tolist(), _logprobs(logits, next_ids, sp)
 
-    def _postprocess(self, batch: list[Sequence], tokens: list[int] | None) -> None:
+    def _postprocess(self, batch: list[Sequence], tokens: list[int] | None, token_lps: list | None = None) -> None:
         from pdserve.v1 import generation_pb2 as gen_pb
 
         for i, seq in enumerate(batch):
@@ -152,6 +153,8 @@ class DecodeEngine:
             if tokens is None:
                 seq.finish(gen_pb.FINISH_REASON_ERROR)
             else:
+                if token_lps is not None and token_lps[i] is not None:
+                    seq.logprobs.append(token_lps[i])
                 seq.append(tokens[i])
                 seq.events.put_nowait([tokens[i]])
             if seq.state is SeqState.FINISHED:
@@ -166,3 +169,14 @@ class DecodeEngine:
                 await self._task
             except asyncio.CancelledError:
                 pass
+
+
+def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, sp: list) -> list:
+    """A TokenLogprob for each row whose request asked for logprobs, else None."""
+    wanted = [p.logprobs if p.HasField("logprobs") else None for p in sp]
+    if all(w is None for w in wanted):
+        return [None] * len(sp)
+    top = min(max(w for w in wanted if w is not None), logits.shape[-1])
+    chosen, top_ids, top_lps = (t.cpu() for t in token_logprobs(logits, next_ids, top))
+    return [None if w is None else logprobs.token_logprob(t, c, ids.tolist(), lps.tolist(), w)
+            for w, t, c, ids, lps in zip(wanted, next_ids.tolist(), chosen.tolist(), top_ids, top_lps)]

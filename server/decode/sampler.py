@@ -53,3 +53,16 @@ def sample(
     pick = torch.minimum(torch.searchsorted(cdf, target, right=True), kept - 1)  # [B, 1]
     sampled = order.gather(1, pick)[:, 0]  # [B]
     return torch.where(is_greedy.to(device), greedy, sampled)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The model's log-probabilities (raw logits, before temperature and filters) of the chosen tokens.
+
+    logits f32 [B, V], token_ids int64 [B] -> (chosen f32 [B], top_ids int64 [B, num_top],
+    top_logprobs f32 [B, num_top], most likely first).
+    """
+    logprobs = logits.float().log_softmax(dim=-1)  # [B, V]
+    chosen = logprobs.gather(1, token_ids.to(logits.device)[:, None])[:, 0]  # [B]
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [B, num_top]
+    return chosen, top_ids, top_logprobs

@@ -30,6 +30,8 @@ class Sequence:
     finish_reason: int = gen_pb.FINISH_REASON_UNSPECIFIED
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     """Lists of new token ids, then None when finished."""
+    logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
+    """For the ids in `events` not yet sent, in order, when sampling.logprobs is set."""
 
     @property
     def num_tokens(self) -> int:

@@ -15,9 +15,9 @@ from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server import logs, metrics
+from pdserve.server import logprobs, logs, metrics
 from pdserve.server.decode.engine import DecodeEngine
-from pdserve.server.decode.sampler import sample
+from pdserve.server.decode.sampler import sample, token_logprobs
 from pdserve.server.decode.sequence import Sequence
 
 log = logging.getLogger("pdserve.decode")
@@ -81,7 +81,10 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                     log.exception("request %s: local prefill failed", rid)
                     await context.abort(grpc.StatusCode.INTERNAL, f"local prefill of {rid} failed: {e!r}")
                 metrics.local_prefill_fallbacks.inc()
-                yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=[first_token]))
+                first_token, prompt_logprobs = first_token
+                yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=[first_token], logprobs=seq.logprobs,
+                                                             prompt_logprobs=prompt_logprobs))
+                del seq.logprobs[:]
             else:
                 transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(prompt))
                 yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
@@ -102,7 +105,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                 ids = await seq.events.get()
                 if ids is None:
                     break
-                yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=ids))
+                sent_logprobs = seq.logprobs[: len(ids)]
+                del seq.logprobs[: len(ids)]
+                yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=ids, logprobs=sent_logprobs))
             message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
             yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason, message=message))
         finally:
@@ -110,8 +115,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             self.receiver.cancel(rid)
             engine.release(seq)
 
-    def _prefill_locally(self, seq: Sequence) -> int:
-        """The prompt's KV into the sequence's blocks with the torch model; the first token (a worker thread)."""
+    def _prefill_locally(self, seq: Sequence) -> tuple[int, list[gen_pb.TokenLogprob]]:
+        """The prompt's KV into the sequence's blocks with the torch model; the first token and the
+        prompt's logprobs when asked for (a worker thread)."""
         engine = self.engine
         logits = engine.model.prefill(torch.tensor(seq.prompt_ids, dtype=torch.int64), seq.block_table,
                                       engine.cache)  # [S, V]
@@ -124,7 +130,18 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             [p.seed if p.HasField("seed") else None],
             [seq.sample_index],
         )
-        return int(token[0])
+        if p.HasField("logprobs"):
+            chosen, top_ids, top_lps = token_logprobs(logits[-1:], token, min(p.logprobs, logits.shape[-1]))
+            seq.logprobs.append(logprobs.token_logprob(int(token[0]), float(chosen[0]), top_ids[0].tolist(),
+                                                       top_lps[0].tolist(), p.logprobs))
+        prompt_logprobs = []
+        if p.HasField("prompt_logprobs") and len(seq.prompt_ids) > 1:
+            ids = torch.tensor(seq.prompt_ids[1:], dtype=torch.int64)
+            top = min(p.prompt_logprobs, logits.shape[-1])
+            chosen, top_ids, top_lps = token_logprobs(logits[:-1], ids, top)  # predicting tokens 1..n-1
+            prompt_logprobs = [logprobs.token_logprob(t, c, i, lp, top) for t, c, i, lp in
+                               zip(ids.tolist(), chosen.tolist(), top_ids.tolist(), top_lps.tolist())]
+        return int(token[0]), prompt_logprobs
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id, gen_pb.FINISH_REASON_ABORT))

@@ -24,9 +24,10 @@ import numpy as np
 
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server import logprobs
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.config import PrefillConfig
-from pdserve.server.prefill.model import bucket_length, make_prefill_fn
+from pdserve.server.prefill.model import bucket_length, make_prefill_fn, make_prefill_with_logprobs_fn
 from pdserve.server.prefill.quant import quantize_kv
 from pdserve.server.prefill.sampler import sample_jit
 
@@ -40,6 +41,10 @@ class PrefillResult:
     v: np.ndarray  # [L, T, Hkv, D]
     k_scales: np.ndarray | None = None  # [L, ceil(T / block_size), Hkv] float32 for fp8_e4m3/int8
     v_scales: np.ndarray | None = None
+    first_logprob: gen_pb.TokenLogprob | None = None
+    """When sampling.logprobs is set."""
+    prompt_logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
+    """When sampling.prompt_logprobs is set: one per prompt token after the first."""
 
 
 @dataclass
@@ -63,6 +68,8 @@ class PrefillEngine:
         self.config = config
         self.max_len = _pow2(model_config.max_model_len)
         self._fn = make_prefill_fn(model_config)
+        self._fn_logprobs = make_prefill_with_logprobs_fn(
+            model_config, min(logprobs.MAX_LOGPROBS, model_config.vocab_size))
         self._quantize_kv = jax.jit(quantize_kv, static_argnames=("block_size", "fmt"))
         self._queue: deque[PrefillJob] = deque()
         self._wakeup = asyncio.Event()
@@ -130,7 +137,12 @@ class PrefillEngine:
             tokens[i, : lengths[i]] = job.token_ids
         true_lengths = np.ones((rows,), dtype=np.int32)
         true_lengths[: len(batch)] = lengths
-        logits, k, v = self._fn(self.params, tokens, true_lengths)  # [B, V], [L, B, S, Hkv, D] x2
+        prompt_lp = None
+        if any(j.sampling.HasField("prompt_logprobs") for j in batch):  # one forward pass, more outputs
+            logits, k, v, *prompt_lp = self._fn_logprobs(self.params, tokens, true_lengths)
+            prompt_lp = [np.asarray(a) for a in prompt_lp]  # [B, S], [B, S, top] x2
+        else:
+            logits, k, v = self._fn(self.params, tokens, true_lengths)  # [B, V], [L, B, S, Hkv, D] x2
 
         def column(values, dtype):
             out = np.zeros((rows,), dtype=dtype)
@@ -147,6 +159,7 @@ class PrefillEngine:
             column([j.sample_index for j in batch], np.int32),
         )
         first = np.asarray(first)
+        host_logits = np.asarray(logits) if any(j.sampling.HasField("logprobs") for j in batch) else None
         host: dict[tuple[str, int], tuple[np.ndarray, ...]] = {}
         for dtype, bs in {(j.kv_dtype, j.block_size) for j in batch}:
             if dtype in QUANTIZED:  # on the device, over each row's true length
@@ -161,11 +174,22 @@ class PrefillEngine:
             hk, hv, hks, hvs = host[job.kv_dtype, job.block_size]
             n = lengths[i]
             nb = -(-n // job.block_size)
-            results.append(PrefillResult(
+            result = PrefillResult(
                 int(first[i]), np.ascontiguousarray(hk[:, i, :n]), np.ascontiguousarray(hv[:, i, :n]),
                 None if hks is None else np.ascontiguousarray(hks[:, i, :nb]),
                 None if hvs is None else np.ascontiguousarray(hvs[:, i, :nb]),
-            ))
+            )
+            p = job.sampling
+            if p.HasField("logprobs"):
+                result.first_logprob = logprobs.from_logits(host_logits[i : i + 1], [result.first_token],
+                                                            p.logprobs)[0]
+            if p.HasField("prompt_logprobs"):
+                chosen, top_ids, top_lps = (a[i] for a in prompt_lp)
+                result.prompt_logprobs = [
+                    logprobs.token_logprob(job.token_ids[j], chosen[j], top_ids[j], top_lps[j], p.prompt_logprobs)
+                    for j in range(1, n)
+                ]
+            results.append(result)
         return results
 
     def warmup(self) -> None:

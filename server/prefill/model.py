@@ -184,6 +184,31 @@ def make_prefill_fn(config: ModelConfig) -> Callable:
     return jax.jit(partial(prefill, config=config))
 
 
+def prefill_with_logprobs(
+    params: Params, tokens: jax.Array, lengths: jax.Array, *, config: ModelConfig, top: int
+) -> tuple[jax.Array, ...]:
+    """`prefill` plus the prompt's log-probabilities, from the same forward pass.
+
+    Returns (logits, k, v) as `prefill` does, then token_logprobs f32[B, S] (position i: log p(tokens[i] |
+    tokens[:i]); position 0 holds 0), top_ids int32[B, S, top] and top_logprobs f32[B, S, top] (the most
+    likely tokens predicted at position i, from tokens[:i]; position 0 holds garbage).
+    """
+    x, k, v = _hidden(params, tokens, config)
+    last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)  # [B]
+    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, H]
+    logprobs = jax.nn.log_softmax(_logits(params, x[:, :-1], config), axis=-1)  # [B, S-1, V] predicting 1..S-1
+    chosen = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, S-1]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, top)  # [B, S-1, top]
+    pad = ((0, 0), (1, 0))
+    return (_logits(params, x_last, config), k, v, jnp.pad(chosen, pad),
+            jnp.pad(top_ids, (*pad, (0, 0))), jnp.pad(top_logprobs, (*pad, (0, 0))))
+
+
+def make_prefill_with_logprobs_fn(config: ModelConfig, top: int) -> Callable:
+    """The jitted `prefill_with_logprobs`, called as fn(params, tokens, lengths)."""
+    return jax.jit(partial(prefill_with_logprobs, config=config, top=top))
+
+
 def forward_logits(params: Params, tokens: jax.Array, *, config: ModelConfig) -> jax.Array:
     """Logits f32[B, S, V] at every position (for tests and benchmarks)."""
     x, _, _ = _hidden(params, tokens, config)

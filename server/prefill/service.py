@@ -95,7 +95,11 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         task = asyncio.create_task(self._push(request.target.address, header, layout, result))
         self.pushes.add(task)
         task.add_done_callback(self.pushes.discard)
-        return pb.PrefillResponse(first_token_id=result.first_token, prefill_seconds=seconds)
+        response = pb.PrefillResponse(first_token_id=result.first_token, prefill_seconds=seconds,
+                                      prompt_logprobs=result.prompt_logprobs)
+        if result.first_logprob is not None:
+            response.first_token_logprob.CopyFrom(result.first_logprob)
+        return response
 
     def busy(self) -> bool:
         return bool(self.active or self.pushes or self.engine.queued_tokens)

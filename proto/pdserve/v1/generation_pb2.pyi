@@ -27,7 +27,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -44,7 +46,9 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    logprobs: int
+    prompt_logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "sampling")
@@ -66,16 +70,32 @@ class Usage(_message.Message):
     completion_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_token_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage")
+    __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage", "logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...

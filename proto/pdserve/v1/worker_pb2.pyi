@@ -50,12 +50,16 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., sample_index: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "prefill_seconds")
+    __slots__ = ("first_token_id", "prefill_seconds", "first_token_logprob", "prompt_logprobs")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     prefill_seconds: float
-    def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ...) -> None: ...
+    first_token_logprob: _generation_pb2.TokenLogprob
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., first_token_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "attempt", "prompt_token_ids", "sampling", "transfer_token", "lease_seconds", "num_output_tokens", "local_prefill")
@@ -84,10 +88,14 @@ class Reserved(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("reason", "message")
