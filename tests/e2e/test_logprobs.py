@@ -1,0 +1,109 @@
+"""Logprobs through real processes (`pdserve up`, JAX prefill, torch decode), against `transformers`.
+
+lm-evaluation-harness scores a continuation with one completions request: `echo` + `logprobs` +
+`max_tokens=1`, then reads `token_logprobs[ctxlen:-1]` and checks greediness with `top_logprobs`. The
+prompt's logprobs come from the prefill tier's forward pass, the generated tokens' from the prefill
+sampler (the first) and the decode sampler (the rest); all must equal transformers' within 1e-4 on
+the tiny fp32 model.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from pdserve.server.client import build_request, stream
+from pdserve.server.launcher import free_port
+from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
+
+TOLERANCE = 1e-4
+PROMPT_IDS = [1, 17, 45, 99, 3, 250, 7, 64, 12, 301, 5]
+NEW_TOKENS = 5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    http_port = free_port()
+    with pdserve_up(model_dir, tmp_path_factory.mktemp("up"), prefill_workers=1, decode_workers=1,
+                    extra_args=["--http-port", str(http_port)]) as state:
+        state["http"] = f"http://127.0.0.1:{http_port}"
+        state["model"] = model_dir.name
+        yield state
+        pairs = wait_all_blocks_free(state["decode"])
+        assert all(free == total for free, total in pairs), f"leaked KV blocks (free, total): {pairs}"
+
+
+@pytest.fixture(scope="module")
+def hf_logprobs(model_dir):
+    """ids -> transformers' log-softmax f32 [len(ids), V] (row i predicts ids[i + 1])."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0].float()  # [S, V]
+        return logits.log_softmax(-1).numpy()
+
+    return run
+
+
+def test_generate_returns_prompt_and_token_logprobs_equal_to_transformers(cluster, hf_logprobs):
+    request = build_request(token_ids=PROMPT_IDS, max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    request.sampling.logprobs = 3
+    request.sampling.prompt_logprobs = 2
+    messages = list(stream(cluster["coordinator"], request, timeout=60))
+    out_ids = [i for m in messages for i in m.token_ids]
+    token_lps = [e for m in messages for e in m.logprobs]
+    prompt_lps = [e for m in messages for e in m.prompt_logprobs]
+    assert len(out_ids) == NEW_TOKENS and len(token_lps) == NEW_TOKENS
+    assert len(messages[0].prompt_logprobs) == len(PROMPT_IDS) - 1  # all on the first message
+
+    ref = hf_logprobs(PROMPT_IDS + out_ids)  # [S, V]
+    assert out_ids == [int(ref[len(PROMPT_IDS) - 1 + j].argmax()) for j in range(NEW_TOKENS)]  # greedy
+    for pos, entry in enumerate(prompt_lps, start=1):
+        row = ref[pos - 1]
+        assert entry.token_id == PROMPT_IDS[pos]
+        assert entry.logprob == pytest.approx(row[PROMPT_IDS[pos]], abs=TOLERANCE)
+        assert list(entry.top_token_ids) == np.argsort(-row, kind="stable")[:2].tolist()
+        np.testing.assert_allclose(entry.top_logprobs, np.sort(row)[::-1][:2], atol=TOLERANCE)
+    for j, entry in enumerate(token_lps):
+        row = ref[len(PROMPT_IDS) - 1 + j]
+        assert entry.token_id == out_ids[j]
+        assert entry.logprob == pytest.approx(row[out_ids[j]], abs=TOLERANCE)
+        assert list(entry.top_token_ids) == np.argsort(-row, kind="stable")[:3].tolist()
+        np.testing.assert_allclose(entry.top_logprobs, np.sort(row)[::-1][:3], atol=TOLERANCE)
+
+
+def test_lm_eval_loglikelihood_request_through_the_openai_sdk(cluster, hf_logprobs):
+    """What lm-evaluation-harness's `local-completions` model sends for a loglikelihood task."""
+    context, continuation = PROMPT_IDS[:7], PROMPT_IDS[7:]
+    with openai.OpenAI(base_url=f"{cluster['http']}/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
+        reply = sdk.completions.create(model=cluster["model"], prompt=context + continuation, echo=True,
+                                       logprobs=1, max_tokens=1, temperature=0, seed=1234)
+    choice = reply.choices[0]
+    lp = choice.logprobs
+    n = len(PROMPT_IDS)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = hf_logprobs(PROMPT_IDS)  # [n, V]
+    expected = [float(ref[i - 1, PROMPT_IDS[i]]) for i in range(1, n)]
+    np.testing.assert_allclose(lp.token_logprobs[1:n], expected, atol=TOLERANCE)
+    # lm-eval's numbers: the continuation's summed logprob, and whether it is greedy.
+    ctxlen = len(context)
+    assert sum(lp.token_logprobs[ctxlen:-1]) == pytest.approx(sum(expected[ctxlen - 1:]), abs=1e-3)
+    greedy = all(tok == max(top.values()) for tok, top in zip(lp.token_logprobs[ctxlen:-1], lp.top_logprobs[ctxlen:-1]))
+    assert greedy == all(int(ref[i - 1].argmax()) == PROMPT_IDS[i] for i in range(ctxlen, n))
+    # The one generated token: greedy, with its logprob.
+    generated = int(ref[-1].argmax())
+    assert lp.token_logprobs[n] == pytest.approx(float(ref[-1, generated]), abs=TOLERANCE)
+    assert max(lp.top_logprobs[n].values()) == pytest.approx(float(ref[-1].max()), abs=TOLERANCE)
+    assert choice.text.endswith(lp.tokens[n]) and lp.text_offset == sorted(lp.text_offset)
+    assert reply.usage.prompt_tokens == n and reply.usage.completion_tokens == 1
