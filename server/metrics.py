@@ -1,48 +1,169 @@
-"""Every Prometheus metric pdserve exports, with vLLM's meanings under a `pdserve_` prefix.
+"""Every Prometheus metric pdserve exports: its own `pdserve_*` series and, beside them, vLLM's names.
 
-Each process serves the ones it updates on `--metrics-port` (0: off). Gauges of live state (running
-requests, KV blocks) are read when scraped, through `set_function`, so they are never stale.
+Every series carries `model_name` (the served model name, what vLLM's dashboards filter on) and
+`role` (coordinator | prefill | decode), so a dashboard can tell the tiers apart and `sum()` over one
+role never counts a request twice. A process names itself once, at start (`identify`); call sites
+use the metrics as plain ones (`metrics.prompt_tokens.inc()`), the labels are added for them.
+
+The `vllm:*` series mean what vLLM's do, with vLLM's types and buckets (vllm/v1/metrics/loggers.py),
+so Grafana dashboards and autoscalers built for vLLM read pdserve unchanged. Each process serves the
+ones it updates on `--metrics-port` (0: off). Gauges of live state (running requests, KV blocks) are
+read when scraped, through `set_function`, so they are never stale.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics, start_http_server
+from prometheus_client.metrics import MetricWrapperBase
 
 log = logging.getLogger("pdserve")
 disable_created_metrics()  # no *_created series: dashboards built for vLLM do not read them
+
+IDENTITY = ("model_name", "role")
+"""The labels on every series."""
+_identity = {"model_name": "", "role": ""}
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
                    10.0, 20.0, 40.0, 80.0)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                          1.0, 2.5, 5.0)
+VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                    40.0, 80.0)
+VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+FAMILIES: list[MetricWrapperBase] = []
+"""Every metric family this module declares (pdserve's and vLLM's)."""
+
+
+def _declare(cls: type, name: str, doc: str, labels: tuple[str, ...] = (), **kw: Any) -> MetricWrapperBase:
+    metric = cls(name, doc, [*IDENTITY, *labels], **kw)
+    FAMILIES.append(metric)
+    return metric
+
+
+class Series:
+    """One or more metric families updated together (pdserve's and vLLM's of one meaning), each
+    through its child labelled with this process's identity: `inc`, `observe`, `set_function`, ..."""
+
+    def __init__(self, *families: MetricWrapperBase):
+        self.families = families
+
+    def labels(self, *values: str) -> Series:
+        """The children for the extra labels (after model_name and role)."""
+        return _Children([f.labels(*_identity.values(), *values) for f in self.families])
+
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        return _Children([f.labels(**_identity) for f in self.families]).__getattr__(method)
+
+
+class _Children:
+    def __init__(self, children: list):
+        self.children = children
+
+    def __getattr__(self, method: str) -> Callable[..., None]:
+        def call(*args: Any, **kwargs: Any) -> None:
+            for child in self.children:
+                getattr(child, method)(*args, **kwargs)
+
+        return call
+
+
+def _pd(cls: type, name: str, doc: str, labels: tuple[str, ...] = (), *, vllm: str | None = None,
+        vllm_buckets: tuple[float, ...] | None = None, **kw: Any) -> Series:
+    """pdserve_<name>, and vllm:<vllm> with the same meaning when given."""
+    families = [_declare(cls, f"pdserve_{name}", doc, labels, **kw)]
+    if vllm is not None:
+        if vllm_buckets is not None:
+            kw = {**kw, "buckets": vllm_buckets}
+        families.append(_declare(cls, f"vllm:{vllm}", doc, labels, **kw))
+    return Series(*families)
+
 
 # ---- state (gauges) ------------------------------------------------------------
-num_requests_running = Gauge("pdserve_num_requests_running", "Requests running (decoding, or prefilling on a prefill worker)")
-num_requests_waiting = Gauge("pdserve_num_requests_waiting", "Requests waiting (in a queue, or for their KV)")
-kv_cache_usage_perc = Gauge("pdserve_kv_cache_usage_perc", "KV cache usage: 0 is empty, 1 is full")
-kv_blocks_used = Gauge("pdserve_kv_blocks_used", "KV cache blocks in use")
-kv_blocks_total = Gauge("pdserve_kv_blocks_total", "KV cache blocks in all")
-prefill_queued_tokens = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting to be prefilled")
+num_requests_running = _pd(Gauge, "num_requests_running", "Requests running (decoding, or prefilling on a prefill worker)",
+                           vllm="num_requests_running")
+num_requests_waiting = _pd(Gauge, "num_requests_waiting", "Requests waiting (in a queue, or for their KV)",
+                           vllm="num_requests_waiting")
+kv_cache_usage_perc = _pd(Gauge, "kv_cache_usage_perc", "KV cache usage: 0 is empty, 1 is full", vllm="kv_cache_usage_perc")
+kv_blocks_used = _pd(Gauge, "kv_blocks_used", "KV cache blocks in use")
+kv_blocks_total = _pd(Gauge, "kv_blocks_total", "KV cache blocks in all")
+prefill_queued_tokens = _pd(Gauge, "prefill_queued_tokens", "Prompt tokens waiting to be prefilled")
 
 # ---- outcomes (counters) ---------------------------------------------------------
-request_success = Counter("pdserve_request_success", "Requests that finished, by finish reason", ["finished_reason"])
-request_failure = Counter("pdserve_request_failure", "Requests that ended with an error status, by code", ["code"])
-prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens processed")
-generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated")
-kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes transferred (sent by prefill, received by decode)")
-prefill_retries = Counter("pdserve_prefill_retries", "Prefills retried on another worker")
-migrations = Counter("pdserve_migrations", "Requests moved to another decode worker mid-stream")
-local_prefill_fallbacks = Counter("pdserve_local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
-admission_rejections = Counter("pdserve_admission_rejections", "Requests refused because a tier's queue was full", ["tier"])
+request_success = _pd(Counter, "request_success", "Requests that finished, by finish reason", ("finished_reason",),
+                      vllm="request_success")
+request_failure = _pd(Counter, "request_failure", "Requests that ended with an error status, by code", ("code",))
+prompt_tokens = _pd(Counter, "prompt_tokens", "Prompt tokens processed", vllm="prompt_tokens")
+generation_tokens = _pd(Counter, "generation_tokens", "Tokens generated", vllm="generation_tokens")
+kv_transfer_bytes = _pd(Counter, "kv_transfer_bytes", "KV bytes transferred (sent by prefill, received by decode)")
+prefill_retries = _pd(Counter, "prefill_retries", "Prefills retried on another worker")
+migrations = _pd(Counter, "migrations", "Requests moved to another decode worker mid-stream")
+local_prefill_fallbacks = _pd(Counter, "local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
+admission_rejections = _pd(Counter, "admission_rejections", "Requests refused because a tier's queue was full", ("tier",))
 
 # ---- latency (histograms) -----------------------------------------------------------
-time_to_first_token = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)
-inter_token_latency = Histogram("pdserve_inter_token_latency_seconds", "Time between output tokens", buckets=TOKEN_LATENCY_BUCKETS)
-e2e_request_latency = Histogram("pdserve_e2e_request_latency_seconds", "Request latency, arrival to last token", buckets=LATENCY_BUCKETS)
-request_queue_time = Histogram("pdserve_request_queue_time_seconds", "Time a request waited in a queue", buckets=LATENCY_BUCKETS)
-kv_transfer_seconds = Histogram("pdserve_kv_transfer_seconds", "One request's KV transfer, header to end", buckets=LATENCY_BUCKETS)
+time_to_first_token = _pd(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                          vllm="time_to_first_token_seconds", vllm_buckets=VLLM_TTFT_BUCKETS)
+inter_token_latency = _pd(Histogram, "inter_token_latency_seconds", "Time between output tokens",
+                          buckets=TOKEN_LATENCY_BUCKETS, vllm="inter_token_latency_seconds", vllm_buckets=VLLM_ITL_BUCKETS)
+e2e_request_latency = _pd(Histogram, "e2e_request_latency_seconds", "Request latency, arrival to last token",
+                          buckets=LATENCY_BUCKETS, vllm="e2e_request_latency_seconds",
+                          vllm_buckets=VLLM_REQUEST_LATENCY_BUCKETS)
+request_queue_time = _pd(Histogram, "request_queue_time_seconds", "Time a request waited in a queue",
+                         buckets=LATENCY_BUCKETS, vllm="request_queue_time_seconds",
+                         vllm_buckets=VLLM_REQUEST_LATENCY_BUCKETS)
+kv_transfer_seconds = _pd(Histogram, "kv_transfer_seconds", "One request's KV transfer, header to end", buckets=LATENCY_BUCKETS)
+
+# ---- per request, in tokens (vLLM's; buckets 1-2-5 up to max_model_len, made by `identify`) ----
+request_prompt_tokens = Series()
+"""vllm:request_prompt_tokens: one observation per finished request."""
+request_generation_tokens = Series()
+request_params_max_tokens = Series()
+
+
+def build_1_2_5_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count buckets)."""
+    out, exponent = [], 0
+    while True:
+        for m in (1, 2, 5):
+            value = m * 10**exponent
+            if value > max_value:
+                return tuple(out)
+            out.append(value)
+        exponent += 1
+
+
+_TOKEN_HISTOGRAMS = {
+    "request_prompt_tokens": "Number of prefill tokens processed.",
+    "request_generation_tokens": "Number of generation tokens processed.",
+    "request_params_max_tokens": "Histogram of the max_tokens request parameter.",
+}
+
+
+def identify(model_name: str, role: str, max_model_len: int = 0) -> None:
+    """Names this process on every series; `max_model_len` sizes the token-count histograms."""
+    _identity.update(model_name=model_name, role=role)
+    if max_model_len:
+        buckets = build_1_2_5_buckets(max_model_len)
+        for attr, doc in _TOKEN_HISTOGRAMS.items():
+            series: Series = globals()[attr]
+            old = series.families[0] if series.families else None
+            if old is not None and tuple(old._upper_bounds[:-1]) == buckets:
+                continue
+            if old is not None:  # a second identity in one process (tests): new buckets, new family
+                REGISTRY.unregister(old)
+                FAMILIES.remove(old)
+            series.families = (_declare(Histogram, f"vllm:{attr}", doc, buckets=buckets),)
+    for family in FAMILIES:  # the series without further labels exist from the start, at 0
+        if tuple(family._labelnames) == IDENTITY:
+            family.labels(**_identity)
 
 
 def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
@@ -55,7 +176,7 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
     return bound
 
 
-def watch_kv_blocks(free: callable, total: callable) -> None:  # type: ignore[valid-type]
+def watch_kv_blocks(free: Callable[[], int], total: Callable[[], int]) -> None:
     """Reads the KV gauges from the live block pool at scrape time."""
     kv_blocks_total.set_function(lambda: total())
     kv_blocks_used.set_function(lambda: total() - free())

@@ -21,6 +21,7 @@ from pdserve.server.coordinator.service import GenerationService
 from pdserve.server.coordinator.validate import Limits
 from pdserve.server.model.config import load_config
 from pdserve.server.model.tokenizer import Tokenizer
+from pdserve.server import metrics
 from pdserve.server.metrics import serve_metrics
 from pdserve.server.security import ApiKeyInterceptor
 from pdserve.server.serving import new_server, set_serving, wait_for_signal
@@ -82,6 +83,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
                                               model.max_model_len), server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
         RegistryService(pool, heartbeat_seconds=min(config.refresh_seconds, config.heartbeat_timeout / 3)), server)
+    metrics.identify(served_model_name(config.model_dir), "coordinator", model.max_model_len)
     serve_metrics(config.metrics_port, config.host)
     await pool.start()
     await server.start()

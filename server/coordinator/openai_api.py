@@ -41,6 +41,7 @@ from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateE
 from pdserve.server.coordinator.openai_logprobs import CompletionLogprobs, chat_logprobs
 from pdserve.server.coordinator.service import GenerationService, RequestFailed
 from pdserve.server.coordinator.validate import InvalidRequest
+from pdserve.server.model.config import served_model_name
 
 log = logging.getLogger("pdserve.coordinator.http")
 
@@ -636,11 +637,6 @@ def create_app(front: Front) -> FastAPI:
 
     app.include_router(v1)
     return app
-
-
-def served_model_name(model_dir: Path) -> str:
-    """The name clients give `model`: the checkpoint directory's name."""
-    return Path(model_dir).resolve().name
 
 
 async def serve_http(

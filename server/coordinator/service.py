@@ -244,6 +244,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             else:
                 metrics.request_success.labels(outcome).inc()
                 metrics.e2e_request_latency.observe(time.monotonic() - arrived)
+                metrics.request_prompt_tokens.observe(len(req.prompt_ids))
+                metrics.request_generation_tokens.observe(completion.num_tokens)
+                metrics.request_params_max_tokens.observe(req.sampling.max_tokens)
 
     def _already_finished(self, r: _Request) -> int | None:
         """After a migration: the outputs already sent may have ended the request."""

@@ -156,3 +156,8 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
     return parse_config(raw, model_dir)
+
+
+def served_model_name(model_dir: str | Path) -> str:
+    """The name clients give `model` by default: the checkpoint directory's name."""
+    return Path(model_dir).resolve().name

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pdserve.kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
-from pdserve.server.model.config import load_config
+from pdserve.server.model.config import load_config, served_model_name
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
@@ -64,6 +64,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     await server.start()
     await serving.set_serving(health, SERVICES, True)
+    metrics.identify(served_model_name(config.model_dir), "prefill", model_config.max_model_len)
     metrics.prefill_queued_tokens.set_function(lambda: engine.queued_tokens)
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)

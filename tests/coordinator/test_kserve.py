@@ -194,7 +194,7 @@ async def test_bad_requests_are_invalid_argument_and_the_server_keeps_serving(cl
 
 def _failures() -> float:
     sample = prometheus_client.REGISTRY.get_sample_value(
-        "pdserve_request_failure_total", {"code": "INVALID_ARGUMENT"}
+        "pdserve_request_failure_total", {"model_name": MODEL, "role": "coordinator", "code": "INVALID_ARGUMENT"}
     )
     return sample or 0.0
 

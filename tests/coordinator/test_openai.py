@@ -396,7 +396,7 @@ async def test_every_refusal_is_counted_once_in_request_failure_total(cluster, c
     def failures() -> float:
         return (
             prometheus_client.REGISTRY.get_sample_value(
-                "pdserve_request_failure_total", {"code": "INVALID_ARGUMENT"}
+                "pdserve_request_failure_total", {"model_name": MODEL, "role": "coordinator", "code": "INVALID_ARGUMENT"}
             )
             or 0.0
         )

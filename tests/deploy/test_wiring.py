@@ -170,16 +170,13 @@ def test_network_policies(rendered, kustomization):
 
 def agreed_metric_names() -> set[str]:
     """The series pdserve's processes export, as server/metrics.py declares them."""
-    from prometheus_client.metrics import MetricWrapperBase
-
     import pdserve.server.metrics as metrics
 
     suffixes = {"gauge": [""], "counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}
     names = set()
-    for value in vars(metrics).values():
-        if isinstance(value, MetricWrapperBase):
-            for family in value.describe():
-                names |= {family.name + s for s in suffixes[family.type]}
+    for metric in metrics.FAMILIES:
+        for family in metric.describe():
+            names |= {family.name + s for s in suffixes[family.type]}
     return names
 
 

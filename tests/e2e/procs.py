@@ -41,14 +41,21 @@ class Proc:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
         return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE pdserve_")}
 
+    def metrics_text(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+
     def metrics(self) -> dict[str, float]:
-        """The process's pdserve_* samples, `name{labels}` -> value."""
-        text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
+        """The process's pdserve_* samples, `name{labels}` -> value, without the model_name and role
+        labels every series carries (checked here: the process's own role, one model)."""
         out = {}
-        for line in text.splitlines():
+        for line in self.metrics_text().splitlines():
             if line.startswith("pdserve_"):
                 key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
+                name, _, labels = key.partition("{")
+                pairs = re.findall(r'(\w+="(?:[^"\\]|\\.)*")', labels)
+                assert f'role="{self.role}"' in pairs and any(p.startswith("model_name=") for p in pairs), line
+                rest = [p for p in pairs if not p.startswith(("model_name=", "role="))]
+                out[name + (f"{{{','.join(rest)}}}" if rest else "")] = float(value)
         return out
 
 

@@ -100,3 +100,59 @@ def test_json_logs_carry_the_request_id_on_every_request_line(cluster):
     assert mine and all(line["process"] == "coordinator" for line in mine)
     assert any("prefills it" in line["message"] for line in mine)  # the local-prefill line names it
     assert counter(coordinator.metrics(), "pdserve_request_failure_total") >= 2
+
+
+VLLM_TYPES = {
+    "vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge", "vllm:kv_cache_usage_perc": "gauge",
+    "vllm:request_success_total": "counter", "vllm:prompt_tokens_total": "counter",
+    "vllm:generation_tokens_total": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
+    "vllm:request_params_max_tokens": "histogram",
+}
+"""vLLM's names and types (vllm/v1/metrics/loggers.py), as a Grafana dashboard for vLLM reads them."""
+VLLM_BUCKETS = {
+    "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                                         5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+    "vllm:inter_token_latency_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                                         7.5, 10.0, 20.0, 40.0, 80.0],
+    "vllm:e2e_request_latency_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                                         60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
+    "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500],  # 1-2-5 up to max_model_len (512 here)
+}
+
+
+def _series(text: str) -> list[tuple[str, dict[str, str]]]:
+    import re
+
+    out = []
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            labels = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', rest.rpartition("}")[0])) if rest else {}
+            out.append((name.split()[0], labels))
+    return out
+
+
+def test_every_series_names_its_model_and_role_and_vllm_names_have_vllm_types_and_buckets(cluster):
+    coordinator, d0 = cluster.procs["coordinator"], cluster.procs["d0"]
+    assert len(generate(coordinator.address, request([3, 4, 5], 4))) == 4
+    model = cluster.model_dir.name
+    types: dict[str, str] = {}
+    for proc in (coordinator, d0):
+        text = proc.metrics_text()
+        ours = [(n, labels) for n, labels in _series(text) if n.startswith(("pdserve_", "vllm:"))]
+        assert ours
+        assert [n for n, labels in ours if labels.get("model_name") != model or labels.get("role") != proc.role] == []
+        for line in text.splitlines():
+            if line.startswith("# TYPE vllm:"):
+                _, _, name, kind = line.split()
+                types[name] = kind
+        if proc is coordinator:
+            for name, bounds in VLLM_BUCKETS.items():
+                got = [float(labels["le"]) for n, labels in ours if n == f"{name}_bucket"]
+                assert got == [*map(float, bounds), float("inf")], name
+    assert {n: types.get(n) for n in VLLM_TYPES} == VLLM_TYPES
+    c = {f"{n}{sorted(labels.items())}": labels for n, labels in _series(coordinator.metrics_text())}
+    assert any(k.startswith("vllm:request_success_total") and v.get("finished_reason") == "length" for k, v in c.items())
