@@ -103,6 +103,7 @@ request_failure = _pd(Counter, "request_failure", "Requests that ended with an e
 prompt_tokens = _pd(Counter, "prompt_tokens", "Prompt tokens processed", vllm="prompt_tokens")
 generation_tokens = _pd(Counter, "generation_tokens", "Tokens generated", vllm="generation_tokens")
 kv_transfer_bytes = _pd(Counter, "kv_transfer_bytes", "KV bytes transferred (sent by prefill, received by decode)")
+kv_transfer_failures = _pd(Counter, "kv_transfer_failures", "KV transfers that failed (push refused or broken, or never arrived)")
 prefill_retries = _pd(Counter, "prefill_retries", "Prefills retried on another worker")
 migrations = _pd(Counter, "migrations", "Requests moved to another decode worker mid-stream")
 local_prefill_fallbacks = _pd(Counter, "local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")

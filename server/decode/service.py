@@ -92,11 +92,13 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                 try:
                     first_token = await asyncio.wait_for(asyncio.shield(transfer.done), lease)
                 except TimeoutError:
+                    metrics.kv_transfer_failures.inc()
                     log.warning("request %s: KV did not arrive within the %.1f s lease; blocks freed", rid, lease)
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {rid} did not arrive within {lease:.1f} s")
                 except Exception as e:  # the transfer failed: say why
                     if isinstance(e, asyncio.CancelledError):
                         raise
+                    metrics.kv_transfer_failures.inc()
                     await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
                 metrics.kv_transfer_bytes.inc(transfer.bytes_received)
                 metrics.kv_transfer_seconds.observe(transfer.seconds)

@@ -112,9 +112,11 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             metrics.kv_transfer_bytes.inc(reply.bytes_received)
             metrics.kv_transfer_seconds.observe(time.perf_counter() - t0)
         except grpc.aio.AioRpcError as e:
+            metrics.kv_transfer_failures.inc()
             log.warning("request %s: KV push to %s refused: %s %s", header.request_id, address,
                         e.code().name, e.details())
         except Exception:
+            metrics.kv_transfer_failures.inc()
             log.exception("request %s: KV push to %s failed", header.request_id, address)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:
