@@ -8,9 +8,11 @@ import os
 import sys
 from pathlib import Path
 
+from pdserve.server.flags import add_flags, config_from_args
+from pdserve.server.vocabulary import (KV_DTYPES, LOG_FORMATS, VLLM_DTYPES, VLLM_KV_CACHE_DTYPES,
+                                       VLLM_QUANTIZATIONS, WEIGHT_DTYPES, translate)
+
 DEFAULT_FAMILY = "llama"
-WEIGHT_DTYPES = ["auto", "float32", "bfloat16", "int8", "fp8"]
-KV_DTYPES = ["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"]
 
 
 def _setup_logging(log_format: str = "text") -> None:
@@ -44,7 +46,80 @@ def default_model_dir() -> Path:
 
 
 def _model_arg(p: argparse.ArgumentParser, required: bool = True) -> None:
-    p.add_argument("--model", type=Path, required=required, help="local HF checkpoint directory")
+    """The model, as vLLM takes it: positional or --model; a local directory or a Hugging Face model id."""
+    p.set_defaults(model_required=required)
+    p.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="a local HF checkpoint directory or a Hugging Face model id (as `vllm serve MODEL`)")
+    p.add_argument("--model", help="the same, as a flag")
+    p.add_argument("--revision", help="the model id's branch, tag or commit (default: main)")
+    p.add_argument("--download-dir", type=Path,
+                   help="the Hugging Face cache to read (and download into); default: HF_HUB_CACHE")
+
+
+def _model_name(args) -> str | None:
+    given = args.model or args.model_tag
+    if args.model and args.model_tag and args.model != args.model_tag:
+        raise SystemExit(f"pdserve: two models given: {args.model_tag!r} and --model {args.model!r}")
+    if given is None and getattr(args, "model_required", False):
+        raise SystemExit("pdserve: give the model: a checkpoint directory or a Hugging Face model id "
+                         "(positional, or --model)")
+    return given
+
+
+def _resolve_model(args) -> Path | None:
+    """The checkpoint directory for the given model (downloaded or read from the HF cache for an id)."""
+    from pdserve.server.model.config import ModelLoadError
+    from pdserve.server.model.hub import is_local, resolve_model
+
+    given = _model_name(args)
+    if given is None:
+        return None
+    try:
+        path = resolve_model(given, revision=args.revision, download_dir=args.download_dir)
+    except ModelLoadError as e:
+        raise SystemExit(f"pdserve: cannot serve {given}: {e}")
+    if not is_local(given) and not getattr(args, "served_model_name", None):
+        args.served_model_name = (given,)  # vLLM's default name for a model id: the id itself
+    return path
+
+
+def _vllm_dtype_args(p: argparse.ArgumentParser, kv: bool = True) -> None:
+    """vLLM's spellings of the weight and KV dtypes."""
+    p.add_argument("--dtype", dest="vllm_dtype", metavar="DTYPE",
+                   help=f"vLLM's weight dtype: {', '.join(VLLM_DTYPES)} (as --weight-dtype)")
+    p.add_argument("--quantization", "-q", dest="vllm_quantization", metavar="METHOD",
+                   help=f"vLLM's weight quantization: {', '.join(VLLM_QUANTIZATIONS)} (as --weight-dtype; "
+                        "quantized weights compute in the checkpoint's dtype)")
+    if kv:
+        p.add_argument("--kv-cache-dtype", dest="vllm_kv_cache_dtype", metavar="DTYPE",
+                       help=f"vLLM's KV cache dtype: {', '.join(VLLM_KV_CACHE_DTYPES)} (as --kv-dtype)")
+
+
+def _dtypes(args, weight_flag: str = "weight_dtype", kv_flag: str | None = "kv_dtype") -> dict[str, str]:
+    """The weight (and KV) dtype from pdserve's flags or vLLM's: --quantization, else --weight-dtype, else --dtype."""
+    out = {}
+    try:
+        weight = getattr(args, weight_flag)
+        if args.vllm_quantization is not None:
+            weight = translate("--quantization", args.vllm_quantization, VLLM_QUANTIZATIONS)
+        elif weight == "auto" and args.vllm_dtype is not None:
+            weight = translate("--dtype", args.vllm_dtype, VLLM_DTYPES)
+        out[weight_flag] = weight
+        if kv_flag is not None:
+            kv = getattr(args, kv_flag)
+            if kv == "auto" and getattr(args, "vllm_kv_cache_dtype", None) is not None:
+                kv = translate("--kv-cache-dtype", args.vllm_kv_cache_dtype, VLLM_KV_CACHE_DTYPES)
+            out[kv_flag] = kv
+    except ValueError as e:
+        raise SystemExit(f"pdserve: {e}")
+    return out
+
+
+def _config(cls, args, **overrides):
+    try:
+        return config_from_args(cls, args, **overrides)
+    except ValueError as e:
+        raise SystemExit(f"pdserve: {e}")
 
 
 def _server_args(p: argparse.ArgumentParser, port: int) -> None:
@@ -58,7 +133,7 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=Path, help="this process's certificate (PEM): TLS on every gRPC link")
     p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     p.add_argument("--tls-ca", type=Path, help="the CA to trust (PEM); servers then require client certs (mTLS)")
-    p.add_argument("--log-format", choices=["text", "json"], default="text")
+    p.add_argument("--log-format", choices=LOG_FORMATS, default="text")
 
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
@@ -107,17 +182,30 @@ def _check_model(model_dir: Path) -> None:
 def cmd_up(args) -> int:
     from pdserve.server import launcher
 
-    model = args.model or default_model_dir()
+    model = _resolve_model(args) or default_model_dir()
     _check_model(model)
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
     http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
-    coordinator_args = ["--http-port", str(http_port)] if http_port is not None else []
+    shared = [*(["--served-model-name", *args.served_model_name] if args.served_model_name else []),
+              *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
+    coordinator_args = [*shared, *(["--http-port", str(http_port)] if http_port is not None else []),
+                        *(["--chat-template", args.chat_template] if args.chat_template else [])]
+    prefill = _dtypes(args, "prefill_weight_dtype", None)
+    decode = _dtypes(args, "decode_weight_dtype", "kv_dtype")
+    prefill_args = [*shared, "--weight-dtype", prefill["prefill_weight_dtype"],
+                    "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    decode_args = [*shared, "--weight-dtype", decode["decode_weight_dtype"], "--kv-dtype", decode["kv_dtype"],
+                   "--tensor-parallel-size", str(args.tensor_parallel_size),
+                   *(["--max-running", str(args.max_running)] if args.max_running else []),
+                   *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
+                     if args.gpu_memory_utilization is not None else [])]
+    if args.tensor_parallel_size != 1:
+        raise SystemExit(f"pdserve: --tensor-parallel-size {args.tensor_parallel_size}: decode workers run on one "
+                         "device; shard the prefill tier with `pdserve prefill --tensor-parallel-size N`")
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
-                                  prefill_args=["--weight-dtype", args.prefill_weight_dtype],
-                                  decode_args=["--weight-dtype", args.decode_weight_dtype,
-                                               "--kv-dtype", args.kv_dtype])
+                                  prefill_args=prefill_args, decode_args=decode_args)
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
@@ -154,19 +242,13 @@ def cmd_coordinator(args) -> int:
     from pdserve.server.coordinator.config import CoordinatorConfig
     from pdserve.server.coordinator.main import serve
 
-    _check_model(args.model)
-    config = CoordinatorConfig(model_dir=args.model, port=args.port, host=args.host,
-                               prefill_addresses=args.prefill, decode_addresses=args.decode,
-                               http_port=args.http_port)
-    _configure_tls(args)
-    from dataclasses import replace
-
     from pdserve.server.security import resolve_api_key
 
-    config = replace(config, api_key=resolve_api_key(args.api_key), metrics_port=args.metrics_port,
-                     max_queue=args.max_queue, default_timeout=args.default_timeout,
-                     prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
-                     heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations)
+    model = _resolve_model(args)
+    _check_model(model)
+    config = _config(CoordinatorConfig, args, model_dir=model, api_key=resolve_api_key(args.api_key),
+                     metrics_port=args.metrics_port)
+    _configure_tls(args)
     serving.run(lambda: serve(config))
     return 0
 
@@ -176,9 +258,9 @@ def cmd_prefill(args) -> int:
     from pdserve.server.prefill.config import PrefillConfig
     from pdserve.server.prefill.main import serve
 
-    _check_model(args.model)
-    config = PrefillConfig(model_dir=args.model, port=args.port, host=args.host,
-                           max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype)
+    model = _resolve_model(args)
+    _check_model(model)
+    config = _config(PrefillConfig, args, model_dir=model, **_dtypes(args, kv_flag=None))
     options = _worker_options(args)
     serving.run(lambda: serve(config, options))
     return 0
@@ -189,10 +271,9 @@ def cmd_decode(args) -> int:
     from pdserve.server.decode.config import DecodeConfig
     from pdserve.server.decode.main import serve
 
-    _check_model(args.model)
-    config = DecodeConfig(model_dir=args.model, port=args.port, host=args.host, block_size=args.block_size,
-                          kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running,
-                          weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads)
+    model = _resolve_model(args)
+    _check_model(model)
+    config = _config(DecodeConfig, args, model_dir=model, **_dtypes(args))
     options = _worker_options(args, kv_port=args.kv_port)
     serving.run(lambda: serve(config, options))
     return 0
@@ -238,7 +319,7 @@ def cmd_demo(args) -> int:
     from pdserve.server import launcher
     from pdserve.server.client import build_request, run_generate
 
-    model = args.model or default_model_dir()
+    model = _resolve_model(args) or default_model_dir()
     _check_model(model)
     print("starting 1 prefill worker (JAX), 1 decode worker (torch) and the coordinator ...", file=sys.stderr)
     cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1")
@@ -258,11 +339,21 @@ def cmd_bench(args) -> int:
     return run_cli(args)
 
 
+def _field_names(cls) -> list[str]:
+    import dataclasses
+
+    return [f.name for f in dataclasses.fields(cls)]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("up", help="start a coordinator and workers on this host")
+    from pdserve.server.coordinator.config import CoordinatorConfig
+    from pdserve.server.decode.config import DecodeConfig
+    from pdserve.server.prefill.config import PrefillConfig
+
+    p = sub.add_parser("up", help="start a coordinator and workers on this host (takes `vllm serve`'s flags)")
     _model_arg(p, required=False)
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
@@ -272,44 +363,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="prefill workers' weights")
     p.add_argument("--decode-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="decode workers' weights")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
+    _vllm_dtype_args(p)
+    add_flags(p, CoordinatorConfig, skip=tuple(f for f in _field_names(CoordinatorConfig)
+                                               if f not in ("served_model_name", "max_model_len", "chat_template")))
+    add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig)
+                                          if f not in ("tensor_parallel_size", "gpu_memory_utilization")))
+    p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int,
+                   help="each decode worker's running-request cap (default: the decode worker's)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("coordinator", help="run the coordinator (public API)")
     _model_arg(p)
-    _server_args(p, 50051)
-    p.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a prefill worker")
-    p.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a decode worker")
-    p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
+    add_flags(p, CoordinatorConfig)
     _common_args(p)
-    p.add_argument("--api-key", help="require 'authorization: Bearer KEY' on the public API (or $PDSERVE_API_KEY)")
-    p.add_argument("--max-queue", type=int, default=256, help="requests that may wait per tier; more: RESOURCE_EXHAUSTED")
-    p.add_argument("--default-timeout", type=float, default=600.0, help="deadline (s) of requests that set none")
-    p.add_argument("--prefill-policy", choices=["least-queued"], default="least-queued")
-    p.add_argument("--decode-policy", choices=["most-free-blocks", "power-of-two"], default="most-free-blocks")
-    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="a registered worker silent this long is dead")
-    p.add_argument("--max-migrations", type=int, default=2, help="moves of one request to another decode worker")
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("prefill", help="run a prefill worker (JAX)")
     _model_arg(p)
-    _server_args(p, 50052)
-    p.add_argument("--max-batch-size", type=int, default=8)
-    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
-                   help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
+    add_flags(p, PrefillConfig, defaults={"port": 50052})
+    _vllm_dtype_args(p, kv=False)
     _worker_args(p)
     p.set_defaults(func=cmd_prefill)
 
     p = sub.add_parser("decode", help="run a decode worker (torch)")
     _model_arg(p)
-    _server_args(p, 50053)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-tokens", type=int, default=16384)
-    p.add_argument("--max-running", type=int, default=64)
-    p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
-                   help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="auto: the compute dtype; fp8_e4m3/int8: per-block, per-kv-head scales")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_flags(p, DecodeConfig, defaults={"port": 50053})
+    _vllm_dtype_args(p)
     _worker_args(p)
     p.add_argument("--kv-port", type=int, help="serve KvTransfer alone on this port (default: the main port)")
     p.set_defaults(func=cmd_decode)

@@ -79,6 +79,16 @@ def _read_template(model_dir: Path) -> tuple[str | None, dict[str, Any]]:
     return (template if isinstance(template, str) and template else None), cfg
 
 
+def _template_or_file(value: str) -> str:
+    """`--chat-template`: a path to a template file, or the template itself (as vLLM takes it)."""
+    try:
+        if Path(value).is_file():
+            return Path(value).read_text()
+    except OSError:  # a long template is no file name
+        pass
+    return value
+
+
 def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
     """OpenAI messages to what templates expect: `content` a string (text parts joined)."""
     if not messages:
@@ -129,10 +139,14 @@ class ChatTemplate:
         self.special_tokens = special_tokens
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path, encoder: HfTokenizer | None = None) -> ChatTemplate | None:
-        """None when the model has no chat template (a base model). `encoder`: tokenizer.json, if loaded."""
+    def from_dir(cls, model_dir: str | Path, encoder: HfTokenizer | None = None,
+                 override: str | None = None) -> ChatTemplate | None:
+        """None when the model has no chat template (a base model). `encoder`: tokenizer.json, if loaded.
+        `override` (`--chat-template`): a template, or a file holding one, used instead of the model's."""
         model_dir = Path(model_dir)
         template, cfg = _read_template(model_dir)
+        if override:
+            template = _template_or_file(override)
         if template is None:
             return None
         encoder = encoder or HfTokenizer.from_file(str(model_dir / "tokenizer.json"))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+
+from pdserve.server.flags import flag
+from pdserve.server.vocabulary import DECODE_POLICIES, PREFILL_POLICIES, DecodePolicy, PrefillPolicy
 
 
 def _check_address(address: str, flag: str) -> None:
@@ -15,18 +17,20 @@ def _check_address(address: str, flag: str) -> None:
 
 @dataclass
 class CoordinatorConfig:
-    model_dir: Path
+    model_dir: Path = field(metadata=flag(cli=False))
     """The checkpoint directory: config.json for the limits, tokenizer.json for text."""
     port: int = 50051
-    """0 picks a free port."""
+    """The gRPC port (public API and registry); 0 picks a free port."""
     host: str = "127.0.0.1"
-    prefill_addresses: list[str] = field(default_factory=list)
-    decode_addresses: list[str] = field(default_factory=list)
-    lease_seconds: float = 30.0
+    prefill_addresses: list[str] = field(default_factory=list, metadata=flag("--prefill", metavar="HOST:PORT"))
+    """A prefill worker (repeatable); workers may also register themselves."""
+    decode_addresses: list[str] = field(default_factory=list, metadata=flag("--decode", metavar="HOST:PORT"))
+    """A decode worker (repeatable); workers may also register themselves."""
+    lease_seconds: float = field(default=30.0, metadata=flag(cli=False))
     """How long a decode worker holds a request's blocks while waiting for its KV."""
-    refresh_seconds: float = 0.5
+    refresh_seconds: float = field(default=0.5, metadata=flag(cli=False))
     """How often every worker's GetInfo (readiness and load) is polled."""
-    grace_seconds: float = 5.0
+    grace_seconds: float = field(default=5.0, metadata=flag(cli=False))
     """On shutdown, how long in-flight requests may run before they are cancelled."""
     heartbeat_timeout: float = 3.0
     """A registered worker without a heartbeat for this long is dead (`--heartbeat-timeout`)."""
@@ -34,16 +38,25 @@ class CoordinatorConfig:
     """Requests that may wait per tier for a worker with room; more get RESOURCE_EXHAUSTED (`--max-queue`)."""
     default_timeout: float = 600.0
     """The deadline of a request whose client set none (`--default-timeout`)."""
-    prefill_policy: Literal["least-queued"] = "least-queued"
-    decode_policy: Literal["most-free-blocks", "power-of-two"] = "most-free-blocks"
+    prefill_policy: PrefillPolicy = "least-queued"
+    """How a prefill worker is picked."""
+    decode_policy: DecodePolicy = "most-free-blocks"
+    """How a decode worker is picked."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     api_key: str | None = None
     """The public API needs `authorization: Bearer KEY` when set (`--api-key` or $PDSERVE_API_KEY)."""
-    metrics_port: int = 0
-    """Prometheus /metrics on this port; 0: off."""
+    metrics_port: int = field(default=0, metadata=flag(cli=False))
+    """Prometheus /metrics on this port; 0: off (a flag every role shares)."""
     http_port: int | None = None
-    """OpenAI-compatible HTTP (`--http-port`); None: off, 0 picks a free port."""
+    """Serve the OpenAI-compatible HTTP API on this port (0: a free one); none: off."""
+    served_model_name: tuple[str, ...] = ()
+    """The names clients give `model` (vLLM's flag); the first is the one reported. Default: the model
+    id, or the checkpoint directory's name."""
+    max_model_len: int | None = None
+    """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
+    chat_template: str | None = None
+    """A Jinja chat template, or a file holding one, used instead of the model's (vLLM's flag)."""
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -81,7 +94,15 @@ class CoordinatorConfig:
             raise ValueError(f"--default-timeout must be > 0, got {self.default_timeout}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
-        if self.prefill_policy not in ("least-queued",):
-            raise ValueError(f"--prefill-policy must be least-queued, got {self.prefill_policy!r}")
-        if self.decode_policy not in ("most-free-blocks", "power-of-two"):
-            raise ValueError(f"--decode-policy must be most-free-blocks or power-of-two, got {self.decode_policy!r}")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"--prefill-policy must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill_policy!r}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"--decode-policy must be one of {', '.join(DECODE_POLICIES)}, got {self.decode_policy!r}")
+        self.served_model_name = tuple(self.served_model_name)
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def model_name(self) -> str:
+        """The name reported to clients and on every metric."""
+        return self.served_model_name[0] if self.served_model_name else self.model_dir.resolve().name

@@ -13,7 +13,7 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 from pdserve.server.coordinator import kserve
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.coordinator.http_server import HttpServer
-from pdserve.server.coordinator.openai_api import serve_http, served_model_name
+from pdserve.server.coordinator.openai_api import serve_http
 from pdserve.server.coordinator.registry import SERVICE_NAME as REGISTRY_SERVICE
 from pdserve.server.coordinator.registry import RegistryService
 from pdserve.server.coordinator.router import Worker, WorkerPool
@@ -52,7 +52,7 @@ class Coordinator:
 
 async def start(config: CoordinatorConfig) -> Coordinator:
     """Loads the tokenizer and limits, polls the workers once, and starts serving."""
-    model = load_config(config.model_dir)
+    model = load_config(config.model_dir).limited_to(config.max_model_len)
     tokenizer = Tokenizer.from_dir(config.model_dir)
     # The API key guards generation on both public gRPC APIs (KServe's liveness and metadata stay open).
     guarded = (SERVICE_NAME, f"{kserve.SERVICE_NAME}/ModelInfer", f"{kserve.SERVICE_NAME}/ModelStreamInfer")
@@ -79,11 +79,11 @@ async def start(config: CoordinatorConfig) -> Coordinator:
                                 default_timeout=config.default_timeout, max_queue=config.max_queue,
                                 max_migrations=config.max_migrations)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
-    kserve.add_to_server(kserve.KServeService(service, served_model_name(config.model_dir), lambda: pool.serving,
+    kserve.add_to_server(kserve.KServeService(service, config.model_name, lambda: pool.serving,
                                               model.max_model_len), server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
         RegistryService(pool, heartbeat_seconds=min(config.refresh_seconds, config.heartbeat_timeout / 3)), server)
-    metrics.identify(served_model_name(config.model_dir), "coordinator", model.max_model_len)
+    metrics.identify(config.model_name, "coordinator", model.max_model_len)
     serve_metrics(config.metrics_port, config.host)
     await pool.start()
     await server.start()

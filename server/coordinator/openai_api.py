@@ -642,15 +642,17 @@ def create_app(front: Front) -> FastAPI:
 async def serve_http(
     config: Any, generation: GenerationService, ready: Callable[[], bool], max_model_len: int
 ) -> http_server.HttpServer:
-    """Starts the OpenAI HTTP front for a CoordinatorConfig (`http_port`, `host`, `api_key`, `model_dir`)."""
+    """Starts the OpenAI HTTP front for a CoordinatorConfig (`http_port`, `host`, `api_key`, `model_dir`,
+    `model_name`, `served_model_name`, `chat_template`)."""
     model_dir = Path(config.model_dir)
     encoder = HfTokenizer.from_file(str(model_dir / "tokenizer.json"))
+    names = tuple(getattr(config, "served_model_name", ()) or ())
     front = Front(
         generation=generation,
-        model_name=served_model_name(model_dir),
-        aliases=(str(model_dir), str(model_dir.resolve())),
+        model_name=getattr(config, "model_name", None) or served_model_name(model_dir),
+        aliases=(*names[1:], str(model_dir), str(model_dir.resolve())),
         max_model_len=max_model_len,
-        chat=ChatTemplate.from_dir(model_dir, encoder),
+        chat=ChatTemplate.from_dir(model_dir, encoder, getattr(config, "chat_template", None)),
         ready=ready,
         api_key=getattr(config, "api_key", None),
         created=int(time.time()),

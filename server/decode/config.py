@@ -1,44 +1,67 @@
-"""The decode worker's settings, validated at construction."""
+"""The decode worker's settings, validated at construction; its flags are generated from them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+
+from pdserve.server.flags import flag
+from pdserve.server.vocabulary import KV_DTYPES, WEIGHT_DTYPES, KvDtype, WeightDtype
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    model_dir: Path
+    model_dir: Path = field(metadata=flag(cli=False))
     port: int = 0
+    """The gRPC port (Decode, Control, and KvTransfer unless --kv-port); 0 picks a free port."""
     host: str = "127.0.0.1"
     block_size: int = 16
+    """Tokens per KV cache block (a power of two)."""
     kv_cache_tokens: int = 16384
     """Capacity of the paged KV cache in tokens (rounded up to whole blocks)."""
-    max_running: int = 64
-    """Most requests decoded together; more are refused with RESOURCE_EXHAUSTED."""
-    weight_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = "auto"
+    max_running: int = field(default=64, metadata=flag("--max-running", "--max-num-seqs"))
+    """Most requests decoded together; more are refused with RESOURCE_EXHAUSTED (vLLM: --max-num-seqs)."""
+    weight_dtype: WeightDtype = "auto"
     """auto: the dtype the checkpoint is stored in; int8/fp8: weight-only, per-output-channel scales,
     computing in the checkpoint's dtype."""
-    kv_dtype: Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"] = "auto"
+    kv_dtype: KvDtype = "auto"
     """auto: the model's compute dtype; fp8_e4m3/int8 keep a float32 scale per block per kv head."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
+    max_model_len: int | None = None
+    """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
+    tensor_parallel_size: int = 1
+    """Devices one decode worker spans (vLLM's flag); the decode tier runs on one device, so 1."""
+    gpu_memory_utilization: float | None = None
+    """vLLM's flag: the share of the GPU's memory for weights + KV cache. The decode worker computes on
+    the CPU, where it does not apply (logged at start); --kv-cache-tokens sizes the cache."""
+    served_model_name: tuple[str, ...] = ()
+    """The model's names (vLLM's flag); the first labels the metrics. Default: the checkpoint directory's name."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if self.kv_cache_tokens < self.block_size:
             raise ValueError(f"--kv-cache-tokens must hold at least one block ({self.block_size} tokens)")
-        if self.weight_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
-            raise ValueError(f"--weight-dtype must be auto, float32, bfloat16, int8 or fp8, not {self.weight_dtype!r}")
-        if self.kv_dtype not in ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"):
-            raise ValueError(
-                f"--kv-dtype must be auto, float32, bfloat16, float16, fp8_e4m3 or int8, not {self.kv_dtype!r}"
-            )
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
         if self.max_running <= 0:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: a decode worker runs on one "
+                             f"device; scale the decode tier with more workers (prefill workers take it)")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
+        object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
 
     @property
     def num_blocks(self) -> int:
         return -(-self.kv_cache_tokens // self.block_size)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name[0] if self.served_model_name else Path(self.model_dir).resolve().name

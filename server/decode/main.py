@@ -20,7 +20,7 @@ from pdserve.server.decode.kv_cache import TORCH_DTYPES
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
 from pdserve.server.decode.service import DecodeService
-from pdserve.server.model.config import load_config, served_model_name
+from pdserve.server.model.config import load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
 from pdserve.server.registration import Registration, join, serve_until_signal
@@ -58,7 +58,10 @@ class DecodeWorker:
 
 
 def build_engine(config: DecodeConfig):
-    model_config = load_config(config.model_dir)
+    model_config = load_config(config.model_dir).limited_to(config.max_model_len)
+    if config.gpu_memory_utilization is not None:
+        log.warning("--gpu-memory-utilization %s does not apply: this decode worker computes on the CPU; its KV "
+                    "cache holds --kv-cache-tokens %d tokens", config.gpu_memory_utilization, config.kv_cache_tokens)
     weight_dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
     quantized = weight_dtype in QUANTIZED_WEIGHTS
     compute_dtype = (model_config.dtype if model_config.dtype in TORCH_DTYPES else "float32") if quantized \
@@ -110,7 +113,7 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
     if kv_server is not None:
         await kv_server.start()
     await serving.set_serving(health, SERVICES, True)
-    metrics.identify(served_model_name(config.model_dir), "decode", model_config.max_model_len)
+    metrics.identify(config.model_name, "decode", model_config.max_model_len)
     metrics.watch_kv_blocks(lambda: engine.pool.num_free, lambda: engine.pool.num_total)
     metrics.num_requests_running.set_function(lambda: len(engine.running))
     metrics.num_requests_waiting.set_function(lambda: len(engine.sequences) - len(engine.running))

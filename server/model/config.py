@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +59,15 @@ class ModelConfig:
     def max_model_len(self) -> int:
         """Longest sequence (prompt + output) served with exact full attention."""
         return self.max_position_embeddings
+
+    def limited_to(self, max_model_len: int | None) -> ModelConfig:
+        """This model served no longer than `max_model_len` (`--max-model-len`); at most its own length."""
+        if max_model_len is None or max_model_len == self.max_model_len:
+            return self
+        if max_model_len > self.max_model_len:
+            raise ModelLoadError(f"--max-model-len {max_model_len} exceeds the model's max_model_len "
+                                 f"{self.max_model_len} (max_position_embeddings in config.json)")
+        return replace(self, max_position_embeddings=max_model_len)
 
     def describe(self) -> str:
         return (

@@ -1,30 +1,48 @@
-"""The prefill worker's settings, validated at construction."""
+"""The prefill worker's settings, validated at construction; its flags are generated from them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+
+from pdserve.server.flags import flag
+from pdserve.server.vocabulary import WEIGHT_DTYPES, WeightDtype
 
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    model_dir: Path
+    model_dir: Path = field(metadata=flag(cli=False))
     port: int = 0
+    """The gRPC port; 0 picks a free port."""
     host: str = "127.0.0.1"
     max_batch_size: int = 8
     """Most prompts run in one batch (padded to a power of two)."""
-    max_batch_tokens: int = 8192
-    """Most padded tokens in one batch."""
-    min_bucket: int = 16
+    max_batch_tokens: int = field(default=8192, metadata=flag("--max-batch-tokens", "--max-num-batched-tokens"))
+    """Most padded tokens in one batch (vLLM: --max-num-batched-tokens)."""
+    min_bucket: int = field(default=16, metadata=flag(cli=False))
     """Prompt lengths are padded to powers of two from this up, so XLA compiles few shapes."""
-    weight_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = "auto"
+    weight_dtype: WeightDtype = "auto"
     """auto: the checkpoint's dtype; int8/fp8: weight-only, per-output-channel scales, quantized at load."""
+    max_model_len: int | None = None
+    """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
+    tensor_parallel_size: int = 1
+    """Devices the prefill model is sharded over (vLLM's flag): heads and MLP split Megatron-style."""
+    served_model_name: tuple[str, ...] = ()
+    """The model's names (vLLM's flag); the first labels the metrics. Default: the checkpoint directory's name."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size <= 0:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
-        if self.weight_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
-            raise ValueError(f"--weight-dtype must be auto, float32, bfloat16, int8 or fp8, not {self.weight_dtype!r}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
         if self.min_bucket <= 0 or self.min_bucket & (self.min_bucket - 1):
             raise ValueError(f"--min-bucket must be a power of two, got {self.min_bucket}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name[0] if self.served_model_name else Path(self.model_dir).resolve().name

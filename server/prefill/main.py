@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pdserve.kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
-from pdserve.server.model.config import load_config, served_model_name
+from pdserve.server.model.config import load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
@@ -46,10 +46,14 @@ class PrefillWorker:
 
 
 async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> PrefillWorker:
-    model_config = load_config(config.model_dir)
+    model_config = load_config(config.model_dir).limited_to(config.max_model_len)
     dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
     t0 = time.perf_counter()
     params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
+    if config.tensor_parallel_size > 1:  # sharded at the edge; the model code is the same
+        from pdserve.server.prefill.sharding import make_mesh, shard_params
+
+        params = shard_params(params, make_mesh(config.tensor_parallel_size), model_config)
     engine = PrefillEngine(model_config, params, config)
     engine.warmup()
     log.info("prefill model %s loaded and compiled in %.1f s; weights %.1f MiB (%s, compute %s)",
@@ -64,7 +68,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     await server.start()
     await serving.set_serving(health, SERVICES, True)
-    metrics.identify(served_model_name(config.model_dir), "prefill", model_config.max_model_len)
+    metrics.identify(config.model_name, "prefill", model_config.max_model_len)
     metrics.prefill_queued_tokens.set_function(lambda: engine.queued_tokens)
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)

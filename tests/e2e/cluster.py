@@ -18,15 +18,18 @@ from pdserve.v1 import worker_pb2_grpc
 
 
 @contextmanager
-def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_workers: int = 2,
-               timeout: float = 300.0, extra_args: list[str] = ()):
+def pdserve_up(model_dir: Path | str, tmp: Path, *, prefill_workers: int = 2, decode_workers: int = 2,
+               timeout: float = 300.0, extra_args: list[str] = (), positional: bool = False,
+               env: dict[str, str] | None = None):
+    """`positional`: the model as `vllm serve MODEL` takes it (else --model); `env`: added to the environment."""
     state = tmp / "state.json"
     log = open(tmp / "up.log", "w")
+    model = [str(model_dir)] if positional else ["--model", str(model_dir)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model_dir), "--port", "0",
+        [sys.executable, "-m", "pdserve.server.cli", "up", *model, "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
          "--state-file", str(state), *extra_args],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"),
+        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING", **(env or {})),
     )
     try:
         deadline = time.monotonic() + timeout

@@ -1,4 +1,5 @@
-"""Logprobs through real processes (`pdserve up`, JAX prefill, torch decode), against `transformers`.
+"""Logprobs through real processes (`pdserve up` started as `vllm serve` would be: a Hugging Face model
+id, resolved offline from a local hub cache, and vLLM's flags), against `transformers`.
 
 lm-evaluation-harness scores a continuation with one completions request: `echo` + `logprobs` +
 `max_tokens=1`, then reads `token_logprobs[ctxlen:-1]` and checks greediness with `top_logprobs`. The
@@ -28,13 +29,25 @@ def model_dir(tiny_model):
     return tiny_model("llama")
 
 
+VLLM_SERVE_FLAGS = ["--served-model-name", "tiny", "--max-model-len", "256", "--dtype", "float32",
+                    "--kv-cache-dtype", "auto", "--gpu-memory-utilization", "0.9", "--tensor-parallel-size", "1",
+                    "--max-num-seqs", "16"]
+"""From a typical `vllm serve MODEL ...` command line, as pdserve up takes it."""
+
+
 @pytest.fixture(scope="module")
 def cluster(model_dir, tmp_path_factory):
+    """`pdserve up <hub model id> <vLLM's flags>`, the id resolved offline from a local hub cache."""
+    from tests.model.test_hub import hub_cache
+
+    cache = tmp_path_factory.mktemp("hf-cache")
+    hub_cache(model_dir, cache, "pdserve-tests/tiny-llama")
     http_port = free_port()
-    with pdserve_up(model_dir, tmp_path_factory.mktemp("up"), prefill_workers=1, decode_workers=1,
-                    extra_args=["--http-port", str(http_port)]) as state:
+    with pdserve_up("pdserve-tests/tiny-llama", tmp_path_factory.mktemp("up"), prefill_workers=1, decode_workers=1,
+                    positional=True, env={"HF_HUB_OFFLINE": "1"},
+                    extra_args=[*VLLM_SERVE_FLAGS, "--download-dir", str(cache), "--http-port", str(http_port)]) as state:
         state["http"] = f"http://127.0.0.1:{http_port}"
-        state["model"] = model_dir.name
+        state["model"] = "tiny"
         yield state
         pairs = wait_all_blocks_free(state["decode"])
         assert all(free == total for free, total in pairs), f"leaked KV blocks (free, total): {pairs}"
@@ -107,3 +120,11 @@ def test_lm_eval_loglikelihood_request_through_the_openai_sdk(cluster, hf_logpro
     assert max(lp.top_logprobs[n].values()) == pytest.approx(float(ref[-1].max()), abs=TOLERANCE)
     assert choice.text.endswith(lp.tokens[n]) and lp.text_offset == sorted(lp.text_offset)
     assert reply.usage.prompt_tokens == n and reply.usage.completion_tokens == 1
+
+
+def test_the_served_model_name_and_max_model_len_are_vllms(cluster):
+    with openai.OpenAI(base_url=f"{cluster['http']}/v1", api_key="unused", max_retries=0, timeout=60) as sdk:
+        (card,) = sdk.models.list().data
+        assert card.id == "tiny" and card.model_extra["max_model_len"] == 256
+        with pytest.raises(openai.BadRequestError, match="max_model_len 256"):
+            sdk.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=250)
