@@ -5,10 +5,15 @@ Dynamo's KServe frontend), and run through `GenerationService.stream` like every
 
 - inputs: `text_input` BYTES [1] (the prompt), optional `stream` BOOL [1], `sampling_parameters`
   BYTES [1] (a JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-  ignore_eos), `exclude_input_in_output` BOOL [1]; the same sampling keys may come as request
-  parameters (the JSON input wins).
+  ignore_eos, logprobs), `exclude_input_in_output` BOOL [1]; the same sampling keys may come as request
+  parameters (the JSON input wins). Triton's vLLM backend's `return_finish_reason`,
+  `return_cumulative_logprob`, `return_logprobs`, `return_num_input_tokens`, `return_num_output_tokens`
+  BOOL [1] choose the outputs beside `text_output`.
 - outputs: `text_output` BYTES [1] and, on the last response, `finish_reason` BYTES [1]
-  ("stop" | "length"), `num_input_tokens` and `num_output_tokens` UINT32 [1].
+  ("stop" | "length"), `num_input_tokens` and `num_output_tokens` UINT32 [1] (all three when no
+  `return_*` input is given; else those asked for), `cumulative_logprob` FP32 [1] and `logprobs`
+  BYTES [1] (JSON, as the vLLM backend writes it: per output token {token_id: {logprob, rank,
+  decoded_token}}) when asked for; these two make the workers return each token's logprob.
 - `ModelStreamInfer` is decoupled: one request, many responses (text deltas when `stream` is true,
   else one response with the whole text); each carries the request's id and the parameter
   `triton_final_response`. Requests on one stream run concurrently. A request's error goes back as
@@ -30,7 +35,9 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import grpc
+import numpy as np
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from pdserve.v1 import generation_pb2
 from pdserve.server import metrics
@@ -52,13 +59,24 @@ INPUTS = {  # name: (datatype, model-config type)
     "stream": ("BOOL", model_config_pb2.TYPE_BOOL),
     "sampling_parameters": ("BYTES", model_config_pb2.TYPE_STRING),
     "exclude_input_in_output": ("BOOL", model_config_pb2.TYPE_BOOL),
+    "return_finish_reason": ("BOOL", model_config_pb2.TYPE_BOOL),
+    "return_cumulative_logprob": ("BOOL", model_config_pb2.TYPE_BOOL),
+    "return_logprobs": ("BOOL", model_config_pb2.TYPE_BOOL),
+    "return_num_input_tokens": ("BOOL", model_config_pb2.TYPE_BOOL),
+    "return_num_output_tokens": ("BOOL", model_config_pb2.TYPE_BOOL),
 }
 OUTPUTS = {
     "text_output": ("BYTES", model_config_pb2.TYPE_STRING),
     "finish_reason": ("BYTES", model_config_pb2.TYPE_STRING),
+    "cumulative_logprob": ("FP32", model_config_pb2.TYPE_FP32),
+    "logprobs": ("BYTES", model_config_pb2.TYPE_STRING),
     "num_input_tokens": ("UINT32", model_config_pb2.TYPE_UINT32),
     "num_output_tokens": ("UINT32", model_config_pb2.TYPE_UINT32),
 }
+RETURN_INPUTS = {f"return_{name}": name for name in OUTPUTS if name != "text_output"}
+"""Triton vLLM backend's switches: `return_<output>` asks for that output."""
+DEFAULT_RETURNS = ("finish_reason", "num_input_tokens", "num_output_tokens")
+"""What the last response carries when the request has no `return_*` input."""
 SAMPLING_KEYS = {
     "max_tokens": int,
     "temperature": float,
@@ -68,6 +86,7 @@ SAMPLING_KEYS = {
     "stop": list,
     "stop_token_ids": list,
     "ignore_eos": bool,
+    "logprobs": int,
 }
 NEUTRAL_KEYS = {
     "n": 1,
@@ -76,7 +95,6 @@ NEUTRAL_KEYS = {
     "frequency_penalty": 0,
     "repetition_penalty": 1,
     "min_tokens": 0,
-    "logprobs": None,
     "skip_special_tokens": True,
 }
 """vLLM sampling keys accepted at their neutral value only (the engine has no such knob)."""
@@ -90,21 +108,16 @@ class BadInput(ValueError):
 
 
 def _bytes_elements(raw: bytes) -> list[bytes]:
-    """Triton's BYTES tensor wire format: each element a little-endian uint32 length, then the bytes."""
-    out, at = [], 0
-    while at < len(raw):
-        if at + 4 > len(raw):
-            raise BadInput("a BYTES tensor ends inside a length prefix")
-        (n,) = struct.unpack_from("<I", raw, at)
-        if at + 4 + n > len(raw):
-            raise BadInput("a BYTES tensor element runs past the end of its data")
-        out.append(raw[at + 4 : at + 4 + n])
-        at += 4 + n
-    return out
+    """Triton's BYTES tensor wire format (each element a little-endian uint32 length, then the bytes),
+    read by tritonclient's own codec."""
+    try:
+        return list(deserialize_bytes_tensor(raw))
+    except struct.error as e:
+        raise BadInput(f"a BYTES tensor is truncated: {e}") from e
 
 
 def _bytes_tensor(values: list[bytes]) -> bytes:
-    return b"".join(struct.pack("<I", len(v)) + v for v in values)
+    return serialize_byte_tensor(np.array(values, dtype=np.object_)).item()  # a 0-d array holding the bytes
 
 
 def _input_values(request: service_pb2.ModelInferRequest) -> dict[str, list[Any]]:
@@ -209,6 +222,8 @@ class Inference:
     sampling: generation_pb2.SamplingParams
     outputs: list[str] = field(default_factory=list)
     """The outputs the client asked for (empty: all)."""
+    returns: tuple[str, ...] = DEFAULT_RETURNS
+    """The outputs beside text_output on the last response (`return_*` inputs, else the default)."""
     timeout: float | None = None
 
     def generate_request(self) -> generation_pb2.GenerateRequest:
@@ -238,6 +253,11 @@ def parse(request: service_pb2.ModelInferRequest) -> Inference:
     for out in request.outputs:
         if out.name not in OUTPUTS:
             raise BadInput(f"unknown output {out.name!r}; the outputs are {', '.join(OUTPUTS)}")
+    returns = DEFAULT_RETURNS
+    if any(name in values for name in RETURN_INPUTS):  # a Triton vLLM backend client: what it asks for
+        returns = tuple(out for name, out in RETURN_INPUTS.items() if values.get(name, [False])[0])
+    if {"logprobs", "cumulative_logprob"} & set(returns) and not sampling.HasField("logprobs"):
+        sampling.logprobs = 0  # the chosen tokens' logprobs are needed
     timeout_us = params.get("timeout")
     return Inference(
         id=request.id,
@@ -246,6 +266,7 @@ def parse(request: service_pb2.ModelInferRequest) -> Inference:
         exclude_input=bool(values.get("exclude_input_in_output", [False])[0]),
         sampling=sampling,
         outputs=[o.name for o in request.outputs],
+        returns=returns,
         timeout=timeout_us / 1e6 if isinstance(timeout_us, int) and timeout_us > 0 else None,
     )
 
@@ -259,19 +280,35 @@ class Output:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    """Every output token's, when asked for."""
+
+
+def _logprobs_json(entries: list[generation_pb2.TokenLogprob], token_text: Callable[[int], str]) -> str:
+    """As Triton's vLLM backend writes them: per token {token_id: {logprob, rank, decoded_token}}."""
+    out = []
+    for e in entries:
+        ranked = {t: (lp, rank) for rank, (t, lp) in enumerate(zip(e.top_token_ids, e.top_logprobs), start=1)}
+        ranked.setdefault(e.token_id, (e.logprob, None))
+        out.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": token_text(t)}
+                    for t, (lp, rank) in ranked.items()})
+    return json.dumps(out)
 
 
 def _infer_response(
-    model: str, inference: Inference, out: Output, final: bool
+    model: str, inference: Inference, out: Output, final: bool, token_text: Callable[[int], str] = str
 ) -> service_pb2.ModelInferResponse:
     response = service_pb2.ModelInferResponse(model_name=model, model_version=MODEL_VERSION, id=inference.id)
     tensors: list[tuple[str, str, bytes]] = [("text_output", "BYTES", _bytes_tensor([out.text.encode()]))]
     if out.finish_reason is not None:
-        tensors += [
-            ("finish_reason", "BYTES", _bytes_tensor([out.finish_reason.encode()])),
-            ("num_input_tokens", "UINT32", struct.pack("<I", out.prompt_tokens)),
-            ("num_output_tokens", "UINT32", struct.pack("<I", out.completion_tokens)),
-        ]
+        extra = {
+            "finish_reason": ("BYTES", lambda: _bytes_tensor([out.finish_reason.encode()])),
+            "cumulative_logprob": ("FP32", lambda: struct.pack("<f", sum(e.logprob for e in out.logprobs))),
+            "logprobs": ("BYTES", lambda: _bytes_tensor([_logprobs_json(out.logprobs, token_text).encode()])),
+            "num_input_tokens": ("UINT32", lambda: struct.pack("<I", out.prompt_tokens)),
+            "num_output_tokens": ("UINT32", lambda: struct.pack("<I", out.completion_tokens)),
+        }
+        tensors += [(name, datatype, raw()) for name, (datatype, raw) in extra.items() if name in inference.returns]
     for name, datatype, raw in tensors:
         if inference.outputs and name not in inference.outputs:
             continue
@@ -370,8 +407,10 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
             inference.generate_request(), _min_timeout(timeout, inference.timeout)
         )
         text = "" if inference.stream or inference.exclude_input else inference.prompt
+        logprobs: list[generation_pb2.TokenLogprob] = []
         async with contextlib.aclosing(stream):
             async for r in stream:
+                logprobs.extend(r.logprobs)
                 out = Output(r.text)
                 if r.finish_reason:
                     out = Output(
@@ -379,15 +418,20 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
                         FINISH_NAMES.get(r.finish_reason, "stop"),
                         r.usage.prompt_tokens,
                         r.usage.completion_tokens,
+                        logprobs,
                     )
                 if inference.stream:
                     if out.text or out.finish_reason:
-                        yield _infer_response(self.model_name, inference, out, final=bool(out.finish_reason))
+                        yield _infer_response(self.model_name, inference, out, bool(out.finish_reason),
+                                              self._token_text)
                     continue
                 text += out.text
                 if out.finish_reason:
                     out.text = text
-                    yield _infer_response(self.model_name, inference, out, final=True)
+                    yield _infer_response(self.model_name, inference, out, True, self._token_text)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.generation.tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def ModelInfer(self, request, context):
         if not self._known(request.model_name, request.model_version):

@@ -21,6 +21,12 @@ LAYOUT = worker_pb2.KvLayout(
 )
 
 
+def fake_logprob(token_id: int, num_top: int) -> generation_pb2.TokenLogprob:
+    """What the fakes return when asked for logprobs: token i has logprob -i/100 and is the most likely."""
+    return generation_pb2.TokenLogprob(token_id=token_id, logprob=-token_id / 100,
+                                       top_token_ids=[token_id][:num_top], top_logprobs=[-token_id / 100][:num_top])
+
+
 class FakeControl(worker_pb2_grpc.ControlServicer):
     def __init__(self, role: str):
         self.role = role
@@ -95,7 +101,9 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         for n, ids in enumerate(self.events):
             if n == self.die_after:
                 await self._die()
-            yield worker_pb2.DecodeResponse(tokens=worker_pb2.TokenEvent(token_ids=ids))
+            logprobs = ([fake_logprob(i, request.sampling.logprobs) for i in ids]
+                        if request.sampling.HasField("logprobs") else [])
+            yield worker_pb2.DecodeResponse(tokens=worker_pb2.TokenEvent(token_ids=ids, logprobs=logprobs))
         if self.die_after is not None:
             await self._die()
         if self.finish is None:
@@ -142,7 +150,10 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer):
         target = self.decoders.get(request.target.address)
         if target is not None:
             target.push_kv(request)
-        return worker_pb2.PrefillResponse(first_token_id=self.first_token_id, prefill_seconds=0.001)
+        response = worker_pb2.PrefillResponse(first_token_id=self.first_token_id, prefill_seconds=0.001)
+        if request.sampling.HasField("logprobs"):
+            response.first_token_logprob.CopyFrom(fake_logprob(self.first_token_id, request.sampling.logprobs))
+        return response
 
     def add_to(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_PrefillServicer_to_server(self, server)

@@ -105,12 +105,19 @@ async def test_health_and_metadata(client):
         "stream": "BOOL",
         "sampling_parameters": "BYTES",
         "exclude_input_in_output": "BOOL",
+        "return_finish_reason": "BOOL",
+        "return_cumulative_logprob": "BOOL",
+        "return_logprobs": "BOOL",
+        "return_num_input_tokens": "BOOL",
+        "return_num_output_tokens": "BOOL",
     }
-    assert {o["name"] for o in meta["outputs"]} == {
-        "text_output",
-        "finish_reason",
-        "num_input_tokens",
-        "num_output_tokens",
+    assert {o["name"]: o["datatype"] for o in meta["outputs"]} == {
+        "text_output": "BYTES",
+        "finish_reason": "BYTES",
+        "cumulative_logprob": "FP32",
+        "logprobs": "BYTES",
+        "num_input_tokens": "UINT32",
+        "num_output_tokens": "UINT32",
     }
     config = (await client.get_model_config(MODEL, as_json=True))["config"]
     assert config["model_transaction_policy"]["decoupled"] is True
@@ -262,3 +269,33 @@ async def test_reflection_lists_every_service(cluster):
     } <= services
     assert {"ModelInfer", "ModelStreamInfer", "ModelMetadata", "ServerReady"} <= set(methods)
     assert live
+
+
+def _returns(**flags: bool) -> list[triton.InferInput]:
+    return [triton.InferInput(f"return_{name}", [1], "BOOL").set_data_from_numpy(np.array([value]))
+            for name, value in flags.items()]
+
+
+async def test_triton_vllm_backend_return_inputs_choose_the_outputs(cluster, client):
+    """What clients written for Triton's vLLM backend send: return_* switches, exclude_input_in_output."""
+    ids = cluster.tokenizer.encode(" print(1)")[:3]
+    cluster.script(ids)
+    asked = inputs("x", exclude_input=True, sampling={"max_tokens": 3, "logprobs": 1})
+    asked += _returns(finish_reason=True, num_output_tokens=True, num_input_tokens=False, logprobs=True,
+                      cumulative_logprob=True)
+    result = await client.infer(MODEL, asked)
+    names = {o.name for o in result.get_response().outputs}
+    assert names == {"text_output", "finish_reason", "num_output_tokens", "logprobs", "cumulative_logprob"}
+    assert text(result) == cluster.tokenizer.decode(ids)  # the prompt excluded
+    assert result.as_numpy("finish_reason")[0] == b"length" and result.as_numpy("num_output_tokens")[0] == 3
+    assert result.as_numpy("cumulative_logprob")[0] == pytest.approx(sum(-i / 100 for i in ids))
+    logprobs = json.loads(result.as_numpy("logprobs")[0])
+    assert logprobs == [{str(i): {"logprob": pytest.approx(-i / 100), "rank": 1,
+                                  "decoded_token": cluster.tokenizer.decode([i])}} for i in ids]
+    assert cluster.decode.requests[-1].sampling.logprobs == 1
+
+    cluster.script(ids)
+    result = await client.infer(MODEL, inputs("x", exclude_input=True, sampling={"max_tokens": 3})
+                                + _returns(finish_reason=False, num_output_tokens=False))
+    assert {o.name for o in result.get_response().outputs} == {"text_output"}
+    assert not cluster.decode.requests[-1].sampling.HasField("logprobs")  # none asked for, none computed
