@@ -81,6 +81,8 @@ class StopStringMatcher:
         self.stops = list(stops)
         self.held = ""
         self.stopped = False
+        self.matched: str | None = None
+        """The stop string found (the earliest in the text; the first listed on a tie)."""
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Appends text; returns (the text now safe to emit, whether a stop string was found).
@@ -93,10 +95,11 @@ class StopStringMatcher:
         if not self.stops:
             return text, False
         buf = self.held + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        hits = [(i, n, s) for n, (i, s) in enumerate((buf.find(s), s) for s in self.stops) if i >= 0]
         if hits:
+            at, _, self.matched = min(hits)
             self.stopped, self.held = True, ""
-            return buf[: min(hits)], True
+            return buf[:at], True
         keep = self._longest_stop_prefix_suffix(buf)
         self.held = buf[len(buf) - keep :] if keep else ""
         return buf[: len(buf) - keep], False
@@ -120,10 +123,12 @@ class StopStringMatcher:
 class Completion:
     """One request's output as the client sees it: every id, and the text up to the first stop string."""
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: list[str]):
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: list[str], min_tokens: int = 0):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.matcher = StopStringMatcher(stops)
         self.num_tokens = 0
+        self.min_tokens = min_tokens
+        """Stop strings are looked for from the min_tokens-th token's text on (vLLM's min_tokens)."""
 
     @property
     def stopped(self) -> bool:
@@ -144,7 +149,9 @@ class Completion:
             if self.stopped:
                 break
             taken.append(i)
-            text, _ = self.matcher.feed(self.detokenizer.push([i]))
+            text = self.detokenizer.push([i])
+            if self.num_tokens + len(taken) >= self.min_tokens:
+                text, _ = self.matcher.feed(text)
             pieces.append(text)
         self.num_tokens += len(taken)
         return taken, "".join(pieces)

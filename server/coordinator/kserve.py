@@ -5,7 +5,7 @@ Dynamo's KServe frontend), and run through `GenerationService.stream` like every
 
 - inputs: `text_input` BYTES [1] (the prompt), optional `stream` BOOL [1], `sampling_parameters`
   BYTES [1] (a JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-  ignore_eos, logprobs), `exclude_input_in_output` BOOL [1]; the same sampling keys may come as request
+  ignore_eos, logprobs, presence/frequency/repetition_penalty, min_p, min_tokens), `exclude_input_in_output` BOOL [1]; the same sampling keys may come as request
   parameters (the JSON input wins). Triton's vLLM backend's `return_finish_reason`,
   `return_cumulative_logprob`, `return_logprobs`, `return_num_input_tokens`, `return_num_output_tokens`
   BOOL [1] choose the outputs beside `text_output`.
@@ -87,14 +87,15 @@ SAMPLING_KEYS = {
     "stop_token_ids": list,
     "ignore_eos": bool,
     "logprobs": int,
+    "presence_penalty": float,
+    "frequency_penalty": float,
+    "repetition_penalty": float,
+    "min_p": float,
+    "min_tokens": int,
 }
 NEUTRAL_KEYS = {
     "n": 1,
     "best_of": 1,
-    "presence_penalty": 0,
-    "frequency_penalty": 0,
-    "repetition_penalty": 1,
-    "min_tokens": 0,
     "skip_special_tokens": True,
 }
 """vLLM sampling keys accepted at their neutral value only (the engine has no such knob)."""

@@ -197,16 +197,8 @@ def _unsupported(req: SamplingFields) -> None:
     checks = [
         ("n", req.n != 1, "only n=1 is supported"),
         ("best_of", req.best_of not in (None, 1), "only best_of=1 is supported"),
-        ("presence_penalty", req.presence_penalty not in (None, 0), "presence_penalty is not supported"),
-        ("frequency_penalty", req.frequency_penalty not in (None, 0), "frequency_penalty is not supported"),
-        (
-            "repetition_penalty",
-            req.repetition_penalty not in (None, 1),
-            "repetition_penalty is not supported",
-        ),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
-        ("min_tokens", req.min_tokens != 0, "min_tokens is not supported"),
-        ("min_p", req.min_p not in (None, 0), "min_p is not supported"),
+        ("min_tokens", req.min_tokens < 0, "min_tokens must be >= 0"),
         ("seed", req.seed is not None and not 0 <= req.seed < 2**64, "seed must lie in [0, 2**64)"),
     ]
     if isinstance(req, CompletionRequest):
@@ -240,6 +232,11 @@ def _sampling(req: SamplingFields, max_tokens: int | None) -> generation_pb2.Sam
         ("top_p", req.top_p),
         ("top_k", req.top_k),
         ("seed", req.seed),
+        ("presence_penalty", req.presence_penalty),
+        ("frequency_penalty", req.frequency_penalty),
+        ("repetition_penalty", req.repetition_penalty),
+        ("min_p", req.min_p),
+        ("min_tokens", req.min_tokens or None),
         *_logprob_fields(req),
     ):
         if value is not None:
@@ -268,6 +265,8 @@ class Outcome:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    stop_reason: str | int | None = None
+    """vLLM's: the stop string or stop token id that ended the output (None for EOS or length)."""
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
 
@@ -279,6 +278,7 @@ class Outcome:
             self.finish_reason = FINISH_NAMES.get(response.finish_reason, "stop")
             self.prompt_tokens = response.usage.prompt_tokens
             self.completion_tokens = response.usage.completion_tokens
+            self.stop_reason = _stop_reason(response)
 
     def usage(self) -> dict[str, int]:
         return {
@@ -286,6 +286,11 @@ class Outcome:
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+
+
+def _stop_reason(response: generation_pb2.GenerateResponse) -> str | int | None:
+    kind = response.WhichOneof("stop_reason")
+    return None if kind is None else getattr(response, kind)
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -390,21 +395,24 @@ class Handler:
         return lp.take()
 
     def choice(self, text: str | None, finish_reason: str | None, first: bool = False,
-               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
         if self.kind == "completion":
             if first and self.echo is not None:
                 text = self.echo[0] + (text or "")
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
         if self.req.stream:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                    "stop_reason": stop_reason}
         return {
             "index": 0,
             "message": {"role": "assistant", "content": text or ""},
             "logprobs": logprobs,
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
         }
 
     def body(
@@ -446,7 +454,7 @@ class Handler:
         except (InvalidRequest, RequestFailed) as e:
             return _api_error(e).response()
         choice = self.choice(outcome.text, outcome.finish_reason, first=True,
-                             logprobs=self._logprobs(outcome, first=True))
+                             logprobs=self._logprobs(outcome, first=True), stop_reason=outcome.stop_reason)
         return JSONResponse(self.body([choice], outcome.usage(), False))
 
     async def events(
@@ -464,7 +472,8 @@ class Handler:
                     outcome.add(response)
                     if response.text or response.finish_reason or response.logprobs or is_first:
                         choice = self.choice(response.text, outcome.finish_reason, first=is_first,
-                                             logprobs=self._logprobs(response, first=is_first))
+                                             logprobs=self._logprobs(response, first=is_first),
+                                             stop_reason=outcome.stop_reason)
                         yield _sse(self.body([choice], None, True))
                         is_first = False
                     response = await anext(stream, None)

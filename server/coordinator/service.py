@@ -182,7 +182,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Workers key requests by this id; clients may reuse theirs, so make it unique here.
         r = _Request(req, Deadline.after(timeout if timeout is not None else self.default_timeout),
                      f"{req.request_id}.{secrets.token_hex(4)}")
-        completion = Completion(self.tokenizer, req.prompt_ids, list(req.sampling.stop))
+        completion = Completion(self.tokenizer, req.prompt_ids, list(req.sampling.stop), req.sampling.min_tokens)
         metrics.prompt_tokens.inc(len(req.prompt_ids))
         last_token_at: float | None = None
         outcome = "abort"  # a client cancel ends the generator without either of the others
@@ -191,7 +191,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 reason = self._already_finished(r)
                 if reason is not None:
                     outcome = FINISH_NAMES[reason]
-                    yield _response(req, completion, [], completion.finish(), reason, r.take_prompt_logprobs())
+                    yield self._with_stop_reason(
+                        _response(req, completion, [], completion.finish(), reason, r.take_prompt_logprobs()),
+                        r, completion)
                     return
                 try:
                     async with contextlib.aclosing(self._attempt(r)) as events:
@@ -200,7 +202,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                 text = completion.finish()
                                 reason = FinishReason.FINISH_REASON_STOP if completion.stopped else value
                                 outcome = FINISH_NAMES.get(reason, "stop")
-                                yield _response(req, completion, [], text, reason, r.take_prompt_logprobs())
+                                yield self._with_stop_reason(
+                                    _response(req, completion, [], text, reason, r.take_prompt_logprobs()), r, completion)
                                 return
                             now = time.monotonic()
                             new = list(value.token_ids)
@@ -218,8 +221,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                             token_lps = list(value.logprobs)[: len(ids)]
                             if completion.stopped:
                                 outcome = "stop"
-                                yield _response(req, completion, ids, text, FinishReason.FINISH_REASON_STOP,
-                                                r.take_prompt_logprobs(), token_lps)
+                                yield self._with_stop_reason(
+                                    _response(req, completion, ids, text, FinishReason.FINISH_REASON_STOP,
+                                              r.take_prompt_logprobs(), token_lps), r, completion)
                                 return
                             if ids or text:
                                 yield _response(req, completion, ids, text, prompt_logprobs=r.take_prompt_logprobs(),
@@ -247,6 +251,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 metrics.request_prompt_tokens.observe(len(req.prompt_ids))
                 metrics.request_generation_tokens.observe(completion.num_tokens)
                 metrics.request_params_max_tokens.observe(req.sampling.max_tokens)
+
+    def _with_stop_reason(self, out: generation_pb2.GenerateResponse, r: _Request, completion: Completion
+                          ) -> generation_pb2.GenerateResponse:
+        """vLLM's stop_reason on a stopped request: the stop string, or the stop token id (not for EOS)."""
+        if out.finish_reason != FinishReason.FINISH_REASON_STOP:
+            return out
+        s = r.req.sampling
+        if completion.matcher.matched is not None:
+            out.stop_string = completion.matcher.matched
+        elif r.outputs and r.outputs[-1] in s.stop_token_ids and (s.ignore_eos or r.outputs[-1] not in self.eos_ids):
+            out.stop_token_id = r.outputs[-1]
+        return out
 
     def _already_finished(self, r: _Request) -> int | None:
         """After a migration: the outputs already sent may have ended the request."""

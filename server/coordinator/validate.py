@@ -73,6 +73,29 @@ def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> g
     )
     if given.HasField("seed"):
         sampling.seed = given.seed
+    presence = given.presence_penalty if given.HasField("presence_penalty") else 0.0
+    frequency = given.frequency_penalty if given.HasField("frequency_penalty") else 0.0
+    repetition = given.repetition_penalty if given.HasField("repetition_penalty") else 1.0
+    min_p = given.min_p if given.HasField("min_p") else 0.0
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -2 <= value <= 2:
+            raise InvalidRequest(f"{name} must lie in [-2, 2], got {value}")
+    if not (repetition > 0 and math.isfinite(repetition)):
+        raise InvalidRequest(f"repetition_penalty must be > 0 (1 is off), got {repetition}")
+    if not 0 <= min_p <= 1:
+        raise InvalidRequest(f"min_p must lie in [0, 1] (0 is off), got {min_p}")
+    if given.min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens {given.min_tokens} exceeds max_tokens {max_tokens}")
+    if presence:
+        sampling.presence_penalty = presence
+    if frequency:
+        sampling.frequency_penalty = frequency
+    if repetition != 1.0:
+        sampling.repetition_penalty = repetition
+    if min_p:
+        sampling.min_p = min_p
+    if given.min_tokens:
+        sampling.min_tokens = given.min_tokens
     for name in ("logprobs", "prompt_logprobs"):
         if given.HasField(name):
             if getattr(given, name) > MAX_LOGPROBS:

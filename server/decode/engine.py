@@ -22,7 +22,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server import logprobs
-from pdserve.server.decode.sampler import sample, token_logprobs
+from pdserve.server.decode.sampler import apply_penalties, sample, token_logprobs
 from pdserve.server.decode.sequence import Sequence, SeqState
 
 log = logging.getLogger("pdserve.decode")
@@ -135,12 +135,13 @@ class DecodeEngine:
         logits = self.model.decode(last, positions, tables, positions + 1, self.cache)  # [B, V]
         sp = [s.sampling for s in batch]
         next_ids = sample(
-            logits,
+            penalized(logits, batch),
             torch.tensor([p.temperature for p in sp], dtype=torch.float32),
             torch.tensor([p.top_k for p in sp], dtype=torch.int64),
             torch.tensor([p.top_p for p in sp], dtype=torch.float32),
             [p.seed if p.HasField("seed") else None for p in sp],
             [s.sample_index for s in batch],
+            torch.tensor([p.min_p for p in sp], dtype=torch.float32) if any(p.min_p for p in sp) else None,
         )
         return next_ids.tolist(), _logprobs(logits, next_ids, sp)
 
@@ -180,3 +181,23 @@ def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, sp: list) -> list:
     chosen, top_ids, top_lps = (t.cpu() for t in token_logprobs(logits, next_ids, top))
     return [None if w is None else logprobs.token_logprob(t, c, ids.tolist(), lps.tolist(), w)
             for w, t, c, ids, lps in zip(wanted, next_ids.tolist(), chosen.tolist(), top_ids, top_lps)]
+
+
+def penalized(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
+    """The logits with each request's penalties and min_tokens applied (the same logits when none asks)."""
+    sp = [s.sampling for s in batch]
+    if not any(_shapes_logits(s) for s in batch):
+        return logits
+    prompts, outputs = zip(*(s.prompt_and_outputs() for s in batch))
+    return apply_penalties(
+        logits, list(prompts), list(outputs),
+        [p.presence_penalty for p in sp], [p.frequency_penalty for p in sp],
+        [p.repetition_penalty if p.HasField("repetition_penalty") else 1.0 for p in sp],
+        [s.blocked_ids() for s in batch],
+    )
+
+
+def _shapes_logits(seq: Sequence) -> bool:
+    p = seq.sampling
+    return bool(p.presence_penalty or p.frequency_penalty or seq.blocked_ids()
+                or (p.HasField("repetition_penalty") and p.repetition_penalty != 1.0))

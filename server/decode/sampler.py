@@ -1,4 +1,5 @@
-"""Batched sampling: greedy, temperature, top-k and top-p per row, reproducible per (seed, token index).
+"""Batched sampling: greedy, temperature, top-k, top-p and min-p per row, reproducible per (seed, token
+index); penalties and min_tokens shape the logits first (`apply_penalties`), as vLLM does.
 
 The filters run once over the whole batch (one sort). Each row then draws one uniform number and picks
 by inverse CDF. Seeded rows take it from a CPU generator seeded from (seed, index), so a seeded request
@@ -24,8 +25,9 @@ def sample(
     top_p: torch.Tensor,
     seeds: list[int | None],
     indices: list[int],
+    min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next token ids int64 [B] from logits f32 [B, V]; temperature 0 is greedy, top_k 0 is off."""
+    """Next token ids int64 [B] from logits f32 [B, V]; temperature 0 is greedy, top_k 0 and min_p 0 are off."""
     greedy = logits.argmax(dim=-1)  # [B]
     is_greedy = temperature <= 0  # [B]
     if bool(is_greedy.all()):
@@ -39,6 +41,10 @@ def sample(
     ranks = torch.arange(V, device=device)  # [V]
     k = torch.where(top_k > 0, top_k.clamp(max=V), V).to(device)  # [B]
     sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    if min_p is not None:  # below min_p x the top probability: p_i / p_0 = exp(l_i - l_0)
+        floor = sorted_logits[:, :1] + torch.log(min_p.to(device)[:, None].clamp(min=1e-30))  # [B, 1]
+        sorted_logits = sorted_logits.masked_fill((sorted_logits < floor) & (min_p.to(device)[:, None] > 0),
+                                                  float("-inf"))
     probs = sorted_logits.softmax(dim=-1)  # [B, V]
     mass_before = probs.cumsum(dim=-1) - probs  # [B, V] (the top token always stays)
     probs = probs.masked_fill(mass_before > top_p.to(device)[:, None], 0.0)
@@ -66,3 +72,33 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
     chosen = logprobs.gather(1, token_ids.to(logits.device)[:, None])[:, 0]  # [B]
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # [B, num_top]
     return chosen, top_ids, top_logprobs
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    presence: list[float],
+    frequency: list[float],
+    repetition: list[float],
+    blocked: list[list[int]],
+) -> torch.Tensor:
+    """The logits f32 [B, V] with vLLM's penalties per row: repetition over prompt and output tokens
+    (positive logits / r, negative x r), then frequency x count and presence over output tokens;
+    `blocked` ids (EOS and stop ids before min_tokens) get -inf."""
+    out = logits.float().clone()  # [B, V]
+    V = out.shape[-1]
+    for row in range(out.shape[0]):
+        outputs = torch.tensor(output_ids[row], dtype=torch.int64, device=out.device)
+        if repetition[row] != 1.0:
+            seen = torch.zeros(V, dtype=torch.bool, device=out.device)
+            seen[torch.tensor(prompt_ids[row], dtype=torch.int64, device=out.device)] = True
+            seen[outputs] = True
+            r = out[row]
+            out[row] = torch.where(seen, torch.where(r > 0, r / repetition[row], r * repetition[row]), r)
+        if (frequency[row] or presence[row]) and len(output_ids[row]):
+            counts = torch.bincount(outputs, minlength=V)[:V].float()  # [V]
+            out[row] -= frequency[row] * counts + presence[row] * (counts > 0).float()
+        if blocked[row]:
+            out[row, torch.tensor(blocked[row], dtype=torch.int64, device=out.device)] = float("-inf")
+    return out

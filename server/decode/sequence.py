@@ -42,6 +42,19 @@ class Sequence:
         """Which output token (counted from the request's start) is sampled next."""
         return self.num_prior_outputs + len(self.output_ids)
 
+    def prompt_and_outputs(self) -> tuple[list[int], list[int]]:
+        """The request's prompt and every output so far (those before a migration included)."""
+        cut = len(self.prompt_ids) - self.num_prior_outputs
+        return self.prompt_ids[:cut], self.prompt_ids[cut:] + self.output_ids
+
+    def blocked_ids(self) -> list[int]:
+        """Ids the next token may not be while fewer than min_tokens are out: the stop ids and, unless
+        ignore_eos, EOS (vLLM's min_tokens)."""
+        if self.sample_index >= self.sampling.min_tokens:
+            return []
+        eos = set() if self.sampling.ignore_eos else self.eos_ids
+        return sorted(eos | set(self.sampling.stop_token_ids))
+
     def check_stop(self, token: int) -> int:
         """The finish reason after appending `token`, or UNSPECIFIED to go on."""
         s = self.sampling

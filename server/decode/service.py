@@ -16,7 +16,7 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import logprobs, logs, metrics
-from pdserve.server.decode.engine import DecodeEngine
+from pdserve.server.decode.engine import DecodeEngine, penalized
 from pdserve.server.decode.sampler import sample, token_logprobs
 from pdserve.server.decode.sequence import Sequence
 
@@ -125,12 +125,13 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                                       engine.cache)  # [S, V]
         p = seq.sampling
         token = sample(
-            logits[-1:],
+            penalized(logits[-1:], [seq]),
             torch.tensor([p.temperature], dtype=torch.float32),
             torch.tensor([p.top_k], dtype=torch.int64),
             torch.tensor([p.top_p], dtype=torch.float32),
             [p.seed if p.HasField("seed") else None],
             [seq.sample_index],
+            torch.tensor([p.min_p], dtype=torch.float32) if p.min_p else None,
         )
         if p.HasField("logprobs"):
             chosen, top_ids, top_lps = token_logprobs(logits[-1:], token, min(p.logprobs, logits.shape[-1]))

@@ -29,7 +29,7 @@ from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import bucket_length, make_prefill_fn, make_prefill_with_logprobs_fn
 from pdserve.server.prefill.quant import quantize_kv
-from pdserve.server.prefill.sampler import sample_jit
+from pdserve.server.prefill.sampler import penalize, sample_jit
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -151,12 +151,13 @@ class PrefillEngine:
 
         sp = [j.sampling for j in batch]
         first = sample_jit(
-            logits,
+            self._penalized(logits, batch, tokens, true_lengths, column),
             column([p.temperature for p in sp], np.float32),
             column([p.top_k for p in sp], np.int32),
             column([p.top_p if p.top_p > 0 else 1.0 for p in sp], np.float32),
             column([(p.seed if p.HasField("seed") else secrets.randbits(32)) % 2**32 for p in sp], np.uint32),
             column([j.sample_index for j in batch], np.int32),
+            column([p.min_p for p in sp], np.float32),
         )
         first = np.asarray(first)
         host_logits = np.asarray(logits) if any(j.sampling.HasField("logprobs") for j in batch) else None
@@ -192,9 +193,28 @@ class PrefillEngine:
             results.append(result)
         return results
 
+    def _penalized(self, logits, batch: list[PrefillJob], tokens: np.ndarray, lengths: np.ndarray, column):
+        """The logits with each prompt's penalties and min_tokens applied (the same logits when none asks)."""
+        sp = [j.sampling for j in batch]
+        blocked = np.zeros((tokens.shape[0], logits.shape[-1]), dtype=bool)  # [B, V]
+        for i, job in enumerate(batch):
+            if job.sample_index < job.sampling.min_tokens:
+                eos = () if job.sampling.ignore_eos else self.model_config.eos_token_ids
+                banned = [t for t in (*eos, *job.sampling.stop_token_ids) if 0 <= t < logits.shape[-1]]
+                blocked[i, banned] = True
+        repetition = [p.repetition_penalty if p.HasField("repetition_penalty") else 1.0 for p in sp]
+        if not (blocked.any() or any(p.presence_penalty or p.frequency_penalty for p in sp)
+                or any(r != 1.0 for r in repetition)):
+            return logits
+        return penalize(logits, tokens, lengths, column([j.sample_index for j in batch], np.int32),
+                        column([p.presence_penalty for p in sp], np.float32),
+                        column([p.frequency_penalty for p in sp], np.float32),
+                        np.concatenate([np.asarray(repetition, np.float32),
+                                        np.ones(tokens.shape[0] - len(batch), np.float32)]), blocked)
+
     def warmup(self) -> None:
         """Compiles the smallest bucket so the first request does not pay for it."""
         tokens = np.zeros((1, self.config.min_bucket), dtype=np.int32)
         logits, k, v = self._fn(self.params, tokens, np.ones((1,), dtype=np.int32))
         jax.block_until_ready(sample_jit(logits, jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1),
-                                         jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32)))
+                                         jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32), jnp.zeros(1)))

@@ -1,7 +1,8 @@
-"""Batched sampling of one token per row, on device: greedy, temperature, top-k, top-p, seeded.
+"""Batched sampling of one token per row, on device: greedy, temperature, top-k, top-p, min-p, seeded;
+`penalize` applies vLLM's penalties and min_tokens to the logits first.
 
-Order (as in transformers and vLLM): temperature, then top-k, then top-p over the renormalised
-top-k distribution. Row r draws with key fold_in(key(seed[r]), index[r]), so a (seed, index) pair
+Order (as in vLLM): penalties on the raw logits, temperature, then min-p and top-k, then top-p over
+the renormalised rest. Row r draws with key fold_in(key(seed[r]), index[r]), so a (seed, index) pair
 always yields the same token, whatever the batch around it.
 """
 
@@ -11,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index) -> jax.Array:
+def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index, min_p) -> jax.Array:
     """logits f32[V] and scalar settings -> int32 token."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
@@ -19,6 +20,8 @@ def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index) -> ja
     ranked = scaled[order]  # [V]
     rank = jnp.arange(vocab)
     ranked = jnp.where(rank < jnp.where(top_k > 0, top_k, vocab), ranked, -jnp.inf)
+    floor = ranked[0] + jnp.log(jnp.maximum(min_p, 1e-30))  # p_i < min_p x p_0 <=> l_i < l_0 + log(min_p)
+    ranked = jnp.where((min_p > 0) & (ranked < floor), -jnp.inf, ranked)
     probs = jax.nn.softmax(ranked)  # [V]
     before = jnp.cumsum(probs) - probs  # probability mass ranked strictly above each token
     ranked = jnp.where((before < top_p) | (rank == 0), ranked, -jnp.inf)
@@ -27,9 +30,9 @@ def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index) -> ja
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
 
 
-def sample(logits, temperature, top_k, top_p, seed, index) -> jax.Array:
+def sample(logits, temperature, top_k, top_p, seed, index, min_p=None) -> jax.Array:
     """logits f32[B, V]; temperature f32[B] (0: greedy); top_k int32[B] (0: off); top_p f32[B] in (0, 1];
-    seed uint32[B]; index int32[B] (which output token this is) -> int32[B]."""
+    seed uint32[B]; index int32[B] (which output token this is); min_p f32[B] (0: off) -> int32[B]."""
     return jax.vmap(_sample_row)(
         logits.astype(jnp.float32),
         jnp.asarray(temperature, jnp.float32),
@@ -37,7 +40,29 @@ def sample(logits, temperature, top_k, top_p, seed, index) -> jax.Array:
         jnp.asarray(top_p, jnp.float32),
         jnp.asarray(seed, jnp.uint32),
         jnp.asarray(index, jnp.int32),
+        jnp.zeros(logits.shape[0], jnp.float32) if min_p is None else jnp.asarray(min_p, jnp.float32),
     )
 
 
 sample_jit = jax.jit(sample)
+
+
+def _penalize_row(logits, tokens, length, num_outputs, presence, frequency, repetition, blocked) -> jax.Array:
+    """logits f32[V]; tokens int32[S] right-padded to length, whose last num_outputs are outputs
+    (after a migration); blocked bool[V] -> f32[V]."""
+    position = jnp.arange(tokens.shape[0])  # [S]
+    valid = position < length
+    is_output = valid & (position >= length - num_outputs)
+    counts = jnp.zeros_like(logits).at[tokens].add(is_output.astype(jnp.float32))  # [V]
+    seen = jnp.zeros(logits.shape, jnp.int32).at[tokens].max(valid.astype(jnp.int32)) > 0  # [V]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / repetition, logits * repetition), logits)
+    logits = logits - frequency * counts - presence * (counts > 0)
+    return jnp.where(blocked, -jnp.inf, logits)
+
+
+@jax.jit
+def penalize(logits, tokens, lengths, num_outputs, presence, frequency, repetition, blocked) -> jax.Array:
+    """vLLM's penalties per row: logits f32[B, V]; tokens int32[B, S]; lengths, num_outputs int32[B];
+    presence, frequency, repetition f32[B]; blocked bool[B, V] (EOS and stop ids before min_tokens)."""
+    return jax.vmap(_penalize_row)(logits.astype(jnp.float32), tokens, lengths, num_outputs, presence, frequency,
+                                   repetition, blocked)

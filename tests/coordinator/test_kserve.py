@@ -168,7 +168,8 @@ async def test_model_infer_answers_the_whole_text_with_the_prompt_unless_exclude
         (lambda: [], "'text_input'"),
         (lambda: inputs("x", sampling={"max_tokens": 0}), "max_tokens must be >= 1"),
         (lambda: inputs("x", sampling={"temperature": "hot"}), "not a valid float"),
-        (lambda: inputs("x", sampling={"frequency_penalty": 0.5}), "frequency_penalty=0.5 is not supported"),
+        (lambda: inputs("x", sampling={"frequency_penalty": 2.5}), "frequency_penalty must lie in [-2, 2]"),
+        (lambda: inputs("x", sampling={"n": 2}), "n=2 is not supported"),
         (lambda: inputs("x", sampling={"best": 2}), "unknown sampling parameter 'best'"),
         (lambda: inputs("x", stream=True), "needs ModelStreamInfer"),
         (

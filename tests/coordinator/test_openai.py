@@ -89,7 +89,7 @@ async def test_completion_without_stream(cluster, client):
     prompt = cluster.tokenizer.encode("import os")
     assert body["object"] == "text_completion" and body["model"] == MODEL and body["id"].startswith("cmpl-")
     assert body["choices"] == [
-        {"index": 0, "text": " print('hello')", "logprobs": None, "finish_reason": "length"}
+        {"index": 0, "text": " print('hello')", "logprobs": None, "finish_reason": "length", "stop_reason": None}
     ]
     assert body["usage"] == {
         "prompt_tokens": len(prompt),
@@ -168,7 +168,9 @@ async def test_chat_without_stream_defaults_max_tokens_to_the_rest_of_the_contex
         ("/v1/completions", {"prompt": "x", "n": 2}, "n", "only n=1"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must lie in [0, 20]"),
         ("/v1/completions", {"prompt": "x", "best_of_n": 2}, "best_of_n", "unknown field"),
-        ("/v1/completions", {"prompt": "x", "min_p": 0.1}, "min_p", "min_p is not supported"),
+        ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p", "min_p must lie in [0, 1]"),
+        ("/v1/completions", {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty", "must be > 0"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens", "exceeds max_tokens"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},

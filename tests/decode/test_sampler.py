@@ -79,3 +79,12 @@ def test_top_k_2_never_leaves_the_top_2():
         assert ((out[:, None] == top2).any(-1)).all()
     seen = sample(logits.repeat(100, 1), *_params(6400, top_k=2), [None] * 6400, [0] * 6400)
     assert (seen.view(100, 64) == top2[:, 1]).any()  # the second token does get drawn
+
+
+def test_min_p_keeps_only_tokens_above_min_p_times_the_top_probability():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.09, 0.01])  # min_p 0.6: 0.2 and below fall (< 0.6 x 0.4)
+    logits = probs.log().repeat(300, 1)  # [B, V]
+    drawn = sample(logits, *_params(300), list(range(300)), list(range(300)), torch.full((300,), 0.6))
+    assert set(drawn.tolist()) == {0, 1}
+    drawn = sample(logits, *_params(300), list(range(300)), list(range(300)), torch.zeros(300))
+    assert set(drawn.tolist()) >= {0, 1, 2, 3}

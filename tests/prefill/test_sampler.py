@@ -79,3 +79,48 @@ def test_top_k_and_top_p_keep_only_the_head():
     nucleus = np.bincount(_draw(logits, 4000, top_p=0.7), minlength=4) / 4000
     assert nucleus[0] == nucleus[2] == 0
     assert abs(nucleus[1] - 0.5 / 0.8) < 0.03
+
+
+def _draw_min_p(logits, n: int, min_p: float) -> np.ndarray:
+    rows = jnp.tile(jnp.asarray(logits, jnp.float32)[None], (n, 1))
+    full = lambda x, dt: jnp.full((n,), x, dt)  # noqa: E731
+    return np.asarray(sample_jit(rows, full(1.0, jnp.float32), full(0, jnp.int32), full(1.0, jnp.float32),
+                                 full(3, jnp.uint32), jnp.arange(n, dtype=jnp.int32), full(min_p, jnp.float32)))
+
+
+def test_min_p_keeps_only_tokens_above_min_p_times_the_top_probability():
+    probs = np.array([0.4, 0.3, 0.2, 0.09, 0.01])  # min_p 0.6: 0.2 and below fall (< 0.6 x 0.4)
+    drawn = set(_draw_min_p(np.log(probs), 300, 0.6).tolist())
+    assert drawn == {0, 1}
+    assert set(_draw_min_p(np.log(probs), 300, 0.0).tolist()) >= {0, 1, 2, 3}
+
+
+PENALTY_CASE = dict(
+    logits=np.array([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]], np.float32),  # [B, V]
+    tokens=np.array([[0, 1, 3, 3, 0, 0], [2, 5, 5, 0, 0, 0]], np.int32),  # [B, S], right-padded
+    lengths=np.array([4, 3], np.int32), num_outputs=np.array([2, 2], np.int32),  # outputs: [3, 3] and [5, 5]
+    presence=np.array([0.5, 0.0], np.float32), frequency=np.array([0.25, 1.0], np.float32),
+    repetition=np.array([2.0, 1.0], np.float32),
+    blocked=np.array([[False] * 5 + [True], [False] * 6]),
+)
+# Row 0: repetition 2 over prompt {0, 1} + outputs {3}: 2 -> 1, -1 -> -2, 3 -> 1.5; then token 3 (twice out):
+# 1.5 - 0.25 x 2 - 0.5 = 0.5; token 5 blocked. Row 1: frequency 1 x 2 on token 5.
+PENALIZED = np.array([[1.0, -2.0, 0.5, 0.5, -2.0, -np.inf], [1.0, 1.0, 1.0, 1.0, 1.0, -1.0]], np.float32)
+
+
+def test_penalties_are_vllms_and_both_tiers_apply_them_alike():
+    import torch
+
+    from pdserve.server.decode.sampler import apply_penalties
+    from pdserve.server.prefill.sampler import penalize
+
+    c = PENALTY_CASE
+    got = np.asarray(penalize(*(jnp.asarray(c[k]) for k in ("logits", "tokens", "lengths", "num_outputs",
+                                                             "presence", "frequency", "repetition", "blocked"))))
+    np.testing.assert_array_equal(got, PENALIZED)
+    prompts = [c["tokens"][b, : c["lengths"][b] - c["num_outputs"][b]].tolist() for b in range(2)]
+    outputs = [c["tokens"][b, c["lengths"][b] - c["num_outputs"][b] : c["lengths"][b]].tolist() for b in range(2)]
+    blocked = [np.flatnonzero(row).tolist() for row in c["blocked"]]
+    torch_got = apply_penalties(torch.tensor(c["logits"]), prompts, outputs, c["presence"].tolist(),
+                                c["frequency"].tolist(), c["repetition"].tolist(), blocked)
+    np.testing.assert_array_equal(torch_got.numpy(), PENALIZED)

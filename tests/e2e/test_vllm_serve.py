@@ -128,3 +128,61 @@ def test_the_served_model_name_and_max_model_len_are_vllms(cluster):
         assert card.id == "tiny" and card.model_extra["max_model_len"] == 256
         with pytest.raises(openai.BadRequestError, match="max_model_len 256"):
             sdk.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=250)
+
+
+@pytest.fixture(scope="module")
+def hf_generate(model_dir):
+    """transformers' greedy generate: (prompt ids, max_new_tokens, **generate kwargs) -> new ids."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def run(ids: list[int], n: int, **kw) -> list[int]:
+        kw.setdefault("eos_token_id", None)
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+        return out[0, len(ids):].tolist()
+
+    return run
+
+
+def _sdk(cluster) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{cluster['http']}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_repetition_penalty_greedy_equals_transformers(cluster, hf_generate):
+    """The first token is penalized in the JAX prefill tier, the rest in the torch decode tier."""
+    expected = hf_generate(PROMPT_IDS, 8, repetition_penalty=1.8)
+    assert expected != hf_generate(PROMPT_IDS, 8)  # the penalty changes this output
+    request = build_request(token_ids=PROMPT_IDS, max_tokens=8, temperature=0.0, ignore_eos=True)
+    request.sampling.repetition_penalty = 1.8
+    assert [i for m in stream(cluster["coordinator"], request, timeout=60) for i in m.token_ids] == expected
+
+
+def test_min_tokens_holds_back_a_stop_token_as_transformers_min_new_tokens(cluster, hf_generate):
+    free = hf_generate(PROMPT_IDS, 8)
+    at = 0
+    stop = free[at]  # greedy stops at once
+    request = build_request(token_ids=PROMPT_IDS, max_tokens=8, temperature=0.0, stop_token_ids=[stop],
+                            ignore_eos=True)
+    short = list(stream(cluster["coordinator"], request, timeout=60))
+    assert [i for m in short for i in m.token_ids] == free[: at + 1] and short[-1].stop_token_id == stop
+    request.sampling.min_tokens = 5
+    got = [i for m in stream(cluster["coordinator"], request, timeout=60) for i in m.token_ids]
+    expected = hf_generate(PROMPT_IDS, 8, min_new_tokens=5, eos_token_id=[stop])
+    assert got == expected and stop not in got[:5]
+
+
+def test_stop_reason_names_the_stop_string(cluster):
+    with _sdk(cluster) as sdk:
+        free = sdk.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        text = free.choices[0].text
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        assert stop.strip(), text
+        reply = sdk.completions.create(model="tiny", prompt=PROMPT_IDS, max_tokens=12, temperature=0, stop=[stop],
+                                       extra_body={"ignore_eos": True})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.model_extra["stop_reason"] == stop
+    assert choice.text == text[: text.index(stop)]
+    assert free.choices[0].model_extra["stop_reason"] is None
