@@ -71,6 +71,8 @@ ERROR_TYPES = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+MAX_N = 16
+"""Most choices one request may ask for (each is a generation of its own)."""
 DEFAULT_COMPLETION_TOKENS = 16
 """OpenAI's default max_tokens for /v1/completions; a chat may use the rest of the context."""
 
@@ -195,7 +197,7 @@ def _unsupported(req: SamplingFields) -> None:
     for name in req.model_extra or {}:
         raise ApiError(400, f"{name}: unknown field; pdserve does not support it", param=name)
     checks = [
-        ("n", req.n != 1, "only n=1 is supported"),
+        ("n", not 1 <= req.n <= MAX_N, f"n must lie in [1, {MAX_N}]"),
         ("best_of", req.best_of not in (None, 1), "only best_of=1 is supported"),
         ("logit_bias", bool(req.logit_bias), "logit_bias is not supported"),
         ("min_tokens", req.min_tokens < 0, "min_tokens must be >= 0"),
@@ -366,7 +368,11 @@ async def _cancel_on_disconnect(request: Request, work: asyncio.Future) -> Any:
 
 
 class Handler:
-    """One endpoint's request: build the GenerateRequest, run it, shape the answer."""
+    """One endpoint's request: build the GenerateRequest(s), run them, shape the answer.
+
+    `n` > 1 runs n generations of the prompt side by side (seed + i for choice i when seeded), each
+    its own request through the tiers: the prompt is prefilled once per choice (its KV is not shared).
+    """
 
     def __init__(self, front: Front, kind: Kind, req: SamplingFields, request_id: str,
                  echo: tuple[str, list[int]] | None = None):
@@ -378,16 +384,17 @@ class Handler:
         self.object = "text_completion" if kind == "completion" else "chat.completion"
         self.echo = echo
         """Completions with `echo`: the prompt's text and ids, put in front of the output."""
-        self.completion_logprobs = (CompletionLogprobs(front.token_text)
-                                    if kind == "completion" and req.logprobs is not None else None)
+        self.completion_logprobs = [CompletionLogprobs(front.token_text) for _ in range(req.n)] \
+            if kind == "completion" and req.logprobs is not None else None
 
-    def _logprobs(self, response: generation_pb2.GenerateResponse | Outcome, first: bool) -> dict[str, Any] | None:
+    def _logprobs(self, response: generation_pb2.GenerateResponse | Outcome, first: bool,
+                  index: int = 0) -> dict[str, Any] | None:
         """The logprobs of what `response` adds (a chunk, or the whole outcome), in the endpoint's shape."""
         if self.kind == "chat":
             return chat_logprobs(response.logprobs, self.front.token_text) if self.req.logprobs else None
-        lp = self.completion_logprobs
-        if lp is None:
+        if self.completion_logprobs is None:
             return None
+        lp = self.completion_logprobs[index]
         if first and self.echo is not None and self.echo[1]:
             lp.add_first_prompt_token(self.echo[1][0])
             lp.add(response.prompt_logprobs)
@@ -395,20 +402,21 @@ class Handler:
         return lp.take()
 
     def choice(self, text: str | None, finish_reason: str | None, first: bool = False,
-               logprobs: dict[str, Any] | None = None, stop_reason: str | int | None = None) -> dict[str, Any]:
+               logprobs: dict[str, Any] | None = None, stop_reason: str | int | None = None,
+               index: int = 0) -> dict[str, Any]:
         if self.kind == "completion":
             if first and self.echo is not None:
                 text = self.echo[0] + (text or "")
-            return {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason,
+            return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
         if self.req.stream:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
         return {
-            "index": 0,
+            "index": index,
             "message": {"role": "assistant", "content": text or ""},
             "logprobs": logprobs,
             "finish_reason": finish_reason,
@@ -434,57 +442,120 @@ class Handler:
     def include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
 
+    def _requests(self, generate: generation_pb2.GenerateRequest) -> list[generation_pb2.GenerateRequest]:
+        """One request per choice; seeded ones draw with seed + index."""
+        out = []
+        for i in range(self.req.n):
+            one = generation_pb2.GenerateRequest()
+            one.CopyFrom(generate)
+            if i and one.sampling.HasField("seed"):
+                one.sampling.seed = (one.sampling.seed + i) % 2**64
+            out.append(one)
+        return out
+
     async def run(self, http: Request, generate: generation_pb2.GenerateRequest) -> Response:
-        stream = self.front.generation.stream(generate, self.front.timeout)
+        streams = [self.front.generation.stream(g, self.front.timeout) for g in self._requests(generate)]
         if self.req.stream:
-            first = await _first(stream)
+            firsts = []
+            try:
+                for stream in streams:
+                    firsts.append(await _first(stream))
+            except ApiError:
+                for stream in streams:
+                    await stream.aclose()
+                raise
             return StreamingResponse(
-                self.events(stream, first),
+                self.events(streams, firsts),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await _cancel_on_disconnect(http, asyncio.ensure_future(self.collect(stream)))
+        return await _cancel_on_disconnect(http, asyncio.ensure_future(self.collect(streams)))
 
-    async def collect(self, stream: AsyncIterator[generation_pb2.GenerateResponse]) -> Response:
-        outcome = Outcome()
-        try:
+    async def collect(self, streams: list[AsyncIterator[generation_pb2.GenerateResponse]]) -> Response:
+        async def outcome_of(stream: AsyncIterator[generation_pb2.GenerateResponse]) -> Outcome:
+            outcome = Outcome()
             async with contextlib.aclosing(stream):
                 async for response in stream:
                     outcome.add(response)
-        except (InvalidRequest, RequestFailed) as e:
-            return _api_error(e).response()
-        choice = self.choice(outcome.text, outcome.finish_reason, first=True,
-                             logprobs=self._logprobs(outcome, first=True), stop_reason=outcome.stop_reason)
-        return JSONResponse(self.body([choice], outcome.usage(), False))
+            return outcome
+
+        error: InvalidRequest | RequestFailed | None = None
+        try:
+            async with asyncio.TaskGroup() as group:  # one failing cancels the others
+                tasks = [group.create_task(outcome_of(s)) for s in streams]
+        except* (InvalidRequest, RequestFailed) as failed:
+            error = failed.exceptions[0]  # type: ignore[assignment]
+        if error is not None:
+            return _api_error(error).response()
+        outcomes = [t.result() for t in tasks]
+        choices = [self.choice(o.text, o.finish_reason, first=True, logprobs=self._logprobs(o, True, i),
+                               stop_reason=o.stop_reason, index=i) for i, o in enumerate(outcomes)]
+        return JSONResponse(self.body(choices, _usage(outcomes), False))
 
     async def events(
-        self, stream: AsyncIterator[generation_pb2.GenerateResponse], first: generation_pb2.GenerateResponse
+        self, streams: list[AsyncIterator[generation_pb2.GenerateResponse]],
+        firsts: list[generation_pb2.GenerateResponse],
     ) -> AsyncIterator[bytes]:
-        """SSE chunks; cancelled (client gone) or not, closing `stream` cancels the worker calls."""
-        outcome = Outcome()
-        async with contextlib.aclosing(stream):
-            if self.kind == "chat":
-                yield _sse(self.body([self.choice(None, None, first=True)], None, True))
-            response: generation_pb2.GenerateResponse | None = first
-            is_first = self.kind == "completion"  # a chat's first chunk (the role) went above
+        """SSE chunks, the choices' interleaved; cancelled (client gone) or not, closing the streams
+        cancels the worker calls."""
+        outcomes = [Outcome() for _ in streams]
+        merged: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse | Exception | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
             try:
-                while response is not None:
-                    outcome.add(response)
-                    if response.text or response.finish_reason or response.logprobs or is_first:
-                        choice = self.choice(response.text, outcome.finish_reason, first=is_first,
-                                             logprobs=self._logprobs(response, first=is_first),
-                                             stop_reason=outcome.stop_reason)
-                        yield _sse(self.body([choice], None, True))
-                        is_first = False
-                    response = await anext(stream, None)
+                async for response in streams[i]:
+                    merged.put_nowait((i, response))
             except (InvalidRequest, RequestFailed) as e:
-                log.warning("request %s failed mid-stream: %s", self.id, e)
-                yield _sse(_api_error(e).body())
-                yield _sse("[DONE]")
+                merged.put_nowait((i, e))
                 return
+            merged.put_nowait((i, None))
+
+        async with contextlib.AsyncExitStack() as closing:
+            for stream in streams:
+                closing.push_async_callback(stream.aclose)
+            if self.kind == "chat":
+                for i in range(len(streams)):
+                    yield _sse(self.body([self.choice(None, None, first=True, index=i)], None, True))
+            pumps = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+
+            async def stop_pumps() -> None:  # before the streams close (callbacks run last-in first-out)
+                for p in pumps:
+                    p.cancel()
+                await asyncio.gather(*pumps, return_exceptions=True)
+
+            closing.push_async_callback(stop_pumps)
+            is_first = [self.kind == "completion"] * len(streams)  # a chat's first chunk (the role) went above
+            for i, first in enumerate(firsts):
+                merged.put_nowait((i, first))
+            running = len(streams)
+            while running:
+                i, response = await merged.get()
+                if response is None:
+                    running -= 1
+                    continue
+                if isinstance(response, Exception):
+                    log.warning("request %s failed mid-stream: %s", self.id, response)
+                    yield _sse(_api_error(response).body())
+                    yield _sse("[DONE]")
+                    return
+                outcome = outcomes[i]
+                outcome.add(response)
+                if response.text or response.finish_reason or response.logprobs or is_first[i]:
+                    choice = self.choice(response.text, outcome.finish_reason, first=is_first[i],
+                                         logprobs=self._logprobs(response, is_first[i], i),
+                                         stop_reason=outcome.stop_reason, index=i)
+                    yield _sse(self.body([choice], None, True))
+                    is_first[i] = False
         if self.include_usage:
-            yield _sse(self.body([], outcome.usage(), True))
+            yield _sse(self.body([], _usage(outcomes), True))
         yield _sse("[DONE]")
+
+
+def _usage(outcomes: list[Outcome]) -> dict[str, int]:
+    """The prompt counted once, every choice's tokens."""
+    prompt = outcomes[0].prompt_tokens
+    completion = sum(o.completion_tokens for o in outcomes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 # --- the app ------------------------------------------------------------------------------------

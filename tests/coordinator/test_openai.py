@@ -165,7 +165,7 @@ async def test_chat_without_stream_defaults_max_tokens_to_the_rest_of_the_contex
 @pytest.mark.parametrize(
     "path, body, param, words",
     [
-        ("/v1/completions", {"prompt": "x", "n": 2}, "n", "only n=1"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, "n", "n must lie in [1, 16]"),
         ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs", "logprobs must lie in [0, 20]"),
         ("/v1/completions", {"prompt": "x", "best_of_n": 2}, "best_of_n", "unknown field"),
         ("/v1/completions", {"prompt": "x", "min_p": 1.5}, "min_p", "min_p must lie in [0, 1]"),
@@ -243,8 +243,30 @@ async def test_invalid_json_unknown_model_and_unknown_route(client):
 
 async def test_sdk_raises_bad_request_error(cluster):
     with pytest.raises(openai.BadRequestError) as e:
-        await sdk(cluster).completions.create(model=MODEL, prompt="x", n=3)
-    assert e.value.status_code == 400 and "n=1" in e.value.message
+        await sdk(cluster).completions.create(model=MODEL, prompt="x", n=17)
+    assert e.value.status_code == 400 and "n must lie in [1, 16]" in e.value.message
+
+
+async def test_n_choices_are_n_generations_with_seeds_in_turn(cluster):
+    ids = cluster.tokenizer.encode(" print('hello')")
+    cluster.script(ids)
+    reply = await sdk(cluster).completions.create(model=MODEL, prompt="x", n=3, seed=7, max_tokens=len(ids),
+                                                  logprobs=0)
+    text = cluster.tokenizer.decode(ids)
+    assert [(c.index, c.text, c.finish_reason) for c in reply.choices] == [(i, text, "length") for i in range(3)]
+    assert [len(c.logprobs.tokens) for c in reply.choices] == [len(ids)] * 3
+    assert reply.usage.completion_tokens == 3 * len(ids)
+    assert reply.usage.prompt_tokens == len(cluster.tokenizer.encode("x"))  # the prompt counted once
+    assert sorted(r.sampling.seed for r in cluster.decode.requests) == [7, 8, 9]
+
+    cluster.script(ids)
+    chunks = [c async for c in await sdk(cluster).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], n=2, max_tokens=len(ids), stream=True,
+        stream_options={"include_usage": True})]
+    for i in range(2):
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == i) == text
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].index == i][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 2 * len(ids)
 
 
 async def test_admission_rejection_is_429_with_retry_after(cluster, client):
@@ -404,7 +426,7 @@ async def test_every_refusal_is_counted_once_in_request_failure_total(cluster, c
         )
 
     before = failures()
-    await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})  # refused by the front
+    await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 17})  # refused by the front
     await client.post("/v1/completions", json={"model": MODEL})  # a body that does not parse
     await client.post(
         "/v1/completions", json={"model": MODEL, "prompt": "x", "top_p": 3}
