@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from tokenizers import Tokenizer as HfTokenizer
+from tokenizers.decoders import DecodeStream
+
 REPLACEMENT = "\ufffd"
 """What a decoder yields for bytes that are not (yet) a whole UTF-8 character."""
 
@@ -16,60 +19,66 @@ MAX_CHAR_TOKENS = 3
 
 
 class Decoder(Protocol):
+    """The model's tokenizer (`Tokenizer`): `hf` is its `tokenizers.Tokenizer`."""
+
+    hf: HfTokenizer
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:
-    """Turns output ids into text deltas without ever splitting a multi-byte character.
+    """Output ids to text deltas through `tokenizers`' DecodeStream, never splitting a multi-byte character.
 
-    Keeps two offsets into all ids (prompt + output): text is read from `prefix_offset`, and what
-    `ids[prefix_offset:read_offset]` decodes to has been emitted already. Each push decodes only
-    that short window, so the cost per token stays bounded however long the output grows.
+    DecodeStream holds back ids whose bytes do not yet make a whole character, decoding only a short
+    window each step. What it lacks is added here: ids that can never complete a character (invalid
+    bytes) are let go as U+FFFD once more than MAX_CHAR_TOKENS wait, and `flush` gives what is held
+    at the end of the output.
     """
 
     def __init__(self, tokenizer: Decoder, prompt_ids: list[int]):
         self.tokenizer = tokenizer
-        self.ids = list(prompt_ids[-PROMPT_CONTEXT:])
-        self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.context = list(prompt_ids[-PROMPT_CONTEXT:])
+        """The last ids whose text is out (prompt ids at first), for the spacing of what follows."""
+        self.held: list[int] = []
+        """Ids DecodeStream holds back: their text is not out yet."""
+        self.stream = DecodeStream(self.context, skip_special_tokens=True)
 
     def push(self, ids: list[int]) -> str:
         """Takes new output ids; returns the text they complete (possibly "")."""
-        self.ids.extend(ids)
-        return self._advance(final=False)
+        pieces = []
+        for i in ids:
+            chunk = self.stream.step(self.tokenizer.hf, i)
+            if chunk is None:
+                self.held.append(i)
+                if len(self.held) > MAX_CHAR_TOKENS:
+                    pieces.append(self._let_go(len(self.held) - MAX_CHAR_TOKENS))
+            else:
+                self.context = (self.context + self.held + [i])[-PROMPT_CONTEXT:]
+                self.held = []
+                pieces.append(chunk)
+        return "".join(pieces)
 
     def flush(self) -> str:
         """At the end of the output: whatever is held back (an incomplete character decodes as U+FFFD)."""
-        return self._advance(final=True)
+        text, self.held = self._text(self.held), []
+        return text
 
-    def _advance(self, final: bool) -> str:
-        end = len(self.ids)
-        if self.read_offset == end:
+    def _text(self, ids: list[int]) -> str:
+        """The text `ids` add after the context."""
+        if not ids:
             return ""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        if new_text.endswith(REPLACEMENT) and not final:
-            end, new_text = self._last_whole_character(end)
-            if end == self.read_offset:
-                return ""  # the last bytes may begin a character: wait for the rest
-        delta = new_text[len(prefix_text) :]
-        # The window now starts at the old read offset; ids before it are dropped.
-        del self.ids[: self.read_offset]
-        self.prefix_offset, self.read_offset = 0, end - self.read_offset
-        return delta
+        before = self.tokenizer.decode(self.context)
+        return self.tokenizer.decode(self.context + ids)[len(before) :]
 
-    def _last_whole_character(self, end: int) -> tuple[int, str]:
-        """The text ends inside a character, whose bytes lie in the last MAX_CHAR_TOKENS ids: the
-        longest shorter window that decodes to whole characters. With none, when more than
-        MAX_CHAR_TOKENS ids wait, the first of them hold invalid bytes for good: let them go."""
-        for cut in range(end - 1, max(self.read_offset, end - MAX_CHAR_TOKENS - 1), -1):
-            text = self.tokenizer.decode(self.ids[self.prefix_offset : cut])
-            if not text.endswith(REPLACEMENT):
-                return cut, text
-        if end - self.read_offset > MAX_CHAR_TOKENS:
-            cut = end - MAX_CHAR_TOKENS
-            return cut, self.tokenizer.decode(self.ids[self.prefix_offset : cut])
-        return self.read_offset, ""
+    def _let_go(self, n: int) -> str:
+        """The first n held ids hold bytes that never become a character: out they go, and a fresh
+        stream takes the rest."""
+        gone, rest = self.held[:n], self.held[n:]
+        text = self._text(gone)
+        self.context = (self.context + gone)[-PROMPT_CONTEXT:]
+        self.held = []
+        self.stream = DecodeStream(self.context, skip_special_tokens=True)
+        return text + self.push(rest)
 
 
 class StopStringMatcher:

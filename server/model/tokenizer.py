@@ -86,6 +86,11 @@ class Tokenizer:
         )
 
     @property
+    def hf(self) -> HfTokenizer:
+        """The `tokenizers.Tokenizer` itself (for DecodeStream)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Ids the tokenizer knows, added tokens included (the model's embedding may be larger)."""
         return self._tok.get_vocab_size(with_added_tokens=True)
