@@ -1,9 +1,12 @@
 """Chat messages to prompt token ids through the model's own chat template, as `transformers` renders it.
 
 The template comes from `chat_template.jinja` or `tokenizer_config.json`'s `chat_template` (a string,
-or a list of named templates: "default" is used). It is rendered in a sandboxed jinja2 environment
-with `messages`, `add_generation_prompt=True` and the special tokens, then tokenized without adding
-special tokens (the template writes the BOS itself where the model wants one).
+or a list of named templates: "default" is used), or `--chat-template`. It is rendered in the
+environment `transformers`' `apply_chat_template` builds (a sandboxed jinja2 environment with
+trim_blocks/lstrip_blocks, loop controls, `{% generation %}`, its `tojson`, `raise_exception` and
+`strftime_now`), with `messages`, `tools`, `documents`, `add_generation_prompt`, the special tokens and
+`chat_template_kwargs`, then tokenized without adding special tokens (the template writes the BOS
+itself where the model wants one). tests/coordinator/test_chat_template.py holds the two to the same text.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
-ROLES = ("system", "developer", "user", "assistant", "tool")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+"""A message's reasoning, under any of these names, reaches the template under all of them (as transformers does)."""
 
 
 class ChatTemplateError(ValueError):
@@ -39,13 +43,13 @@ def _raise_exception(message: str) -> None:
 
 def _tojson(
     value: Any,
-    indent: int | None = None,
     ensure_ascii: bool = False,
-    sort_keys: bool = False,
+    indent: int | None = None,
     separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
 ) -> str:
-    """transformers' `tojson` filter (its arguments too)."""
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys, separators=separators)
+    """transformers' `tojson` filter: its arguments, in its order; no HTML escaping."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -98,8 +102,8 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise ChatTemplateError(f"messages[{i}] must be an object with 'role' and 'content'")
         role = message.get("role")
-        if role not in ROLES:
-            raise ChatTemplateError(f"messages[{i}].role must be one of {', '.join(ROLES)}; got {role!r}")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"messages[{i}].role must be a string naming the speaker; got {role!r}")
         content = message.get("content")
         if content is None:
             content = ""
@@ -119,6 +123,9 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise ChatTemplateError(f"messages[{i}].content must be a string or a list of text parts")
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append({**message, "content": content})
     return out
 
@@ -154,9 +161,10 @@ class ChatTemplate:
         return cls(template, encoder, special)
 
     def render(self, messages: list[Any], add_generation_prompt: bool = True,
-               template_kwargs: dict[str, Any] | None = None) -> str:
-        """`template_kwargs`: extra template variables (`chat_template_kwargs`, e.g. enable_thinking)."""
-        context = {"add_generation_prompt": add_generation_prompt, "tools": None, "documents": None,
+               template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None) -> str:
+        """`template_kwargs`: extra template variables (`chat_template_kwargs`, e.g. enable_thinking);
+        `tools`: JSON schemas of the functions the model may call."""
+        context = {"add_generation_prompt": add_generation_prompt, "tools": tools, "documents": None,
                    **self.special_tokens, **(template_kwargs or {})}
         context["messages"] = normalize_messages(messages)
         try:
