@@ -1,7 +1,10 @@
 """Reads HF safetensors checkpoints (one file or sharded with an index) into numpy arrays.
 
-safetensors' own numpy loader has no bfloat16, so the (simple) format is read here directly:
-an 8-byte little-endian header length, a JSON header, then the raw tensor bytes.
+The (simple) format is read here directly: an 8-byte little-endian header length, a JSON header,
+then the raw tensor bytes, viewed in place through a memory map. Not safetensors' own numpy reader
+(`safe_open(framework="numpy")`, safetensors 0.8): it does read bfloat16 (through ml_dtypes), but it
+fails on FP8 checkpoints (F8_E4M3: it looks for `numpy.float8_e4m3fn`, which numpy lacks), and
+`get_tensor` copies every tensor into memory, where the memory map here reads lazily.
 """
 
 from __future__ import annotations
