@@ -60,23 +60,6 @@ def iter_pieces(
     )
 
 
-def encode_blocks(
-    layout: KvLayout,
-    k: np.ndarray,
-    v: np.ndarray,
-    *,
-    k_scales: np.ndarray | None = None,
-    v_scales: np.ndarray | None = None,
-    max_chunk_bytes: int = MAX_CHUNK_BYTES,
-) -> Iterator[pb.KvBlocks]:
-    """k, v: [L, T, Hkv, D] for the true length T. Messages of at most max_chunk_bytes, encoded lazily.
-
-    The arrays and the limit are checked at the call (ValueError), before the first message.
-    """
-    chunks = encode_chunks(layout, k, v, k_scales=k_scales, v_scales=v_scales, max_chunk_bytes=max_chunk_bytes)
-    return (chunk.blocks for chunk in chunks)
-
-
 def encode_chunks(
     layout: KvLayout,
     k: np.ndarray,
@@ -86,7 +69,9 @@ def encode_chunks(
     v_scales: np.ndarray | None = None,
     max_chunk_bytes: int = MAX_CHUNK_BYTES,
 ) -> Iterator[pb.KvChunk]:
-    """As encode_blocks, each piece already inside the KvChunk the stream sends.
+    """k, v: [L, T, Hkv, D] for the true length T, as KvChunks of at most max_chunk_bytes (each piece's
+    KvBlocks inside the KvChunk the stream sends), encoded lazily. The arrays and the limit are checked
+    at the call (ValueError), before the first message.
 
     Filled in place: wrapping a finished KvBlocks (`KvChunk(blocks=msg)`) copies its bytes again,
     which cost more than the encoding itself (2.9 ms vs 0.34 ms per 4 MiB).

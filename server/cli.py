@@ -334,9 +334,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    """The load generator parses its own flags: the server's processes never import benchmarks/."""
+    from pdserve.benchmarks.bench import build_parser as bench_parser
     from pdserve.benchmarks.bench import run_cli
 
-    return run_cli(args)
+    return run_cli(bench_parser().parse_args(args.bench_args))
 
 
 def _field_names(cls) -> list[str]:
@@ -429,17 +431,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="load-test a pdserve (gRPC) or OpenAI-compatible server",
+    p = sub.add_parser("bench", help="load-test a pdserve (gRPC) or OpenAI-compatible server "
+                                     "(`pdserve bench --help`: its flags)", add_help=False,
                        description="Load generator: see benchmarks/bench.py and benchmarks/README.md")
-    from pdserve.benchmarks.bench import build_parser as bench_parser
-
-    bench_parser(p)
-    p.set_defaults(func=cmd_bench)
+    p.set_defaults(func=cmd_bench)  # its flags go to benchmarks/bench.py's own parser (see main)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _setup_logging(getattr(args, "log_format", "text"))
     return args.func(args) or 0
 

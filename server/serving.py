@@ -18,11 +18,10 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.server.security import TlsConfig
 
-MAX_MESSAGE_BYTES = 64 * 2**20
-CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
+from pdserve.kvcache.sender import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401  (one definition, re-exported)
+
+RETRY_AFTER_MS = 500
+"""The hint (ms) a refusal for lack of room carries (`retry-after-ms`), from a worker or the coordinator."""
 
 log = logging.getLogger("pdserve")
 

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.server import metrics
+from pdserve.server.serving import RETRY_AFTER_MS
 
 if TYPE_CHECKING:
     from pdserve.server.coordinator.router import Worker, WorkerPool
 
-RETRY_AFTER_MS = 500
 
 
 class RequestFailed(Exception):

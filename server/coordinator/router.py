@@ -230,9 +230,6 @@ class WorkerPool:
         """A decode worker with room for a request whose KV holds `tokens`, by the decode policy."""
         return self.decode_policy(self.ready("decode"), tokens)
 
-    def pick_prefill(self) -> Worker | None:
-        return self.prefill_policy(self.ready("prefill"))
-
     @property
     def serving(self) -> bool:
         """A decode worker takes work (without a prefill worker, it prefills locally)."""

@@ -197,10 +197,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     return
                 try:
                     async with contextlib.aclosing(self._attempt(r)) as events:
-                        async for kind, value in events:
-                            if kind == "finished":
+                        async for value in events:
+                            if isinstance(value, worker_pb2.Finished):
                                 text = completion.finish()
-                                reason = FinishReason.FINISH_REASON_STOP if completion.stopped else value
+                                reason = FinishReason.FINISH_REASON_STOP if completion.stopped else value.reason
                                 outcome = FINISH_NAMES.get(reason, "stop")
                                 yield self._with_stop_reason(
                                     _response(req, completion, [], text, reason, r.take_prompt_logprobs()), r, completion)
@@ -297,8 +297,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # ---- one attempt: a decode worker, a prefill worker (or none), one stream ------------
 
-    async def _attempt(self, r: _Request) -> AsyncIterator[tuple[str, worker_pb2.TokenEvent | int]]:
-        """Yields ("tokens", TokenEvent) events, then ("finished", reason); raises _Lost or RequestFailed."""
+    async def _attempt(self, r: _Request) -> AsyncIterator[worker_pb2.TokenEvent | worker_pb2.Finished]:
+        """Yields TokenEvents, then the Finished event; raises _Lost or RequestFailed."""
         req, deadline = r.req, r.deadline
         prompt = [*req.prompt_ids, *r.outputs]
         kv_tokens = len(prompt) + req.sampling.max_tokens - len(r.outputs) - 1
@@ -339,7 +339,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                          decode.address)
             else:
                 first = await self._prefill(prefill, decode, r, prompt, transfer_token)
-                yield "tokens", first
+                yield first
                 message = await self._first_decode_event(decode, call, prefill, r)
                 yield _event(message)
             while True:
@@ -497,10 +497,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return _Lost(worker, f"{worker.role} worker {worker.address} failed: {e.code().name}: {e.details()}")
 
 
-def _event(message: worker_pb2.DecodeResponse) -> tuple[str, worker_pb2.TokenEvent | int]:
-    if message.WhichOneof("event") == "tokens":
-        return "tokens", message.tokens
-    return "finished", message.finished.reason
+def _event(message: worker_pb2.DecodeResponse) -> worker_pb2.TokenEvent | worker_pb2.Finished:
+    """The `tokens` or `finished` event a decode worker sent."""
+    return message.tokens if message.WhichOneof("event") == "tokens" else message.finished
 
 
 def _response(

@@ -1,11 +1,14 @@
 """The decode loop: continuous batching over the paged KV cache.
 
 Life cycle of a request here:
-1. `reserve` takes blocks for prompt + max_tokens from the pool (all or nothing).
-2. The KV arrives through the receiver, which writes it into those blocks (`write`).
+1. The service takes blocks for prompt + max_tokens from `pool` (all or nothing); `reserve` registers
+   the sequence holding them.
+2. The KV arrives through the receiver, which writes it into those blocks (`write`), or the service
+   prefills the prompt here (no prefill worker alive).
 3. `start` puts the sequence, with the first token (sampled by prefill), into the running set.
-4. Each step decodes one token for every running sequence: schedule, run, sample, postprocess.
-   Sequences join and leave between steps.
+4. Each step decodes one token for every running sequence: schedule, run, sample (penalties and
+   min_tokens first, logprobs of the raw logits beside), postprocess. Sequences join and leave between
+   steps.
 5. `release` gives the blocks back, after the step that may still be writing them.
 """
 

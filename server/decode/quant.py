@@ -13,10 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kvcache.quant import QMAX
+
 WeightFormat = Literal["int8", "fp8"]
 QUANTIZED_WEIGHTS: dict[str, tuple[torch.dtype, float]] = {
-    "int8": (torch.int8, 127.0),
-    "fp8": (torch.float8_e4m3fn, 448.0),
+    "int8": (torch.int8, QMAX["int8"]),
+    "fp8": (torch.float8_e4m3fn, QMAX["fp8_e4m3"]),
 }
 
 

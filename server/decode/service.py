@@ -15,14 +15,14 @@ from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server import logprobs, logs, metrics
+from pdserve.server import logprobs, logs, metrics, serving
 from pdserve.server.decode.engine import DecodeEngine, penalized
 from pdserve.server.decode.sampler import sample, token_logprobs
 from pdserve.server.decode.sequence import Sequence
 
 log = logging.getLogger("pdserve.decode")
 
-RETRY_AFTER_MS = "250"
+RETRY_AFTER_MS = str(serving.RETRY_AFTER_MS)
 
 
 class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServicer):

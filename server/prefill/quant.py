@@ -17,14 +17,16 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from pdserve.kvcache.quant import QMAX
+
 F32 = jnp.float32
 WEIGHT_FORMATS: dict[str, tuple[np.dtype, float]] = {
-    "int8": (np.dtype(np.int8), 127.0),
-    "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), 448.0),
+    "int8": (np.dtype(np.int8), QMAX["int8"]),
+    "fp8": (np.dtype(ml_dtypes.float8_e4m3fn), QMAX["fp8_e4m3"]),
 }
 KV_FORMATS: dict[str, tuple[jnp.dtype, float]] = {
-    "int8": (jnp.int8, 127.0),
-    "fp8_e4m3": (jnp.float8_e4m3fn, 448.0),
+    "int8": (jnp.int8, QMAX["int8"]),
+    "fp8_e4m3": (jnp.float8_e4m3fn, QMAX["fp8_e4m3"]),
 }
 # Per layer weight (stacked [L, ...]) -> the axes its matmul contracts (the input dims).
 CONTRACTED: dict[str, tuple[int, ...]] = {

@@ -76,7 +76,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         ids = list(request.token_ids)
-        if not ids or max(ids) >= self.model_config.vocab_size or min(ids) < 0:
+        if (not ids or len(ids) > self.model_config.max_model_len or max(ids) >= self.model_config.vocab_size
+                or min(ids) < 0):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"token_ids must be 1..{self.model_config.max_model_len} ids in [0, {self.model_config.vocab_size})")
         t0 = time.perf_counter()

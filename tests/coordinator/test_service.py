@@ -409,9 +409,12 @@ async def test_routing_prefers_free_blocks_then_idle_decode_and_least_queued_pre
     p1 = pool.add(Worker("p:1", "prefill", info("prefill", queued=100), ready=True))
     p2 = pool.add(Worker("p:2", "prefill", info("prefill", queued=7), inflight=2, ready=True))
     p3 = pool.add(Worker("p:3", "prefill", info("prefill", queued=7), inflight=1, ready=True))
-    assert (pool.pick_decode(), pool.pick_prefill()) == (d3, p3)
+    def pick_prefill() -> Worker | None:  # as the service picks (after its in-flight cap)
+        return pool.prefill_policy(pool.ready("prefill"))
+
+    assert (pool.pick_decode(), pick_prefill()) == (d3, p3)
     d3.ready, p3.ready = False, False
-    assert (pool.pick_decode(), pool.pick_prefill()) == (d2, p2)
+    assert (pool.pick_decode(), pick_prefill()) == (d2, p2)
     d2.info.load.free_kv_blocks = 5
     assert pool.pick_decode() is d1
     # blocks this coordinator reserved since the last GetInfo count as taken
@@ -421,9 +424,9 @@ async def test_routing_prefers_free_blocks_then_idle_decode_and_least_queued_pre
     d2.reserved_blocks = 95
     assert d2.free_kv_blocks() == 5 and pool.pick_decode() is d1
     p2.pending_tokens = 20
-    assert p2.queued_prefill_tokens() == 20 and pool.pick_prefill() is p2  # p1 still queues 100
+    assert p2.queued_prefill_tokens() == 20 and pick_prefill() is p2  # p1 still queues 100
     p2.ready, p1.ready = False, False
-    assert pool.pick_prefill() is None
+    assert pick_prefill() is None
     assert pool.serving  # decode workers prefill locally when no prefill worker is alive
     d1.ready, d2.ready = False, False
     assert pool.pick_decode() is None and not pool.serving

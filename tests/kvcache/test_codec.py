@@ -1,11 +1,16 @@
-"""encode_blocks/decode_blocks: bit-exact, every message under the limit, every (layer, token) once."""
+"""encode_chunks/decode_blocks: bit-exact, every message under the limit, every (layer, token) once."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from pdserve.kvcache.codec import MAX_CHUNK_BYTES, decode_blocks, encode_blocks, iter_pieces
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES, decode_blocks, encode_chunks, iter_pieces
+
+
+def encode_blocks(*args, **kwargs):
+    """The KvBlocks messages encode_chunks sends, unwrapped."""
+    return (chunk.blocks for chunk in encode_chunks(*args, **kwargs))
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.v1 import worker_pb2 as pb
 
