@@ -156,3 +156,29 @@ def test_every_series_names_its_model_and_role_and_vllm_names_have_vllm_types_an
     assert {n: types.get(n) for n in VLLM_TYPES} == VLLM_TYPES
     c = {f"{n}{sorted(labels.items())}": labels for n, labels in _series(coordinator.metrics_text())}
     assert any(k.startswith("vllm:request_success_total") and v.get("finished_reason") == "length" for k, v in c.items())
+
+
+def test_a_decode_worker_prefilling_locally_returns_logprobs_equal_to_transformers(cluster):
+    """No prefill worker here: the prompt's logprobs come from the decode worker's torch prefill."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from pdserve.server.client import stream
+
+    prompt = [1, 17, 45, 99, 3, 250, 7]
+    req = request(prompt, 4, logprobs=2, prompt_logprobs=1)
+    messages = list(stream(cluster.procs["coordinator"].address, req, timeout=60))
+    out = [t for m in messages for t in m.token_ids]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(cluster.model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + out])).logits[0].log_softmax(-1).numpy()  # [S, V]
+    prompt_lps = [e for m in messages for e in m.prompt_logprobs]
+    assert [e.token_id for e in prompt_lps] == prompt[1:]
+    np.testing.assert_allclose([e.logprob for e in prompt_lps], [ref[i - 1, prompt[i]] for i in range(1, 7)],
+                               atol=1e-4)
+    token_lps = [e for m in messages for e in m.logprobs]
+    assert [e.token_id for e in token_lps] == out
+    np.testing.assert_allclose([e.logprob for e in token_lps], [ref[6 + j, t] for j, t in enumerate(out)], atol=1e-4)
+    assert all(list(e.top_token_ids) == np.argsort(-ref[6 + j], kind="stable")[:2].tolist()
+               for j, e in enumerate(token_lps))
