@@ -61,8 +61,10 @@ def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> g
     top_k = given.top_k if given.HasField("top_k") else DEFAULT_TOP_K
     if max_tokens <= 0:
         raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
-    if not (temperature >= 0 and math.isfinite(temperature)) or 0 < temperature < MIN_TEMPERATURE:
-        raise InvalidRequest(f"temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE}, got {temperature}")
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise InvalidRequest(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:  # logits / temperature would overflow
+        raise InvalidRequest(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
     if not 0 < top_p <= 1:
         raise InvalidRequest(f"top_p must lie in (0, 1], got {top_p}")
     if top_k < 0:
@@ -97,6 +99,15 @@ def validate_prompt_ids(ids: list[int], limits: Limits) -> None:
             raise InvalidRequest(f"token_ids: id {i} lies outside [0, {limits.vocab_size})")
 
 
+def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> None:
+    total = num_prompt_tokens + max_tokens
+    if total > limits.max_model_len:
+        raise InvalidRequest(
+            f"max_tokens {max_tokens} + a prompt of {num_prompt_tokens} tokens = {total} exceeds "
+            f"the model's max_model_len {limits.max_model_len}"
+        )
+
+
 def check_text_size(text: str, max_tokens: int, limits: Limits) -> None:
     """Refuses a text too large to serve from its size alone (before tokenizing it)."""
     if len(text) * 4 <= limits.max_prompt_bytes and limits.max_token_bytes is None:
@@ -108,8 +119,8 @@ def check_text_size(text: str, max_tokens: int, limits: Limits) -> None:
         at_least = -(-size // limits.max_token_bytes)
         if at_least + max_tokens > limits.max_model_len:
             raise InvalidRequest(
-                f"text: {size} bytes encode to at least {at_least} tokens; with max_tokens {max_tokens} that "
-                f"exceeds the model's max_model_len {limits.max_model_len}")
+                f"max_tokens {max_tokens} + a prompt of at least {at_least} tokens (text of {size} bytes) = "
+                f"{at_least + max_tokens} exceeds the model's max_model_len {limits.max_model_len}")
 
 
 def validate(request: generation_pb2.GenerateRequest, tokenizer: Encoder, limits: Limits) -> ValidRequest:
@@ -125,10 +136,7 @@ def validate(request: generation_pb2.GenerateRequest, tokenizer: Encoder, limits
         prompt_ids = tokenizer.encode(request.text)
         field = "text"
     elif kind == "token_ids" and request.token_ids.ids:
-        if len(request.token_ids.ids) + sampling.max_tokens > limits.max_model_len:
-            raise InvalidRequest(
-                f"token_ids: {len(request.token_ids.ids)} ids + max_tokens {sampling.max_tokens} exceeds the "
-                f"model's max_model_len {limits.max_model_len}")
+        check_length(len(request.token_ids.ids), sampling.max_tokens, limits)  # before reading the ids
         prompt_ids = list(request.token_ids.ids)
         validate_prompt_ids(prompt_ids, limits)
         field = "token_ids"
@@ -136,12 +144,7 @@ def validate(request: generation_pb2.GenerateRequest, tokenizer: Encoder, limits
         raise InvalidRequest("prompt must not be empty: set text or token_ids")
     if not prompt_ids:
         raise InvalidRequest(f"{field} encodes to no tokens")
-    total = len(prompt_ids) + sampling.max_tokens
-    if total > limits.max_model_len:
-        raise InvalidRequest(
-            f"max_tokens {sampling.max_tokens} + a prompt of {len(prompt_ids)} tokens = {total} exceeds "
-            f"the model's max_model_len {limits.max_model_len}"
-        )
+    check_length(len(prompt_ids), sampling.max_tokens, limits)
     return ValidRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_ids=prompt_ids,
