@@ -327,10 +327,7 @@ def _checked(handler: grpc.RpcMethodHandler, refusal) -> grpc.RpcMethodHandler:
     )
 
 
-class ClusterSecretClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor,
-                                     grpc.aio.StreamUnaryClientInterceptor, grpc.aio.StreamStreamClientInterceptor):
-    """Adds the cluster secret to every call of a channel (the internal links)."""
-
+class _SecretMetadata:
     def __init__(self, secret: str):
         self.pair = (CLUSTER_SECRET_HEADER, secret)
 
@@ -338,14 +335,28 @@ class ClusterSecretClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.
         metadata = grpc.aio.Metadata(*(d.metadata or ()), self.pair)
         return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
 
+
+class _UnaryUnary(_SecretMetadata, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _UnaryStream(_SecretMetadata, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._details(details), request)
 
+
+class _StreamUnary(_SecretMetadata, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
 
+
+class _StreamStream(_SecretMetadata, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, details, request_iterator):
         return await continuation(self._details(details), request_iterator)
+
+
+def cluster_secret_interceptors(secret: str) -> list:
+    """Client interceptors that add the cluster secret to every call of a grpc.aio channel (one per
+    call kind: a channel files each interceptor under the first kind it is)."""
+    return [kind(secret) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]

@@ -17,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.server.security import ClusterAuth, ClusterAuthInterceptor, ClusterSecretClientInterceptor, TlsConfig
+from pdserve.server.security import ClusterAuth, ClusterAuthInterceptor, TlsConfig, cluster_secret_interceptors
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [
@@ -74,7 +74,7 @@ def server_interceptors() -> list[Any]:
 
 
 def channel_interceptors() -> list[Any] | None:
-    return [ClusterSecretClientInterceptor(_cluster_secret)] if _cluster_secret is not None else None
+    return cluster_secret_interceptors(_cluster_secret) if _cluster_secret is not None else None
 
 
 def channel_credentials() -> grpc.ChannelCredentials | None:
