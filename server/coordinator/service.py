@@ -425,7 +425,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _read_reserved(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request) -> None:
         try:
-            message = await call.read()
+            message = await self._read_or_stall(decode, call, r)
         except grpc.aio.AioRpcError as e:
             raise await self._refused(decode, e, r) from e
         if message is grpc.aio.EOF:
