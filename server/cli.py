@@ -111,6 +111,11 @@ def _check_model(model_dir: Path) -> None:
 def cmd_up(args) -> int:
     from pdserve.server import launcher
 
+    if args.prefill_workers < 0 or args.decode_workers < 1:
+        raise SystemExit(f"pdserve up: error: --prefill-workers must be >= 0 and --decode-workers >= 1, got "
+                         f"{args.prefill_workers} and {args.decode_workers}")
+    if not args.stall_timeout > 0:
+        raise SystemExit(f"pdserve up: error: --stall-timeout must be > 0, got {args.stall_timeout}")
     model = args.model or default_model_dir()
     _check_model(model)
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
