@@ -108,6 +108,21 @@ prefill_retries = _pd(Counter, "prefill_retries", "Prefills retried on another w
 migrations = _pd(Counter, "migrations", "Requests moved to another decode worker mid-stream")
 local_prefill_fallbacks = _pd(Counter, "local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
 admission_rejections = _pd(Counter, "admission_rejections", "Requests refused because a tier's queue was full", ("tier",))
+stalled_streams = _pd(Counter, "stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
+
+
+class _OfRole(Series):
+    """A series about other processes (`pdserve up`'s supervisor counting restarts): `labels(role)`
+    names the role the series is about, not this process's."""
+
+    def labels(self, *values: str) -> Series:
+        return _Children([f.labels(_identity["model_name"], *values) for f in self.families])
+
+
+worker_restarts = _OfRole(_declare(Counter, "pdserve_worker_restarts",
+                                   "Processes `pdserve up` started again after they died, by their role"))
+_LAZY = {id(f) for f in worker_restarts.families}
+"""Families whose series appear when first counted, not at `identify`."""
 
 # ---- latency (histograms) -----------------------------------------------------------
 time_to_first_token = _pd(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
@@ -163,7 +178,7 @@ def identify(model_name: str, role: str, max_model_len: int = 0) -> None:
                 FAMILIES.remove(old)
             series.families = (_declare(Histogram, f"vllm:{attr}", doc, buckets=buckets),)
     for family in FAMILIES:  # the series without further labels exist from the start, at 0
-        if tuple(family._labelnames) == IDENTITY:
+        if tuple(family._labelnames) == IDENTITY and id(family) not in _LAZY:
             family.labels(**_identity)
 
 

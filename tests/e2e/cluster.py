@@ -15,6 +15,10 @@ import grpc
 
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
+from pdserve.server.security import CLUSTER_SECRET_HEADER, write_cluster_secret
+
+_SECRETS: dict[str, str] = {}
+"""The cluster secret of each worker address a `pdserve_up` started (its internal calls need it)."""
 
 
 @contextmanager
@@ -25,10 +29,11 @@ def pdserve_up(model_dir: Path | str, tmp: Path, *, prefill_workers: int = 2, de
     state = tmp / "state.json"
     log = open(tmp / "up.log", "w")
     model = [str(model_dir)] if positional else ["--model", str(model_dir)]
+    secret_file = write_cluster_secret(tmp / "cluster-secret")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.server.cli", "up", *model, "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
-         "--state-file", str(state), *extra_args],
+         "--state-file", str(state), "--cluster-secret-file", str(secret_file), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING", **(env or {})),
     )
     try:
@@ -37,7 +42,10 @@ def pdserve_up(model_dir: Path | str, tmp: Path, *, prefill_workers: int = 2, de
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"pdserve up did not start:\n{(tmp / 'up.log').read_text()[-4000:]}")
             time.sleep(0.3)
-        yield json.loads(state.read_text())
+        started = json.loads(state.read_text())
+        for address in [*started["prefill"], *started["decode"]]:
+            _SECRETS[address] = secret_file.read_text().strip()
+        yield started
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -49,8 +57,9 @@ def pdserve_up(model_dir: Path | str, tmp: Path, *, prefill_workers: int = 2, de
 
 
 def worker_info(address: str) -> pb.WorkerInfo:
+    metadata = ((CLUSTER_SECRET_HEADER, _SECRETS[address]),) if address in _SECRETS else ()
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5)
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=metadata)
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:
