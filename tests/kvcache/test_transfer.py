@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pdserve.kvcache.sender as kv_sender
-from pdserve.kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_blocks, encode_chunks
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_chunks
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.receiver import KvReceiver, Transfer, TransferError, TransferState
 from pdserve.kvcache.sender import KvSender
@@ -89,7 +89,7 @@ def make_header(*, layout: KvLayout = LAYOUT, fingerprint: str = FINGERPRINT, **
 
 
 def block_chunks(k, v, layout: KvLayout = LAYOUT) -> list[pb.KvChunk]:
-    return [pb.KvChunk(blocks=m) for m in encode_blocks(layout, k, v, max_chunk_bytes=SMALL_CHUNKS)]
+    return list(encode_chunks(layout, k, v, max_chunk_bytes=SMALL_CHUNKS))
 
 
 async def refused(call_or_coro) -> grpc.aio.AioRpcError:
@@ -189,7 +189,7 @@ async def test_a_full_size_chunk_fits_grpc_default_message_limit(harnesses):
     harness = await harnesses(layout, max_chunk_bytes=MAX_CHUNK_BYTES)  # the server keeps grpc's 4 MiB limit
     transfer = harness.expect(num_tokens=32767)
     k, v, _, _ = random_kv(layout, 32767)
-    size = pb.KvChunk(blocks=next(encode_blocks(layout, k, v))).ByteSize()
+    size = next(encode_chunks(layout, k, v)).ByteSize()
     assert size == 32767 * 128 + 14 + 5 <= MAX_CHUNK_BYTES  # payload, KvBlocks' fields, KvChunk's wrapper
     await harness.send(k, v, layout=layout)
     assert (await transfer.done, len(harness.sink.writes)) == (42, 1)
