@@ -16,13 +16,17 @@ CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.txt"]
 
 
 def is_local(model: str | Path) -> bool:
-    return Path(model).expanduser().is_dir()
+    """A directory, or what can only be a path (absolute, relative with ./ or ../, ~, or more than one
+    '/'); a Hugging Face id is `name` or `org/name`."""
+    text = str(model)
+    return (Path(model).expanduser().is_dir() or text.startswith(("/", "./", "../", "~", "."))
+            or text.count("/") > 1)
 
 
 def resolve_model(model: str | Path, *, revision: str | None = None, download_dir: Path | None = None,
                   offline: bool | None = None) -> Path:
     """The checkpoint directory for a local path or a model id; ModelLoadError saying why not."""
-    if is_local(model):
+    if is_local(model):  # a missing directory is for load_config to name
         return Path(model).expanduser()
     model = str(model)
     import huggingface_hub

@@ -56,10 +56,15 @@ def pdserve_up(model_dir: Path | str, tmp: Path, *, prefill_workers: int = 2, de
         log.close()
 
 
+def internal_metadata(address: str) -> tuple[tuple[str, str], ...]:
+    """What a test's internal call to a worker `pdserve_up` started carries: its cluster secret."""
+    return ((CLUSTER_SECRET_HEADER, _SECRETS[address]),) if address in _SECRETS else ()
+
+
 def worker_info(address: str) -> pb.WorkerInfo:
-    metadata = ((CLUSTER_SECRET_HEADER, _SECRETS[address]),) if address in _SECRETS else ()
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=metadata)
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5,
+                                                       metadata=internal_metadata(address))
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:

@@ -198,7 +198,7 @@ def test_bad_requests_get_each_fronts_error_and_the_server_keeps_serving(cluster
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error" and "top_p" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
-        sdk.chat.completions.create(model=cluster["model"], messages=[{"role": "user", "content": "x"}], n=2)
+        sdk.chat.completions.create(model=cluster["model"], messages=[{"role": "user", "content": "x"}], n=17)
     client = triton_grpc.InferenceServerClient(cluster["coordinator"])
     try:
         bad = triton_grpc.InferInput("text_input", [1], "BYTES")

@@ -40,4 +40,5 @@ def test_a_model_missing_from_the_cache_offline_says_where_it_looked(tmp_path):
     with pytest.raises(ModelLoadError, match="not in the Hugging Face cache .*HF_HUB_OFFLINE"):
         resolve_model("pdserve-tests/absent", download_dir=tmp_path, offline=True)
     with pytest.raises(ModelLoadError, match="neither a directory nor a Hugging Face model id"):
-        resolve_model("not//an id", download_dir=tmp_path, offline=True)
+        resolve_model("org/not an id!", download_dir=tmp_path, offline=True)
+    assert resolve_model(tmp_path / "absent") == tmp_path / "absent"  # a path: load_config says it is missing
