@@ -192,7 +192,8 @@ def cmd_decode(args) -> int:
     _check_model(args.model)
     config = DecodeConfig(model_dir=args.model, port=args.port, host=args.host, block_size=args.block_size,
                           kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running,
-                          weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads)
+                          weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads,
+                          engine=args.engine)
     options = _worker_options(args, kv_port=args.kv_port)
     serving.run(lambda: serve(config, options))
     return 0
@@ -310,6 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="auto: the compute dtype; fp8_e4m3/int8: per-block, per-kv-head scales")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--engine", choices=["native", "vllm"], default="native",
+                   help="native: pdserve's torch engine; vllm: vLLM's engine through pdserve's KV connector "
+                        "(needs vLLM installed: pdserve[vllm], or make vllm-venv)")
     _worker_args(p)
     p.add_argument("--kv-port", type=int, help="serve KvTransfer alone on this port (default: the main port)")
     p.set_defaults(func=cmd_decode)

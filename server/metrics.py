@@ -34,6 +34,8 @@ generation_tokens = Counter("pdserve_generation_tokens", "Tokens generated")
 kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes transferred (sent by prefill, received by decode)")
 prefill_retries = Counter("pdserve_prefill_retries", "Prefills retried on another worker")
 migrations = Counter("pdserve_migrations", "Requests moved to another decode worker mid-stream")
+vllm_kv_tokens_loaded = Counter("pdserve_vllm_kv_tokens_loaded", "Prompt tokens whose KV the connector wrote into vLLM's cache")
+vllm_kv_load_failures = Counter("pdserve_vllm_kv_load_failures", "Requests whose pushed KV vLLM could not load (it recomputed them)")
 local_prefill_fallbacks = Counter("pdserve_local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
 admission_rejections = Counter("pdserve_admission_rejections", "Requests refused because a tier's queue was full", ["tier"])
 
