@@ -112,12 +112,15 @@ def cmd_up(args) -> int:
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
     http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
     coordinator_args = ["--http-port", str(http_port)] if http_port is not None else []
+    # vLLM's CPU attention takes blocks of 32 tokens (and CUDA backends multiples of 16).
+    engine_args = ["--engine", "vllm", "--block-size", "32"] if args.decode_engine == "vllm" else []
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
                                   prefill_args=["--weight-dtype", args.prefill_weight_dtype],
                                   decode_args=["--weight-dtype", args.decode_weight_dtype,
-                                               "--kv-dtype", args.kv_dtype])
+                                               "--kv-dtype", args.kv_dtype, *engine_args],
+                                  decode_python=args.decode_python or sys.executable)
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
@@ -273,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="prefill workers' weights")
     p.add_argument("--decode-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="decode workers' weights")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
+    p.add_argument("--decode-engine", choices=["native", "vllm"], default="native",
+                   help="decode workers' engine: pdserve's torch engine or vLLM's (through pdserve's KV connector)")
+    p.add_argument("--decode-python", help="the python that runs decode workers (default: this one); for "
+                                           "--decode-engine vllm one with vLLM installed, e.g. .venv-vllm/bin/python")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("coordinator", help="run the coordinator (public API)")

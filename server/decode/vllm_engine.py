@@ -79,7 +79,10 @@ class _Stop:
 
 class VllmEngine:
     def __init__(self, llm_engine, layout: KvLayout, max_running: int, num_free_blocks: Callable[[], int],
-                 num_total_blocks: int, sampling_params: Callable[[Sequence, int], object]):
+                 num_total_blocks: int, sampling_params: Callable[[Sequence, int], object],
+                 staged: dict[str, list[KvPiece]], params_key: str):
+        """llm_engine: vLLM's LLMEngine (add_request, abort_request, step, has_unfinished_requests);
+        staged / params_key: where the connector looks for a request's KV, and the kv_transfer_params key."""
         self.llm = llm_engine
         self.layout = layout
         self.max_running = max_running
@@ -88,6 +91,8 @@ class VllmEngine:
         self.pool = VllmBlocks(num_free_blocks, num_total_blocks, self._waiting_blocks)
         self.steps = 0
         self._sampling_params = sampling_params
+        self._connector_staged = staged
+        self._params_key = params_key
         self._staged: dict[str, list[KvPiece]] = {}
         self._vllm_ids: dict[str, str] = {}  # pdserve request id -> its vLLM request id
         self._by_vllm_id: dict[str, Sequence] = {}  # only touched by the engine thread
@@ -172,8 +177,6 @@ class VllmEngine:
             self._thread.start()
 
     def _run(self) -> None:
-        from pdserve.server.decode import vllm_connector
-
         while True:
             busy = self.llm.has_unfinished_requests()
             try:
@@ -185,11 +188,11 @@ class VllmEngine:
                     command.done.set()
                     return
                 if isinstance(command, _Add):
-                    self._add(command, vllm_connector)
+                    self._add(command)
                 else:
                     self._by_vllm_id.pop(command.vllm_id, None)
                     self.llm.abort_request([command.vllm_id])
-                    vllm_connector.STAGED.pop(command.vllm_id, None)
+                    self._connector_staged.pop(command.vllm_id, None)
                 try:
                     command = self._inbox.get_nowait()
                 except queue.Empty:
@@ -214,25 +217,19 @@ class VllmEngine:
                 ids = list(out.outputs[0].token_ids) if out.outputs else []
                 self._loop.call_soon_threadsafe(self._deliver, seq, ids, out.finished)
 
-    def _add(self, add: _Add, vllm_connector) -> None:
-        from vllm.inputs import TokensPrompt
-
+    def _add(self, add: _Add) -> None:
         params = self._sampling_params(add.seq, len(add.prompt))
-        transfer = None
         if add.pieces is not None:
-            vllm_connector.STAGED[add.vllm_id] = add.pieces
-            transfer = {vllm_connector.PARAMS_KEY: add.vllm_id}
-        params.extra_args = None
-        if transfer is not None:
-            params.extra_args = {"kv_transfer_params": transfer}
+            self._connector_staged[add.vllm_id] = add.pieces
+            params.extra_args = {"kv_transfer_params": {self._params_key: add.vllm_id}}
         self._by_vllm_id[add.vllm_id] = add.seq
         try:
-            self.llm.add_request(add.vllm_id, TokensPrompt(prompt_token_ids=add.prompt), params)
-        except Exception as e:
+            self.llm.add_request(add.vllm_id, {"prompt_token_ids": add.prompt}, params)  # a TokensPrompt
+        except Exception:
             log.exception("vLLM refused request %s", add.seq.request_id)
             del self._by_vllm_id[add.vllm_id]
-            vllm_connector.STAGED.pop(add.vllm_id, None)
-            self._loop.call_soon_threadsafe(self._fail, [add.seq], str(e))
+            self._connector_staged.pop(add.vllm_id, None)
+            self._loop.call_soon_threadsafe(self._fail, [add.seq])
 
     def _deliver(self, seq: Sequence, ids: list[int], finished: bool) -> None:
         """On the event loop: pdserve's stop rules over vLLM's new tokens."""
@@ -260,7 +257,7 @@ class VllmEngine:
             self.running.remove(seq)
         self._vllm_ids.pop(seq.request_id, None)
 
-    def _fail(self, seqs: list[Sequence], message: str = "vLLM step failed") -> None:
+    def _fail(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if seq.state is SeqState.RUNNING:
                 seq.finish(gen_pb.FINISH_REASON_ERROR)

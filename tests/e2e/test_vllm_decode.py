@@ -131,6 +131,7 @@ def test_kill_one_of_two_vllm_workers_migrates_streams_exactly(clusters):
     for s in reference:
         s.join(180)
         assert s.error is None, s.error
+    migrations = counter(procs.procs["coordinator"].metrics(), "pdserve_migrations_total")
     streams = [Stream(coord, request(p, long)) for p in prompts]
 
     def victim():
@@ -146,5 +147,6 @@ def test_kill_one_of_two_vllm_workers_migrates_streams_exactly(clusters):
         s.join(180)
         assert s.error is None, s.error
     assert [s.tokens for s in streams] == [s.tokens for s in reference]
+    assert counter(procs.procs["coordinator"].metrics(), "pdserve_migrations_total") > migrations
     alive = procs.procs["d1" if name == "d0" else "d0"]
     assert wait_blocks_free([alive]) == [(info(alive).load.total_kv_blocks,) * 2]
