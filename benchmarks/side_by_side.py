@@ -137,8 +137,14 @@ def start_vllm(model: Path, dtype: str, out: Path, max_model_len: int) -> Server
     return server
 
 
-def start_pdserve(model: Path, dtype: str, out: Path, front: str) -> Server:
+def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine: str = "native") -> Server:
+    """pdserve: a JAX prefill worker (core 0), a decode worker (core 1) on the native or vLLM engine."""
     py = [sys.executable, "-m", "pdserve.server.cli"]
+    if decode_engine == "vllm" and not VLLM.exists():
+        raise SystemExit(f"{VLLM} is missing: run `make vllm-venv` first")
+    # vLLM's decode worker runs in vLLM's venv (pdserve installed there) with blocks of 32 (its CPU attention)
+    decode_py = [str(VLLM.parent / "python"), "-m", "pdserve.server.cli"] if decode_engine == "vllm" else py
+    decode_engine_args = ["--engine", "vllm", "--block-size", "32"] if decode_engine == "vllm" else []
     pp, dp, cp = free_port(), free_port(), free_port()
     host = "127.0.0.1"
     logs = [out / "pdserve-prefill.log", out / "pdserve-decode.log", out / "pdserve-coordinator.log"]
@@ -163,7 +169,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str) -> Server:
         ),
         _spawn(
             [
-                *py,
+                *decode_py,
                 "decode",
                 "--model",
                 str(model),
@@ -175,10 +181,11 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str) -> Server:
                 dtype,
                 "--threads",
                 "1",
+                *decode_engine_args,
             ],
             logs[1],
             {1},
-            dict(env, PDSERVE_PROCESS="decode"),
+            dict(env, PDSERVE_PROCESS="decode", VLLM_CPU_OMP_THREADS_BIND="1"),
         ),
     ]
     coord = [
@@ -317,10 +324,13 @@ def _get(doc: dict, scenario: str, path: tuple[str, ...]):
 
 
 def table(results: dict[str, dict]) -> str:
-    lines = ["| metric | vLLM | pdserve | pdserve / vLLM |", "| --- | ---: | ---: | ---: |"]
+    """vLLM colocated, pdserve native, pdserve with vLLM decode (`pdserve-vllm`), and ratios to vLLM."""
+    lines = ["| metric | vLLM | pdserve | pdserve / vLLM | pdserve + vLLM decode | (that) / vLLM |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for label, scenario, path in ROWS:
         v, p = _get(results.get("vllm", {}), scenario, path), _get(results.get("pdserve", {}), scenario, path)
-        ratio = f"{p / v:.2f}" if isinstance(v, (int, float)) and isinstance(p, (int, float)) and v else "-"
+        pv = _get(results.get("pdserve-vllm", {}), scenario, path)
+        ratio = lambda x: f"{x / v:.2f}" if isinstance(v, (int, float)) and isinstance(x, (int, float)) and v else "-"
         fmt = lambda x: (
             "-"
             if x is None
@@ -332,7 +342,7 @@ def table(results: dict[str, dict]) -> str:
                 else str(x)
             )
         )
-        lines.append(f"| {label} | {fmt(v)} | {fmt(p)} | {ratio} |")
+        lines.append(f"| {label} | {fmt(v)} | {fmt(p)} | {ratio(p)} | {fmt(pv)} | {ratio(pv)} |")
     return "\n".join(lines)
 
 
@@ -342,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--model", type=Path, help="checkpoint dir (default: make the Qwen2.5-0.5B-shaped one)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    p.add_argument("--systems", default="vllm,pdserve")
+    p.add_argument("--systems", default="vllm,pdserve,pdserve-vllm",
+                   help="vllm: vllm serve (colocated); pdserve: native decode; pdserve-vllm: vLLM decode engine")
     p.add_argument("--duration", type=float, default=90.0, help="seconds of load per scenario")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--input-len", type=int, default=128)
@@ -380,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
         server = (
             start_vllm(model, args.dtype, out, args.max_model_len)
             if system == "vllm"
-            else start_pdserve(model, args.dtype, out, args.pdserve_front)
+            else start_pdserve(model, args.dtype, out, args.pdserve_front,
+                               "vllm" if system == "pdserve-vllm" else "native")
         )
         print(f"== {system}: ready in {time.monotonic() - t0:.0f} s; running", file=sys.stderr, flush=True)
         try:

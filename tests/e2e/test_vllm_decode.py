@@ -150,3 +150,27 @@ def test_kill_one_of_two_vllm_workers_migrates_streams_exactly(clusters):
     assert counter(procs.procs["coordinator"].metrics(), "pdserve_migrations_total") > migrations
     alive = procs.procs["d1" if name == "d0" else "d0"]
     assert wait_blocks_free([alive]) == [(info(alive).load.total_kv_blocks,) * 2]
+
+
+def test_native_and_vllm_workers_share_a_pool_when_their_kv_layouts_match(clusters, tiny_model):
+    procs = clusters.get("llama")
+    coord = procs.procs["coordinator"]
+    # block size 16 is not the vLLM worker's 32: the coordinator refuses it and says why
+    other = procs.start("native-16", "decode", "--coordinator", coord.address, "--block-size", "16",
+                        metrics=False, wait=False)
+    assert other.popen.wait(120) != 0
+    log = other.log.read_text()
+    assert "refused this worker" in log and "block_size=16" in log and "block_size=32" in log
+    # the same layout joins, and the mixed pool serves the exact greedy tokens
+    procs.worker("native-32", "decode", coord, "--block-size", "32", "--kv-cache-tokens", "8192")
+    model_dir = tiny_model("llama")
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in PROMPTS]
+    decodes = [p for n, p in procs.procs.items() if p.role == "decode" and p.popen.poll() is None]
+    assert sorted(p.name for p in decodes)[-1] == "native-32" and len(decodes) == 2  # one vLLM, one native
+    received = [counter(d.metrics(), "pdserve_kv_transfer_bytes_total") for d in decodes]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: generate_ids(coord.address, p), PROMPTS))
+    assert [ids for ids, _ in got] == expected
+    # both engines took some of the prompts' KV
+    assert all(counter(d.metrics(), "pdserve_kv_transfer_bytes_total") > r for d, r in zip(decodes, received))
