@@ -30,6 +30,7 @@ from pdserve.kvcache.block_pool import OutOfBlocks
 from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.model.config import ModelConfig
 from pdserve.v1 import generation_pb2 as gen_pb
 
 log = logging.getLogger("pdserve.decode.vllm")
@@ -58,6 +59,13 @@ class VllmBlocks:
         return [RESERVED] * n
 
 
+@dataclass(frozen=True)
+class VllmModel:
+    """What the worker's service reads of the model (`engine.model.config`); vLLM holds the weights."""
+
+    config: ModelConfig
+
+
 @dataclass
 class _Add:
     vllm_id: str
@@ -78,12 +86,14 @@ class _Stop:
 
 
 class VllmEngine:
-    def __init__(self, llm_engine, layout: KvLayout, max_running: int, num_free_blocks: Callable[[], int],
-                 num_total_blocks: int, sampling_params: Callable[[Sequence, int], object],
-                 staged: dict[str, list[KvPiece]], params_key: str):
+    def __init__(self, llm_engine, model_config: ModelConfig, layout: KvLayout, max_running: int,
+                 num_free_blocks: Callable[[], int], num_total_blocks: int,
+                 sampling_params: Callable[[Sequence, int], object], staged: dict[str, list[KvPiece]],
+                 params_key: str):
         """llm_engine: vLLM's LLMEngine (add_request, abort_request, step, has_unfinished_requests);
         staged / params_key: where the connector looks for a request's KV, and the kv_transfer_params key."""
         self.llm = llm_engine
+        self.model = VllmModel(model_config)
         self.layout = layout
         self.max_running = max_running
         self.sequences: dict[str, Sequence] = {}

@@ -27,8 +27,9 @@ class VllmDecodeService(DecodeService):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; pick another")
         if rid in engine.sequences:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already decoding here")
-        if not prompt or request.sampling.max_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids and sampling.max_tokens must be set")
+        problem = self._request_problem(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         seq = Sequence(
             request_id=rid, prompt_ids=prompt, sampling=request.sampling, block_table=[],
             eos_ids=self.eos_ids, max_model_len=self.max_model_len, num_prior_outputs=request.num_output_tokens,

@@ -101,8 +101,8 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         dtype=dtype,
         scale_granularity="none",
     )
-    engine = VllmEngine(llm, layout, config.max_running, block_pool.get_num_free_blocks, num_total, sampling_params,
-                        vllm_connector.STAGED, vllm_connector.PARAMS_KEY)
+    engine = VllmEngine(llm, model_config, layout, config.max_running, block_pool.get_num_free_blocks, num_total,
+                        sampling_params, vllm_connector.STAGED, vllm_connector.PARAMS_KEY)
     log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s)", model_config.describe(),
              time.perf_counter() - t0, num_total, layout.block_size, dtype)
     return model_config, engine, layout

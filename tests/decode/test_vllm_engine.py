@@ -60,8 +60,8 @@ def params_for(seq: Sequence, num_prompt_tokens: int):
 def make_engine(free: int = 10):
     staged: dict[str, list[KvPiece]] = {}
     llm = FakeLlm()
-    engine = VllmEngine(llm, LAYOUT, max_running=4, num_free_blocks=lambda: free, num_total_blocks=10,
-                        sampling_params=params_for, staged=staged, params_key="pdserve_kv")
+    engine = VllmEngine(llm, SimpleNamespace(vocab_size=128), LAYOUT, max_running=4, num_free_blocks=lambda: free,
+                        num_total_blocks=10, sampling_params=params_for, staged=staged, params_key="pdserve_kv")
     return engine, llm, staged
 
 
