@@ -15,6 +15,10 @@ import grpc
 
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
+from pdserve.server.security import CLUSTER_SECRET_HEADER
+
+SECRET = "pdserve-e2e-cluster-secret-0123456789"
+"""The internal links' secret of every `pdserve up` these tests start (the test's own GetInfo carries it)."""
 
 
 @contextmanager
@@ -22,10 +26,13 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
                timeout: float = 300.0, extra_args: list[str] = ()):
     state = tmp / "state.json"
     log = open(tmp / "up.log", "w")
+    secret = tmp / "cluster-secret"
+    secret.write_text(SECRET)
+    secret_args = [] if "--cluster-secret-file" in extra_args else ["--cluster-secret-file", str(secret)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model_dir), "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
-         "--state-file", str(state), *extra_args],
+         "--state-file", str(state), *secret_args, *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"),
     )
     try:
@@ -47,7 +54,8 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
 
 def worker_info(address: str) -> pb.WorkerInfo:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5)
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5,
+                                                       metadata=((CLUSTER_SECRET_HEADER, SECRET),))
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:

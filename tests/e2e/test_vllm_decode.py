@@ -174,3 +174,18 @@ def test_native_and_vllm_workers_share_a_pool_when_their_kv_layouts_match(cluste
     assert [ids for ids, _ in got] == expected
     # both engines took some of the prompts' KV
     assert all(counter(d.metrics(), "pdserve_kv_transfer_bytes_total") > r for d, r in zip(decodes, received))
+
+
+def test_no_prefill_worker_alive_vllm_prefills_locally(clusters, tiny_model):
+    procs = clusters.get("qwen2")
+    coord, decode = procs.procs["coordinator"], procs.procs["d0"]
+    procs.kill("p0")
+    wait_until(lambda: all(w.state == "dead" for w in list_workers(coord) if w.role == "prefill"), "prefill dead")
+    model_dir = tiny_model("qwen2")
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    before = counter(decode.metrics(), "pdserve_local_prefill_fallbacks_total")
+    for prompt in PROMPTS[:2]:
+        ids, _ = generate_ids(coord.address, prompt)
+        assert ids == hf_greedy(model_dir, tok.encode(prompt).ids), prompt
+    assert counter(decode.metrics(), "pdserve_local_prefill_fallbacks_total") == before + 2
+    assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
