@@ -77,7 +77,8 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         block_size=config.block_size,
         num_gpu_blocks_override=config.num_blocks,
         max_num_seqs=config.max_running,
-        max_model_len=model_config.max_model_len,
+        # vLLM refuses a cache that cannot hold one request of max_model_len: cap it at the cache's tokens
+        max_model_len=min(model_config.max_model_len, config.num_blocks * config.block_size),
         enable_prefix_caching=False,  # every prompt's KV comes from prefill; nothing to share
         skip_tokenizer_init=True,
         enforce_eager=True,  # no CUDA graphs / compile: starts ~60 s sooner; see README for GPU pools
