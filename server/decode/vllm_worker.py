@@ -78,7 +78,8 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         num_gpu_blocks_override=config.num_blocks,
         max_num_seqs=config.max_running,
         # vLLM refuses a cache that cannot hold one request of max_model_len: cap it at the cache's tokens
-        max_model_len=min(model_config.max_model_len, config.num_blocks * config.block_size),
+        # (less vLLM's null block)
+        max_model_len=min(model_config.max_model_len, (config.num_blocks - 1) * config.block_size),
         enable_prefix_caching=False,  # every prompt's KV comes from prefill; nothing to share
         skip_tokenizer_init=True,
         enforce_eager=True,  # no CUDA graphs / compile: starts ~60 s sooner; see README for GPU pools
