@@ -178,7 +178,9 @@ def cmd_prefill(args) -> int:
 
     _check_model(args.model)
     config = PrefillConfig(model_dir=args.model, port=args.port, host=args.host,
-                           max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype)
+                           max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype,
+                           kv_layer_groups=args.kv_layer_groups, kv_streams=args.kv_streams,
+                           max_pushes=args.max_pushes, max_push_bytes=args.max_push_bytes)
     options = _worker_options(args)
     serving.run(lambda: serve(config, options))
     return 0
@@ -296,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
                    help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
+    p.add_argument("--kv-layer-groups", type=int, default=4,
+                   help="run the prefill in this many layer groups; each group's KV leaves while the next computes")
+    p.add_argument("--kv-streams", type=int, default=1, help="parallel KV push streams (connections) per transfer")
+    p.add_argument("--max-pushes", type=int, default=64, help="KV pushes in flight; at the bound no new prompt starts")
+    p.add_argument("--max-push-bytes", type=int, default=8 * 2**30,
+                   help="host bytes of KV held by pushes in flight (same rule)")
     _worker_args(p)
     p.set_defaults(func=cmd_prefill)
 
