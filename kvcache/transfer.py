@@ -190,16 +190,15 @@ class StreamSender(KvSender):
         return replies[0]
 
     async def abort(self, reason: str) -> None:
-        first, rest = self.streams[0], self.streams[1:]
-        for stream in rest:
-            stream.cancel()
+        first = self.streams[0]
         while not first.queue.empty():  # the abort goes before anything still queued
             first.queue.get_nowait()
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(Exception):  # the receiver answers ABORTED and cuts the other streams
             await asyncio.wait_for(first.queue.put(pb.KvChunk(abort=pb.KvAbort(reason=reason))), 1.0)
             await asyncio.wait_for(first.queue.put(None), 1.0)
-            await asyncio.wait_for(first.result(), 5.0)  # the receiver answers ABORTED
-        first.cancel()
+            await asyncio.wait_for(first.result(), 5.0)
+        for stream in self.streams:
+            stream.cancel()
         self.state = KvPoll.FAILED
 
     def cancel(self) -> None:
