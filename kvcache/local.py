@@ -15,6 +15,7 @@ from pdserve.kvcache.codec import MAX_CHUNK_BYTES
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.receiver import KvReceiver
 from pdserve.kvcache.transfer import KvSender, KvTransport, Stream, StreamSender, refusal, stream_header
+from pdserve.kvcache.wire import decode_chunk, encode_chunk
 from pdserve.v1 import worker_pb2 as pb
 
 
@@ -44,10 +45,10 @@ class LocalStream(Stream):
             raise refusal(e.code, e.details) from None
 
 
-async def _copies(chunks: AsyncIterator[pb.KvChunk]) -> AsyncIterator[pb.KvChunk]:
-    """Each chunk as the receiver would parse it off the wire (its own bytes, not the sender's arrays)."""
+async def _copies(chunks: AsyncIterator[pb.KvChunk | bytes]) -> AsyncIterator:
+    """Each chunk serialized and parsed as the gRPC transport does (its own bytes, not the sender's arrays)."""
     async for chunk in chunks:
-        yield pb.KvChunk.FromString(chunk.SerializeToString())
+        yield decode_chunk(encode_chunk(chunk))
 
 
 class LocalKvTransport(KvTransport):

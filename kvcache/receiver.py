@@ -35,6 +35,7 @@ import numpy as np
 from pdserve.kvcache.codec import KvPiece, decode_blocks
 from pdserve.kvcache.layout import HandshakeError, KvLayout, check_handshake
 from pdserve.kvcache.transfer import PROTOCOL_VERSION
+from pdserve.kvcache.wire import decode_chunk
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 
@@ -543,3 +544,21 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
             streams.remove(stream)
         if not streams:
             self._streams.pop(stream.transfer.request_id, None)
+
+
+def add_receiver_to_server(receiver: KvReceiver, server: grpc.aio.Server) -> None:
+    """Serves the receiver as pdserve.v1.KvTransfer, reading KV pieces as views on the received bytes
+    (kvcache.wire) instead of through the generated parser."""
+    handlers = {
+        "BeginKv": grpc.unary_unary_rpc_method_handler(
+            receiver.BeginKv,
+            request_deserializer=pb.KvHeader.FromString,
+            response_serializer=pb.BeginKvResponse.SerializeToString,
+        ),
+        "PushKv": grpc.stream_unary_rpc_method_handler(
+            receiver.PushKv,
+            request_deserializer=decode_chunk,
+            response_serializer=pb.PushKvResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KvTransfer", handlers),))

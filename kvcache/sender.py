@@ -20,6 +20,7 @@ from pdserve.kvcache.transfer import (
     StreamSender,
     stream_header,
 )
+from pdserve.kvcache.wire import encode_chunk
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 
@@ -28,16 +29,19 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+PUSH_KV = "/pdserve.v1.KvTransfer/PushKv"
 
 
 class GrpcStream(Stream):
     def __init__(self, channel: grpc.aio.Channel, layout: KvLayout, header: pb.KvHeader, timeout: float | None):
-        self._stub = worker_pb2_grpc.KvTransferStub(channel)
+        self._push = channel.stream_unary(  # pieces come pre-serialized (kvcache.wire)
+            PUSH_KV, request_serializer=encode_chunk, response_deserializer=pb.PushKvResponse.FromString
+        )
         self._timeout = timeout
         super().__init__(layout, header)
 
-    async def call(self, chunks: AsyncIterator[pb.KvChunk]) -> pb.PushKvResponse:
-        return await self._stub.PushKv(chunks, timeout=self._timeout)
+    async def call(self, chunks: AsyncIterator[pb.KvChunk | bytes]) -> pb.PushKvResponse:
+        return await self._push(chunks, timeout=self._timeout)
 
 
 class GrpcKvTransport(KvTransport):

@@ -26,9 +26,10 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from pdserve.kvcache.codec import MAX_CHUNK_BYTES, Piece, encode_piece, plan_tensors
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES, Piece, plan_tensors
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.tensors import KvTensors
+from pdserve.kvcache.wire import encode_piece_bytes
 from pdserve.v1 import worker_pb2 as pb
 
 PROTOCOL_VERSION = 2
@@ -134,18 +135,18 @@ class Stream(abc.ABC):
         self.task: asyncio.Future = asyncio.ensure_future(self.call(self.chunks(header)))
         """The receiver's PushKvResponse; raises grpc.aio.AioRpcError with its refusal."""
 
-    async def chunks(self, header: pb.KvHeader) -> AsyncIterator[pb.KvChunk]:
+    async def chunks(self, header: pb.KvHeader) -> AsyncIterator[pb.KvChunk | bytes]:
         """The header, then each queued item as the transport asks for it: (kv, piece) is encoded
-        only now, straight from kv's arrays; None closes the stream."""
+        only now, straight from kv's arrays into the serialized chunk (kvcache.wire); None closes."""
         yield pb.KvChunk(header=header)
         while (item := await self.queue.get()) is not None:
             if isinstance(item, tuple):
-                yield encode_piece(self.layout, *item)
+                yield encode_piece_bytes(self.layout.block_size, *item)
             else:
                 yield item
 
     @abc.abstractmethod
-    async def call(self, chunks: AsyncIterator[pb.KvChunk]) -> pb.PushKvResponse:
+    async def call(self, chunks: AsyncIterator[pb.KvChunk | bytes]) -> pb.PushKvResponse:
         """Carries the chunks to the receiver; its answer."""
 
     async def result(self) -> pb.PushKvResponse:

@@ -11,12 +11,11 @@ import pytest
 
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.local import LocalKvTransport
-from pdserve.kvcache.receiver import KvReceiver, TransferError, TransferState
+from pdserve.kvcache.receiver import KvReceiver, TransferError, TransferState, add_receiver_to_server
 from pdserve.kvcache.sender import GrpcKvTransport
 from pdserve.kvcache.tensors import KvTensors
 from pdserve.kvcache.transfer import KvPoll
 from pdserve.v1 import worker_pb2 as pb
-from pdserve.v1 import worker_pb2_grpc
 
 from .test_codec import random_kv
 from .test_transfer import FINGERPRINT, LAYOUT, NUM_TOKENS, SMALL_CHUNKS, TOKEN, RecordingSink, make_header
@@ -34,7 +33,7 @@ class Pair:
         self.server: grpc.aio.Server | None = None
         if kind == "grpc":
             self.server = grpc.aio.server()
-            worker_pb2_grpc.add_KvTransferServicer_to_server(self.receiver, self.server)
+            add_receiver_to_server(self.receiver, self.server)
             self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
             self.transport = GrpcKvTransport(num_streams=num_streams, max_chunk_bytes=SMALL_CHUNKS)
         else:

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import pdserve.kvcache.transfer as kv_transfer
-from pdserve.kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_blocks, encode_piece
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_blocks
+from pdserve.kvcache.wire import encode_piece_bytes
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.receiver import KvReceiver, Transfer, TransferError, TransferState
+from pdserve.kvcache.receiver import KvReceiver, Transfer, TransferError, TransferState, add_receiver_to_server
 from pdserve.kvcache.sender import GrpcKvTransport
 from pdserve.kvcache.transfer import PROTOCOL_VERSION
 from pdserve.v1 import worker_pb2 as pb
@@ -54,7 +55,7 @@ class Harness:
         self.receiver = KvReceiver(layout, FINGERPRINT, self.sink)
         self.sender = GrpcKvTransport(max_chunk_bytes=max_chunk_bytes)
         self.server = grpc.aio.server()
-        worker_pb2_grpc.add_KvTransferServicer_to_server(self.receiver, self.server)
+        add_receiver_to_server(self.receiver, self.server)
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.channel = grpc.aio.insecure_channel(self.address)
         self.stub = worker_pb2_grpc.KvTransferStub(self.channel)
@@ -166,9 +167,9 @@ async def test_a_big_push_streams_lazily_over_one_cached_channel(harnesses, monk
 
     def counting_encode(*args, **kwargs):
         encoded.append(1)
-        return encode_piece(*args, **kwargs)
+        return encode_piece_bytes(*args, **kwargs)
 
-    monkeypatch.setattr(kv_transfer, "encode_piece", counting_encode)
+    monkeypatch.setattr(kv_transfer, "encode_piece_bytes", counting_encode)
     layout = KvLayout(4, 8, 128, 16, "float32")  # a block of all layers: 512 KiB
     harness = await harnesses(layout, max_chunk_bytes=2**20 + 64)  # two blocks (1 MiB) per message
     encoded_at_writes: list[int] = []
