@@ -115,7 +115,8 @@ def cmd_up(args) -> int:
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
-                                  prefill_args=["--weight-dtype", args.prefill_weight_dtype],
+                                  prefill_args=["--weight-dtype", args.prefill_weight_dtype,
+                                                "--kv-streams", str(args.kv_streams)],
                                   decode_args=["--weight-dtype", args.decode_weight_dtype,
                                                "--kv-dtype", args.kv_dtype])
     except (RuntimeError, TimeoutError) as e:
@@ -272,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-file", type=Path, help="write the processes' addresses here as JSON")
     p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
     p.add_argument("--prefill-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="prefill workers' weights")
+    p.add_argument("--kv-streams", type=int, default=1, help="parallel KV push streams per transfer")
     p.add_argument("--decode-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="decode workers' weights")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
     p.set_defaults(func=cmd_up)
