@@ -55,13 +55,16 @@ class GrpcKvTransport(KvTransport):
         credentials: grpc.ChannelCredentials | None = None,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
         timeout: float | None = None,
+        interceptors: list | None = None,
     ) -> None:
+        """interceptors: client interceptors of every channel (the cluster credential)."""
         if num_streams < 1:
             raise ValueError(f"--kv-streams must be >= 1, got {num_streams}")
         self.num_streams = num_streams
         self._options = [*(CHANNEL_OPTIONS if channel_options is None else channel_options),
                          ("grpc.use_local_subchannel_pool", 1)]  # one TCP connection per channel
         self._credentials = credentials
+        self._interceptors = interceptors
         self._max_chunk_bytes = max_chunk_bytes
         self._timeout = timeout
         self._channels: dict[tuple[str, int], grpc.aio.Channel] = {}
@@ -85,8 +88,9 @@ class GrpcKvTransport(KvTransport):
         channel = self._channels.get((address, index))
         if channel is None:
             if self._credentials is None:
-                channel = grpc.aio.insecure_channel(address, options=self._options)
+                channel = grpc.aio.insecure_channel(address, options=self._options, interceptors=self._interceptors)
             else:
-                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
+                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options,
+                                                  interceptors=self._interceptors)
             self._channels[address, index] = channel
         return channel

@@ -36,6 +36,8 @@ prefill_retries = Counter("pdserve_prefill_retries", "Prefills retried on anothe
 migrations = Counter("pdserve_migrations", "Requests moved to another decode worker mid-stream")
 local_prefill_fallbacks = Counter("pdserve_local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
 admission_rejections = Counter("pdserve_admission_rejections", "Requests refused because a tier's queue was full", ["tier"])
+worker_restarts = Counter("pdserve_worker_restarts", "Processes `pdserve up` started again after they died", ["role"])
+stalled_streams = Counter("pdserve_stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
 
 # ---- latency (histograms) -----------------------------------------------------------
 time_to_first_token = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)

@@ -57,7 +57,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
              compute_dtype(model_config, dtype))
     server, health, port = serving.new_server(SERVICES, config.port, config.host)
     transport = GrpcKvTransport(num_streams=config.kv_streams, channel_options=serving.CHANNEL_OPTIONS,
-                                credentials=serving.channel_credentials())
+                                credentials=serving.channel_credentials(), interceptors=serving.channel_interceptors())
     service = PrefillService(engine, transport, model_config,
                              fingerprint=fingerprint(config.model_dir, model_config),
                              address=options.advertise_address or f"{config.host}:{port}")
