@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench_model(name, args.cache_dir, plan, ceil)
     record.finish(monitor)
     log("done")
-    print(record.markdown() + "\n")
+    log(record.markdown())
     print(table(rows))
     if args.json:
         machine = {
