@@ -17,8 +17,8 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.security import CLUSTER_SECRET_HEADER
 
-SECRET = "pdserve-e2e-cluster-secret-0123456789"
-"""The internal links' secret of every `pdserve up` these tests start (the test's own GetInfo carries it)."""
+_SECRETS: dict[str, str] = {}
+"""The cluster secret of each process address a running `pdserve_up` started (for worker_info)."""
 
 
 @contextmanager
@@ -26,23 +26,29 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
                timeout: float = 300.0, extra_args: list[str] = ()):
     state = tmp / "state.json"
     log = open(tmp / "up.log", "w")
-    secret = tmp / "cluster-secret"
-    secret.write_text(SECRET)
-    secret_args = [] if "--cluster-secret-file" in extra_args else ["--cluster-secret-file", str(secret)]
+    secret = os.urandom(16).hex()
+    (tmp / "cluster-secret").write_text(secret)
+    (tmp / "cluster-secret").chmod(0o600)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model_dir), "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
-         "--state-file", str(state), *secret_args, *extra_args],
+         "--state-file", str(state), "--cluster-secret-file", str(tmp / "cluster-secret"), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"),
     )
+    started: list[str] = []
     try:
         deadline = time.monotonic() + timeout
         while not state.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"pdserve up did not start:\n{(tmp / 'up.log').read_text()[-4000:]}")
             time.sleep(0.3)
-        yield json.loads(state.read_text())
+        addresses = json.loads(state.read_text())
+        started += [addresses["coordinator"], *addresses["prefill"], *addresses["decode"]]
+        _SECRETS.update(dict.fromkeys(started, secret))
+        yield addresses
     finally:
+        for address in started:
+            _SECRETS.pop(address, None)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
@@ -54,8 +60,9 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
 
 def worker_info(address: str) -> pb.WorkerInfo:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5,
-                                                       metadata=((CLUSTER_SECRET_HEADER, SECRET),))
+        secret = _SECRETS.get(address)
+        metadata = ((CLUSTER_SECRET_HEADER, secret),) if secret else ()
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=metadata)
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:
