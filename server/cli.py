@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from pdserve.server.flags import add_flags, config_from_args
-from pdserve.server.vocabulary import (KV_DTYPES, LOG_FORMATS, VLLM_DTYPES, VLLM_KV_CACHE_DTYPES,
+from pdserve.server.vocabulary import (DECODE_ENGINES, KV_DTYPES, LOG_FORMATS, VLLM_DTYPES, VLLM_KV_CACHE_DTYPES,
                                        VLLM_QUANTIZATIONS, WEIGHT_DTYPES, translate)
 
 DEFAULT_FAMILY = "llama"
@@ -231,17 +231,20 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
     prefill = _dtypes(args, "prefill_weight_dtype", None)
     decode = _dtypes(args, "decode_weight_dtype", "kv_dtype")
     prefill_args = [*shared, "--weight-dtype", prefill["prefill_weight_dtype"],
-                    "--tensor-parallel-size", str(args.tensor_parallel_size)]
+                    "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-streams", str(args.kv_streams)]
     decode_args = [*shared, "--weight-dtype", decode["decode_weight_dtype"], "--kv-dtype", decode["kv_dtype"],
                    "--tensor-parallel-size", str(args.tensor_parallel_size),
                    *(["--max-running", str(args.max_running)] if args.max_running else []),
                    *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-                     if args.gpu_memory_utilization is not None else [])]
+                     if args.gpu_memory_utilization is not None else []),
+                   # vLLM's CPU attention takes blocks of 32 tokens (and CUDA backends multiples of 16).
+                   *(["--engine", "vllm", "--block-size", "32"] if args.decode_engine == "vllm" else [])]
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
                                   common_args=["--cluster-secret-file", str(args.cluster_secret_file)],
-                                  prefill_args=prefill_args, decode_args=decode_args)
+                                  prefill_args=prefill_args, decode_args=decode_args,
+                                  decode_python=args.decode_python or sys.executable)
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
@@ -412,8 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                if f not in ("served_model_name", "max_model_len", "chat_template")))
     add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig)
                                           if f not in ("tensor_parallel_size", "gpu_memory_utilization")))
+    add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig) if f != "kv_streams"))
     p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int,
                    help="each decode worker's running-request cap (default: the decode worker's)")
+    p.add_argument("--decode-engine", choices=DECODE_ENGINES, default="native",
+                   help="decode workers' engine: pdserve's torch engine or vLLM's (through pdserve's KV connector)")
+    p.add_argument("--decode-python", help="the python that runs decode workers (default: this one); for "
+                                           "--decode-engine vllm one with vLLM installed, e.g. .venv-vllm/bin/python")
     p.add_argument("--cluster-secret-file", type=Path,
                    help="the internal links' secret (default: a fresh one, in a private temporary file)")
     p.add_argument("--stall-timeout", type=float, default=10.0,

@@ -106,6 +106,10 @@ kv_transfer_bytes = _pd(Counter, "kv_transfer_bytes", "KV bytes transferred (sen
 kv_transfer_failures = _pd(Counter, "kv_transfer_failures", "KV transfers that failed (push refused or broken, or never arrived)")
 prefill_retries = _pd(Counter, "prefill_retries", "Prefills retried on another worker")
 migrations = _pd(Counter, "migrations", "Requests moved to another decode worker mid-stream")
+vllm_kv_tokens_loaded = _pd(Counter, "vllm_kv_tokens_loaded",
+                            "Prompt tokens whose KV the connector wrote into vLLM's cache")
+vllm_kv_load_failures = _pd(Counter, "vllm_kv_load_failures",
+                            "Requests whose pushed KV vLLM could not load (it recomputed them)")
 local_prefill_fallbacks = _pd(Counter, "local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
 admission_rejections = _pd(Counter, "admission_rejections", "Requests refused because a tier's queue was full", ("tier",))
 stalled_streams = _pd(Counter, "stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")

@@ -17,12 +17,15 @@ PrefillPolicy = Literal["least-queued"]
 DecodePolicy = Literal["most-free-blocks", "power-of-two"]
 LogFormat = Literal["text", "json"]
 Role = Literal["coordinator", "prefill", "decode"]
+DecodeEngine = Literal["native", "vllm"]
+"""native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
 
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
 PREFILL_POLICIES: tuple[str, ...] = get_args(PrefillPolicy)
 DECODE_POLICIES: tuple[str, ...] = get_args(DecodePolicy)
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
+DECODE_ENGINES: tuple[str, ...] = get_args(DecodeEngine)
 
 VLLM_DTYPES: dict[str, str] = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16"}
 """vLLM's `--dtype` values pdserve serves, as its weight dtype (`half`/`float16` weights are not served)."""

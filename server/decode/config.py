@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.server.flags import flag
-from pdserve.server.vocabulary import KV_DTYPES, WEIGHT_DTYPES, KvDtype, WeightDtype
+from pdserve.server.vocabulary import DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, DecodeEngine, KvDtype, WeightDtype
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class DecodeConfig:
     the CPU, where it does not apply (logged at start); --kv-cache-tokens sizes the cache."""
     served_model_name: tuple[str, ...] = ()
     """The model's names (vLLM's flag); the first labels the metrics. Default: the checkpoint directory's name."""
+    engine: DecodeEngine = "native"
+    """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector (needs vLLM
+    installed: pdserve[vllm], or make vllm-venv)."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -47,6 +50,8 @@ class DecodeConfig:
             raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
+        if self.engine not in DECODE_ENGINES:
+            raise ValueError(f"--engine must be one of {', '.join(DECODE_ENGINES)}, not {self.engine!r}")
         if self.max_running <= 0:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len <= 0:

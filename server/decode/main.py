@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
-from pdserve.kvcache.receiver import KvReceiver
+from pdserve.kvcache.receiver import KvReceiver, add_receiver_to_server
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
 from pdserve.server.decode.config import DecodeConfig
@@ -58,6 +58,10 @@ class DecodeWorker:
 
 
 def build_engine(config: DecodeConfig):
+    if config.engine == "vllm":
+        from pdserve.server.decode.vllm_worker import build_vllm_engine
+
+        return build_vllm_engine(config)
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
     if config.gpu_memory_utilization is not None:
         log.warning("--gpu-memory-utilization %s does not apply: this decode worker computes on the CPU; its KV "
@@ -99,10 +103,13 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         kv_server = grpc.aio.server(options=serving.CHANNEL_OPTIONS, interceptors=serving.server_interceptors() or None)
         kv_port = serving.add_port(kv_server, options.kv_port, config.host)
         kv_address = f"{address.rpartition(':')[0]}:{kv_port}"
-        worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, kv_server)
+        add_receiver_to_server(receiver, kv_server)
     else:
-        worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
-    service = DecodeService(
+        add_receiver_to_server(receiver, server)
+    service_class = DecodeService
+    if config.engine == "vllm":
+        from pdserve.server.decode.vllm_service import VllmDecodeService as service_class
+    service = service_class(
         engine, receiver, fingerprint=digest, description=model_config.describe(),
         eos_ids=frozenset(model_config.eos_token_ids), max_model_len=model_config.max_model_len,
         address=address, kv_address=kv_address,

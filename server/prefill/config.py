@@ -29,6 +29,14 @@ class PrefillConfig:
     """Devices the prefill model is sharded over (vLLM's flag): heads and MLP split Megatron-style."""
     served_model_name: tuple[str, ...] = ()
     """The model's names (vLLM's flag); the first labels the metrics. Default: the checkpoint directory's name."""
+    kv_layer_groups: int = 4
+    """The prefill runs as this many layer groups; each group's KV leaves while the next computes."""
+    kv_streams: int = 1
+    """Parallel PushKv streams (each its own connection) per transfer."""
+    max_pushes: int = 64
+    """KV pushes in flight at once; at the bound the worker takes no new prompt until one ends."""
+    max_push_bytes: int = 8 * 2**30
+    """Host bytes of KV held by pushes in flight (same rule); a prompt whose KV alone exceeds it is refused."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size <= 0:
@@ -37,6 +45,10 @@ class PrefillConfig:
             raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
         if self.min_bucket <= 0 or self.min_bucket & (self.min_bucket - 1):
             raise ValueError(f"--min-bucket must be a power of two, got {self.min_bucket}")
+        for name, value in (("--kv-layer-groups", self.kv_layer_groups), ("--kv-streams", self.kv_streams),
+                            ("--max-pushes", self.max_pushes), ("--max-push-bytes", self.max_push_bytes)):
+            if value <= 0:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:

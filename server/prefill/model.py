@@ -158,6 +158,44 @@ def _hidden(params: Params, tokens: jax.Array, config: ModelConfig):
     return x, k, v
 
 
+def embed(params: Params, tokens: jax.Array, *, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """tokens [B, S] -> (x [B, S, H], cos, sin [S, D]): what every layer group starts from."""
+    s = tokens.shape[1]
+    angles = jnp.arange(s, dtype=F32)[:, None] * jnp.asarray(inv_freq(config))[None]  # [S, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [S, D]
+    return jnp.take(params["embed"], tokens, axis=0, mode="clip"), jnp.cos(angles), jnp.sin(angles)
+
+
+def layer_group(
+    layers: Params, x: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array, *, size: int, config: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Layers [start, start + size) of the stacked `layers`: x [B, S, H] -> (x, k, v [size, B, S, Hkv, D]).
+
+    The same scan body as the whole model, over layer indexes: each step reads its layer's slice of
+    the stack, as `lax.scan` over the stack does, so a group costs no copy of its weights.
+    """
+
+    def step(h: jax.Array, i: jax.Array):
+        p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), layers)
+        return _layer(config, cos, sin, h, p)
+
+    x, (k, v) = jax.lax.scan(step, x, start + jnp.arange(size))
+    return x, k, v
+
+
+def head(params: Params, x: jax.Array, lengths: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """x [B, S, H] after the last layer -> logits f32[B, V] at lengths - 1."""
+    last = jnp.clip(lengths - 1, 0, x.shape[1] - 1)  # [B]
+    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, H]
+    return _logits(params, x_last, config)
+
+
+def group_sizes(num_layers: int, num_groups: int) -> list[tuple[int, int]]:
+    """(start, size) of each layer group: num_groups (at most num_layers) groups of even size."""
+    size = -(-num_layers // max(1, min(num_groups, num_layers)))
+    return [(start, min(size, num_layers - start)) for start in range(0, num_layers, size)]
+
+
 def _logits(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
     """x [..., H] -> f32 [..., V]."""
     h = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
@@ -184,29 +222,20 @@ def make_prefill_fn(config: ModelConfig) -> Callable:
     return jax.jit(partial(prefill, config=config))
 
 
-def prefill_with_logprobs(
-    params: Params, tokens: jax.Array, lengths: jax.Array, *, config: ModelConfig, top: int
-) -> tuple[jax.Array, ...]:
-    """`prefill` plus the prompt's log-probabilities, from the same forward pass.
+def prompt_logprobs_head(
+    params: Params, x: jax.Array, tokens: jax.Array, *, config: ModelConfig, top: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The prompt's log-probabilities from the final hidden state x [B, S, H] (after the last layer).
 
-    Returns (logits, k, v) as `prefill` does, then token_logprobs f32[B, S] (position i: log p(tokens[i] |
-    tokens[:i]); position 0 holds 0), top_ids int32[B, S, top] and top_logprobs f32[B, S, top] (the most
-    likely tokens predicted at position i, from tokens[:i]; position 0 holds garbage).
+    Returns token_logprobs f32[B, S] (position i: log p(tokens[i] | tokens[:i]); position 0 holds 0),
+    top_ids int32[B, S, top] and top_logprobs f32[B, S, top] (the most likely tokens predicted at
+    position i, from tokens[:i]; position 0 holds garbage).
     """
-    x, k, v = _hidden(params, tokens, config)
-    last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)  # [B]
-    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, H]
     logprobs = jax.nn.log_softmax(_logits(params, x[:, :-1], config), axis=-1)  # [B, S-1, V] predicting 1..S-1
     chosen = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, S-1]
     top_logprobs, top_ids = jax.lax.top_k(logprobs, top)  # [B, S-1, top]
     pad = ((0, 0), (1, 0))
-    return (_logits(params, x_last, config), k, v, jnp.pad(chosen, pad),
-            jnp.pad(top_ids, (*pad, (0, 0))), jnp.pad(top_logprobs, (*pad, (0, 0))))
-
-
-def make_prefill_with_logprobs_fn(config: ModelConfig, top: int) -> Callable:
-    """The jitted `prefill_with_logprobs`, called as fn(params, tokens, lengths)."""
-    return jax.jit(partial(prefill_with_logprobs, config=config, top=top))
+    return jnp.pad(chosen, pad), jnp.pad(top_ids, (*pad, (0, 0))), jnp.pad(top_logprobs, (*pad, (0, 0)))
 
 
 def forward_logits(params: Params, tokens: jax.Array, *, config: ModelConfig) -> jax.Array:

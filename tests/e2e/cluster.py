@@ -18,7 +18,7 @@ from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.security import CLUSTER_SECRET_HEADER, write_cluster_secret
 
 _SECRETS: dict[str, str] = {}
-"""The cluster secret of each worker address a `pdserve_up` started (its internal calls need it)."""
+"""The cluster secret of each process address a running `pdserve_up` started (its internal calls need it)."""
 
 
 @contextmanager
@@ -30,23 +30,27 @@ def pdserve_up(model_dir: Path | str, tmp: Path, *, prefill_workers: int = 2, de
     log = open(tmp / "up.log", "w")
     model = [str(model_dir)] if positional else ["--model", str(model_dir)]
     secret_file = write_cluster_secret(tmp / "cluster-secret")
+    secret = secret_file.read_text().strip()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.server.cli", "up", *model, "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
          "--state-file", str(state), "--cluster-secret-file", str(secret_file), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING", **(env or {})),
     )
+    started: list[str] = []
     try:
         deadline = time.monotonic() + timeout
         while not state.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"pdserve up did not start:\n{(tmp / 'up.log').read_text()[-4000:]}")
             time.sleep(0.3)
-        started = json.loads(state.read_text())
-        for address in [*started["prefill"], *started["decode"]]:
-            _SECRETS[address] = secret_file.read_text().strip()
-        yield started
+        addresses = json.loads(state.read_text())
+        started += [addresses["coordinator"], *addresses["prefill"], *addresses["decode"]]
+        _SECRETS.update(dict.fromkeys(started, secret))
+        yield addresses
     finally:
+        for address in started:
+            _SECRETS.pop(address, None)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
