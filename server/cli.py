@@ -166,7 +166,8 @@ def cmd_coordinator(args) -> int:
     config = replace(config, api_key=resolve_api_key(args.api_key), metrics_port=args.metrics_port,
                      max_queue=args.max_queue, default_timeout=args.default_timeout,
                      prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
-                     heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations)
+                     heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations,
+                     ttft_budget=args.ttft_budget)
     serving.run(lambda: serve(config))
     return 0
 
@@ -178,7 +179,8 @@ def cmd_prefill(args) -> int:
 
     _check_model(args.model)
     config = PrefillConfig(model_dir=args.model, port=args.port, host=args.host,
-                           max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype)
+                           max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype,
+                           prefill_order=args.prefill_order, prefill_ageing=args.prefill_ageing)
     options = _worker_options(args)
     serving.run(lambda: serve(config, options))
     return 0
@@ -259,6 +261,8 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pdserve.server.prefill.config import PREFILL_ORDERS, PrefillConfig
+
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -288,12 +292,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-policy", choices=["most-free-blocks", "power-of-two"], default="most-free-blocks")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="a registered worker silent this long is dead")
     p.add_argument("--max-migrations", type=int, default=2, help="moves of one request to another decode worker")
+    p.add_argument("--ttft-budget", type=float, default=0.0,
+                   help="refuse a request whose expected prefill wait exceeds this (s); 0: its deadline alone")
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("prefill", help="run a prefill worker (JAX)")
     _model_arg(p)
     _server_args(p, 50052)
     p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=PrefillConfig.prefill_order,
+                   help="which queued prompt runs next: shortest-first (with ageing) or fifo")
+    p.add_argument("--prefill-ageing", type=float, default=PrefillConfig.prefill_ageing,
+                   help="shortest-first: an n-token prompt waits at most n / this seconds for later ones")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
                    help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
     _worker_args(p)

@@ -36,6 +36,9 @@ class CoordinatorConfig:
     """The deadline of a request whose client set none (`--default-timeout`)."""
     prefill_policy: Literal["least-queued"] = "least-queued"
     decode_policy: Literal["most-free-blocks", "power-of-two"] = "most-free-blocks"
+    ttft_budget: float = 0.0
+    """Refuse (RESOURCE_EXHAUSTED) a request whose expected prefill wait exceeds this many seconds; 0: only
+    its deadline bounds the wait (`--ttft-budget`, prefill_estimate.py)."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     api_key: str | None = None
@@ -79,6 +82,8 @@ class CoordinatorConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if not self.default_timeout > 0:
             raise ValueError(f"--default-timeout must be > 0, got {self.default_timeout}")
+        if not self.ttft_budget >= 0:
+            raise ValueError(f"--ttft-budget must be >= 0 seconds, got {self.ttft_budget}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.prefill_policy not in ("least-queued",):

@@ -76,7 +76,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     limits = Limits(max_model_len=model.max_model_len, vocab_size=model.vocab_size)
     service = GenerationService(tokenizer, limits, pool, config.lease_seconds,
                                 default_timeout=config.default_timeout, max_queue=config.max_queue,
-                                max_migrations=config.max_migrations)
+                                max_migrations=config.max_migrations, ttft_budget=config.ttft_budget)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, served_model_name(config.model_dir), lambda: pool.serving,
                                               model.max_model_len), server)

@@ -35,6 +35,7 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_p
 from pdserve.server import logs, metrics
 from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQueue
 from pdserve.server.coordinator.detokenizer import Completion
+from pdserve.server.coordinator.prefill_estimate import admit
 from pdserve.server.coordinator.router import Worker, WorkerPool
 from pdserve.server.coordinator.validate import InvalidRequest, Limits, ValidRequest, validate
 from pdserve.server.model.tokenizer import Tokenizer
@@ -100,6 +101,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         max_migrations: int = 2,
         max_retries: int = 3,
         prefill_inflight_per_worker: int = 64,
+        ttft_budget: float = 0.0,
     ):
         self.tokenizer = tokenizer
         self.limits = limits
@@ -109,6 +111,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.max_migrations = max_migrations
         self.max_retries = max_retries
         self.prefill_inflight_per_worker = prefill_inflight_per_worker
+        self.ttft_budget = ttft_budget
         self.decode_queue = TierQueue("decode", max_queue)
         self.prefill_queue = TierQueue("prefill", max_queue)
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -264,6 +267,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prefill = None
         if self.pool.ready("prefill"):
             prefill = await self.prefill_queue.acquire(self.pool, self._pick_prefill, deadline)
+            if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
+                admit(prefill, len(prompt), deadline.remaining(), self.ttft_budget)
         if r.attempt == 0:
             metrics.request_queue_time.observe(time.monotonic() - queued_at)
         transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)
@@ -342,13 +347,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         )
         prefill.inflight += 1
         prefill.pending_tokens += len(prompt)
+        prefill.pending_lengths.append(len(prompt))
+        sent = time.monotonic()
         try:
-            return (await call).first_token_id
+            first = (await call).first_token_id
+            metrics.prefill_wait.observe(time.monotonic() - sent)
+            return first
         except grpc.aio.AioRpcError as e:
             raise await self._refused(prefill, e, r) from e
         finally:
             prefill.inflight -= 1
             prefill.pending_tokens -= len(prompt)
+            prefill.pending_lengths.remove(len(prompt))
             if not call.done():
                 call.cancel()
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -20,11 +22,20 @@ class PrefillConfig:
     """Prompt lengths are padded to powers of two from this up, so XLA compiles few shapes."""
     weight_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = "auto"
     """auto: the checkpoint's dtype; int8/fp8: weight-only, per-output-channel scales, quantized at load."""
+    prefill_order: PrefillOrder = "shortest-first"
+    """Which queued prompt runs next (`--prefill-order`, scheduler.py): shortest-first keeps short prompts'
+    TTFT from waiting behind long ones (benchmarks/prefill_overload.py); fifo: by arrival."""
+    prefill_ageing: float = 256.0
+    """shortest-first: a prompt of n tokens waits at most n / this seconds for prompts that arrive later."""
 
     def __post_init__(self) -> None:
         if self.max_batch_size <= 0:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.weight_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
             raise ValueError(f"--weight-dtype must be auto, float32, bfloat16, int8 or fp8, not {self.weight_dtype!r}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"--prefill-order must be one of {', '.join(PREFILL_ORDERS)}, not {self.prefill_order!r}")
+        if not self.prefill_ageing > 0:
+            raise ValueError(f"--prefill-ageing must be > 0 tokens/s, got {self.prefill_ageing}")
         if self.min_bucket <= 0 or self.min_bucket & (self.min_bucket - 1):
             raise ValueError(f"--min-bucket must be a power of two, got {self.min_bucket}")

@@ -1,9 +1,10 @@
 """The prefill loop: batch waiting prompts, pad to a bucket, run the jitted model, sample.
 
 Life cycle of a prompt here:
-1. `submit` queues it and waits on a future.
-2. The loop takes the queued prompts (up to the batch limits), pads lengths to a power-of-two
-   bucket and the batch to a power of two, so XLA compiles a bounded set of shapes.
+1. `submit` queues it in the scheduler (scheduler.py: fifo or shortest-first) and waits on a future.
+2. The loop takes the scheduler's next batch (up to the batch limits), pads lengths to a power-of-two
+   bucket and the batch to a power of two, so XLA compiles a bounded set of shapes; each batch's
+   speed is measured per bucket (rates.py) for the coordinator's expected-wait admission.
 3. The model runs in a worker thread; the first token is sampled on the device.
 4. Each prompt gets its first token and its KV for the true length only, in the wire dtype: for
    fp8_e4m3/int8 quantized on the device with per-block, per-kv-head scales (prefill.quant).
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections import deque
+import time
 from dataclasses import dataclass, field
 
 import jax
@@ -28,7 +29,9 @@ from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import bucket_length, make_prefill_fn
 from pdserve.server.prefill.quant import quantize_kv
+from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.sampler import sample_jit
+from pdserve.server.prefill.scheduler import PrefillScheduler
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -51,6 +54,13 @@ class PrefillJob:
     block_size: int
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def cancelled(self) -> bool:
+        return self.future.done()
+
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
@@ -64,54 +74,54 @@ class PrefillEngine:
         self.max_len = _pow2(model_config.max_model_len)
         self._fn = make_prefill_fn(model_config)
         self._quantize_kv = jax.jit(quantize_kv, static_argnames=("block_size", "fmt"))
-        self._queue: deque[PrefillJob] = deque()
+        self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(
+            config.prefill_order, bucket=self._bucket, max_batch_size=config.max_batch_size,
+            max_batch_tokens=config.max_batch_tokens, ageing_tokens_per_s=config.prefill_ageing)
+        buckets = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
+        self.rates = PrefillRates(buckets)
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.queued_tokens = 0
         self.batches = 0
+
+    def _bucket(self, n: int) -> int:
+        return bucket_length(min(n, self.max_len), self.max_len, self.config.min_bucket)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Tokens of the prompts waiting or running."""
+        return self.scheduler.queued_tokens
+
+    def load(self) -> list:
+        """Queued work and measured rate per bucket (WorkerLoad.prefill_buckets)."""
+        return self.rates.report(self.scheduler.queued_by_bucket, self.scheduler.prompts_by_bucket)
 
     async def submit(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
                      kv_dtype: str, block_size: int = 16) -> PrefillResult:
         """block_size: the target cache's, over which fp8_e4m3/int8 scales are computed."""
         job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size)
-        self._queue.append(job)
-        self.queued_tokens += len(token_ids)
+        self.scheduler.add(job)
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="prefill-loop")
         return await job.future
 
-    def _take_batch(self) -> list[PrefillJob]:
-        batch: list[PrefillJob] = []
-        longest = 0
-        while self._queue and len(batch) < self.config.max_batch_size:
-            job = self._queue[0]
-            if job.future.done():  # cancelled while queued
-                self._queue.popleft()
-                self.queued_tokens -= len(job.token_ids)
-                continue
-            longest_if = max(longest, len(job.token_ids))
-            padded = _pow2(len(batch) + 1) * bucket_length(longest_if, self.max_len, self.config.min_bucket)
-            if batch and padded > self.config.max_batch_tokens:
-                break
-            batch.append(self._queue.popleft())
-            longest = longest_if
-        return batch
-
     async def _loop(self) -> None:
         while True:
-            batch = self._take_batch()
+            batch = self.scheduler.next_batch()
             if not batch:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            t0 = time.perf_counter()
             try:
                 results = await asyncio.to_thread(self._run, batch)
+                self.rates.record(max(self._bucket(j.num_tokens) for j in batch),
+                                  sum(j.num_tokens for j in batch), time.perf_counter() - t0)
             except Exception as e:
                 log.exception("prefill batch of %d failed", len(batch))
                 results = [e] * len(batch)
             finally:
-                self.queued_tokens -= sum(len(j.token_ids) for j in batch)
+                self.scheduler.finish(batch)
             self.batches += 1
             for job, result in zip(batch, results):
                 if job.future.done():

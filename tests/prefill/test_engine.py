@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
+import pytest
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
-from pdserve.server.prefill.engine import PrefillEngine
+from pdserve.server.prefill.engine import PrefillEngine, PrefillResult
 from pdserve.server.prefill.model import load_params
 
 GREEDY = gen_pb.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=0)
@@ -55,3 +57,48 @@ async def test_cancelled_prompt_is_dropped(tiny_model):
             break
         await asyncio.sleep(0.02)
     assert engine.queued_tokens == 0
+
+
+def _scripted_slow(engine: PrefillEngine, order: list[int], seconds: float = 0.05) -> None:
+    """The model replaced by a scripted slow one: it records which prompts ran, in what order."""
+
+    def run(batch):
+        time.sleep(seconds)
+        order.extend(len(j.token_ids) for j in batch)
+        return [PrefillResult(7, np.zeros((2, len(j.token_ids), 2, 32), np.float32),
+                              np.zeros((2, len(j.token_ids), 2, 32), np.float32)) for j in batch]
+
+    engine._run = run  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("order, want", [
+    ("shortest-first", [100, 5, 200, 201, 202]),
+    ("fifo", [100, 200, 201, 202, 5]),
+])
+async def test_a_short_prompt_behind_three_long_ones_is_served_first(tiny_model, order, want):
+    engine = _engine(tiny_model("llama"), prefill_order=order, max_batch_tokens=256)  # one long prompt a batch
+    ran: list[int] = []
+    _scripted_slow(engine, ran)
+    running = asyncio.ensure_future(engine.submit(list(range(100)), GREEDY, 0, "float32"))
+    for _ in range(1000):
+        if not len(engine.scheduler):
+            break  # the first prompt is running: the others queue behind it
+        await asyncio.sleep(0.001)
+    longs = [asyncio.ensure_future(engine.submit(list(range(n)), GREEDY, 0, "float32")) for n in (200, 201, 202)]
+    await asyncio.sleep(0)
+    short = asyncio.ensure_future(engine.submit(list(range(5)), GREEDY, 0, "float32"))
+    await asyncio.gather(running, short, *longs)
+    assert ran == want
+    assert engine.queued_tokens == 0
+    measured = {b.max_tokens: b.tokens_per_second > 0 for b in engine.load()}
+    assert measured[16] and measured[128] and measured[256] and not measured[32]
+
+
+async def test_every_prompt_of_a_mixed_load_is_served(tiny_model):
+    engine = _engine(tiny_model("llama"), max_batch_tokens=512)
+    ran: list[int] = []
+    _scripted_slow(engine, ran, seconds=0.002)
+    lengths = [5, 300, 17, 250, 3, 3, 64, 500, 9, 129] * 4
+    results = await asyncio.gather(*(engine.submit(list(range(n)), GREEDY, 0, "float32") for n in lengths))
+    assert [r.k.shape[1] for r in results] == lengths
+    assert sorted(ran) == sorted(lengths) and engine.queued_tokens == 0
