@@ -112,10 +112,12 @@ def cmd_up(args) -> int:
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
     http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
     coordinator_args = ["--http-port", str(http_port)] if http_port is not None else []
+    coordinator_args += ["--ttft-budget", str(args.ttft_budget)]
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
-                                  prefill_args=["--weight-dtype", args.prefill_weight_dtype],
+                                  prefill_args=["--weight-dtype", args.prefill_weight_dtype,
+                                                "--prefill-order", args.prefill_order],
                                   decode_args=["--weight-dtype", args.decode_weight_dtype,
                                                "--kv-dtype", args.kv_dtype])
     except (RuntimeError, TimeoutError) as e:
@@ -276,6 +278,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="prefill workers' weights")
     p.add_argument("--decode-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="decode workers' weights")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
+    p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=PrefillConfig.prefill_order,
+                   help="prefill workers: which queued prompt runs next")
+    p.add_argument("--ttft-budget", type=float, default=0.0,
+                   help="coordinator: refuse a request whose expected prefill wait exceeds this (s); 0: none")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("coordinator", help="run the coordinator (public API)")
