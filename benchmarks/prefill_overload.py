@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     await target.close()
 
             results[name] = asyncio.run(go())
+            (out / "result.json").write_text(json.dumps(results[name], indent=1))
         finally:
             server.stop()
         print(f"== {name}: done", file=sys.stderr, flush=True)

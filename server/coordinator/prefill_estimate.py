@@ -9,7 +9,9 @@ has not yet seen answered (`Worker.pending_lengths`; per bucket the larger of th
 While the worker has measured no rate there is nothing to go on: no estimate, the request is admitted.
 
 A request whose estimate exceeds its remaining deadline (or `--ttft-budget`) is refused at once with
-RESOURCE_EXHAUSTED and `retry-after-ms` = the estimate, instead of queueing for minutes.
+RESOURCE_EXHAUSTED and `retry-after-ms` = the estimate, instead of queueing for minutes. With nothing
+queued ahead of it a request is always admitted, whatever its own prefill takes: an idle worker serves,
+so a rate measured too low is measured again.
 """
 
 from __future__ import annotations
@@ -29,6 +31,12 @@ if TYPE_CHECKING:
 
 def expected_wait(worker: Worker, num_tokens: int) -> float | None:
     """Seconds until an n-token prompt sent to `worker` now would have its first token; None: unknown."""
+    work = _work(worker, num_tokens)
+    return None if work is None else sum(work)
+
+
+def _work(worker: Worker, num_tokens: int) -> tuple[float, float] | None:
+    """(seconds of queued work ahead of the prompt, seconds of its own prefill); None: unknown."""
     if worker.info is None or not worker.info.load.prefill_buckets:
         return None
     buckets = worker.info.load.prefill_buckets
@@ -38,7 +46,9 @@ def expected_wait(worker: Worker, num_tokens: int) -> float | None:
     work = [max(b.queued_tokens, p) for b, p in zip(buckets, pending)]
     own = bucket_of(buckets, num_tokens)
     ahead = range(own + 1) if worker.info.prefill_order == "shortest-first" else range(len(buckets))
-    return seconds_of(buckets, [*((i, work[i]) for i in ahead), (own, num_tokens)])
+    ahead_s = seconds_of(buckets, [(i, work[i]) for i in ahead])
+    own_s = seconds_of(buckets, [(own, num_tokens)])
+    return None if ahead_s is None or own_s is None else (ahead_s, own_s)
 
 
 def admit(worker: Worker, num_tokens: int, deadline_left: float, ttft_budget: float) -> float | None:
@@ -46,14 +56,15 @@ def admit(worker: Worker, num_tokens: int, deadline_left: float, ttft_budget: fl
 
     ttft_budget: 0 for none (the deadline alone bounds the wait).
     """
-    wait = expected_wait(worker, num_tokens)
-    if wait is None:
+    work = _work(worker, num_tokens)
+    if work is None:
         return None
+    wait = sum(work)
     metrics.prefill_expected_wait.observe(wait)
     limit, what = deadline_left, "time left before its deadline"
     if ttft_budget and ttft_budget < limit:
         limit, what = ttft_budget, "TTFT budget (--ttft-budget)"
-    if wait <= limit:
+    if wait <= limit or not work[0]:
         return wait
     metrics.expected_wait_rejections.inc()
     retry_ms = math.ceil(wait * 1000)

@@ -79,6 +79,8 @@ class PrefillEngine:
             max_batch_tokens=config.max_batch_tokens, ageing_tokens_per_s=config.prefill_ageing)
         buckets = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
         self.rates = PrefillRates(buckets)
+        self._shapes_run: set[tuple[int, int]] = set()
+        """(rows, padded length) of every batch run: a shape's first batch compiles, so is not timed."""
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches = 0
@@ -113,10 +115,12 @@ class PrefillEngine:
                 await self._wakeup.wait()
                 continue
             t0 = time.perf_counter()
+            shape = (_pow2(len(batch)), max(self._bucket(j.num_tokens) for j in batch))
             try:
                 results = await asyncio.to_thread(self._run, batch)
-                self.rates.record(max(self._bucket(j.num_tokens) for j in batch),
-                                  sum(j.num_tokens for j in batch), time.perf_counter() - t0)
+                if shape in self._shapes_run:
+                    self.rates.record(shape[1], sum(j.num_tokens for j in batch), time.perf_counter() - t0)
+                self._shapes_run.add(shape)
             except Exception as e:
                 log.exception("prefill batch of %d failed", len(batch))
                 results = [e] * len(batch)
@@ -181,6 +185,7 @@ class PrefillEngine:
     def warmup(self) -> None:
         """Compiles the smallest bucket so the first request does not pay for it."""
         tokens = np.zeros((1, self.config.min_bucket), dtype=np.int32)
+        self._shapes_run.add(tokens.shape)
         logits, k, v = self._fn(self.params, tokens, np.ones((1,), dtype=np.int32))
         jax.block_until_ready(sample_jit(logits, jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1),
                                          jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32)))

@@ -121,3 +121,12 @@ def test_prompts_sent_since_the_last_report_count_as_queued_work():
     assert expected_wait(worker, 16) == 10 / 128 + 16 / 128
     assert expected_wait(worker, 40) == 10 / 128 + 40 / 128  # 64 bucket: the nearest measured rate (16)
     assert expected_wait(Worker("127.0.0.1:2", "prefill"), 16) is None
+
+
+async def test_with_nothing_queued_ahead_a_request_is_admitted_whatever_its_own_prefill_takes(model_dir):
+    pools = await _pools(model_dir, "fifo", slow_load(0), ttft_budget=2.0)
+    try:  # its own 300 tokens at 100/s: 3 s > 2 s, but an idle worker serves (and measures again)
+        responses = await _generate(pools, [5] * 300, timeout=600)
+        assert [list(r.token_ids) for r in responses] == [[5], [6], []]
+    finally:
+        await pools.stop()

@@ -90,8 +90,8 @@ async def test_a_short_prompt_behind_three_long_ones_is_served_first(tiny_model,
     await asyncio.gather(running, short, *longs)
     assert ran == want
     assert engine.queued_tokens == 0
-    measured = {b.max_tokens: b.tokens_per_second > 0 for b in engine.load()}
-    assert measured[16] and measured[128] and measured[256] and not measured[32]
+    # Only the bucket that ran a shape twice has a rate: a shape's first batch compiles, so is not timed.
+    assert [b.max_tokens for b in engine.load() if b.tokens_per_second > 0] == [256]
 
 
 async def test_every_prompt_of_a_mixed_load_is_served(tiny_model):
