@@ -78,7 +78,7 @@ def _scripted_slow(engine: PrefillEngine, order: list[int], seconds: float = 0.0
 async def test_a_short_prompt_behind_three_long_ones_is_served_first(tiny_model, order, want):
     engine = _engine(tiny_model("llama"), prefill_order=order, max_batch_tokens=256)  # one long prompt a batch
     ran: list[int] = []
-    _scripted_slow(engine, ran)
+    _scripted_slow(engine, ran, seconds=0.3)
     running = asyncio.ensure_future(engine.submit(list(range(100)), GREEDY, 0, "float32"))
     for _ in range(1000):
         if not len(engine.scheduler):
@@ -87,6 +87,9 @@ async def test_a_short_prompt_behind_three_long_ones_is_served_first(tiny_model,
     longs = [asyncio.ensure_future(engine.submit(list(range(n)), GREEDY, 0, "float32")) for n in (200, 201, 202)]
     await asyncio.sleep(0)
     short = asyncio.ensure_future(engine.submit(list(range(5)), GREEDY, 0, "float32"))
+    await asyncio.sleep(0)
+    queued = {b.max_tokens: (b.queued_tokens, b.queued_prompts) for b in engine.load() if b.queued_prompts}
+    assert queued == {16: (5, 1), 128: (100, 1), 256: (603, 3)}  # the running prompt counts until it is done
     await asyncio.gather(running, short, *longs)
     assert ran == want
     assert engine.queued_tokens == 0
@@ -102,3 +105,4 @@ async def test_every_prompt_of_a_mixed_load_is_served(tiny_model):
     results = await asyncio.gather(*(engine.submit(list(range(n)), GREEDY, 0, "float32") for n in lengths))
     assert [r.k.shape[1] for r in results] == lengths
     assert sorted(ran) == sorted(lengths) and engine.queued_tokens == 0
+    assert [(b.max_tokens, b.queued_tokens) for b in engine.load()] == [(n, 0) for n in (16, 32, 64, 128, 256, 512)]
