@@ -30,7 +30,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve.benchmarks import datasets
-from pdserve.benchmarks.bench import Group, run_groups, warmup
+from pdserve.benchmarks.bench import Group, run_groups
 from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
 from pdserve.benchmarks.load import LoadSpec
@@ -114,8 +114,9 @@ async def one_prefill(target: GrpcTarget, long_len: int) -> float:
 
 
 async def run_one(target: GrpcTarget, args, metrics_port: int, budget: float) -> dict:
-    short = datasets.synthetic(4, input_len=args.short_len, output_len=4, vocab_size=VOCAB_SIZE, seed=5)
-    await warmup(target, short, 4)  # compiles the short bucket
+    short = datasets.synthetic(8, input_len=args.short_len, output_len=4, vocab_size=VOCAB_SIZE, seed=5)
+    for rows in (1, 2, 4, 8):  # compiles the short bucket at each batch size the load makes (near enough)
+        await asyncio.gather(*(target.send(r, RequestOutput("warmup", r.prompt_len)) for r in short[:rows]))
     prefill_s = await one_prefill(target, args.long_len)  # and the long one
     before = scrape(metrics_port)
     groups = [
@@ -196,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, help="checkpoint dir (default: Qwen2.5-0.5B's shape, --layers layers)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--weight-dtype", default="float32", help="both workers' --weight-dtype")
-    p.add_argument("--configs", default="fifo:0,shortest-first:10",
+    p.add_argument("--configs", default="fifo:0,shortest-first:0,shortest-first:30",
                    help="ORDER:TTFT_BUDGET_S pairs; budget 0: none (the deadline alone)")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of load per configuration")
     p.add_argument("--concurrency", type=int, default=4)
