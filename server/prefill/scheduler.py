@@ -56,7 +56,7 @@ class PrefillScheduler(Generic[J]):
         bucket: Callable[[int], int],
         max_batch_size: int,
         max_batch_tokens: int,
-        ageing_tokens_per_s: float = 256.0,
+        ageing_tokens_per_s: float = 32.0,
         clock: Callable[[], float] = time.monotonic,
     ):
         """bucket(n): the padded length of an n-token prompt (the engine's power-of-two bucket)."""
