@@ -40,6 +40,8 @@ local_prefill_fallbacks = Counter("pdserve_local_prefill_fallbacks", "Prompts pr
 admission_rejections = Counter("pdserve_admission_rejections", "Requests refused because a tier's queue was full", ["tier"])
 expected_wait_rejections = Counter("pdserve_expected_wait_rejections",
                                    "Requests refused because their expected prefill wait exceeded the deadline or TTFT budget")
+worker_restarts = Counter("pdserve_worker_restarts", "Processes `pdserve up` started again after they died", ["role"])
+stalled_streams = Counter("pdserve_stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
 
 # ---- latency (histograms) -----------------------------------------------------------
 time_to_first_token = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)

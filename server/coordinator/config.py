@@ -41,6 +41,10 @@ class CoordinatorConfig:
     its deadline bounds the wait (`--ttft-budget`, prefill_estimate.py)."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
+    stall_timeout: float = 10.0
+    """A decode stream that sends nothing this long is migrated as if its worker had died (`--stall-timeout`)."""
+    max_prompt_bytes: int = 4 * 2**20
+    """Text prompts (and chat messages together) longer than this are refused before any work."""
     api_key: str | None = None
     """The public API needs `authorization: Bearer KEY` when set (`--api-key` or $PDSERVE_API_KEY)."""
     metrics_port: int = 0
@@ -84,6 +88,10 @@ class CoordinatorConfig:
             raise ValueError(f"--default-timeout must be > 0, got {self.default_timeout}")
         if not self.ttft_budget >= 0:
             raise ValueError(f"--ttft-budget must be >= 0 seconds, got {self.ttft_budget}")
+        if not self.stall_timeout > 0:
+            raise ValueError(f"--stall-timeout must be > 0, got {self.stall_timeout}")
+        if self.max_prompt_bytes <= 0:
+            raise ValueError(f"--max-prompt-bytes must be > 0, got {self.max_prompt_bytes}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.prefill_policy not in ("least-queued",):

@@ -112,8 +112,8 @@ class DecodeEngine:
             try:
                 tokens = await asyncio.to_thread(self._step, batch)
             except Exception:
-                log.exception("decode step failed; aborting its %d requests", len(batch))
-                tokens = None
+                log.exception("decode step of %d requests failed; running them one by one", len(batch))
+                tokens = await asyncio.to_thread(self._step_each, batch)
             finally:
                 self._in_step = set()
                 for blocks in self._deferred_free:
@@ -143,13 +143,26 @@ class DecodeEngine:
         )
         return next_ids.tolist()
 
-    def _postprocess(self, batch: list[Sequence], tokens: list[int] | None) -> None:
+    def _step_each(self, batch: list[Sequence]) -> list[int | None]:
+        """After a failed batched step: each sequence alone, so only those that fail alone fail (None).
+        Rewriting a slot the failed step may have written puts the same values there."""
+        tokens: list[int | None] = []
+        for seq in batch:
+            try:
+                tokens.append(self._step([seq])[0])
+            except Exception as e:
+                log.warning("request %s: its decode step fails on its own (%r); it ends with an error",
+                            seq.request_id, e)
+                tokens.append(None)
+        return tokens
+
+    def _postprocess(self, batch: list[Sequence], tokens: list[int | None] | None) -> None:
         from pdserve.v1 import generation_pb2 as gen_pb
 
         for i, seq in enumerate(batch):
             if seq.state is not SeqState.RUNNING:
                 continue  # aborted or released while the step ran
-            if tokens is None:
+            if tokens is None or tokens[i] is None:
                 seq.finish(gen_pb.FINISH_REASON_ERROR)
             else:
                 seq.append(tokens[i])

@@ -12,7 +12,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server import logs, metrics
+from pdserve.server import logs, metrics, request_checks
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.engine import PrefillEngine
 
@@ -76,9 +76,9 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         ids = list(request.token_ids)
-        if not ids or max(ids) >= self.model_config.vocab_size or min(ids) < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token_ids must be 1..{self.model_config.max_model_len} ids in [0, {self.model_config.vocab_size})")
+        problem = self._request_problem(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         t0 = time.perf_counter()
         self.active += 1
         try:
@@ -96,6 +96,15 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         self.pushes.add(task)
         task.add_done_callback(self.pushes.discard)
         return pb.PrefillResponse(first_token_id=result.first_token, prefill_seconds=seconds)
+
+    def _request_problem(self, request: pb.PrefillRequest) -> str | None:
+        """What is wrong with a PrefillRequest, whoever sent it (INVALID_ARGUMENT), or None."""
+        c = self.model_config
+        return (request_checks.identity_problem(request.request_id, request.transfer_token)
+                or request_checks.ids_problem("token_ids", request.token_ids, c.vocab_size)
+                or request_checks.length_problem("token_ids", len(request.token_ids), 0, c.max_model_len)
+                or request_checks.sampling_problem(request.sampling, c.vocab_size)
+                or (None if request.target.address else "target.address must be set"))
 
     def busy(self) -> bool:
         return bool(self.active or self.pushes or self.engine.queued_tokens)

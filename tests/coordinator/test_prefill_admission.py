@@ -56,20 +56,21 @@ async def _generate(pools, ids: list[int], timeout: float) -> list[generation_pb
 
 
 async def test_a_request_whose_expected_wait_exceeds_its_deadline_is_refused_at_once(model_dir):
-    pools = await _pools(model_dir, "fifo", slow_load(3 * 500))
+    pools = await _pools(model_dir, "fifo", slow_load(3 * 100))
     refused = metrics.expected_wait_rejections._value.get()
     try:
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await _generate(pools, [5, 6, 7], timeout=10)
-        # fifo: 1500 queued tokens at 100/s, then its own 3 at 128/s: 15.0234375 s
+            await _generate(pools, [5, 6, 7], timeout=2)
+        # fifo: 300 queued tokens at 100/s, then its own 3 at 128/s: 3.0234375 s
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert ("retry-after-ms", "15024") in tuple(e.value.trailing_metadata())
-        assert e.value.details().startswith(f"expected prefill wait 15 s (queued work on prefill worker "
-                                            f"{pools.prefill_worker.address} at its measured rate) exceeds")
+        assert ("retry-after-ms", "3024") in tuple(e.value.trailing_metadata())
+        assert e.value.details().startswith(f"expected prefill wait 3.02 s (queued work on prefill worker "
+                                            f"{pools.prefill_worker.address} at its measured rate) exceeds "
+                                            f"the request's time left before its deadline, ")
         assert pools.prefill.requests == [] and pools.decode.requests == []  # refused before any worker call
         assert metrics.expected_wait_rejections._value.get() == refused + 1
         # A deadline the wait fits in is admitted.
-        responses = await _generate(pools, [5, 6, 7], timeout=30)
+        responses = await _generate(pools, [5, 6, 7], timeout=10)
         assert [list(r.token_ids) for r in responses] == [[5], [6], []]
     finally:
         await pools.stop()
@@ -128,5 +129,17 @@ async def test_with_nothing_queued_ahead_a_request_is_admitted_whatever_its_own_
     try:  # its own 300 tokens at 100/s: 3 s > 2 s, but an idle worker serves (and measures again)
         responses = await _generate(pools, [5] * 300, timeout=600)
         assert [list(r.token_ids) for r in responses] == [[5], [6], []]
+    finally:
+        await pools.stop()
+
+
+async def test_a_wait_longer_than_the_decode_lease_is_refused(model_dir):
+    pools = await _pools(model_dir, "fifo", slow_load(600))  # the fakes' coordinator holds KV leases 5 s
+    try:  # 600 / 100 + 3 / 128 s > 5 s: the blocks would be freed before the KV came
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await _generate(pools, [5, 6, 7], timeout=600)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "exceeds the request's decode worker's KV lease, 5 s" in e.value.details()
+        assert ("retry-after-ms", "6024") in tuple(e.value.trailing_metadata())
     finally:
         await pools.stop()
