@@ -8,11 +8,12 @@ import time
 import numpy as np
 import pytest
 
+from pdserve.kvcache.tensors import KvTensors
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
-from pdserve.server.prefill.engine import PrefillEngine, PrefillResult
+from pdserve.server.prefill.engine import PrefillEngine
 from pdserve.server.prefill.model import load_params
 
 GREEDY = gen_pb.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=0)
@@ -62,11 +63,14 @@ async def test_cancelled_prompt_is_dropped(tiny_model):
 def _scripted_slow(engine: PrefillEngine, order: list[int], seconds: float = 0.05) -> None:
     """The model replaced by a scripted slow one: it records which prompts ran, in what order."""
 
-    def run(batch):
+    def run(batch, loop):
         time.sleep(seconds)
         order.extend(len(j.token_ids) for j in batch)
-        return [PrefillResult(7, np.zeros((2, len(j.token_ids), 2, 32), np.float32),
-                              np.zeros((2, len(j.token_ids), 2, 32), np.float32)) for j in batch]
+        for job in batch:
+            kv = np.zeros((2, len(job.token_ids), 2, 32), np.float32)
+            loop.call_soon_threadsafe(job.first_token.set_result, 7)
+            loop.call_soon_threadsafe(job.kv.put_nowait, KvTensors(0, 0, kv, kv))
+            loop.call_soon_threadsafe(job.kv.put_nowait, None)
 
     engine._run = run  # type: ignore[method-assign]
 
