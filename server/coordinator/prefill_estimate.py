@@ -8,8 +8,7 @@ has not yet seen answered (`Worker.pending_lengths`; per bucket the larger of th
   its own. A longer batch already running may add up to one prefill's time, which is not counted.
 While the worker has measured no rate there is nothing to go on: no estimate, the request is admitted.
 
-A request whose estimate exceeds its remaining deadline, `--ttft-budget` or the decode worker's KV lease
-(its blocks are freed when the KV has not come by then, and the attempt is lost) is refused at once with
+A request whose estimate exceeds its remaining deadline (or `--ttft-budget`) is refused at once with
 RESOURCE_EXHAUSTED and `retry-after-ms` = the estimate, instead of queueing for minutes. With nothing
 queued ahead of it a request is always admitted, whatever its own prefill takes: an idle worker serves,
 so a rate measured too low is measured again.
@@ -52,11 +51,11 @@ def _work(worker: Worker, num_tokens: int) -> tuple[float, float] | None:
     return None if ahead_s is None or own_s is None else (ahead_s, own_s)
 
 
-def admit(worker: Worker, num_tokens: int, deadline_left: float, ttft_budget: float,
-          lease_seconds: float = float("inf")) -> float | None:
+def admit(worker: Worker, num_tokens: int, deadline_left: float, ttft_budget: float) -> float | None:
     """The expected wait (None: unknown); raises RequestFailed when it exceeds what the request allows.
 
-    ttft_budget: 0 for none (the deadline and the lease alone bound the wait).
+    ttft_budget: 0 for none (the deadline alone bounds the wait; the decode lease only runs once the
+    prefill begins, so queueing never expires it).
     """
     work = _work(worker, num_tokens)
     if work is None:
@@ -64,8 +63,6 @@ def admit(worker: Worker, num_tokens: int, deadline_left: float, ttft_budget: fl
     wait = sum(work)
     metrics.prefill_expected_wait.observe(wait)
     limit, what = deadline_left, "time left before its deadline"
-    if lease_seconds < limit:
-        limit, what = lease_seconds, "decode worker's KV lease"
     if ttft_budget and ttft_budget < limit:
         limit, what = ttft_budget, "TTFT budget (--ttft-budget)"
     if wait <= limit or not work[0]:

@@ -271,7 +271,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if self.pool.ready("prefill"):
             prefill = await self.prefill_queue.acquire(self.pool, self._pick_prefill, deadline)
             if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
-                admit(prefill, len(prompt), deadline.remaining(), self.ttft_budget, self.lease_seconds)
+                admit(prefill, len(prompt), deadline.remaining(), self.ttft_budget)
         if r.attempt == 0:
             metrics.request_queue_time.observe(time.monotonic() - queued_at)
         transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)

@@ -132,14 +132,3 @@ async def test_with_nothing_queued_ahead_a_request_is_admitted_whatever_its_own_
     finally:
         await pools.stop()
 
-
-async def test_a_wait_longer_than_the_decode_lease_is_refused(model_dir):
-    pools = await _pools(model_dir, "fifo", slow_load(600))  # the fakes' coordinator holds KV leases 5 s
-    try:  # 600 / 100 + 3 / 128 s > 5 s: the blocks would be freed before the KV came
-        with pytest.raises(grpc.aio.AioRpcError) as e:
-            await _generate(pools, [5, 6, 7], timeout=600)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "exceeds the request's decode worker's KV lease, 5 s" in e.value.details()
-        assert ("retry-after-ms", "6024") in tuple(e.value.trailing_metadata())
-    finally:
-        await pools.stop()
