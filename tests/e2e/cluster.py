@@ -15,17 +15,24 @@ import grpc
 
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
+from pdserve.server.security import CLUSTER_SECRET_HEADER
+
+CLUSTER_SECRET = "e2e-cluster-secret-0123456789abcdef"
+INTERNAL = ((CLUSTER_SECRET_HEADER, CLUSTER_SECRET),)
+"""The metadata a test's direct calls to the workers carry (the cluster secret `pdserve_up` is given)."""
 
 
 @contextmanager
 def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_workers: int = 2,
                timeout: float = 300.0, extra_args: list[str] = ()):
     state = tmp / "state.json"
+    secret = tmp / "cluster-secret"
+    secret.write_text(CLUSTER_SECRET)
     log = open(tmp / "up.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model_dir), "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
-         "--state-file", str(state), *extra_args],
+         "--state-file", str(state), "--cluster-secret-file", str(secret), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"),
     )
     try:
@@ -47,7 +54,7 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
 
 def worker_info(address: str) -> pb.WorkerInfo:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5)
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=INTERNAL)
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:
