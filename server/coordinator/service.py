@@ -404,15 +404,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _read_or_stall(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
         """The stream's next message; a worker silent for `stall_timeout` is lost (and marked failed)."""
-        if self.stall_timeout is None:
-            return await call.read()
-        limit = min(self.stall_timeout, r.deadline.check())
+        if self.stall_timeout is None or r.deadline.check() <= self.stall_timeout:
+            return await call.read()  # the call's own deadline ends it first
         try:
-            return await asyncio.wait_for(call.read(), limit)
+            return await asyncio.wait_for(call.read(), self.stall_timeout)
         except TimeoutError:
-            r.deadline.check()
             metrics.stalled_streams.inc()
-            message = f"decode worker {decode.address} sent nothing for {limit:.1f} s (--stall-timeout)"
+            message = f"decode worker {decode.address} sent nothing for {self.stall_timeout:g} s (--stall-timeout)"
             await self.pool.mark_failed(decode, message)
             raise _Lost(decode, message) from None
 
