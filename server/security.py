@@ -23,8 +23,8 @@ import grpc
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 PUBLIC_SERVICES = ("pdserve.v1.Generation",)
-"""What needs the API key: services, or single methods as `service/Method` (internal services rely on
-mTLS; health and reflection stay open to probes)."""
+"""What needs the API key: services, or single methods as `service/Method` (internal services need the
+cluster credential instead; health and reflection stay open to probes)."""
 
 
 @dataclass(frozen=True)

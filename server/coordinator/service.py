@@ -346,9 +346,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         prefill.inflight += 1
         prefill.pending_tokens += len(prompt)
         try:
-            return (await call).first_token_id
+            first = (await call).first_token_id
         except grpc.aio.AioRpcError as e:
             raise await self._refused(prefill, e, r) from e
+        else:
+            if not 0 <= first < self.limits.vocab_size:
+                raise _Lost(prefill, f"prefill worker {prefill.address} answered token id {first}, outside the "
+                                     f"vocabulary [0, {self.limits.vocab_size})")
+            return first
         finally:
             prefill.inflight -= 1
             prefill.pending_tokens -= len(prompt)
@@ -400,6 +405,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         if message.WhichOneof("event") == "finished":
             self._check_finished(decode, message.finished)
+        elif any(not 0 <= i < self.limits.vocab_size for i in message.tokens.token_ids):
+            raise _Lost(decode, f"decode worker {decode.address} sent a token id outside the vocabulary "
+                                f"[0, {self.limits.vocab_size})")
         return message
 
     async def _read_or_stall(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
