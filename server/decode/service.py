@@ -100,10 +100,10 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                 transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(prompt))
                 yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
                 lease = request.lease_seconds or 30.0
-                try:
-                    first_token = await asyncio.wait_for(asyncio.shield(transfer.done), lease)
+                try:  # the lease runs from the prefill worker's header, restarting with every chunk
+                    first_token = await transfer.wait(lease)
                 except TimeoutError:
-                    log.warning("request %s: KV did not arrive within the %.1f s lease; blocks freed", rid, lease)
+                    log.warning("request %s: KV stalled for the %.1f s lease; blocks freed", rid, lease)
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {rid} did not arrive within {lease:.1f} s")
                 except Exception as e:  # the transfer failed: say why
                     if isinstance(e, asyncio.CancelledError):
@@ -126,6 +126,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         finally:
             engine.abort(rid, gen_pb.FINISH_REASON_ABORT)
             self.receiver.cancel(rid)
+            await self.receiver.settle(rid)  # a piece being written in its thread lands before the free
             engine.release(seq)
 
     def _prefill_locally(self, seq: Sequence) -> int:

@@ -17,32 +17,38 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.security import CLUSTER_SECRET_HEADER
 
-CLUSTER_SECRET = "e2e-cluster-secret-0123456789abcdef"
-INTERNAL = ((CLUSTER_SECRET_HEADER, CLUSTER_SECRET),)
-"""The metadata a test's direct calls to the workers carry (the cluster secret `pdserve_up` is given)."""
+_SECRETS: dict[str, str] = {}
+"""The cluster secret of each process address a running `pdserve_up` started (for worker_info)."""
 
 
 @contextmanager
 def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_workers: int = 2,
                timeout: float = 300.0, extra_args: list[str] = ()):
     state = tmp / "state.json"
-    secret = tmp / "cluster-secret"
-    secret.write_text(CLUSTER_SECRET)
     log = open(tmp / "up.log", "w")
+    secret = os.urandom(16).hex()
+    (tmp / "cluster-secret").write_text(secret)
+    (tmp / "cluster-secret").chmod(0o600)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model_dir), "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
-         "--state-file", str(state), "--cluster-secret-file", str(secret), *extra_args],
+         "--state-file", str(state), "--cluster-secret-file", str(tmp / "cluster-secret"), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"),
     )
+    started: list[str] = []
     try:
         deadline = time.monotonic() + timeout
         while not state.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"pdserve up did not start:\n{(tmp / 'up.log').read_text()[-4000:]}")
             time.sleep(0.3)
-        yield json.loads(state.read_text())
+        addresses = json.loads(state.read_text())
+        started += [addresses["coordinator"], *addresses["prefill"], *addresses["decode"]]
+        _SECRETS.update(dict.fromkeys(started, secret))
+        yield addresses
     finally:
+        for address in started:
+            _SECRETS.pop(address, None)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
@@ -52,9 +58,16 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
         log.close()
 
 
+def internal_metadata(address: str) -> tuple[tuple[str, str], ...]:
+    """What a test's direct (internal) call to a `pdserve_up` process carries: its cluster's secret."""
+    secret = _SECRETS.get(address)
+    return ((CLUSTER_SECRET_HEADER, secret),) if secret else ()
+
+
 def worker_info(address: str) -> pb.WorkerInfo:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=INTERNAL)
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5,
+                                                       metadata=internal_metadata(address))
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:
