@@ -207,7 +207,8 @@ def cmd_coordinator(args) -> int:
                      max_queue=args.max_queue, default_timeout=args.default_timeout,
                      prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                      heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations,
-                     stall_timeout=args.stall_timeout, max_prompt_bytes=args.max_prompt_bytes)
+                     stall_timeout=args.stall_timeout, max_prompt_bytes=args.max_prompt_bytes,
+                     registry_port=args.registry_port)
     serving.run(lambda: serve(config))
     return 0
 
@@ -342,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
     _common_args(p)
     p.add_argument("--api-key", help="require 'authorization: Bearer KEY' on the public API (or $PDSERVE_API_KEY)")
+    p.add_argument("--registry-port", type=int,
+                   help="serve the worker registry only on this internal port (workers' --coordinator dials it); "
+                        "default: on --port")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait per tier; more: RESOURCE_EXHAUSTED")
     p.add_argument("--default-timeout", type=float, default=600.0, help="deadline (s) of requests that set none")
     p.add_argument("--prefill-policy", choices=["least-queued"], default="least-queued")
