@@ -146,6 +146,8 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str]) -
         from pdserve.server.metrics import serve_metrics
 
         serve_metrics(args.metrics_port, args.host)
+    # vLLM's CPU attention takes blocks of 32 tokens (and CUDA backends multiples of 16).
+    engine_args = ["--engine", "vllm", "--block-size", "32"] if args.decode_engine == "vllm" else []
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
@@ -154,7 +156,8 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str]) -
                                                 "--prefill-order", args.prefill_order,
                                                 "--kv-streams", str(args.kv_streams)],
                                   decode_args=["--weight-dtype", args.decode_weight_dtype,
-                                               "--kv-dtype", args.kv_dtype])
+                                               "--kv-dtype", args.kv_dtype, *engine_args],
+                                  decode_python=args.decode_python or sys.executable)
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
@@ -206,7 +209,7 @@ def cmd_coordinator(args) -> int:
                      prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                      heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations,
                      stall_timeout=args.stall_timeout, max_prompt_bytes=args.max_prompt_bytes,
-                     ttft_budget=args.ttft_budget)
+                     ttft_budget=args.ttft_budget, registry_port=args.registry_port)
     serving.run(lambda: serve(config))
     return 0
 
@@ -235,7 +238,8 @@ def cmd_decode(args) -> int:
     _check_model(args.model)
     config = DecodeConfig(model_dir=args.model, port=args.port, host=args.host, block_size=args.block_size,
                           kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running,
-                          weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads)
+                          weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads,
+                          engine=args.engine)
     options = _worker_options(args, kv_port=args.kv_port)
     serving.run(lambda: serve(config, options))
     return 0
@@ -327,6 +331,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill workers: which queued prompt runs next")
     p.add_argument("--ttft-budget", type=float, default=0.0,
                    help="coordinator: refuse a request whose expected prefill wait exceeds this (s); 0: none")
+    p.add_argument("--decode-engine", choices=["native", "vllm"], default="native",
+                   help="decode workers' engine: pdserve's torch engine or vLLM's (through pdserve's KV connector)")
+    p.add_argument("--decode-python", help="the python that runs decode workers (default: this one); for "
+                                           "--decode-engine vllm one with vLLM installed, e.g. .venv-vllm/bin/python")
     p.add_argument("--cluster-secret-file", type=Path,
                    help="the internal links' secret (default: a fresh one, in a private temporary file)")
     p.add_argument("--stall-timeout", type=float, default=10.0,
@@ -343,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
     _common_args(p)
     p.add_argument("--api-key", help="require 'authorization: Bearer KEY' on the public API (or $PDSERVE_API_KEY)")
+    p.add_argument("--registry-port", type=int,
+                   help="serve the worker registry only on this internal port (workers' --coordinator dials it); "
+                        "default: on --port")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait per tier; more: RESOURCE_EXHAUSTED")
     p.add_argument("--default-timeout", type=float, default=600.0, help="deadline (s) of requests that set none")
     p.add_argument("--prefill-policy", choices=["least-queued"], default="least-queued")
@@ -387,6 +398,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="auto: the compute dtype; fp8_e4m3/int8: per-block, per-kv-head scales")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--engine", choices=["native", "vllm"], default="native",
+                   help="native: pdserve's torch engine; vllm: vLLM's engine through pdserve's KV connector "
+                        "(needs vLLM installed: pdserve[vllm], or make vllm-venv)")
     _worker_args(p)
     p.add_argument("--kv-port", type=int, help="serve KvTransfer alone on this port (default: the main port)")
     p.set_defaults(func=cmd_decode)

@@ -51,6 +51,8 @@ class CoordinatorConfig:
     """Prometheus /metrics on this port; 0: off."""
     http_port: int | None = None
     """OpenAI-compatible HTTP (`--http-port`); None: off, 0 picks a free port."""
+    registry_port: int | None = None
+    """Serve the worker Registry only on this internal port (`--registry-port`; 0 picks one); None: on `port`."""
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -62,6 +64,8 @@ class CoordinatorConfig:
             raise ValueError(f"port must lie in [0, 65535], got {self.port}")
         if not self.host:
             raise ValueError("host must not be empty")
+        if self.registry_port is not None and not 0 <= self.registry_port < 65536:
+            raise ValueError(f"--registry-port must lie in [0, 65535], got {self.registry_port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must lie in [0, 65535], got {self.http_port}")
         for flag, addresses in (

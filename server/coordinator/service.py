@@ -355,9 +355,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             first = (await call).first_token_id
             metrics.prefill_wait.observe(time.monotonic() - sent)
-            return first
         except grpc.aio.AioRpcError as e:
             raise await self._refused(prefill, e, r) from e
+        else:
+            if not 0 <= first < self.limits.vocab_size:
+                raise _Lost(prefill, f"prefill worker {prefill.address} answered token id {first}, outside the "
+                                     f"vocabulary [0, {self.limits.vocab_size})")
+            return first
         finally:
             prefill.inflight -= 1
             prefill.pending_tokens -= len(prompt)
@@ -410,19 +414,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         if message.WhichOneof("event") == "finished":
             self._check_finished(decode, message.finished)
+        elif any(not 0 <= i < self.limits.vocab_size for i in message.tokens.token_ids):
+            raise _Lost(decode, f"decode worker {decode.address} sent a token id outside the vocabulary "
+                                f"[0, {self.limits.vocab_size})")
         return message
 
     async def _read_or_stall(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
         """The stream's next message; a worker silent for `stall_timeout` is lost (and marked failed)."""
-        if self.stall_timeout is None:
-            return await call.read()
-        limit = min(self.stall_timeout, r.deadline.check())
+        if self.stall_timeout is None or r.deadline.check() <= self.stall_timeout:
+            return await call.read()  # the call's own deadline ends it first
         try:
-            return await asyncio.wait_for(call.read(), limit)
+            return await asyncio.wait_for(call.read(), self.stall_timeout)
         except TimeoutError:
-            r.deadline.check()
             metrics.stalled_streams.inc()
-            message = f"decode worker {decode.address} sent nothing for {limit:.1f} s (--stall-timeout)"
+            message = f"decode worker {decode.address} sent nothing for {self.stall_timeout:g} s (--stall-timeout)"
             await self.pool.mark_failed(decode, message)
             raise _Lost(decode, message) from None
 

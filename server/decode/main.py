@@ -58,6 +58,10 @@ class DecodeWorker:
 
 
 def build_engine(config: DecodeConfig):
+    if config.engine == "vllm":
+        from pdserve.server.decode.vllm_worker import build_vllm_engine
+
+        return build_vllm_engine(config)
     model_config = load_config(config.model_dir)
     weight_dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
     quantized = weight_dtype in QUANTIZED_WEIGHTS
@@ -99,7 +103,10 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         add_receiver_to_server(receiver, kv_server)
     else:
         add_receiver_to_server(receiver, server)
-    service = DecodeService(
+    service_class = DecodeService
+    if config.engine == "vllm":
+        from pdserve.server.decode.vllm_service import VllmDecodeService as service_class
+    service = service_class(
         engine, receiver, fingerprint=digest, description=model_config.describe(),
         eos_ids=frozenset(model_config.eos_token_ids), max_model_len=model_config.max_model_len,
         address=address, kv_address=kv_address,
