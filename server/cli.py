@@ -202,7 +202,7 @@ def cmd_up(args) -> int:
               *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
     coordinator_args = [*shared, *(["--http-port", str(http_port)] if http_port is not None else []),
                         *(["--chat-template", args.chat_template] if args.chat_template else []),
-                        "--stall-timeout", str(args.stall_timeout)]
+                        "--stall-timeout", str(args.stall_timeout), "--ttft-budget", str(args.ttft_budget)]
     secret_dir = None
     if args.cluster_secret_file is None:  # one fresh secret for this cluster's internal links
         import tempfile
@@ -231,7 +231,8 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
     prefill = _dtypes(args, "prefill_weight_dtype", None)
     decode = _dtypes(args, "decode_weight_dtype", "kv_dtype")
     prefill_args = [*shared, "--weight-dtype", prefill["prefill_weight_dtype"],
-                    "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-streams", str(args.kv_streams)]
+                    "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-streams", str(args.kv_streams),
+                    "--prefill-order", args.prefill_order]
     decode_args = [*shared, "--weight-dtype", decode["decode_weight_dtype"], "--kv-dtype", decode["kv_dtype"],
                    "--tensor-parallel-size", str(args.tensor_parallel_size),
                    *(["--max-running", str(args.max_running)] if args.max_running else []),
@@ -412,10 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
     _vllm_dtype_args(p)
     add_flags(p, CoordinatorConfig, skip=tuple(f for f in _field_names(CoordinatorConfig)
-                                               if f not in ("served_model_name", "max_model_len", "chat_template")))
+                                               if f not in ("served_model_name", "max_model_len", "chat_template",
+                                                             "ttft_budget")))
     add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig)
                                           if f not in ("tensor_parallel_size", "gpu_memory_utilization")))
-    add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig) if f != "kv_streams"))
+    add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig)
+                                           if f not in ("kv_streams", "prefill_order")))
     p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int,
                    help="each decode worker's running-request cap (default: the decode worker's)")
     p.add_argument("--decode-engine", choices=DECODE_ENGINES, default="native",

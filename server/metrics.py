@@ -95,6 +95,8 @@ kv_cache_usage_perc = _pd(Gauge, "kv_cache_usage_perc", "KV cache usage: 0 is em
 kv_blocks_used = _pd(Gauge, "kv_blocks_used", "KV cache blocks in use")
 kv_blocks_total = _pd(Gauge, "kv_blocks_total", "KV cache blocks in all")
 prefill_queued_tokens = _pd(Gauge, "prefill_queued_tokens", "Prompt tokens waiting to be prefilled")
+prefill_queued_seconds = _pd(Gauge, "prefill_queued_seconds",
+                             "Seconds of prefill work queued, at the measured rate per length bucket")
 
 # ---- outcomes (counters) ---------------------------------------------------------
 request_success = _pd(Counter, "request_success", "Requests that finished, by finish reason", ("finished_reason",),
@@ -112,6 +114,8 @@ vllm_kv_load_failures = _pd(Counter, "vllm_kv_load_failures",
                             "Requests whose pushed KV vLLM could not load (it recomputed them)")
 local_prefill_fallbacks = _pd(Counter, "local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
 admission_rejections = _pd(Counter, "admission_rejections", "Requests refused because a tier's queue was full", ("tier",))
+expected_wait_rejections = _pd(Counter, "expected_wait_rejections",
+                               "Requests refused because their expected prefill wait exceeded the deadline or TTFT budget")
 stalled_streams = _pd(Counter, "stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
 
 
@@ -139,6 +143,11 @@ e2e_request_latency = _pd(Histogram, "e2e_request_latency_seconds", "Request lat
 request_queue_time = _pd(Histogram, "request_queue_time_seconds", "Time a request waited in a queue",
                          buckets=LATENCY_BUCKETS, vllm="request_queue_time_seconds",
                          vllm_buckets=VLLM_REQUEST_LATENCY_BUCKETS)
+prefill_expected_wait = _pd(Histogram, "prefill_expected_wait_seconds",
+                            "A request's expected prefill wait (queued work ahead + its own) at admission",
+                            buckets=LATENCY_BUCKETS)
+prefill_wait = _pd(Histogram, "prefill_wait_seconds", "A request's actual prefill wait: Prefill call to first token",
+                   buckets=LATENCY_BUCKETS)
 kv_transfer_seconds = _pd(Histogram, "kv_transfer_seconds", "One request's KV transfer, header to end", buckets=LATENCY_BUCKETS)
 
 # ---- per request, in tokens (vLLM's; buckets 1-2-5 up to max_model_len, made by `identify`) ----

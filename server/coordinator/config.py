@@ -42,6 +42,9 @@ class CoordinatorConfig:
     """How a prefill worker is picked."""
     decode_policy: DecodePolicy = "most-free-blocks"
     """How a decode worker is picked."""
+    ttft_budget: float = 0.0
+    """Refuse (RESOURCE_EXHAUSTED) a request whose expected prefill wait exceeds this many seconds; 0: only
+    its deadline bounds the wait (`--ttft-budget`, prefill_estimate.py)."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     stall_timeout: float = 10.0
@@ -61,6 +64,8 @@ class CoordinatorConfig:
     """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
     chat_template: str | None = None
     """A Jinja chat template, or a file holding one, used instead of the model's (vLLM's flag)."""
+    registry_port: int | None = None
+    """Serve the worker Registry only on this internal port (`--registry-port`; 0 picks one); None: on `port`."""
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -72,6 +77,8 @@ class CoordinatorConfig:
             raise ValueError(f"port must lie in [0, 65535], got {self.port}")
         if not self.host:
             raise ValueError("host must not be empty")
+        if self.registry_port is not None and not 0 <= self.registry_port < 65536:
+            raise ValueError(f"--registry-port must lie in [0, 65535], got {self.registry_port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must lie in [0, 65535], got {self.http_port}")
         for flag, addresses in (
@@ -96,6 +103,8 @@ class CoordinatorConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if not self.default_timeout > 0:
             raise ValueError(f"--default-timeout must be > 0, got {self.default_timeout}")
+        if not self.ttft_budget >= 0:
+            raise ValueError(f"--ttft-budget must be >= 0 seconds, got {self.ttft_budget}")
         if not self.stall_timeout > 0:
             raise ValueError(f"--stall-timeout must be > 0, got {self.stall_timeout}")
         if self.max_prompt_bytes <= 0:

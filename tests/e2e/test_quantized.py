@@ -10,7 +10,7 @@ import pytest
 from pdserve.benchmarks.accuracy import Pipeline
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from tests.e2e.cluster import pdserve_up, wait_all_blocks_free, worker_info, internal_metadata
+from tests.e2e.cluster import internal_metadata, pdserve_up, wait_all_blocks_free, worker_info
 from tests.e2e.procs import Procs, counter, generate, request, wait_until
 
 # (prefill weights, decode weights, KV dtype): every quantized weight format on each tier, both KV formats
