@@ -189,3 +189,39 @@ def test_no_prefill_worker_alive_vllm_prefills_locally(clusters, tiny_model):
         assert ids == hf_greedy(model_dir, tok.encode(prompt).ids), prompt
     assert counter(decode.metrics(), "pdserve_local_prefill_fallbacks_total") == before + 2
     assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
+
+
+def test_logprobs_through_vllm_decode_equal_transformers(clusters, tiny_model):
+    """Prompt logprobs and the first token's from the prefill tier, the rest from vLLM's sampler."""
+    import numpy as np
+    import torch
+    import transformers
+
+    from pdserve.server.client import build_request, stream
+
+    model_dir, prompt_ids, new_tokens = tiny_model("llama"), [1, 17, 45, 99, 3, 250, 7, 64, 12, 301, 5], 5
+    addr = clusters.get("llama").procs["coordinator"].address
+    request = build_request(token_ids=prompt_ids, max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    request.sampling.logprobs = 3
+    request.sampling.prompt_logprobs = 2
+    messages = list(stream(addr, request, timeout=120))
+    out_ids = [i for m in messages for i in m.token_ids]
+    token_lps = [e for m in messages for e in m.logprobs]
+    prompt_lps = [e for m in messages for e in m.prompt_logprobs]
+    assert len(out_ids) == len(token_lps) == new_tokens
+    assert len(prompt_lps) == len(prompt_ids) - 1
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt_ids + out_ids])).logits[0].float().log_softmax(-1).numpy()  # [S, V]
+    for pos, entry in enumerate(prompt_lps, start=1):
+        row = ref[pos - 1]
+        assert entry.token_id == prompt_ids[pos]
+        assert entry.logprob == pytest.approx(row[prompt_ids[pos]], abs=1e-4)
+        assert list(entry.top_token_ids) == np.argsort(-row, kind="stable")[:2].tolist()
+    for j, entry in enumerate(token_lps):
+        row = ref[len(prompt_ids) - 1 + j]
+        assert entry.token_id == out_ids[j] == int(row.argmax())
+        assert entry.logprob == pytest.approx(row[out_ids[j]], abs=1e-4)
+        assert list(entry.top_token_ids) == np.argsort(-row, kind="stable")[:3].tolist()
+        np.testing.assert_allclose(entry.top_logprobs, np.sort(row)[::-1][:3], atol=1e-4)
