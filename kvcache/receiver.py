@@ -71,6 +71,8 @@ class Transfer:
     started_at: float | None = None
     """time.monotonic() when the stream's header was accepted."""
     finished_at: float | None = None
+    cached_blocks: int = 0
+    """Leading blocks the decode worker holds already (prefix cache); the stream sends none of them."""
 
     @property
     def seconds(self) -> float:
@@ -114,8 +116,12 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         self._transfers: dict[str, Transfer] = {}  # waiting or transferring, by request id
         self._streams: dict[str, _Stream] = {}
 
-    def expect(self, request_id: str, attempt: int, transfer_token: bytes, num_tokens: int) -> Transfer:
-        """Registers a transfer; a higher attempt replaces the old one and cuts off its stream."""
+    def expect(self, request_id: str, attempt: int, transfer_token: bytes, num_tokens: int,
+               cached_blocks: int = 0) -> Transfer:
+        """Registers a transfer; a higher attempt replaces the old one and cuts off its stream.
+
+        cached_blocks: leading blocks already held; their KV must not be sent.
+        """
         if not transfer_token:
             raise ValueError(f"request {request_id!r}: a transfer token is required")
         if num_tokens < 0:
@@ -132,7 +138,9 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 f"request {request_id!r} attempt {old.attempt} was superseded by attempt {attempt}; "
                 "its KV is discarded, stop sending it",
             )
-        transfer = Transfer(request_id, attempt, bytes(transfer_token), num_tokens)
+        if not 0 <= cached_blocks <= self.layout.num_blocks(num_tokens):
+            raise ValueError(f"request {request_id!r}: cached_blocks {cached_blocks} outside the prompt's blocks")
+        transfer = Transfer(request_id, attempt, bytes(transfer_token), num_tokens, cached_blocks=cached_blocks)
         self._transfers[request_id] = transfer
         return transfer
 
@@ -239,9 +247,17 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 "send the prompt's true length",
                 transfer,
             )
+        if header.cached_blocks != transfer.cached_blocks:
+            raise _Refusal(
+                Code.INVALID_ARGUMENT,
+                f"request {request_id!r}: the header skips {header.cached_blocks} cached blocks, the decode "
+                f"worker holds {transfer.cached_blocks}; send every block after the ones it holds",
+                transfer,
+            )
         transfer.state = TransferState.TRANSFERRING
         transfer.started_at = time.monotonic()
         covered = np.zeros((self.layout.num_layers, self.layout.num_blocks(transfer.num_tokens)), dtype=bool)
+        covered[:, : transfer.cached_blocks] = True  # held already: a piece there overlaps
         stream = _Stream(transfer, asyncio.current_task(), covered)  # type: ignore[arg-type]
         self._streams[request_id] = stream
         return stream

@@ -47,7 +47,10 @@ class KvSender:
         v_scales: np.ndarray | None = None,
         timeout: float | None = None,
     ) -> pb.PushKvResponse:
-        """Pushes header, blocks, end; raises grpc.aio.AioRpcError when the receiver refuses."""
+        """Pushes header, blocks, end; raises grpc.aio.AioRpcError when the receiver refuses.
+
+        k and v hold the whole prompt; the header's leading `cached_blocks` (the receiver holds them) are not sent.
+        """
         if header.num_tokens != k.shape[1]:
             raise ValueError(f"header says {header.num_tokens} tokens but k holds {k.shape[1]}")
         if not header.HasField("layout"):
@@ -58,9 +61,18 @@ class KvSender:
                 f"header layout [{KvLayout.from_proto(header.layout).describe()}] is not the "
                 f"layout of k and v [{layout.describe()}]"
             )
+        skip = header.cached_blocks * layout.block_size
+        if skip > k.shape[1]:
+            raise ValueError(f"header skips {header.cached_blocks} cached blocks of a {k.shape[1]}-token prompt")
+        if skip:
+            k, v = k[:, skip:], v[:, skip:]
+            if k_scales is not None and v_scales is not None:
+                k_scales, v_scales = k_scales[:, header.cached_blocks :], v_scales[:, header.cached_blocks :]
         blocks = encode_chunks(  # checks the arrays now; encodes as the stream is consumed
             layout, k, v, k_scales=k_scales, v_scales=v_scales, max_chunk_bytes=self._max_chunk_bytes
         )
+        if skip:
+            blocks = _after(blocks, skip)
         chunks = _chunks(header, blocks, first_token_id)
         stub = worker_pb2_grpc.KvTransferStub(self._channel(address))
         return await stub.PushKv(chunks, timeout=timeout)
@@ -79,6 +91,13 @@ class KvSender:
                 channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
             self._channels[address] = channel
         return channel
+
+
+def _after(blocks: Iterator[pb.KvChunk], skip: int) -> Iterator[pb.KvChunk]:
+    """Pieces encoded from token `skip` on, placed where they belong in the prompt."""
+    for chunk in blocks:
+        chunk.blocks.token_start += skip
+        yield chunk
 
 
 async def _chunks(

@@ -192,6 +192,8 @@ def cmd_decode(args) -> int:
     _check_model(args.model)
     config = DecodeConfig(model_dir=args.model, port=args.port, host=args.host, block_size=args.block_size,
                           kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running,
+                          max_queue=args.max_queue, max_model_len=args.max_model_len,
+                          enable_prefix_caching=args.enable_prefix_caching,
                           weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads)
     options = _worker_options(args, kv_port=args.kv_port)
     serving.run(lambda: serve(config, options))
@@ -285,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait per tier; more: RESOURCE_EXHAUSTED")
     p.add_argument("--default-timeout", type=float, default=600.0, help="deadline (s) of requests that set none")
     p.add_argument("--prefill-policy", choices=["least-queued"], default="least-queued")
-    p.add_argument("--decode-policy", choices=["most-free-blocks", "power-of-two"], default="most-free-blocks")
+    p.add_argument("--decode-policy", choices=["prefix-aware", "most-free-blocks", "power-of-two"],
+                   default="prefix-aware", help="prefix-aware: the worker likely to hold the prompt's prefix, load-bounded")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="a registered worker silent this long is dead")
     p.add_argument("--max-migrations", type=int, default=2, help="moves of one request to another decode worker")
     p.set_defaults(func=cmd_coordinator)
@@ -304,7 +307,12 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(p, 50053)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-tokens", type=int, default=16384)
-    p.add_argument("--max-running", type=int, default=64)
+    p.add_argument("--max-running", type=int, default=64, help="requests holding KV blocks at once")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for blocks; more: RESOURCE_EXHAUSTED")
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="longest prompt + output (0: the model's, capped by the KV cache)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse cached KV blocks of shared prompt prefixes (only the missing blocks are sent)")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
                    help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",

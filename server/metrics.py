@@ -35,6 +35,9 @@ kv_transfer_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes transferred (
 prefill_retries = Counter("pdserve_prefill_retries", "Prefills retried on another worker")
 migrations = Counter("pdserve_migrations", "Requests moved to another decode worker mid-stream")
 local_prefill_fallbacks = Counter("pdserve_local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
+num_preemptions = Counter("pdserve_num_preemptions", "Decode sequences preempted (blocks freed, re-prefilled later)")
+prefix_cache_queries = Counter("pdserve_prefix_cache_queries", "Tokens looked up in the decode prefix cache")
+prefix_cache_hits = Counter("pdserve_prefix_cache_hits", "Tokens found in the decode prefix cache (KV not sent again)")
 admission_rejections = Counter("pdserve_admission_rejections", "Requests refused because a tier's queue was full", ["tier"])
 
 # ---- latency (histograms) -----------------------------------------------------------

@@ -35,7 +35,7 @@ class CoordinatorConfig:
     default_timeout: float = 600.0
     """The deadline of a request whose client set none (`--default-timeout`)."""
     prefill_policy: Literal["least-queued"] = "least-queued"
-    decode_policy: Literal["most-free-blocks", "power-of-two"] = "most-free-blocks"
+    decode_policy: Literal["prefix-aware", "most-free-blocks", "power-of-two"] = "prefix-aware"
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     api_key: str | None = None
@@ -83,5 +83,7 @@ class CoordinatorConfig:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.prefill_policy not in ("least-queued",):
             raise ValueError(f"--prefill-policy must be least-queued, got {self.prefill_policy!r}")
-        if self.decode_policy not in ("most-free-blocks", "power-of-two"):
-            raise ValueError(f"--decode-policy must be most-free-blocks or power-of-two, got {self.decode_policy!r}")
+        if self.decode_policy not in ("prefix-aware", "most-free-blocks", "power-of-two"):
+            raise ValueError(
+                f"--decode-policy must be prefix-aware, most-free-blocks or power-of-two, got {self.decode_policy!r}"
+            )

@@ -16,7 +16,13 @@ class DecodeConfig:
     kv_cache_tokens: int = 16384
     """Capacity of the paged KV cache in tokens (rounded up to whole blocks)."""
     max_running: int = 64
-    """Most requests decoded together; more are refused with RESOURCE_EXHAUSTED."""
+    """Most requests holding blocks at once (running or receiving their KV); more wait in the queue."""
+    max_queue: int = 256
+    """Most new requests waiting for blocks; one more is refused with RESOURCE_EXHAUSTED."""
+    max_model_len: int = 0
+    """Longest prompt + output; 0: the model's, capped by what the KV cache holds."""
+    enable_prefix_caching: bool = True
+    """Keep finished sequences' full blocks, reuse them for requests sharing the prefix (vLLM's name)."""
     weight_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = "auto"
     """auto: the dtype the checkpoint is stored in; int8/fp8: weight-only, per-output-channel scales,
     computing in the checkpoint's dtype."""
@@ -38,6 +44,10 @@ class DecodeConfig:
             )
         if self.max_running <= 0:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.max_model_len < 0:
+            raise ValueError(f"--max-model-len must be >= 0 (0: the model's), got {self.max_model_len}")
 
     @property
     def num_blocks(self) -> int:

@@ -77,7 +77,9 @@ def build_engine(config: DecodeConfig):
         dtype=kv_dtype,
         scale_granularity="block_head" if kv_dtype in QUANTIZED else "none",
     )
-    engine = DecodeEngine(model, layout, config.num_blocks, config.max_running)
+    engine = DecodeEngine(model, layout, config.num_blocks, config.max_running, max_queue=config.max_queue,
+                          enable_prefix_caching=config.enable_prefix_caching,
+                          eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len)
     log.info("decode model %s loaded in %.1f s; weights %.1f MiB (%s, compute %s); KV cache %d blocks x %d "
              "tokens (%s, %.1f MiB incl. scales)", model_config.describe(), time.perf_counter() - t0,
              buffer_bytes(model) / 2**20, weight_dtype, compute_dtype, config.num_blocks, config.block_size,
@@ -101,7 +103,6 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
     service = DecodeService(
         engine, receiver, fingerprint=digest, description=model_config.describe(),
-        eos_ids=frozenset(model_config.eos_token_ids), max_model_len=model_config.max_model_len,
         address=address, kv_address=kv_address,
     )
     worker_pb2_grpc.add_DecodeServicer_to_server(service, server)
@@ -110,7 +111,7 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
     if kv_server is not None:
         await kv_server.start()
     await serving.set_serving(health, SERVICES, True)
-    metrics.watch_kv_blocks(lambda: engine.pool.num_free, lambda: engine.pool.num_total)
+    metrics.watch_kv_blocks(lambda: engine.num_free_blocks, lambda: engine.pool.num_total)
     metrics.num_requests_running.set_function(lambda: len(engine.running))
     metrics.num_requests_waiting.set_function(lambda: len(engine.sequences) - len(engine.running))
     metrics.serve_metrics(options.metrics_port, config.host)

@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
 import grpc
-import torch
 
-from pdserve.kvcache.block_pool import OutOfBlocks
 from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import logs, metrics
-from pdserve.server.decode.engine import DecodeEngine
-from pdserve.server.decode.sampler import sample
-from pdserve.server.decode.sequence import Sequence
+from pdserve.server.decode.engine import DecodeEngine, QueueFull
 
 log = logging.getLogger("pdserve.decode")
 
@@ -27,13 +22,11 @@ RETRY_AFTER_MS = "250"
 
 class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServicer):
     def __init__(self, engine: DecodeEngine, receiver: KvReceiver, *, fingerprint: str, description: str,
-                 eos_ids: frozenset[int], max_model_len: int, address: str = "", kv_address: str = ""):
+                 address: str = "", kv_address: str = ""):
         self.engine = engine
         self.receiver = receiver
         self.fingerprint = fingerprint
         self.description = description
-        self.eos_ids = eos_ids
-        self.max_model_len = max_model_len
         self.address = address
         self.kv_address = kv_address
         self.draining = False
@@ -43,48 +36,33 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         engine = self.engine
         rid = request.request_id
         logs.request_id.set(rid)  # every line logged for this request names it
-        prompt = list(request.prompt_token_ids)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; pick another")
         if rid in engine.sequences:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already decoding here")
-        if not prompt or request.sampling.max_tokens <= 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids and sampling.max_tokens must be set")
-        if len(engine.sequences) >= engine.max_running:
-            await context.send_initial_metadata((("retry-after-ms", RETRY_AFTER_MS),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode worker runs its maximum of {engine.max_running} requests; you may retry")
-        remaining = request.sampling.max_tokens - request.num_output_tokens
-        need = engine.blocks_needed(len(prompt), remaining, self.max_model_len)
         try:
-            blocks = engine.pool.allocate(need)
-        except OutOfBlocks as e:
+            seq = engine.add(request)
+        except QueueFull as e:
             await context.send_initial_metadata((("retry-after-ms", RETRY_AFTER_MS),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {e}; you may retry")
-        seq = Sequence(
-            request_id=rid, prompt_ids=prompt, sampling=request.sampling, block_table=blocks,
-            eos_ids=self.eos_ids, max_model_len=self.max_model_len,
-            num_prior_outputs=request.num_output_tokens,
-        )
-        engine.reserve(seq)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; you may retry")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
+            await seq.admitted  # waits in the engine's queue; the call's deadline bounds the wait
+            reserved = pb.Reserved(num_blocks=len(seq.block_table), cached_blocks=seq.num_hit_blocks)
             if request.local_prefill:  # no prefill worker is alive: run the prompt here
-                yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
-                local = asyncio.ensure_future(asyncio.to_thread(self._prefill_locally, seq))
+                yield pb.DecodeResponse(reserved=reserved)
                 try:
-                    first_token = await asyncio.shield(local)
-                except asyncio.CancelledError:
-                    with contextlib.suppress(Exception):  # it writes into our blocks: free them after it
-                        await local
-                    raise
+                    first_token = await engine.prefill_locally(seq)
                 except Exception as e:
                     log.exception("request %s: local prefill failed", rid)
                     await context.abort(grpc.StatusCode.INTERNAL, f"local prefill of {rid} failed: {e!r}")
                 metrics.local_prefill_fallbacks.inc()
                 yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=[first_token]))
             else:
-                transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(prompt))
-                yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
+                transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(seq.prompt_ids),
+                                                cached_blocks=seq.num_hit_blocks)
+                yield pb.DecodeResponse(reserved=reserved)
                 lease = request.lease_seconds or 30.0
                 try:
                     first_token = await asyncio.wait_for(asyncio.shield(transfer.done), lease)
@@ -106,25 +84,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
             yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason, message=message))
         finally:
-            engine.abort(rid, gen_pb.FINISH_REASON_ABORT)
+            engine.abort(rid, gen_pb.FINISH_REASON_ABORT)  # frees its blocks, now or after the step using them
             self.receiver.cancel(rid)
-            engine.release(seq)
-
-    def _prefill_locally(self, seq: Sequence) -> int:
-        """The prompt's KV into the sequence's blocks with the torch model; the first token (a worker thread)."""
-        engine = self.engine
-        logits = engine.model.prefill(torch.tensor(seq.prompt_ids, dtype=torch.int64), seq.block_table,
-                                      engine.cache)  # [S, V]
-        p = seq.sampling
-        token = sample(
-            logits[-1:],
-            torch.tensor([p.temperature], dtype=torch.float32),
-            torch.tensor([p.top_k], dtype=torch.int64),
-            torch.tensor([p.top_p], dtype=torch.float32),
-            [p.seed if p.HasField("seed") else None],
-            [seq.sample_index],
-        )
-        return int(token[0])
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id, gen_pb.FINISH_REASON_ABORT))
@@ -134,20 +95,22 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
 
     def info(self) -> pb.WorkerInfo:
         engine = self.engine
-        running = len(engine.running)
+        scheduler = engine.scheduler
         return pb.WorkerInfo(
             role="decode",
             address=self.address,
             fingerprint=pb.ModelFingerprint(digest=self.fingerprint, description=self.description),
             kv_layout=engine.layout.to_proto(),
             load=pb.WorkerLoad(
-                running_requests=running,
-                waiting_requests=len(engine.sequences) - running,
-                free_kv_blocks=engine.pool.num_free,
+                running_requests=len(scheduler.running) + len(scheduler.loading),
+                waiting_requests=len(scheduler.waiting),
+                free_kv_blocks=scheduler.num_free_blocks,
                 total_kv_blocks=engine.pool.num_total,
                 max_running_requests=engine.max_running,
+                max_waiting_requests=scheduler.max_queue,
+                cached_kv_blocks=scheduler.cache.num_cached,
             ),
-            max_model_len=self.max_model_len,
+            max_model_len=engine.max_model_len,
             draining=self.draining,
             kv_address=self.kv_address,
         )

@@ -79,6 +79,10 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         if not ids or max(ids) >= self.model_config.vocab_size or min(ids) < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"token_ids must be 1..{self.model_config.max_model_len} ids in [0, {self.model_config.vocab_size})")
+        if request.target.cached_blocks * layout.block_size > len(ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"target.cached_blocks {request.target.cached_blocks} exceeds the "
+                                f"{len(ids)}-token prompt's blocks")
         t0 = time.perf_counter()
         self.active += 1
         try:
@@ -91,6 +95,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         header = pb.KvHeader(
             request_id=request.request_id, attempt=request.attempt, transfer_token=request.transfer_token,
             fingerprint=self.fingerprint, layout=layout.to_proto(), num_tokens=len(ids),
+            cached_blocks=request.target.cached_blocks,  # the decode worker's prefix-cache hits: not sent
         )
         task = asyncio.create_task(self._push(request.target.address, header, layout, result))
         self.pushes.add(task)

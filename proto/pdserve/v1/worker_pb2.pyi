@@ -24,12 +24,14 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., scale_granularity: _Optional[str] = ...) -> None: ...
 
 class KvTarget(_message.Message):
-    __slots__ = ("address", "layout")
+    __slots__ = ("address", "layout", "cached_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     layout: KvLayout
-    def __init__(self, address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "attempt", "token_ids", "sampling", "target", "transfer_token", "sample_index")
@@ -78,10 +80,12 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class Reserved(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "cached_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_ids",)
@@ -128,20 +132,22 @@ class ModelFingerprint(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "attempt", "transfer_token", "fingerprint", "layout", "num_tokens")
+    __slots__ = ("request_id", "attempt", "transfer_token", "fingerprint", "layout", "num_tokens", "cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     transfer_token: bytes
     fingerprint: ModelFingerprint
     layout: KvLayout
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class KvBlocks(_message.Message):
     __slots__ = ("layer_start", "layer_count", "token_start", "token_count", "k", "v", "k_scales", "v_scales")
@@ -192,20 +198,24 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queued_prefill_tokens", "running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "max_running_requests")
+    __slots__ = ("queued_prefill_tokens", "running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "max_running_requests", "max_waiting_requests", "cached_kv_blocks")
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     queued_prefill_tokens: int
     running_requests: int
     waiting_requests: int
     free_kv_blocks: int
     total_kv_blocks: int
     max_running_requests: int
-    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ...) -> None: ...
+    max_waiting_requests: int
+    cached_kv_blocks: int
+    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., max_waiting_requests: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len", "draining", "kv_address")
