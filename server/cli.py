@@ -166,7 +166,8 @@ def cmd_coordinator(args) -> int:
     config = replace(config, api_key=resolve_api_key(args.api_key), metrics_port=args.metrics_port,
                      max_queue=args.max_queue, default_timeout=args.default_timeout,
                      prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
-                     heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations)
+                     heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations,
+                     max_model_len=args.max_model_len)
     serving.run(lambda: serve(config))
     return 0
 
@@ -178,7 +179,8 @@ def cmd_prefill(args) -> int:
 
     _check_model(args.model)
     config = PrefillConfig(model_dir=args.model, port=args.port, host=args.host,
-                           max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype)
+                           max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype,
+                           max_model_len=args.max_model_len)
     options = _worker_options(args)
     serving.run(lambda: serve(config, options))
     return 0
@@ -291,12 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
                    default="prefix-aware", help="prefix-aware: the worker likely to hold the prompt's prefix, load-bounded")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="a registered worker silent this long is dead")
     p.add_argument("--max-migrations", type=int, default=2, help="moves of one request to another decode worker")
+    p.add_argument("--max-model-len", type=int, default=0, help="longest prompt + output accepted (0: the model's)")
     p.set_defaults(func=cmd_coordinator)
 
     p = sub.add_parser("prefill", help="run a prefill worker (JAX)")
     _model_arg(p)
     _server_args(p, 50052)
     p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-model-len", type=int, default=0, help="longest prompt prefilled (0: the model's)")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
                    help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
     _worker_args(p)

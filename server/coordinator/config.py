@@ -36,6 +36,8 @@ class CoordinatorConfig:
     """The deadline of a request whose client set none (`--default-timeout`)."""
     prefill_policy: Literal["least-queued"] = "least-queued"
     decode_policy: Literal["prefix-aware", "most-free-blocks", "power-of-two"] = "prefix-aware"
+    max_model_len: int = 0
+    """Longest prompt + output accepted (`--max-model-len`); 0: the model's."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     api_key: str | None = None
@@ -79,6 +81,8 @@ class CoordinatorConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if not self.default_timeout > 0:
             raise ValueError(f"--default-timeout must be > 0, got {self.default_timeout}")
+        if self.max_model_len < 0:
+            raise ValueError(f"--max-model-len must be >= 0 (0: the model's), got {self.max_model_len}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.prefill_policy not in ("least-queued",):

@@ -19,7 +19,7 @@ from pdserve.server.coordinator.registry import RegistryService
 from pdserve.server.coordinator.router import Worker, WorkerPool
 from pdserve.server.coordinator.service import GenerationService
 from pdserve.server.coordinator.validate import Limits
-from pdserve.server.model.config import load_config
+from pdserve.server.model.config import load_config, resolve_max_model_len
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.server.metrics import serve_metrics
 from pdserve.server.security import ApiKeyInterceptor
@@ -73,13 +73,14 @@ async def start(config: CoordinatorConfig) -> Coordinator:
         pool.add(Worker(address, "prefill"))
     for address in config.decode_addresses:
         pool.add(Worker(address, "decode"))
-    limits = Limits(max_model_len=model.max_model_len, vocab_size=model.vocab_size)
+    max_model_len = resolve_max_model_len(model.max_model_len, config.max_model_len)
+    limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size)
     service = GenerationService(tokenizer, limits, pool, config.lease_seconds,
                                 default_timeout=config.default_timeout, max_queue=config.max_queue,
                                 max_migrations=config.max_migrations)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, served_model_name(config.model_dir), lambda: pool.serving,
-                                              model.max_model_len), server)
+                                              max_model_len), server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
         RegistryService(pool, heartbeat_seconds=min(config.refresh_seconds, config.heartbeat_timeout / 3)), server)
     serve_metrics(config.metrics_port, config.host)
@@ -87,7 +88,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     await server.start()
     http = None
     if config.http_port is not None:
-        http = await serve_http(config, service, lambda: pool.serving, model.max_model_len)
+        http = await serve_http(config, service, lambda: pool.serving, max_model_len)
     return Coordinator(config, server, health_servicer, pool, port, service, http)
 
 

@@ -30,6 +30,7 @@ from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.sampler import sample
 from pdserve.server.decode.scheduler import QueueFull, Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.model.config import resolve_max_model_len
 
 log = logging.getLogger("pdserve.decode")
 
@@ -48,8 +49,8 @@ class DecodeEngine:
         self.cache = PagedKvCache(layout, num_blocks)
         self.max_running = max_running
         self.eos_ids = eos_ids
-        capacity = num_blocks * layout.block_size
-        self.max_model_len = min(max_model_len or model.config.max_model_len, capacity)
+        self.max_model_len = resolve_max_model_len(model.config.max_model_len, max_model_len,
+                                                   capacity=num_blocks * layout.block_size)
         self.sequences: dict[str, Sequence] = {}
         self._busy: set[str] = set()
         """Request ids whose blocks a worker thread reads or writes now (the step, a local prefill)."""

@@ -156,3 +156,14 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
     return parse_config(raw, model_dir)
+
+
+def resolve_max_model_len(model_max: int, flag: int = 0, capacity: int | None = None) -> int:
+    """A tier's max_model_len: `--max-model-len` (0: the model's), capped by what its cache holds.
+
+    Raises ValueError when the flag asks for more than the model's positions.
+    """
+    if flag > model_max:
+        raise ValueError(f"--max-model-len {flag} exceeds the model's max_model_len {model_max}")
+    length = flag or model_max
+    return length if capacity is None else min(length, capacity)

@@ -20,8 +20,12 @@ class PrefillConfig:
     """Prompt lengths are padded to powers of two from this up, so XLA compiles few shapes."""
     weight_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = "auto"
     """auto: the checkpoint's dtype; int8/fp8: weight-only, per-output-channel scales, quantized at load."""
+    max_model_len: int = 0
+    """Longest prompt this worker prefills; 0: the model's."""
 
     def __post_init__(self) -> None:
+        if self.max_model_len < 0:
+            raise ValueError(f"--max-model-len must be >= 0 (0: the model's), got {self.max_model_len}")
         if self.max_batch_size <= 0:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.weight_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):

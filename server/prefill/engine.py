@@ -24,7 +24,7 @@ import numpy as np
 
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.v1 import generation_pb2 as gen_pb
-from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import bucket_length, make_prefill_fn
 from pdserve.server.prefill.quant import quantize_kv
@@ -61,7 +61,8 @@ class PrefillEngine:
         self.model_config = model_config
         self.params = params
         self.config = config
-        self.max_len = _pow2(model_config.max_model_len)
+        self.max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len)
+        self.max_len = _pow2(self.max_model_len)
         self._fn = make_prefill_fn(model_config)
         self._quantize_kv = jax.jit(quantize_kv, static_argnames=("block_size", "fmt"))
         self._queue: deque[PrefillJob] = deque()

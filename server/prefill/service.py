@@ -76,9 +76,10 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         ids = list(request.token_ids)
-        if not ids or max(ids) >= self.model_config.vocab_size or min(ids) < 0:
+        max_len = self.engine.max_model_len
+        if not ids or len(ids) > max_len or max(ids) >= self.model_config.vocab_size or min(ids) < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token_ids must be 1..{self.model_config.max_model_len} ids in [0, {self.model_config.vocab_size})")
+                                f"token_ids must be 1..{max_len} ids in [0, {self.model_config.vocab_size})")
         if request.target.cached_blocks * layout.block_size > len(ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"target.cached_blocks {request.target.cached_blocks} exceeds the "
@@ -127,6 +128,6 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             address=self.address,
             fingerprint=self.fingerprint,
             load=pb.WorkerLoad(queued_prefill_tokens=self.engine.queued_tokens, running_requests=len(self.pushes)),
-            max_model_len=self.model_config.max_model_len,
+            max_model_len=self.engine.max_model_len,
             draining=self.draining,
         )
