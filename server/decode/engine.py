@@ -94,7 +94,7 @@ class DecodeEngine:
             seq.finish(reason)
             seq.events.put_nowait(None)
         if not seq.admitted.done():
-            seq.admitted.cancel()
+            seq.admitted.set_result(None)  # a waiter wakes to find it finished
         self._retire(seq)
         return True
 
@@ -126,6 +126,8 @@ class DecodeEngine:
 
     def start(self, seq: Sequence, first_token: int) -> None:
         """The KV is in place: the first token joins; the sequence decodes from the next step."""
+        if seq.state is not SeqState.WAITING_KV:
+            return  # aborted meanwhile: its stream has already ended
         self.scheduler.start(seq)
         seq.append(first_token)
         if seq.state is SeqState.FINISHED:

@@ -14,6 +14,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import logs, metrics
 from pdserve.server.decode.engine import DecodeEngine, QueueFull
+from pdserve.server.decode.sequence import SeqState
 
 log = logging.getLogger("pdserve.decode")
 
@@ -49,6 +50,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             await seq.admitted  # waits in the engine's queue; the call's deadline bounds the wait
+            if seq.state is SeqState.FINISHED:  # aborted while it waited
+                yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason))
+                return
             reserved = pb.Reserved(num_blocks=len(seq.block_table), cached_blocks=seq.num_hit_blocks)
             if request.local_prefill:  # no prefill worker is alive: run the prompt here
                 yield pb.DecodeResponse(reserved=reserved)
