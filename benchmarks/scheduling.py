@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"finish reasons: {', '.join(r['finish'])}; wall {r['wall_s']:.1f} s")
     if "shared-prefix" not in args.skip:
         rows = [shared_prefix(model, args.prefix_len, args.suffix_len, args.prefix_requests,
-                              args.prefix_concurrency, args.metrics_port, caching) for caching in (True, False)]
+                              args.prefix_concurrency, args.metrics_port, caching) for caching in (False, True)]
         print(f"\nshared prefix: {args.prefix_len}-token common prefix + {args.suffix_len}-token distinct suffixes, "
               f"{rows[0]['requests']} requests after one warm-up, {args.prefix_concurrency} in flight, 16 tokens each")
         print("| prefix caching | KV bytes / request | prefix-cache hit tokens / request | TTFT mean (ms) | "

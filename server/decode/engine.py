@@ -81,9 +81,9 @@ class DecodeEngine:
                              f"max_model_len {self.max_model_len}")
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
                        num_prior_outputs=request.num_output_tokens)
-        self.scheduler.add(seq)
+        admitted = self.scheduler.add(seq)
         self.sequences[rid] = seq
-        self._admit()
+        self._admitted(admitted)
         return seq
 
     def abort(self, request_id: str, reason: int = gen_pb.FINISH_REASON_ABORT) -> bool:
@@ -142,7 +142,10 @@ class DecodeEngine:
             self._task = asyncio.create_task(self._loop(), name="decode-loop")
 
     def _admit(self) -> None:
-        for seq in self.scheduler.admit():
+        self._admitted(self.scheduler.admit())
+
+    def _admitted(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
             metrics.prefix_cache_queries.inc(len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1)
             metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
             if not seq.admitted.done():

@@ -1,7 +1,8 @@
 """Which sequences hold blocks and which decode each step: a FIFO waiting queue, blocks on demand, preemption.
 
 A sequence's life here:
-1. `add`: it waits in the queue (at most `max_queue` new sequences wait; one more is QueueFull).
+1. `add`: admitted at once if it fits and nobody waits; else it waits in the queue (at most
+   `max_queue` new sequences wait; one more is QueueFull).
 2. `admit` takes sequences from the head of the queue, in order, while the running cap allows and
    their blocks fit: the prompt's blocks (cached prefix blocks reused, the rest fresh). The head that
    does not fit blocks everyone behind it, so a big request is never starved by small ones.
@@ -55,10 +56,14 @@ class Scheduler:
 
     # ---- the queue -------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        if self.num_waiting_new >= self.max_queue:
-            raise QueueFull(f"{self.max_queue} requests already wait for KV blocks on this decode worker")
+    def add(self, seq: Sequence) -> list[Sequence]:
+        """Queues the sequence and admits what fits; the sequences admitted (see `admit`)."""
         self.waiting.append(seq)
+        admitted = self.admit()
+        if seq.state is SeqState.WAITING and self.num_waiting_new > self.max_queue:
+            self.waiting.remove(seq)
+            raise QueueFull(f"{self.max_queue} requests already wait for KV blocks on this decode worker")
+        return admitted
 
     def admit(self) -> list[Sequence]:
         """Admits from the head of the queue while it fits; the sequences admitted, in order."""

@@ -106,8 +106,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             fingerprint=pb.ModelFingerprint(digest=self.fingerprint, description=self.description),
             kv_layout=engine.layout.to_proto(),
             load=pb.WorkerLoad(
-                running_requests=len(scheduler.running) + len(scheduler.loading),
-                waiting_requests=len(scheduler.waiting),
+                running_requests=len(scheduler.running),
+                waiting_requests=len(scheduler.loading) + len(scheduler.waiting),  # for their KV or for blocks
                 free_kv_blocks=scheduler.num_free_blocks,
                 total_kv_blocks=engine.pool.num_total,
                 max_running_requests=engine.max_running,
