@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--suffix-len", type=int, default=64)
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-concurrency", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="shared prefix: runs of each setting, the order alternating (the machine's load drifts)")
     p.add_argument("--metrics-port", type=int, default=19391)
     p.add_argument("--skip", choices=["early-stop", "shared-prefix"], action="append", default=[])
     args = p.parse_args(argv)
@@ -211,15 +213,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['output_tok_s']:.1f} | {r['preemptions']:.0f} | {r['reservation_bound']} |")
         print(f"finish reasons: {', '.join(r['finish'])}; wall {r['wall_s']:.1f} s")
     if "shared-prefix" not in args.skip:
+        order = [caching for i in range(args.repeats) for caching in ((False, True) if i % 2 == 0 else (True, False))]
         rows = [shared_prefix(model, args.prefix_len, args.suffix_len, args.prefix_requests,
-                              args.prefix_concurrency, args.metrics_port, caching) for caching in (False, True)]
+                              args.prefix_concurrency, args.metrics_port, caching) for caching in order]
         print(f"\nshared prefix: {args.prefix_len}-token common prefix + {args.suffix_len}-token distinct suffixes, "
               f"{rows[0]['requests']} requests after one warm-up, {args.prefix_concurrency} in flight, 16 tokens each")
-        print("| prefix caching | KV bytes / request | prefix-cache hit tokens / request | TTFT mean (ms) | "
+        print("| run | prefix caching | KV bytes / request | prefix-cache hit tokens / request | TTFT mean (ms) | "
               "TTFT p50 (ms) | ITL mean (ms) |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        for r in rows:
-            print(f"| {'on' if r['caching'] else 'off'} | {r['kv_bytes_per_request']:,.0f} | "
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        for i, r in enumerate(rows):
+            print(f"| {i + 1} | {'on' if r['caching'] else 'off'} | {r['kv_bytes_per_request']:,.0f} | "
                   f"{r['hit_tokens_per_request']:.0f} | {r['ttft_ms_mean']:.1f} | {r['ttft_ms_p50']:.1f} | "
                   f"{r['itl_ms_mean']:.1f} |")
     return 0

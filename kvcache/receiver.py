@@ -139,8 +139,9 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 "its KV is discarded, stop sending it",
             )
         if not 0 <= cached_blocks <= self.layout.num_blocks(num_tokens):
-            raise ValueError(f"request {request_id!r}: cached_blocks {cached_blocks} outside the prompt's blocks")
-        transfer = Transfer(request_id, attempt, bytes(transfer_token), num_tokens, cached_blocks=cached_blocks)
+            raise ValueError(f"request {request_id!r}: {cached_blocks} cached blocks, more than the prompt has")
+        transfer = Transfer(request_id, attempt, bytes(transfer_token), num_tokens,
+                            cached_blocks=cached_blocks)
         self._transfers[request_id] = transfer
         return transfer
 

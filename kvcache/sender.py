@@ -49,7 +49,8 @@ class KvSender:
     ) -> pb.PushKvResponse:
         """Pushes header, blocks, end; raises grpc.aio.AioRpcError when the receiver refuses.
 
-        k and v hold the whole prompt; the header's leading `cached_blocks` (the receiver holds them) are not sent.
+        k and v hold the whole prompt; the header's leading `cached_blocks` (the receiver holds them)
+        are not sent.
         """
         if header.num_tokens != k.shape[1]:
             raise ValueError(f"header says {header.num_tokens} tokens but k holds {k.shape[1]}")
@@ -63,7 +64,9 @@ class KvSender:
             )
         skip = header.cached_blocks * layout.block_size
         if skip > k.shape[1]:
-            raise ValueError(f"header skips {header.cached_blocks} cached blocks of a {k.shape[1]}-token prompt")
+            raise ValueError(
+                f"header skips {header.cached_blocks} cached blocks of a {k.shape[1]}-token prompt"
+            )
         if skip:
             k, v = k[:, skip:], v[:, skip:]
             if k_scales is not None and v_scales is not None:
