@@ -30,6 +30,7 @@ import numpy as np
 
 from pdserve.benchmarks import ceilings
 from pdserve.benchmarks.ceilings import GB, best_time
+from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, gate
 from pdserve.server.model.config import ModelConfig, load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
@@ -389,6 +390,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="the tiny model only, fewer iterations")
     default_cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "bench"
     parser.add_argument("--cache-dir", type=Path, default=default_cache, help="where checkpoints are built")
+    parser.add_argument("--max-load", type=float, default=2.0,
+                        help="refuse to start when the 1-minute load average is above this (--quick: never)")
+    parser.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, marking the result noisy")
     args = parser.parse_args(argv)
     models = ["tiny"] if args.quick else [m for m in args.models.split(",") if m]
     unknown = set(models) - set(MODELS)
@@ -399,14 +403,17 @@ def main(argv: list[str] | None = None) -> None:
     import jax
     import torch
 
-    load = os.getloadavg()[0]
-    busy = "; other processes are running: expect noisy numbers" if load > 0.5 else ""
-    log(f"load average {load:.2f} on {os.cpu_count()} CPUs{busy}")
-    ceil = measure_ceilings(plan)
-    rows = ceiling_rows(ceil, plan)
-    for name in models:
-        rows += bench_model(name, args.cache_dir, plan, ceil)
+    record = MachineRecord.take()
+    gate(record, args.max_load, args.allow_noisy or args.quick)
+    log(f"load average {record.load_before[0]:.2f} on {record.cores} CPUs: {record.status}")
+    with LoadMonitor() as monitor:
+        ceil = measure_ceilings(plan)
+        rows = ceiling_rows(ceil, plan)
+        for name in models:
+            rows += bench_model(name, args.cache_dir, plan, ceil)
+    record.finish(monitor)
     log("done")
+    print(record.markdown() + "\n")
     print(table(rows))
     if args.json:
         machine = {
@@ -415,7 +422,7 @@ def main(argv: list[str] | None = None) -> None:
             "jax_backend": jax.default_backend(),
             "jax": jax.__version__,
             "torch": torch.__version__,
-            "load_average_at_start": load,
+            **record.as_dict(),
         }
         result = {
             "quick": args.quick,

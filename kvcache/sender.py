@@ -28,9 +28,12 @@ class KvSender:
         channel_options: list | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
+        interceptors: list | None = None,
     ) -> None:
+        """interceptors: client interceptors of every channel (the cluster credential)."""
         self._options = CHANNEL_OPTIONS if channel_options is None else channel_options
         self._credentials = credentials
+        self._interceptors = interceptors
         self._max_chunk_bytes = max_chunk_bytes
         self._channels: dict[str, grpc.aio.Channel] = {}
 
@@ -89,9 +92,10 @@ class KvSender:
         channel = self._channels.get(address)
         if channel is None:
             if self._credentials is None:
-                channel = grpc.aio.insecure_channel(address, options=self._options)
+                channel = grpc.aio.insecure_channel(address, options=self._options, interceptors=self._interceptors)
             else:
-                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
+                channel = grpc.aio.secure_channel(address, self._credentials, options=self._options,
+                                                  interceptors=self._interceptors)
             self._channels[address] = channel
         return channel
 

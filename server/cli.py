@@ -58,6 +58,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-cert", type=Path, help="this process's certificate (PEM): TLS on every gRPC link")
     p.add_argument("--tls-key", type=Path, help="the certificate's private key (PEM)")
     p.add_argument("--tls-ca", type=Path, help="the CA to trust (PEM); servers then require client certs (mTLS)")
+    p.add_argument("--cluster-secret-file", type=Path,
+                   help="a file holding the cluster secret every internal RPC carries and needs "
+                        "(or $PDSERVE_CLUSTER_SECRET_FILE); distinct from --api-key")
     p.add_argument("--log-format", choices=["text", "json"], default="text")
 
 
@@ -77,10 +80,11 @@ def _client_args(p: argparse.ArgumentParser) -> None:
 
 def _configure_tls(args) -> None:
     from pdserve.server import serving
-    from pdserve.server.security import TlsConfig
+    from pdserve.server.security import TlsConfig, resolve_cluster_secret
 
     try:
-        serving.configure(TlsConfig(args.tls_cert, args.tls_key, args.tls_ca))
+        serving.configure(TlsConfig(args.tls_cert, args.tls_key, args.tls_ca),
+                          resolve_cluster_secret(args.cluster_secret_file))
     except ValueError as e:
         raise SystemExit(f"pdserve: {e}")
 
@@ -107,14 +111,45 @@ def _check_model(model_dir: Path) -> None:
 def cmd_up(args) -> int:
     from pdserve.server import launcher
 
+    if args.prefill_workers < 0 or args.decode_workers < 1:
+        raise SystemExit(f"pdserve up: error: --prefill-workers must be >= 0 and --decode-workers >= 1, got "
+                         f"{args.prefill_workers} and {args.decode_workers}")
+    if not args.stall_timeout > 0:
+        raise SystemExit(f"pdserve up: error: --stall-timeout must be > 0, got {args.stall_timeout}")
     model = args.model or default_model_dir()
     _check_model(model)
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
     http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
     coordinator_args = ["--http-port", str(http_port)] if http_port is not None else []
+    coordinator_args += ["--stall-timeout", str(args.stall_timeout)]
+    secret_dir = None
+    if args.cluster_secret_file is None:  # one fresh secret for this cluster's internal links
+        import tempfile
+
+        from pdserve.server.security import write_cluster_secret
+
+        secret_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
+        args.cluster_secret_file = write_cluster_secret(secret_dir / "cluster-secret")
+    try:
+        return _up(args, model, http_port, coordinator_args)
+    finally:
+        if secret_dir is not None:
+            import shutil
+
+            shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+def _up(args, model: Path, http_port: int | None, coordinator_args: list[str]) -> int:
+    from pdserve.server import launcher
+
+    if args.metrics_port:
+        from pdserve.server.metrics import serve_metrics
+
+        serve_metrics(args.metrics_port, args.host)
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
+                                  common_args=["--cluster-secret-file", str(args.cluster_secret_file)],
                                   prefill_args=["--weight-dtype", args.prefill_weight_dtype],
                                   decode_args=["--weight-dtype", args.decode_weight_dtype,
                                                "--kv-dtype", args.kv_dtype])
@@ -134,14 +169,15 @@ def cmd_up(args) -> int:
 
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    supervisor = launcher.Supervisor(cluster)
+    restarts = 0
     try:
         while not stopping:
-            dead = cluster.failed()
-            if dead is not None:
-                print(f"{dead.name} exited with code {dead.popen.returncode}; stopping everything", file=sys.stderr)
-                cluster.stop()
-                return 1
-            time.sleep(0.5)
+            supervisor.poll()
+            if args.state_file and sum(p.restarts for p in cluster.procs) != restarts:
+                restarts = sum(p.restarts for p in cluster.procs)
+                launcher.write_state(cluster, args.state_file)
+            time.sleep(0.25)
     except KeyboardInterrupt:
         pass
     print("stopping ...", file=sys.stderr)
@@ -167,6 +203,7 @@ def cmd_coordinator(args) -> int:
                      max_queue=args.max_queue, default_timeout=args.default_timeout,
                      prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                      heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations,
+                     stall_timeout=args.stall_timeout, max_prompt_bytes=args.max_prompt_bytes,
                      max_model_len=args.max_model_len)
     serving.run(lambda: serve(config))
     return 0
@@ -205,7 +242,11 @@ def cmd_decode(args) -> int:
 def cmd_generate(args) -> int:
     from pdserve.server.client import build_request, run_generate
 
-    ids = [int(t) for t in args.token_ids.split(",")] if args.token_ids else None
+    try:
+        ids = [int(t) for t in args.token_ids.split(",")] if args.token_ids else None
+    except ValueError:
+        raise SystemExit(f"pdserve generate: error: --token-ids must be comma-separated integers, "
+                         f"got {args.token_ids!r}") from None
     request = build_request(prompt=args.prompt, token_ids=ids, max_tokens=args.max_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             stop=args.stop or [], ignore_eos=args.ignore_eos)
@@ -226,8 +267,9 @@ def _client_tls(args):
 
 def cmd_status(args) -> int:
     from pdserve.server.client import run_status
+    from pdserve.server.security import resolve_cluster_secret
 
-    return run_status(args.addr, args.json, _client_tls(args))
+    return run_status(args.addr, args.json, _client_tls(args), resolve_cluster_secret(args.cluster_secret_file))
 
 
 def cmd_make_tiny_model(args) -> int:
@@ -276,6 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="prefill workers' weights")
     p.add_argument("--decode-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="decode workers' weights")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
+    p.add_argument("--cluster-secret-file", type=Path,
+                   help="the internal links' secret (default: a fresh one, in a private temporary file)")
+    p.add_argument("--stall-timeout", type=float, default=10.0,
+                   help="the coordinator migrates a stream whose decode worker sends nothing this long (s)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve this supervisor's /metrics (pdserve_worker_restarts_total) here (0: off)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("coordinator", help="run the coordinator (public API)")
@@ -293,6 +341,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default="prefix-aware", help="prefix-aware: the worker likely to hold the prompt's prefix, load-bounded")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="a registered worker silent this long is dead")
     p.add_argument("--max-migrations", type=int, default=2, help="moves of one request to another decode worker")
+    p.add_argument("--stall-timeout", type=float, default=10.0,
+                   help="a decode stream silent this long (s) is migrated as if its worker had died")
+    p.add_argument("--max-prompt-bytes", type=int, default=4 * 2**20,
+                   help="longest text prompt (UTF-8 bytes); HTTP bodies may be twice that + 1 MiB (413 beyond)")
     p.add_argument("--max-model-len", type=int, default=0, help="longest prompt + output accepted (0: the model's)")
     p.set_defaults(func=cmd_coordinator)
 
@@ -348,6 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--addr", default="127.0.0.1:50051", help="the coordinator")
     p.add_argument("--json", action="store_true", help="one JSON object per worker")
     _client_args(p)
+    p.add_argument("--cluster-secret-file", type=Path, help="the cluster's secret (the pools are internal)")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("make-tiny-model", help="write a small random-weight HF checkpoint")
@@ -374,7 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _setup_logging(getattr(args, "log_format", "text"))
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except (ValueError, OSError) as e:  # a bad argument or file: say which, without a traceback
+        logging.getLogger("pdserve").debug("pdserve %s failed", args.command, exc_info=True)
+        print(f"pdserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

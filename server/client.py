@@ -81,9 +81,15 @@ def run_generate(addr: str, request: gen_pb.GenerateRequest, as_json: bool, time
     return 0
 
 
-def list_workers(addr: str, tls: TlsConfig | None = None, timeout: float = 10.0) -> list[worker_pb2.WorkerStatus]:
+def list_workers(addr: str, tls: TlsConfig | None = None, timeout: float = 10.0,
+                 cluster_secret: str | None = None) -> list[worker_pb2.WorkerStatus]:
+    """The coordinator's pools (an internal call: the cluster secret, or an operator certificate under mTLS)."""
+    from pdserve.server.security import CLUSTER_SECRET_HEADER
+
+    metadata = ((CLUSTER_SECRET_HEADER, cluster_secret),) if cluster_secret else ()
     with open_channel(addr, tls) as ch:
-        reply = worker_pb2_grpc.RegistryStub(ch).ListWorkers(worker_pb2.ListWorkersRequest(), timeout=timeout)
+        reply = worker_pb2_grpc.RegistryStub(ch).ListWorkers(worker_pb2.ListWorkersRequest(), timeout=timeout,
+                                                             metadata=metadata)
     return list(reply.workers)
 
 
@@ -106,9 +112,10 @@ def format_status(workers: list[worker_pb2.WorkerStatus]) -> str:
     return "\n".join(lines)
 
 
-def run_status(addr: str, as_json: bool = False, tls: TlsConfig | None = None) -> int:
+def run_status(addr: str, as_json: bool = False, tls: TlsConfig | None = None,
+               cluster_secret: str | None = None) -> int:
     try:
-        workers = list_workers(addr, tls)
+        workers = list_workers(addr, tls, cluster_secret=cluster_secret)
     except grpc.RpcError as e:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1

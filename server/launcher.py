@@ -1,8 +1,15 @@
-"""`pdserve up`: a coordinator and its workers as separate OS processes on one host."""
+"""`pdserve up`: a coordinator and its workers as separate OS processes on one host, kept alive.
+
+`launch` starts the workers, waits until they serve, then the coordinator. `Supervisor.poll` (the
+`pdserve up` loop) starts a process that died again, on its own port with its own command, after a
+backoff that doubles while it keeps dying young; the others keep serving meanwhile, and the
+coordinator's retries and migration carry the requests a dead worker held.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -14,6 +21,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+log = logging.getLogger("pdserve.launcher")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -27,6 +36,15 @@ class Proc:
     name: str
     address: str
     popen: subprocess.Popen
+    cmd: list[str] = field(default_factory=list)
+    """What started it (a restart runs it again)."""
+    env: dict[str, str] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+
+    @property
+    def role(self) -> str:
+        return self.name.partition("-")[0]
 
 
 @dataclass
@@ -45,6 +63,7 @@ class Cluster:
             "prefill": [p.address for p in self.prefill],
             "decode": [p.address for p in self.decode],
             "pids": {p.name: p.popen.pid for p in self.procs},
+            "restarts": {p.name: p.restarts for p in self.procs},
         }
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -67,7 +86,47 @@ class Cluster:
 def _spawn(name: str, args: list[str], port: int, host: str) -> Proc:
     cmd = [sys.executable, "-m", "pdserve.server.cli", *args, "--port", str(port), "--host", host]
     env = dict(os.environ, PDSERVE_PROCESS=name)
-    return Proc(name, f"{host}:{port}", subprocess.Popen(cmd, env=env))
+    return Proc(name, f"{host}:{port}", subprocess.Popen(cmd, env=env), cmd, env)
+
+
+class Supervisor:
+    """Restarts the cluster's processes that die (with backoff), counting each restart and logging it.
+
+    A process that ran `stable_seconds` before dying is restarted after `min_backoff`; one that dies
+    sooner waits twice its previous backoff, up to `max_backoff`."""
+
+    def __init__(self, cluster: Cluster, *, min_backoff: float = 0.5, max_backoff: float = 30.0,
+                 stable_seconds: float = 30.0):
+        self.cluster = cluster
+        self.min_backoff = min_backoff
+        self.max_backoff = max_backoff
+        self.stable_seconds = stable_seconds
+        self._backoff: dict[str, float] = {}
+        self._restart_at: dict[str, float] = {}
+
+    def poll(self) -> None:
+        """Notices dead processes and restarts those whose backoff has passed (call it every ~0.5 s)."""
+        from pdserve.server import metrics
+
+        now = time.monotonic()
+        for p in self.cluster.procs:
+            if p.popen.poll() is None:
+                continue
+            if p.name not in self._restart_at:
+                young = now - p.started_at < self.stable_seconds
+                previous = self._backoff.get(p.name, 0.0)
+                backoff = min(self.max_backoff, previous * 2) if young and previous else self.min_backoff
+                self._backoff[p.name] = backoff
+                self._restart_at[p.name] = now + backoff
+                log.warning("%s (pid %d) exited with code %s; restarting it in %.1f s", p.name, p.popen.pid,
+                            p.popen.returncode, backoff)
+            elif now >= self._restart_at[p.name]:
+                del self._restart_at[p.name]
+                p.popen = subprocess.Popen(p.cmd, env=p.env)
+                p.started_at = now
+                p.restarts += 1
+                metrics.worker_restarts.labels(p.role).inc()
+                log.warning("%s restarted as pid %d (restart %d)", p.name, p.popen.pid, p.restarts)
 
 
 def wait_serving(cluster: Cluster, procs: list[Proc], timeout: float) -> None:
@@ -96,8 +155,11 @@ def wait_serving(cluster: Cluster, procs: list[Proc], timeout: float) -> None:
 
 def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: int, host: str,
            prefill_args: list[str] = (), decode_args: list[str] = (), coordinator_args: list[str] = (),
-           timeout: float = 600.0) -> Cluster:
+           common_args: list[str] = (), timeout: float = 600.0) -> Cluster:
+    """common_args: flags every process gets (the cluster secret, TLS)."""
     cluster = Cluster()
+    prefill_args, decode_args = [*prefill_args, *common_args], [*decode_args, *common_args]
+    coordinator_args = [*coordinator_args, *common_args]
     try:
         for i in range(prefill_workers):
             cluster.prefill.append(_spawn(f"prefill-{i}", ["prefill", "--model", str(model_dir), *prefill_args],

@@ -39,6 +39,8 @@ num_preemptions = Counter("pdserve_num_preemptions", "Decode sequences preempted
 prefix_cache_queries = Counter("pdserve_prefix_cache_queries", "Tokens looked up in the decode prefix cache")
 prefix_cache_hits = Counter("pdserve_prefix_cache_hits", "Tokens found in the decode prefix cache (KV not sent again)")
 admission_rejections = Counter("pdserve_admission_rejections", "Requests refused because a tier's queue was full", ["tier"])
+worker_restarts = Counter("pdserve_worker_restarts", "Processes `pdserve up` started again after they died", ["role"])
+stalled_streams = Counter("pdserve_stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
 
 # ---- latency (histograms) -----------------------------------------------------------
 time_to_first_token = Histogram("pdserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS)

@@ -1,7 +1,8 @@
 """What every pdserve process shares: a grpc.aio server with health and reflection, on uvloop.
 
-`configure(tls)` once at start-up makes every server and channel of the process use TLS (mTLS when a
-CA is given); `WorkerOptions` are the flags every worker shares (registration, metrics, KV port).
+`configure(tls, cluster_secret)` once at start-up makes every server and channel of the process use TLS
+(mTLS when a CA is given) and the cluster credential: channels send the secret, servers refuse internal
+calls without it (and, under mTLS, from certificates without an allowed role); `WorkerOptions` are the flags every worker shares (registration, metrics, KV port).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from pdserve.server.security import TlsConfig
+from pdserve.server.security import ClusterAuth, ClusterAuthInterceptor, TlsConfig, cluster_secret_interceptors
 
 MAX_MESSAGE_BYTES = 64 * 2**20
 CHANNEL_OPTIONS = [
@@ -27,6 +28,7 @@ CHANNEL_OPTIONS = [
 log = logging.getLogger("pdserve")
 
 _tls: TlsConfig | None = None
+_cluster_secret: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,35 @@ class WorkerOptions:
     """On SIGTERM, how long in-flight requests may take before the worker exits anyway."""
 
 
-def configure(tls: TlsConfig | None) -> None:
-    """Every server and channel this process makes from now on uses `tls` (None or disabled: plaintext)."""
-    global _tls
+def configure(tls: TlsConfig | None, cluster_secret: str | None = None) -> None:
+    """Every server and channel this process makes from now on uses `tls` (None or disabled: plaintext)
+    and the cluster credential (`cluster_secret`, and role-bound certificates under mTLS)."""
+    global _tls, _cluster_secret
     _tls = tls if tls is not None and tls.enabled else None
+    _cluster_secret = cluster_secret
+    if cluster_auth() is None:
+        log.warning("internal RPCs are unauthenticated: anyone who reaches a port can register workers or call "
+                    "them; set --cluster-secret-file (pdserve up does) or mTLS with role certificates")
+
+
+def tls_config() -> TlsConfig | None:
+    """The process's TLS (None: plaintext); the HTTP front serves HTTPS with the same files."""
+    return _tls
+
+
+def cluster_auth() -> ClusterAuth | None:
+    """How this process's servers check internal calls (None: they do not)."""
+    auth = ClusterAuth(_cluster_secret, role_bound=_tls is not None and _tls.ca is not None and _tls.cert is not None)
+    return auth if auth.enabled else None
+
+
+def server_interceptors() -> list[Any]:
+    auth = cluster_auth()
+    return [ClusterAuthInterceptor(auth)] if auth is not None else []
+
+
+def channel_interceptors() -> list[Any] | None:
+    return cluster_secret_interceptors(_cluster_secret) if _cluster_secret is not None else None
 
 
 def channel_credentials() -> grpc.ChannelCredentials | None:
@@ -58,7 +85,7 @@ def new_server(
     service_names: list[str], port: int, host: str = "127.0.0.1", interceptors: Sequence[Any] = ()
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A server with grpc.health.v1 and reflection added; the caller adds its own servicers."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=list(interceptors) or None)
+    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[*server_interceptors(), *interceptors] or None)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
@@ -88,8 +115,9 @@ async def set_serving(health_servicer: health.aio.HealthServicer, names: list[st
 
 def channel(address: str) -> grpc.aio.Channel:
     if _tls is not None:
-        return grpc.aio.secure_channel(address, _tls.channel_credentials(), options=CHANNEL_OPTIONS)
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return grpc.aio.secure_channel(address, _tls.channel_credentials(), options=CHANNEL_OPTIONS,
+                                       interceptors=channel_interceptors())
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=channel_interceptors())
 
 
 async def drain(health_servicer: health.aio.HealthServicer, names: list[str], busy: Callable[[], bool],

@@ -40,6 +40,10 @@ class CoordinatorConfig:
     """Longest prompt + output accepted (`--max-model-len`); 0: the model's."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
+    stall_timeout: float = 10.0
+    """A decode stream that sends nothing this long is migrated as if its worker had died (`--stall-timeout`)."""
+    max_prompt_bytes: int = 4 * 2**20
+    """Text prompts (and chat messages together) longer than this are refused before any work."""
     api_key: str | None = None
     """The public API needs `authorization: Bearer KEY` when set (`--api-key` or $PDSERVE_API_KEY)."""
     metrics_port: int = 0
@@ -81,6 +85,10 @@ class CoordinatorConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if not self.default_timeout > 0:
             raise ValueError(f"--default-timeout must be > 0, got {self.default_timeout}")
+        if not self.stall_timeout > 0:
+            raise ValueError(f"--stall-timeout must be > 0, got {self.stall_timeout}")
+        if self.max_prompt_bytes <= 0:
+            raise ValueError(f"--max-prompt-bytes must be > 0, got {self.max_prompt_bytes}")
         if self.max_model_len < 0:
             raise ValueError(f"--max-model-len must be >= 0 (0: the model's), got {self.max_model_len}")
         if self.max_migrations < 0:

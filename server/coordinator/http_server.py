@@ -20,9 +20,13 @@ class HttpServer:
     server: uvicorn.Server
     task: asyncio.Task[None]
     port: int
+    watcher: asyncio.Task[None] | None = None
+    """Reloads the HTTPS certificate when its files change."""
 
     async def stop(self, grace: float = 5.0) -> None:
         """Stops accepting, lets open requests finish for `grace` seconds, then closes them."""
+        if self.watcher is not None:
+            self.watcher.cancel()
         self.server.should_exit = True
         self.server.config.timeout_graceful_shutdown = grace
         with contextlib.suppress(asyncio.CancelledError):
@@ -44,12 +48,19 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start(app, host: str, port: int) -> HttpServer:
+async def start(app, host: str, port: int, tls=None) -> HttpServer:
+    """tls: a security.TlsConfig with a certificate: serve HTTPS, following renewals of its files."""
     sock = _bind(host, port)
     config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="off", ws="none", timeout_keep_alive=30
     )
     config.load()
+    watcher = None
+    if tls is not None and tls.cert is not None:
+        from pdserve.server.security import watch_ssl_context
+
+        config.ssl = tls.ssl_context()  # uvicorn passes config.ssl to create_server
+        watcher = asyncio.create_task(watch_ssl_context(config.ssl, tls))
     server = uvicorn.Server(config)
     server.lifespan = config.lifespan_class(config)
     await server.startup(sockets=[sock])
@@ -61,4 +72,4 @@ async def start(app, host: str, port: int) -> HttpServer:
             await server.shutdown(sockets=[sock])
             sock.close()
 
-    return HttpServer(server, asyncio.create_task(run()), sock.getsockname()[1])
+    return HttpServer(server, asyncio.create_task(run()), sock.getsockname()[1], watcher)

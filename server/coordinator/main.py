@@ -14,7 +14,6 @@ from pdserve.server.coordinator import kserve
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.coordinator.http_server import HttpServer
 from pdserve.server.coordinator.openai_api import serve_http, served_model_name
-from pdserve.server.coordinator.registry import SERVICE_NAME as REGISTRY_SERVICE
 from pdserve.server.coordinator.registry import RegistryService
 from pdserve.server.coordinator.router import Worker, WorkerPool
 from pdserve.server.coordinator.service import GenerationService
@@ -23,7 +22,7 @@ from pdserve.server.model.config import load_config, resolve_max_model_len
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.server.metrics import serve_metrics
 from pdserve.server.security import ApiKeyInterceptor
-from pdserve.server.serving import new_server, set_serving, wait_for_signal
+from pdserve.server.serving import cluster_auth, new_server, set_serving, wait_for_signal
 
 log = logging.getLogger("pdserve.coordinator")
 
@@ -56,8 +55,9 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     # The API key guards generation on both public gRPC APIs (KServe's liveness and metadata stay open).
     guarded = (SERVICE_NAME, f"{kserve.SERVICE_NAME}/ModelInfer", f"{kserve.SERVICE_NAME}/ModelStreamInfer")
     interceptors = [ApiKeyInterceptor(config.api_key, guarded)] if config.api_key else []
-    server, health_servicer, port = new_server([SERVICE_NAME, REGISTRY_SERVICE, kserve.SERVICE_NAME], config.port,
-                                               config.host, interceptors)
+    # Reflection lists the public services only; the registry answers cluster members (security.py).
+    server, health_servicer, port = new_server([SERVICE_NAME, kserve.SERVICE_NAME], config.port, config.host,
+                                               interceptors)
     await set_serving(health_servicer, [SERVICE_NAME], False)
 
     async def on_change(serving: bool) -> None:
@@ -74,15 +74,17 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     for address in config.decode_addresses:
         pool.add(Worker(address, "decode"))
     max_model_len = resolve_max_model_len(model.max_model_len, config.max_model_len)
-    limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size)
+    limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size,
+                    max_prompt_bytes=config.max_prompt_bytes, max_token_bytes=tokenizer.max_token_bytes())
     service = GenerationService(tokenizer, limits, pool, config.lease_seconds,
                                 default_timeout=config.default_timeout, max_queue=config.max_queue,
-                                max_migrations=config.max_migrations)
+                                max_migrations=config.max_migrations, stall_timeout=config.stall_timeout)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, served_model_name(config.model_dir), lambda: pool.serving,
                                               max_model_len), server)
     worker_pb2_grpc.add_RegistryServicer_to_server(
-        RegistryService(pool, heartbeat_seconds=min(config.refresh_seconds, config.heartbeat_timeout / 3)), server)
+        RegistryService(pool, heartbeat_seconds=min(config.refresh_seconds, config.heartbeat_timeout / 3),
+                        role_bound=bool(cluster_auth() and cluster_auth().role_bound)), server)
     serve_metrics(config.metrics_port, config.host)
     await pool.start()
     await server.start()

@@ -5,7 +5,8 @@
   `GenerationService.stream`; a chat first goes through the model's chat template.
 - `GET /v1/models`, `GET /health` (200 while a decode worker takes work, else 503), `GET /metrics`.
 - Errors are OpenAI error objects: 400 bad field, 401 bad API key, 404 unknown model, 429 admission
-  rejection (with Retry-After), 503 no worker, 504 deadline. An error after streaming began arrives
+  rejection (with Retry-After), 413 a body or prompt over its byte limit, 503 no worker, 504 deadline;
+  any other failure a 500 error object, never a bare one. An error after streaming began arrives
   as an SSE event `{"error": ...}` before `[DONE]`.
 - A client that disconnects cancels its request: the stream is closed, which cancels the worker calls.
 """
@@ -34,11 +35,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer as HfTokenizer
 
 from pdserve.v1 import generation_pb2
-from pdserve.server import metrics
+from pdserve.server import metrics, serving
 from pdserve.server.coordinator import http_server
+from pdserve.server.coordinator.body_limit import BodyLimit, BodyTooLarge, error_body
 from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.server.coordinator.service import GenerationService, RequestFailed
-from pdserve.server.coordinator.validate import InvalidRequest
+from pdserve.server.coordinator.validate import InvalidRequest, TooLarge
 
 log = logging.getLogger("pdserve.coordinator.http")
 
@@ -64,6 +66,7 @@ ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
     404: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
     504: "timeout_error",
@@ -107,7 +110,7 @@ class ApiError(Exception):
 def _api_error(e: InvalidRequest | RequestFailed | ChatTemplateError) -> ApiError:
     if isinstance(e, (InvalidRequest, ChatTemplateError)):
         message = str(e)
-        error = ApiError(400, message, param=message.split(" ", 1)[0].split(":")[0] or None)
+        error = ApiError(413 if isinstance(e, TooLarge) else 400, message, param=message.split(" ", 1)[0].split(":")[0] or None)
         error.counted = isinstance(e, InvalidRequest)
         return error
     status = HTTP_STATUS.get(e.code, 500)
@@ -284,6 +287,8 @@ class Front:
     created: int = 0
     encoder: HfTokenizer | None = None
     """For /tokenize without special tokens (vLLM's extension); None: the endpoint answers 501."""
+    max_body_bytes: int = 16 * 2**20
+    """Larger request bodies get 413 before they are read."""
 
     def check_model(self, model: str) -> None:
         if model != self.model_name and model not in self.aliases:
@@ -465,6 +470,15 @@ def create_app(front: Front) -> FastAPI:
     async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return ApiError(e.status_code, str(e.detail)).response()
 
+    @app.exception_handler(BodyTooLarge)
+    async def body_too_large(_: Request, e: BodyTooLarge) -> JSONResponse:
+        return JSONResponse(json.loads(error_body(front.max_body_bytes)), status_code=413)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        log.exception("HTTP request failed: %r", e)
+        return ApiError(500, f"internal error: {type(e).__name__}", code="internal_error").response()
+
     @app.get("/health")
     async def health() -> Response:
         if front.ready():
@@ -596,7 +610,9 @@ async def serve_http(
         api_key=getattr(config, "api_key", None),
         created=int(time.time()),
         encoder=encoder,
+        max_body_bytes=2 * getattr(config, "max_prompt_bytes", 4 * 2**20) + 2**20,
     )
-    server = await http_server.start(create_app(front), config.host, config.http_port)
+    app = BodyLimit(create_app(front), front.max_body_bytes)
+    server = await http_server.start(app, config.host, config.http_port, tls=serving.tls_config())
     log.info("OpenAI-compatible HTTP on http://%s:%d/v1", config.host, server.port)
     return server

@@ -100,6 +100,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         max_migrations: int = 2,
         max_retries: int = 3,
         prefill_inflight_per_worker: int = 64,
+        stall_timeout: float | None = None,
     ):
         self.tokenizer = tokenizer
         self.limits = limits
@@ -109,6 +110,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.max_migrations = max_migrations
         self.max_retries = max_retries
         self.prefill_inflight_per_worker = prefill_inflight_per_worker
+        self.stall_timeout = stall_timeout
+        """A decode stream silent this long is lost (then migrated) as if its worker had died; None: never."""
         self.decode_queue = TierQueue("decode", max_queue)
         self.prefill_queue = TierQueue("prefill", max_queue)
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -386,7 +389,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """The next `tokens` or `finished` event after `reserved`. `kv_from`: the KV has not arrived
         yet, so a failed transfer is the prefill worker's failure."""
         try:
-            message = await call.read()
+            message = await self._read_or_stall(decode, call, r)
         except grpc.aio.AioRpcError as e:
             if kv_from is not None and e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 if e.code() == grpc.StatusCode.ABORTED or not r.deadline.expired:
@@ -404,6 +407,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             self._check_finished(decode, message.finished)
         return message
 
+    async def _read_or_stall(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
+        """The stream's next message; a worker silent for `stall_timeout` is lost (and marked failed)."""
+        if self.stall_timeout is None:
+            return await call.read()
+        limit = min(self.stall_timeout, r.deadline.check())
+        try:
+            return await asyncio.wait_for(call.read(), limit)
+        except TimeoutError:
+            r.deadline.check()
+            metrics.stalled_streams.inc()
+            message = f"decode worker {decode.address} sent nothing for {limit:.1f} s (--stall-timeout)"
+            await self.pool.mark_failed(decode, message)
+            raise _Lost(decode, message) from None
+
     @staticmethod
     def _check_finished(decode: Worker, finished: worker_pb2.Finished) -> None:
         if finished.reason == FinishReason.FINISH_REASON_ERROR:
@@ -414,7 +431,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _read_reserved(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request) -> int:
         """Waits for D to hold the request's blocks (it may queue it); the prompt blocks it had cached."""
         try:
-            message = await call.read()
+            message = await self._read_or_stall(decode, call, r)
         except grpc.aio.AioRpcError as e:
             raise await self._refused(decode, e, r) from e
         if message is grpc.aio.EOF:

@@ -8,17 +8,25 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.v1 import generation_pb2
+from pdserve.server.request_checks import MIN_TEMPERATURE
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
 DEFAULT_TOP_K = 0
 MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 1024
+"""Each stop string's UTF-8 length."""
 MAX_REQUEST_ID_CHARS = 256
+DEFAULT_MAX_PROMPT_BYTES = 4 * 2**20
 
 
 class InvalidRequest(ValueError):
     """A request the server refuses with INVALID_ARGUMENT; the message starts with the field's name."""
+
+
+class TooLarge(InvalidRequest):
+    """A field over its size limit (HTTP 413); refused before any work is spent on it."""
 
 
 class Encoder(Protocol):
@@ -31,6 +39,11 @@ class Limits:
     """Longest prompt + output the model serves."""
     vocab_size: int
     """Token ids must lie in [0, vocab_size)."""
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES
+    """A text prompt's UTF-8 length."""
+    max_token_bytes: int | None = None
+    """The most UTF-8 bytes one token stands for (Tokenizer.max_token_bytes): a text of N bytes is at
+    least N / max_token_bytes tokens, so an over-long prompt is refused before it is tokenized."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,8 @@ def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> g
         raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
     if not (temperature >= 0 and math.isfinite(temperature)):
         raise InvalidRequest(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if 0 < temperature < MIN_TEMPERATURE:  # logits / temperature would overflow
+        raise InvalidRequest(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
     if not 0 < top_p <= 1:
         raise InvalidRequest(f"top_p must lie in (0, 1], got {top_p}")
     if top_k < 0:
@@ -58,6 +73,9 @@ def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> g
         raise InvalidRequest(f"stop holds {len(given.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
     if any(not s for s in given.stop):
         raise InvalidRequest("stop must not contain an empty string")
+    for s in given.stop:
+        if len(s) * 4 > MAX_STOP_BYTES and len(s.encode()) > MAX_STOP_BYTES:
+            raise TooLarge(f"stop: a stop string of {len(s.encode())} bytes; the limit is {MAX_STOP_BYTES} bytes")
     for i in given.stop_token_ids:
         if not 0 <= i < limits.vocab_size:
             raise InvalidRequest(f"stop_token_ids: id {i} lies outside [0, {limits.vocab_size})")
@@ -81,6 +99,30 @@ def validate_prompt_ids(ids: list[int], limits: Limits) -> None:
             raise InvalidRequest(f"token_ids: id {i} lies outside [0, {limits.vocab_size})")
 
 
+def check_length(num_prompt_tokens: int, max_tokens: int, limits: Limits) -> None:
+    total = num_prompt_tokens + max_tokens
+    if total > limits.max_model_len:
+        raise InvalidRequest(
+            f"max_tokens {max_tokens} + a prompt of {num_prompt_tokens} tokens = {total} exceeds "
+            f"the model's max_model_len {limits.max_model_len}"
+        )
+
+
+def check_text_size(text: str, max_tokens: int, limits: Limits) -> None:
+    """Refuses a text too large to serve from its size alone (before tokenizing it)."""
+    if len(text) * 4 <= limits.max_prompt_bytes and limits.max_token_bytes is None:
+        return
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limits.max_prompt_bytes:
+        raise TooLarge(f"text: a prompt of {size} bytes; the limit is {limits.max_prompt_bytes} bytes")
+    if limits.max_token_bytes:
+        at_least = -(-size // limits.max_token_bytes)
+        if at_least + max_tokens > limits.max_model_len:
+            raise InvalidRequest(
+                f"max_tokens {max_tokens} + a prompt of at least {at_least} tokens (text of {size} bytes) = "
+                f"{at_least + max_tokens} exceeds the model's max_model_len {limits.max_model_len}")
+
+
 def validate(request: generation_pb2.GenerateRequest, tokenizer: Encoder, limits: Limits) -> ValidRequest:
     """Raises InvalidRequest naming the field at fault; tokenizes a text prompt."""
     if len(request.request_id) > MAX_REQUEST_ID_CHARS:
@@ -90,9 +132,11 @@ def validate(request: generation_pb2.GenerateRequest, tokenizer: Encoder, limits
     sampling = validate_sampling(request.sampling, limits)
     kind = request.WhichOneof("prompt")
     if kind == "text" and request.text:
+        check_text_size(request.text, sampling.max_tokens, limits)
         prompt_ids = tokenizer.encode(request.text)
         field = "text"
     elif kind == "token_ids" and request.token_ids.ids:
+        check_length(len(request.token_ids.ids), sampling.max_tokens, limits)  # before reading the ids
         prompt_ids = list(request.token_ids.ids)
         validate_prompt_ids(prompt_ids, limits)
         field = "token_ids"
@@ -100,12 +144,7 @@ def validate(request: generation_pb2.GenerateRequest, tokenizer: Encoder, limits
         raise InvalidRequest("prompt must not be empty: set text or token_ids")
     if not prompt_ids:
         raise InvalidRequest(f"{field} encodes to no tokens")
-    total = len(prompt_ids) + sampling.max_tokens
-    if total > limits.max_model_len:
-        raise InvalidRequest(
-            f"max_tokens {sampling.max_tokens} + a prompt of {len(prompt_ids)} tokens = {total} exceeds "
-            f"the model's max_model_len {limits.max_model_len}"
-        )
+    check_length(len(prompt_ids), sampling.max_tokens, limits)
     return ValidRequest(
         request_id=request.request_id or uuid.uuid4().hex,
         prompt_ids=prompt_ids,

@@ -184,8 +184,8 @@ class DecodeEngine:
             try:
                 tokens = await asyncio.to_thread(self._step, batch)
             except Exception:
-                log.exception("decode step failed; aborting its %d requests", len(batch))
-                tokens = None
+                log.exception("decode step of %d requests failed; running them one by one", len(batch))
+                tokens = await asyncio.to_thread(self._step_each, batch)
             finally:
                 self._busy -= ids
                 self._retire_deferred()
@@ -220,11 +220,24 @@ class DecodeEngine:
             [s.sample_index for s in batch],
         )
 
-    def _postprocess(self, batch: list[Sequence], tokens: list[int] | None) -> None:
+    def _step_each(self, batch: list[Sequence]) -> list[int | None]:
+        """After a failed batched step: each sequence alone, so only those that fail alone fail (None).
+        Rewriting a slot the failed step may have written puts the same values there."""
+        tokens: list[int | None] = []
+        for seq in batch:
+            try:
+                tokens.append(self._step([seq])[0])
+            except Exception as e:
+                log.warning("request %s: its decode step fails on its own (%r); it ends with an error",
+                            seq.request_id, e)
+                tokens.append(None)
+        return tokens
+
+    def _postprocess(self, batch: list[Sequence], tokens: list[int | None] | None) -> None:
         for i, seq in enumerate(batch):
             if seq.state is not SeqState.RUNNING:
                 continue  # aborted or released while the step ran
-            if tokens is None:
+            if tokens is None or tokens[i] is None:
                 seq.finish(gen_pb.FINISH_REASON_ERROR)
             else:
                 self.scheduler.finished_step(seq)
@@ -232,7 +245,7 @@ class DecodeEngine:
                 seq.events.put_nowait([tokens[i]])
             if seq.state is SeqState.FINISHED:
                 seq.events.put_nowait(None)
-                self._retire(seq, keep_kv=tokens is not None)
+                self._retire(seq, keep_kv=seq.finish_reason != gen_pb.FINISH_REASON_ERROR)
 
     async def close(self) -> None:
         if self._task is not None:

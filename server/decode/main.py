@@ -95,7 +95,7 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
     address = options.advertise_address or f"{config.host}:{port}"
     kv_server, kv_port, kv_address = None, port, ""
     if options.kv_port is not None:  # KvTransfer alone on its own port (a NetworkPolicy opens it to prefill)
-        kv_server = grpc.aio.server(options=serving.CHANNEL_OPTIONS)
+        kv_server = grpc.aio.server(options=serving.CHANNEL_OPTIONS, interceptors=serving.server_interceptors() or None)
         kv_port = serving.add_port(kv_server, options.kv_port, config.host)
         kv_address = f"{address.rpartition(':')[0]}:{kv_port}"
         worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, kv_server)

@@ -12,7 +12,7 @@ from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server import logs, metrics
+from pdserve.server import logs, metrics, request_checks
 from pdserve.server.decode.engine import DecodeEngine, QueueFull
 from pdserve.server.decode.sequence import SeqState
 
@@ -32,6 +32,20 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         self.kv_address = kv_address
         self.draining = False
         """SIGTERM: new Decode calls are refused (UNAVAILABLE), in-flight ones finish."""
+        self.vocab_size = engine.model.config.vocab_size
+
+    def _request_problem(self, request: pb.DecodeRequest) -> str | None:
+        """What is wrong with a DecodeRequest, whoever sent it (INVALID_ARGUMENT), or None."""
+        remaining = request.sampling.max_tokens - request.num_output_tokens
+        return (request_checks.identity_problem(request.request_id, request.transfer_token)
+                or request_checks.ids_problem("prompt_token_ids", request.prompt_token_ids, self.vocab_size)
+                or request_checks.sampling_problem(request.sampling, self.vocab_size)
+                or (f"num_output_tokens {request.num_output_tokens} must be below sampling.max_tokens "
+                    f"{request.sampling.max_tokens}" if remaining <= 0 else None)
+                # max_tokens is a limit, not a reservation: the prompt must leave room for one token
+                or request_checks.length_problem("prompt_token_ids", len(request.prompt_token_ids), 1,
+                                                 self.engine.max_model_len)
+                or request_checks.lease_problem(request.lease_seconds))
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         engine = self.engine
@@ -41,6 +55,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; pick another")
         if rid in engine.sequences:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already decoding here")
+        problem = self._request_problem(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
             seq = engine.add(request)
         except QueueFull as e:
@@ -77,6 +94,10 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                     if isinstance(e, asyncio.CancelledError):
                         raise
                     await context.abort(grpc.StatusCode.ABORTED, f"KV transfer for {rid} failed: {e}")
+                if not 0 <= first_token < self.vocab_size:
+                    await context.abort(grpc.StatusCode.ABORTED,
+                                        f"KV transfer for {rid} failed: KvEnd.first_token_id {first_token} lies "
+                                        f"outside the vocabulary [0, {self.vocab_size})")
                 metrics.kv_transfer_bytes.inc(transfer.bytes_received)
                 metrics.kv_transfer_seconds.observe(transfer.seconds)
             engine.start(seq, first_token)

@@ -102,5 +102,13 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def max_token_bytes(self) -> int | None:
+        """An upper bound on the UTF-8 bytes of text one token stands for, or None when the tokenizer
+        normalizes (normalizing may shrink text, so no bound holds). A token's vocabulary string is never
+        shorter in UTF-8 than the text it encodes (byte-level, SentencePiece and byte-fallback pieces)."""
+        if self._tok.normalizer is not None:
+            return None
+        return max((len(t.encode()) for t in self._tok.get_vocab(with_added_tokens=True)), default=None)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)

@@ -74,6 +74,8 @@ class PrefillEngine:
     async def submit(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
                      kv_dtype: str, block_size: int = 16) -> PrefillResult:
         """block_size: the target cache's, over which fp8_e4m3/int8 scales are computed."""
+        if not 0 < len(token_ids) <= self.max_model_len:  # no bucket fits: it would stop the loop
+            raise ValueError(f"a prompt of {len(token_ids)} tokens; this worker takes 1 to {self.max_model_len}")
         job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size)
         self._queue.append(job)
         self.queued_tokens += len(token_ids)

@@ -56,7 +56,8 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
              model_config.describe(), time.perf_counter() - t0, param_bytes(params) / 2**20, dtype,
              compute_dtype(model_config, dtype))
     server, health, port = serving.new_server(SERVICES, config.port, config.host)
-    sender = KvSender(channel_options=serving.CHANNEL_OPTIONS, credentials=serving.channel_credentials())
+    sender = KvSender(channel_options=serving.CHANNEL_OPTIONS, credentials=serving.channel_credentials(),
+                      interceptors=serving.channel_interceptors())
     service = PrefillService(engine, sender, model_config,
                              fingerprint=fingerprint(config.model_dir, model_config),
                              address=options.advertise_address or f"{config.host}:{port}")

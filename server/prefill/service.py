@@ -12,7 +12,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.sender import KvSender
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server import logs, metrics
+from pdserve.server import logs, metrics, request_checks
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.engine import PrefillEngine
 
@@ -76,14 +76,9 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         if problem:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, problem)
         ids = list(request.token_ids)
-        max_len = self.engine.max_model_len
-        if not ids or len(ids) > max_len or max(ids) >= self.model_config.vocab_size or min(ids) < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"token_ids must be 1..{max_len} ids in [0, {self.model_config.vocab_size})")
-        if request.target.cached_blocks * layout.block_size > len(ids):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"target.cached_blocks {request.target.cached_blocks} exceeds the "
-                                f"{len(ids)}-token prompt's blocks")
+        problem = self._request_problem(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         t0 = time.perf_counter()
         self.active += 1
         try:
@@ -102,6 +97,18 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         self.pushes.add(task)
         task.add_done_callback(self.pushes.discard)
         return pb.PrefillResponse(first_token_id=result.first_token, prefill_seconds=seconds)
+
+    def _request_problem(self, request: pb.PrefillRequest) -> str | None:
+        """What is wrong with a PrefillRequest, whoever sent it (INVALID_ARGUMENT), or None."""
+        c = self.model_config
+        return (request_checks.identity_problem(request.request_id, request.transfer_token)
+                or request_checks.ids_problem("token_ids", request.token_ids, c.vocab_size)
+                or request_checks.length_problem("token_ids", len(request.token_ids), 0, self.engine.max_model_len)
+                or (f"target.cached_blocks {request.target.cached_blocks} exceeds the {len(request.token_ids)}-token "
+                    f"prompt's blocks" if request.target.cached_blocks * request.target.layout.block_size
+                    > len(request.token_ids) else None)
+                or request_checks.sampling_problem(request.sampling, c.vocab_size)
+                or (None if request.target.address else "target.address must be set"))
 
     def busy(self) -> bool:
         return bool(self.active or self.pushes or self.engine.queued_tokens)

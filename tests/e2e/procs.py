@@ -22,7 +22,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.client import open_channel
 from pdserve.server.launcher import free_port
-from pdserve.server.security import TlsConfig
+from pdserve.server.security import CLUSTER_SECRET_HEADER, TlsConfig
 
 
 @dataclass
@@ -35,6 +35,8 @@ class Proc:
     metrics_port: int = 0
     tls: TlsConfig | None = None
     """How clients reach it (None: plaintext)."""
+    internal: tuple[tuple[str, str], ...] = ()
+    """Metadata the test's internal calls carry (the cluster secret, when the cluster has one)."""
 
     def families(self) -> set[str]:
         """The metric families the process exports (`# TYPE` lines; counters without `_total`)."""
@@ -60,6 +62,8 @@ class Procs:
     env: dict[str, str] = field(default_factory=dict)
     tls: TlsConfig | None = None
     """mTLS for every process (and the test's own calls) when set."""
+    cluster_secret: str | None = None
+    """Every process gets it (--cluster-secret-file), and the test's internal calls carry it."""
 
     def start(self, name: str, role: str, *args: str, model_dir: Path | None = None, metrics: bool = True,
               wait: bool = True) -> Proc:
@@ -70,13 +74,19 @@ class Procs:
                *args]
         if self.tls is not None:
             cmd += ["--tls-cert", str(self.tls.cert), "--tls-key", str(self.tls.key), "--tls-ca", str(self.tls.ca)]
+        internal: tuple[tuple[str, str], ...] = ()
+        if self.cluster_secret is not None:
+            secret_file = self.tmp / "cluster-secret"
+            secret_file.write_text(self.cluster_secret)
+            cmd += ["--cluster-secret-file", str(secret_file)]
+            internal = ((CLUSTER_SECRET_HEADER, self.cluster_secret),)
         # One XLA compilation cache for the session: later prefill workers load, not compile.
         cache = dict(JAX_COMPILATION_CACHE_DIR=str(self.tmp.parent / "jax-cache"),
                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         env = dict(os.environ, PDSERVE_PROCESS=name, PDSERVE_LOG_LEVEL="INFO", **cache, **self.env)
         with open(log, "w") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-        proc = Proc(name, role, f"127.0.0.1:{port}", popen, log, mport, self.tls)
+        proc = Proc(name, role, f"127.0.0.1:{port}", popen, log, mport, self.tls, internal)
         self.procs[name] = proc
         if wait:
             self.wait_serving(proc)
@@ -138,7 +148,8 @@ def wait_until(condition, what: str, timeout: float = 60.0, every: float = 0.1) 
 
 def list_workers(coordinator: Proc) -> list[pb.WorkerStatus]:
     with open_channel(coordinator.address, coordinator.tls) as ch:
-        return list(worker_pb2_grpc.RegistryStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5).workers)
+        return list(worker_pb2_grpc.RegistryStub(ch).ListWorkers(pb.ListWorkersRequest(), timeout=5,
+                                                                 metadata=coordinator.internal).workers)
 
 
 def state_of(coordinator: Proc, worker: Proc) -> str | None:
@@ -148,7 +159,7 @@ def state_of(coordinator: Proc, worker: Proc) -> str | None:
 def blocks(decode: Proc) -> tuple[int, int]:
     """(free, total) KV blocks of a live decode worker."""
     with open_channel(decode.address, decode.tls) as ch:
-        load = worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5).load
+        load = worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=decode.internal).load
     return load.free_kv_blocks, load.total_kv_blocks
 
 

@@ -21,7 +21,7 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.client import open_channel
-from pdserve.server.security import TlsConfig
+from pdserve.server.security import ROLE_URI_PREFIX, ROLES, TlsConfig
 from tests.e2e.procs import Procs, blocks, generate, list_workers, request, wait_blocks_free, wait_until
 
 API_KEY = "sk-test-1234"
@@ -32,9 +32,9 @@ def _pem_key(key) -> bytes:
                              serialization.NoEncryption())
 
 
-def make_pki(out: Path) -> tuple[TlsConfig, TlsConfig]:
-    """A CA, and one certificate (127.0.0.1, localhost; server and client use) signed by it.
-    Returns (the processes' TLS, a client with the CA but no certificate)."""
+def make_pki(out: Path, roles: tuple[str, ...] = ROLES) -> tuple[TlsConfig, TlsConfig]:
+    """A CA, and one certificate (127.0.0.1, localhost; server and client use; every cluster role as a
+    URI SAN) signed by it. Returns (the processes' TLS, a client with the CA but no certificate)."""
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdserve test CA")])
@@ -49,7 +49,8 @@ def make_pki(out: Path) -> tuple[TlsConfig, TlsConfig]:
             .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
             .add_extension(x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                 *(x509.UniformResourceIdentifier(f"{ROLE_URI_PREFIX}{r}") for r in roles)]), critical=False)
             .add_extension(x509.ExtendedKeyUsage(
                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
             .sign(ca_key, hashes.SHA256()))

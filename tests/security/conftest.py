@@ -1,0 +1,30 @@
+"""One cluster for the adversarial suite: real processes on 127.0.0.1 with a cluster secret, a
+coordinator (gRPC, KServe, OpenAI HTTP; --stall-timeout 3), one prefill and two decode workers."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.server.launcher import free_port
+from pdserve.server.security import CLUSTER_SECRET_HEADER
+from tests.e2e.procs import Procs, list_workers, wait_until
+
+SECRET = "test-cluster-secret-0123456789abcdef"
+INTERNAL = ((CLUSTER_SECRET_HEADER, SECRET),)
+STALL_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="package")
+def secured(tiny_model, tmp_path_factory):
+    procs = Procs(tiny_model("llama"), tmp_path_factory.mktemp("secured"), cluster_secret=SECRET)
+    procs.http_port = free_port()
+    try:
+        coordinator = procs.coordinator("coordinator", "--stall-timeout", str(STALL_TIMEOUT),
+                                        "--http-port", str(procs.http_port))
+        procs.worker("p0", "prefill", coordinator, wait=False)
+        procs.worker("d0", "decode", coordinator, "--kv-cache-tokens", "4096")
+        procs.worker("d1", "decode", coordinator, "--kv-cache-tokens", "4096")
+        wait_until(lambda: [w.state for w in list_workers(coordinator)] == ["ready"] * 3, "p0, d0, d1 ready")
+        yield procs
+    finally:
+        procs.stop_all()

@@ -1,0 +1,33 @@
+"""A decode worker that stops answering (SIGSTOP) mid-stream: its streams migrate after --stall-timeout
+and complete with the tokens of the no-fault run; the worker serves again once it resumes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from tests.e2e.procs import Stream, blocks, counter, generate, list_workers, request, wait_blocks_free, wait_until
+from tests.security.test_attacks import PROMPTS
+
+MAX_TOKENS = 400
+
+
+def test_streams_of_a_frozen_decode_worker_migrate(secured):
+    coordinator, d0, d1 = (secured.procs[n] for n in ("coordinator", "d0", "d1"))
+    wait_until(lambda: [w.state for w in list_workers(coordinator)] == ["ready"] * 3, "every worker ready")
+    reference = [generate(coordinator.address, request(p, MAX_TOKENS)) for p in PROMPTS]
+    before = counter(coordinator.metrics(), "pdserve_stalled_streams_total")
+    streams = [Stream(coordinator.address, request(p, MAX_TOKENS)) for p in PROMPTS]
+    wait_until(lambda: all(s.tokens for s in streams), "every stream's first tokens", every=0.01)
+    frozen = d0 if blocks(d0)[0] < blocks(d0)[1] else d1
+    os.kill(frozen.popen.pid, signal.SIGSTOP)
+    try:
+        for s in streams:
+            s.join(120)
+        assert [s.error for s in streams] == [None] * 4
+        assert [s.tokens for s in streams] == reference
+        assert counter(coordinator.metrics(), "pdserve_stalled_streams_total") > before
+    finally:
+        os.kill(frozen.popen.pid, signal.SIGCONT)
+    wait_until(lambda: [w.state for w in list_workers(coordinator)] == ["ready"] * 3, "the frozen worker back")
+    assert all(free == total for free, total in wait_blocks_free([d0, d1]))
