@@ -389,7 +389,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """The next `tokens` or `finished` event after `reserved`. `kv_from`: the KV has not arrived
         yet, so a failed transfer is the prefill worker's failure."""
         try:
-            message = await self._read_or_stall(decode, call, r)
+            message = await self._read_skipping_queued(decode, call, r)
         except grpc.aio.AioRpcError as e:
             if kv_from is not None and e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 if e.code() == grpc.StatusCode.ABORTED or not r.deadline.expired:
@@ -406,6 +406,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if message.WhichOneof("event") == "finished":
             self._check_finished(decode, message.finished)
         return message
+
+    async def _read_skipping_queued(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
+        """The next message but `queued` ones (D keeps a waiting request's stream alive with them)."""
+        while True:
+            message = await self._read_or_stall(decode, call, r)
+            if message is grpc.aio.EOF or message.WhichOneof("event") != "queued":
+                return message
 
     async def _read_or_stall(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
         """The stream's next message; a worker silent for `stall_timeout` is lost (and marked failed)."""
@@ -431,7 +438,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _read_reserved(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request) -> int:
         """Waits for D to hold the request's blocks (it may queue it); the prompt blocks it had cached."""
         try:
-            message = await self._read_or_stall(decode, call, r)
+            message = await self._read_skipping_queued(decode, call, r)
         except grpc.aio.AioRpcError as e:
             raise await self._refused(decode, e, r) from e
         if message is grpc.aio.EOF:

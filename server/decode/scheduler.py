@@ -51,6 +51,10 @@ class Scheduler:
     def num_waiting_new(self) -> int:
         return sum(1 for s in self.waiting if not s.output_ids)  # preempted ones hold outputs
 
+    def position(self, seq: Sequence) -> int:
+        """The sequence's place in the waiting queue (0: next); 0 when it does not wait."""
+        return self.waiting.index(seq) if seq in self.waiting else 0
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

@@ -19,6 +19,8 @@ from pdserve.server.decode.sequence import SeqState
 log = logging.getLogger("pdserve.decode")
 
 RETRY_AFTER_MS = "250"
+QUEUED_EVERY_S = 1.0
+"""While a request waits for blocks (queued, or preempted), a `queued` event this often: the worker is alive."""
 
 
 class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServicer):
@@ -66,7 +68,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
-            await seq.admitted  # waits in the engine's queue; the call's deadline bounds the wait
+            while not seq.admitted.done():  # waits in the engine's queue; the call's deadline bounds the wait
+                yield pb.DecodeResponse(queued=pb.Queued(position=engine.scheduler.position(seq)))
+                await asyncio.wait([seq.admitted], timeout=QUEUED_EVERY_S)
             if seq.state is SeqState.FINISHED:  # aborted while it waited
                 yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason))
                 return
@@ -102,7 +106,12 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                 metrics.kv_transfer_seconds.observe(transfer.seconds)
             engine.start(seq, first_token)
             while True:
-                ids = await seq.events.get()
+                try:
+                    ids = await asyncio.wait_for(seq.events.get(), QUEUED_EVERY_S)
+                except TimeoutError:
+                    if seq.state is SeqState.WAITING:  # preempted: it waits for blocks again
+                        yield pb.DecodeResponse(queued=pb.Queued(position=engine.scheduler.position(seq)))
+                    continue
                 if ids is None:
                     break
                 yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=ids))

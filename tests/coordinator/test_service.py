@@ -451,3 +451,13 @@ async def test_a_decode_pick_is_counted_while_the_request_waits_for_a_prefill_sl
             break
         await asyncio.sleep(0.01)
     assert (decode.inflight, decode.reserved_blocks) == (0, 0)
+
+
+async def test_queued_events_from_a_decode_worker_keep_the_stream_and_change_nothing(cluster: Cluster):
+    text = "import os, sys"
+    ids = cluster.tokenizer.encode(text)
+    events = cluster.script(ids, [1, len(ids) - 2])
+    cluster.decode.queued = 2
+    responses = await generate(cluster, request("import os", max_tokens=len(ids)))
+    assert [list(r.token_ids) for r in responses] == [[ids[0]], *events, []]
+    assert "".join(r.text for r in responses) == text

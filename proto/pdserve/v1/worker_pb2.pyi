@@ -101,15 +101,23 @@ class Finished(_message.Message):
     message: str
     def __init__(self, reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
+class Queued(_message.Message):
+    __slots__ = ("position",)
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    def __init__(self, position: _Optional[int] = ...) -> None: ...
+
 class DecodeResponse(_message.Message):
-    __slots__ = ("reserved", "tokens", "finished")
+    __slots__ = ("reserved", "tokens", "finished", "queued")
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     reserved: Reserved
     tokens: TokenEvent
     finished: Finished
-    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    queued: Queued
+    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
