@@ -15,17 +15,22 @@ import grpc
 
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
+from pdserve.server.security import CLUSTER_SECRET_HEADER, write_cluster_secret
+
+_SECRETS: dict[str, str] = {}
+"""The cluster secret of each process `pdserve_up` started, by address (internal calls need it)."""
 
 
 @contextmanager
 def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_workers: int = 2,
                timeout: float = 300.0, extra_args: list[str] = ()):
     state = tmp / "state.json"
+    secret_file = write_cluster_secret(tmp / "cluster-secret")
     log = open(tmp / "up.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model_dir), "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
-         "--state-file", str(state), *extra_args],
+         "--state-file", str(state), "--cluster-secret-file", str(secret_file), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"),
     )
     try:
@@ -34,7 +39,10 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"pdserve up did not start:\n{(tmp / 'up.log').read_text()[-4000:]}")
             time.sleep(0.3)
-        yield json.loads(state.read_text())
+        described = json.loads(state.read_text())
+        for address in (*described["prefill"], *described["decode"]):
+            _SECRETS[address] = secret_file.read_text().strip()
+        yield described
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -46,8 +54,10 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
 
 
 def worker_info(address: str) -> pb.WorkerInfo:
+    secret = _SECRETS.get(address)
+    metadata = ((CLUSTER_SECRET_HEADER, secret),) if secret else ()
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5)
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=metadata)
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:
