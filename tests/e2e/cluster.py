@@ -53,11 +53,16 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
         log.close()
 
 
-def worker_info(address: str) -> pb.WorkerInfo:
+def internal_metadata(address: str) -> tuple[tuple[str, str], ...]:
+    """What a test's direct call to a worker `pdserve_up` started must carry (its cluster secret)."""
     secret = _SECRETS.get(address)
-    metadata = ((CLUSTER_SECRET_HEADER, secret),) if secret else ()
+    return ((CLUSTER_SECRET_HEADER, secret),) if secret else ()
+
+
+def worker_info(address: str) -> pb.WorkerInfo:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=metadata)
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5,
+                                                       metadata=internal_metadata(address))
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:

@@ -10,7 +10,7 @@ import pytest
 from pdserve.benchmarks.accuracy import Pipeline
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from tests.e2e.cluster import pdserve_up, wait_all_blocks_free, worker_info
+from tests.e2e.cluster import internal_metadata, pdserve_up, wait_all_blocks_free, worker_info
 from tests.e2e.procs import Procs, counter, generate, request, wait_until
 
 # (prefill weights, decode weights, KV dtype): every quantized weight format on each tier, both KV formats
@@ -52,7 +52,7 @@ def test_a_kv_format_the_prefill_worker_cannot_meet_is_refused_naming_both_sides
                             target=pb.KvTarget(address="10.1.2.3:50053", layout=layout))
     with grpc.insecure_channel(state["prefill"][0]) as ch:
         with pytest.raises(grpc.RpcError) as err:
-            worker_pb2_grpc.PrefillStub(ch).Prefill(req, timeout=30)
+            worker_pb2_grpc.PrefillStub(ch).Prefill(req, timeout=30, metadata=internal_metadata(state["prefill"][0]))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert err.value.details() == (
         f"KV formats cannot meet: decode worker 10.1.2.3:50053 holds KV as dtype={dtype} scales={granularity}; "
