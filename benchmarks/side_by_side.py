@@ -72,6 +72,7 @@ class Server:
     procs: list[subprocess.Popen]
     make_target: object  # () -> Target
     logs: list[Path]
+    facts: object = None  # () -> dict: what the system says of itself after the run (vllm-pd: KV loaded)
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -157,15 +158,17 @@ def start_vllm_pd(model: Path, dtype: str, out: Path, max_model_len: int) -> Ser
     for role, core, log in (("kv_producer", 0, logs[0]), ("kv_consumer", 1, logs[1])):
         config = {"kv_connector": "ExampleConnector", "kv_role": role,
                   "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+        # block size 32 (vLLM's CPU default is 128): the connector moves whole blocks of the prompt only
         proc, url = _vllm_proc(model, dtype, log, max_model_len, str(core), {core},
-                               ["--kv-transfer-config", json.dumps(config)])
+                               ["--kv-transfer-config", json.dumps(config), "--block-size", "32"])
         procs.append(proc)
         urls.append(url)
     proxy_port = free_port()
     procs.append(_spawn([sys.executable, "-m", "pdserve.benchmarks.vllm_pd_proxy", "--prefill", urls[0],
                          "--decode", urls[1], "--port", str(proxy_port)], logs[2]))
     url = f"http://127.0.0.1:{proxy_port}"
-    server = Server("vllm-pd", procs, lambda: OpenAITarget(url, model="bench", timeout=600), logs)
+    server = Server("vllm-pd", procs, lambda: OpenAITarget(url, model="bench", timeout=600), logs,
+                    facts=lambda: _external_kv(urls[1]))
     try:
         for u in urls:
             _wait(_http_ready(f"{u}/v1/models"), procs, logs, 900, "vllm serve (P/D)")
@@ -174,6 +177,18 @@ def start_vllm_pd(model: Path, dtype: str, out: Path, max_model_len: int) -> Ser
         server.stop()
         raise
     return server
+
+
+def _external_kv(decode_url: str) -> dict:
+    """Prompt tokens the decode instance loaded through the connector vs looked up: proof KV moved."""
+    text = urllib.request.urlopen(f"{decode_url}/metrics", timeout=10).read().decode()
+    found = {}
+    for line in text.splitlines():
+        for name in ("vllm:external_prefix_cache_hits_total", "vllm:external_prefix_cache_queries_total",
+                     "vllm:prompt_tokens_total"):
+            if line.startswith(name):
+                found[name.split(":")[1]] = found.get(name.split(":")[1], 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
 
 
 def start_pdserve(model: Path, dtype: str, out: Path, front: str) -> Server:
@@ -484,6 +499,9 @@ def main(argv: list[str] | None = None) -> int:
                         await target.close()
 
                 results[system].append(asyncio.run(go()))
+                if server.facts is not None:
+                    results[system][-1]["facts"] = server.facts()
+                    print(f"== {system}: {results[system][-1]['facts']}", file=sys.stderr, flush=True)
             finally:
                 server.stop()
     record.finish(monitor)
@@ -492,12 +510,18 @@ def main(argv: list[str] | None = None) -> int:
     per_core = table(results, PER_CORE_ROWS, [s for s in ran if s in ONE_CORE_SYSTEMS]) if args.per_core else ""
     cmd = "python -m pdserve.benchmarks.side_by_side " + " ".join(argv if argv is not None else sys.argv[1:])
     notes = "".join(f"\n- `{s}` could not run here: {why}" for s, why in failures.items())
+    for rep, doc in enumerate(results.get("vllm-pd", [])):
+        f = doc.get("facts", {})
+        notes += (f"\n- `vllm-pd` repetition {rep}: the decode instance loaded "
+                  f"{f.get('external_prefix_cache_hits_total', 0):.0f} of "
+                  f"{f.get('external_prefix_cache_queries_total', 0):.0f} looked-up prompt tokens through the "
+                  f"connector (the rest of each prompt, below one block, it computed itself)")
     doc = (f"`{cmd.strip()}` (model {model.name}; {args.reps} repetitions, systems alternating; each cell is "
            f"the median [min-max] over repetitions)\n\n{record.markdown()}\n\n{text}\n")
     if per_core:
         doc += f"\nPer core (pdserve's decode and prefill workers each own one core):\n\n{per_core}\n"
     if notes:
-        doc += f"\nNot run:{notes}\n"
+        doc += f"\nNotes:{notes}\n"
     (run_dir / "table.md").write_text(doc)
     (run_dir / "side_by_side.json").write_text(json.dumps(
         {"config": _cfg(args), "model": str(model), "machine": record.as_dict(), "order": order,
