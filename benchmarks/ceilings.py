@@ -3,9 +3,9 @@
 - Memory: a large float32 copy. GB/s counts read + write bytes (2 x the array) per second: the rate
   the memory system moves bytes, which a read-only stream (a decode step) can at best match.
 - Matmul: fp32 n x n @ n x n, 2 n^3 flops, in JAX (the prefill tier's framework) and torch (decode's).
-- gRPC loopback: one client-streaming call on an in-process grpc.aio server on 127.0.0.1 carrying
-  pre-made `bytes` messages (identity serializers, no proto): what grpcio alone moves, to set beside
-  the KV transfer of the same byte count.
+- gRPC loopback: client-streaming calls (one per stream, each on its own connection) on an in-process
+  grpc.aio server on 127.0.0.1 carrying pre-made `bytes` messages (identity serializers, no proto):
+  what grpcio alone moves, to set beside the KV transfer of the same byte count and stream count.
 
 Every number is the best of a few timed runs after a warm-up: the machine is shared, and the best
 run is the one least disturbed by other processes.
@@ -13,6 +13,7 @@ run is the one least disturbed by other processes.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Callable
@@ -85,8 +86,9 @@ async def _push(request_iterator, context) -> bytes:
     return received.to_bytes(8, "little")
 
 
-async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = 2**20) -> float:
-    """GB/s of total_bytes streamed in message_bytes `bytes` messages through one client-streaming call.
+async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = 2**20, streams: int = 1) -> float:
+    """GB/s of total_bytes streamed in message_bytes `bytes` messages through `streams` parallel
+    client-streaming calls, each on its own channel (TCP connection), carrying an even share.
 
     Run inside the event loop the KV transfer will use, so both see the same grpc.aio machinery.
     """
@@ -97,28 +99,34 @@ async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int 
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-    push = channel.stream_unary(_LOOPBACK_METHOD)
+    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(streams)]
+    pushes = [channel.stream_unary(_LOOPBACK_METHOD) for channel in channels]
     payload = os.urandom(message_bytes)
-    count, rest = divmod(total_bytes, message_bytes)
+    shares = [total_bytes // streams + (i < total_bytes % streams) for i in range(streams)]
 
-    async def messages():
+    async def messages(share: int):
+        count, rest = divmod(share, message_bytes)
         for _ in range(count):
             yield payload
         if rest:
             yield payload[:rest]
 
+    async def one(push, share: int) -> None:
+        reply = await push(messages(share))
+        if (received := int.from_bytes(reply, "little")) != share:
+            raise RuntimeError(f"the loopback server received {received} of {share} bytes")
+
     try:
         best = float("inf")
         for attempt in range(repeats + 1):  # the first connects and warms up
             start = time.perf_counter()
-            reply = await push(messages())
+            await asyncio.gather(*(one(push, share) for push, share in zip(pushes, shares)))
             seconds = time.perf_counter() - start
-            if (received := int.from_bytes(reply, "little")) != total_bytes:
-                raise RuntimeError(f"the loopback server received {received} of {total_bytes} bytes")
             if attempt:
                 best = min(best, seconds)
     finally:
-        await channel.close()
+        for channel in channels:
+            await channel.close()
         await server.stop(None)
     return total_bytes / best / GB

@@ -296,7 +296,7 @@ async def _handoff(config, kv: dict, plan: Plan, device: str) -> tuple[float, fl
     from pdserve.benchmarks.ceilings import grpc_loopback_gbps
     from pdserve.kvcache.layout import KvLayout
     from pdserve.kvcache.receiver import KvReceiver
-    from pdserve.kvcache.sender import KvSender
+    from pdserve.kvcache.sender import GrpcKvTransport
     from pdserve.server.decode.kv_cache import PagedKvCache
 
     layout = KvLayout(
@@ -310,7 +310,7 @@ async def _handoff(config, kv: dict, plan: Plan, device: str) -> tuple[float, fl
     digest = "gpu-bench"
     receiver = KvReceiver(layout, digest, kv_push.CacheSink(cache, table))
     server, address = await kv_push.serve_receiver(receiver)
-    sender = KvSender()
+    sender = GrpcKvTransport()
     best = float("inf")
     try:
         for attempt in range(plan.repeats + 1):

@@ -1,13 +1,16 @@
 """The latency the P/D handoff adds: the same model, prefilled and decoded in one process vs through
 `pdserve up` (coordinator + prefill worker + decode worker, KV over gRPC).
 
-    python -m pdserve.benchmarks.handoff [--model DIR] [--lengths 128,448] [--repeats 5]
+    python -m pdserve.benchmarks.handoff [--model DIR] [--lengths 128,448] [--repeats 5] [--kv-streams 2]
 
 One process: the prefill tier's jitted JAX prefill (the engine's bucket padding, batch 1) gives the
 first token; its KV goes, as numpy, straight into the decode tier's `PagedKvCache`; one
 `DecoderModel.decode` step (one torch thread) gives the second token. Disaggregated: `Generate` with max_tokens 2 through
 the coordinator on 127.0.0.1 (1 prefill + 1 decode worker), timed at the client. TTFT is the time to the
 first token; T2T the time to the second, the first one that needs the KV on the decode worker.
+The disaggregated cluster runs twice in the same run: "before" with the handoff as it was before
+layer-wise streaming (`--kv-layer-groups 1 --kv-streams 1`: the whole KV leaves after the whole
+prefill, over one stream) and "after" with the defaults plus --kv-streams.
 Every figure is the median of --repeats after a warm-up of the same length (compile excluded).
 """
 
@@ -100,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, help="checkpoint (default: pdserve's embedded tiny model)")
     p.add_argument("--lengths", default="128,448")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--kv-layer-groups", type=int, default=4, help="the prefill workers' setting, after")
+    p.add_argument("--kv-streams", type=int, default=2, help="the prefill workers' setting, after")
     args = p.parse_args(argv)
     from pdserve.server import launcher
     from pdserve.server.cli import default_model_dir
@@ -109,20 +114,28 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [int(x) for x in args.lengths.split(",")]
     print(f"one process: {model.name}", file=sys.stderr, flush=True)
     local = one_process(model, lengths, args.repeats)
-    print("disaggregated: pdserve up (1 prefill + 1 decode worker)", file=sys.stderr, flush=True)
-    cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1")
-    try:
-        remote = asyncio.run(_disaggregated(cluster.coordinator.address, load_config(model).vocab_size, lengths,
-                                            args.repeats))
-    finally:
-        cluster.stop()
-    print(f"| prompt tokens | TTFT one process (ms) | TTFT disaggregated (ms) | added (ms) | "
-          f"T2T one process (ms) | T2T disaggregated (ms) | added (ms) |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    variants = {"before": ["--kv-layer-groups", "1", "--kv-streams", "1"],
+                "after": ["--kv-layer-groups", str(args.kv_layer_groups), "--kv-streams", str(args.kv_streams)]}
+    remote = {}
+    for name, prefill_args in variants.items():
+        print(f"disaggregated, {name}: pdserve up (1 prefill + 1 decode worker) prefill {' '.join(prefill_args)}",
+              file=sys.stderr, flush=True)
+        cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
+                                  prefill_args=prefill_args)
+        try:
+            remote[name] = asyncio.run(_disaggregated(cluster.coordinator.address, load_config(model).vocab_size,
+                                                      lengths, args.repeats))
+        finally:
+            cluster.stop()
+    print("| prompt tokens | handoff | TTFT one process (ms) | TTFT disaggregated (ms) | added (ms) | "
+          "T2T one process (ms) | T2T disaggregated (ms) | added (ms) | T2T - TTFT one process (ms) | "
+          "T2T - TTFT disaggregated (ms) |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for n in lengths:
-        (lt, l2), (rt, r2) = local[n], remote[n]
-        print(f"| {n} | {lt * 1e3:.1f} | {rt * 1e3:.1f} | {(rt - lt) * 1e3:+.1f} | {l2 * 1e3:.1f} | {r2 * 1e3:.1f} | "
-              f"{(r2 - l2) * 1e3:+.1f} |")
+        for name in variants:
+            (lt, l2), (rt, r2) = local[n], remote[name][n]
+            print(f"| {n} | {name} | {lt * 1e3:.1f} | {rt * 1e3:.1f} | {(rt - lt) * 1e3:+.1f} | {l2 * 1e3:.1f} | "
+                  f"{r2 * 1e3:.1f} | {(r2 - l2) * 1e3:+.1f} | {(l2 - lt) * 1e3:.1f} | {(r2 - rt) * 1e3:.1f} |")
     return 0
 
 

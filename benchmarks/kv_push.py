@@ -5,10 +5,9 @@ from __future__ import annotations
 import grpc
 
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.receiver import KvReceiver
+from pdserve.kvcache.receiver import KvReceiver, add_receiver_to_server
 from pdserve.kvcache.sender import CHANNEL_OPTIONS
 from pdserve.v1 import worker_pb2 as pb
-from pdserve.v1 import worker_pb2_grpc
 
 
 class CacheSink:
@@ -24,7 +23,7 @@ class CacheSink:
 async def serve_receiver(receiver: KvReceiver) -> tuple[grpc.aio.Server, str]:
     """The receiver on a started in-process server, and its address."""
     server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
+    add_receiver_to_server(receiver, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
     return server, address

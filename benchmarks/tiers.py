@@ -258,7 +258,7 @@ async def _transfer(layout, digest: str, num_tokens: int, repeats: int) -> tuple
     """(KV transfer seconds, raw grpcio loopback GB/s of the same bytes, bytes) in one event loop."""
     from pdserve.benchmarks import kv_push
     from pdserve.kvcache.receiver import KvReceiver
-    from pdserve.kvcache.sender import KvSender
+    from pdserve.kvcache.sender import GrpcKvTransport
     from pdserve.server.decode.kv_cache import PagedKvCache
 
     rng = np.random.default_rng(0)
@@ -272,7 +272,7 @@ async def _transfer(layout, digest: str, num_tokens: int, repeats: int) -> tuple
     cache = PagedKvCache(layout, len(block_table))
     receiver = KvReceiver(layout, digest, kv_push.CacheSink(cache, block_table))
     server, address = await kv_push.serve_receiver(receiver)
-    sender = KvSender()
+    sender = GrpcKvTransport()
     best = float("inf")
     try:
         for attempt in range(repeats + 1):  # the first connects and warms up
@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench_model(name, args.cache_dir, plan, ceil)
     record.finish(monitor)
     log("done")
-    print(record.markdown() + "\n")
+    log(record.markdown())
     print(table(rows))
     if args.json:
         machine = {

@@ -7,57 +7,76 @@ float32 scales [l, blocks covered, Hkv] beside them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.kvcache.tensors import KvTensors
 from pdserve.v1 import worker_pb2 as pb
 
-MAX_CHUNK_BYTES = 4 * 2**20
+MAX_CHUNK_BYTES = 2**20
+"""grpcio's sweet spot: messages of ~1 MiB move fastest through one Python process (benchmarks/README)."""
 _ENVELOPE_BYTES = 64  # KvBlocks fields (<= 48 bytes) + the KvChunk wrapper (<= 6): a KvChunk fits too
 _SCALE_DTYPE = np.dtype(np.float32)
 
 
-@dataclass
-class KvPiece:
-    layer_start: int
-    token_start: int
-    k: np.ndarray  # [l, n, Hkv, D] layout.np_dtype (read-only views on the message's bytes)
-    v: np.ndarray  # [l, n, Hkv, D]
-    k_scales: np.ndarray | None  # [l, blocks covered, Hkv] float32, for quantized dtypes only
-    v_scales: np.ndarray | None
+KvPiece = KvTensors
+"""A received piece: KvTensors whose arrays are read-only views on the message's bytes."""
 
-    @property
-    def num_layers(self) -> int:
-        return self.k.shape[0]
-
-    @property
-    def num_tokens(self) -> int:
-        return self.k.shape[1]
+Piece = tuple[int, int, int, int]
+"""(layer_start, layer_count, token_start, token_count)"""
 
 
 def iter_pieces(
-    layout: KvLayout, num_tokens: int, max_chunk_bytes: int = MAX_CHUNK_BYTES
-) -> Iterator[tuple[int, int, int, int]]:
+    layout: KvLayout,
+    num_tokens: int,
+    max_chunk_bytes: int = MAX_CHUNK_BYTES,
+    layers: tuple[int, int] | None = None,
+    token_start: int = 0,
+) -> Iterator[Piece]:
     """(layer_start, layer_count, token_start, token_count) of every piece, token-major.
 
-    Pieces hold as many whole blocks of all layers as fit; when one block of all layers does not
-    fit, the layers split into even groups. Only a piece ending at num_tokens may be partial.
+    layers: (start, count) of the layer group to cover; default all the layout's layers.
+    token_start: the first token to cover (a block multiple: the tokens before it are held already).
+    Pieces hold as many whole blocks of all the group's layers as fit; when one block of them does
+    not fit, the layers split into even groups. Only a piece ending at num_tokens may be partial.
     Raises ValueError at once (not on iteration) when one block of one layer cannot fit.
     """
-    layers_per_group, tokens_per_piece = _plan(layout, max_chunk_bytes)
+    first, count = layers or (0, layout.num_layers)
+    layers_per_group, tokens_per_piece = _plan(layout, max_chunk_bytes, count)
     return (
         (
             layer_start,
-            min(layers_per_group, layout.num_layers - layer_start),
+            min(layers_per_group, first + count - layer_start),
             token_start,
             min(tokens_per_piece, num_tokens - token_start),
         )
-        for token_start in range(0, num_tokens, tokens_per_piece)
-        for layer_start in range(0, layout.num_layers, layers_per_group)
+        for token_start in range(token_start, num_tokens, tokens_per_piece)
+        for layer_start in range(first, first + count, layers_per_group)
     )
+
+
+def plan_tensors(layout: KvLayout, kv: KvTensors, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                 skip_tokens: int = 0) -> list[Piece]:
+    """The pieces of a layer group of a whole prompt (token_start 0), its arrays checked first.
+
+    skip_tokens: the leading tokens (whole blocks) the receiver holds already; no piece covers them.
+    """
+    if kv.token_start != 0:
+        raise ValueError(f"a layer group to send covers the prompt from token 0, not {kv.token_start}")
+    _check_group(layout, kv)
+    if skip_tokens % layout.block_size or not 0 <= skip_tokens <= kv.num_tokens:
+        raise ValueError(f"cannot skip {skip_tokens} tokens of {kv.num_tokens}: whole blocks of the prompt only")
+    return list(iter_pieces(layout, kv.num_tokens, max_chunk_bytes, (kv.layer_start, kv.num_layers), skip_tokens))
+
+
+def encode_piece(layout: KvLayout, kv: KvTensors, piece: Piece) -> pb.KvChunk:
+    """One piece of kv (plan_tensors' output), written straight from kv's arrays into the KvChunk."""
+    l0, lc, t0, tc = piece
+    g0 = l0 - kv.layer_start
+    return next(_encode(layout, iter([(g0, lc, t0, tc)]), kv.k, kv.v, kv.k_scales, kv.v_scales, kv.layer_start))
 
 
 def encode_blocks(
@@ -98,17 +117,19 @@ def encode_chunks(
 
 def _encode(
     layout: KvLayout,
-    pieces: Iterator[tuple[int, int, int, int]],
+    pieces: Iterator[Piece],
     k: np.ndarray,
     v: np.ndarray,
     k_scales: np.ndarray | None,
     v_scales: np.ndarray | None,
+    layer_offset: int = 0,
 ) -> Iterator[pb.KvChunk]:
+    """pieces index the arrays; the messages name layers layer_offset + their index."""
     bs = layout.block_size
     for l0, lc, t0, tc in pieces:
         chunk = pb.KvChunk()
         msg = chunk.blocks
-        msg.layer_start, msg.layer_count, msg.token_start, msg.token_count = l0, lc, t0, tc
+        msg.layer_start, msg.layer_count, msg.token_start, msg.token_count = l0 + layer_offset, lc, t0, tc
         msg.k = k[l0 : l0 + lc, t0 : t0 + tc].tobytes()
         msg.v = v[l0 : l0 + lc, t0 : t0 + tc].tobytes()
         if k_scales is not None and v_scales is not None:
@@ -152,8 +173,8 @@ def _view(where: str, name: str, data: bytes, dtype: np.dtype, shape: tuple[int,
     return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
-def _plan(layout: KvLayout, max_chunk_bytes: int) -> tuple[int, int]:
-    """(layers per group, tokens per piece) for messages of at most max_chunk_bytes."""
+def _plan(layout: KvLayout, max_chunk_bytes: int, num_layers: int) -> tuple[int, int]:
+    """(layers per group, tokens per piece) covering num_layers in messages of at most max_chunk_bytes."""
     budget = max_chunk_bytes - _ENVELOPE_BYTES
     per_layer_block = _piece_payload(layout, 1, layout.block_size)
     if per_layer_block > budget:
@@ -161,11 +182,16 @@ def _plan(layout: KvLayout, max_chunk_bytes: int) -> tuple[int, int]:
             f"one block of one layer takes {per_layer_block} bytes, over the {max_chunk_bytes}-byte "
             f"chunk limit ({layout.describe()}); raise the limit or use a smaller block size"
         )
-    max_layers = min(layout.num_layers, budget // per_layer_block)
-    num_groups = -(-layout.num_layers // max_layers)
-    layers_per_group = -(-layout.num_layers // num_groups)
+    max_layers = min(num_layers, budget // per_layer_block)
+    num_groups = -(-num_layers // max_layers)
+    layers_per_group = -(-num_layers // num_groups)
     blocks_per_piece = max(1, budget // (layers_per_group * per_layer_block))
     return layers_per_group, blocks_per_piece * layout.block_size
+
+
+def kv_bytes(layout: KvLayout, num_tokens: int) -> int:
+    """Host bytes of a whole prompt's KV in the wire format, scales included."""
+    return _piece_payload(layout, layout.num_layers, num_tokens)
 
 
 def _piece_payload(layout: KvLayout, num_layers: int, num_tokens: int) -> int:
@@ -173,6 +199,16 @@ def _piece_payload(layout: KvLayout, num_layers: int, num_tokens: int) -> int:
     if layout.dtype not in QUANTIZED:
         return kv
     return kv + 2 * num_layers * layout.num_blocks(num_tokens) * layout.num_kv_heads * _SCALE_DTYPE.itemsize
+
+
+def _check_group(layout: KvLayout, kv: KvTensors) -> None:
+    count = kv.k.shape[0] if kv.k.ndim == 4 else 0
+    if count == 0 or kv.layer_start < 0 or kv.layer_start + count > layout.num_layers:
+        raise ValueError(
+            f"a layer group of k {kv.k.shape} from layer {kv.layer_start} does not fit the layout's "
+            f"{layout.num_layers} layers"
+        )
+    _check_arrays(dataclasses.replace(layout, num_layers=count), kv.k, kv.v, kv.k_scales, kv.v_scales)
 
 
 def _check_arrays(

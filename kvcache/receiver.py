@@ -2,19 +2,27 @@
 
 Life of a transfer:
 1. The decode worker reserves blocks and calls `expect(id, attempt, token, num_tokens)`: WAITING.
-2. A prefill worker opens PushKv with a header. Strangers are refused without touching the transfer:
-   unknown id, an attempt other than the expected one, a missing or wrong token, a duplicate stream.
-3. The authenticated header passes the handshake (model fingerprint, layout, length): TRANSFERRING.
-4. Each KvBlocks piece is checked (place, sizes, no overlap) and handed to the sink.
-5. KvEnd once every layer of every token has arrived, then the stream closes: DONE, and `done`
-   resolves to the first token. Any refusal after step 2: FAILED, and `done` raises TransferError.
-`cancel()` or a newer attempt's `expect()` makes it CANCELLED; a running stream is cut off at once
-(ABORTED) and never writes again. Call every method from the event loop that serves PushKv.
+   No lease clock runs yet: the prompt may still queue in the prefill tier.
+2. The prefill worker begins the request: BeginKv(header), then its PushKv streams (1..N), each
+   opening with the header. Strangers are refused without touching the transfer: unknown id, an
+   attempt other than the expected one, a missing or wrong token, a stream index already open.
+3. The authenticated header passes the handshake (protocol version, model fingerprint, layout,
+   length, stream count): TRANSFERRING. The lease (`Transfer.wait`) starts at the first accepted
+   header and restarts with every chunk.
+4. Each KvBlocks piece is checked (place, sizes, no overlap across all streams) and written by the
+   sink in a worker thread, off the event loop; the stream reads its next chunk once it is written.
+5. KvEnd on every stream once every layer of every token has arrived, then the streams close: DONE,
+   and `done` resolves to the first token. Any refusal after step 2, or a KvAbort from the prefill
+   worker: FAILED, every stream of the transfer is cut, and `done` raises TransferError.
+`cancel()` or a newer attempt's `expect()` makes it CANCELLED; running streams are cut off at once
+(ABORTED) and never write again; `settle(id)` waits for a write already running in its thread.
+Call every method from the event loop that serves PushKv.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import hmac
 import time
@@ -26,10 +34,14 @@ import numpy as np
 
 from pdserve.kvcache.codec import KvPiece, decode_blocks
 from pdserve.kvcache.layout import HandshakeError, KvLayout, check_handshake
+from pdserve.kvcache.transfer import PROTOCOL_VERSION
+from pdserve.kvcache.wire import decode_chunk
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 
 Code = grpc.StatusCode
+WRITE_THREADS = 4
+"""Threads writing received pieces into the cache (numpy/torch copies release the GIL)."""
 
 
 class KvSink(Protocol):
@@ -69,10 +81,23 @@ class Transfer:
     done: asyncio.Future[int] = field(default_factory=_new_future, repr=False)
     """The first token id once every layer of every token has arrived; TransferError on failure."""
     started_at: float | None = None
-    """time.monotonic() when the stream's header was accepted."""
+    """time.monotonic() when the first stream's header was accepted: the prefill worker began."""
     finished_at: float | None = None
+    last_activity: float | None = None
+    """time.monotonic() of the last accepted header or chunk: the lease counts from here."""
+    num_streams: int = 0
+    """The streams the sender announced (0 before the first header)."""
+    covered: np.ndarray | None = field(default=None, repr=False)
+    """[L, num_blocks] bool: (layer, block) cells received, over all streams."""
+    stream_indexes: set[int] = field(default_factory=set, repr=False)
+    ended: int = 0
+    """Streams that sent KvEnd."""
+    closed: int = 0
+    """Streams that closed after KvEnd (all their pieces written)."""
+    first_token_id: int | None = None
+    started: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     cached_blocks: int = 0
-    """Leading blocks the decode worker holds already (prefix cache); the stream sends none of them."""
+    """Leading blocks the decode worker holds already (prefix cache); no stream sends them."""
 
     @property
     def seconds(self) -> float:
@@ -80,6 +105,30 @@ class Transfer:
         if self.started_at is None:
             return 0.0
         return (self.finished_at or time.monotonic()) - self.started_at
+
+    async def wait(self, lease: float) -> int:
+        """The first token id once all the KV is in (TransferError if the transfer failed).
+
+        No clock runs until the prefill worker begins the request (its header arrives): before that
+        only the caller's deadline bounds the wait. From then on TimeoutError once `lease` seconds
+        pass without a chunk.
+        """
+        while not self.done.done():
+            if self.last_activity is None:
+                started = asyncio.ensure_future(self.started.wait())
+                try:
+                    await asyncio.wait([self.done, started], return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    started.cancel()
+                continue
+            remaining = self.last_activity + lease - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no KV for {self.request_id} within the {lease:.1f} s lease")
+            await asyncio.wait([self.done], timeout=remaining)
+        return self.done.result()
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
 
 
 class _Refusal(Exception):
@@ -92,11 +141,11 @@ class _Refusal(Exception):
 
 @dataclass(eq=False)
 class _Stream:
-    """The authenticated PushKv call now feeding a transfer."""
+    """An authenticated PushKv call now feeding a transfer."""
 
     transfer: Transfer
     task: asyncio.Task
-    covered: np.ndarray  # [L, num_blocks] bool: (layer, block) cells received
+    index: int
     reading: bool = False
     cut: tuple[grpc.StatusCode, str] | None = None
 
@@ -109,12 +158,14 @@ class _Stream:
 
 
 class KvReceiver(worker_pb2_grpc.KvTransferServicer):
-    def __init__(self, layout: KvLayout, fingerprint: str, sink: KvSink) -> None:
+    def __init__(self, layout: KvLayout, fingerprint: str, sink: KvSink, *, write_threads: int = WRITE_THREADS):
         self.layout = layout
         self.fingerprint = fingerprint
         self.sink = sink
         self._transfers: dict[str, Transfer] = {}  # waiting or transferring, by request id
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, list[_Stream]] = {}
+        self._writes: dict[str, set[concurrent.futures.Future]] = {}  # running in the pool, by request id
+        self._pool = concurrent.futures.ThreadPoolExecutor(write_threads, thread_name_prefix="kv-write")
 
     def expect(self, request_id: str, attempt: int, transfer_token: bytes, num_tokens: int,
                cached_blocks: int = 0) -> Transfer:
@@ -157,6 +208,29 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         """Transfers waiting for or receiving their KV."""
         return len(self._transfers)
 
+    async def settle(self, request_id: str) -> None:
+        """Returns once no write of the request runs in the pool (call before freeing its blocks)."""
+        running = self._writes.get(request_id)
+        if running:
+            await asyncio.wait([asyncio.wrap_future(f) for f in list(running)])
+
+    async def BeginKv(self, request: pb.KvHeader, context: grpc.aio.ServicerContext) -> pb.BeginKvResponse:
+        """The prefill worker begins the request: checks the header and starts the lease."""
+        try:
+            transfer = self._accept(request)
+        except _Refusal as refusal:
+            if refusal.fails is not None:
+                self._fail(refusal.fails, refusal.code, refusal.message)
+            await context.abort(refusal.code, refusal.message)
+        if transfer.state is not TransferState.WAITING:
+            await context.abort(
+                Code.ALREADY_EXISTS,
+                f"request {request.request_id!r} attempt {request.attempt} already has a running stream; "
+                "send each attempt once",
+            )
+        self._start(transfer, request)
+        return pb.BeginKvResponse()
+
     async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushKvResponse:
         chunks = aiter(request_iterator)
         stream: _Stream | None = None
@@ -168,8 +242,8 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                     Code.INVALID_ARGUMENT, f"a PushKv stream must start with a KvHeader, got {got}"
                 )
             stream = self._admit(first.header)
-            first_token_id = await self._receive(stream, chunks)
-            return self._finish(stream.transfer, first_token_id)
+            await self._receive(stream, chunks)
+            return await self._settled(stream)
         except _Refusal as refusal:
             if refusal.fails is not None:
                 self._fail(refusal.fails, refusal.code, refusal.message)
@@ -186,10 +260,47 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 self._fail(stream.transfer, Code.INTERNAL, f"the decode worker failed receiving KV: {e!r}")
             raise
         finally:
-            if stream is not None and self._streams.get(stream.transfer.request_id) is stream:
-                del self._streams[stream.transfer.request_id]
+            if stream is not None:
+                self._drop(stream)
+
+    async def _settled(self, stream: _Stream) -> pb.PushKvResponse:
+        """The last stream to close finishes the transfer; the others wait for its outcome."""
+        transfer = stream.transfer
+        transfer.closed += 1
+        if transfer.closed == transfer.num_streams:
+            assert transfer.first_token_id is not None
+            return self._finish(transfer)
+        stream.reading = True  # a cut wakes it
+        try:
+            await asyncio.wait([transfer.done])
+        finally:
+            stream.reading = False
+        if stream.cut is not None:
+            raise _Refusal(*stream.cut)
+        if transfer.done.cancelled():
+            raise _Refusal(Code.ABORTED, f"request {transfer.request_id!r} was cancelled on the decode worker")
+        error = transfer.done.exception()
+        if isinstance(error, TransferError):
+            raise _Refusal(error.code, str(error))
+        return self._response(transfer)
 
     def _admit(self, header: pb.KvHeader) -> _Stream:
+        transfer = self._accept(header)
+        index = header.stream_index
+        if index in transfer.stream_indexes:
+            raise _Refusal(
+                Code.ALREADY_EXISTS,
+                f"request {transfer.request_id!r} attempt {transfer.attempt} already has a running "
+                "stream; send each attempt once",
+            )
+        self._start(transfer, header)
+        transfer.stream_indexes.add(index)
+        stream = _Stream(transfer, asyncio.current_task(), index)  # type: ignore[arg-type]
+        self._streams.setdefault(transfer.request_id, []).append(stream)
+        return stream
+
+    def _accept(self, header: pb.KvHeader) -> Transfer:
+        """The transfer the header authenticates for, once it passes the handshake; else a refusal."""
         request_id, attempt = header.request_id, header.attempt
         transfer = self._transfers.get(request_id)
         if transfer is None:
@@ -222,11 +333,13 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 f"request {request_id!r}: wrong transfer token; send the token "
                 "the coordinator issued for this attempt",
             )
-        if transfer.state is not TransferState.WAITING:
+        if header.protocol_version != PROTOCOL_VERSION:
             raise _Refusal(
-                Code.ALREADY_EXISTS,
-                f"request {request_id!r} attempt {attempt} already has a running "
-                "stream; send each attempt once",
+                Code.FAILED_PRECONDITION,
+                f"KV protocol version mismatch: the prefill worker speaks version {header.protocol_version}"
+                f"{' (unversioned)' if not header.protocol_version else ''}, this decode worker "
+                f"{PROTOCOL_VERSION}; run the same pdserve release on both tiers",
+                transfer,
             )
         try:
             theirs = KvLayout.from_proto(header.layout)
@@ -248,6 +361,20 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 "send the prompt's true length",
                 transfer,
             )
+        num_streams = header.num_streams or 1
+        if header.stream_index >= num_streams:
+            raise _Refusal(
+                Code.INVALID_ARGUMENT,
+                f"stream index {header.stream_index} is outside the {num_streams} streams",
+                transfer,
+            )
+        if transfer.num_streams and num_streams != transfer.num_streams:
+            raise _Refusal(
+                Code.INVALID_ARGUMENT,
+                f"request {request_id!r}: a stream announces {num_streams} streams, an earlier header "
+                f"{transfer.num_streams}",
+                transfer,
+            )
         if header.cached_blocks != transfer.cached_blocks:
             raise _Refusal(
                 Code.INVALID_ARGUMENT,
@@ -255,16 +382,23 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 f"worker holds {transfer.cached_blocks}; send every block after the ones it holds",
                 transfer,
             )
-        transfer.state = TransferState.TRANSFERRING
-        transfer.started_at = time.monotonic()
-        covered = np.zeros((self.layout.num_layers, self.layout.num_blocks(transfer.num_tokens)), dtype=bool)
-        covered[:, : transfer.cached_blocks] = True  # held already: a piece there overlaps
-        stream = _Stream(transfer, asyncio.current_task(), covered)  # type: ignore[arg-type]
-        self._streams[request_id] = stream
-        return stream
+        return transfer
 
-    async def _receive(self, stream: _Stream, chunks) -> int:
-        """Writes every piece; the first token id once KvEnd came and the stream closed."""
+    def _start(self, transfer: Transfer, header: pb.KvHeader) -> None:
+        """The prefill worker began: TRANSFERRING, and the lease runs from now."""
+        if transfer.state is TransferState.WAITING:
+            transfer.state = TransferState.TRANSFERRING
+            transfer.started_at = time.monotonic()
+            transfer.num_streams = header.num_streams or 1
+            transfer.covered = np.zeros(
+                (self.layout.num_layers, self.layout.num_blocks(transfer.num_tokens)), dtype=bool
+            )
+            transfer.covered[:, : transfer.cached_blocks] = True  # held already: a piece there overlaps
+            transfer.started.set()
+        transfer.touch()
+
+    async def _receive(self, stream: _Stream, chunks) -> None:
+        """Writes every piece of this stream; returns once KvEnd came and the stream closed."""
         transfer = stream.transfer
         first_token_id: int | None = None
         while True:
@@ -277,6 +411,7 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 raise _Refusal(*stream.cut)
             if chunk is None:
                 break
+            transfer.touch()
             part = chunk.WhichOneof("part")
             if first_token_id is not None:
                 raise _Refusal(
@@ -285,10 +420,17 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                     transfer,
                 )
             if part == "blocks":
-                self._write(stream, chunk.blocks)
+                await self._write(stream, chunk.blocks)
             elif part == "end":
-                self._check_complete(stream)
                 first_token_id = chunk.end.first_token_id
+                self._end(stream, first_token_id)
+            elif part == "abort":
+                raise _Refusal(
+                    Code.ABORTED,
+                    f"the prefill worker gave up request {transfer.request_id!r} attempt {transfer.attempt}: "
+                    f"{chunk.abort.reason}",
+                    transfer,
+                )
             elif part == "header":
                 raise _Refusal(
                     Code.INVALID_ARGUMENT, "a second KvHeader; one stream carries one transfer", transfer
@@ -302,9 +444,22 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 "(the prefill worker closed or cancelled it)",
                 transfer,
             )
-        return first_token_id
 
-    def _write(self, stream: _Stream, msg: pb.KvBlocks) -> None:
+    def _end(self, stream: _Stream, first_token_id: int) -> None:
+        transfer = stream.transfer
+        if transfer.first_token_id is not None and transfer.first_token_id != first_token_id:
+            raise _Refusal(
+                Code.INVALID_ARGUMENT,
+                f"request {transfer.request_id!r}: stream {stream.index} ends with first token {first_token_id}, "
+                f"an earlier stream with {transfer.first_token_id}",
+                transfer,
+            )
+        transfer.first_token_id = first_token_id
+        transfer.ended += 1
+        if transfer.ended == transfer.num_streams:
+            self._check_complete(transfer)
+
+    async def _write(self, stream: _Stream, msg: pb.KvBlocks) -> None:
         transfer, bs = stream.transfer, self.layout.block_size
         try:
             piece = decode_blocks(self.layout, msg)
@@ -322,46 +477,65 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
             raise _Refusal(
                 Code.INVALID_ARGUMENT, f"{where} ends inside a block; only the last piece may", transfer
             )
-        cells = stream.covered[msg.layer_start : msg.layer_start + msg.layer_count,
-                               msg.token_start // bs : -(-token_end // bs)]  # fmt: skip
+        assert transfer.covered is not None
+        cells = transfer.covered[msg.layer_start : msg.layer_start + msg.layer_count,
+                                 msg.token_start // bs : -(-token_end // bs)]  # fmt: skip
         if cells.any():
             raise _Refusal(Code.INVALID_ARGUMENT, f"{where} overlaps KV already received", transfer)
+        cells[...] = True  # now: another stream's overlapping piece is refused while this one is written
+        running = self._pool.submit(self.sink.write, transfer.request_id, piece)
+        writes = self._writes.setdefault(transfer.request_id, set())
+        writes.add(running)
+        running.add_done_callback(lambda f: self._written(transfer.request_id, f))
         try:
-            self.sink.write(transfer.request_id, piece)
+            await asyncio.wrap_future(running)
         except Exception as e:  # the decode tier's cache refused the piece
             raise _Refusal(
                 Code.INTERNAL, f"the decode worker could not store {where}: {e!r}", transfer
             ) from e
-        cells[...] = True
-        transfer.bytes_received += sum(
-            a.nbytes for a in (piece.k, piece.v, piece.k_scales, piece.v_scales) if a is not None
-        )
+        transfer.bytes_received += piece.nbytes
 
-    def _check_complete(self, stream: _Stream) -> None:
-        missing_layers, missing_blocks = np.nonzero(~stream.covered)
+    def _written(self, request_id: str, running: concurrent.futures.Future) -> None:
+        """Runs in the writing thread: forgets the write (set operations hold the GIL)."""
+        writes = self._writes.get(request_id)
+        if writes is not None:
+            writes.discard(running)
+            if not writes:
+                self._writes.pop(request_id, None)
+
+    def _check_complete(self, transfer: Transfer) -> None:
+        assert transfer.covered is not None
+        missing_layers, missing_blocks = np.nonzero(~transfer.covered)
         if len(missing_layers):
-            transfer, bs = stream.transfer, self.layout.block_size
+            bs = self.layout.block_size
             layer, block = int(missing_layers[0]), int(missing_blocks[0])
             last_token = min((block + 1) * bs, transfer.num_tokens) - 1
             raise _Refusal(
                 Code.INVALID_ARGUMENT,
                 f"request {transfer.request_id!r}: KvEnd before all KV arrived: {len(missing_layers)} of "
-                f"{stream.covered.size} (layer, block) cells missing, the first at layer {layer} tokens "
+                f"{transfer.covered.size} (layer, block) cells missing, the first at layer {layer} tokens "
                 f"{block * bs}..{last_token}; send every layer of every token before KvEnd",
                 transfer,
             )
 
-    def _finish(self, transfer: Transfer, first_token_id: int) -> pb.PushKvResponse:
+    def _finish(self, transfer: Transfer) -> pb.PushKvResponse:
         self._forget(transfer)
         transfer.state = TransferState.DONE
         transfer.finished_at = time.monotonic()
         if not transfer.done.done():
-            transfer.done.set_result(first_token_id)
+            transfer.done.set_result(transfer.first_token_id)
+        return self._response(transfer)
+
+    @staticmethod
+    def _response(transfer: Transfer) -> pb.PushKvResponse:
         return pb.PushKvResponse(tokens_received=transfer.num_tokens, bytes_received=transfer.bytes_received)
 
     def _fail(self, transfer: Transfer, code: grpc.StatusCode, message: str) -> None:
         if self._transfers.get(transfer.request_id) is not transfer:
             return  # already superseded or cancelled
+        for stream in self._streams.get(transfer.request_id, []):
+            if stream.transfer is transfer and stream.task is not asyncio.current_task():
+                stream.cut_off(code, message)
         self._forget(transfer)
         transfer.state = TransferState.FAILED
         transfer.finished_at = time.monotonic()
@@ -369,9 +543,9 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
             transfer.done.set_exception(TransferError(code, message))
 
     def _cancel(self, transfer: Transfer, reason: str) -> None:
-        stream = self._streams.get(transfer.request_id)
-        if stream is not None and stream.transfer is transfer:
-            stream.cut_off(Code.ABORTED, reason)
+        for stream in self._streams.get(transfer.request_id, []):
+            if stream.transfer is transfer:
+                stream.cut_off(Code.ABORTED, reason)
         self._forget(transfer)
         transfer.state = TransferState.CANCELLED
         transfer.finished_at = time.monotonic()
@@ -380,6 +554,28 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
     def _forget(self, transfer: Transfer) -> None:
         if self._transfers.get(transfer.request_id) is transfer:
             del self._transfers[transfer.request_id]
-        stream = self._streams.get(transfer.request_id)
-        if stream is not None and stream.transfer is transfer:
-            del self._streams[transfer.request_id]
+
+    def _drop(self, stream: _Stream) -> None:
+        streams = self._streams.get(stream.transfer.request_id, [])
+        if stream in streams:
+            streams.remove(stream)
+        if not streams:
+            self._streams.pop(stream.transfer.request_id, None)
+
+
+def add_receiver_to_server(receiver: KvReceiver, server: grpc.aio.Server) -> None:
+    """Serves the receiver as pdserve.v1.KvTransfer, reading KV pieces as views on the received bytes
+    (kvcache.wire) instead of through the generated parser."""
+    handlers = {
+        "BeginKv": grpc.unary_unary_rpc_method_handler(
+            receiver.BeginKv,
+            request_deserializer=pb.KvHeader.FromString,
+            response_serializer=pb.BeginKvResponse.SerializeToString,
+        ),
+        "PushKv": grpc.stream_unary_rpc_method_handler(
+            receiver.PushKv,
+            request_deserializer=decode_chunk,
+            response_serializer=pb.PushKvResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KvTransfer", handlers),))

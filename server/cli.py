@@ -150,7 +150,8 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str]) -
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
                                   common_args=["--cluster-secret-file", str(args.cluster_secret_file)],
-                                  prefill_args=["--weight-dtype", args.prefill_weight_dtype],
+                                  prefill_args=["--weight-dtype", args.prefill_weight_dtype,
+                                                "--kv-streams", str(args.kv_streams)],
                                   decode_args=["--weight-dtype", args.decode_weight_dtype,
                                                "--kv-dtype", args.kv_dtype])
     except (RuntimeError, TimeoutError) as e:
@@ -217,6 +218,8 @@ def cmd_prefill(args) -> int:
     _check_model(args.model)
     config = PrefillConfig(model_dir=args.model, port=args.port, host=args.host,
                            max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype,
+                           kv_layer_groups=args.kv_layer_groups, kv_streams=args.kv_streams,
+                           max_pushes=args.max_pushes, max_push_bytes=args.max_push_bytes,
                            max_model_len=args.max_model_len)
     options = _worker_options(args)
     serving.run(lambda: serve(config, options))
@@ -316,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state-file", type=Path, help="write the processes' addresses here as JSON")
     p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
     p.add_argument("--prefill-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="prefill workers' weights")
+    p.add_argument("--kv-streams", type=int, default=1, help="parallel KV push streams per transfer")
     p.add_argument("--decode-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="decode workers' weights")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
     p.add_argument("--cluster-secret-file", type=Path,
@@ -355,6 +359,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0, help="longest prompt prefilled (0: the model's)")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
                    help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
+    p.add_argument("--kv-layer-groups", type=int, default=4,
+                   help="run the prefill in this many layer groups; each group's KV leaves while the next computes")
+    p.add_argument("--kv-streams", type=int, default=1, help="parallel KV push streams (connections) per transfer")
+    p.add_argument("--max-pushes", type=int, default=64, help="KV pushes in flight; at the bound no new prompt starts")
+    p.add_argument("--max-push-bytes", type=int, default=8 * 2**30,
+                   help="host bytes of KV held by pushes in flight (same rule)")
     _worker_args(p)
     p.set_defaults(func=cmd_prefill)
 

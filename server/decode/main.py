@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
-from pdserve.kvcache.receiver import KvReceiver
+from pdserve.kvcache.receiver import KvReceiver, add_receiver_to_server
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
 from pdserve.server.decode.config import DecodeConfig
@@ -98,9 +98,9 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         kv_server = grpc.aio.server(options=serving.CHANNEL_OPTIONS, interceptors=serving.server_interceptors() or None)
         kv_port = serving.add_port(kv_server, options.kv_port, config.host)
         kv_address = f"{address.rpartition(':')[0]}:{kv_port}"
-        worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, kv_server)
+        add_receiver_to_server(receiver, kv_server)
     else:
-        worker_pb2_grpc.add_KvTransferServicer_to_server(receiver, server)
+        add_receiver_to_server(receiver, server)
     service = DecodeService(
         engine, receiver, fingerprint=digest, description=model_config.describe(),
         address=address, kv_address=kv_address,

@@ -89,10 +89,10 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                                                 cached_blocks=seq.num_hit_blocks)
                 yield pb.DecodeResponse(reserved=reserved)
                 lease = request.lease_seconds or 30.0
-                try:
-                    first_token = await asyncio.wait_for(asyncio.shield(transfer.done), lease)
+                try:  # the lease runs from the prefill worker's header, restarting with every chunk
+                    first_token = await transfer.wait(lease)
                 except TimeoutError:
-                    log.warning("request %s: KV did not arrive within the %.1f s lease; blocks freed", rid, lease)
+                    log.warning("request %s: KV stalled for the %.1f s lease; blocks freed", rid, lease)
                     await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"KV for {rid} did not arrive within {lease:.1f} s")
                 except Exception as e:  # the transfer failed: say why
                     if isinstance(e, asyncio.CancelledError):
@@ -118,8 +118,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
             yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason, message=message))
         finally:
-            engine.abort(rid, gen_pb.FINISH_REASON_ABORT)  # frees its blocks, now or after the step using them
             self.receiver.cancel(rid)
+            await self.receiver.settle(rid)  # a piece being written in its thread lands before the free
+            engine.abort(rid, gen_pb.FINISH_REASON_ABORT)  # frees its blocks, now or after the step using them
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id, gen_pb.FINISH_REASON_ABORT))

@@ -20,6 +20,15 @@ class PrefillConfig:
     """Prompt lengths are padded to powers of two from this up, so XLA compiles few shapes."""
     weight_dtype: Literal["auto", "float32", "bfloat16", "int8", "fp8"] = "auto"
     """auto: the checkpoint's dtype; int8/fp8: weight-only, per-output-channel scales, quantized at load."""
+    kv_layer_groups: int = 4
+    """The prefill runs as this many layer groups; each group's KV leaves while the next computes."""
+    kv_streams: int = 1
+    """Parallel PushKv streams (each its own connection) per transfer."""
+    max_pushes: int = 64
+    """KV pushes in flight at once; at the bound the worker takes no new prompt until one ends."""
+    max_push_bytes: int = 8 * 2**30
+    """Host bytes of KV held by pushes in flight (same rule); a prompt whose KV alone exceeds it is refused."""
+
     max_model_len: int = 0
     """Longest prompt this worker prefills; 0: the model's."""
 
@@ -32,3 +41,7 @@ class PrefillConfig:
             raise ValueError(f"--weight-dtype must be auto, float32, bfloat16, int8 or fp8, not {self.weight_dtype!r}")
         if self.min_bucket <= 0 or self.min_bucket & (self.min_bucket - 1):
             raise ValueError(f"--min-bucket must be a power of two, got {self.min_bucket}")
+        for flag, value in (("--kv-layer-groups", self.kv_layer_groups), ("--kv-streams", self.kv_streams),
+                            ("--max-pushes", self.max_pushes), ("--max-push-bytes", self.max_push_bytes)):
+            if value <= 0:
+                raise ValueError(f"{flag} must be >= 1, got {value}")

@@ -1,13 +1,18 @@
-"""The prefill loop: batch waiting prompts, pad to a bucket, run the jitted model, sample.
+"""The prefill loop: batch waiting prompts, pad to a bucket, run the jitted model layer group by group.
 
 Life cycle of a prompt here:
-1. `submit` queues it and waits on a future.
+1. `enqueue` queues it as a PrefillJob (`submit` does that and collects the whole result).
 2. The loop takes the queued prompts (up to the batch limits), pads lengths to a power-of-two
-   bucket and the batch to a power of two, so XLA compiles a bounded set of shapes.
-3. The model runs in a worker thread; the first token is sampled on the device.
-4. Each prompt gets its first token and its KV for the true length only, in the wire dtype: for
-   fp8_e4m3/int8 quantized on the device with per-block, per-kv-head scales (prefill.quant).
-   The caller streams that KV while the next batch computes.
+   bucket and the batch to a power of two, so XLA compiles a bounded set of shapes. `job.started`
+   resolves: the prefill of this prompt begins (its KV stream opens now, and the decode worker's
+   lease with it).
+3. In a worker thread the model runs as `kv_layer_groups` jitted layer groups, dispatched back to
+   back; each group's KV is converted to the wire dtype on the device (fp8_e4m3/int8 quantized with
+   per-block, per-kv-head scales over each prompt's true length) and copied to the host
+   asynchronously while the next group computes. The first token is sampled on the device.
+4. As each group's host copy lands, every prompt of the batch gets its KvTensors for the true
+   length on `job.kv` (then None); the first token goes to `job.first_token` before the last group's
+   KV, so the caller can answer at once and stream each group while the next one computes.
 """
 
 from __future__ import annotations
@@ -17,16 +22,18 @@ import logging
 import secrets
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
+from pdserve.kvcache.tensors import KvTensors
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
-from pdserve.server.prefill.model import bucket_length, make_prefill_fn
+from pdserve.server.prefill.model import bucket_length, embed, group_sizes, head, layer_group
 from pdserve.server.prefill.quant import quantize_kv
 from pdserve.server.prefill.sampler import sample_jit
 
@@ -49,7 +56,20 @@ class PrefillJob:
     sample_index: int
     kv_dtype: str
     block_size: int
-    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    started: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    """Resolves when the engine takes the job into a batch: its prefill begins."""
+    first_token: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    kv: asyncio.Queue = field(default_factory=asyncio.Queue)
+    """KvTensors of each layer group in order, then None; or the exception that ended the prefill."""
+
+    def cancel(self) -> None:
+        """Drops the job if it is still queued; a running batch finishes without it."""
+        self.first_token.cancel()
+        self.started.cancel()
+
+    @property
+    def dropped(self) -> bool:
+        return self.first_token.cancelled()
 
 
 def _pow2(n: int) -> int:
@@ -63,7 +83,11 @@ class PrefillEngine:
         self.config = config
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len)
         self.max_len = _pow2(self.max_model_len)
-        self._fn = make_prefill_fn(model_config)
+        self.groups = group_sizes(model_config.num_layers, config.kv_layer_groups)
+        """(first layer, layers) of each group the prefill runs and ships as one."""
+        self._embed = jax.jit(partial(embed, config=model_config))
+        self._group = jax.jit(partial(layer_group, config=model_config), static_argnames=("size",))
+        self._head = jax.jit(partial(head, config=model_config))
         self._quantize_kv = jax.jit(quantize_kv, static_argnames=("block_size", "fmt"))
         self._queue: deque[PrefillJob] = deque()
         self._wakeup = asyncio.Event()
@@ -71,9 +95,10 @@ class PrefillEngine:
         self.queued_tokens = 0
         self.batches = 0
 
-    async def submit(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
-                     kv_dtype: str, block_size: int = 16) -> PrefillResult:
-        """block_size: the target cache's, over which fp8_e4m3/int8 scales are computed."""
+    def enqueue(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
+                kv_dtype: str, block_size: int = 16) -> PrefillJob:
+        """Queues a prompt; its first token and KV arrive on the job. block_size: the target cache's,
+        over which fp8_e4m3/int8 scales are computed."""
         if not 0 < len(token_ids) <= self.max_model_len:  # no bucket fits: it would stop the loop
             raise ValueError(f"a prompt of {len(token_ids)} tokens; this worker takes 1 to {self.max_model_len}")
         job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size)
@@ -82,14 +107,35 @@ class PrefillEngine:
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="prefill-loop")
-        return await job.future
+        return job
+
+    async def submit(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
+                     kv_dtype: str, block_size: int = 16) -> PrefillResult:
+        """The whole result at once: the first token and the KV of all layers."""
+        job = self.enqueue(token_ids, sampling, sample_index, kv_dtype, block_size)
+        try:
+            first = await job.first_token
+            groups: list[KvTensors] = []
+            while (group := await job.kv.get()) is not None:
+                if isinstance(group, BaseException):
+                    raise group
+                groups.append(group)
+        except asyncio.CancelledError:
+            job.cancel()
+            raise
+
+        def cat(name: str) -> np.ndarray | None:
+            parts = [getattr(g, name) for g in groups]
+            return None if parts[0] is None else np.concatenate(parts)
+
+        return PrefillResult(first, cat("k"), cat("v"), cat("k_scales"), cat("v_scales"))
 
     def _take_batch(self) -> list[PrefillJob]:
         batch: list[PrefillJob] = []
         longest = 0
         while self._queue and len(batch) < self.config.max_batch_size:
             job = self._queue[0]
-            if job.future.done():  # cancelled while queued
+            if job.dropped:  # cancelled while queued
                 self._queue.popleft()
                 self.queued_tokens -= len(job.token_ids)
                 continue
@@ -102,29 +148,34 @@ class PrefillEngine:
         return batch
 
     async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             batch = self._take_batch()
             if not batch:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            for job in batch:
+                if not job.started.done():
+                    job.started.set_result(None)
             try:
-                results = await asyncio.to_thread(self._run, batch)
+                await asyncio.to_thread(self._run, batch, loop)
             except Exception as e:
                 log.exception("prefill batch of %d failed", len(batch))
-                results = [e] * len(batch)
+                for job in batch:
+                    self._fail(job, e)
             finally:
                 self.queued_tokens -= sum(len(j.token_ids) for j in batch)
             self.batches += 1
-            for job, result in zip(batch, results):
-                if job.future.done():
-                    continue
-                if isinstance(result, Exception):
-                    job.future.set_exception(result)
-                else:
-                    job.future.set_result(result)
 
-    def _run(self, batch: list[PrefillJob]) -> list[PrefillResult]:
+    @staticmethod
+    def _fail(job: PrefillJob, error: Exception) -> None:
+        if not job.first_token.done():
+            job.first_token.set_exception(error)
+        job.kv.put_nowait(error)
+
+    def _run(self, batch: list[PrefillJob], loop: asyncio.AbstractEventLoop) -> None:
+        """Runs the batch (in a worker thread), handing each job its KV groups and first token."""
         lengths = [len(j.token_ids) for j in batch]
         seq_len = bucket_length(max(lengths), self.max_len, self.config.min_bucket)
         rows = _pow2(len(batch))
@@ -133,15 +184,53 @@ class PrefillEngine:
             tokens[i, : lengths[i]] = job.token_ids
         true_lengths = np.ones((rows,), dtype=np.int32)
         true_lengths[: len(batch)] = lengths
-        logits, k, v = self._fn(self.params, tokens, true_lengths)  # [B, V], [L, B, S, Hkv, D] x2
+        formats = {(j.kv_dtype, j.block_size) for j in batch}
 
+        x, cos, sin = self._embed(self.params, tokens)  # [B, S, H], [S, D] x2
+        pending = []  # (first layer, {format: device arrays on their way to the host})
+        for start, size in self.groups:  # dispatched back to back: XLA runs them while we wait below
+            x, k, v = self._group(self.params["layers"], x, cos, sin, np.int32(start), size=size)  # k, v [l, B, S, Hkv, D]
+            pending.append((start, {f: self._to_wire(k, v, true_lengths, *f) for f in formats}))
+        first = self._sample(self._head(self.params, x, true_lengths), batch, rows)
+
+        for g, (start, wire) in enumerate(pending):
+            if g == len(pending) - 1:  # the first token needs every layer: answer before the last copy
+                first_ids = np.asarray(first)
+                for i, job in enumerate(batch):
+                    loop.call_soon_threadsafe(_resolve, job.first_token, int(first_ids[i]))
+            host = {f: tuple(None if a is None else np.asarray(a) for a in arrays) for f, arrays in wire.items()}
+            for i, job in enumerate(batch):
+                hk, hv, hks, hvs = host[job.kv_dtype, job.block_size]
+                n, nb = lengths[i], -(-lengths[i] // job.block_size)
+                group = KvTensors(start, 0, hk[:, i, :n], hv[:, i, :n],  # views into the batch's host copy
+                                  None if hks is None else hks[:, i, :nb], None if hvs is None else hvs[:, i, :nb])
+                loop.call_soon_threadsafe(job.kv.put_nowait, group)
+        for job in batch:
+            loop.call_soon_threadsafe(job.kv.put_nowait, None)
+
+    def _to_wire(self, k: jax.Array, v: jax.Array, true_lengths: np.ndarray, dtype: str, block_size: int):
+        """(k, v, k_scales, v_scales) in the wire format, already copying to the host."""
+        if dtype in QUANTIZED:  # on the device, over each row's true length
+            qk, k_scales = self._quantize_kv(k, true_lengths, block_size=block_size, fmt=dtype)
+            qv, v_scales = self._quantize_kv(v, true_lengths, block_size=block_size, fmt=dtype)
+            arrays = (qk, qv, k_scales, v_scales)
+        else:
+            wire = NUMPY_DTYPES[dtype]
+            arrays = (k.astype(wire), v.astype(wire), None, None)
+        for a in arrays:
+            if a is not None:
+                a.copy_to_host_async()
+        return arrays
+
+    @staticmethod
+    def _sample(logits: jax.Array, batch: list[PrefillJob], rows: int) -> jax.Array:
         def column(values, dtype):
             out = np.zeros((rows,), dtype=dtype)
             out[: len(values)] = values
             return out
 
         sp = [j.sampling for j in batch]
-        first = sample_jit(
+        return sample_jit(
             logits,
             column([p.temperature for p in sp], np.float32),
             column([p.top_k for p in sp], np.int32),
@@ -149,31 +238,19 @@ class PrefillEngine:
             column([(p.seed if p.HasField("seed") else secrets.randbits(32)) % 2**32 for p in sp], np.uint32),
             column([j.sample_index for j in batch], np.int32),
         )
-        first = np.asarray(first)
-        host: dict[tuple[str, int], tuple[np.ndarray, ...]] = {}
-        for dtype, bs in {(j.kv_dtype, j.block_size) for j in batch}:
-            if dtype in QUANTIZED:  # on the device, over each row's true length
-                qk, k_scales = self._quantize_kv(k, true_lengths, block_size=bs, fmt=dtype)
-                qv, v_scales = self._quantize_kv(v, true_lengths, block_size=bs, fmt=dtype)
-                host[dtype, bs] = tuple(np.asarray(a) for a in (qk, qv, k_scales, v_scales))
-            else:
-                wire = NUMPY_DTYPES[dtype]
-                host[dtype, bs] = (np.asarray(k.astype(wire)), np.asarray(v.astype(wire)), None, None)
-        results = []
-        for i, job in enumerate(batch):
-            hk, hv, hks, hvs = host[job.kv_dtype, job.block_size]
-            n = lengths[i]
-            nb = -(-n // job.block_size)
-            results.append(PrefillResult(
-                int(first[i]), np.ascontiguousarray(hk[:, i, :n]), np.ascontiguousarray(hv[:, i, :n]),
-                None if hks is None else np.ascontiguousarray(hks[:, i, :nb]),
-                None if hvs is None else np.ascontiguousarray(hvs[:, i, :nb]),
-            ))
-        return results
 
     def warmup(self) -> None:
         """Compiles the smallest bucket so the first request does not pay for it."""
         tokens = np.zeros((1, self.config.min_bucket), dtype=np.int32)
-        logits, k, v = self._fn(self.params, tokens, np.ones((1,), dtype=np.int32))
+        lengths = np.ones((1,), dtype=np.int32)
+        x, cos, sin = self._embed(self.params, tokens)
+        for start, size in self.groups:
+            x, _, _ = self._group(self.params["layers"], x, cos, sin, np.int32(start), size=size)
+        logits = self._head(self.params, x, lengths)
         jax.block_until_ready(sample_jit(logits, jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1),
                                          jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32)))
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)

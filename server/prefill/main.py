@@ -6,7 +6,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from pdserve.kvcache.sender import KvSender
+from pdserve.kvcache.sender import GrpcKvTransport
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
 from pdserve.server.model.config import load_config
@@ -42,7 +42,7 @@ class PrefillWorker:
         if self.registration is not None:
             await self.registration.close()
         await self.server.stop(grace)
-        await self.service.sender.close()
+        await self.service.transport.close()
 
 
 async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> PrefillWorker:
@@ -56,9 +56,9 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
              model_config.describe(), time.perf_counter() - t0, param_bytes(params) / 2**20, dtype,
              compute_dtype(model_config, dtype))
     server, health, port = serving.new_server(SERVICES, config.port, config.host)
-    sender = KvSender(channel_options=serving.CHANNEL_OPTIONS, credentials=serving.channel_credentials(),
-                      interceptors=serving.channel_interceptors())
-    service = PrefillService(engine, sender, model_config,
+    transport = GrpcKvTransport(num_streams=config.kv_streams, channel_options=serving.CHANNEL_OPTIONS,
+                                credentials=serving.channel_credentials(), interceptors=serving.channel_interceptors())
+    service = PrefillService(engine, transport, model_config,
                              fingerprint=fingerprint(config.model_dir, model_config),
                              address=options.advertise_address or f"{config.host}:{port}")
     worker_pb2_grpc.add_PrefillServicer_to_server(service, server)

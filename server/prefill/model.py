@@ -158,6 +158,44 @@ def _hidden(params: Params, tokens: jax.Array, config: ModelConfig):
     return x, k, v
 
 
+def embed(params: Params, tokens: jax.Array, *, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """tokens [B, S] -> (x [B, S, H], cos, sin [S, D]): what every layer group starts from."""
+    s = tokens.shape[1]
+    angles = jnp.arange(s, dtype=F32)[:, None] * jnp.asarray(inv_freq(config))[None]  # [S, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [S, D]
+    return jnp.take(params["embed"], tokens, axis=0, mode="clip"), jnp.cos(angles), jnp.sin(angles)
+
+
+def layer_group(
+    layers: Params, x: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array, *, size: int, config: ModelConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Layers [start, start + size) of the stacked `layers`: x [B, S, H] -> (x, k, v [size, B, S, Hkv, D]).
+
+    The same scan body as the whole model, over layer indexes: each step reads its layer's slice of
+    the stack, as `lax.scan` over the stack does, so a group costs no copy of its weights.
+    """
+
+    def step(h: jax.Array, i: jax.Array):
+        p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), layers)
+        return _layer(config, cos, sin, h, p)
+
+    x, (k, v) = jax.lax.scan(step, x, start + jnp.arange(size))
+    return x, k, v
+
+
+def head(params: Params, x: jax.Array, lengths: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """x [B, S, H] after the last layer -> logits f32[B, V] at lengths - 1."""
+    last = jnp.clip(lengths - 1, 0, x.shape[1] - 1)  # [B]
+    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, H]
+    return _logits(params, x_last, config)
+
+
+def group_sizes(num_layers: int, num_groups: int) -> list[tuple[int, int]]:
+    """(start, size) of each layer group: num_groups (at most num_layers) groups of even size."""
+    size = -(-num_layers // max(1, min(num_groups, num_layers)))
+    return [(start, min(size, num_layers - start)) for start in range(0, num_layers, size)]
+
+
 def _logits(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
     """x [..., H] -> f32 [..., V]."""
     h = _rms_norm(x, params["final_norm"], config.rms_norm_eps)

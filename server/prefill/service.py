@@ -1,4 +1,14 @@
-"""The prefill worker's gRPC face: Prefill returns the first token, then pushes the KV."""
+"""The prefill worker's gRPC face: Prefill returns the first token while the KV streams to the decode worker.
+
+Life of a Prefill call:
+1. Check the target's KV format; wait for room in the push budget (count and host bytes in flight).
+2. Queue the prompt in the engine. When the engine begins it, the push opens its KV streams to the
+   decode worker with the header: the decode worker's lease starts now, not while the prompt queued.
+3. The call answers with the first token once the header was accepted; a push that could not start
+   fails the call instead (the coordinator then frees the decode worker's blocks and retries).
+4. The push sends each layer group as the engine finishes it, then KvEnd. A prefill that fails after
+   the header sends KvAbort, so the decode worker frees its blocks at once. Then the budget is freed.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +18,15 @@ import time
 
 import grpc
 
+from pdserve.kvcache.codec import kv_bytes
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.sender import KvSender
+from pdserve.kvcache.transfer import KvSender, KvTransport
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import logs, metrics, request_checks
 from pdserve.server.model.config import ModelConfig
-from pdserve.server.prefill.engine import PrefillEngine
+from pdserve.server.prefill.engine import PrefillEngine, PrefillJob
+from pdserve.server.prefill.push_budget import PushBudget
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -22,13 +34,24 @@ WIRE_FORMATS = {"float32": "none", "bfloat16": "none", "float16": "none", "fp8_e
                 "int8": "block_head"}
 """The KV dtypes this prefill worker can send, with the scale granularity each carries."""
 WIRE_DTYPES = tuple(WIRE_FORMATS)
+_TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
+"""A push failing with these says nothing about this prefill worker: the caller must not mark it dead."""
+
+
+def _fail(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        if isinstance(error, asyncio.CancelledError):
+            future.cancel()
+        else:
+            future.set_exception(error)
 
 
 class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlServicer):
-    def __init__(self, engine: PrefillEngine, sender: KvSender, model_config: ModelConfig, *,
-                 fingerprint: str, address: str = ""):
+    def __init__(self, engine: PrefillEngine, transport: KvTransport, model_config: ModelConfig, *,
+                 fingerprint: str, address: str = "", budget: PushBudget | None = None):
         self.engine = engine
-        self.sender = sender
+        self.transport = transport
+        self.budget = budget or PushBudget(engine.config.max_pushes, engine.config.max_push_bytes)
         self.model_config = model_config
         self.fingerprint = pb.ModelFingerprint(digest=fingerprint, description=model_config.describe())
         self.address = address
@@ -79,24 +102,45 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         problem = self._request_problem(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        t0 = time.perf_counter()
-        self.active += 1
-        try:
-            result = await self.engine.submit(ids, request.sampling, request.sample_index, layout.dtype,
-                                              layout.block_size)
-        finally:
-            self.active -= 1
-        seconds = time.perf_counter() - t0
-        metrics.prompt_tokens.inc(len(ids))
+        nbytes = kv_bytes(layout, len(ids))
+        too_big = self.budget.too_big(nbytes)
+        if too_big:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, too_big)
         header = pb.KvHeader(
             request_id=request.request_id, attempt=request.attempt, transfer_token=request.transfer_token,
             fingerprint=self.fingerprint, layout=layout.to_proto(), num_tokens=len(ids),
             cached_blocks=request.target.cached_blocks,  # the decode worker's prefix-cache hits: not sent
         )
-        task = asyncio.create_task(self._push(request.target.address, header, layout, result))
-        self.pushes.add(task)
-        task.add_done_callback(self.pushes.discard)
-        return pb.PrefillResponse(first_token_id=result.first_token, prefill_seconds=seconds)
+        t0 = time.perf_counter()
+        self.active += 1
+        try:
+            await self.budget.acquire(nbytes, len(ids))
+            job = self.engine.enqueue(ids, request.sampling, request.sample_index, layout.dtype, layout.block_size)
+            opened = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._push(request.target.address, header, layout, job, opened, nbytes))
+            self.pushes.add(task)
+            task.add_done_callback(self.pushes.discard)
+            try:
+                await opened  # the header was accepted: the decode worker's lease runs
+                first_token = await job.first_token
+            except BaseException:
+                job.cancel()
+                task.cancel()
+                raise
+        except grpc.aio.AioRpcError as e:  # the decode worker refused the header, or is unreachable
+            code = e.code() if e.code() not in _TRANSPORT_CODES else grpc.StatusCode.ABORTED
+            await context.abort(code, f"the KV push to decode worker {request.target.address} could not start: "
+                                      f"{e.code().name}: {e.details()}")
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except Exception as e:  # the prefill itself failed
+            log.exception("request %s: prefill failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"prefill failed: {e!r}")
+        finally:
+            self.active -= 1
+        seconds = time.perf_counter() - t0
+        metrics.prompt_tokens.inc(len(ids))
+        return pb.PrefillResponse(first_token_id=first_token, prefill_seconds=seconds)
 
     def _request_problem(self, request: pb.PrefillRequest) -> str | None:
         """What is wrong with a PrefillRequest, whoever sent it (INVALID_ARGUMENT), or None."""
@@ -113,18 +157,39 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
     def busy(self) -> bool:
         return bool(self.active or self.pushes or self.engine.queued_tokens)
 
-    async def _push(self, address: str, header: pb.KvHeader, layout: KvLayout, result) -> None:
+    async def _push(self, address: str, header: pb.KvHeader, layout: KvLayout, job: PrefillJob,
+                    opened: asyncio.Future, nbytes: int) -> None:
+        """Streams the job's KV groups as they come; holds `nbytes` of the budget until it ends."""
+        sender: KvSender | None = None
         try:
+            await job.started
+            sender = await self.transport.open(address, header, layout)
+            opened.set_result(None)
             t0 = time.perf_counter()
-            reply = await self.sender.send(address, header, layout, result.k, result.v, result.first_token,
-                                           k_scales=result.k_scales, v_scales=result.v_scales)
+            while (group := await job.kv.get()) is not None:
+                if isinstance(group, BaseException):
+                    await sender.abort(f"prefill failed: {group!r}")
+                    return
+                await sender.send(group)
+            reply = await sender.finish(await job.first_token)
             metrics.kv_transfer_bytes.inc(reply.bytes_received)
             metrics.kv_transfer_seconds.observe(time.perf_counter() - t0)
         except grpc.aio.AioRpcError as e:
             log.warning("request %s: KV push to %s refused: %s %s", header.request_id, address,
                         e.code().name, e.details())
-        except Exception:
+            _fail(opened, e)
+        except asyncio.CancelledError:
+            if sender is not None:
+                sender.cancel()
+            _fail(opened, asyncio.CancelledError())
+            raise
+        except Exception as e:
             log.exception("request %s: KV push to %s failed", header.request_id, address)
+            if sender is not None:
+                await sender.abort(f"the prefill worker failed sending: {e!r}")
+            _fail(opened, e)
+        finally:
+            await self.budget.release(nbytes)
 
     async def GetInfo(self, request: pb.GetInfoRequest, context) -> pb.WorkerInfo:
         return self.info()
@@ -134,7 +199,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             role="prefill",
             address=self.address,
             fingerprint=self.fingerprint,
-            load=pb.WorkerLoad(queued_prefill_tokens=self.engine.queued_tokens, running_requests=len(self.pushes)),
+            load=pb.WorkerLoad(queued_prefill_tokens=self.engine.queued_tokens + self.budget.waiting_tokens,
+                               running_requests=len(self.pushes)),
             max_model_len=self.engine.max_model_len,
             draining=self.draining,
         )

@@ -15,35 +15,40 @@ import grpc
 
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server.security import CLUSTER_SECRET_HEADER, write_cluster_secret
+from pdserve.server.security import CLUSTER_SECRET_HEADER
 
 _SECRETS: dict[str, str] = {}
-"""The cluster secret of each process `pdserve_up` started, by address (internal calls need it)."""
+"""The cluster secret of each process address a running `pdserve_up` started (for worker_info)."""
 
 
 @contextmanager
 def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_workers: int = 2,
                timeout: float = 300.0, extra_args: list[str] = ()):
     state = tmp / "state.json"
-    secret_file = write_cluster_secret(tmp / "cluster-secret")
     log = open(tmp / "up.log", "w")
+    secret = os.urandom(16).hex()
+    (tmp / "cluster-secret").write_text(secret)
+    (tmp / "cluster-secret").chmod(0o600)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model_dir), "--port", "0",
          "--prefill-workers", str(prefill_workers), "--decode-workers", str(decode_workers),
-         "--state-file", str(state), "--cluster-secret-file", str(secret_file), *extra_args],
+         "--state-file", str(state), "--cluster-secret-file", str(tmp / "cluster-secret"), *extra_args],
         stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"),
     )
+    started: list[str] = []
     try:
         deadline = time.monotonic() + timeout
         while not state.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"pdserve up did not start:\n{(tmp / 'up.log').read_text()[-4000:]}")
             time.sleep(0.3)
-        described = json.loads(state.read_text())
-        for address in (*described["prefill"], *described["decode"]):
-            _SECRETS[address] = secret_file.read_text().strip()
-        yield described
+        addresses = json.loads(state.read_text())
+        started += [addresses["coordinator"], *addresses["prefill"], *addresses["decode"]]
+        _SECRETS.update(dict.fromkeys(started, secret))
+        yield addresses
     finally:
+        for address in started:
+            _SECRETS.pop(address, None)
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
@@ -61,8 +66,9 @@ def internal_metadata(address: str) -> tuple[tuple[str, str], ...]:
 
 def worker_info(address: str) -> pb.WorkerInfo:
     with grpc.insecure_channel(address) as ch:
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5,
-                                                       metadata=internal_metadata(address))
+        secret = _SECRETS.get(address)
+        metadata = ((CLUSTER_SECRET_HEADER, secret),) if secret else ()
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=metadata)
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:

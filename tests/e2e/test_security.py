@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from pdserve.kvcache.layout import KvLayout
+from pdserve.kvcache.transfer import PROTOCOL_VERSION
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
@@ -133,11 +134,24 @@ def test_kv_push_needs_the_coordinator_issued_transfer_token(cluster):
         assert blocks(d0)[0] == blocks(d0)[1] - 1  # the refused pushes wrote nothing; still waiting
         call.cancel()
         assert wait_blocks_free([d0])[0] == (blocks(d0)[1], blocks(d0)[1])
-        # KV that never comes: the worker frees the reservation when the lease ends
+        # Before a prefill worker begins the request no lease runs (it may queue): the call's deadline ends it
+        call = worker_pb2_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(
+            request_id="queued", prompt_token_ids=[3, 4, 5], sampling=gen_pb.SamplingParams(max_tokens=4),
+            transfer_token=b"q" * 16, lease_seconds=0.3), timeout=1.5)
+        assert next(call).WhichOneof("event") == "reserved"
+        with pytest.raises(grpc.RpcError) as e:
+            next(call)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the call's own deadline, not the lease:
+        assert "did not arrive" not in e.value.details(), e.value.details()
+        # KV that stops coming once the prefill began: the worker frees the reservation when the lease ends
         call = worker_pb2_grpc.DecodeStub(ch).Decode(pb.DecodeRequest(
             request_id="orphan", prompt_token_ids=[3, 4, 5], sampling=gen_pb.SamplingParams(max_tokens=4),
             transfer_token=b"o" * 16, lease_seconds=0.3), timeout=30)
         assert next(call).WhichOneof("event") == "reserved"
+        with open_channel(info.kv_address, tls) as kv:
+            worker_pb2_grpc.KvTransferStub(kv).BeginKv(pb.KvHeader(
+                request_id="orphan", attempt=0, transfer_token=b"o" * 16, fingerprint=info.fingerprint,
+                layout=layout, num_tokens=3, protocol_version=PROTOCOL_VERSION), timeout=5)
         with pytest.raises(grpc.RpcError) as e:
             next(call)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

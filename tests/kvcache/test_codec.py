@@ -107,16 +107,19 @@ def test_scales_count_against_the_limit():
     assert [m.ByteSize() for m in msgs] == [3 * 144 + 14, 3 * 144 + 16, 3 * 80 + 14]
 
 
-def test_big_model_blocks_split_into_layer_groups_under_4_mib():
-    # One block of all 80 layers is 80 * 2 * 16 * 8 * 128 * 2 bytes = 5 MiB > 4 MiB: two groups of 40.
+def test_big_model_blocks_split_into_layer_groups_under_1_mib():
+    # One block of one layer is 2 * 16 * 8 * 128 * 2 bytes = 64 KiB: 15 fit in 1 MiB, so the 80 layers
+    # split into 6 even groups: 5 of 14 and one of 10.
     layout = KvLayout(num_layers=80, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
     num_tokens = 40
     k, v, _, _ = random_kv(layout, num_tokens)
     msgs = list(encode_blocks(layout, k, v))
-    assert pieces(msgs) == [(layer, 40, t, n) for t, n in ((0, 16), (16, 16), (32, 8)) for layer in (0, 40)]
+    assert pieces(msgs) == [
+        (layer, 14 if layer < 70 else 10, t, n) for t, n in ((0, 16), (16, 16), (32, 8)) for layer in range(0, 80, 14)
+    ]
     sizes = [m.ByteSize() for m in msgs]
     assert max(pb.KvChunk(blocks=m).ByteSize() for m in msgs) <= MAX_CHUNK_BYTES
-    assert sizes[0] == 2 * 40 * 16 * 8 * 128 * 2 + 12  # 2.5 MiB of KV + the envelope
+    assert sizes[0] == 2 * 14 * 16 * 8 * 128 * 2 + 12  # 896 KiB of KV + the envelope
     k2, v2, _, _, seen = reassemble(layout, msgs, num_tokens)
     assert k2.tobytes() == k.tobytes() and v2.tobytes() == v.tobytes()
     assert (seen == 1).all()

@@ -1,4 +1,4 @@
-"""KvSender -> KvReceiver over a real grpc.aio server on 127.0.0.1: delivery and every refusal."""
+"""GrpcKvTransport -> KvReceiver over a real grpc.aio server on 127.0.0.1: delivery and every refusal."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import grpc
 import numpy as np
 import pytest
 
-import pdserve.kvcache.sender as kv_sender
-from pdserve.kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_blocks, encode_chunks
+import pdserve.kvcache.transfer as kv_transfer
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_blocks
+from pdserve.kvcache.wire import encode_piece_bytes
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.receiver import KvReceiver, Transfer, TransferError, TransferState
-from pdserve.kvcache.sender import KvSender
+from pdserve.kvcache.receiver import KvReceiver, Transfer, TransferError, TransferState, add_receiver_to_server
+from pdserve.kvcache.sender import GrpcKvTransport
+from pdserve.kvcache.transfer import PROTOCOL_VERSION
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 
@@ -51,9 +53,9 @@ class Harness:
     def __init__(self, layout: KvLayout, max_chunk_bytes: int) -> None:
         self.sink = RecordingSink()
         self.receiver = KvReceiver(layout, FINGERPRINT, self.sink)
-        self.sender = KvSender(max_chunk_bytes=max_chunk_bytes)
+        self.sender = GrpcKvTransport(max_chunk_bytes=max_chunk_bytes)
         self.server = grpc.aio.server()
-        worker_pb2_grpc.add_KvTransferServicer_to_server(self.receiver, self.server)
+        add_receiver_to_server(self.receiver, self.server)
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
         self.channel = grpc.aio.insecure_channel(self.address)
         self.stub = worker_pb2_grpc.KvTransferStub(self.channel)
@@ -83,6 +85,7 @@ class Harness:
 
 
 def make_header(*, layout: KvLayout = LAYOUT, fingerprint: str = FINGERPRINT, **fields) -> pb.KvHeader:
+    fields.setdefault("protocol_version", PROTOCOL_VERSION)
     return pb.KvHeader(
         fingerprint=pb.ModelFingerprint(digest=fingerprint), layout=layout.to_proto(), **fields
     )
@@ -163,11 +166,10 @@ async def test_a_big_push_streams_lazily_over_one_cached_channel(harnesses, monk
     encoded: list[int] = []
 
     def counting_encode(*args, **kwargs):
-        for msg in encode_chunks(*args, **kwargs):
-            encoded.append(1)
-            yield msg
+        encoded.append(1)
+        return encode_piece_bytes(*args, **kwargs)
 
-    monkeypatch.setattr(kv_sender, "encode_chunks", counting_encode)
+    monkeypatch.setattr(kv_transfer, "encode_piece_bytes", counting_encode)
     layout = KvLayout(4, 8, 128, 16, "float32")  # a block of all layers: 512 KiB
     harness = await harnesses(layout, max_chunk_bytes=2**20 + 64)  # two blocks (1 MiB) per message
     encoded_at_writes: list[int] = []
@@ -181,16 +183,16 @@ async def test_a_big_push_streams_lazily_over_one_cached_channel(harnesses, monk
     transfer = harness.receiver.expect("r2", 0, TOKEN, 16)
     await harness.send(k[:, :16], v[:, :16], layout=layout, request_id="r2")
     assert await transfer.done == 42
-    assert list(harness.sender._channels) == [harness.address]
+    assert list(harness.sender._channels) == [(harness.address, 0)]
 
 
 async def test_a_full_size_chunk_fits_grpc_default_message_limit(harnesses):
-    layout = KvLayout(1, 1, 16, 1, "float32")  # 128 bytes a block: 32767 blocks fill one 4 MiB message
+    layout = KvLayout(1, 1, 16, 1, "float32")  # 128 bytes a block: 8191 blocks fill one 1 MiB message
     harness = await harnesses(layout, max_chunk_bytes=MAX_CHUNK_BYTES)  # the server keeps grpc's 4 MiB limit
-    transfer = harness.expect(num_tokens=32767)
-    k, v, _, _ = random_kv(layout, 32767)
+    transfer = harness.expect(num_tokens=8191)
+    k, v, _, _ = random_kv(layout, 8191)
     size = pb.KvChunk(blocks=next(encode_blocks(layout, k, v))).ByteSize()
-    assert size == 32767 * 128 + 14 + 5 <= MAX_CHUNK_BYTES  # payload, KvBlocks' fields, KvChunk's wrapper
+    assert size == 8191 * 128 + 13 + 4 <= MAX_CHUNK_BYTES  # payload, KvBlocks' fields, KvChunk's wrapper
     await harness.send(k, v, layout=layout)
     assert (await transfer.done, len(harness.sink.writes)) == (42, 1)
 
@@ -219,7 +221,7 @@ async def test_sender_refuses_a_header_that_does_not_match_the_arrays(h):
     with pytest.raises(ValueError, match=r"header says 9 tokens but k holds 10"):
         await h.sender.send(h.address, make_header(num_tokens=9), LAYOUT, k, v, 1)
     other = KvLayout(3, 2, 8, 8, "bfloat16")
-    with pytest.raises(ValueError, match=r"header layout \[.*block_size=8.*\] is not the layout of k and v"):
+    with pytest.raises(ValueError, match=r"header layout \[.*block_size=8.*\] is not the layout of the KV"):
         await h.sender.send(h.address, make_header(layout=other, num_tokens=10), LAYOUT, k, v, 1)
     with pytest.raises(ValueError, match=r"quantize first"):
         await h.sender.send(h.address, make_header(num_tokens=10), LAYOUT, k.astype(np.float32), v, 1)

@@ -14,7 +14,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.sender import KvSender
+from pdserve.kvcache.sender import GrpcKvTransport
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc
 from pdserve.v1 import worker_pb2 as pb
@@ -146,9 +146,9 @@ def test_bad_direct_calls_fail_alone_while_other_streams_complete(secured, refer
                              layout=info.kv_layout, num_tokens=3)
 
         async def push() -> None:
-            sender = KvSender(interceptors=cluster_secret_interceptors(SECRET))
+            sender = GrpcKvTransport(interceptors=cluster_secret_interceptors(SECRET), timeout=10)
             try:
-                await sender.send(info.kv_address or d0.address, header, layout, k, k.copy(), vocab + 7, timeout=10)
+                await sender.send(info.kv_address or d0.address, header, layout, k, k.copy(), vocab + 7)
             finally:
                 await sender.close()
 

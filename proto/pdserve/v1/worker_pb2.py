@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generation_pb2 as pdserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\x84\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11scale_granularity\x18\x06 \x01(\t\"X\n\x08KvTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvTarget\x12\x16\n\x0etransfer_token\x18\x06 \x01(\x0c\x12\x14\n\x0csample_index\x18\x07 \x01(\r\"B\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x02\"\xdd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0etransfer_token\x18\x05 \x01(\x0c\x12\x15\n\rlease_seconds\x18\x06 \x01(\x02\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x15\n\rlocal_prefill\x18\x08 \x01(\x08\"5\n\x08Reserved\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\"\x1f\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"E\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1a\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\r\"\xbd\x01\n\x0e\x44\x65\x63odeResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x12$\n\x06queued\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.QueuedH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"7\n\x10ModelFingerprint\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\"\xcb\x01\n\x08KvHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x16\n\x0etransfer_token\x18\x03 \x01(\x0c\x12\x31\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.ModelFingerprint\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x15\n\rcached_blocks\x18\x07 \x01(\r\"\x98\x01\n\x08KvBlocks\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x13\n\x0blayer_count\x18\x02 \x01(\r\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\x12\x10\n\x08k_scales\x18\x07 \x01(\x0c\x12\x10\n\x08v_scales\x18\x08 \x01(\x0c\"\x1f\n\x05KvEnd\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\"\x83\x01\n\x07KvChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHeaderH\x00\x12&\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvBlocksH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.KvEndH\x00\x42\x06\n\x04part\"A\n\x0ePushKvResponse\x12\x17\n\x0ftokens_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\x10\n\x0eGetInfoRequest\"\xe6\x01\n\nWorkerLoad\x12\x1d\n\x15queued_prefill_tokens\x18\x01 \x01(\x04\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\r\x12\x1c\n\x14max_running_requests\x18\x06 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x07 \x01(\r\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\x08 \x01(\r\"\xea\x01\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x31\n\x0b\x66ingerprint\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ModelFingerprint\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x12\n\nkv_address\x18\x08 \x01(\t\"7\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"-\n\x10RegisterResponse\x12\x19\n\x11heartbeat_seconds\x18\x01 \x01(\x02\"8\n\x10HeartbeatRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"\xa4\x01\n\x0cWorkerStatus\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x1a\n\x12seconds_since_seen\x18\x04 \x01(\x02\x12\x10\n\x08inflight\x18\x05 \x01(\r\x12\x0c\n\x04role\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus2M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse2\x89\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2I\n\nKvTransfer\x12;\n\x06PushKv\x12\x13.pdserve.v1.KvChunk\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x32H\n\x07\x43ontrol\x12=\n\x07GetInfo\x12\x1a.pdserve.v1.GetInfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\xeb\x01\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x1bpdserve/v1/generation.proto\"\x84\x01\n\x08KvLayout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x19\n\x11scale_granularity\x18\x06 \x01(\t\"X\n\x08KvTarget\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12$\n\x06layout\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x15\n\rcached_blocks\x18\x03 \x01(\r\"\xca\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvTarget\x12\x16\n\x0etransfer_token\x18\x06 \x01(\x0c\x12\x14\n\x0csample_index\x18\x07 \x01(\r\"B\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12\x17\n\x0fprefill_seconds\x18\x02 \x01(\x02\"\xdd\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x03\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x16\n\x0etransfer_token\x18\x05 \x01(\x0c\x12\x15\n\rlease_seconds\x18\x06 \x01(\x02\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\r\x12\x15\n\rlocal_prefill\x18\x08 \x01(\x08\"5\n\x08Reserved\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\x12\x15\n\rcached_blocks\x18\x02 \x01(\r\"\x1f\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\"E\n\x08\x46inished\x12(\n\x06reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1a\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\r\"\xbd\x01\n\x0e\x44\x65\x63odeResponse\x12(\n\x08reserved\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.ReservedH\x00\x12(\n\x06tokens\x18\x02 \x01(\x0b\x32\x16.pdserve.v1.TokenEventH\x00\x12(\n\x08\x66inished\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.FinishedH\x00\x12$\n\x06queued\x18\x04 \x01(\x0b\x32\x12.pdserve.v1.QueuedH\x00\x42\x07\n\x05\x65vent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"7\n\x10ModelFingerprint\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\"\x90\x02\n\x08KvHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x16\n\x0etransfer_token\x18\x03 \x01(\x0c\x12\x31\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32\x1c.pdserve.v1.ModelFingerprint\x12$\n\x06layout\x18\x05 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12\x12\n\nnum_tokens\x18\x06 \x01(\r\x12\x18\n\x10protocol_version\x18\x07 \x01(\r\x12\x14\n\x0cstream_index\x18\x08 \x01(\r\x12\x13\n\x0bnum_streams\x18\t \x01(\r\x12\x15\n\rcached_blocks\x18\n \x01(\r\"\x98\x01\n\x08KvBlocks\x12\x13\n\x0blayer_start\x18\x01 \x01(\r\x12\x13\n\x0blayer_count\x18\x02 \x01(\r\x12\x13\n\x0btoken_start\x18\x03 \x01(\r\x12\x13\n\x0btoken_count\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\x12\x10\n\x08k_scales\x18\x07 \x01(\x0c\x12\x10\n\x08v_scales\x18\x08 \x01(\x0c\"\x1f\n\x05KvEnd\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\"\x19\n\x07KvAbort\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xa9\x01\n\x07KvChunk\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdserve.v1.KvHeaderH\x00\x12&\n\x06\x62locks\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.KvBlocksH\x00\x12 \n\x03\x65nd\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.KvEndH\x00\x12$\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.KvAbortH\x00\x42\x06\n\x04part\"\x11\n\x0f\x42\x65ginKvResponse\"A\n\x0ePushKvResponse\x12\x17\n\x0ftokens_received\x18\x01 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\"\x10\n\x0eGetInfoRequest\"\xe6\x01\n\nWorkerLoad\x12\x1d\n\x15queued_prefill_tokens\x18\x01 \x01(\x04\x12\x18\n\x10running_requests\x18\x02 \x01(\r\x12\x18\n\x10waiting_requests\x18\x03 \x01(\r\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\r\x12\x1c\n\x14max_running_requests\x18\x06 \x01(\r\x12\x1c\n\x14max_waiting_requests\x18\x07 \x01(\r\x12\x18\n\x10\x63\x61\x63hed_kv_blocks\x18\x08 \x01(\r\"\xea\x01\n\nWorkerInfo\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x31\n\x0b\x66ingerprint\x18\x03 \x01(\x0b\x32\x1c.pdserve.v1.ModelFingerprint\x12\'\n\tkv_layout\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KvLayout\x12$\n\x04load\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.WorkerLoad\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x12\n\nkv_address\x18\x08 \x01(\t\"7\n\x0fRegisterRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"-\n\x10RegisterResponse\x12\x19\n\x11heartbeat_seconds\x18\x01 \x01(\x02\"8\n\x10HeartbeatRequest\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"\x14\n\x12ListWorkersRequest\"\xa4\x01\n\x0cWorkerStatus\x12$\n\x04info\x18\x01 \x01(\x0b\x32\x16.pdserve.v1.WorkerInfo\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nregistered\x18\x03 \x01(\x08\x12\x1a\n\x12seconds_since_seen\x18\x04 \x01(\x02\x12\x10\n\x08inflight\x18\x05 \x01(\r\x12\x0c\n\x04role\x18\x06 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x07 \x01(\t\"@\n\x13ListWorkersResponse\x12)\n\x07workers\x18\x01 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus2M\n\x07Prefill\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse2\x89\x01\n\x06\x44\x65\x63ode\x12\x41\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1a.pdserve.v1.DecodeResponse0\x01\x12<\n\x05\x41\x62ort\x12\x18.pdserve.v1.AbortRequest\x1a\x19.pdserve.v1.AbortResponse2\x87\x01\n\nKvTransfer\x12<\n\x07\x42\x65ginKv\x12\x14.pdserve.v1.KvHeader\x1a\x1b.pdserve.v1.BeginKvResponse\x12;\n\x06PushKv\x12\x13.pdserve.v1.KvChunk\x1a\x1a.pdserve.v1.PushKvResponse(\x01\x32H\n\x07\x43ontrol\x12=\n\x07GetInfo\x12\x1a.pdserve.v1.GetInfoRequest\x1a\x16.pdserve.v1.WorkerInfo2\xeb\x01\n\x08Registry\x12\x45\n\x08Register\x12\x1b.pdserve.v1.RegisterRequest\x1a\x1c.pdserve.v1.RegisterResponse\x12H\n\tHeartbeat\x12\x1c.pdserve.v1.HeartbeatRequest\x1a\x1d.pdserve.v1.HeartbeatResponse\x12N\n\x0bListWorkers\x12\x1e.pdserve.v1.ListWorkersRequest\x1a\x1f.pdserve.v1.ListWorkersResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -59,43 +59,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELFINGERPRINT']._serialized_start=1237
   _globals['_MODELFINGERPRINT']._serialized_end=1292
   _globals['_KVHEADER']._serialized_start=1295
-  _globals['_KVHEADER']._serialized_end=1498
-  _globals['_KVBLOCKS']._serialized_start=1501
-  _globals['_KVBLOCKS']._serialized_end=1653
-  _globals['_KVEND']._serialized_start=1655
-  _globals['_KVEND']._serialized_end=1686
-  _globals['_KVCHUNK']._serialized_start=1689
-  _globals['_KVCHUNK']._serialized_end=1820
-  _globals['_PUSHKVRESPONSE']._serialized_start=1822
-  _globals['_PUSHKVRESPONSE']._serialized_end=1887
-  _globals['_GETINFOREQUEST']._serialized_start=1889
-  _globals['_GETINFOREQUEST']._serialized_end=1905
-  _globals['_WORKERLOAD']._serialized_start=1908
-  _globals['_WORKERLOAD']._serialized_end=2138
-  _globals['_WORKERINFO']._serialized_start=2141
-  _globals['_WORKERINFO']._serialized_end=2375
-  _globals['_REGISTERREQUEST']._serialized_start=2377
-  _globals['_REGISTERREQUEST']._serialized_end=2432
-  _globals['_REGISTERRESPONSE']._serialized_start=2434
-  _globals['_REGISTERRESPONSE']._serialized_end=2479
-  _globals['_HEARTBEATREQUEST']._serialized_start=2481
-  _globals['_HEARTBEATREQUEST']._serialized_end=2537
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2539
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2573
-  _globals['_LISTWORKERSREQUEST']._serialized_start=2575
-  _globals['_LISTWORKERSREQUEST']._serialized_end=2595
-  _globals['_WORKERSTATUS']._serialized_start=2598
-  _globals['_WORKERSTATUS']._serialized_end=2762
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=2764
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=2828
-  _globals['_PREFILL']._serialized_start=2830
-  _globals['_PREFILL']._serialized_end=2907
-  _globals['_DECODE']._serialized_start=2910
-  _globals['_DECODE']._serialized_end=3047
-  _globals['_KVTRANSFER']._serialized_start=3049
-  _globals['_KVTRANSFER']._serialized_end=3122
-  _globals['_CONTROL']._serialized_start=3124
-  _globals['_CONTROL']._serialized_end=3196
-  _globals['_REGISTRY']._serialized_start=3199
-  _globals['_REGISTRY']._serialized_end=3434
+  _globals['_KVHEADER']._serialized_end=1567
+  _globals['_KVBLOCKS']._serialized_start=1570
+  _globals['_KVBLOCKS']._serialized_end=1722
+  _globals['_KVEND']._serialized_start=1724
+  _globals['_KVEND']._serialized_end=1755
+  _globals['_KVABORT']._serialized_start=1757
+  _globals['_KVABORT']._serialized_end=1782
+  _globals['_KVCHUNK']._serialized_start=1785
+  _globals['_KVCHUNK']._serialized_end=1954
+  _globals['_BEGINKVRESPONSE']._serialized_start=1956
+  _globals['_BEGINKVRESPONSE']._serialized_end=1973
+  _globals['_PUSHKVRESPONSE']._serialized_start=1975
+  _globals['_PUSHKVRESPONSE']._serialized_end=2040
+  _globals['_GETINFOREQUEST']._serialized_start=2042
+  _globals['_GETINFOREQUEST']._serialized_end=2058
+  _globals['_WORKERLOAD']._serialized_start=2061
+  _globals['_WORKERLOAD']._serialized_end=2291
+  _globals['_WORKERINFO']._serialized_start=2294
+  _globals['_WORKERINFO']._serialized_end=2528
+  _globals['_REGISTERREQUEST']._serialized_start=2530
+  _globals['_REGISTERREQUEST']._serialized_end=2585
+  _globals['_REGISTERRESPONSE']._serialized_start=2587
+  _globals['_REGISTERRESPONSE']._serialized_end=2632
+  _globals['_HEARTBEATREQUEST']._serialized_start=2634
+  _globals['_HEARTBEATREQUEST']._serialized_end=2690
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2692
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2726
+  _globals['_LISTWORKERSREQUEST']._serialized_start=2728
+  _globals['_LISTWORKERSREQUEST']._serialized_end=2748
+  _globals['_WORKERSTATUS']._serialized_start=2751
+  _globals['_WORKERSTATUS']._serialized_end=2915
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=2917
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=2981
+  _globals['_PREFILL']._serialized_start=2983
+  _globals['_PREFILL']._serialized_end=3060
+  _globals['_DECODE']._serialized_start=3063
+  _globals['_DECODE']._serialized_end=3200
+  _globals['_KVTRANSFER']._serialized_start=3203
+  _globals['_KVTRANSFER']._serialized_end=3338
+  _globals['_CONTROL']._serialized_start=3340
+  _globals['_CONTROL']._serialized_end=3412
+  _globals['_REGISTRY']._serialized_start=3415
+  _globals['_REGISTRY']._serialized_end=3650
 # @@protoc_insertion_point(module_scope)

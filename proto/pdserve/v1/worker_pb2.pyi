@@ -140,13 +140,16 @@ class ModelFingerprint(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "attempt", "transfer_token", "fingerprint", "layout", "num_tokens", "cached_blocks")
+    __slots__ = ("request_id", "attempt", "transfer_token", "fingerprint", "layout", "num_tokens", "protocol_version", "stream_index", "num_streams", "cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
@@ -154,8 +157,11 @@ class KvHeader(_message.Message):
     fingerprint: ModelFingerprint
     layout: KvLayout
     num_tokens: int
+    protocol_version: int
+    stream_index: int
+    num_streams: int
     cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., stream_index: _Optional[int] = ..., num_streams: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class KvBlocks(_message.Message):
     __slots__ = ("layer_start", "layer_count", "token_start", "token_count", "k", "v", "k_scales", "v_scales")
@@ -183,15 +189,27 @@ class KvEnd(_message.Message):
     first_token_id: int
     def __init__(self, first_token_id: _Optional[int] = ...) -> None: ...
 
+class KvAbort(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
 class KvChunk(_message.Message):
-    __slots__ = ("header", "blocks", "end")
+    __slots__ = ("header", "blocks", "end", "abort")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
     header: KvHeader
     blocks: KvBlocks
     end: KvEnd
-    def __init__(self, header: _Optional[_Union[KvHeader, _Mapping]] = ..., blocks: _Optional[_Union[KvBlocks, _Mapping]] = ..., end: _Optional[_Union[KvEnd, _Mapping]] = ...) -> None: ...
+    abort: KvAbort
+    def __init__(self, header: _Optional[_Union[KvHeader, _Mapping]] = ..., blocks: _Optional[_Union[KvBlocks, _Mapping]] = ..., end: _Optional[_Union[KvEnd, _Mapping]] = ..., abort: _Optional[_Union[KvAbort, _Mapping]] = ...) -> None: ...
+
+class BeginKvResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class PushKvResponse(_message.Message):
     __slots__ = ("tokens_received", "bytes_received")

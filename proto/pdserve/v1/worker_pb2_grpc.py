@@ -238,6 +238,11 @@ class KvTransferStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.BeginKv = channel.unary_unary(
+                '/pdserve.v1.KvTransfer/BeginKv',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.KvHeader.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.BeginKvResponse.FromString,
+                _registered_method=True)
         self.PushKv = channel.stream_unary(
                 '/pdserve.v1.KvTransfer/PushKv',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.KvChunk.SerializeToString,
@@ -250,8 +255,16 @@ class KvTransferServicer:
 
     """
 
+    def BeginKv(self, request, context):
+        """The prefill worker begins the request: the receiver checks the header (token, handshake) and
+        starts the lease, or refuses. Then the KV follows on PushKv streams.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def PushKv(self, request_iterator, context):
-        """One stream per (request id, attempt): a header, blocks, an end.
+        """Streams per (request id, attempt): each a header, blocks, an end (or an abort).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -260,6 +273,11 @@ class KvTransferServicer:
 
 def add_KvTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'BeginKv': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginKv,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvHeader.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.BeginKvResponse.SerializeToString,
+            ),
             'PushKv': grpc.stream_unary_rpc_method_handler(
                     servicer.PushKv,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.KvChunk.FromString,
@@ -277,6 +295,33 @@ class KvTransfer:
     """---- KV transfer ------------------------------------------------------------
 
     """
+
+    @staticmethod
+    def BeginKv(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.KvTransfer/BeginKv',
+            pdserve_dot_v1_dot_worker__pb2.KvHeader.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.BeginKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def PushKv(request_iterator,
