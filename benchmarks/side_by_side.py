@@ -191,8 +191,14 @@ def _external_kv(decode_url: str) -> dict:
     return found
 
 
-def start_pdserve(model: Path, dtype: str, out: Path, front: str) -> Server:
+def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine: str = "native") -> Server:
+    """pdserve: a JAX prefill worker (core 0), a decode worker (core 1) on the native or vLLM engine."""
     py = [sys.executable, "-m", "pdserve.server.cli"]
+    if decode_engine == "vllm" and not VLLM.exists():
+        raise SystemExit(f"{VLLM} is missing: run `make vllm-venv` first")
+    # vLLM's decode worker runs in vLLM's venv (pdserve installed there) with blocks of 32 (its CPU attention)
+    decode_py = [str(VLLM.parent / "python"), "-m", "pdserve.server.cli"] if decode_engine == "vllm" else py
+    decode_engine_args = ["--engine", "vllm", "--block-size", "32"] if decode_engine == "vllm" else []
     pp, dp, cp = free_port(), free_port(), free_port()
     host = "127.0.0.1"
     logs = [out / "pdserve-prefill.log", out / "pdserve-decode.log", out / "pdserve-coordinator.log"]
@@ -217,7 +223,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str) -> Server:
         ),
         _spawn(
             [
-                *py,
+                *decode_py,
                 "decode",
                 "--model",
                 str(model),
@@ -229,10 +235,11 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str) -> Server:
                 dtype,
                 "--threads",
                 "1",
+                *decode_engine_args,
             ],
             logs[1],
             {1},
-            dict(env, PDSERVE_PROCESS="decode"),
+            dict(env, PDSERVE_PROCESS="decode", VLLM_CPU_OMP_THREADS_BIND="1"),
         ),
     ]
     coord = [
@@ -412,6 +419,8 @@ def _start(system: str, model: Path, args, out: Path) -> Server:
         return start_vllm(model, args.dtype, out, args.max_model_len, one_core=True)
     if system == "vllm-pd":
         return start_vllm_pd(model, args.dtype, out, args.max_model_len)
+    if system == "pdserve-vllm":  # pdserve's JAX prefill, vLLM's engine decoding through pdserve's connector
+        return start_pdserve(model, args.dtype, out, args.pdserve_front, decode_engine="vllm")
     return start_pdserve(model, args.dtype, out, args.pdserve_front)
 
 
@@ -452,7 +461,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SYSTEMS = ["vllm", "vllm-1core", "vllm-pd", "pdserve"]
+SYSTEMS = ["vllm", "vllm-1core", "vllm-pd", "pdserve", "pdserve-vllm"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -121,7 +121,7 @@ def cmd_up(args) -> int:
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
     http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
     coordinator_args = ["--http-port", str(http_port)] if http_port is not None else []
-    coordinator_args += ["--stall-timeout", str(args.stall_timeout)]
+    coordinator_args += ["--stall-timeout", str(args.stall_timeout), "--ttft-budget", str(args.ttft_budget)]
     secret_dir = None
     if args.cluster_secret_file is None:  # one fresh secret for this cluster's internal links
         import tempfile
@@ -146,14 +146,18 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str]) -
         from pdserve.server.metrics import serve_metrics
 
         serve_metrics(args.metrics_port, args.host)
+    # vLLM's CPU attention takes blocks of 32 tokens (and CUDA backends multiples of 16).
+    engine_args = ["--engine", "vllm", "--block-size", "32"] if args.decode_engine == "vllm" else []
     try:
         cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
                                   common_args=["--cluster-secret-file", str(args.cluster_secret_file)],
                                   prefill_args=["--weight-dtype", args.prefill_weight_dtype,
+                                                "--prefill-order", args.prefill_order,
                                                 "--kv-streams", str(args.kv_streams)],
                                   decode_args=["--weight-dtype", args.decode_weight_dtype,
-                                               "--kv-dtype", args.kv_dtype])
+                                               "--kv-dtype", args.kv_dtype, *engine_args],
+                                  decode_python=args.decode_python or sys.executable)
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
@@ -205,7 +209,8 @@ def cmd_coordinator(args) -> int:
                      prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                      heartbeat_timeout=args.heartbeat_timeout, max_migrations=args.max_migrations,
                      stall_timeout=args.stall_timeout, max_prompt_bytes=args.max_prompt_bytes,
-                     max_model_len=args.max_model_len)
+                     max_model_len=args.max_model_len, ttft_budget=args.ttft_budget,
+                     registry_port=args.registry_port)
     serving.run(lambda: serve(config))
     return 0
 
@@ -220,7 +225,8 @@ def cmd_prefill(args) -> int:
                            max_batch_size=args.max_batch_size, weight_dtype=args.weight_dtype,
                            kv_layer_groups=args.kv_layer_groups, kv_streams=args.kv_streams,
                            max_pushes=args.max_pushes, max_push_bytes=args.max_push_bytes,
-                           max_model_len=args.max_model_len)
+                           max_model_len=args.max_model_len, prefill_order=args.prefill_order,
+                           prefill_ageing=args.prefill_ageing)
     options = _worker_options(args)
     serving.run(lambda: serve(config, options))
     return 0
@@ -236,7 +242,8 @@ def cmd_decode(args) -> int:
                           kv_cache_tokens=args.kv_cache_tokens, max_running=args.max_running,
                           max_queue=args.max_queue, max_model_len=args.max_model_len,
                           enable_prefix_caching=args.enable_prefix_caching,
-                          weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads)
+                          weight_dtype=args.weight_dtype, kv_dtype=args.kv_dtype, threads=args.threads,
+                          engine=args.engine)
     options = _worker_options(args, kv_port=args.kv_port)
     serving.run(lambda: serve(config, options))
     return 0
@@ -308,6 +315,8 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pdserve.server.prefill.config import PREFILL_ORDERS, PrefillConfig
+
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -322,6 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-streams", type=int, default=1, help="parallel KV push streams per transfer")
     p.add_argument("--decode-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="decode workers' weights")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
+    p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=PrefillConfig.prefill_order,
+                   help="prefill workers: which queued prompt runs next")
+    p.add_argument("--ttft-budget", type=float, default=0.0,
+                   help="coordinator: refuse a request whose expected prefill wait exceeds this (s); 0: none")
+    p.add_argument("--decode-engine", choices=["native", "vllm"], default="native",
+                   help="decode workers' engine: pdserve's torch engine or vLLM's (through pdserve's KV connector)")
+    p.add_argument("--decode-python", help="the python that runs decode workers (default: this one); for "
+                                           "--decode-engine vllm one with vLLM installed, e.g. .venv-vllm/bin/python")
     p.add_argument("--cluster-secret-file", type=Path,
                    help="the internal links' secret (default: a fresh one, in a private temporary file)")
     p.add_argument("--stall-timeout", type=float, default=10.0,
@@ -338,6 +355,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
     _common_args(p)
     p.add_argument("--api-key", help="require 'authorization: Bearer KEY' on the public API (or $PDSERVE_API_KEY)")
+    p.add_argument("--registry-port", type=int,
+                   help="serve the worker registry only on this internal port (workers' --coordinator dials it); "
+                        "default: on --port")
     p.add_argument("--max-queue", type=int, default=256, help="requests that may wait per tier; more: RESOURCE_EXHAUSTED")
     p.add_argument("--default-timeout", type=float, default=600.0, help="deadline (s) of requests that set none")
     p.add_argument("--prefill-policy", choices=["least-queued"], default="least-queued")
@@ -345,6 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
                    default="prefix-aware", help="prefix-aware: the worker likely to hold the prompt's prefix, load-bounded")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="a registered worker silent this long is dead")
     p.add_argument("--max-migrations", type=int, default=2, help="moves of one request to another decode worker")
+    p.add_argument("--ttft-budget", type=float, default=0.0,
+                   help="refuse a request whose expected prefill wait exceeds this (s); 0: its deadline alone")
     p.add_argument("--stall-timeout", type=float, default=10.0,
                    help="a decode stream silent this long (s) is migrated as if its worker had died")
     p.add_argument("--max-prompt-bytes", type=int, default=4 * 2**20,
@@ -357,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     _server_args(p, 50052)
     p.add_argument("--max-batch-size", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=0, help="longest prompt prefilled (0: the model's)")
+    p.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=PrefillConfig.prefill_order,
+                   help="which queued prompt runs next: shortest-first (with ageing) or fifo")
+    p.add_argument("--prefill-ageing", type=float, default=PrefillConfig.prefill_ageing,
+                   help="shortest-first: an n-token prompt waits at most n / this seconds for later ones")
     p.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="auto",
                    help="auto: the checkpoint's; int8/fp8: weight-only, per-output-channel scales")
     p.add_argument("--kv-layer-groups", type=int, default=4,
@@ -384,6 +410,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
                    help="auto: the compute dtype; fp8_e4m3/int8: per-block, per-kv-head scales")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--engine", choices=["native", "vllm"], default="native",
+                   help="native: pdserve's torch engine; vllm: vLLM's engine through pdserve's KV connector "
+                        "(needs vLLM installed: pdserve[vllm], or make vllm-venv)")
     _worker_args(p)
     p.add_argument("--kv-port", type=int, help="serve KvTransfer alone on this port (default: the main port)")
     p.set_defaults(func=cmd_decode)

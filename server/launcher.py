@@ -83,8 +83,8 @@ class Cluster:
         return next((p for p in self.procs if p.popen.poll() is not None), None)
 
 
-def _spawn(name: str, args: list[str], port: int, host: str) -> Proc:
-    cmd = [sys.executable, "-m", "pdserve.server.cli", *args, "--port", str(port), "--host", host]
+def _spawn(name: str, args: list[str], port: int, host: str, python: str = sys.executable) -> Proc:
+    cmd = [python, "-m", "pdserve.server.cli", *args, "--port", str(port), "--host", host]
     env = dict(os.environ, PDSERVE_PROCESS=name)
     return Proc(name, f"{host}:{port}", subprocess.Popen(cmd, env=env), cmd, env)
 
@@ -155,8 +155,9 @@ def wait_serving(cluster: Cluster, procs: list[Proc], timeout: float) -> None:
 
 def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: int, host: str,
            prefill_args: list[str] = (), decode_args: list[str] = (), coordinator_args: list[str] = (),
-           common_args: list[str] = (), timeout: float = 600.0) -> Cluster:
-    """common_args: flags every process gets (the cluster secret, TLS)."""
+           common_args: list[str] = (), timeout: float = 600.0, decode_python: str = sys.executable) -> Cluster:
+    """common_args: flags every process gets (the cluster secret, TLS); decode_python: the interpreter of
+    the decode workers (one with vLLM for `--engine vllm`)."""
     cluster = Cluster()
     prefill_args, decode_args = [*prefill_args, *common_args], [*decode_args, *common_args]
     coordinator_args = [*coordinator_args, *common_args]
@@ -171,7 +172,7 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
             decode_args = [*decode_args, "--threads", str(share)]
         for i in range(decode_workers):
             cluster.decode.append(_spawn(f"decode-{i}", ["decode", "--model", str(model_dir), *decode_args],
-                                         free_port(host), host))
+                                         free_port(host), host, decode_python))
         wait_serving(cluster, cluster.procs, timeout)
         workers = [a for p in cluster.prefill for a in ("--prefill", p.address)]
         workers += [a for p in cluster.decode for a in ("--decode", p.address)]

@@ -1,9 +1,14 @@
-"""TLS for every gRPC link, and the API key for the public API.
+"""TLS for every gRPC link, the API key for the public API, the cluster credential for internal ones.
 
 TLS: a process given `--tls-cert/--tls-key` serves TLS with that identity and presents it as a client
-too; `--tls-ca` is the CA it trusts, and on a server it also requires client certificates (mTLS).
+too; `--tls-ca` is the CA it trusts, and on a server it also requires client certificates (mTLS). The
+servers load renewed certificate files at the next handshake (`CertFiles`), the HTTPS front too.
 API key: the public services need metadata `authorization: Bearer KEY`; `api_key_ok` is the same
 check for the HTTP front.
+Cluster credential: every internal call (INTERNAL_CALLERS: registry, prefill, decode, KV push,
+control) carries the cluster secret (`--cluster-secret-file`) when one is set, and under mTLS comes
+from a certificate whose URI SAN `urn:pdserve:role:<role>` names a role allowed for the method;
+`ClusterAuthInterceptor` refuses the rest (UNAUTHENTICATED / PERMISSION_DENIED) before the servicer runs.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ import grpc
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 PUBLIC_SERVICES = ("pdserve.v1.Generation",)
-"""What needs the API key: services, or single methods as `service/Method` (internal services rely on
-mTLS; health and reflection stay open to probes)."""
+"""What needs the API key: services, or single methods as `service/Method` (internal services need the
+cluster credential instead; health and reflection stay open to probes)."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 `configure(tls, cluster_secret)` once at start-up makes every server and channel of the process use TLS
 (mTLS when a CA is given) and the cluster credential: channels send the secret, servers refuse internal
-calls without it (and, under mTLS, from certificates without an allowed role); `WorkerOptions` are the flags every worker shares (registration, metrics, KV port).
+calls without it (and, under mTLS, from certificates without an allowed role). `WorkerOptions` are the
+flags every worker shares (registration, metrics, KV port).
 """
 
 from __future__ import annotations

@@ -77,3 +77,11 @@ def test_wheel_has_only_pdserve_at_top_level(tmp_path):
         assert needed in names, needed
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "pdserve = pdserve.server.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_vllm_extra_leaves_torch_to_vllm():
+    """vLLM pins its own torch: the vllm extra installs vLLM and nothing that pins torch."""
+    extras = _pyproject()["project"]["optional-dependencies"]
+    names = {Requirement(r).name for r in extras["vllm"]}
+    assert names == {"vllm"}
+    assert "torch" not in " ".join(extras["vllm"])

@@ -38,6 +38,9 @@ class CoordinatorConfig:
     decode_policy: Literal["prefix-aware", "most-free-blocks", "power-of-two"] = "prefix-aware"
     max_model_len: int = 0
     """Longest prompt + output accepted (`--max-model-len`); 0: the model's."""
+    ttft_budget: float = 0.0
+    """Refuse (RESOURCE_EXHAUSTED) a request whose expected prefill wait exceeds this many seconds; 0: only
+    its deadline bounds the wait (`--ttft-budget`, prefill_estimate.py)."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     stall_timeout: float = 10.0
@@ -50,6 +53,8 @@ class CoordinatorConfig:
     """Prometheus /metrics on this port; 0: off."""
     http_port: int | None = None
     """OpenAI-compatible HTTP (`--http-port`); None: off, 0 picks a free port."""
+    registry_port: int | None = None
+    """Serve the worker Registry only on this internal port (`--registry-port`; 0 picks one); None: on `port`."""
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -61,6 +66,8 @@ class CoordinatorConfig:
             raise ValueError(f"port must lie in [0, 65535], got {self.port}")
         if not self.host:
             raise ValueError("host must not be empty")
+        if self.registry_port is not None and not 0 <= self.registry_port < 65536:
+            raise ValueError(f"--registry-port must lie in [0, 65535], got {self.registry_port}")
         if self.http_port is not None and not 0 <= self.http_port < 65536:
             raise ValueError(f"http_port must lie in [0, 65535], got {self.http_port}")
         for flag, addresses in (
@@ -85,6 +92,8 @@ class CoordinatorConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         if not self.default_timeout > 0:
             raise ValueError(f"--default-timeout must be > 0, got {self.default_timeout}")
+        if not self.ttft_budget >= 0:
+            raise ValueError(f"--ttft-budget must be >= 0 seconds, got {self.ttft_budget}")
         if not self.stall_timeout > 0:
             raise ValueError(f"--stall-timeout must be > 0, got {self.stall_timeout}")
         if self.max_prompt_bytes <= 0:

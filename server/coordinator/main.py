@@ -14,6 +14,7 @@ from pdserve.server.coordinator import kserve
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.coordinator.http_server import HttpServer
 from pdserve.server.coordinator.openai_api import serve_http, served_model_name
+from pdserve.server.coordinator.registry import SERVICE_NAME as REGISTRY_SERVICE
 from pdserve.server.coordinator.registry import RegistryService
 from pdserve.server.coordinator.router import Worker, WorkerPool
 from pdserve.server.coordinator.service import GenerationService
@@ -39,12 +40,16 @@ class Coordinator:
     service: GenerationService
     http: HttpServer | None = None
     """The OpenAI-compatible HTTP front, when `http_port` is set."""
+    registry_server: grpc.aio.Server | None = None
+    """The Registry alone on `registry_port` (an internal port), when set."""
+    registry_port: int = 0
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first (load balancers stop sending), then in-flight requests get `grace` seconds."""
         await set_serving(self.health, [SERVICE_NAME], False)
         grace = self.config.grace_seconds if grace is None else grace
-        await asyncio.gather(self.server.stop(grace), *([self.http.stop(grace)] if self.http else []))
+        await asyncio.gather(self.server.stop(grace), *([self.http.stop(grace)] if self.http else []),
+                             *([self.registry_server.stop(grace)] if self.registry_server else []))
         await self.pool.close()
 
 
@@ -78,26 +83,36 @@ async def start(config: CoordinatorConfig) -> Coordinator:
                     max_prompt_bytes=config.max_prompt_bytes, max_token_bytes=tokenizer.max_token_bytes())
     service = GenerationService(tokenizer, limits, pool, config.lease_seconds,
                                 default_timeout=config.default_timeout, max_queue=config.max_queue,
-                                max_migrations=config.max_migrations, stall_timeout=config.stall_timeout)
+                                max_migrations=config.max_migrations, stall_timeout=config.stall_timeout,
+                                ttft_budget=config.ttft_budget)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, served_model_name(config.model_dir), lambda: pool.serving,
                                               max_model_len), server)
-    worker_pb2_grpc.add_RegistryServicer_to_server(
-        RegistryService(pool, heartbeat_seconds=min(config.refresh_seconds, config.heartbeat_timeout / 3),
-                        role_bound=bool(cluster_auth() and cluster_auth().role_bound)), server)
+    registry = RegistryService(pool, heartbeat_seconds=min(config.refresh_seconds, config.heartbeat_timeout / 3),
+                               role_bound=bool(cluster_auth() and cluster_auth().role_bound))
+    registry_server, registry_port = None, port
+    if config.registry_port is None:
+        worker_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+    else:  # the public port then serves the public services only
+        registry_server, _, registry_port = new_server([REGISTRY_SERVICE], config.registry_port, config.host)
+        worker_pb2_grpc.add_RegistryServicer_to_server(registry, registry_server)
     serve_metrics(config.metrics_port, config.host)
     await pool.start()
     await server.start()
+    if registry_server is not None:
+        await registry_server.start()
     http = None
     if config.http_port is not None:
         http = await serve_http(config, service, lambda: pool.serving, max_model_len)
-    return Coordinator(config, server, health_servicer, pool, port, service, http)
+    return Coordinator(config, server, health_servicer, pool, port, service, http, registry_server, registry_port)
 
 
 async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:
     """Serves until SIGINT or SIGTERM, then drains."""
     coordinator = await start(config)
     log.info("coordinator listening on %s:%d", config.host, coordinator.port)
+    if coordinator.registry_server is not None:
+        log.info("worker registry on %s:%d (internal)", config.host, coordinator.registry_port)
     if ready is not None:
         ready.set()
     try:

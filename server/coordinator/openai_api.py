@@ -289,6 +289,8 @@ class Front:
     """For /tokenize without special tokens (vLLM's extension); None: the endpoint answers 501."""
     max_body_bytes: int = 16 * 2**20
     """Larger request bodies get 413 before they are read."""
+    max_prompt_bytes: int = 4 * 2**20
+    """Larger prompts (and chat messages together) get 413 before they are tokenized or rendered."""
 
     def check_model(self, model: str) -> None:
         if model != self.model_name and model not in self.aliases:
@@ -440,6 +442,19 @@ def _validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     return f"{param or 'body'}: {first.get('msg', 'invalid')}", param
 
 
+def _check_prompt_size(text: str, limit: int) -> None:
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise ApiError(413, f"prompt: a prompt of {size} bytes; the limit is {limit} bytes", param="prompt")
+
+
+def _check_messages_size(messages: list[dict[str, Any]], limit: int) -> None:
+    """The messages' JSON size bounds what the chat template renders from them (before rendering)."""
+    size = len(json.dumps(messages, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise ApiError(413, f"messages: {size} bytes of messages; the limit is {limit} bytes", param="messages")
+
+
 def create_app(front: Front) -> FastAPI:
     async def authenticate(request: Request) -> None:
         if not front.api_key:
@@ -498,16 +513,19 @@ def create_app(front: Front) -> FastAPI:
         if body.messages is not None:
             if front.chat is None:
                 raise ApiError(400, "messages: the model has no chat template", param="messages")
+            _check_messages_size(body.messages, front.max_prompt_bytes)
             try:
-                _, ids = front.chat.encode(body.messages)
+                _, ids = await asyncio.to_thread(front.chat.encode, body.messages)
             except ChatTemplateError as e:
                 raise ApiError(400, f"messages: {e}", param="messages") from e
-        elif body.add_special_tokens:
-            ids = front.generation.tokenizer.encode(body.prompt or "")
-        elif front.encoder is not None:
-            ids = front.encoder.encode(body.prompt or "", add_special_tokens=False).ids
         else:
-            raise ApiError(501, "add_special_tokens=false is not available here")
+            _check_prompt_size(body.prompt or "", front.max_prompt_bytes)
+            if body.add_special_tokens:
+                ids = await asyncio.to_thread(front.generation.tokenizer.encode, body.prompt or "")
+            elif front.encoder is not None:
+                ids = (await asyncio.to_thread(front.encoder.encode, body.prompt or "", add_special_tokens=False)).ids
+            else:
+                raise ApiError(501, "add_special_tokens=false is not available here")
         return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids, "token_strs": None}
 
     @app.post("/detokenize", dependencies=[Depends(authenticate)])
@@ -570,6 +588,7 @@ def create_app(front: Front) -> FastAPI:
                 param="messages",
                 code="no_chat_template",
             )
+        _check_messages_size(body.messages, front.max_prompt_bytes)
         try:
             _, ids = await asyncio.to_thread(front.chat.encode, body.messages)
         except ChatTemplateError as e:
@@ -611,6 +630,7 @@ async def serve_http(
         created=int(time.time()),
         encoder=encoder,
         max_body_bytes=2 * getattr(config, "max_prompt_bytes", 4 * 2**20) + 2**20,
+        max_prompt_bytes=getattr(config, "max_prompt_bytes", 4 * 2**20),
     )
     app = BodyLimit(create_app(front), front.max_body_bytes)
     server = await http_server.start(app, config.host, config.http_port, tls=serving.tls_config())

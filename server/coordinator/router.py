@@ -51,6 +51,8 @@ class Worker:
     """KV blocks held by requests this coordinator routed here (known before the next GetInfo)."""
     pending_tokens: int = 0
     """Prompt tokens this coordinator has sent here and not yet seen prefilled."""
+    pending_lengths: list[int] = field(default_factory=list)
+    """The lengths of those prompts (for the expected wait, prefill_estimate.py)."""
     registered: bool = False
     draining: bool = False
     """Sticky: a draining worker never takes new work again (it exits when done)."""

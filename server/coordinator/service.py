@@ -35,6 +35,7 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_p
 from pdserve.server import logs, metrics
 from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQueue
 from pdserve.server.coordinator.detokenizer import Completion
+from pdserve.server.coordinator.prefill_estimate import admit
 from pdserve.server.coordinator.router import Worker, WorkerPool
 from pdserve.server.coordinator.validate import InvalidRequest, Limits, ValidRequest, validate
 from pdserve.server.model.tokenizer import Tokenizer
@@ -101,6 +102,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         max_retries: int = 3,
         prefill_inflight_per_worker: int = 64,
         stall_timeout: float | None = None,
+        ttft_budget: float = 0.0,
     ):
         self.tokenizer = tokenizer
         self.limits = limits
@@ -112,6 +114,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.prefill_inflight_per_worker = prefill_inflight_per_worker
         self.stall_timeout = stall_timeout
         """A decode stream silent this long is lost (then migrated) as if its worker had died; None: never."""
+        self.ttft_budget = ttft_budget
         self.decode_queue = TierQueue("decode", max_queue)
         self.prefill_queue = TierQueue("prefill", max_queue)
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -276,6 +279,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             prefill = None
             if self.pool.ready("prefill"):
                 prefill = await self.prefill_queue.acquire(self.pool, self._pick_prefill, deadline)
+                if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
+                    admit(prefill, len(prompt), deadline.remaining(), self.ttft_budget)
             if r.attempt == 0:
                 metrics.request_queue_time.observe(time.monotonic() - queued_at)
             transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)
@@ -350,13 +355,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         )
         prefill.inflight += 1
         prefill.pending_tokens += len(prompt)
+        prefill.pending_lengths.append(len(prompt))
+        sent = time.monotonic()
         try:
-            return (await call).first_token_id
+            first = (await call).first_token_id
+            metrics.prefill_wait.observe(time.monotonic() - sent)
         except grpc.aio.AioRpcError as e:
             raise await self._refused(prefill, e, r) from e
+        else:
+            if not 0 <= first < self.limits.vocab_size:
+                raise _Lost(prefill, f"prefill worker {prefill.address} answered token id {first}, outside the "
+                                     f"vocabulary [0, {self.limits.vocab_size})")
+            return first
         finally:
             prefill.inflight -= 1
             prefill.pending_tokens -= len(prompt)
+            prefill.pending_lengths.remove(len(prompt))
             if not call.done():
                 call.cancel()
 
@@ -405,6 +419,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             )
         if message.WhichOneof("event") == "finished":
             self._check_finished(decode, message.finished)
+        elif any(not 0 <= i < self.limits.vocab_size for i in message.tokens.token_ids):
+            raise _Lost(decode, f"decode worker {decode.address} sent a token id outside the vocabulary "
+                                f"[0, {self.limits.vocab_size})")
         return message
 
     async def _read_skipping_queued(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
@@ -416,15 +433,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _read_or_stall(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
         """The stream's next message; a worker silent for `stall_timeout` is lost (and marked failed)."""
-        if self.stall_timeout is None:
-            return await call.read()
-        limit = min(self.stall_timeout, r.deadline.check())
+        if self.stall_timeout is None or r.deadline.check() <= self.stall_timeout:
+            return await call.read()  # the call's own deadline ends it first
         try:
-            return await asyncio.wait_for(call.read(), limit)
+            return await asyncio.wait_for(call.read(), self.stall_timeout)
         except TimeoutError:
-            r.deadline.check()
             metrics.stalled_streams.inc()
-            message = f"decode worker {decode.address} sent nothing for {limit:.1f} s (--stall-timeout)"
+            message = f"decode worker {decode.address} sent nothing for {self.stall_timeout:g} s (--stall-timeout)"
             await self.pool.mark_failed(decode, message)
             raise _Lost(decode, message) from None
 

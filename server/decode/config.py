@@ -30,6 +30,8 @@ class DecodeConfig:
     """auto: the model's compute dtype; fp8_e4m3/int8 keep a float32 scale per block per kv head."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
+    engine: Literal["native", "vllm"] = "native"
+    """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -42,6 +44,8 @@ class DecodeConfig:
             raise ValueError(
                 f"--kv-dtype must be auto, float32, bfloat16, float16, fp8_e4m3 or int8, not {self.kv_dtype!r}"
             )
+        if self.engine not in ("native", "vllm"):
+            raise ValueError(f"--engine must be native or vllm, not {self.engine!r}")
         if self.max_running <= 0:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
         if self.max_queue < 0:

@@ -67,6 +67,22 @@ class DecodeEngine:
     def num_free_blocks(self) -> int:
         return self.scheduler.num_free_blocks
 
+    def position(self, seq: Sequence) -> int:
+        """The sequence's place in the waiting queue (0: next, or not waiting)."""
+        return self.scheduler.position(seq)
+
+    def load(self) -> pb.WorkerLoad:
+        scheduler = self.scheduler
+        return pb.WorkerLoad(
+            running_requests=len(scheduler.running),
+            waiting_requests=len(scheduler.loading) + len(scheduler.waiting),  # for their KV or for blocks
+            free_kv_blocks=scheduler.num_free_blocks,
+            total_kv_blocks=self.pool.num_total,
+            max_running_requests=self.max_running,
+            max_waiting_requests=scheduler.max_queue,
+            cached_kv_blocks=scheduler.cache.num_cached,
+        )
+
     # ---- requests ---------------------------------------------------------------
 
     def add(self, request: pb.DecodeRequest) -> Sequence:

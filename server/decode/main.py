@@ -58,6 +58,10 @@ class DecodeWorker:
 
 
 def build_engine(config: DecodeConfig):
+    if config.engine == "vllm":
+        from pdserve.server.decode.vllm_worker import build_vllm_engine
+
+        return build_vllm_engine(config)
     model_config = load_config(config.model_dir)
     weight_dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
     quantized = weight_dtype in QUANTIZED_WEIGHTS

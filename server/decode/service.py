@@ -1,10 +1,14 @@
-"""The decode worker's gRPC face: Decode (stream), Abort, KV push, worker info."""
+"""The decode worker's gRPC face: Decode (stream), Abort, KV push, worker info.
+
+It serves either engine through the same request API (`add`, `abort`, `prefill_locally`, `start`, `load`):
+the native `DecodeEngine` or the vLLM adapter `VllmEngine`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -16,6 +20,9 @@ from pdserve.server import logs, metrics, request_checks
 from pdserve.server.decode.engine import DecodeEngine, QueueFull
 from pdserve.server.decode.sequence import SeqState
 
+if TYPE_CHECKING:
+    from pdserve.server.decode.vllm_engine import VllmEngine
+
 log = logging.getLogger("pdserve.decode")
 
 RETRY_AFTER_MS = "250"
@@ -24,7 +31,7 @@ QUEUED_EVERY_S = 1.0
 
 
 class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServicer):
-    def __init__(self, engine: DecodeEngine, receiver: KvReceiver, *, fingerprint: str, description: str,
+    def __init__(self, engine: DecodeEngine | VllmEngine, receiver: KvReceiver, *, fingerprint: str, description: str,
                  address: str = "", kv_address: str = ""):
         self.engine = engine
         self.receiver = receiver
@@ -69,7 +76,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             while not seq.admitted.done():  # waits in the engine's queue; the call's deadline bounds the wait
-                yield pb.DecodeResponse(queued=pb.Queued(position=engine.scheduler.position(seq)))
+                yield pb.DecodeResponse(queued=pb.Queued(position=engine.position(seq)))
                 await asyncio.wait([seq.admitted], timeout=QUEUED_EVERY_S)
             if seq.state is SeqState.FINISHED:  # aborted while it waited
                 yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason))
@@ -110,7 +117,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                     ids = await asyncio.wait_for(seq.events.get(), QUEUED_EVERY_S)
                 except TimeoutError:
                     if seq.state is SeqState.WAITING:  # preempted: it waits for blocks again
-                        yield pb.DecodeResponse(queued=pb.Queued(position=engine.scheduler.position(seq)))
+                        yield pb.DecodeResponse(queued=pb.Queued(position=engine.position(seq)))
                     continue
                 if ids is None:
                     break
@@ -130,21 +137,12 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
 
     def info(self) -> pb.WorkerInfo:
         engine = self.engine
-        scheduler = engine.scheduler
         return pb.WorkerInfo(
             role="decode",
             address=self.address,
             fingerprint=pb.ModelFingerprint(digest=self.fingerprint, description=self.description),
             kv_layout=engine.layout.to_proto(),
-            load=pb.WorkerLoad(
-                running_requests=len(scheduler.running),
-                waiting_requests=len(scheduler.loading) + len(scheduler.waiting),  # for their KV or for blocks
-                free_kv_blocks=scheduler.num_free_blocks,
-                total_kv_blocks=engine.pool.num_total,
-                max_running_requests=engine.max_running,
-                max_waiting_requests=scheduler.max_queue,
-                cached_kv_blocks=scheduler.cache.num_cached,
-            ),
+            load=engine.load(),
             max_model_len=engine.max_model_len,
             draining=self.draining,
             kv_address=self.kv_address,

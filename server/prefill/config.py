@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -28,6 +30,13 @@ class PrefillConfig:
     """KV pushes in flight at once; at the bound the worker takes no new prompt until one ends."""
     max_push_bytes: int = 8 * 2**30
     """Host bytes of KV held by pushes in flight (same rule); a prompt whose KV alone exceeds it is refused."""
+    prefill_order: PrefillOrder = "shortest-first"
+    """Which queued prompt runs next (`--prefill-order`, scheduler.py): shortest-first keeps short prompts'
+    TTFT from waiting behind long ones (benchmarks/prefill_overload.py); fifo: by arrival."""
+    prefill_ageing: float = 32.0
+    """shortest-first: a prompt of n tokens waits at most n / this seconds for prompts that arrive later
+    (1536 tokens: 48 s). Faster ageing turns the order back into fifo once the backlog is longer than
+    that: at 256 tokens/s (6 s), short prompts still waited a minute behind old long ones (prefill_overload)."""
 
     max_model_len: int = 0
     """Longest prompt this worker prefills; 0: the model's."""
@@ -39,6 +48,10 @@ class PrefillConfig:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.weight_dtype not in ("auto", "float32", "bfloat16", "int8", "fp8"):
             raise ValueError(f"--weight-dtype must be auto, float32, bfloat16, int8 or fp8, not {self.weight_dtype!r}")
+        if self.prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"--prefill-order must be one of {', '.join(PREFILL_ORDERS)}, not {self.prefill_order!r}")
+        if not self.prefill_ageing > 0:
+            raise ValueError(f"--prefill-ageing must be > 0 tokens/s, got {self.prefill_ageing}")
         if self.min_bucket <= 0 or self.min_bucket & (self.min_bucket - 1):
             raise ValueError(f"--min-bucket must be a power of two, got {self.min_bucket}")
         for flag, value in (("--kv-layer-groups", self.kv_layer_groups), ("--kv-streams", self.kv_streams),

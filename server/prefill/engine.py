@@ -1,9 +1,11 @@
 """The prefill loop: batch waiting prompts, pad to a bucket, run the jitted model layer group by group.
 
 Life cycle of a prompt here:
-1. `enqueue` queues it as a PrefillJob (`submit` does that and collects the whole result).
-2. The loop takes the queued prompts (up to the batch limits), pads lengths to a power-of-two
-   bucket and the batch to a power of two, so XLA compiles a bounded set of shapes. `job.started`
+1. `enqueue` queues it as a PrefillJob in the scheduler (scheduler.py: fifo or shortest-first);
+   `submit` does that and collects the whole result.
+2. The loop takes the scheduler's next batch (up to the batch limits), pads lengths to a power-of-two
+   bucket and the batch to a power of two, so XLA compiles a bounded set of shapes; each batch's
+   speed is measured per bucket (rates.py) for the coordinator's expected-wait admission. `job.started`
    resolves: the prefill of this prompt begins (its KV stream opens now, and the decode worker's
    lease with it).
 3. In a worker thread the model runs as `kv_layer_groups` jitted layer groups, dispatched back to
@@ -20,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections import deque
+import time
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -35,7 +37,9 @@ from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import bucket_length, embed, group_sizes, head, layer_group
 from pdserve.server.prefill.quant import quantize_kv
+from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.sampler import sample_jit
+from pdserve.server.prefill.scheduler import PrefillScheduler
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -71,6 +75,13 @@ class PrefillJob:
     def dropped(self) -> bool:
         return self.first_token.cancelled()
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def cancelled(self) -> bool:
+        return self.dropped
+
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
@@ -89,11 +100,28 @@ class PrefillEngine:
         self._group = jax.jit(partial(layer_group, config=model_config), static_argnames=("size",))
         self._head = jax.jit(partial(head, config=model_config))
         self._quantize_kv = jax.jit(quantize_kv, static_argnames=("block_size", "fmt"))
-        self._queue: deque[PrefillJob] = deque()
+        self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(
+            config.prefill_order, bucket=self._bucket, max_batch_size=config.max_batch_size,
+            max_batch_tokens=config.max_batch_tokens, ageing_tokens_per_s=config.prefill_ageing)
+        buckets = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
+        self.rates = PrefillRates(buckets)
+        self._shapes_run: set[tuple[int, int]] = set()
+        """(rows, padded length) of every batch run: a shape's first batch compiles, so is not timed."""
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self.queued_tokens = 0
         self.batches = 0
+
+    def _bucket(self, n: int) -> int:
+        return bucket_length(min(n, self.max_len), self.max_len, self.config.min_bucket)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Tokens of the prompts waiting or running."""
+        return self.scheduler.queued_tokens
+
+    def load(self) -> list:
+        """Queued work and measured rate per bucket (WorkerLoad.prefill_buckets)."""
+        return self.rates.report(self.scheduler.queued_by_bucket, self.scheduler.prompts_by_bucket)
 
     def enqueue(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
                 kv_dtype: str, block_size: int = 16) -> PrefillJob:
@@ -102,8 +130,7 @@ class PrefillEngine:
         if not 0 < len(token_ids) <= self.max_model_len:  # no bucket fits: it would stop the loop
             raise ValueError(f"a prompt of {len(token_ids)} tokens; this worker takes 1 to {self.max_model_len}")
         job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size)
-        self._queue.append(job)
-        self.queued_tokens += len(token_ids)
+        self.scheduler.add(job)
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="prefill-loop")
@@ -130,27 +157,10 @@ class PrefillEngine:
 
         return PrefillResult(first, cat("k"), cat("v"), cat("k_scales"), cat("v_scales"))
 
-    def _take_batch(self) -> list[PrefillJob]:
-        batch: list[PrefillJob] = []
-        longest = 0
-        while self._queue and len(batch) < self.config.max_batch_size:
-            job = self._queue[0]
-            if job.dropped:  # cancelled while queued
-                self._queue.popleft()
-                self.queued_tokens -= len(job.token_ids)
-                continue
-            longest_if = max(longest, len(job.token_ids))
-            padded = _pow2(len(batch) + 1) * bucket_length(longest_if, self.max_len, self.config.min_bucket)
-            if batch and padded > self.config.max_batch_tokens:
-                break
-            batch.append(self._queue.popleft())
-            longest = longest_if
-        return batch
-
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = self._take_batch()
+            batch = self.scheduler.next_batch()
             if not batch:
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -158,14 +168,19 @@ class PrefillEngine:
             for job in batch:
                 if not job.started.done():
                     job.started.set_result(None)
+            t0 = time.perf_counter()
+            shape = (_pow2(len(batch)), max(self._bucket(j.num_tokens) for j in batch))
             try:
                 await asyncio.to_thread(self._run, batch, loop)
+                if shape in self._shapes_run:
+                    self.rates.record(shape[1], sum(j.num_tokens for j in batch), time.perf_counter() - t0)
+                self._shapes_run.add(shape)
             except Exception as e:
                 log.exception("prefill batch of %d failed", len(batch))
                 for job in batch:
                     self._fail(job, e)
             finally:
-                self.queued_tokens -= sum(len(j.token_ids) for j in batch)
+                self.scheduler.finish(batch)
             self.batches += 1
 
     @staticmethod

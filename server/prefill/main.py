@@ -16,6 +16,7 @@ from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
 from pdserve.server.prefill.model import compute_dtype, load_params
 from pdserve.server.prefill.quant import param_bytes
+from pdserve.server.prefill.rates import queued_seconds
 from pdserve.server.prefill.service import PrefillService
 from pdserve.server.registration import Registration, join, serve_until_signal
 
@@ -66,6 +67,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     await server.start()
     await serving.set_serving(health, SERVICES, True)
     metrics.prefill_queued_tokens.set_function(lambda: engine.queued_tokens)
+    metrics.prefill_queued_seconds.set_function(lambda: queued_seconds(engine.load()))
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("prefill worker listening on %s:%d", config.host, port)

@@ -200,7 +200,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             address=self.address,
             fingerprint=self.fingerprint,
             load=pb.WorkerLoad(queued_prefill_tokens=self.engine.queued_tokens + self.budget.waiting_tokens,
-                               running_requests=len(self.pushes)),
+                               running_requests=len(self.pushes), prefill_buckets=self.engine.load()),
             max_model_len=self.engine.max_model_len,
             draining=self.draining,
+            prefill_order=self.engine.scheduler.order,
         )

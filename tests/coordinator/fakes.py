@@ -27,12 +27,14 @@ class FakeControl(worker_pb2_grpc.ControlServicer):
         self.address = ""
         self.healthy = True
         self.load = worker_pb2.WorkerLoad(free_kv_blocks=100, total_kv_blocks=100)
+        self.prefill_order = ""
 
     async def GetInfo(self, request, context):
         if not self.healthy:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker is down")
         return worker_pb2.WorkerInfo(
-            role=self.role, address=self.address, kv_layout=LAYOUT, load=self.load, max_model_len=512
+            role=self.role, address=self.address, kv_layout=LAYOUT, load=self.load, max_model_len=512,
+            prefill_order=self.prefill_order,
         )
 
     def add_to(self, server: grpc.aio.Server) -> None:

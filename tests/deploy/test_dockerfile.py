@@ -10,7 +10,8 @@ from dockerfile_parse import DockerfileParser
 
 from tests.deploy.manifests import DEPLOY, ROOT
 
-FINAL = ["coordinator", "prefill", "decode"]
+FINAL = ["coordinator", "prefill", "decode-vllm", "decode"]
+TIER = {"decode-vllm": "decode"}  # the CLI role a final stage runs, where it differs from the stage's name
 COMPILERS = re.compile(r"\b(build-essential|gcc|g\+\+|clang|make|cmake|rustc|cargo)\b")
 
 
@@ -44,7 +45,8 @@ def ancestry(all_stages: dict[str, list[dict]], name: str) -> list[str]:
 
 def test_stages_and_targets():
     all_stages = stages()
-    assert list(all_stages) == ["build", "venv-coordinator", "venv-prefill", "venv-decode", "runtime", *FINAL]
+    assert list(all_stages) == ["build", "venv-coordinator", "venv-prefill", "venv-decode", "venv-decode-vllm",
+                                "runtime", *FINAL]
     # The final stages are the last ones, so a plain `docker build` gives a complete image too.
     for name in FINAL:
         assert ancestry(all_stages, name) == [name, "runtime"]
@@ -62,7 +64,7 @@ def test_final_stage_runs_as_non_root_with_a_health_check(name):
     # The health check asks the port this tier listens on by default (server/cli.py).
     from pdserve.server.cli import build_parser
 
-    default_port = build_parser().parse_args([name, "--model", "/m"]).port
+    default_port = build_parser().parse_args([TIER.get(name, name), "--model", "/m"]).port
     env = " ".join(values(all_stages[name], "ENV") + values(all_stages["runtime"], "ENV"))
     port = re.findall(r"PDSERVE_HEALTH_PORT=(\d+)", " ".join(values(all_stages[name], "ENV"))) or \
         re.findall(r"PDSERVE_HEALTH_PORT=(\d+)", env)
@@ -87,6 +89,10 @@ def test_each_tier_gets_only_its_framework():
     assert "jax[${JAX_EXTRA}]==${JAX_VERSION}" in pins["prefill"] and "JAX_EXTRA=tpu" in pins["prefill"]
     assert "torch" not in pins["prefill"]
     assert "torch==${TORCH_VERSION}" in pins["decode"] and "jax" not in pins["decode"]
+    # vLLM brings its own torch: no pdserve torch pin, no constraints file that would fight vLLM's pins.
+    assert "[vllm]" in pins["decode-vllm"] and "vllm==${VLLM_VERSION}" in pins["decode-vllm"]
+    assert "torch" not in pins["decode-vllm"] and "constraints" not in pins["decode-vllm"]
+    assert "jax" not in pins["decode-vllm"]
     # The pins follow the project's: torch exactly, jax the version the tests run with.
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert "torch==2.13.0" in project["optional-dependencies"]["decode"]

@@ -209,7 +209,7 @@ def test_autoscalers_read_metrics_pdserve_exports(rendered):
             names = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
             assert set(names) <= set(served), (name, set(names) - set(served))
         assert [m["pods"]["metric"]["name"] for m in hpas["pdserve-prefill"]["spec"]["metrics"]] == [
-            "pdserve_prefill_queued_tokens"]
+            "pdserve_prefill_queued_seconds"]
         assert [m["pods"]["metric"]["name"] for m in hpas["pdserve-decode"]["spec"]["metrics"]] == [
             "pdserve_kv_cache_usage_perc", "pdserve_num_requests_waiting"]
 

@@ -59,16 +59,15 @@ def pdserve_up(model_dir: Path, tmp: Path, *, prefill_workers: int = 2, decode_w
 
 
 def internal_metadata(address: str) -> tuple[tuple[str, str], ...]:
-    """What a test's direct call to a worker `pdserve_up` started must carry (its cluster secret)."""
+    """What a test's direct (internal) call to a `pdserve_up` process carries: its cluster's secret."""
     secret = _SECRETS.get(address)
     return ((CLUSTER_SECRET_HEADER, secret),) if secret else ()
 
 
 def worker_info(address: str) -> pb.WorkerInfo:
     with grpc.insecure_channel(address) as ch:
-        secret = _SECRETS.get(address)
-        metadata = ((CLUSTER_SECRET_HEADER, secret),) if secret else ()
-        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5, metadata=metadata)
+        return worker_pb2_grpc.ControlStub(ch).GetInfo(pb.GetInfoRequest(), timeout=5,
+                                                       metadata=internal_metadata(address))
 
 
 def wait_all_blocks_free(decode_addresses: list[str], timeout: float = 10.0) -> list[tuple[int, int]]:

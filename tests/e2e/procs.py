@@ -66,10 +66,10 @@ class Procs:
     """Every process gets it (--cluster-secret-file), and the test's internal calls carry it."""
 
     def start(self, name: str, role: str, *args: str, model_dir: Path | None = None, metrics: bool = True,
-              wait: bool = True) -> Proc:
+              wait: bool = True, python: str = sys.executable, timeout: float = 120.0) -> Proc:
         port, mport = free_port(), free_port() if metrics else 0
         log = self.tmp / f"{name}.log"
-        cmd = [sys.executable, "-m", "pdserve.server.cli", role, "--model", str(model_dir or self.model_dir),
+        cmd = [python, "-m", "pdserve.server.cli", role, "--model", str(model_dir or self.model_dir),
                "--port", str(port), "--host", "127.0.0.1", *(["--metrics-port", str(mport)] if metrics else []),
                *args]
         if self.tls is not None:
@@ -89,7 +89,7 @@ class Procs:
         proc = Proc(name, role, f"127.0.0.1:{port}", popen, log, mport, self.tls, internal)
         self.procs[name] = proc
         if wait:
-            self.wait_serving(proc)
+            self.wait_serving(proc, timeout)
         return proc
 
     def coordinator(self, name: str = "coordinator", *args: str) -> Proc:

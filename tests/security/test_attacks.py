@@ -192,10 +192,19 @@ def test_oversized_prompts_are_refused_before_any_work(secured, reference):
     name = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
     r = httpx.post(f"{base}/v1/completions", json={"model": name, "prompt": huge, "max_tokens": 4}, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["param"] == "text", r.text
+    r = httpx.post(f"{base}/tokenize", json={"model": name, "prompt": huge}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(f"{base}/v1/chat/completions", json={"model": name, "messages": [
+        {"role": "user", "content": huge[: 3 * 2**20]}, {"role": "user", "content": huge[: 2 * 2**20]}]}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "messages", r.text
+    assert "the limit is 4194304 bytes" in r.json()["error"]["message"]
     with socket.create_connection(("127.0.0.1", secured.http_port), timeout=10) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 104857600\r\n\r\n{\"model\":")
-        reply = sock.recv(65536).decode()
+        reply = b""
+        while chunk := sock.recv(65536):  # the server closes after its answer
+            reply += chunk
+        reply = reply.decode()
     assert reply.startswith("HTTP/1.1 413") and "request_too_large" in reply and "exceeds the limit of" in reply
     for s in streams:
         s.join(120)

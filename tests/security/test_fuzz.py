@@ -5,6 +5,7 @@ UNKNOWN), never a 500, and afterwards no KV block is left taken."""
 from __future__ import annotations
 
 import json
+import os
 
 import grpc
 import httpx
@@ -15,7 +16,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from tests.e2e.procs import wait_blocks_free
 
-FUZZ = settings(max_examples=60, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=int(os.environ.get("PDSERVE_FUZZ_EXAMPLES", "60")), deadline=None,
+                derandomize=not os.environ.get("PDSERVE_FUZZ_RANDOM"),
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 STATS = {"inputs": 0, "ok": 0, "refusals": 0, "named": 0, "crashes": 0}
 

@@ -1,0 +1,113 @@
+"""Builds the vLLM decode engine (`pdserve decode --engine vllm`): vLLM in this process, pdserve's connector.
+
+Runs in an environment with vLLM installed (`make vllm-venv`: .venv-vllm); the native engine's process
+never imports vllm.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.server.decode.config import DecodeConfig
+from pdserve.server.decode.sequence import Sequence
+from pdserve.server.decode.vllm_engine import VllmEngine
+from pdserve.server.model.config import ModelConfig, load_config, resolve_max_model_len
+
+log = logging.getLogger("pdserve.decode.vllm")
+
+CONNECTOR = "PdserveConnector"
+CONNECTOR_MODULE = "pdserve.server.decode.vllm_connector"
+
+
+def check_supported(config: DecodeConfig) -> None:
+    """Refuses what the vLLM engine does not take from pdserve, naming both formats."""
+    if config.kv_dtype in QUANTIZED:
+        raise ValueError(
+            f"--engine vllm cannot take --kv-dtype {config.kv_dtype}: pdserve's wire carries a float32 scale per "
+            "block per kv head, vLLM's quantized cache one k_scale/v_scale per layer, and re-quantizing would "
+            "lose the per-block range; use --kv-dtype auto, float32, bfloat16 or float16 with --engine vllm, "
+            f"or --engine native for {config.kv_dtype}"
+        )
+    if config.weight_dtype in ("int8", "fp8"):
+        raise ValueError(
+            f"--engine vllm does not take --weight-dtype {config.weight_dtype}: serve a checkpoint vLLM "
+            "quantizes itself, or use --engine native for pdserve's weight-only quantization"
+        )
+
+
+def sampling_params(seq: Sequence, num_prompt_tokens: int):
+    """vLLM's SamplingParams for what is left of the request; pdserve's stop rules stay authoritative."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    p = seq.sampling
+    stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_ids))
+    return SamplingParams(
+        max_tokens=max(1, p.max_tokens - seq.sample_index),
+        temperature=p.temperature,
+        top_p=p.top_p if p.HasField("top_p") and p.top_p > 0 else 1.0,
+        top_k=p.top_k,
+        seed=p.seed if p.HasField("seed") else None,
+        ignore_eos=True,
+        stop_token_ids=sorted(stop_ids),
+        detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, KvLayout]:
+    check_supported(config)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here: the connector meets our receiver
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.platforms import current_platform
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from pdserve.server.decode import vllm_connector
+
+    model_config = load_config(config.model_dir)
+    dtype = model_config.dtype if config.kv_dtype == "auto" else config.kv_dtype
+    # vLLM refuses a cache that cannot hold one request of max_model_len: cap it at the cache's tokens
+    # (less vLLM's null block)
+    max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len,
+                                          capacity=(config.num_blocks - 1) * config.block_size)
+    t0 = time.perf_counter()
+    args = EngineArgs(
+        model=str(config.model_dir),
+        dtype=dtype,
+        block_size=config.block_size,
+        num_gpu_blocks_override=config.num_blocks,
+        max_num_seqs=config.max_running,
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,  # every prompt's KV comes from prefill; nothing to share
+        skip_tokenizer_init=True,
+        enforce_eager=True,  # no CUDA graphs / compile: starts ~60 s sooner; see README for GPU pools
+        async_scheduling=False,
+        # On CPU this fraction of host memory is reserved up front; the cache is --kv-cache-tokens anyway.
+        **({"gpu_memory_utilization": 0.1} if current_platform.is_cpu() else {}),
+        disable_log_stats=True,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_consumer"
+        ),
+    )
+    llm = LLMEngine.from_engine_args(args)
+    scheduler = llm.engine_core.engine_core.scheduler
+    block_pool = scheduler.kv_cache_manager.block_pool
+    num_total = block_pool.num_gpu_blocks - 1  # vLLM keeps block 0 as its null block
+    layout = KvLayout(
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        block_size=scheduler.block_size,
+        dtype=dtype,
+        scale_granularity="none",
+    )
+    engine = VllmEngine(llm, model_config, layout, config.max_running, block_pool.get_num_free_blocks, num_total,
+                        sampling_params, vllm_connector.STAGED, vllm_connector.PARAMS_KEY,
+                        eos_ids=frozenset(model_config.eos_token_ids), max_model_len=max_model_len)
+    log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s)", model_config.describe(),
+             time.perf_counter() - t0, num_total, layout.block_size, dtype)
+    return model_config, engine, layout

@@ -1,0 +1,186 @@
+"""The vLLM engine adapter against an in-memory twin of vLLM's LLMEngine (no vllm needed)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from pdserve.kvcache.codec import KvPiece
+from pdserve.kvcache.layout import KvLayout
+from pdserve.server.decode.scheduler import QueueFull
+from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.decode.vllm_engine import RESERVED, VllmEngine
+from pdserve.server.decode.vllm_worker import check_supported
+from pdserve.server.decode.config import DecodeConfig
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
+
+LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype="float32")
+EOS = 99
+
+
+class FakeLlm:
+    """Each step gives every request the token after its last one, up to its max_tokens."""
+
+    def __init__(self):
+        self.requests: dict[str, tuple[list[int], object, list[int]]] = {}
+        self.added: list[tuple[str, list[int], object]] = []
+        self.aborted: list[str] = []
+
+    def add_request(self, request_id, prompt, params):
+        self.added.append((request_id, prompt["prompt_token_ids"], params))
+        self.requests[request_id] = (prompt["prompt_token_ids"], params, [])
+
+    def abort_request(self, request_ids):
+        self.aborted.extend(request_ids)
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def step(self):
+        outputs = []
+        for rid, (prompt, params, out) in list(self.requests.items()):
+            out.append((out or prompt)[-1] + 1)
+            finished = len(out) == params.max_tokens
+            if finished:
+                del self.requests[rid]
+            outputs.append(SimpleNamespace(request_id=rid, finished=finished,
+                                           outputs=[SimpleNamespace(token_ids=[out[-1]])]))
+        return outputs
+
+
+def params_for(seq: Sequence, num_prompt_tokens: int):
+    return SimpleNamespace(max_tokens=seq.sampling.max_tokens - seq.sample_index, extra_args=None)
+
+
+def make_engine(free: int = 10):
+    staged: dict[str, list[KvPiece]] = {}
+    llm = FakeLlm()
+    engine = VllmEngine(llm, SimpleNamespace(vocab_size=128), LAYOUT, max_running=4, num_free_blocks=lambda: free,
+                        num_total_blocks=10, sampling_params=params_for, staged=staged, params_key="pdserve_kv",
+                        eos_ids=frozenset({EOS}), max_model_len=512)
+    return engine, llm, staged
+
+
+def request(rid: str, prompt: list[int], max_tokens: int, **sampling) -> pb.DecodeRequest:
+    return pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
+                            sampling=gen_pb.SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+def make_seq(rid: str, prompt: list[int], max_tokens: int, engine: VllmEngine, **sampling) -> Sequence:
+    seq = engine.add(request(rid, prompt, max_tokens, **sampling))
+    assert seq.admitted.done() and seq.state is SeqState.WAITING_KV
+    return seq
+
+
+def piece(num_tokens: int) -> KvPiece:
+    kv = np.zeros((2, num_tokens, 2, 32), np.float32)
+    return KvPiece(layer_start=0, token_start=0, k=kv, v=kv, k_scales=None, v_scales=None)
+
+
+async def drain(seq: Sequence) -> list[int]:
+    tokens = []
+    while (ids := await asyncio.wait_for(seq.events.get(), 5)) is not None:
+        tokens.extend(ids)
+    return tokens
+
+
+async def test_vllm_decodes_from_the_first_token_with_the_staged_kv():
+    engine, llm, staged = make_engine()
+    seq = make_seq("r1", [5, 6, 7], max_tokens=4, engine=engine)
+    engine.write("r1", piece(3))
+    engine.start(seq, 20)
+    assert await drain(seq) == [21, 22, 23]  # the first token (20) was the prefill's; vLLM samples the rest
+    assert seq.output_ids == [20, 21, 22, 23] and seq.finish_reason == gen_pb.FINISH_REASON_LENGTH
+    (vllm_id, prompt, params), = llm.added
+    assert prompt == [5, 6, 7, 20] and params.max_tokens == 3
+    assert params.extra_args == {"kv_transfer_params": {"pdserve_kv": vllm_id}}
+    assert [p.num_tokens for p in staged[vllm_id]] == [3]  # the connector's worker side pops them
+    engine.abort("r1")
+    await engine.close()
+
+
+async def test_pdserve_stop_rules_end_the_stream_and_abort_it_in_vllm():
+    engine, llm, _ = make_engine()
+    seq = make_seq("r1", [EOS - 3], max_tokens=50, engine=engine)
+    engine.start(seq, EOS - 2)
+    assert await drain(seq) == [EOS - 1, EOS]
+    assert seq.finish_reason == gen_pb.FINISH_REASON_STOP
+    await asyncio.sleep(0.05)
+    assert llm.aborted == [llm.added[0][0]] and not llm.requests
+    assert engine.running == []
+    await engine.close()
+
+
+async def test_abort_and_release_free_the_request_in_vllm():
+    engine, llm, staged = make_engine(free=100)
+    seq = make_seq("r1", [1, 2], max_tokens=10**6, engine=engine, ignore_eos=True)
+    engine.write("r1", piece(2))
+    engine.start(seq, 3)
+    assert (await asyncio.wait_for(seq.events.get(), 5))[0] == 4
+    assert engine.abort("r1", gen_pb.FINISH_REASON_ABORT)
+    assert not engine.abort("r1")
+    for _ in range(100):
+        if not llm.requests:
+            break
+        await asyncio.sleep(0.01)
+    assert llm.aborted == [llm.added[0][0]] and not llm.requests and not staged
+    assert engine.sequences == {} and engine.running == []
+    await engine.close()
+
+
+async def test_capacity_is_vllms_free_blocks_less_the_blocks_promised_to_waiting_requests():
+    engine, _, _ = make_engine(free=10)
+    seq = make_seq("r1", list(range(70)), max_tokens=30, engine=engine)  # a 70-token prompt: 3 blocks of 32
+    assert seq.block_table == [RESERVED] * 3
+    assert engine.num_free_blocks == 7 and engine.pool.num_total == 10
+    load = engine.load()
+    assert (load.free_kv_blocks, load.total_kv_blocks, load.waiting_requests, load.running_requests) == (7, 10, 1, 0)
+    with pytest.raises(QueueFull):
+        engine.add(request("r2", list(range(32 * 7 + 1)), max_tokens=1))  # 8 blocks
+    assert "r2" not in engine.sequences
+    make_seq("r2", list(range(32 * 7)), max_tokens=1, engine=engine)  # exactly the 7 left
+    assert engine.num_free_blocks == 0
+    seq.state = SeqState.RUNNING  # its KV arrived: vLLM's own count now holds its blocks
+    assert engine.num_free_blocks == 3
+    assert engine.abort("r2") and engine.num_free_blocks == 10
+
+
+async def test_the_running_cap_and_bad_requests_are_refused():
+    engine, _, _ = make_engine(free=100)
+    for i in range(4):
+        make_seq(f"r{i}", [1], max_tokens=2, engine=engine)
+    with pytest.raises(QueueFull, match="maximum of 4"):
+        engine.add(request("r4", [1], max_tokens=2))
+    with pytest.raises(ValueError, match="already decoding"):
+        engine.add(request("r0", [1], max_tokens=2))
+    with pytest.raises(ValueError, match="max_model_len 512"):
+        engine.add(request("long", list(range(512)), max_tokens=2))
+
+
+async def test_local_prefill_vllm_runs_the_prompt_and_returns_its_first_token():
+    engine, llm, staged = make_engine()
+    seq = make_seq("r1", [5, 6, 7], max_tokens=4, engine=engine)
+    assert await asyncio.wait_for(engine.prefill_locally(seq), 5) == 8
+    engine.start(seq, 8)  # the service's next call: vLLM already decodes it
+    assert await drain(seq) == [9, 10, 11]
+    assert seq.output_ids == [8, 9, 10, 11] and seq.finish_reason == gen_pb.FINISH_REASON_LENGTH
+    (vllm_id, prompt, params), = llm.added
+    assert prompt == [5, 6, 7] and params.max_tokens == 4 and params.extra_args is None and not staged
+    engine.abort("r1")
+    await engine.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
+def test_quantized_kv_is_refused_naming_both_formats(kv_dtype, tmp_path):
+    with pytest.raises(ValueError) as e:
+        check_supported(DecodeConfig(model_dir=tmp_path, engine="vllm", kv_dtype=kv_dtype))
+    message = str(e.value)
+    assert f"--kv-dtype {kv_dtype}" in message and "per block per kv head" in message
+    assert "k_scale/v_scale per layer" in message and "--engine native" in message
+    check_supported(DecodeConfig(model_dir=tmp_path, engine="vllm", kv_dtype="bfloat16"))
