@@ -34,10 +34,12 @@ def iter_pieces(
     num_tokens: int,
     max_chunk_bytes: int = MAX_CHUNK_BYTES,
     layers: tuple[int, int] | None = None,
+    token_start: int = 0,
 ) -> Iterator[Piece]:
     """(layer_start, layer_count, token_start, token_count) of every piece, token-major.
 
     layers: (start, count) of the layer group to cover; default all the layout's layers.
+    token_start: the first token to cover (a block multiple: the tokens before it are held already).
     Pieces hold as many whole blocks of all the group's layers as fit; when one block of them does
     not fit, the layers split into even groups. Only a piece ending at num_tokens may be partial.
     Raises ValueError at once (not on iteration) when one block of one layer cannot fit.
@@ -51,17 +53,23 @@ def iter_pieces(
             token_start,
             min(tokens_per_piece, num_tokens - token_start),
         )
-        for token_start in range(0, num_tokens, tokens_per_piece)
+        for token_start in range(token_start, num_tokens, tokens_per_piece)
         for layer_start in range(first, first + count, layers_per_group)
     )
 
 
-def plan_tensors(layout: KvLayout, kv: KvTensors, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> list[Piece]:
-    """The pieces of a layer group of a whole prompt (token_start 0), its arrays checked first."""
+def plan_tensors(layout: KvLayout, kv: KvTensors, max_chunk_bytes: int = MAX_CHUNK_BYTES,
+                 skip_tokens: int = 0) -> list[Piece]:
+    """The pieces of a layer group of a whole prompt (token_start 0), its arrays checked first.
+
+    skip_tokens: the leading tokens (whole blocks) the receiver holds already; no piece covers them.
+    """
     if kv.token_start != 0:
         raise ValueError(f"a layer group to send covers the prompt from token 0, not {kv.token_start}")
     _check_group(layout, kv)
-    return list(iter_pieces(layout, kv.num_tokens, max_chunk_bytes, (kv.layer_start, kv.num_layers)))
+    if skip_tokens % layout.block_size or not 0 <= skip_tokens <= kv.num_tokens:
+        raise ValueError(f"cannot skip {skip_tokens} tokens of {kv.num_tokens}: whole blocks of the prompt only")
+    return list(iter_pieces(layout, kv.num_tokens, max_chunk_bytes, (kv.layer_start, kv.num_layers), skip_tokens))
 
 
 def encode_piece(layout: KvLayout, kv: KvTensors, piece: Piece) -> pb.KvChunk:

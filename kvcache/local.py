@@ -71,4 +71,4 @@ class LocalKvTransport(KvTransport):
         except _Aborted as e:
             raise refusal(e.code, e.details) from None
         streams: list[Stream] = [LocalStream(receiver, layout, h) for h in headers]
-        return StreamSender(layout, streams, self.max_chunk_bytes)
+        return StreamSender(layout, streams, self.max_chunk_bytes, header.cached_blocks * layout.block_size)

@@ -96,6 +96,8 @@ class Transfer:
     """Streams that closed after KvEnd (all their pieces written)."""
     first_token_id: int | None = None
     started: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    cached_blocks: int = 0
+    """Leading blocks the decode worker holds already (prefix cache); no stream sends them."""
 
     @property
     def seconds(self) -> float:
@@ -165,8 +167,12 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         self._writes: dict[str, set[concurrent.futures.Future]] = {}  # running in the pool, by request id
         self._pool = concurrent.futures.ThreadPoolExecutor(write_threads, thread_name_prefix="kv-write")
 
-    def expect(self, request_id: str, attempt: int, transfer_token: bytes, num_tokens: int) -> Transfer:
-        """Registers a transfer; a higher attempt replaces the old one and cuts off its stream."""
+    def expect(self, request_id: str, attempt: int, transfer_token: bytes, num_tokens: int,
+               cached_blocks: int = 0) -> Transfer:
+        """Registers a transfer; a higher attempt replaces the old one and cuts off its stream.
+
+        cached_blocks: leading blocks already held; their KV must not be sent.
+        """
         if not transfer_token:
             raise ValueError(f"request {request_id!r}: a transfer token is required")
         if num_tokens < 0:
@@ -183,7 +189,10 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 f"request {request_id!r} attempt {old.attempt} was superseded by attempt {attempt}; "
                 "its KV is discarded, stop sending it",
             )
-        transfer = Transfer(request_id, attempt, bytes(transfer_token), num_tokens)
+        if not 0 <= cached_blocks <= self.layout.num_blocks(num_tokens):
+            raise ValueError(f"request {request_id!r}: {cached_blocks} cached blocks, more than the prompt has")
+        transfer = Transfer(request_id, attempt, bytes(transfer_token), num_tokens,
+                            cached_blocks=cached_blocks)
         self._transfers[request_id] = transfer
         return transfer
 
@@ -366,6 +375,13 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 f"{transfer.num_streams}",
                 transfer,
             )
+        if header.cached_blocks != transfer.cached_blocks:
+            raise _Refusal(
+                Code.INVALID_ARGUMENT,
+                f"request {request_id!r}: the header skips {header.cached_blocks} cached blocks, the decode "
+                f"worker holds {transfer.cached_blocks}; send every block after the ones it holds",
+                transfer,
+            )
         return transfer
 
     def _start(self, transfer: Transfer, header: pb.KvHeader) -> None:
@@ -377,6 +393,7 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
             transfer.covered = np.zeros(
                 (self.layout.num_layers, self.layout.num_blocks(transfer.num_tokens)), dtype=bool
             )
+            transfer.covered[:, : transfer.cached_blocks] = True  # held already: a piece there overlaps
             transfer.started.set()
         transfer.touch()
 

@@ -77,7 +77,7 @@ class GrpcKvTransport(KvTransport):
         streams: list[Stream] = [
             GrpcStream(self._channel(address, i), layout, h, self._timeout) for i, h in enumerate(headers)
         ]
-        return StreamSender(layout, streams, self._max_chunk_bytes)
+        return StreamSender(layout, streams, self._max_chunk_bytes, header.cached_blocks * layout.block_size)
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

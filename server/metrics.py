@@ -113,6 +113,12 @@ vllm_kv_tokens_loaded = _pd(Counter, "vllm_kv_tokens_loaded",
 vllm_kv_load_failures = _pd(Counter, "vllm_kv_load_failures",
                             "Requests whose pushed KV vLLM could not load (it recomputed them)")
 local_prefill_fallbacks = _pd(Counter, "local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
+num_preemptions = _pd(Counter, "num_preemptions", "Decode sequences preempted (blocks freed, re-prefilled later)",
+                      vllm="num_preemptions")
+prefix_cache_queries = _pd(Counter, "prefix_cache_queries", "Tokens looked up in the decode prefix cache",
+                           vllm="prefix_cache_queries")
+prefix_cache_hits = _pd(Counter, "prefix_cache_hits", "Tokens found in the decode prefix cache (KV not sent again)",
+                        vllm="prefix_cache_hits")
 admission_rejections = _pd(Counter, "admission_rejections", "Requests refused because a tier's queue was full", ("tier",))
 expected_wait_rejections = _pd(Counter, "expected_wait_rejections",
                                "Requests refused because their expected prefill wait exceeded the deadline or TTFT budget")

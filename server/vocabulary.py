@@ -14,7 +14,7 @@ WeightDtype = Literal["auto", "float32", "bfloat16", "int8", "fp8"]
 KvDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"]
 """The decode tier's KV cache (and so the wire's); auto: the model's compute dtype."""
 PrefillPolicy = Literal["least-queued"]
-DecodePolicy = Literal["most-free-blocks", "power-of-two"]
+DecodePolicy = Literal["prefix-aware", "most-free-blocks", "power-of-two"]
 LogFormat = Literal["text", "json"]
 Role = Literal["coordinator", "prefill", "decode"]
 DecodeEngine = Literal["native", "vllm"]

@@ -3,12 +3,15 @@
 A request that finds no worker of a tier with room (decode: under its running cap with the KV blocks
 free; prefill: under `max_inflight` calls from this coordinator) waits in that tier's queue until
 one has room or its deadline passes. At most `max_size` requests wait per tier; one more is refused
-with RESOURCE_EXHAUSTED and a `retry-after-ms` hint (trailing metadata).
+with RESOURCE_EXHAUSTED and a `retry-after-ms` hint (trailing metadata). Waiters are served in
+arrival order: only the head of the line tries to pick, so a big request is not starved by small ones
+that would fit sooner; a newcomer picks at once only when nobody waits.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -63,13 +66,18 @@ class TierQueue:
     def __init__(self, tier: str, max_size: int):
         self.tier = tier
         self.max_size = max_size
-        self.waiting = 0
+        self._line: deque[object] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._line)
 
     async def acquire(self, pool: WorkerPool, pick: Callable[[], Worker | None], deadline: Deadline) -> Worker:
         """A worker with room now, or after waiting in the queue; raises RequestFailed."""
-        worker = pick()
-        if worker is not None:
-            return worker
+        if not self._line:
+            worker = pick()
+            if worker is not None:
+                return worker
         if self.waiting >= self.max_size:
             metrics.admission_rejections.labels(self.tier).inc()
             raise RequestFailed(
@@ -77,17 +85,23 @@ class TierQueue:
                 f"the {self.tier} queue is full ({self.max_size} waiting); you may retry after {RETRY_AFTER_MS} ms",
                 (("retry-after-ms", str(RETRY_AFTER_MS)),),
             )
-        self.waiting += 1
+        ticket = object()
+        self._line.append(ticket)
         metrics.num_requests_waiting.inc()
         try:
             while True:
                 left = deadline.check()
                 await pool.changed(min(left, 0.2))
+                if self._line[0] is not ticket:
+                    continue
                 worker = pick()
                 if worker is not None:
                     return worker
                 if not pool.ready(self.tier):  # type: ignore[arg-type]
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready {self.tier} worker")
         finally:
-            self.waiting -= 1
+            head = self._line[0] is ticket
+            self._line.remove(ticket)
             metrics.num_requests_waiting.dec()
+            if head and self._line:
+                pool.poke()  # the next in line tries at once

@@ -40,8 +40,8 @@ class CoordinatorConfig:
     """The deadline of a request whose client set none (`--default-timeout`)."""
     prefill_policy: PrefillPolicy = "least-queued"
     """How a prefill worker is picked."""
-    decode_policy: DecodePolicy = "most-free-blocks"
-    """How a decode worker is picked."""
+    decode_policy: DecodePolicy = "prefix-aware"
+    """How a decode worker is picked (prefix-aware: by the prompt's first blocks, load bounded)."""
     ttft_budget: float = 0.0
     """Refuse (RESOURCE_EXHAUSTED) a request whose expected prefill wait exceeds this many seconds; 0: only
     its deadline bounds the wait (`--ttft-budget`, prefill_estimate.py)."""

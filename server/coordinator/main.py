@@ -19,7 +19,7 @@ from pdserve.server.coordinator.registry import RegistryService
 from pdserve.server.coordinator.router import Worker, WorkerPool
 from pdserve.server.coordinator.service import GenerationService
 from pdserve.server.coordinator.validate import Limits
-from pdserve.server.model.config import load_config
+from pdserve.server.model.config import load_config, resolve_max_model_len
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.server import metrics
 from pdserve.server.metrics import serve_metrics
@@ -79,7 +79,8 @@ async def start(config: CoordinatorConfig) -> Coordinator:
         pool.add(Worker(address, "prefill"))
     for address in config.decode_addresses:
         pool.add(Worker(address, "decode"))
-    limits = Limits(max_model_len=model.max_model_len, vocab_size=model.vocab_size,
+    max_model_len = resolve_max_model_len(model.max_model_len, config.max_model_len or 0)
+    limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size,
                     max_prompt_bytes=config.max_prompt_bytes, max_token_bytes=tokenizer.max_token_bytes())
     service = GenerationService(tokenizer, limits, pool, config.lease_seconds,
                                 default_timeout=config.default_timeout, max_queue=config.max_queue,
@@ -87,7 +88,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
                                 ttft_budget=config.ttft_budget)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, config.model_name, lambda: pool.serving,
-                                              model.max_model_len), server)
+                                              max_model_len), server)
     registry = RegistryService(pool, heartbeat_seconds=min(config.refresh_seconds, config.heartbeat_timeout / 3),
                                role_bound=bool(cluster_auth() and cluster_auth().role_bound))
     registry_server, registry_port = None, port
@@ -104,7 +105,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
         await registry_server.start()
     http = None
     if config.http_port is not None:
-        http = await serve_http(config, service, lambda: pool.serving, model.max_model_len)
+        http = await serve_http(config, service, lambda: pool.serving, max_model_len)
     return Coordinator(config, server, health_servicer, pool, port, service, http, registry_server, registry_port)
 
 

@@ -85,9 +85,23 @@ class Worker:
         used = max(load.total_kv_blocks - load.free_kv_blocks, self.reserved_blocks)
         return max(load.total_kv_blocks - used, 0)
 
+    def block_size(self) -> int:
+        return self.info.kv_layout.block_size if self.info and self.info.kv_layout.block_size else 1
+
     def blocks_for(self, num_tokens: int) -> int:
-        block_size = self.info.kv_layout.block_size if self.info and self.info.kv_layout.block_size else 1
-        return -(-num_tokens // block_size)
+        return -(-num_tokens // self.block_size())
+
+    def queued(self) -> int:
+        """Requests waiting in the worker's own queue (as last reported)."""
+        return self.info.load.waiting_requests if self.info else 0
+
+    def has_queue_room(self) -> bool:
+        """The worker's own waiting queue can take one more (counting this coordinator's picks)."""
+        if not self.info or not self.info.load.max_waiting_requests:
+            return False
+        load = self.info.load
+        taken = max(load.running_requests + load.waiting_requests, self.inflight)
+        return taken < (load.max_running_requests or taken + 1) + load.max_waiting_requests
 
     def under_running_cap(self) -> bool:
         cap = self.info.load.max_running_requests if self.info else 0
@@ -228,9 +242,9 @@ class WorkerPool:
         """The workers of a tier that take new work (ready, not draining)."""
         return [w for w in self.workers.values() if w.role == role and w.routable]
 
-    def pick_decode(self, tokens: int = 0) -> Worker | None:
+    def pick_decode(self, tokens: int = 0, prompt: list[int] | None = None) -> Worker | None:
         """A decode worker with room for a request whose KV holds `tokens`, by the decode policy."""
-        return self.decode_policy(self.ready("decode"), tokens)
+        return self.decode_policy(self.ready("decode"), tokens, prompt=prompt)
 
     @property
     def serving(self) -> bool:

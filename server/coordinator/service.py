@@ -307,46 +307,49 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """Yields TokenEvents, then the Finished event; raises _Lost or RequestFailed."""
         req, deadline = r.req, r.deadline
         prompt = [*req.prompt_ids, *r.outputs]
-        kv_tokens = len(prompt) + req.sampling.max_tokens - len(r.outputs) - 1
         if not self.pool.ready("decode"):
             raise self._no_worker_left(r, "decode")
         queued_at = time.monotonic()
-        decode = await self.decode_queue.acquire(self.pool, lambda: self.pool.pick_decode(kv_tokens), deadline)
-        prefill = None
-        if self.pool.ready("prefill"):
-            prefill = await self.prefill_queue.acquire(self.pool, self._pick_prefill, deadline)
-            if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
-                admit(prefill, len(prompt), deadline.remaining(), self.ttft_budget)
-        if r.attempt == 0:
-            metrics.request_queue_time.observe(time.monotonic() - queued_at)
-        transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)
-        assert decode.channel is not None
-        call = worker_pb2_grpc.DecodeStub(decode.channel).Decode(
-            worker_pb2.DecodeRequest(
-                request_id=r.worker_id,
-                attempt=r.attempt,
-                prompt_token_ids=prompt,
-                sampling=r.sampling,
-                transfer_token=transfer_token,
-                lease_seconds=self.lease_seconds,  # the call's deadline also frees the blocks
-                num_output_tokens=len(r.outputs),
-                local_prefill=prefill is None,
-            ),
-            timeout=deadline.check(),
-        )
+        # Blocks are taken on demand: admission asks room for the prompt, max_tokens is only a limit.
+        decode = await self.decode_queue.acquire(self.pool, lambda: self.pool.pick_decode(len(prompt), prompt),
+                                                 deadline)
+        # Counted at pick time, so requests routed before the next GetInfo (or while this one waits for a
+        # prefill slot) see the worker taken.
         decode.inflight += 1
-        # Count the blocks now, so requests routed before the next GetInfo see them taken.
-        reserved = decode.blocks_for(kv_tokens)
+        reserved = decode.blocks_for(len(prompt))
         decode.reserved_blocks += reserved
         metrics.num_requests_running.inc()
+        call = None
         try:
-            await self._read_reserved(decode, call, r)
+            prefill = None
+            if self.pool.ready("prefill"):
+                prefill = await self.prefill_queue.acquire(self.pool, self._pick_prefill, deadline)
+                if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
+                    admit(prefill, len(prompt), deadline.remaining(), self.ttft_budget)
+            if r.attempt == 0:
+                metrics.request_queue_time.observe(time.monotonic() - queued_at)
+            transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)
+            assert decode.channel is not None
+            call = worker_pb2_grpc.DecodeStub(decode.channel).Decode(
+                worker_pb2.DecodeRequest(
+                    request_id=r.worker_id,
+                    attempt=r.attempt,
+                    prompt_token_ids=prompt,
+                    sampling=r.sampling,
+                    transfer_token=transfer_token,
+                    lease_seconds=self.lease_seconds,  # the call's deadline also frees the blocks
+                    num_output_tokens=len(r.outputs),
+                    local_prefill=prefill is None,
+                ),
+                timeout=deadline.check(),
+            )
+            cached_blocks = await self._read_reserved(decode, call, r)
             if prefill is None:
                 metrics.local_prefill_fallbacks.inc()
                 log.info("request %s: no prefill worker alive; decode worker %s prefills it", req.request_id,
                          decode.address)
             else:
-                first = await self._prefill(prefill, decode, r, prompt, transfer_token)
+                first = await self._prefill(prefill, decode, r, prompt, transfer_token, cached_blocks)
                 yield first
                 message = await self._first_decode_event(decode, call, prefill, r)
                 yield _event(message)
@@ -363,7 +366,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             metrics.num_requests_running.dec()
             decode.inflight -= 1
             decode.reserved_blocks -= reserved
-            if not call.done():
+            if call is not None and not call.done():
                 call.cancel()  # frees the decode worker's blocks now
             self.pool.poke()
 
@@ -377,7 +380,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready {role} worker")
 
     async def _prefill(
-        self, prefill: Worker, decode: Worker, r: _Request, prompt: list[int], transfer_token: bytes
+        self, prefill: Worker, decode: Worker, r: _Request, prompt: list[int], transfer_token: bytes,
+        cached_blocks: int = 0,
     ) -> worker_pb2.TokenEvent:
         """The first token; the prefill worker then pushes the KV to the decode worker itself."""
         assert prefill.channel is not None and decode.info is not None
@@ -387,7 +391,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 attempt=r.attempt,
                 token_ids=prompt,
                 sampling=r.sampling,
-                target=worker_pb2.KvTarget(address=decode.kv_address, layout=decode.info.kv_layout),
+                target=worker_pb2.KvTarget(address=decode.kv_address, layout=decode.info.kv_layout,
+                                           cached_blocks=cached_blocks),
                 transfer_token=transfer_token,
                 sample_index=len(r.outputs),
             ),
@@ -447,7 +452,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """The next `tokens` or `finished` event after `reserved`. `kv_from`: the KV has not arrived
         yet, so a failed transfer is the prefill worker's failure."""
         try:
-            message = await self._read_or_stall(decode, call, r)
+            message = await self._read_skipping_queued(decode, call, r)
         except grpc.aio.AioRpcError as e:
             if kv_from is not None and e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
                 if e.code() == grpc.StatusCode.ABORTED or not r.deadline.expired:
@@ -468,6 +473,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                 f"[0, {self.limits.vocab_size})")
         return message
 
+    async def _read_skipping_queued(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
+        """The next message but `queued` ones (D keeps a waiting request's stream alive with them)."""
+        while True:
+            message = await self._read_or_stall(decode, call, r)
+            if message is grpc.aio.EOF or message.WhichOneof("event") != "queued":
+                return message
+
     async def _read_or_stall(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request):
         """The stream's next message; a worker silent for `stall_timeout` is lost (and marked failed)."""
         if self.stall_timeout is None or r.deadline.check() <= self.stall_timeout:
@@ -487,16 +499,17 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         if finished.reason == FinishReason.FINISH_REASON_UNSPECIFIED:
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} finished without a reason")
 
-    async def _read_reserved(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request) -> None:
+    async def _read_reserved(self, decode: Worker, call: grpc.aio.UnaryStreamCall, r: _Request) -> int:
+        """Waits for D to hold the request's blocks (it may queue it); the prompt blocks it had cached."""
         try:
-            message = await self._read_or_stall(decode, call, r)
+            message = await self._read_skipping_queued(decode, call, r)
         except grpc.aio.AioRpcError as e:
             raise await self._refused(decode, e, r) from e
         if message is grpc.aio.EOF:
             raise _Lost(decode, f"decode worker {decode.address} ended the stream before reserving")
         event = message.WhichOneof("event")
         if event == "reserved":
-            return
+            return message.reserved.cached_blocks
         if event == "finished" and message.finished.reason == FinishReason.FINISH_REASON_ERROR:
             raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address}: {message.finished.message}")
         raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} sent {event!r} before 'reserved'")

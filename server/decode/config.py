@@ -20,7 +20,12 @@ class DecodeConfig:
     kv_cache_tokens: int = 16384
     """Capacity of the paged KV cache in tokens (rounded up to whole blocks)."""
     max_running: int = field(default=64, metadata=flag("--max-running", "--max-num-seqs"))
-    """Most requests decoded together; more are refused with RESOURCE_EXHAUSTED (vLLM: --max-num-seqs)."""
+    """Most requests holding blocks at once (running or receiving their KV); more wait in the queue
+    (vLLM: --max-num-seqs)."""
+    max_queue: int = 256
+    """Most new requests waiting for blocks; one more is refused with RESOURCE_EXHAUSTED."""
+    enable_prefix_caching: bool = True
+    """Keep finished sequences' full blocks, reuse them for requests sharing the prefix (vLLM's name)."""
     weight_dtype: WeightDtype = "auto"
     """auto: the dtype the checkpoint is stored in; int8/fp8: weight-only, per-output-channel scales,
     computing in the checkpoint's dtype."""
@@ -62,6 +67,8 @@ class DecodeConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if self.max_queue < 0:
+            raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
 
     @property
     def num_blocks(self) -> int:

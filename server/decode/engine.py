@@ -1,15 +1,17 @@
-"""The decode loop: continuous batching over the paged KV cache.
+"""The decode loop: continuous batching over the paged KV cache, with a request API.
 
 Life cycle of a request here:
-1. The service takes blocks for prompt + max_tokens from `pool` (all or nothing); `reserve` registers
-   the sequence holding them.
-2. The KV arrives through the receiver, which writes it into those blocks (`write`), or the service
-   prefills the prompt here (no prefill worker alive).
+1. `add(request)` makes a Sequence and queues it; the scheduler admits it, in arrival order, once the
+   blocks for its prompt fit (cached prefix blocks reused): `seq.admitted` resolves.
+2. Its prompt's KV arrives through the receiver, which writes it into those blocks (`write`), or the
+   worker computes it itself (`prefill_locally`).
 3. `start` puts the sequence, with the first token (sampled by prefill), into the running set.
-4. Each step decodes one token for every running sequence: schedule, run, sample (penalties and
-   min_tokens first, logprobs of the raw logits beside), postprocess. Sequences join and leave between
-   steps.
-5. `release` gives the blocks back, after the step that may still be writing them.
+4. Each step: admit, schedule (a block on demand for every sequence crossing a block boundary,
+   preempting the most recently admitted when none is free), run (re-prefilling resumed sequences
+   first), sample (penalties and min_tokens first, logprobs of the raw logits beside), postprocess
+   (stream, retire the finished).
+5. A finished or aborted sequence's blocks go back (full ones stay in the prefix cache), after the
+   step or local prefill that may still be using them.
 """
 
 from __future__ import annotations
@@ -19,43 +21,100 @@ import logging
 
 import torch
 
-from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.server import metrics
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server import logprobs
 from pdserve.server.decode.sampler import apply_penalties, sample, token_logprobs
+from pdserve.server.decode.scheduler import QueueFull, Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.model.config import resolve_max_model_len
 
 log = logging.getLogger("pdserve.decode")
 
+__all__ = ["DecodeEngine", "QueueFull"]
+
 
 class DecodeEngine:
-    def __init__(self, model: DecoderModel, layout: KvLayout, num_blocks: int, max_running: int):
+    def __init__(self, model: DecoderModel, layout: KvLayout, num_blocks: int, max_running: int, *,
+                 max_queue: int = 256, enable_prefix_caching: bool = True, eos_ids: frozenset[int] = frozenset(),
+                 max_model_len: int = 0):
+        """max_model_len: 0 takes the model's, capped by what the cache holds."""
         self.model = model
         self.layout = layout
-        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(num_blocks, layout.block_size, max_running, max_queue, enable_prefix_caching)
+        self.pool = self.scheduler.pool
         self.cache = PagedKvCache(layout, num_blocks)
         self.max_running = max_running
+        self.eos_ids = eos_ids
+        self.max_model_len = resolve_max_model_len(model.config.max_model_len, max_model_len,
+                                                   capacity=num_blocks * layout.block_size)
         self.sequences: dict[str, Sequence] = {}
-        self.running: list[Sequence] = []
-        self._in_step: set[str] = set()
-        self._deferred_free: list[list[int]] = []
+        self._busy: set[str] = set()
+        """Request ids whose blocks a worker thread reads or writes now (the step, a local prefill)."""
+        self._deferred: dict[str, tuple[Sequence, bool]] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0
 
-    # ---- capacity ------------------------------------------------------------
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
 
-    def blocks_needed(self, num_prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> int:
-        # The last sampled token's KV is never written, so the cache holds prompt + max_tokens - 1.
-        tokens = min(num_prompt_tokens + max_new_tokens - 1, max_model_len)
-        return self.layout.num_blocks(max(tokens, num_prompt_tokens))
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.num_free_blocks
 
-    def reserve(self, seq: Sequence) -> None:
-        """Registers the sequence; its block_table must already be allocated from self.pool."""
-        self.sequences[seq.request_id] = seq
+    def position(self, seq: Sequence) -> int:
+        """The sequence's place in the waiting queue (0: next, or not waiting)."""
+        return self.scheduler.position(seq)
+
+    def load(self) -> pb.WorkerLoad:
+        scheduler = self.scheduler
+        return pb.WorkerLoad(
+            running_requests=len(scheduler.running),
+            waiting_requests=len(scheduler.loading) + len(scheduler.waiting),  # for their KV or for blocks
+            free_kv_blocks=scheduler.num_free_blocks,
+            total_kv_blocks=self.pool.num_total,
+            max_running_requests=self.max_running,
+            max_waiting_requests=scheduler.max_queue,
+            cached_kv_blocks=scheduler.cache.num_cached,
+        )
+
+    # ---- requests ---------------------------------------------------------------
+
+    def add(self, request: pb.DecodeRequest) -> Sequence:
+        """Queues the request; raises ValueError (bad or too long) or QueueFull."""
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        if rid in self.sequences:
+            raise ValueError(f"request {rid} is already decoding here")
+        if not prompt or request.sampling.max_tokens <= 0:
+            raise ValueError("prompt_token_ids and sampling.max_tokens must be set")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
+                             f"max_model_len {self.max_model_len}")
+        seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
+                       num_prior_outputs=request.num_output_tokens)
+        admitted = self.scheduler.add(seq)
+        self.sequences[rid] = seq
+        self._admitted(admitted)
+        return seq
+
+    def abort(self, request_id: str, reason: int = gen_pb.FINISH_REASON_ABORT) -> bool:
+        seq = self.sequences.get(request_id)
+        if seq is None:
+            return False
+        if seq.state is not SeqState.FINISHED:
+            seq.finish(reason)
+            seq.events.put_nowait(None)
+        if not seq.admitted.done():
+            seq.admitted.set_result(None)  # a waiter wakes to find it finished
+        self._retire(seq)
+        return True
 
     # ---- the KV sink ------------------------------------------------------------
 
@@ -66,69 +125,110 @@ class DecodeEngine:
         self.cache.write(seq.block_table, piece.layer_start, piece.token_start, piece.k, piece.v,
                          piece.k_scales, piece.v_scales)
 
+    async def prefill_locally(self, seq: Sequence) -> int:
+        """The prompt's KV (past its cached prefix) computed here; the first token."""
+        self._busy.add(seq.request_id)
+        try:
+            return await asyncio.to_thread(self._prefill, seq)
+        finally:
+            self._busy.discard(seq.request_id)
+            self._retire_deferred()
+
+    def _prefill(self, seq: Sequence) -> int:
+        """The first token; its logprob on seq.logprobs and the prompt's on seq.prompt_logprobs when asked
+        (a sequence asking prompt logprobs reuses no cached prefix: every position's logits are computed)."""
+        start = seq.num_cached_tokens
+        logits = self.model.prefill(torch.tensor(seq.prompt_ids[start:], dtype=torch.int64), seq.block_table,
+                                    self.cache, start_pos=start)  # [S, V]
+        token = self._sample(logits[-1:], [seq])
+        p = seq.sampling
+        if p.HasField("logprobs"):
+            seq.logprobs.append(_logprobs(logits[-1:], token, [p])[0])
+        if p.HasField("prompt_logprobs") and len(seq.prompt_ids) > 1:
+            ids = torch.tensor(seq.prompt_ids[start + 1 :], dtype=torch.int64)
+            top = min(p.prompt_logprobs, logits.shape[-1])
+            chosen, top_ids, top_lps = token_logprobs(logits[:-1], ids, top)  # predicting tokens start+1..n-1
+            seq.prompt_logprobs = [logprobs.token_logprob(t, c, i, lp, top) for t, c, i, lp in
+                                   zip(ids.tolist(), chosen.tolist(), top_ids.tolist(), top_lps.tolist())]
+        return int(token[0])
+
     # ---- running ----------------------------------------------------------------
 
     def start(self, seq: Sequence, first_token: int) -> None:
         """The KV is in place: the first token joins; the sequence decodes from the next step."""
-        seq.state = SeqState.RUNNING
+        if seq.state is not SeqState.WAITING_KV:
+            return  # aborted meanwhile: its stream has already ended
+        self.scheduler.start(seq)
         seq.append(first_token)
         if seq.state is SeqState.FINISHED:
             seq.events.put_nowait(None)
+            self._retire(seq)
             return
-        self.running.append(seq)
+        self._wake()
+
+    def _wake(self) -> None:
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="decode-loop")
 
-    def abort(self, request_id: str, reason: int) -> bool:
-        seq = self.sequences.get(request_id)
-        if seq is None:
-            return False
-        if seq.state is not SeqState.FINISHED:
-            seq.finish(reason)
-            seq.events.put_nowait(None)
-        if seq in self.running:
-            self.running.remove(seq)
-        return True
+    def _admit(self) -> None:
+        self._admitted(self.scheduler.admit())
 
-    def release(self, seq: Sequence) -> None:
-        """Frees the sequence's blocks: now, or after the step that is using them."""
+    def _admitted(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            metrics.prefix_cache_queries.inc(len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1)
+            metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
+            if not seq.admitted.done():
+                seq.admitted.set_result(None)
+        if self.scheduler.running:
+            self._wake()
+
+    def _retire(self, seq: Sequence, keep_kv: bool = True) -> None:
+        """Drops the sequence and its blocks: now, or after the thread that is using them."""
         if self.sequences.get(seq.request_id) is seq:
             del self.sequences[seq.request_id]
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq.request_id in self._in_step:
-            # The step running in its thread still reads this table: free (and forget) it after.
-            self._deferred_free.append(seq.block_table)
+        if seq.request_id in self._busy:
+            self._deferred[seq.request_id] = (seq, keep_kv)
             return
-        if seq.block_table:
-            self.pool.free(seq.block_table)
-        seq.block_table = []
+        self.scheduler.retire(seq, keep_kv)
+        self._admit()
+
+    def _retire_deferred(self) -> None:
+        for rid in [rid for rid in self._deferred if rid not in self._busy]:
+            seq, keep_kv = self._deferred.pop(rid)
+            self.scheduler.retire(seq, keep_kv)
+        self._admit()
 
     async def _loop(self) -> None:
         while True:
-            if not self.running:
+            self._admit()
+            before = self.scheduler.num_preemptions
+            batch = self.scheduler.schedule()
+            metrics.num_preemptions.inc(self.scheduler.num_preemptions - before)
+            if not batch:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            batch = list(self.running)
-            self._in_step = {s.request_id for s in batch}
+            ids = {s.request_id for s in batch}
+            self._busy |= ids
             try:
                 tokens, token_lps = await asyncio.to_thread(self._step, batch)
             except Exception:
                 log.exception("decode step of %d requests failed; running them one by one", len(batch))
                 tokens, token_lps = await asyncio.to_thread(self._step_each, batch)
             finally:
-                self._in_step = set()
-                for blocks in self._deferred_free:
-                    self.pool.free(blocks)
-                self._deferred_free.clear()
+                self._busy -= ids
+                self._retire_deferred()
             self.steps += 1
             self._postprocess(batch, tokens, token_lps)
 
     def _step(self, batch: list[Sequence]) -> tuple[list[int], list]:
         """One token for every sequence in the batch (runs in a worker thread)."""
-        last = torch.tensor([s.output_ids[-1] for s in batch], dtype=torch.int64)  # [B]
+        for s in batch:
+            if s.resume_from is not None and s.resume_from < s.num_tokens - 1:  # preempted, readmitted
+                ids = torch.tensor(s.token_ids[s.resume_from : s.num_tokens - 1], dtype=torch.int64)
+                self.model.prefill(ids, s.block_table, self.cache, start_pos=s.resume_from)
+        last = torch.tensor([s.token_ids[-1] for s in batch], dtype=torch.int64)  # [B]
         positions = torch.tensor([s.num_tokens - 1 for s in batch], dtype=torch.int64)  # [B]
         width = max(len(s.block_table) for s in batch)
         tables = torch.tensor(
@@ -136,8 +236,13 @@ class DecodeEngine:
             dtype=torch.int64,
         )  # [B, M]
         logits = self.model.decode(last, positions, tables, positions + 1, self.cache)  # [B, V]
+        next_ids = self._sample(logits, batch)
+        return next_ids.tolist(), _logprobs(logits, next_ids, [s.sampling for s in batch])
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
         sp = [s.sampling for s in batch]
-        next_ids = sample(
+        return sample(
             penalized(logits, batch),
             torch.tensor([p.temperature for p in sp], dtype=torch.float32),
             torch.tensor([p.top_k for p in sp], dtype=torch.int64),
@@ -146,7 +251,6 @@ class DecodeEngine:
             [s.sample_index for s in batch],
             torch.tensor([p.min_p for p in sp], dtype=torch.float32) if any(p.min_p for p in sp) else None,
         )
-        return next_ids.tolist(), _logprobs(logits, next_ids, sp)
 
     def _step_each(self, batch: list[Sequence]) -> tuple[list[int | None], list]:
         """After a failed batched step: each sequence alone, so only those that fail alone fail (None).
@@ -167,8 +271,6 @@ class DecodeEngine:
 
     def _postprocess(self, batch: list[Sequence], tokens: list[int | None] | None, token_lps: list | None = None
                      ) -> None:
-        from pdserve.v1 import generation_pb2 as gen_pb
-
         for i, seq in enumerate(batch):
             if seq.state is not SeqState.RUNNING:
                 continue  # aborted or released while the step ran
@@ -177,12 +279,12 @@ class DecodeEngine:
             else:
                 if token_lps is not None and token_lps[i] is not None:
                     seq.logprobs.append(token_lps[i])
+                self.scheduler.finished_step(seq)
                 seq.append(tokens[i])
                 seq.events.put_nowait([tokens[i]])
             if seq.state is SeqState.FINISHED:
                 seq.events.put_nowait(None)
-                if seq in self.running:
-                    self.running.remove(seq)
+                self._retire(seq, keep_kv=seq.finish_reason != gen_pb.FINISH_REASON_ERROR)
 
     async def close(self) -> None:
         if self._task is not None:

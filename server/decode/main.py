@@ -84,7 +84,9 @@ def build_engine(config: DecodeConfig):
         dtype=kv_dtype,
         scale_granularity="block_head" if kv_dtype in QUANTIZED else "none",
     )
-    engine = DecodeEngine(model, layout, config.num_blocks, config.max_running)
+    engine = DecodeEngine(model, layout, config.num_blocks, config.max_running, max_queue=config.max_queue,
+                          enable_prefix_caching=config.enable_prefix_caching,
+                          eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0)
     log.info("decode model %s loaded in %.1f s; weights %.1f MiB (%s, compute %s); KV cache %d blocks x %d "
              "tokens (%s, %.1f MiB incl. scales)", model_config.describe(), time.perf_counter() - t0,
              buffer_bytes(model) / 2**20, weight_dtype, compute_dtype, config.num_blocks, config.block_size,
@@ -106,12 +108,8 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         add_receiver_to_server(receiver, kv_server)
     else:
         add_receiver_to_server(receiver, server)
-    service_class = DecodeService
-    if config.engine == "vllm":
-        from pdserve.server.decode.vllm_service import VllmDecodeService as service_class
-    service = service_class(
+    service = DecodeService(
         engine, receiver, fingerprint=digest, description=model_config.describe(),
-        eos_ids=frozenset(model_config.eos_token_ids), max_model_len=model_config.max_model_len,
         address=address, kv_address=kv_address,
     )
     worker_pb2_grpc.add_DecodeServicer_to_server(service, server)
@@ -121,7 +119,7 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         await kv_server.start()
     await serving.set_serving(health, SERVICES, True)
     metrics.identify(config.model_name, "decode", model_config.max_model_len)
-    metrics.watch_kv_blocks(lambda: engine.pool.num_free, lambda: engine.pool.num_total)
+    metrics.watch_kv_blocks(lambda: engine.num_free_blocks, lambda: engine.pool.num_total)
     metrics.num_requests_running.set_function(lambda: len(engine.running))
     metrics.num_requests_waiting.set_function(lambda: len(engine.sequences) - len(engine.running))
     metrics.serve_metrics(options.metrics_port, config.host)

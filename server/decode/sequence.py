@@ -10,6 +10,8 @@ from pdserve.v1 import generation_pb2 as gen_pb
 
 
 class SeqState(enum.Enum):
+    WAITING = "waiting"
+    """Queued for blocks: new, or preempted (its blocks freed, its tokens kept)."""
     WAITING_KV = "waiting_kv"
     RUNNING = "running"
     FINISHED = "finished"
@@ -20,18 +22,32 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     sampling: gen_pb.SamplingParams
-    block_table: list[int]
     eos_ids: frozenset[int]
     max_model_len: int
+    block_table: list[int] = field(default_factory=list)
     num_prior_outputs: int = 0
     """Outputs produced before this worker took the request (the tail of prompt_ids)."""
     output_ids: list[int] = field(default_factory=list)
-    state: SeqState = SeqState.WAITING_KV
+    state: SeqState = SeqState.WAITING
+    num_cached_tokens: int = 0
+    """Leading tokens whose KV already sits in block_table (prefix-cache hits, or all KV written so far)."""
+    num_hit_blocks: int = 0
+    """Leading blocks reused from the prefix cache when the sequence was admitted."""
+    resume_from: int | None = None
+    """Preempted and readmitted: tokens [resume_from, num_tokens - 1) must be prefilled again."""
+    admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    """Resolves when the sequence holds its blocks (first admission only)."""
     finish_reason: int = gen_pb.FINISH_REASON_UNSPECIFIED
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     """Lists of new token ids, then None when finished."""
     logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
     """For the ids in `events` not yet sent, in order, when sampling.logprobs is set."""
+    prompt_logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
+    """A local prefill's prompt logprobs when sampling.prompt_logprobs is set (one per token after the first)."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:

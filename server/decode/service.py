@@ -1,39 +1,42 @@
-"""The decode worker's gRPC face: Decode (stream), Abort, KV push, worker info."""
+"""The decode worker's gRPC face: Decode (stream), Abort, KV push, worker info.
+
+It serves either engine through the same request API (`add`, `abort`, `prefill_locally`, `start`, `load`):
+the native `DecodeEngine` or the vLLM adapter `VllmEngine`."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
-import torch
 
-from pdserve.kvcache.block_pool import OutOfBlocks
 from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server import logprobs, logs, metrics, request_checks, serving
-from pdserve.server.decode.engine import DecodeEngine, penalized
-from pdserve.server.decode.sampler import sample, token_logprobs
-from pdserve.server.decode.sequence import Sequence
+from pdserve.server import logs, metrics, request_checks, serving
+from pdserve.server.decode.engine import DecodeEngine, QueueFull
+from pdserve.server.decode.sequence import SeqState
+
+if TYPE_CHECKING:
+    from pdserve.server.decode.vllm_engine import VllmEngine
 
 log = logging.getLogger("pdserve.decode")
 
 RETRY_AFTER_MS = str(serving.RETRY_AFTER_MS)
+QUEUED_EVERY_S = 1.0
+"""While a request waits for blocks (queued, or preempted), a `queued` event this often: the worker is alive."""
 
 
 class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServicer):
-    def __init__(self, engine: DecodeEngine, receiver: KvReceiver, *, fingerprint: str, description: str,
-                 eos_ids: frozenset[int], max_model_len: int, address: str = "", kv_address: str = ""):
+    def __init__(self, engine: DecodeEngine | VllmEngine, receiver: KvReceiver, *, fingerprint: str, description: str,
+                 address: str = "", kv_address: str = ""):
         self.engine = engine
         self.receiver = receiver
         self.fingerprint = fingerprint
         self.description = description
-        self.eos_ids = eos_ids
-        self.max_model_len = max_model_len
         self.address = address
         self.kv_address = kv_address
         self.draining = False
@@ -48,15 +51,15 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                 or request_checks.sampling_problem(request.sampling, self.vocab_size)
                 or (f"num_output_tokens {request.num_output_tokens} must be below sampling.max_tokens "
                     f"{request.sampling.max_tokens}" if remaining <= 0 else None)
-                or request_checks.length_problem("prompt_token_ids", len(request.prompt_token_ids), remaining,
-                                                 self.max_model_len)
+                # max_tokens is a limit, not a reservation: the prompt must leave room for one token
+                or request_checks.length_problem("prompt_token_ids", len(request.prompt_token_ids), 1,
+                                                 self.engine.max_model_len)
                 or request_checks.lease_problem(request.lease_seconds))
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         engine = self.engine
         rid = request.request_id
         logs.request_id.set(rid)  # every line logged for this request names it
-        prompt = list(request.prompt_token_ids)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; pick another")
         if rid in engine.sequences:
@@ -64,44 +67,36 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         problem = self._request_problem(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if len(engine.sequences) >= engine.max_running:
-            await context.send_initial_metadata((("retry-after-ms", RETRY_AFTER_MS),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode worker runs its maximum of {engine.max_running} requests; you may retry")
-        remaining = request.sampling.max_tokens - request.num_output_tokens
-        need = engine.blocks_needed(len(prompt), remaining, self.max_model_len)
         try:
-            blocks = engine.pool.allocate(need)
-        except OutOfBlocks as e:
+            seq = engine.add(request)
+        except QueueFull as e:
             await context.send_initial_metadata((("retry-after-ms", RETRY_AFTER_MS),))
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"KV cache full: {e}; you may retry")
-        seq = Sequence(
-            request_id=rid, prompt_ids=prompt, sampling=request.sampling, block_table=blocks,
-            eos_ids=self.eos_ids, max_model_len=self.max_model_len,
-            num_prior_outputs=request.num_output_tokens,
-        )
-        engine.reserve(seq)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; you may retry")
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
+            while not seq.admitted.done():  # waits in the engine's queue; the call's deadline bounds the wait
+                yield pb.DecodeResponse(queued=pb.Queued(position=engine.position(seq)))
+                await asyncio.wait([seq.admitted], timeout=QUEUED_EVERY_S)
+            if seq.state is SeqState.FINISHED:  # aborted while it waited
+                yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason))
+                return
+            reserved = pb.Reserved(num_blocks=len(seq.block_table), cached_blocks=seq.num_hit_blocks)
             if request.local_prefill:  # no prefill worker is alive: run the prompt here
-                yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
-                local = asyncio.ensure_future(asyncio.to_thread(self._prefill_locally, seq))
+                yield pb.DecodeResponse(reserved=reserved)
                 try:
-                    first_token = await asyncio.shield(local)
-                except asyncio.CancelledError:
-                    with contextlib.suppress(Exception):  # it writes into our blocks: free them after it
-                        await local
-                    raise
+                    first_token = await engine.prefill_locally(seq)
                 except Exception as e:
                     log.exception("request %s: local prefill failed", rid)
                     await context.abort(grpc.StatusCode.INTERNAL, f"local prefill of {rid} failed: {e!r}")
                 metrics.local_prefill_fallbacks.inc()
-                first_token, prompt_logprobs = first_token
-                yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=[first_token], logprobs=seq.logprobs,
-                                                             prompt_logprobs=prompt_logprobs))
-                del seq.logprobs[:]
+                yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=[first_token], logprobs=seq.logprobs[:1],
+                                                             prompt_logprobs=seq.prompt_logprobs))
+                del seq.logprobs[:1]  # the first token's (vLLM may have sampled more already)
             else:
-                transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(prompt))
-                yield pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(blocks)))
+                transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(seq.prompt_ids),
+                                                cached_blocks=seq.num_hit_blocks)
+                yield pb.DecodeResponse(reserved=reserved)
                 lease = request.lease_seconds or 30.0
                 try:  # the lease runs from the prefill worker's header, restarting with every chunk
                     first_token = await transfer.wait(lease)
@@ -122,7 +117,12 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                 metrics.kv_transfer_seconds.observe(transfer.seconds)
             engine.start(seq, first_token)
             while True:
-                ids = await seq.events.get()
+                try:
+                    ids = await asyncio.wait_for(seq.events.get(), QUEUED_EVERY_S)
+                except TimeoutError:
+                    if seq.state is SeqState.WAITING:  # preempted: it waits for blocks again
+                        yield pb.DecodeResponse(queued=pb.Queued(position=engine.position(seq)))
+                    continue
                 if ids is None:
                     break
                 sent_logprobs = seq.logprobs[: len(ids)]
@@ -131,39 +131,9 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
             yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason, message=message))
         finally:
-            engine.abort(rid, gen_pb.FINISH_REASON_ABORT)
             self.receiver.cancel(rid)
             await self.receiver.settle(rid)  # a piece being written in its thread lands before the free
-            engine.release(seq)
-
-    def _prefill_locally(self, seq: Sequence) -> tuple[int, list[gen_pb.TokenLogprob]]:
-        """The prompt's KV into the sequence's blocks with the torch model; the first token and the
-        prompt's logprobs when asked for (a worker thread)."""
-        engine = self.engine
-        logits = engine.model.prefill(torch.tensor(seq.prompt_ids, dtype=torch.int64), seq.block_table,
-                                      engine.cache)  # [S, V]
-        p = seq.sampling
-        token = sample(
-            penalized(logits[-1:], [seq]),
-            torch.tensor([p.temperature], dtype=torch.float32),
-            torch.tensor([p.top_k], dtype=torch.int64),
-            torch.tensor([p.top_p], dtype=torch.float32),
-            [p.seed if p.HasField("seed") else None],
-            [seq.sample_index],
-            torch.tensor([p.min_p], dtype=torch.float32) if p.min_p else None,
-        )
-        if p.HasField("logprobs"):
-            chosen, top_ids, top_lps = token_logprobs(logits[-1:], token, min(p.logprobs, logits.shape[-1]))
-            seq.logprobs.append(logprobs.token_logprob(int(token[0]), float(chosen[0]), top_ids[0].tolist(),
-                                                       top_lps[0].tolist(), p.logprobs))
-        prompt_logprobs = []
-        if p.HasField("prompt_logprobs") and len(seq.prompt_ids) > 1:
-            ids = torch.tensor(seq.prompt_ids[1:], dtype=torch.int64)
-            top = min(p.prompt_logprobs, logits.shape[-1])
-            chosen, top_ids, top_lps = token_logprobs(logits[:-1], ids, top)  # predicting tokens 1..n-1
-            prompt_logprobs = [logprobs.token_logprob(t, c, i, lp, top) for t, c, i, lp in
-                               zip(ids.tolist(), chosen.tolist(), top_ids.tolist(), top_lps.tolist())]
-        return int(token[0]), prompt_logprobs
+            engine.abort(rid, gen_pb.FINISH_REASON_ABORT)  # frees its blocks, now or after the step using them
 
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id, gen_pb.FINISH_REASON_ABORT))
@@ -173,20 +143,13 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
 
     def info(self) -> pb.WorkerInfo:
         engine = self.engine
-        running = len(engine.running)
         return pb.WorkerInfo(
             role="decode",
             address=self.address,
             fingerprint=pb.ModelFingerprint(digest=self.fingerprint, description=self.description),
             kv_layout=engine.layout.to_proto(),
-            load=pb.WorkerLoad(
-                running_requests=running,
-                waiting_requests=len(engine.sequences) - running,
-                free_kv_blocks=engine.pool.num_free,
-                total_kv_blocks=engine.pool.num_total,
-                max_running_requests=engine.max_running,
-            ),
-            max_model_len=self.max_model_len,
+            load=engine.load(),
+            max_model_len=engine.max_model_len,
             draining=self.draining,
             kv_address=self.kv_address,
         )

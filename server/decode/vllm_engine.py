@@ -1,15 +1,18 @@
-"""vLLM's engine as a pdserve decode engine: the same surface the worker's service reads from the native one.
+"""vLLM's engine as a pdserve decode engine: the native engine's request API, so one DecodeService serves both.
 
 Life cycle of a request here:
-1. `reserve` registers the sequence (WAITING_KV); the capacity it counts against is vLLM's free blocks,
-   less the blocks of every sequence still waiting for its KV (`VllmBlocks`).
+1. `add(request)` admits it at once when vLLM's free blocks, less the blocks promised to every request
+   still waiting for its KV, hold its prompt (`seq.admitted` resolves); otherwise QueueFull (vLLM keeps
+   its own queue of running requests; pdserve keeps none in front of it).
 2. The PushKv stream's pieces are staged in host memory (`write`), checked by pdserve's receiver.
 3. `start(seq, first_token)` hands vLLM a request whose prompt is the prompt plus the first token, with
    `kv_transfer_params` naming it. vLLM's scheduler asks the connector (`vllm_connector`), which says the
    prompt's KV is loadable; vLLM takes blocks for it, and the connector's worker side writes the staged
    pieces into them before the step that computes the first token's KV and samples the second.
+   With no prefill worker alive, `prefill_locally` hands vLLM the bare prompt and returns its first token.
 4. Tokens stream back per step; pdserve's own stop rules (`Sequence.append`) decide the finish reason.
-5. `release` aborts the vLLM request when it still runs, which frees its blocks inside vLLM.
+5. `abort` ends the sequence and aborts the vLLM request when it still runs, which frees its blocks
+   inside vLLM.
 
 vLLM runs in this process (its engine core in-process, uni-process executor), stepped by one thread, so
 the connector reaches the staged pieces without another copy or socket. Calls from the event loop reach
@@ -26,13 +29,14 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.kvcache.block_pool import OutOfBlocks
 from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server import logprobs
+from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState
-from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
 
 log = logging.getLogger("pdserve.decode.vllm")
 
@@ -52,12 +56,6 @@ class VllmBlocks:
     @property
     def num_free(self) -> int:
         return max(0, self._num_free() - self._waiting())
-
-    def allocate(self, n: int) -> list[int]:
-        """Promises n of vLLM's free blocks to a sequence waiting for its KV (all or nothing)."""
-        if n > self.num_free:
-            raise OutOfBlocks(n, self.num_free, self.num_total)
-        return [RESERVED] * n
 
 
 @dataclass(frozen=True)
@@ -90,13 +88,17 @@ class VllmEngine:
     def __init__(self, llm_engine, model_config: ModelConfig, layout: KvLayout, max_running: int,
                  num_free_blocks: Callable[[], int], num_total_blocks: int,
                  sampling_params: Callable[[Sequence, int], object], staged: dict[str, list[KvPiece]],
-                 params_key: str):
+                 params_key: str, *, eos_ids: frozenset[int] = frozenset(), max_model_len: int = 0):
         """llm_engine: vLLM's LLMEngine (add_request, abort_request, step, has_unfinished_requests);
-        staged / params_key: where the connector looks for a request's KV, and the kv_transfer_params key."""
+        staged / params_key: where the connector looks for a request's KV, and the kv_transfer_params key;
+        max_model_len: 0 takes the model's, capped by what vLLM's cache holds."""
         self.llm = llm_engine
         self.model = VllmModel(model_config)
         self.layout = layout
         self.max_running = max_running
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len or resolve_max_model_len(
+            model_config.max_model_len, capacity=num_total_blocks * layout.block_size)
         self.sequences: dict[str, Sequence] = {}
         self.running: list[Sequence] = []
         self.pool = VllmBlocks(num_free_blocks, num_total_blocks, self._waiting_blocks)
@@ -106,6 +108,7 @@ class VllmEngine:
         self._params_key = params_key
         self._staged: dict[str, list[KvPiece]] = {}
         self._vllm_ids: dict[str, str] = {}  # pdserve request id -> its vLLM request id
+        self._first: dict[str, asyncio.Future] = {}  # local prefills awaiting vLLM's first token
         self._by_vllm_id: dict[str, Sequence] = {}  # only touched by the engine thread
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._ids = itertools.count()
@@ -114,17 +117,65 @@ class VllmEngine:
 
     # ---- capacity ------------------------------------------------------------
 
-    def blocks_needed(self, num_prompt_tokens: int, max_new_tokens: int, max_model_len: int) -> int:
-        tokens = min(num_prompt_tokens + max_new_tokens - 1, max_model_len)
-        return self.layout.num_blocks(max(tokens, num_prompt_tokens))
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
 
     def _waiting_blocks(self) -> int:
         return sum(len(s.block_table) for s in self.sequences.values() if s.state is SeqState.WAITING_KV)
 
-    def reserve(self, seq: Sequence) -> None:
-        """Registers the sequence; its block_table holds placeholders counting the blocks it will take."""
-        self.sequences[seq.request_id] = seq
-        self._staged[seq.request_id] = []
+    def position(self, seq: Sequence) -> int:
+        """Its place in pdserve's waiting queue: always 0 here (vLLM queues what it runs)."""
+        return 0
+
+    def load(self) -> pb.WorkerLoad:
+        waiting = sum(1 for s in self.sequences.values() if s.state is SeqState.WAITING_KV)
+        return pb.WorkerLoad(running_requests=len(self.running), waiting_requests=waiting,
+                             free_kv_blocks=self.num_free_blocks, total_kv_blocks=self.pool.num_total,
+                             max_running_requests=self.max_running)
+
+    # ---- requests ---------------------------------------------------------------
+
+    def add(self, request: pb.DecodeRequest) -> Sequence:
+        """Admits the request now, its prompt's blocks promised; raises ValueError (bad or too long) or
+        QueueFull (the running cap, or vLLM's free blocks less those promised, cannot take it)."""
+        rid, prompt = request.request_id, list(request.prompt_token_ids)
+        if rid in self.sequences:
+            raise ValueError(f"request {rid} is already decoding here")
+        if not prompt or request.sampling.max_tokens <= 0:
+            raise ValueError("prompt_token_ids and sampling.max_tokens must be set")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
+                             f"max_model_len {self.max_model_len}")
+        if len(self.sequences) >= self.max_running:
+            raise QueueFull(f"decode worker runs its maximum of {self.max_running} requests")
+        need = self.layout.num_blocks(len(prompt))  # blocks on demand: the prompt's, as the coordinator counts
+        free = self.num_free_blocks
+        if need > free:
+            raise QueueFull(f"KV cache full: {need} blocks needed, {free} of {self.pool.num_total} free")
+        seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
+                       block_table=[RESERVED] * need, num_prior_outputs=request.num_output_tokens)
+        seq.state = SeqState.WAITING_KV
+        seq.admitted.set_result(None)
+        self.sequences[rid] = seq
+        self._staged[rid] = []
+        return seq
+
+    def abort(self, request_id: str, reason: int = gen_pb.FINISH_REASON_ABORT) -> bool:
+        """Ends the request (its stream sees `finished`) and frees what it holds here and in vLLM."""
+        seq = self.sequences.pop(request_id, None)
+        if seq is None:
+            return False
+        if seq.state is not SeqState.FINISHED:
+            seq.finish(reason)
+            seq.events.put_nowait(None)
+        first = self._first.pop(request_id, None)
+        if first is not None and not first.done():
+            first.cancel()
+        self._staged.pop(request_id, None)
+        self._stop_in_vllm(seq)
+        seq.block_table = []
+        return True
 
     # ---- the KV sink ------------------------------------------------------------
 
@@ -136,41 +187,32 @@ class VllmEngine:
 
     # ---- running ----------------------------------------------------------------
 
-    def start(self, seq: Sequence, first_token: int | None) -> None:
-        """The KV is staged: vLLM decodes from the first token. first_token None: vLLM runs the prompt too."""
-        pieces = self._staged.pop(seq.request_id, None)
+    def start(self, seq: Sequence, first_token: int) -> None:
+        """The KV is staged: vLLM decodes from the first token."""
+        if seq.state is not SeqState.WAITING_KV:
+            return  # aborted meanwhile, or vLLM ran the prompt itself (prefill_locally)
+        seq.append(first_token)
+        if seq.state is SeqState.FINISHED:
+            seq.events.put_nowait(None)
+            self.abort(seq.request_id)
+            return
+        self._submit(seq, [*seq.prompt_ids, first_token], self._staged.pop(seq.request_id, None))
+
+    async def prefill_locally(self, seq: Sequence) -> int:
+        """No prefill worker is alive: vLLM runs the prompt itself; its first token."""
+        first = asyncio.get_running_loop().create_future()
+        self._first[seq.request_id] = first
+        self._staged.pop(seq.request_id, None)
+        self._submit(seq, list(seq.prompt_ids), None)
+        return await first
+
+    def _submit(self, seq: Sequence, prompt: list[int], pieces: list[KvPiece] | None) -> None:
         seq.state = SeqState.RUNNING
-        prompt = list(seq.prompt_ids)
-        if first_token is not None:
-            seq.append(first_token)
-            if seq.state is SeqState.FINISHED:
-                seq.events.put_nowait(None)
-                return
-            prompt.append(first_token)
-        else:
-            pieces = None
         vllm_id = f"{seq.request_id}-{next(self._ids)}"
         self._vllm_ids[seq.request_id] = vllm_id
         self.running.append(seq)
         self._ensure_thread()
         self._inbox.put(_Add(vllm_id, seq, prompt, pieces))
-
-    def abort(self, request_id: str, reason: int) -> bool:
-        seq = self.sequences.get(request_id)
-        if seq is None:
-            return False
-        if seq.state is not SeqState.FINISHED:
-            seq.finish(reason)
-            seq.events.put_nowait(None)
-        self._stop_in_vllm(seq)
-        return True
-
-    def release(self, seq: Sequence) -> None:
-        if self.sequences.get(seq.request_id) is seq:
-            del self.sequences[seq.request_id]
-        self._staged.pop(seq.request_id, None)
-        self._stop_in_vllm(seq)
-        seq.block_table = []
 
     def _stop_in_vllm(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -256,6 +298,9 @@ class VllmEngine:
                 seq.logprobs.append(lps[i])
             if seq.state is SeqState.FINISHED:
                 break
+        first = self._first.pop(seq.request_id, None) if sent else None
+        if first is not None and not first.done():
+            first.set_result(sent.pop(0))  # a local prefill's first token: the service sends it
         if sent:
             seq.events.put_nowait(sent)
         if finished and seq.state is not SeqState.FINISHED:
@@ -277,6 +322,9 @@ class VllmEngine:
             if seq.state is SeqState.RUNNING:
                 seq.finish(gen_pb.FINISH_REASON_ERROR)
                 seq.events.put_nowait(None)
+            first = self._first.pop(seq.request_id, None)
+            if first is not None and not first.done():
+                first.set_exception(RuntimeError("vLLM failed the request"))
             self._forget(seq)
 
     async def close(self) -> None:

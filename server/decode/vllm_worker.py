@@ -14,7 +14,7 @@ from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.vllm_engine import VllmEngine
-from pdserve.server.model.config import ModelConfig, load_config
+from pdserve.server.model.config import ModelConfig, load_config, resolve_max_model_len
 
 log = logging.getLogger("pdserve.decode.vllm")
 
@@ -76,6 +76,10 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
 
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
     dtype = model_config.dtype if config.kv_dtype == "auto" else config.kv_dtype
+    # vLLM refuses a cache that cannot hold one request of max_model_len: cap it at the cache's tokens
+    # (less vLLM's null block)
+    max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0,
+                                          capacity=(config.num_blocks - 1) * config.block_size)
     t0 = time.perf_counter()
     args = EngineArgs(
         model=str(config.model_dir),
@@ -83,9 +87,7 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         block_size=config.block_size,
         num_gpu_blocks_override=config.num_blocks,
         max_num_seqs=config.max_running,
-        # vLLM refuses a cache that cannot hold one request of max_model_len: cap it at the cache's tokens
-        # (less vLLM's null block)
-        max_model_len=min(model_config.max_model_len, (config.num_blocks - 1) * config.block_size),
+        max_model_len=max_model_len,
         enable_prefix_caching=False,  # every prompt's KV comes from prefill; nothing to share
         skip_tokenizer_init=True,
         enforce_eager=True,  # no CUDA graphs / compile: starts ~60 s sooner; see README for GPU pools
@@ -111,7 +113,8 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         scale_granularity="none",
     )
     engine = VllmEngine(llm, model_config, layout, config.max_running, block_pool.get_num_free_blocks, num_total,
-                        sampling_params, vllm_connector.STAGED, vllm_connector.PARAMS_KEY)
+                        sampling_params, vllm_connector.STAGED, vllm_connector.PARAMS_KEY,
+                        eos_ids=frozenset(model_config.eos_token_ids), max_model_len=max_model_len)
     log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s)", model_config.describe(),
              time.perf_counter() - t0, num_total, layout.block_size, dtype)
     return model_config, engine, layout

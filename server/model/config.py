@@ -170,3 +170,14 @@ def load_config(model_dir: str | Path) -> ModelConfig:
 def served_model_name(model_dir: str | Path) -> str:
     """The name clients give `model` by default: the checkpoint directory's name."""
     return Path(model_dir).resolve().name
+
+
+def resolve_max_model_len(model_max: int, flag: int = 0, capacity: int | None = None) -> int:
+    """A tier's max_model_len: `--max-model-len` (0: the model's), capped by what its cache holds.
+
+    Raises ValueError when the flag asks for more than the model's positions.
+    """
+    if flag > model_max:
+        raise ValueError(f"--max-model-len {flag} exceeds the model's max_model_len {model_max}")
+    length = flag or model_max
+    return length if capacity is None else min(length, capacity)

@@ -37,7 +37,7 @@ from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.kvcache.tensors import KvTensors
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server import logprobs
-from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import bucket_length, embed, group_sizes, head, layer_group, prompt_logprobs_head
 from pdserve.server.prefill.quant import quantize_kv
@@ -105,7 +105,8 @@ class PrefillEngine:
         self.model_config = model_config
         self.params = params
         self.config = config
-        self.max_len = _pow2(model_config.max_model_len)
+        self.max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0)
+        self.max_len = _pow2(self.max_model_len)
         self.groups = group_sizes(model_config.num_layers, config.kv_layer_groups)
         """(first layer, layers) of each group the prefill runs and ships as one."""
         self._embed = jax.jit(partial(embed, config=model_config))
@@ -141,9 +142,8 @@ class PrefillEngine:
                 kv_dtype: str, block_size: int = 16) -> PrefillJob:
         """Queues a prompt; its first token and KV arrive on the job. block_size: the target cache's,
         over which fp8_e4m3/int8 scales are computed."""
-        if not 0 < len(token_ids) <= self.model_config.max_model_len:  # no bucket fits: it would stop the loop
-            raise ValueError(f"a prompt of {len(token_ids)} tokens; this model takes 1 to "
-                             f"{self.model_config.max_model_len}")
+        if not 0 < len(token_ids) <= self.max_model_len:  # no bucket fits: it would stop the loop
+            raise ValueError(f"a prompt of {len(token_ids)} tokens; this worker takes 1 to {self.max_model_len}")
         job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size)
         self.scheduler.add(job)
         self._wakeup.set()

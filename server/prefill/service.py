@@ -109,6 +109,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         header = pb.KvHeader(
             request_id=request.request_id, attempt=request.attempt, transfer_token=request.transfer_token,
             fingerprint=self.fingerprint, layout=layout.to_proto(), num_tokens=len(ids),
+            cached_blocks=request.target.cached_blocks,  # the decode worker's prefix-cache hits: not sent
         )
         t0 = time.perf_counter()
         self.active += 1
@@ -150,7 +151,10 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         c = self.model_config
         return (request_checks.identity_problem(request.request_id, request.transfer_token)
                 or request_checks.ids_problem("token_ids", request.token_ids, c.vocab_size)
-                or request_checks.length_problem("token_ids", len(request.token_ids), 0, c.max_model_len)
+                or request_checks.length_problem("token_ids", len(request.token_ids), 0, self.engine.max_model_len)
+                or (f"target.cached_blocks {request.target.cached_blocks} exceeds the {len(request.token_ids)}-token "
+                    f"prompt's blocks" if request.target.cached_blocks * request.target.layout.block_size
+                    > len(request.token_ids) else None)
                 or request_checks.sampling_problem(request.sampling, c.vocab_size)
                 or (None if request.target.address else "target.address must be set"))
 
@@ -204,7 +208,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             fingerprint=self.fingerprint,
             load=pb.WorkerLoad(queued_prefill_tokens=self.engine.queued_tokens + self.budget.waiting_tokens,
                                running_requests=len(self.pushes), prefill_buckets=self.engine.load()),
-            max_model_len=self.model_config.max_model_len,
+            max_model_len=self.engine.max_model_len,
             draining=self.draining,
             prefill_order=self.engine.scheduler.order,
         )

@@ -56,6 +56,8 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         self.finish_message = ""
         self.refuse: grpc.StatusCode | None = None
         """Refuse the call with this code before `reserved`."""
+        self.queued = 0
+        """`queued` events sent before `reserved` and before every token event (a request waiting for blocks)."""
         self.die_after: int | None = None
         """After this many events the worker dies (its server stops at once)."""
         self.server: grpc.aio.Server | None = None
@@ -90,6 +92,8 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
             await context.abort(self.refuse, "fake decode: 0 free KV blocks; you may retry")
         self._kv[request.request_id] = asyncio.Event()
         self._tokens[request.request_id] = request.transfer_token
+        for i in range(self.queued):
+            yield worker_pb2.DecodeResponse(queued=worker_pb2.Queued(position=self.queued - 1 - i))
         yield worker_pb2.DecodeResponse(reserved=worker_pb2.Reserved(num_blocks=2))
         try:
             await asyncio.wait_for(self._kv[request.request_id].wait(), request.lease_seconds)
@@ -103,6 +107,8 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         for n, ids in enumerate(self.events):
             if n == self.die_after:
                 await self._die()
+            for i in range(self.queued):  # preempted, waiting for blocks again
+                yield worker_pb2.DecodeResponse(queued=worker_pb2.Queued(position=i))
             logprobs = ([fake_logprob(i, request.sampling.logprobs) for i in ids]
                         if request.sampling.HasField("logprobs") else [])
             yield worker_pb2.DecodeResponse(tokens=worker_pb2.TokenEvent(token_ids=ids, logprobs=logprobs))

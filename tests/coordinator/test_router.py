@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQueue
-from pdserve.server.coordinator.policies import LARGE_POOL, most_free_blocks, power_of_two
+from pdserve.server.coordinator.policies import LARGE_POOL, most_free_blocks, power_of_two, prefix_aware, route_key
 from pdserve.server.coordinator.router import RegistrationRefused, Worker, WorkerPool
 from tests.coordinator.fakes import LAYOUT, FakeDecode, FakeWorker
 
@@ -103,4 +103,57 @@ async def test_tier_queue_waits_for_room_then_refuses_past_its_size():
     with pytest.raises(RequestFailed) as e:
         await queue.acquire(pool, pick, Deadline.after(0.1))
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and queue.waiting == 0
+    await pool.close()
+
+
+def test_a_worker_with_queue_room_takes_what_fits_nowhere_now():
+    busy = Worker("q", "decode", info("decode", "q", free=1, max_running_requests=4, running_requests=4,
+                                      waiting_requests=1, max_waiting_requests=2), ready=True)
+    longer = Worker("r", "decode", info("decode", "r", free=1, max_running_requests=4, running_requests=4,
+                                        waiting_requests=2, max_waiting_requests=3), ready=True)
+    assert most_free_blocks([busy, longer], tokens=64) is busy  # the shorter worker queue
+    busy.inflight = 7  # this coordinator's own picks fill it: 4 running + 2 waiting + one more
+    assert most_free_blocks([busy, longer], tokens=64) is longer
+    longer.inflight = 7
+    assert most_free_blocks([busy, longer], tokens=64) is None  # the coordinator's queue holds it
+
+
+def test_prefix_aware_routes_a_shared_prefix_to_one_worker_until_it_carries_too_much():
+    workers = [_worker(f"w{i}", free=100) for i in range(4)]
+    system = list(range(1000, 1064))  # LAYOUT's block size 16: 4 full blocks
+    home = prefix_aware(workers, 80, prompt=system + [1])
+    assert all(prefix_aware(workers, 80, prompt=system + [i, i + 1]) is home for i in range(20))
+    other = [prefix_aware(workers, 80, prompt=[i] * 64) for i in range(40)]
+    assert len({w.address for w in other}) == 4  # other prefixes spread over the pool
+    home.inflight = 3  # mean load (3 + 1) / 4 = 1, bound ceil(1.25) = 2: home is over it
+    spill = prefix_aware(workers, 80, prompt=system + [1])
+    assert spill is not home and spill.inflight == 0
+    assert route_key(system[:15], 16) is None  # no full block: most-free-blocks decides
+    for w in workers[:3]:
+        w.info.load.free_kv_blocks = 50
+    assert prefix_aware(workers, 15, prompt=system[:15]) is workers[3]
+
+
+async def test_tier_queue_serves_waiters_in_arrival_order():
+    pool = WorkerPool()
+    worker = pool.add(_worker("d:1", free=0))
+    queue = TierQueue("decode", max_size=4)
+    order = []
+
+    async def wait(name: str, tokens: int) -> None:
+        await queue.acquire(pool, lambda: pool.pick_decode(tokens), Deadline.after(5))
+        order.append(name)
+
+    big = asyncio.create_task(wait("big", 16 * 8))
+    await asyncio.sleep(0.02)
+    small = asyncio.create_task(wait("small", 16))
+    await asyncio.sleep(0.02)
+    worker.info.load.free_kv_blocks = 2  # the small one would fit, the big one is first
+    pool.poke()
+    await asyncio.sleep(0.3)
+    assert order == [] and queue.waiting == 2
+    worker.info.load.free_kv_blocks = 8
+    pool.poke()
+    await asyncio.wait_for(asyncio.gather(big, small), 2)
+    assert order == ["big", "small"] and queue.waiting == 0
     await pool.close()

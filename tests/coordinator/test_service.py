@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from dataclasses import dataclass
 
 import grpc
@@ -431,3 +432,35 @@ async def test_routing_prefers_free_blocks_then_idle_decode_and_least_queued_pre
     d1.ready, d2.ready = False, False
     assert pool.pick_decode() is None and not pool.serving
     await pool.close()
+
+
+async def test_a_decode_pick_is_counted_while_the_request_waits_for_a_prefill_slot(cluster: Cluster):
+    coordinator = cluster.coordinator
+    coordinator.service.prefill_inflight_per_worker = 0  # every prefill worker is full: the request waits
+    call = cluster.stub.Generate(request("import os", max_tokens=100), timeout=5)
+    read = asyncio.ensure_future(call.read())
+    decode = coordinator.pool.workers[cluster.decode_worker.address]
+    for _ in range(200):
+        if coordinator.service.prefill_queue.waiting:
+            break
+        await asyncio.sleep(0.01)
+    # counted at pick time, before any decode call: one prompt block, not prompt + max_tokens
+    assert (decode.inflight, decode.reserved_blocks, cluster.decode.requests) == (1, 1, [])
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+        await read
+    for _ in range(200):
+        if not decode.inflight:
+            break
+        await asyncio.sleep(0.01)
+    assert (decode.inflight, decode.reserved_blocks) == (0, 0)
+
+
+async def test_queued_events_from_a_decode_worker_keep_the_stream_and_change_nothing(cluster: Cluster):
+    text = "import os, sys"
+    ids = cluster.tokenizer.encode(text)
+    events = cluster.script(ids, [1, len(ids) - 2])
+    cluster.decode.queued = 2
+    responses = await generate(cluster, request("import os", max_tokens=len(ids)))
+    assert [list(r.token_ids) for r in responses] == [[ids[0]], *events, []]
+    assert "".join(r.text for r in responses) == text

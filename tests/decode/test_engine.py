@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
-from pdserve.server.decode.engine import DecodeEngine
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.server.decode.engine import DecodeEngine, QueueFull
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.model.config import load_config
@@ -34,54 +36,120 @@ async def _drain(seq: Sequence) -> list[int]:
     return got
 
 
-async def test_requests_join_and_leave_between_steps(tiny_model):
-    path = tiny_model("mistral")
+def _engine(path, num_blocks: int, block_size: int = 4, **kw) -> DecodeEngine:
     config = load_config(path)
     model = DecoderModel(config, load_weights(path))
-    layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=4, dtype="float32")
-    engine = DecodeEngine(model, layout, num_blocks=64, max_running=8)
+    layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=block_size, dtype="float32")
+    return DecodeEngine(model, layout, num_blocks=num_blocks, **{"max_running": 8, **kw})
 
-    def admit(rid: str, prompt: list[int], max_tokens: int) -> Sequence:
-        blocks = engine.pool.allocate(engine.blocks_needed(len(prompt), max_tokens, config.max_model_len))
-        seq = Sequence(rid, prompt, _greedy(max_tokens), blocks, frozenset(config.eos_token_ids), config.max_model_len)
-        engine.reserve(seq)
-        logits = model.prefill(torch.tensor(prompt), blocks, engine.cache)  # stands in for the KV transfer
-        engine.start(seq, int(logits[-1].argmax()))
-        return seq
 
-    a = admit("a", [3, 4, 5, 6, 7, 8, 9], 12)
+def _request(rid: str, prompt: list[int], max_tokens: int) -> pb.DecodeRequest:
+    return pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=_greedy(max_tokens), local_prefill=True)
+
+
+async def _admit(engine: DecodeEngine, rid: str, prompt: list[int], max_tokens: int) -> Sequence:
+    """Queued, admitted, prompt prefilled here (standing in for the KV transfer), running."""
+    seq = engine.add(_request(rid, prompt, max_tokens))
+    await seq.admitted
+    engine.start(seq, await engine.prefill_locally(seq))
+    return seq
+
+
+def _all_back(engine: DecodeEngine) -> bool:
+    return engine.pool.num_free + engine.scheduler.cache.num_evictable == engine.pool.num_total
+
+
+async def test_requests_join_and_leave_between_steps(tiny_model):
+    path = tiny_model("mistral")
+    engine = _engine(path, num_blocks=64)
+    a = await _admit(engine, "a", [3, 4, 5, 6, 7, 8, 9], 12)
     drain_a = asyncio.create_task(_drain(a))
     while engine.steps < 3:
         await asyncio.sleep(0.005)
-    b = admit("b", [40, 41, 42], 5)  # joins while a is running
+    b = await _admit(engine, "b", [40, 41, 42], 5)  # joins while a is running
     got_b = await _drain(b)
     got_a = await drain_a
     assert [a.output_ids[0], *got_a] == _hf_greedy(path, a.prompt_ids, 12)
     assert [b.output_ids[0], *got_b] == _hf_greedy(path, b.prompt_ids, 5)
     assert a.finish_reason == b.finish_reason == gen_pb.FINISH_REASON_LENGTH
-    for seq in (a, b):
-        engine.release(seq)
-    assert engine.pool.num_free == engine.pool.num_total
+    assert engine.sequences == {} and _all_back(engine)
     await engine.close()
 
 
 async def test_abort_mid_run_frees_after_the_step(tiny_model):
     path = tiny_model("llama")
-    config = load_config(path)
-    model = DecoderModel(config, load_weights(path))
-    layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype="float32")
-    engine = DecodeEngine(model, layout, num_blocks=8, max_running=8)
-    blocks = engine.pool.allocate(2)
-    seq = Sequence("x", [1, 2, 3], _greedy(200), blocks, frozenset(), config.max_model_len)
-    engine.reserve(seq)
-    model.prefill(torch.tensor([1, 2, 3]), blocks, engine.cache)
-    engine.start(seq, 7)
+    engine = _engine(path, num_blocks=8, block_size=16)
+    seq = await _admit(engine, "x", [1, 2, 3], 200)
     while engine.steps < 2:
         await asyncio.sleep(0.005)
     assert engine.abort("x", gen_pb.FINISH_REASON_ABORT)
-    engine.release(seq)
-    while engine._in_step:
+    while engine._busy:
         await asyncio.sleep(0.005)
-    assert engine.pool.num_free == 8
+    assert _all_back(engine) and seq.block_table == []
     assert seq.finish_reason == gen_pb.FINISH_REASON_ABORT
+    await engine.close()
+
+
+async def test_a_long_max_tokens_reserves_nothing_ahead(tiny_model):
+    path = tiny_model("llama")
+    engine = _engine(path, num_blocks=8)  # 32 tokens of cache; each request may ask for 1000
+    seqs = [engine.add(_request(f"r{i}", [10 + i, 11, 12], 1000)) for i in range(8)]
+    assert all(s.admitted.done() for s in seqs)
+    assert [s.block_table for s in seqs] == [[i] for i in range(8)]  # the prompt's block, nothing ahead
+    assert engine.max_model_len == 32  # the model's 2048, capped by what the cache holds
+    for s in seqs:
+        engine.abort(s.request_id)
+    while engine._busy:
+        await asyncio.sleep(0.005)
+    assert _all_back(engine)
+    await engine.close()
+
+
+async def test_preempted_sequences_resume_without_losing_or_repeating_a_token(tiny_model):
+    path = tiny_model("qwen2")
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [30, 31, 32, 33, 34, 35]]
+    # 6 blocks of 4 tokens for three sequences growing to 19-22 tokens (5-6 blocks each): they must
+    # take turns, preempted newest first, re-prefilled from their prompt + outputs on resume.
+    engine = _engine(path, num_blocks=6, enable_prefix_caching=False)
+    seqs = [await _admit(engine, f"p{i}", p, 16) for i, p in enumerate(prompts)]
+    outs = await asyncio.gather(*(_drain(s) for s in seqs))
+    assert engine.scheduler.num_preemptions >= 2
+    for seq, out, prompt in zip(seqs, outs, prompts):
+        assert [seq.output_ids[0], *out] == seq.output_ids == _hf_greedy(path, prompt, 16)
+    assert _all_back(engine)
+    await engine.close()
+
+
+async def test_a_cached_prefix_is_not_computed_again_and_gives_the_same_tokens(tiny_model):
+    path = tiny_model("llama")
+    engine = _engine(path, num_blocks=32)
+    system = list(range(50, 62))  # 3 full blocks
+    first = await _admit(engine, "first", system + [1, 2], 4)
+    await _drain(first)
+    second = engine.add(_request("second", system + [3, 4, 5], 4))
+    await second.admitted
+    assert second.num_hit_blocks == 3 and second.block_table[:3] == [0, 1, 2]
+    assert second.num_cached_tokens == 12
+    engine.start(second, await engine.prefill_locally(second))  # computes tokens 12.. only
+    got = [second.output_ids[0], *await _drain(second)]
+    assert got == _hf_greedy(path, system + [3, 4, 5], 4)
+    assert _all_back(engine)
+    await engine.close()
+
+
+async def test_waiters_queue_in_order_until_blocks_free(tiny_model):
+    path = tiny_model("llama")
+    engine = _engine(path, num_blocks=4, max_queue=2, enable_prefix_caching=False)
+    a = await _admit(engine, "a", list(range(1, 12)), 2)  # 11 tokens: 3 blocks
+    big = engine.add(_request("big", list(range(1, 9)), 2))  # 2 blocks
+    small = engine.add(_request("small", [1], 2))  # 1 block: fits now, but waits behind big
+    with pytest.raises(QueueFull):
+        engine.add(_request("x", [1], 2))
+    assert not big.admitted.done() and not small.admitted.done()
+    await _drain(a)  # a finishes: its 3 blocks come back, big then small are admitted
+    await asyncio.wait_for(asyncio.gather(big.admitted, small.admitted), 5)
+    assert (big.block_table, small.block_table) == ([3, 0], [1])
+    for s in (big, small):
+        engine.abort(s.request_id)
+    assert _all_back(engine)
     await engine.close()

@@ -8,14 +8,15 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pdserve.kvcache.block_pool import OutOfBlocks
 from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
+from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState
 from pdserve.server.decode.vllm_engine import RESERVED, VllmEngine
 from pdserve.server.decode.vllm_worker import check_supported
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype="float32")
 EOS = 99
@@ -61,15 +62,19 @@ def make_engine(free: int = 10):
     staged: dict[str, list[KvPiece]] = {}
     llm = FakeLlm()
     engine = VllmEngine(llm, SimpleNamespace(vocab_size=128), LAYOUT, max_running=4, num_free_blocks=lambda: free,
-                        num_total_blocks=10, sampling_params=params_for, staged=staged, params_key="pdserve_kv")
+                        num_total_blocks=10, sampling_params=params_for, staged=staged, params_key="pdserve_kv",
+                        eos_ids=frozenset({EOS}), max_model_len=512)
     return engine, llm, staged
 
 
+def request(rid: str, prompt: list[int], max_tokens: int, **sampling) -> pb.DecodeRequest:
+    return pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt,
+                            sampling=gen_pb.SamplingParams(max_tokens=max_tokens, **sampling))
+
+
 def make_seq(rid: str, prompt: list[int], max_tokens: int, engine: VllmEngine, **sampling) -> Sequence:
-    need = engine.blocks_needed(len(prompt), max_tokens, 512)
-    seq = Sequence(rid, prompt, gen_pb.SamplingParams(max_tokens=max_tokens, **sampling),
-                   engine.pool.allocate(need), frozenset({EOS}), 512)
-    engine.reserve(seq)
+    seq = engine.add(request(rid, prompt, max_tokens, **sampling))
+    assert seq.admitted.done() and seq.state is SeqState.WAITING_KV
     return seq
 
 
@@ -96,7 +101,7 @@ async def test_vllm_decodes_from_the_first_token_with_the_staged_kv():
     assert prompt == [5, 6, 7, 20] and params.max_tokens == 3
     assert params.extra_args == {"kv_transfer_params": {"pdserve_kv": vllm_id}}
     assert [p.num_tokens for p in staged[vllm_id]] == [3]  # the connector's worker side pops them
-    engine.release(seq)
+    engine.abort("r1")
     await engine.close()
 
 
@@ -119,7 +124,7 @@ async def test_abort_and_release_free_the_request_in_vllm():
     engine.start(seq, 3)
     assert (await asyncio.wait_for(seq.events.get(), 5))[0] == 4
     assert engine.abort("r1", gen_pb.FINISH_REASON_ABORT)
-    engine.release(seq)
+    assert not engine.abort("r1")
     for _ in range(100):
         if not llm.requests:
             break
@@ -129,15 +134,46 @@ async def test_abort_and_release_free_the_request_in_vllm():
     await engine.close()
 
 
-def test_capacity_is_vllms_free_blocks_less_the_blocks_promised_to_waiting_requests():
+async def test_capacity_is_vllms_free_blocks_less_the_blocks_promised_to_waiting_requests():
     engine, _, _ = make_engine(free=10)
-    seq = make_seq("r1", list(range(40)), max_tokens=30, engine=engine)  # 69 tokens: 3 blocks of 32
+    seq = make_seq("r1", list(range(70)), max_tokens=30, engine=engine)  # a 70-token prompt: 3 blocks of 32
     assert seq.block_table == [RESERVED] * 3
-    assert engine.pool.num_free == 7 and engine.pool.num_total == 10
-    with pytest.raises(OutOfBlocks):
-        engine.pool.allocate(8)
+    assert engine.num_free_blocks == 7 and engine.pool.num_total == 10
+    load = engine.load()
+    assert (load.free_kv_blocks, load.total_kv_blocks, load.waiting_requests, load.running_requests) == (7, 10, 1, 0)
+    with pytest.raises(QueueFull):
+        engine.add(request("r2", list(range(32 * 7 + 1)), max_tokens=1))  # 8 blocks
+    assert "r2" not in engine.sequences
+    make_seq("r2", list(range(32 * 7)), max_tokens=1, engine=engine)  # exactly the 7 left
+    assert engine.num_free_blocks == 0
     seq.state = SeqState.RUNNING  # its KV arrived: vLLM's own count now holds its blocks
-    assert engine.pool.num_free == 10
+    assert engine.num_free_blocks == 3
+    assert engine.abort("r2") and engine.num_free_blocks == 10
+
+
+async def test_the_running_cap_and_bad_requests_are_refused():
+    engine, _, _ = make_engine(free=100)
+    for i in range(4):
+        make_seq(f"r{i}", [1], max_tokens=2, engine=engine)
+    with pytest.raises(QueueFull, match="maximum of 4"):
+        engine.add(request("r4", [1], max_tokens=2))
+    with pytest.raises(ValueError, match="already decoding"):
+        engine.add(request("r0", [1], max_tokens=2))
+    with pytest.raises(ValueError, match="max_model_len 512"):
+        engine.add(request("long", list(range(512)), max_tokens=2))
+
+
+async def test_local_prefill_vllm_runs_the_prompt_and_returns_its_first_token():
+    engine, llm, staged = make_engine()
+    seq = make_seq("r1", [5, 6, 7], max_tokens=4, engine=engine)
+    assert await asyncio.wait_for(engine.prefill_locally(seq), 5) == 8
+    engine.start(seq, 8)  # the service's next call: vLLM already decodes it
+    assert await drain(seq) == [9, 10, 11]
+    assert seq.output_ids == [8, 9, 10, 11] and seq.finish_reason == gen_pb.FINISH_REASON_LENGTH
+    (vllm_id, prompt, params), = llm.added
+    assert prompt == [5, 6, 7] and params.max_tokens == 4 and params.extra_args is None and not staged
+    engine.abort("r1")
+    await engine.close()
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])

@@ -20,6 +20,7 @@ AGREED = [
     "pdserve_request_queue_time_seconds", "pdserve_prompt_tokens_total", "pdserve_generation_tokens_total",
     "pdserve_kv_transfer_bytes_total", "pdserve_kv_transfer_seconds", "pdserve_prefill_retries_total",
     "pdserve_migrations_total", "pdserve_local_prefill_fallbacks_total", "pdserve_admission_rejections_total",
+    "pdserve_num_preemptions_total", "pdserve_prefix_cache_queries_total", "pdserve_prefix_cache_hits_total",
 ]
 
 
@@ -28,7 +29,8 @@ def cluster(tiny_model, tmp_path_factory):
     procs = Procs(tiny_model("llama"), tmp_path_factory.mktemp("metrics"))
     try:
         coordinator = procs.coordinator("coordinator", "--max-queue", "1", "--log-format", "json")
-        procs.worker("d0", "decode", coordinator, "--max-running", "2", "--kv-cache-tokens", "4096")
+        # --max-queue 0: d0 queues nothing itself, so requests that do not fit wait in the coordinator's queue
+        procs.worker("d0", "decode", coordinator, "--max-running", "2", "--max-queue", "0", "--kv-cache-tokens", "4096")
         yield procs
     finally:
         procs.stop_all()
@@ -63,7 +65,7 @@ def test_queue_overflow_is_resource_exhausted_with_a_hint_and_a_deadline_is_dead
         transfer_token=b"t" * 16, lease_seconds=60)) for i in range(2)]
     assert [next(h).WhichOneof("event") for h in holds] == ["reserved", "reserved"]
     wait_until(lambda: list_workers(coordinator)[0].info.load.waiting_requests == 2, "the coordinator sees the cap")
-    assert blocks(d0) == (256 - 4, 256)
+    assert blocks(d0) == (256 - 2, 256)  # one block each for the prompt; max_tokens reserves nothing
     queued = Stream(coordinator.address, request([11, 12], 5), timeout=1.5)  # waits for room, then expires
     wait_until(lambda: coordinator.metrics()["pdserve_num_requests_waiting"] == 1, "one request queued", every=0.02)
     with pytest.raises(grpc.RpcError) as e:

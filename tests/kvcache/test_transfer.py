@@ -473,3 +473,26 @@ def test_expect_refuses_bad_registrations():
         receiver.expect("r1", 0, b"", 10)
     with pytest.raises(ValueError, match=r"num_tokens must be >= 0"):
         receiver.expect("r1", 0, TOKEN, -1)
+
+
+async def test_blocks_the_receiver_holds_are_not_sent(harnesses):
+    h = await harnesses()
+    k, v, _, _ = random_kv(LAYOUT, NUM_TOKENS, seed=5)
+    transfer = h.receiver.expect("r1", 0, TOKEN, NUM_TOKENS, cached_blocks=2)  # tokens 0..7 held
+    reply = await h.send(k, v, cached_blocks=2)
+    assert await transfer.done == 42
+    assert [(p.layer_start, p.token_start, p.num_tokens) for _, p in h.sink.writes] == [(0, 8, 2), (1, 8, 2), (2, 8, 2)]
+    got_k, got_v = h.sink.assemble("r1", LAYOUT, NUM_TOKENS)
+    bits = lambda a: a[:, 8:].view(np.uint16)  # noqa: E731  (random bit patterns include NaNs)
+    assert np.array_equal(bits(got_k), bits(k)) and np.array_equal(bits(got_v), bits(v))
+    assert reply.bytes_received == transfer.bytes_received == 2 * 3 * 2 * 2 * 8 * 2  # K+V, 3 layers, 2 tokens
+
+
+async def test_a_sender_that_disagrees_on_the_held_blocks_is_refused(harnesses):
+    h = await harnesses()
+    k, v, _, _ = random_kv(LAYOUT, NUM_TOKENS, seed=6)
+    transfer = h.receiver.expect("r1", 0, TOKEN, NUM_TOKENS, cached_blocks=1)
+    err = await refused(h.send(k, v))  # sends every block
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds 1" in err.details()
+    with pytest.raises(TransferError):
+        await transfer.done

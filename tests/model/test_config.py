@@ -89,3 +89,14 @@ def test_sharded_and_bf16_checkpoints_load(tmp_path):
     assert str(w["model.embed_tokens.weight"].dtype) == "bfloat16"
     np.testing.assert_allclose(w["model.embed_tokens.weight"].astype(np.float32),
                                b["model.embed_tokens.weight"], rtol=1e-2, atol=1e-3)
+
+
+def test_max_model_len_is_the_flag_or_the_models_capped_by_the_cache():
+    from pdserve.server.model.config import resolve_max_model_len
+
+    assert resolve_max_model_len(131072) == 131072
+    assert resolve_max_model_len(131072, capacity=2048) == 2048
+    assert resolve_max_model_len(131072, 4096) == 4096
+    assert resolve_max_model_len(131072, 4096, capacity=8192) == 4096
+    with pytest.raises(ValueError, match="--max-model-len 200000 exceeds the model's max_model_len 131072"):
+        resolve_max_model_len(131072, 200000)

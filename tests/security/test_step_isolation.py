@@ -9,6 +9,7 @@ import torch
 
 from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.decode.engine import DecodeEngine
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.sequence import Sequence
@@ -25,10 +26,8 @@ async def test_poisoned_sequences_fail_alone(tiny_model):
     engine = DecodeEngine(model, layout, num_blocks=64, max_running=8)
 
     def admit(rid: str, prompt: list[int], sampling: gen_pb.SamplingParams, first: int | None = None) -> Sequence:
-        blocks = engine.pool.allocate(engine.blocks_needed(len(prompt), sampling.max_tokens, config.max_model_len))
-        seq = Sequence(rid, prompt, sampling, blocks, frozenset(), config.max_model_len)
-        engine.reserve(seq)
-        logits = model.prefill(torch.tensor(prompt), blocks, engine.cache)
+        seq = engine.add(pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling))
+        logits = model.prefill(torch.tensor(prompt), seq.block_table, engine.cache)
         engine.start(seq, int(logits[-1].argmax()) if first is None else first)
         return seq
 
@@ -46,9 +45,8 @@ async def test_poisoned_sequences_fail_alone(tiny_model):
     for rid in ("nan", "oov"):
         seq, tokens = by_id[rid]
         assert seq.finish_reason == gen_pb.FINISH_REASON_ERROR and tokens == []
-    for seq in seqs:
-        engine.release(seq)
-    while engine._in_step:
+    while engine._busy:
         await asyncio.sleep(0.005)
-    assert engine.pool.num_free == engine.pool.num_total
+    assert engine.sequences == {}
+    assert engine.pool.num_free + engine.scheduler.cache.num_evictable == engine.pool.num_total
     await engine.close()

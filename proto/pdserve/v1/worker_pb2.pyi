@@ -24,12 +24,14 @@ class KvLayout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., scale_granularity: _Optional[str] = ...) -> None: ...
 
 class KvTarget(_message.Message):
-    __slots__ = ("address", "layout")
+    __slots__ = ("address", "layout", "cached_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     layout: KvLayout
-    def __init__(self, address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "attempt", "token_ids", "sampling", "target", "transfer_token", "sample_index")
@@ -82,10 +84,12 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class Reserved(_message.Message):
-    __slots__ = ("num_blocks",)
+    __slots__ = ("num_blocks", "cached_blocks")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "prompt_logprobs")
@@ -105,15 +109,23 @@ class Finished(_message.Message):
     message: str
     def __init__(self, reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
 
+class Queued(_message.Message):
+    __slots__ = ("position",)
+    POSITION_FIELD_NUMBER: _ClassVar[int]
+    position: int
+    def __init__(self, position: _Optional[int] = ...) -> None: ...
+
 class DecodeResponse(_message.Message):
-    __slots__ = ("reserved", "tokens", "finished")
+    __slots__ = ("reserved", "tokens", "finished", "queued")
     RESERVED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     reserved: Reserved
     tokens: TokenEvent
     finished: Finished
-    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    queued: Queued
+    def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -136,7 +148,7 @@ class ModelFingerprint(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "attempt", "transfer_token", "fingerprint", "layout", "num_tokens", "protocol_version", "stream_index", "num_streams")
+    __slots__ = ("request_id", "attempt", "transfer_token", "fingerprint", "layout", "num_tokens", "protocol_version", "stream_index", "num_streams", "cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +158,7 @@ class KvHeader(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     STREAM_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     transfer_token: bytes
@@ -155,7 +168,8 @@ class KvHeader(_message.Message):
     protocol_version: int
     stream_index: int
     num_streams: int
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., stream_index: _Optional[int] = ..., num_streams: _Optional[int] = ...) -> None: ...
+    cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., stream_index: _Optional[int] = ..., num_streams: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class KvBlocks(_message.Message):
     __slots__ = ("layer_start", "layer_count", "token_start", "token_count", "k", "v", "k_scales", "v_scales")
@@ -218,7 +232,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queued_prefill_tokens", "running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "max_running_requests", "prefill_buckets")
+    __slots__ = ("queued_prefill_tokens", "running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "max_running_requests", "prefill_buckets", "max_waiting_requests", "cached_kv_blocks")
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +240,8 @@ class WorkerLoad(_message.Message):
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     MAX_RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     queued_prefill_tokens: int
     running_requests: int
     waiting_requests: int
@@ -233,7 +249,9 @@ class WorkerLoad(_message.Message):
     total_kv_blocks: int
     max_running_requests: int
     prefill_buckets: _containers.RepeatedCompositeFieldContainer[PrefillBucket]
-    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[_Union[PrefillBucket, _Mapping]]] = ...) -> None: ...
+    max_waiting_requests: int
+    cached_kv_blocks: int
+    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[_Union[PrefillBucket, _Mapping]]] = ..., max_waiting_requests: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillBucket(_message.Message):
     __slots__ = ("max_tokens", "queued_tokens", "queued_prompts", "tokens_per_second")

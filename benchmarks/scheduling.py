@@ -1,0 +1,232 @@
+"""Decode scheduling under real traffic: a small KV cache, early-stopping requests, shared prefixes.
+
+    python -m pdserve.benchmarks.scheduling [--model DIR] [--kv-cache-tokens 2048] [--requests 48]
+
+Runs `pdserve up`-style processes (1 prefill + 1 decode worker, launcher.launch) and reports:
+
+1. early stop: every request asks for the rest of the context (max_tokens = max_model_len - prompt, as
+   an OpenAI chat without max_tokens does) and stops at its first blank line (a stop string). The
+   decode worker has a fixed small cache. Reported: concurrent sequences on the decode worker (sampled
+   from GetInfo every 20 ms while requests are in flight), output tokens/s, preemptions, and how many
+   sequences the cache could hold if each reserved prompt + max_tokens up front (the old scheme).
+2. shared prefix: requests share a common token prefix and differ in a suffix; once with prefix caching,
+   once without. Reported: KV bytes received by the decode worker per request (its transfer metric),
+   prefix-cache hit tokens, TTFT and ITL at the client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import statistics
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Outcome:
+    ttft: float = 0.0
+    token_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    finish: str = ""
+
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+def _metric(port: int, name: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    match = re.search(rf"^{name}(?:_total)? ([0-9.e+-]+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+class LoadSampler:
+    """Polls a decode worker's GetInfo: running (holding blocks) and waiting sequences over time."""
+
+    def __init__(self, address: str, period: float = 0.02):
+        self.address, self.period = address, period
+        self.running: list[int] = []
+        self.waiting: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import grpc
+
+        from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+        with grpc.insecure_channel(self.address) as channel:
+            stub = worker_pb2_grpc.ControlStub(channel)
+            while not self._stop.is_set():
+                load = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).load
+                self.running.append(load.running_requests)
+                self.waiting.append(load.waiting_requests)
+                time.sleep(self.period)
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+async def _send(stub, request, out: Outcome) -> None:
+    from pdserve.server.client import FINISH_NAMES
+
+    sent = time.perf_counter()
+    async for msg in stub.Generate(request, timeout=600):
+        now = time.perf_counter()
+        if msg.token_ids:
+            if not out.token_times:
+                out.ttft = now - sent
+            out.token_times.extend([now] * len(msg.token_ids))
+        if msg.finish_reason:
+            out.finish = FINISH_NAMES.get(msg.finish_reason, str(msg.finish_reason))
+            out.output_tokens = msg.usage.completion_tokens
+
+
+async def _run_all(address: str, requests: list, concurrency: int) -> tuple[list[Outcome], float]:
+    import grpc
+
+    from pdserve.v1 import generation_pb2_grpc
+
+    outs = [Outcome() for _ in requests]
+    gate = asyncio.Semaphore(concurrency)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+
+        async def one(i: int) -> None:
+            async with gate:
+                await _send(stub, requests[i], outs[i])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(len(requests))))
+        return outs, time.perf_counter() - t0
+
+
+def _launch(model: Path, decode_args: list[str]):
+    from pdserve.server import launcher
+
+    return launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
+                           decode_args=decode_args)
+
+
+def early_stop(model: Path, kv_cache_tokens: int, num_requests: int, metrics_port: int) -> dict:
+    from pdserve.server.client import build_request
+    from pdserve.server.model.config import load_config
+    from pdserve.server.model.tiny import training_text
+    from pdserve.server.model.tokenizer import Tokenizer
+
+    config, tokenizer = load_config(model), Tokenizer.from_dir(model)
+    max_model_len = min(config.max_model_len, kv_cache_tokens)
+    lines = sorted({line.strip() for line in training_text().splitlines() if line.strip().startswith("def ")})
+    prompts = [p + "\n    " for p in random.Random(0).sample(lines, num_requests)]  # a function's signature
+    requests = [build_request(prompt=p, max_tokens=max_model_len - len(tokenizer.encode(p)), temperature=0.0,
+                              stop=["\n\n"]) for p in prompts]
+    block_size = 16
+    blocks = kv_cache_tokens // block_size
+    reserve = -(-(max_model_len - 1) // block_size)  # prompt + max_tokens - 1 tokens, whatever the prompt
+    cluster = _launch(model, ["--kv-cache-tokens", str(kv_cache_tokens), "--metrics-port", str(metrics_port)])
+    try:
+        with LoadSampler(cluster.decode[0].address) as load:
+            outs, wall = asyncio.run(_run_all(cluster.coordinator.address, requests, num_requests))
+        preemptions = _metric(metrics_port, "pdserve_num_preemptions")
+    finally:
+        cluster.stop()
+    busy = [r for r in load.running if r] or [0]
+    tokens = sum(o.output_tokens for o in outs)
+    return {
+        "requests": num_requests, "max_tokens_asked": statistics.mean(r.sampling.max_tokens for r in requests),
+        "output_tokens_mean": tokens / num_requests, "finish": sorted({o.finish for o in outs}),
+        "wall_s": wall, "output_tok_s": tokens / wall, "max_running": max(busy),
+        "mean_running": statistics.mean(busy), "max_waiting": max(load.waiting or [0]),
+        "preemptions": preemptions, "reservation_bound": blocks // reserve,
+    }
+
+
+def shared_prefix(model: Path, prefix_len: int, suffix_len: int, num_requests: int, concurrency: int,
+                  metrics_port: int, caching: bool) -> dict:
+    from pdserve.server.client import build_request
+    from pdserve.server.model.config import load_config
+
+    vocab = load_config(model).vocab_size
+    rng = random.Random(1)
+    prefix = [rng.randrange(2, vocab) for _ in range(prefix_len)]
+    requests = [build_request(token_ids=prefix + [rng.randrange(2, vocab) for _ in range(suffix_len)],
+                              max_tokens=16, temperature=0.0, ignore_eos=True) for _ in range(num_requests)]
+    flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+    cluster = _launch(model, [flag, "--metrics-port", str(metrics_port)])
+    try:
+        # One request first: its KV reaches the cache before the rest arrive (as a warm system prompt does).
+        asyncio.run(_run_all(cluster.coordinator.address, requests[:1], 1))
+        before = _metric(metrics_port, "pdserve_kv_transfer_bytes")
+        hits_before = _metric(metrics_port, "pdserve_prefix_cache_hits")
+        outs, wall = asyncio.run(_run_all(cluster.coordinator.address, requests[1:], concurrency))
+        sent = _metric(metrics_port, "pdserve_kv_transfer_bytes") - before
+        hits = _metric(metrics_port, "pdserve_prefix_cache_hits") - hits_before
+    finally:
+        cluster.stop()
+    n = len(outs)
+    itls = [x for o in outs for x in o.itls()]
+    return {
+        "caching": caching, "requests": n, "kv_bytes_per_request": sent / n, "hit_tokens_per_request": hits / n,
+        "ttft_ms_mean": 1e3 * statistics.mean(o.ttft for o in outs),
+        "ttft_ms_p50": 1e3 * statistics.median(o.ttft for o in outs),
+        "itl_ms_mean": 1e3 * statistics.mean(itls), "wall_s": wall,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.scheduling", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="checkpoint (default: pdserve's embedded model)")
+    p.add_argument("--kv-cache-tokens", type=int, default=2048)
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--prefix-len", type=int, default=384)
+    p.add_argument("--suffix-len", type=int, default=64)
+    p.add_argument("--prefix-requests", type=int, default=32)
+    p.add_argument("--prefix-concurrency", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="shared prefix: runs of each setting, the order alternating (the machine's load drifts)")
+    p.add_argument("--metrics-port", type=int, default=19391)
+    p.add_argument("--skip", choices=["early-stop", "shared-prefix"], action="append", default=[])
+    args = p.parse_args(argv)
+    from pdserve.server.cli import default_model_dir
+
+    model = args.model or default_model_dir()
+    if "early-stop" not in args.skip:
+        r = early_stop(model, args.kv_cache_tokens, args.requests, args.metrics_port)
+        print(f"\nearly stop: {r['requests']} requests asking max_tokens {r['max_tokens_asked']:.0f} on average, "
+              f"stopping at a blank line; decode KV cache {args.kv_cache_tokens} tokens")
+        print("| concurrent sequences (max / mean) | waiting (max) | output tokens / request | output tok/s | "
+              "preemptions | sequences if reserved up front |")
+        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+        print(f"| {r['max_running']} / {r['mean_running']:.1f} | {r['max_waiting']} | {r['output_tokens_mean']:.1f} | "
+              f"{r['output_tok_s']:.1f} | {r['preemptions']:.0f} | {r['reservation_bound']} |")
+        print(f"finish reasons: {', '.join(r['finish'])}; wall {r['wall_s']:.1f} s")
+    if "shared-prefix" not in args.skip:
+        order = [caching for i in range(args.repeats) for caching in ((False, True) if i % 2 == 0 else (True, False))]
+        rows = [shared_prefix(model, args.prefix_len, args.suffix_len, args.prefix_requests,
+                              args.prefix_concurrency, args.metrics_port, caching) for caching in order]
+        print(f"\nshared prefix: {args.prefix_len}-token common prefix + {args.suffix_len}-token distinct suffixes, "
+              f"{rows[0]['requests']} requests after one warm-up, {args.prefix_concurrency} in flight, 16 tokens each")
+        print("| run | prefix caching | KV bytes / request | prefix-cache hit tokens / request | TTFT mean (ms) | "
+              "TTFT p50 (ms) | ITL mean (ms) |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+        for i, r in enumerate(rows):
+            print(f"| {i + 1} | {'on' if r['caching'] else 'off'} | {r['kv_bytes_per_request']:,.0f} | "
+                  f"{r['hit_tokens_per_request']:.0f} | {r['ttft_ms_mean']:.1f} | {r['ttft_ms_p50']:.1f} | "
+                  f"{r['itl_ms_mean']:.1f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

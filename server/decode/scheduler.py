@@ -1,0 +1,163 @@
+"""Which sequences hold blocks and which decode each step: a FIFO waiting queue, blocks on demand, preemption.
+
+A sequence's life here:
+1. `add`: admitted at once if it fits and nobody waits; else it waits in the queue (at most
+   `max_queue` new sequences wait; one more is QueueFull).
+2. `admit` takes sequences from the head of the queue, in order, while the running cap allows and
+   their blocks fit: the prompt's blocks (cached prefix blocks reused, the rest fresh). The head that
+   does not fit blocks everyone behind it, so a big request is never starved by small ones.
+3. `start`: its KV arrived; it runs. Its full prompt blocks enter the prefix cache.
+4. `schedule` before each step: every running sequence takes the next block when its next token
+   crosses a block boundary. None free: the most recently admitted running sequence is preempted:
+   its full blocks go to the prefix cache, the rest back to the pool, and it returns to the head of
+   the queue. Readmitted, it reuses what the cache still holds and re-prefills the rest locally.
+5. `retire`: finished or aborted; its full blocks with KV are cached, every reference dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pdserve.kvcache.block_pool import BlockPool
+from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes
+from pdserve.server.decode.sequence import Sequence, SeqState
+
+
+class QueueFull(Exception):
+    """The waiting queue holds `max_queue` new sequences already."""
+
+
+class Scheduler:
+    def __init__(self, num_blocks: int, block_size: int, max_running: int, max_queue: int,
+                 enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self.pool = BlockPool(num_blocks)
+        self.cache = PrefixCache(self.pool, enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.loading: list[Sequence] = []
+        """Admitted, waiting for their prompt's KV (never preempted: the KV is on its way)."""
+        self.running: list[Sequence] = []
+        """Decoding, in admission order (the last is preempted first)."""
+        self.num_preemptions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free blocks plus cached blocks no sequence holds (evicted on demand)."""
+        return self.cache.num_available
+
+    @property
+    def num_waiting_new(self) -> int:
+        return sum(1 for s in self.waiting if not s.output_ids)  # preempted ones hold outputs
+
+    def position(self, seq: Sequence) -> int:
+        """The sequence's place in the waiting queue (0: next); 0 when it does not wait."""
+        return self.waiting.index(seq) if seq in self.waiting else 0
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- the queue -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> list[Sequence]:
+        """Queues the sequence and admits what fits; the sequences admitted (see `admit`)."""
+        self.waiting.append(seq)
+        admitted = self.admit()
+        if seq.state is SeqState.WAITING and self.num_waiting_new > self.max_queue:
+            self.waiting.remove(seq)
+            raise QueueFull(f"{self.max_queue} requests already wait for KV blocks on this decode worker")
+        return admitted
+
+    def admit(self) -> list[Sequence]:
+        """Admits from the head of the queue while it fits; the sequences admitted, in order."""
+        admitted = []
+        while self.waiting and len(self.loading) + len(self.running) < self.max_running:
+            seq = self.waiting[0]
+            resuming = bool(seq.output_ids)
+            # A resumed sequence needs KV for every token but the last (the next step's input).
+            kv_tokens = seq.num_tokens - 1 if resuming else len(seq.prompt_ids)
+            need = self.blocks_for(seq.num_tokens if resuming else len(seq.prompt_ids))
+            # A new prompt's last token is always computed: its logits give the first token; a prompt whose
+            # logprobs are asked is computed whole (a local prefill needs every position's logits).
+            reusable = kv_tokens if resuming else 0 if seq.sampling.HasField("prompt_logprobs") else kv_tokens - 1
+            hits = self.cache.lookup(block_hashes(seq.token_ids[:reusable], self.block_size))
+            if need - len(hits) > self.cache.num_available:
+                self.cache.free(hits)
+                break
+            self.waiting.popleft()
+            seq.block_table = hits + self.cache.allocate(need - len(hits))
+            seq.num_cached_tokens = min(len(hits) * self.block_size, kv_tokens)
+            if resuming:
+                seq.resume_from = seq.num_cached_tokens
+                seq.state = SeqState.RUNNING
+                self.running.append(seq)
+            else:
+                seq.num_hit_blocks = len(hits)
+                seq.state = SeqState.WAITING_KV
+                self.loading.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    # ---- running -----------------------------------------------------------------
+
+    def start(self, seq: Sequence) -> None:
+        """The prompt's KV is in place: the sequence runs from the next step."""
+        self.loading.remove(seq)
+        seq.num_cached_tokens = len(seq.prompt_ids)
+        self._cache_full_blocks(seq)
+        seq.state = SeqState.RUNNING
+        self.running.append(seq)
+
+    def schedule(self) -> list[Sequence]:
+        """The running sequences that decode this step, each holding a block for its next token."""
+        for seq in list(self.running):
+            if seq.state is not SeqState.RUNNING:
+                continue  # preempted while an older sequence took a block
+            while len(seq.block_table) < self.blocks_for(seq.num_tokens):
+                if self.cache.num_available:
+                    seq.block_table.extend(self.cache.allocate(1))
+                    continue
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+        return list(self.running)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Frees the sequence's blocks (its full ones stay cached) and puts it at the head of the queue."""
+        self.running.remove(seq)
+        self._release_blocks(seq)
+        seq.state = SeqState.WAITING
+        seq.resume_from = None
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finished_step(self, seq: Sequence) -> None:
+        """The step wrote the KV of every token so far (call it before appending the token it sampled)."""
+        seq.num_cached_tokens = seq.num_tokens
+        seq.resume_from = None
+
+    def retire(self, seq: Sequence, keep_kv: bool = True) -> None:
+        """Takes the sequence out of every list and drops its blocks (its written full blocks cached)."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        for group in (self.loading, self.running):
+            if seq in group:
+                group.remove(seq)
+        if not keep_kv:
+            seq.num_cached_tokens = 0
+        self._release_blocks(seq)
+
+    def _release_blocks(self, seq: Sequence) -> None:
+        self._cache_full_blocks(seq)
+        if seq.block_table:
+            self.cache.free(seq.block_table)
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        full = seq.num_cached_tokens // self.block_size
+        if full:
+            hashes = block_hashes(seq.token_ids[: full * self.block_size], self.block_size)
+            self.cache.register(seq.block_table[:full], hashes)

@@ -1,0 +1,151 @@
+"""Scheduler: exact block ids on demand, preemption order, FIFO waiters, prefix hits and LRU eviction."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server.decode.scheduler import QueueFull, Scheduler
+from pdserve.server.decode.sequence import Sequence, SeqState
+
+BS = 4
+
+
+def _seq(rid: str, prompt: list[int]) -> Sequence:
+    sampling = gen_pb.SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
+    return Sequence(rid, prompt, sampling, frozenset(), max_model_len=4096)
+
+
+def _run(s: Scheduler, seq: Sequence, first: int = 7) -> None:
+    """Admitted, its KV 'arrived': it runs with its first token."""
+    s.start(seq)
+    seq.append(first)
+
+
+def _step(s: Scheduler, token: int = 9) -> list[Sequence]:
+    batch = s.schedule()
+    for seq in batch:
+        s.finished_step(seq)
+        seq.append(token)
+    return batch
+
+
+def _available(s: Scheduler) -> int:
+    return s.pool.num_free + s.cache.num_evictable
+
+
+async def test_blocks_are_taken_when_a_token_crosses_a_block_boundary():
+    s = Scheduler(num_blocks=8, block_size=BS, max_running=4, max_queue=4)
+    a = _seq("a", [1, 2, 3, 4, 5, 6])  # 6 tokens: 2 blocks, not 1 + max_tokens' worth
+    assert s.add(a) == [a] and a.block_table == [0, 1] and a.state is SeqState.WAITING_KV
+    _run(s, a)  # 7 tokens
+    assert _step(s) == [a] and a.block_table == [0, 1]  # writes position 6; 8 tokens after
+    _step(s)  # writes position 7: still block 1
+    assert a.block_table == [0, 1] and a.num_tokens == 9
+    _step(s)  # writes position 8: the third block
+    assert a.block_table == [0, 1, 2]
+    s.retire(a)
+    assert _available(s) == 8
+
+
+async def test_the_most_recently_admitted_is_preempted_and_waits_at_the_head():
+    s = Scheduler(num_blocks=4, block_size=BS, max_running=4, max_queue=4, enable_prefix_caching=False)
+    a, b, c = _seq("a", [1, 2, 3]), _seq("b", [4, 5, 6]), _seq("c", [7, 8, 9])
+    assert [s.add(seq) for seq in (a, b, c)] == [[a], [b], [c]]
+    assert (a.block_table, b.block_table, c.block_table) == ([0], [1], [2])
+    for seq in (a, b, c):
+        _run(s, seq)  # 4 tokens each: the next step writes position 3, still their first block
+    _step(s)  # 5 tokens each: the next step needs a second block each, one is free
+    batch = s.schedule()
+    assert a.block_table == [0, 3]  # a takes the last free block ...
+    assert c.state is SeqState.WAITING and list(s.waiting) == [c] and c.block_table == []
+    assert b.block_table == [1, 2]  # ... c, the newest, is preempted and b takes its block
+    assert batch == [a, b] and s.num_preemptions == 1
+    d = _seq("d", [1])
+    s.add(d)
+    assert list(s.waiting) == [c, d]  # c resumes first
+    s.retire(a)
+    assert s.admit() == [c]  # c needs 5 tokens' KV place (2 blocks): 0 and 3
+    assert c.block_table == [0, 3] and c.resume_from == 0 and c.state is SeqState.RUNNING
+    assert s.running == [b, c]
+
+
+async def test_a_sequence_alone_preempts_itself_when_nothing_is_free():
+    s = Scheduler(num_blocks=2, block_size=BS, max_running=4, max_queue=4, enable_prefix_caching=False)
+    a = _seq("a", [1, 2, 3, 4, 5, 6, 7])
+    s.add(a)
+    _run(s, a)  # 8 tokens: fits 2 blocks
+    _step(s)  # 9 tokens: a third block is needed, none exists
+    assert s.schedule() == [] and list(s.waiting) == [a] and s.num_preemptions == 1
+
+
+async def test_waiters_are_admitted_in_arrival_order():
+    s = Scheduler(num_blocks=4, block_size=BS, max_running=8, max_queue=2, enable_prefix_caching=False)
+    a = _seq("a", list(range(8)))  # 2 blocks
+    s.add(a)
+    big, small = _seq("big", list(range(12))), _seq("small", [1])  # 3 blocks, 1 block
+    assert s.add(big) == [] and s.add(small) == []  # small would fit, but big is first
+    with pytest.raises(QueueFull):
+        s.add(_seq("x", [1]))
+    assert s.admit() == [] and list(s.waiting) == [big, small]
+    s.retire(a)
+    assert s.admit() == [big, small]
+    assert (big.block_table, small.block_table) == ([2, 3, 0], [1])
+
+
+async def test_a_shared_prefix_reuses_cached_blocks_and_lru_evicts():
+    s = Scheduler(num_blocks=6, block_size=BS, max_running=8, max_queue=8)
+    system = list(range(100, 108))  # 2 full blocks
+    a = _seq("a", system + [1, 2, 3])
+    s.add(a)
+    assert a.block_table == [0, 1, 2] and a.num_hit_blocks == 0
+    _run(s, a)
+    s.retire(a)  # its 2 full prompt blocks stay cached; 11 tokens' KV ... only full blocks count
+    assert (s.pool.num_free, s.cache.num_cached, _available(s)) == (4, 2, 6)
+    b = _seq("b", system + [4, 5, 6, 7, 8])
+    assert s.add(b) == [b]
+    assert b.block_table == [0, 1, 3, 4] and b.num_hit_blocks == 2 and b.num_cached_tokens == 8
+    other = _seq("o", list(range(200, 208)))  # 2 blocks: the free ones; b holds 0 and 1
+    assert s.add(other) == [other] and other.block_table == [5, 2]
+    s.retire(other)
+    s.retire(b)
+    assert _available(s) == 6
+
+
+async def test_lru_eviction_order_and_a_whole_prompt_never_hits_its_last_token():
+    s = Scheduler(num_blocks=4, block_size=BS, max_running=8, max_queue=8)
+    p, q = [1, 1, 1, 1, 2], [3, 3, 3, 3, 4]
+    for rid, prompt in (("p", p), ("q", q)):
+        seq = _seq(rid, prompt)
+        s.add(seq)
+        _run(s, seq)
+        s.retire(seq)
+    # p's first block (0) and q's (2) are cached; p was used before q
+    assert s.cache.num_cached == 2 and s.pool.num_free == 2
+    r = _seq("r", [9] * 12)  # 3 blocks: the two free ones, then p's block (least recently used)
+    s.add(r)
+    assert r.block_table == [1, 3, 0] and s.cache.num_cached == 1
+    hit = _seq("q2", [3, 3, 3, 3, 5])  # q's first block is cached; a second is needed and none is left
+    assert s.add(hit) == [] and s.pool.ref_count(2) == 1  # the hit it looked up is given back
+    s.retire(r)
+    assert s.admit() == [hit] and hit.num_hit_blocks == 1 and hit.block_table == [2, 1]
+    whole = _seq("q3", [3, 3, 3, 3])  # a prompt of one full cached block: its last token is computed
+    assert s.add(whole) == [whole] and whole.num_hit_blocks == 0 and whole.block_table == [3]
+    s.retire(hit)
+    s.retire(whole)
+    s.cache.clear()
+    assert s.pool.num_free == 4
+
+
+async def test_a_prompt_asking_prompt_logprobs_reuses_no_cached_prefix():
+    """Its local prefill needs every position's logits, so its whole prompt is computed (fresh blocks)."""
+    s = Scheduler(num_blocks=8, block_size=BS, max_running=8, max_queue=8)
+    system = list(range(100, 108))  # 2 full blocks
+    a = _seq("a", system + [1, 2, 3])
+    s.add(a)
+    _run(s, a)
+    s.retire(a)  # blocks 0 and 1 stay cached
+    b = _seq("b", system + [4, 5])
+    b.sampling.prompt_logprobs = 1
+    assert s.add(b) == [b]
+    assert b.block_table == [3, 4, 5] and b.num_hit_blocks == 0 and b.num_cached_tokens == 0

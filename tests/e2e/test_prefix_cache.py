@@ -1,0 +1,69 @@
+"""Prefix caching and preemption through real processes (coordinator, JAX prefill, torch decode).
+
+A second request sharing a cached prefix gets transformers' tokens while only its missing blocks
+cross the wire (the decode worker's transfer metric); a small cache preempts and resumes sequences with
+transformers' tokens; every block comes back (free + cached = total).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.procs import Procs, Stream, counter, generate, request, wait_blocks_free
+
+BLOCK = 16
+
+
+def hf_greedy(model_dir, ids: list[int], n: int) -> list[int]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory):
+    procs = Procs(tiny_model("qwen2"), tmp_path_factory.mktemp("prefix"))
+    try:
+        coordinator = procs.coordinator("coordinator")
+        procs.worker("p0", "prefill", coordinator)
+        # 12 blocks of 16 tokens: two 40-token prompts growing to 160 tokens (10 blocks) cannot both fit
+        procs.worker("d0", "decode", coordinator, "--kv-cache-tokens", str(12 * BLOCK), "--threads", "1")
+        yield procs
+    finally:
+        procs.stop_all()
+
+
+def test_a_cached_prefix_is_not_sent_again_and_gives_transformers_tokens(cluster):
+    coordinator, d0 = cluster.procs["coordinator"], cluster.procs["d0"]
+    system = [(7 * i) % 500 + 3 for i in range(5 * BLOCK)]  # 5 full blocks
+    first, second = system + [11, 12, 13], system + [21, 22, 23, 24]
+    before = counter(d0.metrics(), "pdserve_kv_transfer_bytes_total")
+    assert generate(coordinator.address, request(first, 6)) == hf_greedy(cluster.model_dir, first, 6)
+    sent_first = counter(d0.metrics(), "pdserve_kv_transfer_bytes_total") - before
+    assert generate(coordinator.address, request(second, 6)) == hf_greedy(cluster.model_dir, second, 6)
+    d = d0.metrics()
+    sent_second = counter(d, "pdserve_kv_transfer_bytes_total") - before - sent_first
+    per_token = sent_first // len(first)  # fp32 K and V of every layer
+    assert sent_first == per_token * len(first)
+    assert sent_second == per_token * (len(second) - 5 * BLOCK)  # only the tokens after the cached blocks
+    assert counter(d, "pdserve_prefix_cache_hits_total") == 5 * BLOCK
+    free, total = wait_blocks_free([d0])[0]
+    assert free == total  # cached blocks no sequence holds count as free
+
+
+def test_sequences_preempted_on_a_small_cache_resume_with_transformers_tokens(cluster):
+    coordinator, d0 = cluster.procs["coordinator"], cluster.procs["d0"]
+    prompts = [[(13 * i + k) % 500 + 3 for i in range(40)] for k in range(3)]
+    preempted = counter(d0.metrics(), "pdserve_num_preemptions_total")
+    streams = [Stream(coordinator.address, request(p, 120)) for p in prompts]
+    for s in streams:
+        s.join(300)
+    assert [s.error for s in streams] == [None] * 3
+    assert counter(d0.metrics(), "pdserve_num_preemptions_total") > preempted
+    for p, s in zip(prompts, streams):
+        assert s.tokens == hf_greedy(cluster.model_dir, p, 120)
+    free, total = wait_blocks_free([d0])[0]
+    assert free == total
