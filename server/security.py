@@ -162,18 +162,7 @@ def _denied(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandl
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         yield  # pragma: no cover  (makes this an async generator)
 
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        streaming if handler.response_streaming else unary,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return _same_kind(handler, unary, streaming)
 
 
 # ---- the cluster credential: what every internal call carries ---------------------------------------
@@ -318,18 +307,7 @@ def _checked(handler: grpc.RpcMethodHandler, refusal) -> grpc.RpcMethodHandler:
         else:
             await result
 
-    kinds = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
-    return make(
-        streaming if handler.response_streaming else unary,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
+    return _same_kind(handler, unary, streaming)
 
 
 class _SecretMetadata:
@@ -365,3 +343,21 @@ def cluster_secret_interceptors(secret: str) -> list:
     """Client interceptors that add the cluster secret to every call of a grpc.aio channel (one per
     call kind: a channel files each interceptor under the first kind it is)."""
     return [kind(secret) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+
+
+_HANDLER_KINDS = {  # (request streaming, response streaming) -> the grpc handler factory
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _same_kind(handler, unary, streaming):
+    """A handler of `handler`'s kind and (de)serializers running `unary` or `streaming` instead."""
+    make = _HANDLER_KINDS[(handler.request_streaming, handler.response_streaming)]
+    return make(
+        streaming if handler.response_streaming else unary,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )

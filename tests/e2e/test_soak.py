@@ -51,6 +51,11 @@ def one_request(stub, rng: random.Random) -> str:
         try:
             tokens = [t for m in stub.Generate(request(prompt, n), timeout=rng.uniform(0.005, 0.05)) for t in m.token_ids]
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                # admission by expected wait: a deadline no prefill can meet is refused at once, with a hint
+                hints = dict(e.trailing_metadata() or ())
+                assert "retry-after-ms" in hints, e
+                return "refused_early"
             assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e
             return "deadline_exceeded"
         assert len(tokens) == n
