@@ -77,7 +77,6 @@ def test_workers_join_take_traffic_and_drain_under_load_losing_nothing(cluster):
         # scale down: SIGTERM a decode worker while it streams, and a prefill worker
         long = Stream(coordinator.address, request([5, 6, 7], 300))
         wait_until(lambda: len(long.tokens) >= 2, "a long stream under way")
-        on_d0 = any(w.address == p["d0"].address and w.inflight for w in list_workers(coordinator))
         cluster.terminate("d0")
         wait_until(lambda: {w.address: w.state for w in list_workers(coordinator)}[p["d0"].address] != "ready",
                    "d0 leaves the routable pool", every=0.02)
@@ -106,8 +105,9 @@ def test_workers_join_take_traffic_and_drain_under_load_losing_nothing(cluster):
     assert counter(coordinator.metrics(), "pdserve_migrations_total") == 0
     log = p["d0"].log.read_text()
     assert "decode worker draining" in log and "decode worker stopping" in log
-    if on_d0:
-        assert "waiting up to" in log  # it had in-flight requests to finish
+    # whatever d0 still held at SIGTERM it finished (the short requests the coordinator saw on it may end
+    # before the signal lands, so whether it had to wait at all is a race; never cutting work off is not)
+    assert "stopping anyway" not in log
     free, total = wait_blocks_free([p["d1"]])[0]
     assert free == total
     wait_until(lambda: {w.address: w.state for w in list_workers(coordinator)}[p["d0"].address] == "dead",
