@@ -31,7 +31,7 @@ from pdserve.server.decode.model import DecoderModel
 from pdserve.server import logprobs
 from pdserve.server.decode.sampler import apply_penalties, sample, token_logprobs
 from pdserve.server.decode.scheduler import QueueFull, Scheduler
-from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.decode.sequence import Sequence, SeqState, admissible
 from pdserve.server.model.config import resolve_max_model_len
 
 log = logging.getLogger("pdserve.decode")
@@ -89,14 +89,7 @@ class DecodeEngine:
 
     def add(self, request: pb.DecodeRequest) -> Sequence:
         """Queues the request; raises ValueError (bad or too long) or QueueFull."""
-        rid, prompt = request.request_id, list(request.prompt_token_ids)
-        if rid in self.sequences:
-            raise ValueError(f"request {rid} is already decoding here")
-        if not prompt or request.sampling.max_tokens <= 0:
-            raise ValueError("prompt_token_ids and sampling.max_tokens must be set")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
-                             f"max_model_len {self.max_model_len}")
+        rid, prompt = admissible(request, self.sequences, self.max_model_len)
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
                        num_prior_outputs=request.num_output_tokens)
         admitted = self.scheduler.add(seq)

@@ -90,3 +90,16 @@ class Sequence:
         if self.state is not SeqState.FINISHED:
             self.state = SeqState.FINISHED
             self.finish_reason = reason
+
+
+def admissible(request, sequences: dict, max_model_len: int) -> tuple[str, list[int]]:
+    """(request id, prompt) of a DecodeRequest either engine may take; ValueError (bad or too long) if not."""
+    rid, prompt = request.request_id, list(request.prompt_token_ids)
+    if rid in sequences:
+        raise ValueError(f"request {rid} is already decoding here")
+    if not prompt or request.sampling.max_tokens <= 0:
+        raise ValueError("prompt_token_ids and sampling.max_tokens must be set")
+    if len(prompt) >= max_model_len:
+        raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
+                         f"max_model_len {max_model_len}")
+    return rid, prompt

@@ -33,7 +33,7 @@ from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server import logprobs
 from pdserve.server.decode.scheduler import QueueFull
-from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.decode.sequence import Sequence, SeqState, admissible
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
@@ -139,14 +139,7 @@ class VllmEngine:
     def add(self, request: pb.DecodeRequest) -> Sequence:
         """Admits the request now, its prompt's blocks promised; raises ValueError (bad or too long) or
         QueueFull (the running cap, or vLLM's free blocks less those promised, cannot take it)."""
-        rid, prompt = request.request_id, list(request.prompt_token_ids)
-        if rid in self.sequences:
-            raise ValueError(f"request {rid} is already decoding here")
-        if not prompt or request.sampling.max_tokens <= 0:
-            raise ValueError("prompt_token_ids and sampling.max_tokens must be set")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
-                             f"max_model_len {self.max_model_len}")
+        rid, prompt = admissible(request, self.sequences, self.max_model_len)
         if len(self.sequences) >= self.max_running:
             raise QueueFull(f"decode worker runs its maximum of {self.max_running} requests")
         need = self.layout.num_blocks(len(prompt))  # blocks on demand: the prompt's, as the coordinator counts
