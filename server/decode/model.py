@@ -116,9 +116,24 @@ class DecoderModel(nn.Module):
         self.norm = nn.Buffer(weight("model.norm.weight").to(dtype))  # [d]
         self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)))  # [D / 2] float32
 
+    packed_head: Linear | None = None
+    """The LM head in oneDNN's layout once `prepack` ran on CPU (a copy beside the embedding table)."""
+
     @property
     def lm_head(self) -> torch.Tensor:
         return self.embed if self.untied_lm_head is None else self.untied_lm_head
+
+    def prepack(self) -> None:
+        """On CPU, bf16/fp16 linear weights reordered once for oneDNN (`Linear.prepack`): ~1.5x the rate
+        at which a decode step streams them. The LM head gets a packed copy (V x d more memory) since
+        the embedding lookup still reads the plain table. A no-op elsewhere."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        head = Linear(self.lm_head, None, self.dtype)
+        head.prepack()
+        if head.packed:
+            self.packed_head = head
 
     def _forward(
         self,
@@ -132,7 +147,9 @@ class DecoderModel(nn.Module):
         x = F.embedding(token_ids, self.embed)  # [B, S, d]
         for layer in self.layers:
             x = layer(x, cos, sin, context, cache)
-        return F.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()  # [B, S, V]
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        logits = F.linear(x, self.lm_head) if self.packed_head is None else self.packed_head(x)
+        return logits.float()  # [B, S, V]
 
     def _context(self, positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  cache: PagedKvCache) -> PagedContext:
