@@ -115,9 +115,8 @@ class DecoderModel(nn.Module):
         )
         self.norm = nn.Buffer(weight("model.norm.weight").to(dtype))  # [d]
         self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)))  # [D / 2] float32
-
-    packed_head: Linear | None = None
-    """The LM head in oneDNN's layout once `prepack` ran on CPU (a copy beside the embedding table)."""
+        self.packed_head: Linear | None = None
+        """The LM head in oneDNN's layout once `prepack` ran on CPU (a copy beside the embedding table)."""
 
     @property
     def lm_head(self) -> torch.Tensor:

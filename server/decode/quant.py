@@ -74,7 +74,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        if self.weight.dtype == torch.int8 and x.device.type == "cpu":
+        if self.weight.dtype == torch.int8 and x.device.type == "cpu" and x.shape[-1] % 32 == 0:
+            # (torch 2.13's bf16 kernel reads out of bounds when the input width is not a multiple of 16)
             y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), self.weight,
                                           self.scale[:, 0].to(x.dtype))  # [N, out]
             y = y.view(*x.shape[:-1], -1)
