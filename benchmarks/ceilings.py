@@ -86,47 +86,65 @@ async def _push(request_iterator, context) -> bytes:
     return received.to_bytes(8, "little")
 
 
-async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = 2**20, streams: int = 1) -> float:
-    """GB/s of total_bytes streamed in message_bytes `bytes` messages through `streams` parallel
-    client-streaming calls, each on its own channel (TCP connection), carrying an even share.
+class GrpcLoopback:
+    """Raw grpcio on 127.0.0.1, kept open between runs: `streams` client-streaming calls, each on its own
+    channel (TCP connection), carry pre-made `bytes` messages of message_bytes (identity serializers,
+    no proto) to an in-process server that only counts them. Start it inside the event loop the KV
+    transfer uses, so both see the same grpc.aio machinery; `seconds(n)` can then alternate with it."""
 
-    Run inside the event loop the KV transfer will use, so both see the same grpc.aio machinery.
-    """
-    handler = grpc.method_handlers_generic_handler(
-        "pdserve.bench.Loopback", {"Push": grpc.stream_unary_rpc_method_handler(_push)}
-    )  # no serializers: the handler sees the wire bytes
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(streams)]
-    pushes = [channel.stream_unary(_LOOPBACK_METHOD) for channel in channels]
-    payload = os.urandom(message_bytes)
-    shares = [total_bytes // streams + (i < total_bytes % streams) for i in range(streams)]
+    def __init__(self, message_bytes: int = 2**20, streams: int = 1) -> None:
+        self.message_bytes, self.streams = message_bytes, streams
+        self._payload = os.urandom(message_bytes)
+        self._server: grpc.aio.Server | None = None
+        self._channels: list[grpc.aio.Channel] = []
 
-    async def messages(share: int):
-        count, rest = divmod(share, message_bytes)
-        for _ in range(count):
-            yield payload
-        if rest:
-            yield payload[:rest]
+    async def start(self) -> GrpcLoopback:
+        handler = grpc.method_handlers_generic_handler(
+            "pdserve.bench.Loopback", {"Push": grpc.stream_unary_rpc_method_handler(_push)}
+        )  # no serializers: the handler sees the wire bytes
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._server.add_generic_rpc_handlers((handler,))
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+                          for _ in range(self.streams)]
+        return self
 
-    async def one(push, share: int) -> None:
-        reply = await push(messages(share))
+    async def seconds(self, total_bytes: int) -> float:
+        """Wall time to carry total_bytes, an even share on each stream."""
+        pushes = [channel.stream_unary(_LOOPBACK_METHOD) for channel in self._channels]
+        n = self.streams
+        shares = [total_bytes // n + (i < total_bytes % n) for i in range(n)]
+        start = time.perf_counter()
+        await asyncio.gather(*(self._one(push, share) for push, share in zip(pushes, shares)))
+        return time.perf_counter() - start
+
+    async def _one(self, push, share: int) -> None:
+        async def messages():
+            count, rest = divmod(share, self.message_bytes)
+            for _ in range(count):
+                yield self._payload
+            if rest:
+                yield self._payload[:rest]
+
+        reply = await push(messages())
         if (received := int.from_bytes(reply, "little")) != share:
             raise RuntimeError(f"the loopback server received {received} of {share} bytes")
 
-    try:
-        best = float("inf")
-        for attempt in range(repeats + 1):  # the first connects and warms up
-            start = time.perf_counter()
-            await asyncio.gather(*(one(push, share) for push, share in zip(pushes, shares)))
-            seconds = time.perf_counter() - start
-            if attempt:
-                best = min(best, seconds)
-    finally:
-        for channel in channels:
+    async def close(self) -> None:
+        for channel in self._channels:
             await channel.close()
-        await server.stop(None)
+        if self._server is not None:
+            await self._server.stop(None)
+
+
+async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = 2**20, streams: int = 1) -> float:
+    """GB/s of total_bytes streamed through GrpcLoopback: the best of `repeats` after a warm-up."""
+    loopback = await GrpcLoopback(message_bytes, streams).start()
+    try:
+        await loopback.seconds(total_bytes)  # connects and warms up
+        best = min([await loopback.seconds(total_bytes) for _ in range(repeats)], default=float("inf"))
+    finally:
+        await loopback.close()
     return total_bytes / best / GB

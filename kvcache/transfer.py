@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
+import concurrent.futures
 import contextlib
 import enum
 from collections.abc import AsyncIterator
@@ -36,6 +38,18 @@ PROTOCOL_VERSION = 2
 """The KvHeader's protocol_version this code speaks. 2: BeginKv, layer groups over parallel streams."""
 QUEUE_PIECES = 4
 """Pieces waiting per stream before send() waits: what the sender buffers beyond its KvTensors."""
+ENCODE_AHEAD = 2
+"""Messages per stream encoded (in a thread) ahead of the one grpcio sends: the sender's own copies."""
+ENCODE_THREADS = 4
+_encoder: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _encode_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that copy KV into messages (numpy copies release the GIL: the event loop runs on)."""
+    global _encoder
+    if _encoder is None:
+        _encoder = concurrent.futures.ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="kv-encode")
+    return _encoder
 
 
 class KvPoll(enum.Enum):
@@ -137,13 +151,27 @@ class Stream(abc.ABC):
 
     async def chunks(self, header: pb.KvHeader) -> AsyncIterator[pb.KvChunk | bytes]:
         """The header, then each queued item as the transport asks for it: (kv, piece) is encoded
-        only now, straight from kv's arrays into the serialized chunk (kvcache.wire); None closes."""
+        straight from kv's arrays into the serialized chunk (kvcache.wire) in a thread, up to
+        ENCODE_AHEAD messages ahead of the one grpcio is sending; None closes."""
         yield pb.KvChunk(header=header)
-        while (item := await self.queue.get()) is not None:
-            if isinstance(item, tuple):
-                yield encode_piece_bytes(self.layout.block_size, *item)
-            else:
-                yield item
+        loop = asyncio.get_running_loop()
+        ahead: collections.deque[asyncio.Future] = collections.deque()
+        closed = False
+        while True:
+            while not closed and len(ahead) < ENCODE_AHEAD and (not ahead or not self.queue.empty()):
+                item = await self.queue.get()  # waits only when nothing is encoded or being encoded
+                if item is None:
+                    closed = True
+                elif isinstance(item, tuple):
+                    ahead.append(loop.run_in_executor(_encode_pool(), encode_piece_bytes,
+                                                      self.layout.block_size, *item))
+                else:
+                    done = loop.create_future()
+                    done.set_result(item)
+                    ahead.append(done)
+            if not ahead:
+                return
+            yield await ahead.popleft()
 
     @abc.abstractmethod
     async def call(self, chunks: AsyncIterator[pb.KvChunk | bytes]) -> pb.PushKvResponse:
