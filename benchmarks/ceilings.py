@@ -86,21 +86,44 @@ async def _push(request_iterator, context) -> bytes:
     return received.to_bytes(8, "little")
 
 
+def _push_into(target: np.ndarray):
+    """A Push handler that copies the messages into target from the call's "offset" on, as they arrive."""
+
+    async def push(request_iterator, context) -> bytes:
+        at = int(dict(context.invocation_metadata())["offset"])
+        received = 0
+        async for message in request_iterator:
+            np.copyto(target[at + received:at + received + len(message)], np.frombuffer(message, np.uint8))
+            received += len(message)
+        return received.to_bytes(8, "little")
+
+    return push
+
+
 class GrpcLoopback:
     """Raw grpcio on 127.0.0.1, kept open between runs: `streams` client-streaming calls, each on its own
     channel (TCP connection), carry pre-made `bytes` messages of message_bytes (identity serializers,
     no proto) to an in-process server that only counts them. Start it inside the event loop the KV
-    transfer uses, so both see the same grpc.aio machinery; `seconds(n)` can then alternate with it."""
+    transfer uses, so both see the same grpc.aio machinery; `seconds(n)` can then alternate with it.
 
-    def __init__(self, message_bytes: int = 2**20, streams: int = 1) -> None:
+    copies=N adds the two copies any transfer of N bytes of arrays through grpcio must make, and nothing
+    else: each message is copied out of an N-byte numpy array into `bytes` (grpcio sends only `bytes`),
+    and the server copies each received message into its place in another N-byte array. What a KV
+    transport moving N bytes could reach at best. seconds() then carries exactly those N bytes.
+    """
+
+    def __init__(self, message_bytes: int = 2**20, streams: int = 1, *, copies: int = 0) -> None:
         self.message_bytes, self.streams = message_bytes, streams
         self._payload = os.urandom(message_bytes)
+        self._source = np.random.default_rng(0).integers(0, 256, copies, np.uint8) if copies else None
+        self._target = np.zeros(copies, np.uint8) if copies else None
         self._server: grpc.aio.Server | None = None
         self._channels: list[grpc.aio.Channel] = []
 
     async def start(self) -> GrpcLoopback:
+        push = _push if self._target is None else _push_into(self._target)
         handler = grpc.method_handlers_generic_handler(
-            "pdserve.bench.Loopback", {"Push": grpc.stream_unary_rpc_method_handler(_push)}
+            "pdserve.bench.Loopback", {"Push": grpc.stream_unary_rpc_method_handler(push)}
         )  # no serializers: the handler sees the wire bytes
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
         self._server.add_generic_rpc_handlers((handler,))
@@ -117,18 +140,24 @@ class GrpcLoopback:
         n = self.streams
         shares = [total_bytes // n + (i < total_bytes % n) for i in range(n)]
         start = time.perf_counter()
-        await asyncio.gather(*(self._one(push, share) for push, share in zip(pushes, shares)))
+        starts = [sum(shares[:i]) for i in range(n)]
+        await asyncio.gather(*(self._one(push, at, share) for push, at, share in zip(pushes, starts, shares)))
         return time.perf_counter() - start
 
-    async def _one(self, push, share: int) -> None:
-        async def messages():
-            count, rest = divmod(share, self.message_bytes)
-            for _ in range(count):
-                yield self._payload
-            if rest:
-                yield self._payload[:rest]
+    async def _one(self, push, at: int, share: int) -> None:
+        size, source = self.message_bytes, self._source
+        if source is not None and at + share > len(source):
+            raise ValueError(f"GrpcLoopback(copies={len(source)}) carries at most those bytes, not {at + share}")
 
-        reply = await push(messages())
+        async def messages():
+            for offset in range(0, share, size):
+                n = min(size, share - offset)
+                if source is None:
+                    yield self._payload if n == size else self._payload[:n]
+                else:
+                    yield source[at + offset:at + offset + n].tobytes()
+
+        reply = await push(messages(), metadata=(("offset", str(at)),))
         if (received := int.from_bytes(reply, "little")) != share:
             raise RuntimeError(f"the loopback server received {received} of {share} bytes")
 

@@ -7,7 +7,9 @@ and how much of the transfer layer-wise streaming hides behind the prefill.
    12 KiB a token, 25 MB at 2,048 tokens) through `GrpcKvTransport(num_streams=N)` -> `KvReceiver`
    -> `PagedKvCache` on 127.0.0.1, beside raw grpcio (`benchmarks.ceilings.GrpcLoopback`: pre-made
    `bytes`, a server that only counts them) moving the same bytes in messages of the same size over
-   the same number of streams, for each N in --streams. Both run in this one process and event loop
+   the same number of streams, for each N in --streams; and beside "grpcio + copies", raw grpcio plus
+   the two copies any array transfer through grpcio makes (array -> `bytes` message; received message ->
+   array). All run in this one process and event loop
    (sender and receiver alike), alternating repetition by repetition (`protocol.schedule`), so the
    ratio compares runs made moments apart. Bit-exactness is checked.
 2. Overlap: a real `PrefillEngine` + `PrefillService` on the Qwen2.5-0.5B shape (random bf16 weights,
@@ -48,9 +50,14 @@ class TransferRow:
     raw_gbps: dict
     ratio: dict
     """transfer / raw grpcio, repetition by repetition (the two ran back to back)."""
+    copies_gbps: dict
+    """grpcio plus the two copies any array transfer through it makes (GrpcLoopback(copies=...))."""
+    copies_ratio: dict
+    """transfer / grpcio + copies, repetition by repetition."""
     transfer_cpu_s_per_gb: dict
     """CPU seconds of this process (every thread) per GB moved: steadier than wall time on a busy machine."""
     raw_cpu_s_per_gb: dict
+    copies_cpu_s_per_gb: dict
 
 
 async def transfer(num_tokens: int, streams: list[int], repeats: int, chunk_bytes: int) -> list[TransferRow]:
@@ -76,6 +83,7 @@ async def transfer(num_tokens: int, streams: list[int], repeats: int, chunk_byte
     try:
         for n in streams:
             raw = await ceilings.GrpcLoopback(chunk_bytes, n).start()
+            copies = await ceilings.GrpcLoopback(chunk_bytes, n, copies=nbytes).start()
             sender = GrpcKvTransport(num_streams=n, max_chunk_bytes=chunk_bytes)
             sent = 0
 
@@ -89,7 +97,8 @@ async def transfer(num_tokens: int, streams: list[int], repeats: int, chunk_byte
                 await done.done
                 return time.perf_counter() - start
 
-            runs = {"pdserve": push, "raw grpcio": lambda: raw.seconds(nbytes)}
+            runs = {"pdserve": push, "raw grpcio": lambda: raw.seconds(nbytes),
+                    "grpcio + copies": lambda: copies.seconds(nbytes)}
             seconds: dict[str, list[float]] = {name: [] for name in runs}
             cpu: dict[str, list[float]] = {name: [] for name in runs}
             try:
@@ -102,23 +111,29 @@ async def transfer(num_tokens: int, streams: list[int], repeats: int, chunk_byte
             finally:
                 await sender.close()
                 await raw.close()
+                await copies.close()
             got_k, got_v = cache.read(table, num_tokens)
             if not (np.array_equal(got_k.float().numpy(), k.astype(np.float32))
                     and np.array_equal(got_v.float().numpy(), v.astype(np.float32))):
                 raise RuntimeError("the KV in the receiver's cache differs from the KV sent")
-            ours, theirs = seconds["pdserve"], seconds["raw grpcio"]
+            ours, theirs, copied = seconds["pdserve"], seconds["raw grpcio"], seconds["grpcio + copies"]
+
+            def per_gb(name: str) -> dict | None:
+                return protocol.spread([c / (nbytes / 1e9) for c in cpu[name]])
+
             row = TransferRow(
                 n,
                 protocol.spread([nbytes / s / 1e9 for s in ours]),
                 protocol.spread([nbytes / s / 1e9 for s in theirs]),
                 protocol.spread([r / p for p, r in zip(ours, theirs)]),
-                protocol.spread([c / (nbytes / 1e9) for c in cpu["pdserve"]]),
-                protocol.spread([c / (nbytes / 1e9) for c in cpu["raw grpcio"]]),
+                protocol.spread([nbytes / s / 1e9 for s in copied]),
+                protocol.spread([r / p for p, r in zip(ours, copied)]),
+                per_gb("pdserve"), per_gb("raw grpcio"), per_gb("grpcio + copies"),
             )
             rows.append(row)
             f = protocol.fmt_spread
             print(f"  {n} stream(s): transfer {f(row.transfer_gbps)} GB/s, raw grpcio {f(row.raw_gbps)} GB/s, "
-                  f"ratio {f(row.ratio)}", file=sys.stderr, flush=True)
+                  f"ratio {f(row.ratio)}; grpcio + copies {f(row.copies_gbps)} GB/s, ratio {f(row.copies_ratio)}", file=sys.stderr, flush=True)
     finally:
         await server.stop(None)
     return rows
@@ -227,12 +242,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("Median [min-max] over the repetitions; transfer / raw is taken repetition by repetition.")
     print()
-    print("| streams | transfer GB/s | raw grpcio GB/s | transfer / raw | transfer / 1-stream transfer | "
-          "CPU s/GB transfer | CPU s/GB raw |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| streams | transfer GB/s | raw grpcio GB/s | transfer / raw | grpcio + copies GB/s | "
+          "transfer / (grpcio + copies) | transfer / 1-stream transfer | CPU s/GB: transfer, raw, + copies |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in moved:
-        print(f"| {r.streams} | {f(r.transfer_gbps)} | {f(r.raw_gbps)} | {f(r.ratio)} | "
-              f"{r.transfer_gbps['median'] / one:.2f} | {f(r.transfer_cpu_s_per_gb)} | {f(r.raw_cpu_s_per_gb)} |")
+        print(f"| {r.streams} | {f(r.transfer_gbps)} | {f(r.raw_gbps)} | **{f(r.ratio)}** | {f(r.copies_gbps)} | "
+              f"{f(r.copies_ratio)} | {r.transfer_gbps['median'] / one:.2f} | {f(r.transfer_cpu_s_per_gb)}, "
+              f"{f(r.raw_cpu_s_per_gb)}, {f(r.copies_cpu_s_per_gb)} |")
     if hidden:
         print()
         print("| layer groups | prefill compute (ms) | first token -> KV complete (ms) | fraction of compute |")
