@@ -31,7 +31,7 @@ import grpc
 from pdserve.kvcache.codec import MAX_CHUNK_BYTES, Piece, plan_tensors
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.tensors import KvTensors
-from pdserve.kvcache.wire import encode_piece_bytes
+from pdserve.kvcache.wire import encode_piece_bytes, piece_bytes
 from pdserve.v1 import worker_pb2 as pb
 
 PROTOCOL_VERSION = 2
@@ -40,6 +40,8 @@ QUEUE_PIECES = 4
 """Pieces waiting per stream before send() waits: what the sender buffers beyond its KvTensors."""
 ENCODE_AHEAD = 2
 """Messages per stream encoded (in a thread) ahead of the one grpcio sends: the sender's own copies."""
+ENCODE_INLINE_BYTES = 256 * 2**10
+"""Pieces smaller than this are encoded on the event loop: handing them to a thread costs more than the copy."""
 ENCODE_THREADS = 4
 _encoder: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -162,12 +164,13 @@ class Stream(abc.ABC):
                 item = await self.queue.get()  # waits only when nothing is encoded or being encoded
                 if item is None:
                     closed = True
-                elif isinstance(item, tuple):
+                elif isinstance(item, tuple) and piece_bytes(*item) >= ENCODE_INLINE_BYTES:
                     ahead.append(loop.run_in_executor(_encode_pool(), encode_piece_bytes,
                                                       self.layout.block_size, *item))
                 else:
                     done = loop.create_future()
-                    done.set_result(item)
+                    done.set_result(encode_piece_bytes(self.layout.block_size, *item)
+                                    if isinstance(item, tuple) else item)
                     ahead.append(done)
             if not ahead:
                 return

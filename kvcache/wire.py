@@ -46,6 +46,12 @@ def _field_views(a: np.ndarray, g0: int, lc: int, t0: int, tc: int) -> np.ndarra
     return part.view(np.uint8)
 
 
+def piece_bytes(kv: KvTensors, piece: Piece) -> int:
+    """The KV bytes (scales aside) of one piece of kv: what encoding it copies, give or take its scales."""
+    _, lc, _, tc = piece
+    return 2 * lc * tc * kv.k[0, 0].nbytes if kv.k.shape[1] else 0
+
+
 def encode_piece_bytes(layout_block_size: int, kv: KvTensors, piece: Piece) -> bytes:
     """A serialized KvChunk{blocks} for one piece of kv: the same bytes the generated code would produce.
 
