@@ -5,7 +5,9 @@ Life of a send (SGLang's KVPoll states):
    (BeginKv); `open` returns once the receiver accepted it and the streams are open
    (WAITING_FOR_INPUT), or raises grpc.aio.AioRpcError with the refusal. The receiver's lease starts.
 2. `await sender.send(kv)` for each layer group as the prefill finishes it: TRANSFERRING. Its pieces
-   are spread over the streams and encoded as each stream's flow control asks for the next message.
+   are spread over the streams; each stream encodes its next messages (in a thread, ENCODE_AHEAD of
+   them) while grpcio sends the current one, so the sender buffers at most QUEUE_PIECES pieces and
+   ENCODE_AHEAD messages per stream beyond its KvTensors.
 3. `await sender.finish(first_token_id)`: KvEnd on every stream, then the receiver's answer: SUCCESS.
    A refusal on any stream: FAILED (the others are cut), and finish raises it.
    `await sender.abort(reason)` instead tells the receiver this attempt is dead, so it frees what it
