@@ -205,11 +205,11 @@ def bench_decode(config, weights, plan: Plan, device: str, ceil: dict) -> list[R
 
     from pdserve.kvcache.layout import KvLayout
     from pdserve.server.decode.kv_cache import PagedKvCache
-    from pdserve.server.decode.model import DecoderModel
+    from pdserve.server.decode.weights import build_model
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     log("decode: building the model on the device")
-    model = DecoderModel(config, weights, dtype=torch.bfloat16).to(device)
+    model = build_model(config, weights, dtype=torch.bfloat16, device=device)
     layout = KvLayout(
         config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype="bfloat16"
     )

@@ -17,9 +17,9 @@ from pdserve.server import metrics, serving
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.engine import DecodeEngine
 from pdserve.server.decode.kv_cache import TORCH_DTYPES
-from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
 from pdserve.server.decode.service import DecodeService
+from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
@@ -74,8 +74,8 @@ def build_engine(config: DecodeConfig):
     if config.threads:
         torch.set_num_threads(config.threads)
     t0 = time.perf_counter()
-    model = DecoderModel(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
-                         weight_format=weight_dtype if quantized else None)
+    model = build_model(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
+                        weight_format=weight_dtype if quantized else None)
     layout = KvLayout(
         num_layers=model_config.num_layers,
         num_kv_heads=model_config.num_kv_heads,

@@ -32,20 +32,23 @@ def quantize_weight(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, t
 
 
 class Linear(nn.Module):
-    """y = x @ w.T + b with w held as given (float) or quantized (int8/fp8 + per-row scales)."""
+    """y = x @ w.T + b with w held as loaded (float) or, after `quantize_`, as int8/fp8 + per-row scales."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 fmt: WeightFormat | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
         super().__init__()
         self.dtype = dtype
-        if fmt is None:
-            self.weight = nn.Buffer(weight.to(dtype))  # [out, in]
-            self.scale = None
-        else:
-            q, scale = quantize_weight(weight, fmt)
-            self.weight = nn.Buffer(q)  # [out, in] int8 / float8_e4m3fn
-            self.scale = nn.Buffer(scale)  # [out, 1] float32
-        self.bias = None if bias is None else nn.Buffer(bias.to(dtype))
+        self.weight = nn.Buffer(torch.empty(out_features, in_features, dtype=dtype, device=device))  # [out, in]
+        self.register_buffer("scale", None)  # [out, 1] float32 once quantized
+        self.bias = nn.Buffer(torch.empty(out_features, dtype=dtype, device=device)) if bias else None  # [out]
+
+    def quantize_(self, fmt: WeightFormat) -> None:
+        """Replaces the loaded weight with its int8/fp8 form and per-output-channel scales."""
+        if self.scale is not None:
+            raise ValueError("the weight is quantized already")
+        q, scale = quantize_weight(self.weight, fmt)
+        self.weight = nn.Buffer(q)  # [out, in] int8 / float8_e4m3fn
+        self.scale = nn.Buffer(scale)  # [out, 1] float32
 
     def dequantized(self) -> torch.Tensor:
         if self.scale is None:
@@ -54,6 +57,14 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(), self.bias)
+
+
+def quantize(model: nn.Module, fmt: WeightFormat) -> None:
+    """Every `Linear` of the model (its layers' matmuls) to int8/fp8; embeddings, norms and biases stay."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quantize_(fmt)
+    model.weight_format = fmt
 
 
 def buffer_bytes(module: nn.Module) -> int:

@@ -125,6 +125,7 @@ def test_kv_capacity_doubles_with_fp8_and_int8_for_a_fixed_budget():
 
 from pdserve.server.decode.model import DecoderModel  # noqa: E402
 from pdserve.server.decode.quant import Linear, buffer_bytes, quantize_weight  # noqa: E402
+from pdserve.server.decode.weights import build_model  # noqa: E402
 from pdserve.server.model.config import load_config  # noqa: E402
 from pdserve.server.model.weights import load_weights  # noqa: E402
 
@@ -139,7 +140,10 @@ def test_weight_quantization_per_output_channel(fmt):
     err = (q.float() * scale - w).abs()
     bound = scale / 2 if fmt == "int8" else torch.maximum(w.abs() * 2**-4, scale * 2**-10)
     assert bool((err <= bound * (1 + 1e-6)).all())
-    linear = Linear(w, torch.ones(6), torch.float32, fmt)
+    linear = Linear(40, 6, True, torch.float32)
+    linear.weight.copy_(w)
+    linear.bias.fill_(1)
+    linear.quantize_(fmt)
     x = torch.randn(3, 40)
     assert torch.allclose(linear(x), x @ (q.float() * scale).T + 1)
 
@@ -161,8 +165,8 @@ def _prefill_logits(model: DecoderModel, kv_dtype: str) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_quantized_weights_hold_less_memory_and_keep_logits_close(llama, fmt):
     config, weights = llama
-    full = DecoderModel(config, weights)
-    quant = DecoderModel(config, weights, torch.float32, weight_format=fmt)
+    full = build_model(config, weights)
+    quant = build_model(config, weights, torch.float32, weight_format=fmt)
     # 2 layers x (qkv 256x128 + o 128x128 + gate_up 512x128 + down 128x256) = 294912 weights: 4 -> 1 byte,
     # plus one float32 scale per output row: 2 x (256 + 128 + 512 + 128) = 2048
     assert buffer_bytes(full) - buffer_bytes(quant) == 294912 * 3 - 2048 * 4
@@ -172,6 +176,6 @@ def test_quantized_weights_hold_less_memory_and_keep_logits_close(llama, fmt):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 def test_quantized_cache_keeps_logits_close(llama, kv_dtype):
-    model = DecoderModel(*llama)
+    model = build_model(*llama)
     ref, got = _prefill_logits(model, "float32"), _prefill_logits(model, kv_dtype)
     assert ((got - ref).abs().max() / ref.abs().max()).item() < {"int8": 0.02, "fp8_e4m3": 0.1}[kv_dtype]
