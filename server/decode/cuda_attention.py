@@ -171,3 +171,15 @@ def _combine(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tenso
     top = m.amax(-1, keepdim=True)  # [B, H, 1] finite: every sequence has a token
     w = torch.exp(m - top)  # [B, H, S] empty splits (m = -inf) weigh 0
     return (acc * w[..., None]).sum(2) / (l * w).sum(-1)[..., None]
+
+
+def decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    cache,  # PagedKvCache
+    layer: int,
+    block_tables: torch.Tensor,  # [B, M]
+    context_lens: torch.Tensor,  # [B]
+) -> torch.Tensor:
+    """One layer's paged decode attention over the cache -> [B, H, D]."""
+    scales = (None, None) if cache.k_scales is None else (cache.k_scales[layer], cache.v_scales[layer])
+    return paged_decode_attention(q, cache.k[layer], cache.v[layer], block_tables, context_lens, *scales)

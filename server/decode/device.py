@@ -83,3 +83,35 @@ def gpu_cache_blocks(total: int, utilization: float, peak_torch: int, other: int
             f"a step at the largest batch take {peak_torch / 2**30:.1f} GiB, other memory {other / 2**30:.1f} GiB; "
             f"raise --gpu-memory-utilization, lower --max-running or --max-model-len, or quantize the weights")
     return blocks
+
+
+PROFILE_PREFILL_TOKENS = 2048
+"""The longest local prefill the profiling step runs (a prompt's logits are [S, V] float32)."""
+
+
+def profile_step(model, layout: KvLayout, max_batch: int, max_model_len: int, device: torch.device
+                 ) -> tuple[int, int, int]:
+    """Runs a prefill of min(max_model_len, PROFILE_PREFILL_TOKENS) tokens and a decode step at the largest
+    batch (padded to its CUDA-graph bucket) over a scratch cache. Returns (peak bytes torch allocated, less
+    the scratch cache; bytes held outside torch's allocator; the device's total bytes)."""
+    from pdserve.server.decode.kv_cache import PagedKvCache
+    from pdserve.server.decode.model_runner import bucket_for
+
+    batch = bucket_for(max_batch) or max_batch
+    prompt = min(max_model_len, PROFILE_PREFILL_TOKENS)
+    num_blocks = max(batch, layout.num_blocks(prompt))
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    cache = PagedKvCache(layout, num_blocks, device=device)
+    model.prefill(torch.zeros(prompt, dtype=torch.int64), list(range(layout.num_blocks(prompt))), cache)
+    tables = (torch.arange(batch) % num_blocks)[:, None]  # [B, 1] a block each
+    positions = torch.zeros(batch, dtype=torch.int64)
+    model.decode(torch.zeros(batch, dtype=torch.int64), positions, tables, positions + 1, cache)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - cache.nbytes
+    del cache
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    other = max(0, (total - free) - torch.cuda.memory_reserved(device))
+    return peak, other, total

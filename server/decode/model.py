@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.server.decode.cuda_attention import decode_attention
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.quant import Linear, WeightFormat
 from pdserve.server.model.config import ModelConfig
@@ -53,8 +54,9 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,  # [B, S, 1, D]
         slots: torch.Tensor,  # [B, S] flat cache slot of each new token
         block_tables: torch.Tensor,  # [B, M]
-        mask: torch.Tensor,  # [B, S, M * block_size] bool, True = attend
+        mask: torch.Tensor | None,  # [B, S, M * block_size] bool, True = attend
         cache: PagedKvCache,
+        context_lens: torch.Tensor | None = None,  # [B]: decode (S = 1) through the CUDA paged kernel
     ) -> torch.Tensor:
         c = self.config
         B, S, _ = x.shape
@@ -70,15 +72,20 @@ class DecoderLayer(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
-        cache.store(self.index, slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
-        k_all, v_all = cache.gather(self.index, block_tables)  # [B, T, Hkv, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # [B, H, S, D]
-            k_all.transpose(1, 2).to(q.dtype),  # [B, Hkv, T, D]
-            v_all.transpose(1, 2).to(q.dtype),
-            attn_mask=mask[:, None],  # [B, 1, S, T]
-            enable_gqa=True,
-        )  # [B, H, S, D]
+        cache.store(self.index, slots.flatten(), k.flatten(0, 1), v.flatten(0, 1),
+                    distinct_blocks=context_lens is not None)  # decode: no host sync (a CUDA graph)
+        if context_lens is not None:  # decode on CUDA: the paged kernel reads only the context's blocks
+            out = decode_attention(q[:, 0], cache, self.index, block_tables, context_lens)[:, :, None]
+            # out [B, H, 1, D]
+        else:
+            k_all, v_all = cache.gather(self.index, block_tables)  # [B, T, Hkv, D]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),  # [B, H, S, D]
+                k_all.transpose(1, 2).to(q.dtype),  # [B, Hkv, T, D]
+                v_all.transpose(1, 2).to(q.dtype),
+                attn_mask=mask[:, None],  # [B, 1, S, T]
+                enable_gqa=True,
+            )  # [B, H, S, D]
         x = x + self.wo(out.transpose(1, 2).reshape(B, S, -1))
 
         gate_up = self.w_gate_up(rms_norm(x, self.mlp_norm, eps))  # [B, S, 2 I]
@@ -102,6 +109,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
         self.norm = nn.Buffer(torch.empty(d, dtype=dtype, device=device))  # [d]
         self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)).to(device))  # [D / 2] float32
+        self.paged_kernel = False
+        """Decode attends through the CUDA paged kernel (`cuda_attention`); set where it runs."""
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -112,8 +121,9 @@ class DecoderModel(nn.Module):
         token_ids: torch.Tensor,  # [B, S]
         positions: torch.Tensor,  # [B, S]
         block_tables: torch.Tensor,  # [B, M]
-        mask: torch.Tensor,  # [B, S, M * block_size]
+        mask: torch.Tensor | None,  # [B, S, M * block_size]
         cache: PagedKvCache,
+        context_lens: torch.Tensor | None = None,  # [B] decode through the CUDA paged kernel (mask None)
     ) -> torch.Tensor:
         bs = cache.block_size
         slots = block_tables.gather(1, positions // bs) * bs + positions % bs  # [B, S]
@@ -122,7 +132,7 @@ class DecoderModel(nn.Module):
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         x = F.embedding(token_ids, self.embed)  # [B, S, d]
         for layer in self.layers:
-            x = layer(x, cos, sin, slots, block_tables, mask, cache)
+            x = layer(x, cos, sin, slots, block_tables, mask, cache, context_lens)
         return F.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()  # [B, S, V]
 
     @torch.inference_mode()
@@ -156,7 +166,11 @@ class DecoderModel(nn.Module):
         """
         device = self.embed.device
         block_tables = block_tables.to(device)  # [B, M]
+        positions = positions.to(device)
+        if self.paged_kernel:  # no mask: the kernel reads each row's first context_lens tokens
+            return self._forward(token_ids.to(device)[:, None], positions[:, None], block_tables, None, cache,
+                                 context_lens.to(device))[:, 0]
         keys = torch.arange(block_tables.shape[1] * cache.block_size, device=device)  # [T]
         mask = (keys < context_lens.to(device)[:, None])[:, None]  # [B, 1, T]
-        positions = positions.to(device)[:, None]  # [B, 1]
+        positions = positions[:, None]  # [B, 1]
         return self._forward(token_ids.to(device)[:, None], positions, block_tables, mask, cache)[:, 0]

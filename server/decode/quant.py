@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kvcache.quant import QMAX
+from pdserve.server.decode import cuda_linear
+from pdserve.server.decode.cuda_linear import Kernel
 
 WeightFormat = Literal["int8", "fp8"]
 QUANTIZED_WEIGHTS: dict[str, tuple[torch.dtype, float]] = {
@@ -40,15 +42,18 @@ class Linear(nn.Module):
         self.dtype = dtype
         self.weight = nn.Buffer(torch.empty(out_features, in_features, dtype=dtype, device=device))  # [out, in]
         self.register_buffer("scale", None)  # [out, 1] float32 once quantized
+        self.kernel: Kernel | None = None  # a matmul reading the quantized weight (cuda_linear), if any
         self.bias = nn.Buffer(torch.empty(out_features, dtype=dtype, device=device)) if bias else None  # [out]
 
-    def quantize_(self, fmt: WeightFormat) -> None:
-        """Replaces the loaded weight with its int8/fp8 form and per-output-channel scales."""
+    def quantize_(self, fmt: WeightFormat, kernel: Kernel | None = None) -> None:
+        """Replaces the loaded weight with its int8/fp8 form and per-output-channel scales; kernel: the matmul
+        over them (None: dequantize per call)."""
         if self.scale is not None:
             raise ValueError("the weight is quantized already")
         q, scale = quantize_weight(self.weight, fmt)
         self.weight = nn.Buffer(q)  # [out, in] int8 / float8_e4m3fn
         self.scale = nn.Buffer(scale)  # [out, 1] float32
+        self.kernel = kernel
 
     def dequantized(self) -> torch.Tensor:
         if self.scale is None:
@@ -56,15 +61,23 @@ class Linear(nn.Module):
         return (self.weight.float() * self.scale).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.scale, self.bias)
         return F.linear(x, self.dequantized(), self.bias)
 
 
-def quantize(model: nn.Module, fmt: WeightFormat) -> None:
-    """Every `Linear` of the model (its layers' matmuls) to int8/fp8; embeddings, norms and biases stay."""
-    for module in model.modules():
-        if isinstance(module, Linear):
-            module.quantize_(fmt)
+def quantize(model: nn.Module, fmt: WeightFormat) -> str:
+    """Every `Linear` of the model (its layers' matmuls) to int8/fp8; embeddings, norms and biases stay.
+    Returns how they compute: through a kernel for the format on the model's device, or "saves memory only"."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    kernel = cuda_linear.pick(fmt, linears[0].dtype, linears[0].weight.device) if linears else None
+    for module in linears:
+        module.quantize_(fmt, kernel)
     model.weight_format = fmt
+    device = linears[0].weight.device.type if linears else "-"
+    model.weight_kernel = (f"{fmt} weights through {kernel.__name__}" if kernel else
+                           f"{fmt} weights dequantized per matmul on {device}: the format saves memory only")
+    return model.weight_kernel
 
 
 def buffer_bytes(module: nn.Module) -> int:
