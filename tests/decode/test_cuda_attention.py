@@ -86,3 +86,41 @@ def test_kernel_reads_no_block_past_the_context():
     got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, splits=2)
     assert torch.equal(got, expected) or (got - expected).abs().max().item() < 1e-6
     assert not got.isnan().any()
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    from pdserve.server.decode.weights import build_model
+    from pdserve.server.model.config import load_config
+    from pdserve.server.model.weights import load_weights
+
+    path = tiny_model("llama")
+    return build_model(load_config(path), load_weights(path))
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype, tol", [("float32", 1e-4), ("int8", 1e-4)])
+def test_model_decode_through_the_kernel_matches_the_reference(llama, kv_dtype, tol):
+    """The model's decode step with `paged_kernel` (what runs on CUDA, block tables as wide as a CUDA graph's)
+    against the reference path; int8 KV goes through the sync-free store on the kernel path."""
+    c = llama.config
+    granularity = "block_head" if kv_dtype == "int8" else "none"
+    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype, granularity)
+    prompts = [list(range(3, 12)), list(range(40, 45))]
+    tables = torch.tensor([[0, 1, 2, 3, 12, 12], [5, 6, 12, 12, 12, 12]])  # padded with the pad block 12
+    logits = {}
+    for kernel in (False, True):
+        cache = PagedKvCache(layout, 13)
+        for ids, table in zip(prompts, tables.tolist()):
+            llama.prefill(torch.tensor(ids), table, cache)
+        llama.paged_kernel = kernel
+        try:
+            positions = torch.tensor([len(p) for p in prompts])
+            steps = []
+            for step in range(3):  # three tokens: the kernel path stores each new token itself
+                steps.append(llama.decode(torch.tensor([100 + step, 7]), positions + step, tables,
+                                          positions + step + 1, cache))
+        finally:
+            llama.paged_kernel = False
+        logits[kernel] = torch.stack(steps)  # [3, B, V]
+    assert (logits[True] - logits[False]).abs().max().item() < tol
