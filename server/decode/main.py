@@ -4,28 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 
 import grpc
-import torch
 
-from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.kvcache.receiver import KvReceiver, add_receiver_to_server
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
 from pdserve.server.decode.config import DecodeConfig
-from pdserve.server.decode.cuda_attention import have_triton
-from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_cache_blocks, gpu_cache_blocks,
-                                          parse_bytes, profile_step, resolve_device)
 from pdserve.server.decode.engine import DecodeEngine
-from pdserve.server.decode.kv_cache import TORCH_DTYPES
-from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
 from pdserve.server.decode.service import DecodeService
-from pdserve.server.decode.weights import build_model
-from pdserve.server.model.config import load_config
+from pdserve.server.decode.startup import build_native_engine
 from pdserve.server.model.fingerprint import fingerprint
-from pdserve.server.model.weights import load_weights
 from pdserve.server.registration import Registration, join, serve_until_signal
 
 log = logging.getLogger("pdserve.decode")
@@ -65,64 +55,7 @@ def build_engine(config: DecodeConfig):
         from pdserve.server.decode.vllm_worker import build_vllm_engine
 
         return build_vllm_engine(config)
-    model_config = load_config(config.model_dir).limited_to(config.max_model_len)
-    device = resolve_device(config.device)
-    if config.gpu_memory_utilization is not None and device.type != "cuda":
-        log.warning("--gpu-memory-utilization %s does not apply: this decode worker computes on the CPU; its KV "
-                    "cache is sized by --kv-cache-tokens or --kv-cache-memory", config.gpu_memory_utilization)
-    weight_dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
-    quantized = weight_dtype in QUANTIZED_WEIGHTS
-    compute_dtype = (model_config.dtype if model_config.dtype in TORCH_DTYPES else "float32") if quantized \
-        else weight_dtype
-    kv_dtype = compute_dtype if config.kv_dtype == "auto" else config.kv_dtype
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    t0 = time.perf_counter()
-    model = build_model(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
-                        weight_format=weight_dtype if quantized else None, device=device)
-    if quantized:
-        log.info("decode weights: %s", model.weight_kernel)
-    model.paged_kernel = device.type == "cuda" and have_triton()
-    if device.type == "cuda" and not model.paged_kernel:
-        log.warning("triton is not installed: decode attention on %s gathers whole block tables (pip install "
-                    "triton for the paged kernel)", device)
-    layout = KvLayout(
-        num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        block_size=config.block_size,
-        dtype=kv_dtype,
-        scale_granularity="block_head" if kv_dtype in QUANTIZED else "none",
-    )
-    cuda_graphs = device.type == "cuda" and not config.enforce_eager
-    num_blocks, sized_by = cache_blocks(config, model, layout, device, cuda_graphs)
-    engine = DecodeEngine(model, layout, num_blocks, config.max_running, max_queue=config.max_queue,
-                          enable_prefix_caching=config.enable_prefix_caching,
-                          eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
-                          cuda_graphs=cuda_graphs)
-    log.info("decode model %s on %s loaded in %.1f s; weights %.1f MiB (%s, compute %s); KV cache %d blocks x %d "
-             "tokens = %d tokens (%s, %.1f MiB incl. scales; %s); %s", model_config.describe(), device,
-             time.perf_counter() - t0, buffer_bytes(model) / 2**20, weight_dtype, compute_dtype, num_blocks,
-             config.block_size, num_blocks * config.block_size, kv_dtype, engine.cache.nbytes / 2**20, sized_by,
-             "CUDA graphs per batch bucket" if cuda_graphs else "eager steps")
-    return model_config, engine, layout
-
-
-def cache_blocks(config: DecodeConfig, model, layout: KvLayout, device: torch.device, cuda_graphs: bool
-                 ) -> tuple[int, str]:
-    """The KV cache's blocks and what sized it: --kv-cache-tokens, else the memory left on the device."""
-    if config.num_blocks is not None:
-        return config.num_blocks, f"--kv-cache-tokens {config.kv_cache_tokens}"
-    max_model_len = model.config.max_model_len
-    if device.type != "cuda":
-        budget = parse_bytes(config.kv_cache_memory, "--kv-cache-memory")
-        blocks = cpu_cache_blocks(budget, layout, config.max_running, max_model_len)
-        return blocks, f"--kv-cache-memory {config.kv_cache_memory}, at most --max-running x --max-model-len"
-    utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-    peak, other, total = profile_step(model, layout, config.max_running, max_model_len, device)
-    blocks = gpu_cache_blocks(total, utilization, peak, other, layout, reserved_blocks=1 if cuda_graphs else 0)
-    return blocks, (f"--gpu-memory-utilization {utilization} of {total / 2**30:.1f} GiB; weights + a step at batch "
-                    f"{config.max_running} peaked at {peak / 2**30:.2f} GiB, other memory {other / 2**30:.2f} GiB")
+    return build_native_engine(config)
 
 
 async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> DecodeWorker:

@@ -17,7 +17,7 @@ from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.device import (cpu_cache_blocks, gpu_cache_blocks, parse_bytes, parse_device,
                                           resolve_device)
 from pdserve.server.decode.kv_cache import PagedKvCache
-from pdserve.server.decode.main import build_engine
+from pdserve.server.decode.startup import build_native_engine as build_engine
 from pdserve.server.decode.model_runner import BUCKETS, EagerRunner, StepInputs, bucket_for
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
