@@ -23,8 +23,9 @@ def fp8_scaled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: t
     rows = x.reshape(-1, x.shape[-1])  # [M, in]
     x_scale = (rows.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [M, 1]
     x_q = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # [M, in]
-    out = torch._scaled_mm(x_q, q.t(), scale_a=x_scale, scale_b=scale.t().contiguous(), bias=bias,
-                           out_dtype=x.dtype)  # [M, out]
+    out = torch._scaled_mm(x_q, q.t(), scale_a=x_scale, scale_b=scale.t().contiguous(), out_dtype=x.dtype)  # [M, out]
+    if bias is not None:  # row-wise scaling takes no bias
+        out = out + bias
     return out.reshape(*x.shape[:-1], q.shape[0])
 
 

@@ -211,10 +211,12 @@ class PagedKvCache:
                 self.v_scales[layers, ids] = _pinned(v_scales).to(self.device, non_blocking=True)
             for cache, src in ((self.k, k), (self.v, v)):
                 dst, staged = cache[layers].flatten(1, 2), _pinned(src)  # [l, N * bs, Hkv, D], [l, n, Hkv, D]
-                for run_start, run_len, block_id in runs:
-                    t0, t1 = run_start * self.block_size, min((run_start + run_len) * self.block_size, n)
-                    slot = block_id * self.block_size
-                    dst[:, slot : slot + t1 - t0].copy_(staged[:, t0:t1], non_blocking=True)
+                # One contiguous copy per layer and run of blocks: a strided one would go through pageable memory.
+                for layer in range(dst.shape[0]):
+                    for run_start, run_len, block_id in runs:
+                        t0, t1 = run_start * self.block_size, min((run_start + run_len) * self.block_size, n)
+                        slot = block_id * self.block_size
+                        dst[layer, slot : slot + t1 - t0].copy_(staged[layer, t0:t1], non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
         return copied
