@@ -63,8 +63,9 @@ class DecodeEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0
-        self._copies: dict[str, object] = {}
-        """Request id -> the event after its last KV chunk's copy onto the device (CUDA), until its first step."""
+        self._copies: dict[str, list] = {}
+        """Request id -> the CUDA events that follow its KV chunks' copies onto the device, until its first step
+        (a list: a request's KV streams may write concurrently)."""
         if cuda_graphs:
             max_blocks = layout.num_blocks(self.max_model_len)
             self.runner = CudaGraphRunner(model, self.cache, max_running, max_blocks, pad_block=num_blocks)
@@ -129,7 +130,7 @@ class DecodeEngine:
         copied = self.cache.write(seq.block_table, piece.layer_start, piece.token_start, piece.k, piece.v,
                                   piece.k_scales, piece.v_scales)
         if copied is not None:  # a copy onto the device in flight: the sequence's first step waits for it
-            self._copies[request_id] = copied
+            self._copies.setdefault(request_id, []).append(copied)
 
     async def prefill_locally(self, seq: Sequence) -> int:
         """The prompt's KV (past its cached prefix) computed here; the first token."""
@@ -191,7 +192,7 @@ class DecodeEngine:
 
     def _retire(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Drops the sequence and its blocks: now, or after the thread that is using them."""
-        if (copied := self._copies.pop(seq.request_id, None)) is not None:  # its blocks' next owner waits too
+        for copied in self._copies.pop(seq.request_id, ()):  # its blocks' next owner waits for them too
             torch.cuda.current_stream(self.cache.device).wait_event(copied)
         if self.sequences.get(seq.request_id) is seq:
             del self.sequences[seq.request_id]
@@ -251,8 +252,7 @@ class DecodeEngine:
     def _wait_for_copies(self, batch: list[Sequence]) -> None:
         """The device's compute stream waits (on the device, not the host) for the batch's KV copies alone."""
         for s in batch:
-            copied = self._copies.pop(s.request_id, None)
-            if copied is not None:
+            for copied in self._copies.pop(s.request_id, ()):
                 torch.cuda.current_stream(self.cache.device).wait_event(copied)
 
     @staticmethod

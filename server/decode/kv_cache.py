@@ -105,7 +105,8 @@ class PagedKvCache:
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
         self.v = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
-        self._copy_stream = None  # CUDA: where received KV is copied onto the device
+        self._copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
+        """CUDA: where received KV is copied onto the device (`_write_device`)."""
         self.k_scales: torch.Tensor | None = None  # [L, N, Hkv] float32, quantized dtypes only
         self.v_scales: torch.Tensor | None = None
         if self.quantized:
@@ -202,8 +203,6 @@ class PagedKvCache:
         memory, then onto the device with non-blocking copies on the cache's copy stream. Returns the CUDA
         event that follows the copies: a step that reads these blocks waits for it on the device (no host
         wait); torch's pinned allocator keeps the staging memory until the copies are done."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._copy_stream):
             if self.quantized:
                 ids = _pinned(np.asarray(block_ids, dtype=np.int64)).to(self.device, non_blocking=True)

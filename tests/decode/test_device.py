@@ -18,7 +18,7 @@ from pdserve.server.decode.device import (cpu_cache_blocks, gpu_cache_blocks, pa
                                           resolve_device)
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.startup import build_native_engine as build_engine
-from pdserve.server.decode.model_runner import BUCKETS, EagerRunner, StepInputs, bucket_for
+from pdserve.server.decode.model_runner import BUCKETS, CudaGraphRunner, EagerRunner, StepInputs, bucket_for
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
@@ -155,3 +155,55 @@ def test_quantized_weights_on_the_cpu_say_they_save_memory_only(tiny_model):
 def test_config_fields_reach_the_cli():
     names = {f.name for f in dataclasses.fields(DecodeConfig)}
     assert {"device", "kv_cache_memory", "enforce_eager", "gpu_memory_utilization"} <= names
+
+
+class _Replay:
+    """Stands in for a captured CUDA graph on the CPU: replay recomputes the step from the persistent inputs."""
+
+    def __init__(self, step):
+        self.replay = step
+
+
+class _CpuGraphRunner(CudaGraphRunner):
+    def capture(self) -> None:
+        for bucket in self.buckets:
+            self.outputs[bucket] = torch.empty(bucket, self.model.config.vocab_size)
+            views = self.inputs.views(bucket)
+            self.graphs[bucket] = _Replay(lambda b=bucket, v=views: self.outputs[b].copy_(
+                self.model.decode(*v, self.cache)))
+
+
+def test_graph_runner_pads_to_its_bucket_and_falls_back_to_eager(llama):
+    """The runner's bookkeeping, graphs stood in for by eager replays of the same persistent buffers: a batch
+    of 3 replays bucket 4 and gets its 3 rows; one wider than the graphs' tables, or larger than the largest
+    bucket, runs eagerly."""
+    c = llama.config
+    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, "float32")
+    cache = PagedKvCache(layout, 17)  # 16 blocks + the pad block 16
+    runner = _CpuGraphRunner(llama, cache, max_batch=4, max_blocks=3, pad_block=16)
+    runner.capture()
+    assert runner.buckets == (1, 2, 4)
+    replays = []
+    for bucket, graph in runner.graphs.items():
+        step = graph.replay
+        graph.replay = lambda b=bucket, f=step: (replays.append(b), f())
+    for ids, table in zip([list(range(3, 9)), list(range(20, 25)), list(range(30, 40))], [[0, 1], [4, 5], [8, 9, 10]]):
+        llama.prefill(torch.tensor(ids), table, cache)
+    tokens, positions = torch.tensor([1, 2, 3]), torch.tensor([6, 5, 10])
+    tables = torch.tensor([[0, 1, 0], [4, 5, 4], [8, 9, 10]])
+    snapshot = (cache.k.clone(), cache.v.clone())
+    expected = EagerRunner(llama, cache).decode(tokens, positions, tables, positions + 1)
+    cache.k.copy_(snapshot[0])
+    cache.v.copy_(snapshot[1])
+    got = runner.decode(tokens, positions, tables, positions + 1)
+    assert replays == [4] and got.shape == (3, c.vocab_size)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=0)
+    wide = torch.tensor([[0, 1, 0, 0]])  # 4 columns: wider than the graphs' 3
+    runner.decode(torch.tensor([1]), torch.tensor([6]), wide, torch.tensor([7]))
+    assert replays == [4]
+    many = torch.zeros(5, 1, dtype=torch.int64)  # 5 rows: more than the largest bucket
+    runner.decode(torch.zeros(5, dtype=torch.int64), torch.zeros(5, dtype=torch.int64), many,
+                  torch.ones(5, dtype=torch.int64))
+    assert replays == [4]
+    runner.decode(tokens[:1], positions[:1], tables[:1, :2], positions[:1] + 1)
+    assert replays == [4, 1]
