@@ -9,10 +9,12 @@ and a profiling step at the largest batch took (and what other processes hold); 
 from __future__ import annotations
 
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from pdserve.kvcache.layout import KvLayout
+
+if TYPE_CHECKING:  # the flags are parsed where torch is absent (the coordinator's `pdserve up` parser)
+    import torch
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
           "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
@@ -30,6 +32,8 @@ def parse_device(device: str) -> str:
 
 def resolve_device(device: str) -> torch.device:
     """auto: cuda (the current device) when torch sees one, else the CPU; cuda[:N] must exist."""
+    import torch
+
     parse_device(device)
     if device == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -94,6 +98,8 @@ def profile_step(model, layout: KvLayout, max_batch: int, max_model_len: int, de
     """Runs a prefill of min(max_model_len, PROFILE_PREFILL_TOKENS) tokens and a decode step at the largest
     batch (padded to its CUDA-graph bucket) over a scratch cache. Returns (peak bytes torch allocated, less
     the scratch cache; bytes held outside torch's allocator; the device's total bytes)."""
+    import torch
+
     from pdserve.server.decode.kv_cache import PagedKvCache
     from pdserve.server.decode.model_runner import bucket_for
 

@@ -207,3 +207,13 @@ def test_graph_runner_pads_to_its_bucket_and_falls_back_to_eager(llama):
     assert replays == [4]
     runner.decode(tokens[:1], positions[:1], tables[:1, :2], positions[:1] + 1)
     assert replays == [4, 1]
+
+
+def test_the_flags_parse_without_torch():
+    """`pdserve up` and the coordinator build their parsers from DecodeConfig where torch is not installed."""
+    import subprocess
+    import sys
+
+    code = "import sys, pdserve.server.cli, pdserve.server.decode.config; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
