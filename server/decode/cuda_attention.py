@@ -5,11 +5,11 @@ One program per (sequence, kv head, split of the context): it loads the G query 
 head, walks its share of the context in tiles of TILE tokens (each token's block found through the
 block table, dequantized in registers when the cache is int8/fp8), and keeps an online softmax. With one
 split the program writes the output; with several (flash-decoding, for few sequences and long
-contexts) each writes its partial max, sum and weighted values, and `_combine` merges them in torch.
+contexts) each writes its partial max, sum and weighted values, and a second kernel merges them.
 The number of splits depends only on the batch and the table's width, never on the lengths, so a step
 holds no host synchronisation and replays inside a CUDA graph.
 
-On the CPU the same kernel runs under Triton's interpreter (TRITON_INTERPRET=1) in the tests.
+On the CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1) in the tests.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ TILE = 64
 """Tokens one kernel iteration reads (a multiple of the block size, or the block size when larger)."""
 TARGET_PROGRAMS = 256
 """Splits are added until the grid has about this many programs (the H200 has 132 SMs)."""
+MAX_SPLITS = 64
+"""At most this many (the combining kernel holds every split's partial row in registers)."""
 
 
 def have_triton() -> bool:
@@ -36,7 +38,7 @@ def num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int) 
     A function of the shapes alone (not of the lengths): no host sync, and fixed per CUDA-graph bucket."""
     tiles = max(1, -(-max_blocks * block_size // max(TILE, block_size)))
     wanted = -(-TARGET_PROGRAMS // (batch * num_kv_heads))
-    return max(1, min(tiles, wanted))
+    return max(1, min(tiles, wanted, MAX_SPLITS))
 
 
 @functools.cache
@@ -111,7 +113,20 @@ def _kernel():
             out = OUT + b * stride_ob + heads[:, None] * stride_oh + d[None, :]
             tl.store(out, (acc / l[:, None]).to(OUT.dtype.element_ty), mask=head_ok[:, None])
 
-    return paged_decode
+    @triton.jit
+    def combine(ACC, M_IN, L_IN, OUT, S: tl.constexpr, S_PAD: tl.constexpr, D: tl.constexpr):
+        """One (sequence, head) row: the splits' partial results, softmax-weighted, into OUT [B H, D]."""
+        row = tl.program_id(0)
+        s = tl.arange(0, S_PAD)
+        d = tl.arange(0, D)
+        m = tl.load(M_IN + row * S + s, mask=s < S, other=float("-inf"))  # [S_PAD]
+        l = tl.load(L_IN + row * S + s, mask=s < S, other=0.0)
+        acc = tl.load(ACC + row * S * D + s[:, None] * D + d[None, :], mask=(s < S)[:, None], other=0.0)
+        w = tl.exp(m - tl.max(m, 0))  # empty splits (m = -inf) weigh 0; split 0 always holds a token
+        out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)  # [D]
+        tl.store(OUT + row * D + d, out.to(OUT.dtype.element_ty))
+
+    return paged_decode, combine
 
 
 def paged_decode_attention(
@@ -152,7 +167,8 @@ def paged_decode_attention(
         out = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
         m = l = out
         strides = (*out.stride()[:2], D, 0, 0)
-    _kernel()[(B, Hkv, splits)](
+    paged_decode, combine = _kernel()
+    paged_decode[(B, Hkv, splits)](
         q, k_cache, v_cache, scales, v_scales if quant else scales, block_tables, context_lens, out, m, l,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -163,14 +179,11 @@ def paged_decode_attention(
         G=G, G_PAD=g_pad, D=D, BS=bs, TILE_N=tile,
         QUANT=quant, IEEE=q.dtype == torch.float32, PARTIAL=partial,
     )
-    return _combine(out, m, l).to(q.dtype) if partial else out
-
-
-def _combine(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
-    """Splits' partial results (acc [B, H, S, D], max and sum [B, H, S]) -> the softmax-weighted [B, H, D]."""
-    top = m.amax(-1, keepdim=True)  # [B, H, 1] finite: every sequence has a token
-    w = torch.exp(m - top)  # [B, H, S] empty splits (m = -inf) weigh 0
-    return (acc * w[..., None]).sum(2) / (l * w).sum(-1)[..., None]
+    if not partial:
+        return out
+    merged = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
+    combine[(B * H,)](out, m, l, merged, S=splits, S_PAD=triton.next_power_of_2(splits), D=D)
+    return merged
 
 
 def decode_attention(

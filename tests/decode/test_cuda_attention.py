@@ -28,6 +28,7 @@ def test_splits_follow_the_shapes_alone():
     assert num_splits(64, 8, 256, 16) == 1  # 512 programs already
     assert num_splits(4, 8, 256, 16) == 8
     assert num_splits(2, 2, 10, 4) == 1  # 40 tokens: one tile
+    assert num_splits(1, 1, 4096, 16) == 64  # 256 wanted, capped for the combining kernel
 
 
 def _reference(q, cache: PagedKvCache, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
