@@ -54,6 +54,7 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
     quantized = weight_dtype in QUANTIZED_WEIGHTS
     model = build_model(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
                         weight_format=weight_dtype if quantized else None, device=device)
+    model.prepack()  # CPU: bf16/fp16 linears in oneDNN's layout; a no-op on CUDA
     log.info("decode model %s loaded onto %s in %.1f s; weights %.1f MiB (%s, compute %s)%s",
              model_config.describe(), device, time.perf_counter() - t0, buffer_bytes(model) / 2**20, weight_dtype,
              compute_dtype, f"; {model.weight_kernel}" if quantized else "")

@@ -103,7 +103,7 @@ def llama(tiny_model):
 @pytest.mark.parametrize("kv_dtype, tol", [("float32", 1e-4), ("int8", 1e-4)])
 def test_model_decode_through_the_kernel_matches_the_reference(llama, kv_dtype, tol):
     """The model's decode step with `paged_kernel` (what runs on CUDA, block tables as wide as a CUDA graph's)
-    against the reference path; int8 KV goes through the sync-free store on the kernel path."""
+    against the reference path, fp32 and int8 KV."""
     c = llama.config
     granularity = "block_head" if kv_dtype == "int8" else "none"
     layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype, granularity)

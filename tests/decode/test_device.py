@@ -1,5 +1,5 @@
 """The decode tier's device-agnostic parts of running on a GPU, on the CPU: the device and size flags, the
-cache sized from memory, the CUDA-graph runner's buckets and padded inputs, the sync-free quantized store.
+cache sized from memory, the CUDA-graph runner's buckets and padded inputs.
 The graphs themselves, pinned copies and the fp8/int8 kernels run in `python -m pdserve.benchmarks.gpu`
 (its correctness section) on a CUDA device."""
 
@@ -121,27 +121,6 @@ def test_a_padded_batch_gives_the_batch_its_own_logits(llama):
     replayed = llama.decode(t, p, tb, lens, cache)  # [4, V]
     assert torch.allclose(replayed[:3], eager, atol=1e-5, rtol=0)
     assert torch.equal(cache.k[:, :12], after_eager[:, :12])  # the sequences' blocks: the same writes
-
-
-@pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
-def test_sync_free_quantized_store_keeps_what_the_reference_store_keeps(dtype):
-    """Decode appends one token per sequence per step; the capture-safe store must leave every written slot
-    (and every block's scale) as the reference store does, growing scales included."""
-    layout = KvLayout(1, 2, 8, 4, dtype, "block_head")
-    ref, fast = PagedKvCache(layout, 6), PagedKvCache(layout, 6)
-    g = torch.Generator().manual_seed(0)
-    tables = [[4, 1], [0, 5]]
-    for pos in range(8):
-        slots = torch.tensor([t[pos // 4] * 4 + pos % 4 for t in tables])  # [2] one block each
-        k = torch.randn(2, 2, 8, generator=g) * (1 + pos)  # growing: later tokens rescale their blocks
-        v = torch.randn(2, 2, 8, generator=g)
-        ref.store(0, slots, k, v)
-        fast.store(0, slots, k, v, distinct_blocks=True)
-    for table in tables:
-        assert torch.equal(fast.read_scales(table, 8)[0], ref.read_scales(table, 8)[0])
-        assert torch.equal(fast.read_scales(table, 8)[1], ref.read_scales(table, 8)[1])
-        for got, want in zip(fast.read(table, 8), ref.read(table, 8)):
-            assert torch.equal(got.view(torch.int8), want.view(torch.int8))
 
 
 def test_quantized_weights_on_the_cpu_say_they_save_memory_only(tiny_model):
