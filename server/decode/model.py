@@ -30,7 +30,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str | None = None):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
         """Empty buffers of the layer's shapes; `weights.load_weights` fills them."""
         super().__init__()
         self.config = config
