@@ -5,7 +5,7 @@
 
 Run from a checkout as a file, it finds the `pdserve` package in the checkout itself (no pip: the device
 has no registry). It needs torch, triton, numpy, ml_dtypes, protobuf >= the generated code's 7.35.1,
-grpcio, prometheus-client, transformers (and JAX for the fallback prefill section); a missing one is
+grpcio, prometheus-client, transformers (and JAX for the prefill section); a missing one is
 named at the start with what to carry (a wheel, see /work/.library/device/README.md).
 
 In order, inside --time-limit (540 s: one ~9-minute device call; a section that would not fit is
@@ -20,8 +20,8 @@ skipped and says so):
    bf16 model: batch 1 against the weight-streaming floor measured here (target >= 0.85), batch 64 with
    4k-token contexts against the bandwidth roofline (target >= 0.7), and 1/8/32 beside them.
 4. fp8 weights (torch._scaled_mm where the device has it) against bf16 at batch 1 (target: faster).
-5. Prefill: `benchmarks/gpu_prefill.py`'s section when that module exists (`gpu_prefill.section(...)`),
-   else JAX prefill FLOP/s at a few lengths against the JAX matmul rate.
+5. Prefill: `benchmarks/gpu_prefill.py`'s served-path MFU (`gpu_prefill.run(out, dry_run=...)`, which also
+   writes gpu_prefill.json/.md), when that module exists.
 6. KV handoff: `KvSender` -> `KvReceiver` on 127.0.0.1 -> the decode cache on the device, against raw
    grpcio moving the same bytes.
 Writes gpu.json and gpu.md to --out; prints the table last.
@@ -96,7 +96,6 @@ class Plan:
     copy_bytes: int = 4 * 2**30
     h2d_bytes: int = 512 * 2**20
     matmul_n: int = 8192
-    prefill_lengths: tuple[int, ...] = (512, 2048, 8192)
     transfer_tokens: int = 4096
     repeats: int = 5
     large_kernel_checks: bool = True
@@ -104,7 +103,7 @@ class Plan:
 
 def dry_plan() -> Plan:
     return Plan(TINY, points=((1, 16), (4, 48)), floor_point=(1, 16), roofline_point=(4, 48), warmup=2, steps=4,
-                max_running=4, copy_bytes=16 * 2**20, h2d_bytes=2**20, matmul_n=256, prefill_lengths=(32, 64),
+                max_running=4, copy_bytes=16 * 2**20, h2d_bytes=2**20, matmul_n=256,
                 transfer_tokens=64, repeats=2, large_kernel_checks=False)
 
 
@@ -309,82 +308,23 @@ async def _point(engine, batch: int, ctx: int, plan: Plan, kv):
 # ---- 5. prefill -----------------------------------------------------------------------------------
 
 
-def prefill(plan: Plan, config, device, run: Run, deadline: Deadline, dry_run: bool) -> None:
-    """The prefill section: benchmarks/gpu_prefill.py's when it exists (the hook), else a JAX FLOP/s check."""
+def prefill(plan: Plan, config, device, run: Run, deadline: Deadline, dry_run: bool, out: Path) -> None:
+    """The prefill section (the hook): benchmarks/gpu_prefill.py's served-path MFU, `gpu_prefill.run`."""
     try:
         from pdserve.benchmarks import gpu_prefill
     except ImportError:
-        gpu_prefill = None
-    if gpu_prefill is not None:
-        log("prefill: benchmarks/gpu_prefill.py's section")
-        result = gpu_prefill.section(raw_config=plan.raw_config, seconds=deadline.left() - 60, dry_run=dry_run)
-        for r in result.get("rows", []):
-            run.rows.append(Row(**{k: r[k] for k in ("section", "measure", "value", "ceiling", "unit", "target")
-                                   if k in r}))
-        run.ceilings.update(result.get("ceilings", {}))
-        run.notes += result.get("notes", [])
+        run.notes.append("prefill: benchmarks/gpu_prefill.py is absent; no prefill figures")
         return
-    if not deadline.allows("prefill (JAX)", 120, run):
+    lengths = None if dry_run or deadline.left() > 240 else (512, 4096)
+    if not deadline.allows("prefill (benchmarks/gpu_prefill.py)", 90, run):
         return
-    import jax
-    import jax.numpy as jnp
-
-    from pdserve.benchmarks.gpu_decode import _best
-    from pdserve.server.prefill.model import load_params, make_prefill_fn
-
-    n = plan.matmul_n
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype=jnp.bfloat16)
-    dot = jax.jit(jnp.dot)
-    run.ceilings["matmul_jax_bf16_tflops"] = 2 * n**3 / _best(lambda: dot(a, a).block_until_ready(),
-                                                               plan.repeats) / 1e12
-    run.rows.append(Row("ceiling", f"jax bf16 matmul {n}^3", run.ceilings["matmul_jax_bf16_tflops"],
-                        unit="TFLOP/s"))
-    log(f"prefill: params onto {jax.default_backend()}")
-    params = load_params(config, _random_host_weights(config), dtype="bfloat16")
-    fn = make_prefill_fn(config)
-    for length in plan.prefill_lengths:
-        if not deadline.allows(f"prefill S={length}", 40, run):
-            break
-        tokens = jnp.asarray(np.random.default_rng(length).integers(0, config.vocab_size, (1, length)), jnp.int32)
-        lengths = jnp.asarray([length], jnp.int32)
-        seconds = _best(lambda: jax.block_until_ready(fn(params, tokens, lengths)), plan.repeats)
-        tflops = _prefill_flops(config, length) / seconds / 1e12
-        log(f"prefill S={length}: {length / seconds:.0f} tok/s, {tflops:.1f} TFLOP/s")
-        run.rows.append(Row("prefill", f"TFLOP/s S={length}", tflops, run.ceilings["matmul_jax_bf16_tflops"],
-                            "TFLOP/s"))
-    del params
-
-
-def _random_host_weights(config) -> dict[str, np.ndarray]:
-    """HF-named bf16 weights; layers share one random array per shape on the host."""
-    import ml_dtypes
-
-    rng = np.random.default_rng(0)
-    h, d, inter = config.hidden_size, config.head_dim, config.intermediate_size
-    hq, hkv = config.num_heads * d, config.num_kv_heads * d
-
-    def rand(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16)
-
-    shared = {"q_proj": rand(hq, h), "k_proj": rand(hkv, h), "v_proj": rand(hkv, h), "o_proj": rand(h, hq),
-              "gate_proj": rand(inter, h), "up_proj": rand(inter, h), "down_proj": rand(h, inter)}
-    ones = np.ones(h, dtype=ml_dtypes.bfloat16)
-    w = {"model.embed_tokens.weight": rand(config.vocab_size, h), "model.norm.weight": ones,
-         "lm_head.weight": rand(config.vocab_size, h)}
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        w.update({p + "input_layernorm.weight": ones, p + "post_attention_layernorm.weight": ones})
-        w.update({p + f"self_attn.{n}.weight": shared[n] for n in ("q_proj", "k_proj", "v_proj", "o_proj")})
-        w.update({p + f"mlp.{n}.weight": shared[n] for n in ("gate_proj", "up_proj", "down_proj")})
-    return w
-
-
-def _prefill_flops(config, length: int) -> float:
-    """2 per weight per token (lm head at the last position only) + causal attention 4*L*Hq*D*S^2/2."""
-    h, d = config.hidden_size, config.head_dim
-    per_layer = h * d * (2 * config.num_heads + 2 * config.num_kv_heads) + 3 * h * config.intermediate_size
-    attention = 4 * config.num_layers * config.num_heads * d * length**2 / 2
-    return 2 * config.num_layers * per_layer * length + 2 * config.vocab_size * h + attention
+    log(f"prefill: benchmarks/gpu_prefill.py's run() (lengths {lengths or 'its own'})")
+    result = gpu_prefill.run(out, dry_run=dry_run, lengths=lengths)
+    for r in result["rows"]:
+        run.rows.append(Row("prefill", f"TFLOP/s S={r['tokens']} (served PrefillEngine, TTFT "
+                            f"{r['ttft_median_s'] * 1e3:.1f} ms)", r["prefill_tflops"], r["matmul_tflops"], "TFLOP/s"))
+    run.notes.append(f"prefill: {result['model']} on {result['device']}, {result['shapes_compiled']} shapes "
+                     f"compiled in {result['compile_s']:.1f} s; also gpu_prefill.json / gpu_prefill.md")
 
 
 # ---- 6. KV handoff --------------------------------------------------------------------------------
@@ -502,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="leave a section out")
     args = p.parse_args(argv)
     deadline = Deadline(args.time_limit)
+    args.out.mkdir(parents=True, exist_ok=True)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel checks run under Triton's interpreter
     try:
@@ -530,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     if "prefill" not in args.skip:
         try:
-            prefill(plan, config, device, run, deadline, args.dry_run)
+            prefill(plan, config, device, run, deadline, args.dry_run, args.out)
         except Exception as e:  # noqa: BLE001 - the decode figures are kept
             run.notes.append(f"prefill: failed with {e!r}")
             log(run.notes[-1])
@@ -541,7 +482,6 @@ def main(argv: list[str] | None = None) -> int:
             run.notes.append(f"KV handoff: failed with {e!r}")
             log(run.notes[-1])
     failed = [c.name for c in run.checks if not c.passed]
-    args.out.mkdir(parents=True, exist_ok=True)
     doc = {"environment": env, "model": config.describe(), "plan": asdict(plan), "ceilings": run.ceilings,
            "rows": [asdict(r) | {"ratio": r.ratio, "met": r.met} for r in run.rows],
            "checks": [asdict(c) for c in run.checks], "notes": run.notes,

@@ -187,12 +187,12 @@ async def test_a_big_push_streams_lazily_over_one_cached_channel(harnesses, monk
 
 
 async def test_a_full_size_chunk_fits_grpc_default_message_limit(harnesses):
-    layout = KvLayout(1, 1, 16, 1, "float32")  # 128 bytes a block: 8191 blocks fill one 1 MiB message
+    layout = KvLayout(1, 1, 16, 1, "float32")  # 128 bytes a block: 32767 blocks fill one 4 MiB message
     harness = await harnesses(layout, max_chunk_bytes=MAX_CHUNK_BYTES)  # the server keeps grpc's 4 MiB limit
-    transfer = harness.expect(num_tokens=8191)
-    k, v, _, _ = random_kv(layout, 8191)
+    transfer = harness.expect(num_tokens=32767)
+    k, v, _, _ = random_kv(layout, 32767)
     size = next(encode_chunks(layout, k, v)).ByteSize()
-    assert size == 8191 * 128 + 13 + 4 <= MAX_CHUNK_BYTES  # payload, KvBlocks' fields, KvChunk's wrapper
+    assert size == 32767 * 128 + 14 + 5 <= MAX_CHUNK_BYTES == 4 * 2**20  # payload, KvBlocks' fields, wrapper
     await harness.send(k, v, layout=layout)
     assert (await transfer.done, len(harness.sink.writes)) == (42, 1)
 
