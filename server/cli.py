@@ -191,6 +191,13 @@ def cmd_up(args) -> int:
                          f"{args.prefill_workers} and {args.decode_workers}")
     if not args.stall_timeout > 0:
         raise SystemExit(f"pdserve up: error: --stall-timeout must be > 0, got {args.stall_timeout}")
+    try:
+        from pdserve.server.decode.device import parse_bytes, parse_device
+
+        parse_device(args.decode_device)
+        parse_bytes(args.kv_cache_memory, "--kv-cache-memory")
+    except ValueError as e:
+        raise SystemExit(f"pdserve up: error: {str(e).replace('--device', '--decode-device')}") from e
     model = _resolve_model(args) or default_model_dir()
     _check_model(model)
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
@@ -235,6 +242,8 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
                    *(["--max-running", str(args.max_running)] if args.max_running else []),
                    *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
                      if args.gpu_memory_utilization is not None else []),
+                   "--device", args.decode_device, "--kv-cache-memory", args.kv_cache_memory,
+                   *(["--enforce-eager"] if args.enforce_eager else []),
                    # vLLM's CPU attention takes blocks of 32 tokens (and CUDA backends multiples of 16).
                    *(["--engine", "vllm", "--block-size", "32"] if args.decode_engine == "vllm" else [])]
     try:
@@ -412,7 +421,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, CoordinatorConfig, skip=tuple(f for f in _field_names(CoordinatorConfig)
                                                if f not in ("served_model_name", "max_model_len", "chat_template",
                                                              "ttft_budget")))
-    add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig) if f != "gpu_memory_utilization"))
+    add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig)
+                                          if f not in ("gpu_memory_utilization", "enforce_eager", "kv_cache_memory")))
+    p.add_argument("--decode-device", default="auto",
+                   help="decode workers' device (their --device): auto (CUDA when torch sees one), cpu, cuda, cuda:N")
     add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig)
                                            if f not in ("kv_streams", "prefill_order", "compilation_cache")))
     p.add_argument("--tensor-parallel-size", type=int,
