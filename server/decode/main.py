@@ -76,6 +76,10 @@ def build_engine(config: DecodeConfig):
     t0 = time.perf_counter()
     model = DecoderModel(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
                          weight_format=weight_dtype if quantized else None)
+    model.prepack()
+    if weight_dtype == "fp8" and next(model.buffers()).device.type == "cpu":
+        log.warning("fp8 weights on CPU save memory only: no CPU kernel multiplies them, so every matmul "
+                    "dequantizes (int8 runs a weight-only int8 kernel; bf16 is the fastest for speed)")
     layout = KvLayout(
         num_layers=model_config.num_layers,
         num_kv_heads=model_config.num_kv_heads,

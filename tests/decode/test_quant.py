@@ -175,3 +175,47 @@ def test_quantized_cache_keeps_logits_close(llama, kv_dtype):
     model = DecoderModel(*llama)
     ref, got = _prefill_logits(model, "float32"), _prefill_logits(model, kv_dtype)
     assert ((got - ref).abs().max() / ref.abs().max()).item() < {"int8": 0.02, "fp8_e4m3": 0.1}[kv_dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 40])  # the int8 kernel; a width it cannot take (dequantizes)
+def test_int8_weights_run_the_int8_kernel_like_the_dequantized_matmul(dtype, width):
+    """On CPU the int8 layer never dequantizes its weight; it computes what dequantize-then-matmul does."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(24, width, generator=g), torch.randn(2, 3, width, generator=g).to(dtype)
+    linear = Linear(w, torch.ones(24), dtype, "int8")
+    reference = (x.double() @ (linear.weight.double() * linear.scale.double()).T + 1)  # [2, 3, 24]
+    got = linear(x)
+    assert got.dtype == dtype and got.shape == (2, 3, 24)
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-7}[dtype] * reference.abs().max().item()
+    assert (got.double() - reference).abs().max().item() <= tol
+
+
+def test_prepacked_bf16_linear_computes_what_the_plain_one_does():
+    g = torch.Generator().manual_seed(4)
+    w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
+    plain = Linear(w, bias, torch.bfloat16)
+    packed = Linear(w, bias, torch.bfloat16)
+    packed.prepack()
+    assert packed.packed and not plain.packed
+    for rows in (1, 4, 16):
+        x = torch.randn(rows, 1, 64, generator=g).to(torch.bfloat16)
+        torch.testing.assert_close(packed(x), plain(x), rtol=2**-7, atol=2**-7 * 8)
+    with pytest.raises(ValueError, match="read it through forward"):
+        packed.dequantized()
+    fp32 = Linear(w, None, torch.float32)
+    fp32.prepack()  # float32 keeps torch's default linear, the one transformers runs
+    assert not fp32.packed
+
+
+def test_a_prepacked_bf16_model_decodes_the_same_tokens(tiny_model):
+    path = tiny_model("llama", "bfloat16")
+    config, weights = load_config(path), load_weights(path)
+    plain, packed = (DecoderModel(config, weights, dtype=torch.bfloat16) for _ in range(2))
+    packed.prepack()
+    assert packed.packed_head is not None
+    tokens = []
+    for model in (plain, packed):
+        logits = _prefill_logits(model, "bfloat16")  # [19, V]
+        tokens.append(logits.argmax(-1).tolist())
+    assert tokens[0] == tokens[1]
