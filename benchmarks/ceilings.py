@@ -148,7 +148,8 @@ class GrpcLoopback:
     async def _one(self, push, at: int, share: int) -> None:
         size, source = self.message_bytes, self._source
         if source is not None and at + share > len(source):
-            raise ValueError(f"GrpcLoopback(copies={len(source)}) carries at most those bytes, not {at + share}")
+            raise ValueError(f"GrpcLoopback(copies={len(source)}) carries at most {len(source)} bytes, "
+                             f"not {at + share}")
 
         async def messages():
             for offset in range(0, share, size):

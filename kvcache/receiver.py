@@ -505,7 +505,7 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
             self.sink.write(stream.transfer.request_id, piece)
 
     async def _drain(self, stream: _Stream, keep: int) -> None:
-        """Waits until at most `keep` of the stream's pieces are still being written; a failed write refuses."""
+        """Waits until at most `keep` of the stream's pieces are being written; a failed write refuses."""
         transfer = stream.transfer
         while stream.writes and (len(stream.writes) > keep or stream.writes[0][0].done()):
             running, nbytes, where = stream.writes[0]

@@ -106,7 +106,8 @@ class _Message:
     def __init__(self, n: int) -> None:
         if _IN_PLACE:
             self._bytes = _new_bytes(None, n)
-            self.array = np.frombuffer((ctypes.c_char * n).from_address(id(self._bytes) + _BYTES_DATA), np.uint8)
+            contents = (ctypes.c_char * n).from_address(id(self._bytes) + _BYTES_DATA)
+            self.array = np.frombuffer(contents, np.uint8)
         else:
             self._bytes = None
             self.array = np.empty(n, np.uint8)
