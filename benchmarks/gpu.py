@@ -168,7 +168,7 @@ def ceilings(plan: Plan, device, run: Run) -> None:
     dst = torch.empty_like(src)
     copy_s = _best(lambda: dst.copy_(src), plan.repeats, sync)
     read_s = _best(lambda: src.sum(dtype=torch.float32), plan.repeats, sync)
-    del dst
+    dst = None  # the copy ceiling's buffer, freed
     n = plan.matmul_n
     a = torch.randn(n, n, device=device).to(torch.bfloat16)
     b = torch.randn(n, n, device=device).to(torch.bfloat16)
