@@ -386,6 +386,13 @@ def handoff(plan: Plan, config, device, run: Run, deadline: Deadline) -> None:
     log(f"KV handoff: {nbytes / seconds / GB:.2f} GB/s (raw grpcio {raw:.2f})")
 
 
+def gpu_checks_failure(section: str, error: Exception):
+    """A failed section as a failed check: the run exits 1 and says where."""
+    from pdserve.benchmarks.gpu_checks import Check
+
+    return Check(f"section {section} ran to the end", False, f"raised {error!r}")
+
+
 # ---- output ---------------------------------------------------------------------------------------
 
 
@@ -438,7 +445,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where gpu.json and gpu.md go (default: $OUT, else ./gpu-results)")
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds for the whole run (sections that "
                    "would not fit are skipped and named in the notes)")
-    p.add_argument("--skip", action="append", default=[], choices=["prefill", "handoff", "decode"],
+    p.add_argument("--skip", action="append", default=[],
+                   choices=["ceilings", "correctness", "decode", "prefill", "handoff"],
                    help="leave a section out")
     args = p.parse_args(argv)
     deadline = Deadline(args.time_limit)
@@ -462,25 +470,26 @@ def main(argv: list[str] | None = None) -> int:
     env = _environment(device)
     log(f"{config.describe()} on {env['device']}; {env}")
     run = Run()
-    ceilings(plan, device, run)
-    correctness(plan, device, run)
-    if "decode" not in args.skip:
-        asyncio.run(decode(plan, config, device, run, deadline))
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    if "prefill" not in args.skip:
-        try:
-            prefill(plan, config, device, run, deadline, args.dry_run, args.out)
-        except Exception as e:  # noqa: BLE001 - the decode figures are kept
-            run.notes.append(f"prefill: failed with {e!r}")
-            log(run.notes[-1])
-    if "handoff" not in args.skip:
-        try:
-            handoff(plan, config, device, run, deadline)
+    sections = [("ceilings", lambda: ceilings(plan, device, run)),
+                ("correctness", lambda: correctness(plan, device, run)),
+                ("decode", lambda: asyncio.run(decode(plan, config, device, run, deadline))),
+                ("prefill", lambda: prefill(plan, config, device, run, deadline, args.dry_run, args.out)),
+                ("handoff", lambda: handoff(plan, config, device, run, deadline))]
+    for name, section in sections:
+        if name in args.skip:
+            continue
+        try:  # unattended: a failing section is reported and the others still run
+            section()
         except Exception as e:  # noqa: BLE001
-            run.notes.append(f"KV handoff: failed with {e!r}")
+            import traceback
+
+            run.notes.append(f"{name}: failed with {e!r} (traceback on stderr)")
+            run.checks.append(gpu_checks_failure(name, e))
             log(run.notes[-1])
+            traceback.print_exc()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # each section's memory goes before the next allocates (JAX included)
     failed = [c.name for c in run.checks if not c.passed]
     doc = {"environment": env, "model": config.describe(), "plan": asdict(plan), "ceilings": run.ceilings,
            "rows": [asdict(r) | {"ratio": r.ratio, "met": r.met} for r in run.rows],
