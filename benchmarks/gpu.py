@@ -278,6 +278,14 @@ async def decode(plan: Plan, config, device, run: Run, deadline: Deadline) -> No
             run.rows.append(Row("decode bf16", f"steps/s B={batch} ctx={ctx} vs weight-streaming floor",
                                 1 / p.step_s, 1 / floor_s, "steps/s", 0.85))
     await engine.close()
+    if device.type == "cuda":
+        try:
+            count, ms = gpu_decode.kernels_per_step(engine)
+            run.rows.append(Row("decode bf16", f"CUDA kernels in one eager B=1 step ({ms:.2f} ms of device time)",
+                                count, unit="kernels"))
+            log(f"one eager batch-1 step: {count} CUDA kernels, {ms:.2f} ms on the device")
+        except Exception as e:  # noqa: BLE001 - a diagnostic
+            run.notes.append(f"kernel count: the profiler failed ({e!r})")
     gpu_decode.free(engine)
     del engine
     gc.collect()
