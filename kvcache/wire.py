@@ -5,9 +5,10 @@ grpcio hands a servicer the request bytes and takes `bytes` from a serializer. T
 code would copy a piece's KV three more times on the way out (tobytes, the message field, serialize)
 and twice on the way in (parse, field access). Here a KvBlocks piece is written as the protobuf wire
 format directly: its fields, then k and v (and scales), each copied by one numpy copy from the host
-array (any strides) into the one `bytes` grpcio sends, allocated once at its final size. On receipt, a chunk whose only field is `blocks` is parsed here into
-memoryviews on the received bytes; anything else (header, end, abort, or a layout this parser does
-not expect) goes through the generated parser, so the wire stays plain protobuf both ways.
+array (any strides) into the one `bytes` grpcio sends, allocated once at its final size. On receipt,
+a chunk whose only field is `blocks` is parsed here into memoryviews on the received bytes; anything
+else (header, end, abort, or a layout this parser does not expect) goes through the generated
+parser, so the wire stays plain protobuf both ways.
 """
 
 from __future__ import annotations
@@ -105,7 +106,8 @@ class _Message:
     def __init__(self, n: int) -> None:
         if _IN_PLACE:
             self._bytes = _new_bytes(None, n)
-            self.array = np.frombuffer((ctypes.c_char * n).from_address(id(self._bytes) + _BYTES_DATA), np.uint8)
+            contents = (ctypes.c_char * n).from_address(id(self._bytes) + _BYTES_DATA)
+            self.array = np.frombuffer(contents, np.uint8)
         else:
             self._bytes = None
             self.array = np.empty(n, np.uint8)

@@ -4,20 +4,19 @@ Life cycle of a prompt here:
 1. `enqueue` queues it as a PrefillJob in the scheduler (scheduler.py: fifo or shortest-first);
    `submit` does that and collects the whole result.
 2. The loop takes the scheduler's next batch (up to the batch limits), pads lengths to a power-of-two
-   bucket and the batch to a power of two, so XLA compiles a bounded set of shapes; each batch's
-   speed is measured per bucket (rates.py) for the coordinator's expected-wait admission. `job.started`
-   resolves: the prefill of this prompt begins (its KV stream opens now, and the decode worker's
-   lease with it).
+   bucket and the batch to a power of two: one of `shapes()`, every one of which `warmup` compiled
+   at start, so nothing compiles here. Each batch's speed is measured per bucket (rates.py) for the
+   coordinator's expected-wait admission. `job.started` resolves: the prefill of this prompt begins
+   (its KV stream opens now, and the decode worker's lease with it).
 3. In a worker thread the model runs as `kv_layer_groups` jitted layer groups, dispatched back to
-   back; each group's KV is converted to the wire dtype on the device (fp8_e4m3/int8 quantized with
-   per-block, per-kv-head scales over each prompt's true length) and copied to the host
-   asynchronously while the next group computes. The first token is sampled on the device, from the
-   logits with the prompt's penalties and min_tokens applied; when asked, the prompt's logprobs come
-   from the final hidden state of the same pass.
-4. As each group's host copy lands, every prompt of the batch gets its KvTensors for the true
-   length on `job.kv` (then None); the first token goes to `job.first_token` (its logprob and the
-   prompt's logprobs on the job beside it) before the last group's KV, so the caller can answer at
-   once and stream each group while the next one computes.
+   back, then the head: the first token is sampled on the device, from the logits with the prompt's
+   penalties and min_tokens applied; when asked, the prompt's logprobs come from the final hidden
+   state of the same pass. Only then is each group's KV converted to the wire dtype on the device
+   (fp8_e4m3/int8 quantized with per-block, per-kv-head scales over each prompt's true length) and
+   copied to the host asynchronously, so the first token never waits behind KV on its way out.
+4. The first token goes to `job.first_token` (its logprob and the prompt's logprobs on the job
+   beside it) before any KV; then, as each group's host copy lands, every prompt of the batch gets
+   its KvTensors for the true length on `job.kv` (then None).
 """
 
 from __future__ import annotations

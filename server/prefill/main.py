@@ -81,6 +81,10 @@ def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
         use_compilation_cache(config.compilation_cache)
     if start_distributed(config.coordinator_address, config.num_processes, config.process_id):
         log.info("joined a %d-process slice as process %d", jax.process_count(), jax.process_index())
+        if jax.process_count() > 1:  # README: "Prefill on a device mesh"
+            raise SystemExit(f"pdserve prefill: joined a {jax.process_count()}-process slice, but serving a mesh "
+                             "that spans hosts needs every process to replay process 0's batches, which is not "
+                             "written yet; run one worker per host over its own chips (no --coordinator-address)")
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
     dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
     t0 = time.perf_counter()
