@@ -54,12 +54,13 @@ def encode_piece_bytes(layout_block_size: int, kv: KvTensors, piece: Piece) -> b
         arrays += [(7, kv.k_scales), (8, kv.v_scales)]
     size = sum(len(f) for f in fields)
     parts: list = [None, *fields]
+    r0 = t0 - kv.token_start  # kv's arrays start at its token_start (a block multiple)
     for number, array in arrays:
         if number >= 7:  # scales cover the blocks the tokens touch
-            b0, b1 = t0 // layout_block_size, -(-(t0 + tc) // layout_block_size)
+            b0, b1 = r0 // layout_block_size, -(-(r0 + tc) // layout_block_size)
             views = _layer_views(array, g0, lc, b0, b1 - b0)
         else:
-            views = _layer_views(array, g0, lc, t0, tc)
+            views = _layer_views(array, g0, lc, r0, tc)
         nbytes = sum(v.nbytes for v in views)
         if not nbytes:
             continue
