@@ -168,7 +168,7 @@ class PrefillScheduler(Generic[J]):
     def _segment(self, step: list[Segment[J]], job: J) -> Segment[J] | None:
         """job's segment if it joins `step`: as much of its rest as the chunk and the budget allow."""
         remaining = job.num_tokens - job.computed
-        align = max(job.block_size, *(s.job.block_size for s in step))  # block sizes are powers of two
+        align = max([job.block_size, *(s.job.block_size for s in step)])  # block sizes are powers of two
         room = self.max_batch_tokens - sum(aligned(s.length, align) for s in step)
         n = min(remaining, max(self.max_chunk // job.block_size, 1) * job.block_size)
         if aligned(n, align) > room:
