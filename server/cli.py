@@ -232,7 +232,9 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
     decode = _dtypes(args, "decode_weight_dtype", "kv_dtype")
     prefill_args = [*shared, "--weight-dtype", prefill["prefill_weight_dtype"],
                     "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-streams", str(args.kv_streams),
-                    "--prefill-order", args.prefill_order]
+                    "--prefill-order", args.prefill_order, "--max-num-batched-tokens", str(args.max_batch_tokens),
+                    "--prefix-cache-bytes", str(args.prefix_cache_bytes),
+                    *(["--max-prefill-chunk", str(args.max_prefill_chunk)] if args.max_prefill_chunk else [])]
     decode_args = [*shared, "--weight-dtype", decode["decode_weight_dtype"], "--kv-dtype", decode["kv_dtype"],
                    "--tensor-parallel-size", str(args.tensor_parallel_size),
                    *(["--max-running", str(args.max_running)] if args.max_running else []),
@@ -418,7 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig)
                                           if f not in ("tensor_parallel_size", "gpu_memory_utilization")))
     add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig)
-                                           if f not in ("kv_streams", "prefill_order")))
+                                           if f not in ("kv_streams", "prefill_order", "max_batch_tokens",
+                                                        "max_prefill_chunk", "prefix_cache_bytes")))
     p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int,
                    help="each decode worker's running-request cap (default: the decode worker's)")
     p.add_argument("--decode-engine", choices=DECODE_ENGINES, default="native",
