@@ -41,7 +41,7 @@ def measure(model_dir: str, length: int, chunk: int) -> dict:
     contexts = sorted({next(b for b in engine.context_buckets if b >= start) for start in range(0, length, chunk)})
     print(f"  {length} tokens in chunks of {chunk}: compiling {len(contexts)} step shapes ...", file=sys.stderr,
           flush=True)
-    engine.warmup([StepShape(chunk, c) for c in contexts])
+    engine.warmup(shapes=[StepShape(chunk, c) for c in contexts])
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, config.vocab_size, length)]
     greedy = gen_pb.SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0)

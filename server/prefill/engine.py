@@ -8,22 +8,25 @@ Life cycle of a prompt here:
 2. The loop takes the scheduler's next step: segments of one or more prompts, packed end to end into
    one token buffer of a static size (a power-of-two token bucket up to --max-num-batched-tokens), each
    token with its position and segment id (ragged, no padding to the longest prompt). A prompt
-   longer than --max-prefill-chunk, or than the budget left, runs over several steps (chunked
-   prefill); a segment's context, the KV of its prompt's earlier tokens, goes beside the buffer (its
-   own static bucket), and attention (attention.py) reads it. Each step's speed is measured for the
-   coordinator's expected-wait admission (rates.py). `job.started` resolves at the first segment:
-   the prompt's KV stream opens now, and the decode worker's lease with it.
+   longer than --max-prefill-chunk, or than what is left of the budget, runs over several steps
+   (chunked prefill); a segment's context, the KV of its prompt's earlier tokens, goes beside the
+   buffer (its own static bucket), and attention (attention.py) reads it. Every (tokens, context)
+   shape is one of `shapes()`, all of which `warmup` compiled at start, so nothing compiles here.
+   Each step's speed is measured for the coordinator's expected-wait admission (rates.py).
+   `job.started` resolves at the first segment: the prompt's KV stream opens now, and the decode
+   worker's lease with it.
 3. In a worker thread the model runs as `kv_layer_groups` jitted layer groups, dispatched back to
-   back; each group's KV is converted to the wire dtype on the device (fp8_e4m3/int8 quantized with
-   per-block, per-kv-head scales; segments start on block boundaries so blocks are the prompt's) and
-   copied to the host asynchronously while the next group computes. At a prompt's last segment the
-   first token is sampled on the device, from the logits with the prompt's penalties and min_tokens
-   applied; its prompt logprobs, when asked, come from every segment's final hidden state.
-4. As each group's host copy lands, every segment gets its KvTensors (layers of the group, tokens of
-   the segment) on `job.kv`, so a long prompt's KV leaves chunk by chunk while the next computes;
-   after its last segment, None. The first token goes to `job.first_token` (its logprob and the
-   prompt's logprobs on the job beside it) before the last group's KV, so the caller can answer at
-   once. A finished prompt's full blocks go into the prefix KV.
+   back, then the head for the prompts whose last segment this is: their first token is sampled on
+   the device, from the logits with the prompt's penalties and min_tokens applied; their prompt
+   logprobs, when asked, come from every segment's final hidden state. Only then is each group's KV
+   converted to the wire dtype on the device (fp8_e4m3/int8 quantized with per-block, per-kv-head
+   scales; segments start on block boundaries, so the blocks are the prompt's) and copied to the host
+   asynchronously, so a first token never waits behind KV on its way out.
+4. First tokens go to `job.first_token` (the logprob and the prompt's logprobs on the job beside
+   it) before any KV of the step; then, as each group's host copy lands, every segment gets its
+   KvTensors (the group's layers, the segment's tokens) on `job.kv`, so a long prompt's KV leaves
+   chunk by chunk while the next chunk computes; after its last segment, None. A finished prompt's
+   full blocks go into the prefix KV.
 """
 
 from __future__ import annotations
@@ -129,13 +132,17 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _buckets(smallest: int, largest: int) -> list[int]:
-    """Powers of two from `smallest` below `largest`, then `largest`."""
+CONTEXT_BUCKET = 256
+"""The smallest context bucket."""
+
+
+def _buckets(smallest: int, largest: int, growth: int = 2) -> list[int]:
+    """smallest, smallest * growth, ... below `largest`, then `largest`."""
     out = []
     b = smallest
     while b < largest:
         out.append(b)
-        b *= 2
+        b *= growth
     return [*out, largest]
 
 
@@ -148,10 +155,12 @@ class PrefillEngine:
         self.max_len = _pow2(self.max_model_len)
         self.groups = group_sizes(model_config.num_layers, config.kv_layer_groups)
         """(first layer, layers) of each group the prefill runs and ships as one."""
-        self.token_buckets = _buckets(min(config.min_bucket, config.max_batch_tokens), config.max_batch_tokens)
-        """The packed buffer's sizes: few and static, so every one can be compiled at start."""
-        self.context_buckets = [0, *_buckets(min(config.min_bucket, self.max_len), self.max_len)]
-        """Context sizes: all segments' earlier tokens of a step together, at most max_len."""
+        largest = min(config.max_batch_tokens, _pow2(config.max_batch_size) * self.max_len)  # what steps can fill
+        self.token_buckets = _buckets(min(config.min_bucket, largest), largest)
+        """The packed buffer's sizes, powers of two: few and static, so every one is compiled at start."""
+        self.context_buckets = [0, *_buckets(min(CONTEXT_BUCKET, self.max_len), self.max_len, growth=4)]
+        """Context sizes (all segments' earlier tokens of a step together, at most max_len), growing 4x:
+        padded context costs little (attention skips key blocks no query reads), a shape costs a compile."""
         self.dtype = params["embed"].dtype
         self._embed = jax.jit(partial(embed, config=model_config))
         self._group = jax.jit(partial(layer_group, config=model_config), static_argnames=("size",))
@@ -159,6 +168,7 @@ class PrefillEngine:
         self._prompt_logprobs = jax.jit(partial(prompt_logprobs_head, config=model_config,
                                                 top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)))
         self._quantize_kv = jax.jit(quantize_kv_masked, static_argnames=("block_size", "fmt"))
+        self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",))
         self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(
             config.prefill_order, bucket=self._bucket, max_batch_size=config.max_batch_size,
             max_batch_tokens=config.max_batch_tokens, max_chunk=config.max_prefill_chunk,
@@ -338,22 +348,15 @@ class PrefillEngine:
         for s in keep:
             if s.job.context is None:
                 s.job.context = self._new_context(s.job)
-        for s in step:  # a cached prefix leaves before the tokens computed after it
-            if s.job.sent < s.start:
-                self._put(loop, s.job, self._host_wire(s.job, 0, s.job.sent, s.start))
-                s.job.sent = s.start
         formats = {(s.job.kv_dtype, s.job.block_size) for s in step}
         valid = packing.segments >= 0  # [1, T]
 
         x, cos, sin = self._embed(self.params, tokens, packing.positions)  # [1, T, H], [1, T, D] x2
-        pending = []  # (first layer, {format: device arrays on their way to the host}, compute k, v)
+        kv = []  # (first layer, k, v [l, 1, T, Hkv, D]) of each group, on the device
         for start, size in self.groups:  # dispatched back to back: XLA runs them while we wait below
             x, k, v = self._group(self.params["layers"], x, cos, sin, packing, context[0, start : start + size],
-                                  context[1, start : start + size], np.int32(start), size=size)  # [l, 1, T, Hkv, D]
-            if keep:
-                k.copy_to_host_async()
-                v.copy_to_host_async()
-            pending.append((start, {f: self._to_wire(k, v, valid, *f) for f in formats}, k, v))
+                                  context[1, start : start + size], np.int32(start), size=size)
+            kv.append((start, k, v))
         finishing = [(i, s) for i, s in enumerate(step) if s.last]
         first = logits = None
         if finishing:
@@ -365,13 +368,24 @@ class PrefillEngine:
             first = self._sample(self._penalized(logits, jobs, rows), jobs, rows)
         if any(s.job.sampling.HasField("prompt_logprobs") for s in step):  # this pass's hidden state
             self._prompt_logprobs_of(step, offsets, x, shape)
+        # The KV's conversion and host copies are queued behind the sampling, so the first token
+        # (which needs every layer anyway) is answered before any KV leaves the device.
+        pending = [(start, {f: self._to_wire(k, v, valid, *f) for f in formats}, k, v) for start, k, v in kv]
+        del kv
+        for _, _, k, v in pending if keep else ():
+            k.copy_to_host_async()
+            v.copy_to_host_async()
+        if finishing:
+            first_ids = np.asarray(first)
+            self._logprobs([s.job for _, s in finishing], logits, first_ids)
+            for r, (_, s) in enumerate(finishing):
+                loop.call_soon_threadsafe(_resolve, s.job.first_token, int(first_ids[r]))
+        for s in step:  # a cached prefix leaves before the tokens computed after it
+            if s.job.sent < s.start:
+                self._put(loop, s.job, self._host_wire(s.job, 0, s.job.sent, s.start))
+                s.job.sent = s.start
 
-        for g, (start, wire, k, v) in enumerate(pending):
-            if g == len(pending) - 1 and finishing:  # the first token needs every layer: answer before the last copy
-                first_ids = np.asarray(first)
-                self._logprobs([s.job for _, s in finishing], logits, first_ids)
-                for r, (_, s) in enumerate(finishing):
-                    loop.call_soon_threadsafe(_resolve, s.job.first_token, int(first_ids[r]))
+        for start, wire, k, v in pending:
             host = {f: tuple(None if a is None else np.asarray(a) for a in arrays) for f, arrays in wire.items()}
             if keep:
                 hk, hv = np.asarray(k), np.asarray(v)  # [l, 1, T, Hkv, D]
@@ -421,8 +435,8 @@ class PrefillEngine:
             qv, v_scales = self._quantize_kv(v, valid, block_size=block_size, fmt=dtype)
             arrays = (qk, qv, k_scales, v_scales)
         else:
-            wire = NUMPY_DTYPES[dtype]
-            arrays = (k.astype(wire), v.astype(wire), None, None)
+            same = k.dtype == NUMPY_DTYPES[dtype]
+            arrays = (k, v, None, None) if same else (self._cast(k, dtype=dtype), self._cast(v, dtype=dtype), None, None)
         for a in arrays:
             if a is not None:
                 a.copy_to_host_async()
@@ -508,21 +522,65 @@ class PrefillEngine:
             column([p.min_p for p in sp], np.float32),
         )
 
-    def warmup(self, shapes: list[StepShape] | None = None) -> None:
-        """Compiles the given step shapes (default: the smallest) so requests do not pay for them."""
-        c = self.model_config
-        for shape in shapes or [StepShape(self.token_buckets[0], 0)]:
-            tokens = np.zeros((1, shape.tokens), np.int32)
-            packing = Packing(tokens, tokens, np.zeros((1, shape.context), np.int32),
-                              np.full((1, shape.context), -2, np.int32))
-            context = np.zeros((c.num_layers, 1, shape.context, c.num_kv_heads, c.head_dim), np.dtype(self.dtype))
-            x, cos, sin = self._embed(self.params, tokens, packing.positions)
-            for start, size in self.groups:
-                x, _, _ = self._group(self.params["layers"], x, cos, sin, packing, context[start : start + size],
-                                      context[start : start + size], np.int32(start), size=size)
-            logits = self._head(self.params, x, np.zeros((1,), np.int32))
-            jax.block_until_ready(sample_jit(logits, jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1),
-                                             jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32), jnp.zeros(1)))
+    def warmup(self, progress: bool = False, shapes: list[StepShape] | None = None) -> float:
+        """Compiles (ahead of time: nothing runs) every program `_run` dispatches, for every shape of
+        `shapes()` (or the given ones), so no request pays for a compile. Returns the seconds it took."""
+        import os
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        shapes = self.shapes() if shapes is None else shapes
+        rows = [1 << i for i in range(_pow2(self.config.max_batch_size).bit_length())]
+        jobs = [(self._compile_step, (shape,)) for shape in shapes]
+        jobs += [(self._compile_sampling, (r, n)) for r in rows for n in self.rates.buckets]
+        with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1), thread_name_prefix="compile") as pool:
+            done = [pool.submit(fn, *args) for fn, args in jobs]  # XLA compiles outside the GIL
+            for future in tqdm(as_completed(done), total=len(done), desc="compiling prefill shapes", unit="program",
+                               disable=not progress):
+                future.result()
+        return time.perf_counter() - t0
+
+    def _compile_step(self, shape: StepShape) -> None:
+        """The programs of one step shape: embed, each layer group's size, the KV's cast to the
+        unquantized wire dtypes, the head at every row count, and the prompt logprobs."""
+        c, spec = self.model_config, jax.ShapeDtypeStruct
+        ints = spec((1, shape.tokens), jnp.int32)
+        ctx = spec((1, shape.context), jnp.int32)
+        packing = Packing(ints, ints, ctx, ctx)
+        x, cos, sin = _avals(self._embed.lower(self.params, ints, ints).compile())
+        casts = {d for d in ("float32", "bfloat16") if jnp.dtype(d) != x.dtype}
+        done = set()  # (size, x's sharding): the groups' programs differ only in these
+        for _, size in self.groups:  # in order: each group's x comes from the one before
+            if (size, x.sharding) not in done:
+                done.add((size, x.sharding))
+                context = spec((size, 1, shape.context, c.num_kv_heads, c.head_dim), self.dtype)
+                x, k, _ = _avals(self._group.lower(self.params["layers"], x, cos, sin, packing, context, context,
+                                                   np.int32(0), size=size).compile())
+                for dtype in casts:
+                    self._cast.lower(k, dtype=dtype).compile()
+        for r in (1 << i for i in range(_pow2(self.config.max_batch_size).bit_length())):
+            self._head.lower(self.params, x, spec((r,), jnp.int32)).compile()
+        self._prompt_logprobs.lower(self.params, x, ints).compile()
+
+    def _compile_sampling(self, rows: int, length: int) -> None:
+        """Sampling at `rows` rows, and the penalties over prompts padded to `length`."""
+        spec = jax.ShapeDtypeStruct
+        logits = spec((rows, self.model_config.vocab_size), jnp.float32)
+        column = {t: spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)}
+        f32, i32, u32 = column[jnp.float32], column[jnp.int32], column[jnp.uint32]
+        sample_jit.lower(logits, f32, i32, f32, u32, i32, f32).compile()
+        penalize.lower(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
+                       spec(logits.shape, jnp.bool_)).compile()
+
+
+def _avals(compiled) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """What a compiled program returns, as the next program's arguments: sharded as it returns them
+    over a mesh; on one device uncommitted, as arrays made from numpy (and so its outputs) are."""
+    return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding if
+                                      isinstance(o.sharding, jax.sharding.NamedSharding) else None)
+                 for o in jax.tree.leaves(compiled.out_info))
 
 
 def _column(values: list, dtype, rows: int) -> np.ndarray:
