@@ -3,10 +3,10 @@
     .venv/bin/python -m pdserve.benchmarks.prefill_long --lengths 2048,4096,8192,16384 --chunk 2048
 
 The model: Qwen2.5-0.5B's shape with --layers layers (random weights), run in float32 on the CPU.
-Each (length, chunk) point runs in its own process, so its peak RSS (`ru_maxrss`) is its own: the
+Each (length, chunk) point runs in its own process: the
 engine loads, compiles the step shapes the prompt needs (untimed, before the baseline), then prefills
 one prompt of that length through `PrefillEngine.submit`. Reported: seconds, the peak RSS above the
-baseline, and that peak per 1k tokens (flat when memory is linear in the length). For scale, the
+RSS before the prompt (sampled every 5 ms, benchmarks/prefill.py's PeakRss), and that peak per 1k tokens (flat when memory is linear in the length). For scale, the
 score matrix the old whole-matrix attention built, fp32 [Hq, S, S] per layer, is printed beside it.
 """
 
@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ def measure(model_dir: str, length: int, chunk: int) -> dict:
     """In this process: the peak RSS growth and seconds of one `length`-token prefill in chunks of `chunk`."""
     import numpy as np
 
+    from pdserve.benchmarks.prefill import PeakRss
     from pdserve.v1 import generation_pb2 as gen_pb
     from pdserve.server.model.config import load_config
     from pdserve.server.model.weights import load_weights
@@ -42,7 +42,6 @@ def measure(model_dir: str, length: int, chunk: int) -> dict:
     print(f"  {length} tokens in chunks of {chunk}: compiling {len(contexts)} step shapes ...", file=sys.stderr,
           flush=True)
     engine.warmup(shapes=[StepShape(chunk, c) for c in contexts])
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, config.vocab_size, length)]
     greedy = gen_pb.SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0)
 
@@ -50,12 +49,12 @@ def measure(model_dir: str, length: int, chunk: int) -> dict:
         return await engine.submit(prompt, greedy, 0, "float32")
 
     t0 = time.perf_counter()
-    result = asyncio.run(run())
+    with PeakRss() as rss:  # sampled every 5 ms: the compiles' own peak (before) does not mask it
+        result = asyncio.run(run())
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     assert result.k.shape[1] == length
-    return {"length": length, "chunk": chunk, "seconds": seconds, "peak_mib": (peak - base) / 1024,
-            "baseline_mib": base / 1024, "kv_mib": (result.k.nbytes + result.v.nbytes) / 2**20,
+    return {"length": length, "chunk": chunk, "seconds": seconds, "peak_mib": (rss.peak - rss.start) / 2**20,
+            "baseline_mib": rss.start / 2**20, "kv_mib": (result.k.nbytes + result.v.nbytes) / 2**20,
             "num_heads": config.num_heads, "num_layers": config.num_layers}
 
 
