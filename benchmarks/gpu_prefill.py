@@ -135,7 +135,8 @@ def run(out_dir: str | Path, *, dry_run: bool = False, lengths: tuple[int, ...] 
     longest = max(lengths)
     smallest = 1 << (min(lengths) - 1).bit_length()  # buckets from the shortest length up: fewer compiles
     engine = PrefillEngine(config, params, PrefillConfig(model_dir=out, max_batch_size=1, max_model_len=longest,
-                                                         max_batch_tokens=longest, min_bucket=smallest))
+                                                         max_batch_tokens=longest, min_bucket=smallest,
+                                                         prefix_cache_bytes=0))  # the prompt repeats
     compile_s = engine.warmup(progress=progress)
     greedy = gen_pb.SamplingParams(max_tokens=1, temperature=0.0)
 
