@@ -123,6 +123,7 @@ admission_rejections = _pd(Counter, "admission_rejections", "Requests refused be
 expected_wait_rejections = _pd(Counter, "expected_wait_rejections",
                                "Requests refused because their expected prefill wait exceeded the deadline or TTFT budget")
 stalled_streams = _pd(Counter, "stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
+decode_refusals = _pd(Counter, "decode_refusals", "Decode workers refusing a request for lack of room (another replica took the blocks); picked again")
 
 
 class _OfRole(Series):

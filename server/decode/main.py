@@ -23,7 +23,7 @@ from pdserve.server.decode.service import DecodeService
 from pdserve.server.model.config import load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
-from pdserve.server.registration import Registration, join, serve_until_signal
+from pdserve.server.registration import Memberships, join, serve_until_signal
 
 log = logging.getLogger("pdserve.decode")
 
@@ -40,7 +40,7 @@ class DecodeWorker:
     kv_server: object = None
     """The KvTransfer-only server (`--kv-port`), or None when KvTransfer shares the main port."""
     kv_port: int = 0
-    registration: Registration | None = None
+    registration: Memberships | None = None
 
     async def drain(self, seconds: float) -> None:
         """No new Decode calls, the coordinator told; in-flight requests finish (up to `seconds`)."""

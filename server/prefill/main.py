@@ -18,7 +18,7 @@ from pdserve.server.prefill.model import compute_dtype, load_params
 from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
 from pdserve.server.prefill.service import PrefillService
-from pdserve.server.registration import Registration, join, serve_until_signal
+from pdserve.server.registration import Memberships, join, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -31,7 +31,7 @@ class PrefillWorker:
     service: PrefillService
     port: int
     health: object = None
-    registration: Registration | None = None
+    registration: Memberships | None = None
 
     async def drain(self, seconds: float) -> None:
         """No new Prefill calls, the coordinator told; running prefills and KV pushes finish."""
