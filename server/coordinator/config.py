@@ -70,8 +70,9 @@ class CoordinatorConfig:
     decode_streams: DecodeStreams = "batched"
     """batched: each decode worker sends one message per step for every request on this coordinator (its
     Steps stream); per-request: one message per token per request (workers without Steps get that anyway)."""
-    max_coalesce: int = 16
-    """A client slower than generation gets up to this many tokens in one response (1: one per step)."""
+    max_coalesce: int = 1
+    """A client slower than generation gets up to this many tokens merged into one response (1: off, one
+    response per decode event)."""
     reuse_port: bool = False
     """Bind the public ports with SO_REUSEPORT, so several coordinator processes share them (`--reuse-port`)."""
 

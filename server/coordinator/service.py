@@ -70,7 +70,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         stall_timeout: float | None = None,
         ttft_budget: float = 0.0,
         decode_streams: str = "batched",
-        max_coalesce: int = 16,
+        max_coalesce: int = 1,
     ):
         self.tokenizer = tokenizer
         self.limits = limits

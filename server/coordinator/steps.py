@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from collections import deque
 
 import grpc
@@ -25,6 +26,8 @@ log = logging.getLogger("pdserve.coordinator")
 
 OPEN_TIMEOUT_S = 5.0
 """How long opening a Steps stream may take before the request falls back to its own stream."""
+REOPEN_AFTER_S = 5.0
+"""After a failed open, requests go per request this long before the next try."""
 
 
 class StreamBroken(Exception):
@@ -68,6 +71,7 @@ class StepsClient:
         """False once the worker answered UNIMPLEMENTED: it only streams per request."""
         self._opening: asyncio.Future[bool] | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._failed_at = -REOPEN_AFTER_S
 
     @property
     def open(self) -> bool:
@@ -79,6 +83,8 @@ class StepsClient:
             return False
         if self.open:
             return True
+        if time.monotonic() - self._failed_at < REOPEN_AFTER_S and (self._opening is None or self._opening.done()):
+            return False
         if self._opening is None or self._opening.done():
             self._opening = asyncio.ensure_future(self._open())
         return await asyncio.shield(self._opening)
@@ -90,11 +96,13 @@ class StepsClient:
             first = await asyncio.wait_for(call.read(), OPEN_TIMEOUT_S)
         except (grpc.aio.AioRpcError, TimeoutError) as e:
             call.cancel()
+            self._failed_at = time.monotonic()
             if isinstance(e, grpc.aio.AioRpcError) and e.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.supported = False
                 log.info("decode worker %s has no Steps stream (an older build): one message per token", self.address)
             return False
         if first is grpc.aio.EOF:
+            self._failed_at = time.monotonic()
             return False
         self.stream_id = stream_id
         self._reader = asyncio.create_task(self._read(call), name=f"steps-{self.address}")

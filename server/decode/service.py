@@ -191,7 +191,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                 break
             if not sink.done.done() and seq.state is SeqState.WAITING:  # preempted: it waits for blocks again
                 sink.send(queued=pb.Queued(position=engine.position(seq)))
-        if sink.stream.closed and not sink.done.done():
+        if sink.stream.closed and (sink.cut_off or not sink.done.done()):
             sink.detach()
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"the Steps stream {sink.stream.stream_id} closed; open a new one and retry")

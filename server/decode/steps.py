@@ -58,7 +58,9 @@ class StepSink:
         self.stream = stream
         self.seq = seq
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        """Resolves once the request's `finished` event is out."""
+        """Resolves once the request has ended (its `finished` event is out, unless the stream had closed)."""
+        self.cut_off = False
+        """The request ended after its stream closed: the coordinator never got `finished`."""
         stream.riders[seq.request_id] = self
 
     def put_nowait(self, ids: list[int] | None) -> None:
@@ -67,6 +69,7 @@ class StepSink:
         if self.done.done():
             return
         if ids is None:
+            self.cut_off = self.stream.closed
             message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
             self.stream.send(pb.SequenceEvent(request_id=seq.request_id,
                                               finished=pb.Finished(reason=seq.finish_reason, message=message)))
