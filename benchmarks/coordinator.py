@@ -9,13 +9,14 @@ request 8 prompt tokens, `--output-len` tokens out; a new one starts when one en
 or the OpenAI SSE front (`/v1/completions`, stream). After a warm-up, it counts the tokens the clients
 receive in a `--seconds` window, and the coordinator's CPU seconds in it (from /proc).
 
-Two coordinators run in the same invocation against the same workers:
+Three coordinators run in the same invocation against the same workers:
 - before: the coordinator of `--baseline-rev` (default: the commit before batched streams), extracted
   with `git archive` and run from there: one message per token per request from decode, one response
   per token to the client;
-- after: this checkout's: one `StepBatch` per decode step, responses merged when a client falls behind.
+- after: this checkout's, default flags: one `StepBatch` per decode step per connection;
+- coalesce: the same with `--max-coalesce 16`: a client behind gets up to 16 tokens per response.
 
-The figure is tokens/s (wall) and tokens per coordinator CPU-second, after / before. The clients share
+The figure is tokens/s (wall) and tokens per coordinator CPU-second, against before. The clients share
 the machine's cores with the coordinator: on a small machine they can cap the wall figure; the CPU
 figure says what the coordinator itself costs per token.
 """
@@ -45,7 +46,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 @dataclass
 class Row:
-    coordinator: str  # before | after
+    coordinator: str  # before | after | coalesce
     front: str  # grpc | sse
     streams: int
     tokens: int
@@ -95,7 +96,8 @@ def _baseline_tree(rev: str, into: Path) -> Path:
 
 
 class Coordinator:
-    def __init__(self, name: str, model_dir: Path, prefill: str, decode: str, pythonpath: Path | None):
+    def __init__(self, name: str, model_dir: Path, prefill: str, decode: str, pythonpath: Path | None,
+                 args: list[str] = ()):
         self.name = name
         self.port, self.http_port = _free_port(), _free_port()
         env = dict(os.environ)
@@ -103,7 +105,7 @@ class Coordinator:
             env["PYTHONPATH"] = str(pythonpath)
         cmd = [sys.executable, "-m", "pdserve.server.cli", "coordinator", "--model", str(model_dir),
                "--prefill", prefill, "--decode", decode, "--port", str(self.port), "--http-port", str(self.http_port),
-               "--max-queue", "100000", "--stall-timeout", "600", "--log-format", "text"]
+               "--max-queue", "100000", "--stall-timeout", "600", "--log-format", "text", *args]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
     def wait_serving(self, timeout: float = 120.0) -> None:
@@ -224,16 +226,17 @@ async def measure(coordinator: Coordinator, front: str, streams: int, output_len
 
 
 def _table(rows: list[Row]) -> str:
-    lines = [f"{'front':<5} {'streams':>7} {'before tok/s':>13} {'after tok/s':>12} {'x':>6} "
-             f"{'before tok/cpu-s':>17} {'after tok/cpu-s':>16} {'x':>6}"]
+    lines = [f"{'front':<5} {'streams':>7} {'coordinator':<11} {'tok/s':>9} {'x before':>9} {'tok/cpu-s':>10} "
+             f"{'x before':>9} {'tok/msg':>8}"]
     for front in dict.fromkeys(r.front for r in rows):
         for n in dict.fromkeys(r.streams for r in rows):
             by = {r.coordinator: r for r in rows if r.front == front and r.streams == n}
-            if "before" in by and "after" in by:
-                b, a = by["before"], by["after"]
-                lines.append(f"{front:<5} {n:>7} {b.tokens_per_s:>13.0f} {a.tokens_per_s:>12.0f} "
-                             f"{a.tokens_per_s / max(b.tokens_per_s, 1e-9):>6.2f} {b.tokens_per_cpu_s:>17.0f} "
-                             f"{a.tokens_per_cpu_s:>16.0f} {a.tokens_per_cpu_s / max(b.tokens_per_cpu_s, 1e-9):>6.2f}")
+            b = by.get("before")
+            for name, r in by.items():
+                x_wall = f"{r.tokens_per_s / b.tokens_per_s:.2f}" if b and b.tokens_per_s else "-"
+                x_cpu = f"{r.tokens_per_cpu_s / b.tokens_per_cpu_s:.2f}" if b and b.tokens_per_cpu_s else "-"
+                lines.append(f"{front:<5} {n:>7} {name:<11} {r.tokens_per_s:>9.0f} {x_wall:>9} "
+                             f"{r.tokens_per_cpu_s:>10.0f} {x_cpu:>9} {r.tokens / max(r.messages, 1):>8.2f}")
     return "\n".join(lines)
 
 
@@ -264,15 +267,15 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-coordinator-"))
     rows: list[Row] = []
     try:
-        kinds = [("after", None)]
+        kinds = [("after", None, []), ("coalesce", None, ["--max-coalesce", "16"])]
         if args.baseline_rev != "none":
-            kinds.insert(0, ("before", _baseline_tree(args.baseline_rev, tmp)))
+            kinds.insert(0, ("before", _baseline_tree(args.baseline_rev, tmp), []))
         cases = [(k, f, n) for f in args.fronts for n in args.streams for k in kinds]
         with tqdm(total=len(cases), desc="coordinator relay", unit="case") as bar:
-            for (name, path), front, n in cases:
+            for (name, path, extra), front, n in cases:
                 bar.set_postfix_str(f"{name} {front} {n} streams")
                 coordinator = Coordinator(name, model_dir, f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}",
-                                          path)
+                                          path, extra)
                 try:
                     coordinator.wait_serving()
                     rows.append(asyncio.run(measure(coordinator, front, n, args.output_len, args.warmup,

@@ -28,7 +28,7 @@ from pdserve.server.decode.service import DecodeService
 from pdserve.server.serving import new_server
 
 FINGERPRINT = "fake-workers"
-BACKLOG_STEPS = 2
+BACKLOG_STEPS = 16
 """The engine steps again only while no stream holds more than this many steps not yet sent."""
 
 

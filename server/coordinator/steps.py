@@ -118,7 +118,7 @@ class StepsClient:
     async def _read(self, call: grpc.aio.UnaryStreamCall) -> None:
         why = "it ended"
         try:
-            async for batch in call:
+            while (batch := await call.read()) is not grpc.aio.EOF:  # read(), as _open began (not async for)
                 routes = self.routes
                 for event in batch.events:
                     route = routes.get(event.request_id)
@@ -129,6 +129,9 @@ class StepsClient:
         except asyncio.CancelledError:
             why = "the coordinator closed it"
             raise
+        except Exception as e:  # a bug: say so, and fail the requests riding it over to another attempt
+            why = repr(e)
+            log.exception("decode worker %s's Steps stream reader failed", self.address)
         finally:
             broken = StreamBroken(f"decode worker {self.address}'s Steps stream broke ({why})")
             for route in self.routes.values():
