@@ -159,7 +159,8 @@ class Memberships:
                              f"check the name (a headless service lists its ready replicas)")
         for address in addresses:
             self.registrations[address] = Registration(address, self.info, connect_seconds=self.connect_seconds)
-        await asyncio.gather(*(r.start() for r in self.registrations.values()))
+        for registration in self.registrations.values():  # one by one: a refusal's SystemExit must not
+            await registration.start()  # leave a task of asyncio.gather (it escapes the event loop there)
         self._task = asyncio.create_task(self._follow_dns(), name="coordinator-dns")
 
     async def _follow_dns(self) -> None:
@@ -179,12 +180,11 @@ class Memberships:
 
     async def beat(self) -> None:
         """One heartbeat to every replica now (one unreachable does not stop the others)."""
-        results = await asyncio.gather(*(r.beat() for r in self.registrations.values()), return_exceptions=True)
-        for address, result in zip(list(self.registrations), results):
-            if isinstance(result, grpc.aio.AioRpcError):
-                log.warning("heartbeat to %s failed: %s %s", address, result.code().name, result.details())
-            elif isinstance(result, BaseException):
-                raise result
+        for address, registration in list(self.registrations.items()):
+            try:
+                await registration.beat()
+            except grpc.aio.AioRpcError as e:
+                log.warning("heartbeat to %s failed: %s %s", address, e.code().name, e.details())
 
     async def close(self) -> None:
         if self._task is not None:
