@@ -57,6 +57,7 @@ class Row:
     messages: int
     """Responses (gRPC messages or SSE events) the clients received in the window."""
     errors: int
+    first_error: str = ""
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -97,7 +98,7 @@ def _baseline_tree(rev: str, into: Path) -> Path:
 
 class Coordinator:
     def __init__(self, name: str, model_dir: Path, prefill: str, decode: str, pythonpath: Path | None,
-                 args: list[str] = ()):
+                 args: list[str] = (), log: Path | None = None):
         self.name = name
         self.port, self.http_port = _free_port(), _free_port()
         env = dict(os.environ)
@@ -106,7 +107,9 @@ class Coordinator:
         cmd = [sys.executable, "-m", "pdserve.server.cli", "coordinator", "--model", str(model_dir),
                "--prefill", prefill, "--decode", decode, "--port", str(self.port), "--http-port", str(self.http_port),
                "--max-queue", "100000", "--stall-timeout", "600", "--log-format", "text", *args]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.log = log or Path(tempfile.mkstemp(prefix=f"pdserve-coordinator-{name}-", suffix=".log")[1])
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=out)
 
     def wait_serving(self, timeout: float = 120.0) -> None:
         import grpc
@@ -115,7 +118,7 @@ class Coordinator:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise SystemExit(f"the {self.name} coordinator exited: {self.proc.stderr.read()[-2000:]}")
+                raise SystemExit(f"the {self.name} coordinator exited: {self.log.read_text()[-2000:]}")
             try:
                 with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
                     reply = health_pb2_grpc.HealthStub(ch).Check(
@@ -141,6 +144,11 @@ class Counter:
         self.tokens = 0
         self.messages = 0
         self.errors = 0
+        self.first_error = ""
+
+    def error(self, what: str) -> None:
+        self.errors += 1
+        self.first_error = self.first_error or what[:300]
 
 
 async def _grpc_streams(port: int, streams: int, output_len: int, counter: Counter, stop: asyncio.Event) -> None:
@@ -163,8 +171,8 @@ async def _grpc_streams(port: int, streams: int, output_len: int, counter: Count
                     counter.messages += 1
                     if stop.is_set():
                         break
-            except grpc.aio.AioRpcError:
-                counter.errors += 1
+            except grpc.aio.AioRpcError as e:
+                counter.error(f"{e.code().name}: {e.details()}")
                 await asyncio.sleep(0.1)
 
     try:
@@ -197,8 +205,8 @@ async def _sse_streams(port: int, streams: int, output_len: int, counter: Counte
                             counter.messages += 1
                             if stop.is_set():
                                 break
-                except httpx.HTTPError:
-                    counter.errors += 1
+                except httpx.HTTPError as e:
+                    counter.error(repr(e))
                     await asyncio.sleep(0.1)
 
         await asyncio.gather(*(one(i) for i in range(streams)))
@@ -222,12 +230,12 @@ async def measure(coordinator: Coordinator, front: str, streams: int, output_len
     except TimeoutError:
         task.cancel()
     return Row(coordinator.name, front, streams, tokens, round(elapsed, 3), round(tokens / elapsed, 1), round(cpu, 3),
-               round(tokens / cpu, 1) if cpu else 0.0, messages, errors)
+               round(tokens / cpu, 1) if cpu else 0.0, messages, errors, counter.first_error)
 
 
 def _table(rows: list[Row]) -> str:
     lines = [f"{'front':<5} {'streams':>7} {'coordinator':<11} {'tok/s':>9} {'x before':>9} {'tok/cpu-s':>10} "
-             f"{'x before':>9} {'tok/msg':>8}"]
+             f"{'x before':>9} {'tok/msg':>8} {'errors':>6}"]
     for front in dict.fromkeys(r.front for r in rows):
         for n in dict.fromkeys(r.streams for r in rows):
             by = {r.coordinator: r for r in rows if r.front == front and r.streams == n}
@@ -236,11 +244,12 @@ def _table(rows: list[Row]) -> str:
                 x_wall = f"{r.tokens_per_s / b.tokens_per_s:.2f}" if b and b.tokens_per_s else "-"
                 x_cpu = f"{r.tokens_per_cpu_s / b.tokens_per_cpu_s:.2f}" if b and b.tokens_per_cpu_s else "-"
                 lines.append(f"{front:<5} {n:>7} {name:<11} {r.tokens_per_s:>9.0f} {x_wall:>9} "
-                             f"{r.tokens_per_cpu_s:>10.0f} {x_cpu:>9} {r.tokens / max(r.messages, 1):>8.2f}")
+                             f"{r.tokens_per_cpu_s:>10.0f} {x_cpu:>9} {r.tokens / max(r.messages, 1):>8.2f} "
+                             f"{r.errors:>6}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> list[Row]:
     from pdserve.server.cli import default_model_dir
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -274,8 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(total=len(cases), desc="coordinator relay", unit="case") as bar:
             for (name, path, extra), front, n in cases:
                 bar.set_postfix_str(f"{name} {front} {n} streams")
+                log = (args.out.parent if args.out else tmp) / f"coordinator-{name}-{front}-{n}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
                 coordinator = Coordinator(name, model_dir, f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}",
-                                          path, extra)
+                                          path, extra, log)
                 try:
                     coordinator.wait_serving()
                     rows.append(asyncio.run(measure(coordinator, front, n, args.output_len, args.warmup,
@@ -296,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": [asdict(r) for r in rows], "loadavg_start": load,
                                         "baseline_rev": args.baseline_rev}, indent=2))
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
