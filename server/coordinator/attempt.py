@@ -417,6 +417,8 @@ class Attempt:
         if isinstance(e, _EndedEarly):
             return Lost(decode, f"decode worker {decode.address} ended the stream without finishing the request")
         if isinstance(e, StreamBroken):
+            if e.code == grpc.StatusCode.UNAVAILABLE:  # the worker is gone: route around it at once
+                await self.service.pool.mark_failed(decode, str(e))
             return Lost(decode, str(e))
         assert isinstance(e, grpc.aio.AioRpcError)
         if kv_from is not None and e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):

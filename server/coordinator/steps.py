@@ -33,6 +33,11 @@ REOPEN_AFTER_S = 5.0
 class StreamBroken(Exception):
     """The Steps stream carrying a request's events ended before the request did."""
 
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+        """The stream's status (UNAVAILABLE: the worker is gone), None when it ended otherwise."""
+
 
 DecodeEvent = worker_pb2.SequenceEvent | worker_pb2.DecodeResponse
 """One event of a decode stream: `tokens`, `finished` or `queued` (a batch's, or a per-request call's)."""
@@ -116,7 +121,7 @@ class StepsClient:
         self.routes.pop(request_id, None)
 
     async def _read(self, call: grpc.aio.UnaryStreamCall) -> None:
-        why = "it ended"
+        why, code = "it ended", None
         try:
             while (batch := await call.read()) is not grpc.aio.EOF:  # read(), as _open began (not async for)
                 routes = self.routes
@@ -125,7 +130,7 @@ class StepsClient:
                     if route is not None:  # else: an attempt already given up
                         route.put(event)
         except grpc.aio.AioRpcError as e:
-            why = f"{e.code().name}: {e.details()}"
+            why, code = f"{e.code().name}: {e.details()}", e.code()
         except asyncio.CancelledError:
             why = "the coordinator closed it"
             raise
@@ -133,7 +138,7 @@ class StepsClient:
             why = repr(e)
             log.exception("decode worker %s's Steps stream reader failed", self.address)
         finally:
-            broken = StreamBroken(f"decode worker {self.address}'s Steps stream broke ({why})")
+            broken = StreamBroken(f"decode worker {self.address}'s Steps stream broke ({why})", code)
             for route in self.routes.values():
                 route.put(broken)
             call.cancel()
