@@ -21,6 +21,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES
 from pdserve.kvcache.sender import CHANNEL_OPTIONS
 
 GB = 1e9
@@ -86,47 +87,97 @@ async def _push(request_iterator, context) -> bytes:
     return received.to_bytes(8, "little")
 
 
-async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = 2**20, streams: int = 1) -> float:
-    """GB/s of total_bytes streamed in message_bytes `bytes` messages through `streams` parallel
-    client-streaming calls, each on its own channel (TCP connection), carrying an even share.
+def _push_into(target: np.ndarray):
+    """A Push handler that copies the messages into target from the call's "offset" on, as they arrive."""
 
-    Run inside the event loop the KV transfer will use, so both see the same grpc.aio machinery.
+    async def push(request_iterator, context) -> bytes:
+        at = int(dict(context.invocation_metadata())["offset"])
+        received = 0
+        async for message in request_iterator:
+            np.copyto(target[at + received:at + received + len(message)], np.frombuffer(message, np.uint8))
+            received += len(message)
+        return received.to_bytes(8, "little")
+
+    return push
+
+
+class GrpcLoopback:
+    """Raw grpcio on 127.0.0.1, kept open between runs: `streams` client-streaming calls, each on its own
+    channel (TCP connection), carry pre-made `bytes` messages of message_bytes (identity serializers,
+    no proto) to an in-process server that only counts them. Start it inside the event loop the KV
+    transfer uses, so both see the same grpc.aio machinery; `seconds(n)` can then alternate with it.
+
+    copies=N adds the two copies any transfer of N bytes of arrays through grpcio must make, and nothing
+    else: each message is copied out of an N-byte numpy array into `bytes` (grpcio sends only `bytes`),
+    and the server copies each received message into its place in another N-byte array. What a KV
+    transport moving N bytes could reach at best. seconds() then carries exactly those N bytes.
     """
-    handler = grpc.method_handlers_generic_handler(
-        "pdserve.bench.Loopback", {"Push": grpc.stream_unary_rpc_method_handler(_push)}
-    )  # no serializers: the handler sees the wire bytes
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) for _ in range(streams)]
-    pushes = [channel.stream_unary(_LOOPBACK_METHOD) for channel in channels]
-    payload = os.urandom(message_bytes)
-    shares = [total_bytes // streams + (i < total_bytes % streams) for i in range(streams)]
 
-    async def messages(share: int):
-        count, rest = divmod(share, message_bytes)
-        for _ in range(count):
-            yield payload
-        if rest:
-            yield payload[:rest]
+    def __init__(self, message_bytes: int = MAX_CHUNK_BYTES, streams: int = 1, *, copies: int = 0) -> None:
+        self.message_bytes, self.streams = message_bytes, streams
+        self._payload = os.urandom(message_bytes)
+        self._source = np.random.default_rng(0).integers(0, 256, copies, np.uint8) if copies else None
+        self._target = np.zeros(copies, np.uint8) if copies else None
+        self._server: grpc.aio.Server | None = None
+        self._channels: list[grpc.aio.Channel] = []
 
-    async def one(push, share: int) -> None:
-        reply = await push(messages(share))
+    async def start(self) -> GrpcLoopback:
+        push = _push if self._target is None else _push_into(self._target)
+        handler = grpc.method_handlers_generic_handler(
+            "pdserve.bench.Loopback", {"Push": grpc.stream_unary_rpc_method_handler(push)}
+        )  # no serializers: the handler sees the wire bytes
+        self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self._server.add_generic_rpc_handlers((handler,))
+        port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
+                          for _ in range(self.streams)]
+        return self
+
+    async def seconds(self, total_bytes: int) -> float:
+        """Wall time to carry total_bytes, an even share on each stream."""
+        pushes = [channel.stream_unary(_LOOPBACK_METHOD) for channel in self._channels]
+        n = self.streams
+        shares = [total_bytes // n + (i < total_bytes % n) for i in range(n)]
+        start = time.perf_counter()
+        starts = [sum(shares[:i]) for i in range(n)]
+        await asyncio.gather(*(self._one(push, at, share) for push, at, share in zip(pushes, starts, shares)))
+        return time.perf_counter() - start
+
+    async def _one(self, push, at: int, share: int) -> None:
+        size, source = self.message_bytes, self._source
+        if source is not None and at + share > len(source):
+            raise ValueError(f"GrpcLoopback(copies={len(source)}) carries at most {len(source)} bytes, "
+                             f"not {at + share}")
+
+        async def messages():
+            for offset in range(0, share, size):
+                n = min(size, share - offset)
+                if source is None:
+                    yield self._payload if n == size else self._payload[:n]
+                else:
+                    yield source[at + offset:at + offset + n].tobytes()
+
+        reply = await push(messages(), metadata=(("offset", str(at)),))
         if (received := int.from_bytes(reply, "little")) != share:
             raise RuntimeError(f"the loopback server received {received} of {share} bytes")
 
-    try:
-        best = float("inf")
-        for attempt in range(repeats + 1):  # the first connects and warms up
-            start = time.perf_counter()
-            await asyncio.gather(*(one(push, share) for push, share in zip(pushes, shares)))
-            seconds = time.perf_counter() - start
-            if attempt:
-                best = min(best, seconds)
-    finally:
-        for channel in channels:
+    async def close(self) -> None:
+        for channel in self._channels:
             await channel.close()
-        await server.stop(None)
+        if self._server is not None:
+            await self._server.stop(None)
+
+
+async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = MAX_CHUNK_BYTES,
+                             streams: int = 1) -> float:
+    """GB/s of total_bytes streamed through GrpcLoopback (by default in messages of the KV transfer's size):
+    the best of `repeats` after a warm-up."""
+    loopback = await GrpcLoopback(message_bytes, streams).start()
+    try:
+        await loopback.seconds(total_bytes)  # connects and warms up
+        best = min([await loopback.seconds(total_bytes) for _ in range(repeats)], default=float("inf"))
+    finally:
+        await loopback.close()
     return total_bytes / best / GB

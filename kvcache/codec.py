@@ -16,8 +16,10 @@ from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.kvcache.tensors import KvTensors
 from pdserve.v1 import worker_pb2 as pb
 
-MAX_CHUNK_BYTES = 2**20
-"""grpcio's sweet spot: messages of ~1 MiB move fastest through one Python process (benchmarks/README)."""
+MAX_CHUNK_BYTES = 4 * 2**20
+"""Messages of up to 4 MiB: grpcio's per-message cost (Python objects, completion-queue round trips) then
+weighs little against the bytes (1 -> 4 MiB: 1.70 -> 1.45 CPU s/GB, benchmarks/README), and a KvChunk
+still fits grpcio's default 4 MiB receive limit, whatever the receiver's server options."""
 _ENVELOPE_BYTES = 64  # KvBlocks fields (<= 48 bytes) + the KvChunk wrapper (<= 6): a KvChunk fits too
 _SCALE_DTYPE = np.dtype(np.float32)
 

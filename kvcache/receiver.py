@@ -10,7 +10,9 @@ Life of a transfer:
    length, stream count): TRANSFERRING. The lease (`Transfer.wait`) starts at the first accepted
    header and restarts with every chunk.
 4. Each KvBlocks piece is checked (place, sizes, no overlap across all streams) and written by the
-   sink in a worker thread, off the event loop; the stream reads its next chunk once it is written.
+   sink in a worker thread, off the event loop. The stream reads on while up to WRITES_IN_FLIGHT of
+   its pieces are being written (the next message crosses the wire while the last one is copied into
+   the cache); KvEnd counts only once every piece of the stream is written.
 5. KvEnd on every stream once every layer of every token has arrived, then the streams close: DONE,
    and `done` resolves to the first token. Any refusal after step 2, or a KvAbort from the prefill
    worker: FAILED, every stream of the transfer is cut, and `done` raises TransferError.
@@ -22,6 +24,7 @@ Call every method from the event loop that serves PushKv.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import enum
 import hmac
@@ -42,6 +45,8 @@ from pdserve.v1 import worker_pb2_grpc
 Code = grpc.StatusCode
 WRITE_THREADS = 4
 """Threads writing received pieces into the cache (numpy/torch copies release the GIL)."""
+WRITES_IN_FLIGHT = 4
+"""Pieces of one stream written at once while it reads on: what a stream holds beyond the message it reads."""
 
 
 class KvSink(Protocol):
@@ -148,6 +153,8 @@ class _Stream:
     index: int
     reading: bool = False
     cut: tuple[grpc.StatusCode, str] | None = None
+    writes: collections.deque = field(default_factory=collections.deque)
+    """(future, piece bytes, where) of the pieces submitted to the pool and not yet checked, oldest first."""
 
     def cut_off(self, code: grpc.StatusCode, message: str) -> None:
         """Stops the stream before it writes again; wakes it if it waits for the next chunk."""
@@ -423,6 +430,7 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 await self._write(stream, chunk.blocks)
             elif part == "end":
                 first_token_id = chunk.end.first_token_id
+                await self._drain(stream, 0)  # KvEnd counts once every piece of the stream is in the cache
                 self._end(stream, first_token_id)
             elif part == "abort":
                 raise _Refusal(
@@ -483,17 +491,34 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         if cells.any():
             raise _Refusal(Code.INVALID_ARGUMENT, f"{where} overlaps KV already received", transfer)
         cells[...] = True  # now: another stream's overlapping piece is refused while this one is written
-        running = self._pool.submit(self.sink.write, transfer.request_id, piece)
+        running = self._pool.submit(self._write_unless_cut, stream, piece)
         writes = self._writes.setdefault(transfer.request_id, set())
         writes.add(running)
         running.add_done_callback(lambda f: self._written(transfer.request_id, f))
-        try:
-            await asyncio.wrap_future(running)
-        except Exception as e:  # the decode tier's cache refused the piece
-            raise _Refusal(
-                Code.INTERNAL, f"the decode worker could not store {where}: {e!r}", transfer
-            ) from e
-        transfer.bytes_received += piece.nbytes
+        stream.writes.append((running, piece.nbytes, where))
+        await self._drain(stream, WRITES_IN_FLIGHT - 1)
+
+    def _write_unless_cut(self, stream: _Stream, piece: KvPiece) -> None:
+        """Runs in a writing thread: a stream cut off, or a transfer failed or cancelled, meanwhile
+        writes nothing more (its pieces still queued are dropped)."""
+        if stream.cut is None and stream.transfer.state is TransferState.TRANSFERRING:
+            self.sink.write(stream.transfer.request_id, piece)
+
+    async def _drain(self, stream: _Stream, keep: int) -> None:
+        """Waits until at most `keep` of the stream's pieces are being written; a failed write refuses."""
+        transfer = stream.transfer
+        while stream.writes and (len(stream.writes) > keep or stream.writes[0][0].done()):
+            running, nbytes, where = stream.writes[0]
+            try:
+                if not running.done():
+                    await asyncio.wrap_future(running)
+                running.result()
+            except Exception as e:  # the decode tier's cache refused the piece
+                raise _Refusal(
+                    Code.INTERNAL, f"the decode worker could not store {where}: {e!r}", transfer
+                ) from e
+            stream.writes.popleft()
+            transfer.bytes_received += nbytes
 
     def _written(self, request_id: str, running: concurrent.futures.Future) -> None:
         """Runs in the writing thread: forgets the write (set operations hold the GIL)."""

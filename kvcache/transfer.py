@@ -5,7 +5,9 @@ Life of a send (SGLang's KVPoll states):
    (BeginKv); `open` returns once the receiver accepted it and the streams are open
    (WAITING_FOR_INPUT), or raises grpc.aio.AioRpcError with the refusal. The receiver's lease starts.
 2. `await sender.send(kv)` for each layer group as the prefill finishes it: TRANSFERRING. Its pieces
-   are spread over the streams and encoded as each stream's flow control asks for the next message.
+   are spread over the streams; each stream encodes its next messages (in a thread, ENCODE_AHEAD of
+   them) while grpcio sends the current one, so the sender buffers at most QUEUE_PIECES pieces and
+   ENCODE_AHEAD messages per stream beyond its KvTensors.
 3. `await sender.finish(first_token_id)`: KvEnd on every stream, then the receiver's answer: SUCCESS.
    A refusal on any stream: FAILED (the others are cut), and finish raises it.
    `await sender.abort(reason)` instead tells the receiver this attempt is dead, so it frees what it
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
+import concurrent.futures
 import contextlib
 import enum
 from collections.abc import AsyncIterator
@@ -29,13 +33,27 @@ import grpc
 from pdserve.kvcache.codec import MAX_CHUNK_BYTES, Piece, plan_tensors
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.tensors import KvTensors
-from pdserve.kvcache.wire import encode_piece_bytes
+from pdserve.kvcache.wire import encode_piece_bytes, piece_bytes
 from pdserve.v1 import worker_pb2 as pb
 
 PROTOCOL_VERSION = 2
 """The KvHeader's protocol_version this code speaks. 2: BeginKv, layer groups over parallel streams."""
 QUEUE_PIECES = 4
 """Pieces waiting per stream before send() waits: what the sender buffers beyond its KvTensors."""
+ENCODE_AHEAD = 2
+"""Messages per stream encoded (in a thread) ahead of the one grpcio sends: the sender's own copies."""
+ENCODE_INLINE_BYTES = 256 * 2**10
+"""Pieces smaller than this are encoded on the event loop: handing them to a thread costs more than the copy."""
+ENCODE_THREADS = 4
+_encoder: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _encode_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads that copy KV into messages (numpy copies release the GIL: the event loop runs on)."""
+    global _encoder
+    if _encoder is None:
+        _encoder = concurrent.futures.ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="kv-encode")
+    return _encoder
 
 
 class KvPoll(enum.Enum):
@@ -137,13 +155,28 @@ class Stream(abc.ABC):
 
     async def chunks(self, header: pb.KvHeader) -> AsyncIterator[pb.KvChunk | bytes]:
         """The header, then each queued item as the transport asks for it: (kv, piece) is encoded
-        only now, straight from kv's arrays into the serialized chunk (kvcache.wire); None closes."""
+        straight from kv's arrays into the serialized chunk (kvcache.wire) in a thread, up to
+        ENCODE_AHEAD messages ahead of the one grpcio is sending; None closes."""
         yield pb.KvChunk(header=header)
-        while (item := await self.queue.get()) is not None:
-            if isinstance(item, tuple):
-                yield encode_piece_bytes(self.layout.block_size, *item)
-            else:
-                yield item
+        loop = asyncio.get_running_loop()
+        ahead: collections.deque[asyncio.Future] = collections.deque()
+        closed = False
+        while True:
+            while not closed and len(ahead) < ENCODE_AHEAD and (not ahead or not self.queue.empty()):
+                item = await self.queue.get()  # waits only when nothing is encoded or being encoded
+                if item is None:
+                    closed = True
+                elif isinstance(item, tuple) and piece_bytes(*item) >= ENCODE_INLINE_BYTES:
+                    ahead.append(loop.run_in_executor(_encode_pool(), encode_piece_bytes,
+                                                      self.layout.block_size, *item))
+                else:
+                    done = loop.create_future()
+                    done.set_result(encode_piece_bytes(self.layout.block_size, *item)
+                                    if isinstance(item, tuple) else item)
+                    ahead.append(done)
+            if not ahead:
+                return
+            yield await ahead.popleft()
 
     @abc.abstractmethod
     async def call(self, chunks: AsyncIterator[pb.KvChunk | bytes]) -> pb.PushKvResponse:

@@ -4,14 +4,17 @@ received blocks read as views on the message's bytes.
 grpcio hands a servicer the request bytes and takes `bytes` from a serializer. The generated protobuf
 code would copy a piece's KV three more times on the way out (tobytes, the message field, serialize)
 and twice on the way in (parse, field access). Here a KvBlocks piece is written as the protobuf wire
-format directly: its fields, then k and v (and scales) joined from per-layer slices of the host array
-into the one `bytes` grpcio sends. On receipt, a chunk whose only field is `blocks` is parsed here into
-memoryviews on the received bytes; anything else (header, end, abort, or a layout this parser does
-not expect) goes through the generated parser, so the wire stays plain protobuf both ways.
+format directly: its fields, then k and v (and scales), each copied by one numpy copy from the host
+array (any strides) into the one `bytes` grpcio sends, allocated once at its final size. On receipt,
+a chunk whose only field is `blocks` is parsed here into memoryviews on the received bytes; anything
+else (header, end, abort, or a layout this parser does not expect) goes through the generated
+parser, so the wire stays plain protobuf both ways.
 """
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,40 +38,105 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-def _layer_views(a: np.ndarray, l0: int, lc: int, t0: int, tc: int) -> list:
-    """The bytes of a[l0:l0+lc, t0:t0+tc] in C order, as one buffer per layer (no copy when a layer's
-    rows are contiguous, as in a batch's host copy viewed at one prompt)."""
-    return [np.ascontiguousarray(a[layer, t0:t0 + tc]).reshape(-1).view(np.uint8) for layer in range(l0, l0 + lc)]
+def _field_views(a: np.ndarray, g0: int, lc: int, t0: int, tc: int) -> np.ndarray:
+    """a[g0:g0+lc, t0:t0+tc] as bytes [lc, tc, rest..., itemsize * last] without a copy (any strides
+    outside the last axis): what a copy into the message reads, in C order."""
+    part = a[g0:g0 + lc, t0:t0 + tc]
+    if part.strides[-1] != part.itemsize:
+        part = np.ascontiguousarray(part)
+    return part.view(np.uint8)
+
+
+def piece_bytes(kv: KvTensors, piece: Piece) -> int:
+    """The KV bytes (scales aside) of one piece of kv: what encoding it copies, give or take its scales."""
+    _, lc, _, tc = piece
+    return 2 * lc * tc * kv.k[0, 0].nbytes if kv.k.shape[1] else 0
 
 
 def encode_piece_bytes(layout_block_size: int, kv: KvTensors, piece: Piece) -> bytes:
-    """A serialized KvChunk{blocks} for one piece of kv: the same bytes the generated code would produce."""
+    """A serialized KvChunk{blocks} for one piece of kv: the same bytes the generated code would produce.
+
+    The `bytes` object is allocated once at its final size and each array field copied into it by
+    one numpy copy (the GIL released while it runs), so encoding can run in a thread beside grpcio.
+    """
     l0, lc, t0, tc = piece
     g0 = l0 - kv.layer_start
-    fields: list = []
+    head = bytearray()
     for number, value in ((1, l0), (2, lc), (3, t0), (4, tc)):
         if value:
-            fields.append(bytes([number << 3 | _VARINT]) + _varint(value))
+            head += bytes([number << 3 | _VARINT]) + _varint(value)
     arrays = [(5, kv.k), (6, kv.v)]
     if kv.k_scales is not None and kv.v_scales is not None:
         arrays += [(7, kv.k_scales), (8, kv.v_scales)]
-    size = sum(len(f) for f in fields)
-    parts: list = [None, *fields]
+    fields: list[tuple[bytes, np.ndarray]] = []  # (tag and length, the bytes to copy)
+    size = len(head)
     for number, array in arrays:
         if number >= 7:  # scales cover the blocks the tokens touch
             b0, b1 = t0 // layout_block_size, -(-(t0 + tc) // layout_block_size)
-            views = _layer_views(array, g0, lc, b0, b1 - b0)
+            src = _field_views(array, g0, lc, b0, b1 - b0)
         else:
-            views = _layer_views(array, g0, lc, t0, tc)
-        nbytes = sum(v.nbytes for v in views)
-        if not nbytes:
+            src = _field_views(array, g0, lc, t0, tc)
+        if not src.size:
             continue
-        head = bytes([number << 3 | _LEN]) + _varint(nbytes)
-        parts.append(head)
-        parts.extend(views)
-        size += len(head) + nbytes
-    parts[0] = bytes([_BLOCKS << 3 | _LEN]) + _varint(size)
-    return b"".join(parts)  # the one copy: the host arrays into the message grpcio sends
+        tag = bytes([number << 3 | _LEN]) + _varint(src.size)
+        fields.append((tag, src))
+        size += len(tag) + src.size
+    outer = bytes([_BLOCKS << 3 | _LEN]) + _varint(size)
+    message = _Message(len(outer) + size)
+    dst = message.array
+    pos = len(outer) + len(head)
+    dst[:pos] = np.frombuffer(outer + head, np.uint8)
+    for tag, src in fields:
+        dst[pos:pos + len(tag)] = np.frombuffer(tag, np.uint8)
+        pos += len(tag)
+        np.copyto(dst[pos:pos + src.size].reshape(src.shape), src)  # the one copy of these bytes
+        pos += src.size
+    return message.done()
+
+
+class _Message:
+    """A `bytes` of n bytes, filled through `array` (writable uint8 [n]) before anyone else sees it.
+
+    grpcio sends only `bytes`, which Python code cannot write, so on CPython the object is made as C code
+    makes one (PyBytes_FromStringAndSize(NULL, n): allocated, not yet filled) and its contents are
+    exposed to numpy until `done()` hands it over. Elsewhere, or if this CPython's bytes object is not
+    laid out as checked at import, a plain array is filled and copied into bytes once more.
+    """
+
+    def __init__(self, n: int) -> None:
+        if _IN_PLACE:
+            self._bytes = _new_bytes(None, n)
+            contents = (ctypes.c_char * n).from_address(id(self._bytes) + _BYTES_DATA)
+            self.array = np.frombuffer(contents, np.uint8)
+        else:
+            self._bytes = None
+            self.array = np.empty(n, np.uint8)
+
+    def done(self) -> bytes:
+        out = self.array.tobytes() if self._bytes is None else self._bytes
+        self.array = None  # type: ignore[assignment]  # no writes once the bytes are out
+        return out
+
+
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.restype = ctypes.py_object
+_new_bytes.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_BYTES_DATA = sys.getsizeof(b"") - 1
+"""Where a bytes object's contents start, from its address (CPython: the header, then the bytes and a NUL)."""
+
+
+def _check_in_place() -> bool:
+    if sys.implementation.name != "cpython":
+        return False
+    try:
+        probe = _new_bytes(None, 5)
+        (ctypes.c_char * 5).from_address(id(probe) + _BYTES_DATA).value = b"probe"
+        return probe == b"probe"
+    except Exception:  # noqa: BLE001 (any surprise: use the copying fallback)
+        return False
+
+
+_IN_PLACE = _check_in_place()
 
 
 @dataclass

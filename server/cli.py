@@ -195,9 +195,13 @@ def cmd_up(args) -> int:
                          f"{args.prefill_workers} and {args.decode_workers}")
     if not args.stall_timeout > 0:
         raise SystemExit(f"pdserve up: error: --stall-timeout must be > 0, got {args.stall_timeout}")
-    if args.tensor_parallel_size != 1:
-        raise SystemExit(f"pdserve: --tensor-parallel-size {args.tensor_parallel_size}: decode workers run on one "
-                         "device; shard the prefill tier with `pdserve prefill --tensor-parallel-size N`")
+    try:
+        from pdserve.server.decode.device import parse_bytes, parse_device
+
+        parse_device(args.decode_device)
+        parse_bytes(args.kv_cache_memory, "--kv-cache-memory")
+    except ValueError as e:
+        raise SystemExit(f"pdserve up: error: {str(e).replace('--device', '--decode-device')}") from e
     model = _resolve_model(args) or default_model_dir()
     _check_model(model)
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
@@ -235,13 +239,15 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
     prefill = _dtypes(args, "prefill_weight_dtype", None)
     decode = _dtypes(args, "decode_weight_dtype", "kv_dtype")
     prefill_args = [*shared, "--weight-dtype", prefill["prefill_weight_dtype"],
-                    "--tensor-parallel-size", str(args.tensor_parallel_size), "--kv-streams", str(args.kv_streams),
-                    "--prefill-order", args.prefill_order]
+                    *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
+                    *(["--compilation-cache", str(args.compilation_cache)] if args.compilation_cache else []),
+                    "--kv-streams", str(args.kv_streams), "--prefill-order", args.prefill_order]
     decode_args = [*shared, "--weight-dtype", decode["decode_weight_dtype"], "--kv-dtype", decode["kv_dtype"],
-                   "--tensor-parallel-size", str(args.tensor_parallel_size),
                    *(["--max-running", str(args.max_running)] if args.max_running else []),
                    *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
                      if args.gpu_memory_utilization is not None else []),
+                   "--device", args.decode_device, "--kv-cache-memory", args.kv_cache_memory,
+                   *(["--enforce-eager"] if args.enforce_eager else []),
                    # vLLM's CPU attention takes blocks of 32 tokens (and CUDA backends multiples of 16).
                    *(["--engine", "vllm", "--block-size", "32"] if args.decode_engine == "vllm" else [])]
     try:
@@ -427,9 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                if f not in ("served_model_name", "max_model_len", "chat_template",
                                                              "ttft_budget")))
     add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig)
-                                          if f not in ("tensor_parallel_size", "gpu_memory_utilization")))
+                                          if f not in ("gpu_memory_utilization", "enforce_eager", "kv_cache_memory")))
+    p.add_argument("--decode-device", default="auto",
+                   help="decode workers' device (their --device): auto (CUDA when torch sees one), cpu, cuda, cuda:N")
     add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig)
-                                           if f not in ("kv_streams", "prefill_order")))
+                                           if f not in ("kv_streams", "prefill_order", "compilation_cache")))
+    p.add_argument("--tensor-parallel-size", type=int,
+                   help="prefill workers shard the model over this many devices (default: all of them); "
+                        "each decode worker runs on one device")
     p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int,
                    help="each decode worker's running-request cap (default: the decode worker's)")
     p.add_argument("--decode-engine", choices=DECODE_ENGINES, default="native",

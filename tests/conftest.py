@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,3 +37,8 @@ def family_model(request, tiny_models_dir) -> tuple[str, Path]:
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Every prefill worker compiles all its batch shapes at start (server/prefill/engine.py `warmup`); the
+# workers the tests start (and their subprocesses) share JAX's persistent compilation cache, so each
+# program compiles once per machine rather than once per worker.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"pdserve-tests-jax-cache-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

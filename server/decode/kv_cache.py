@@ -1,15 +1,16 @@
 """The decode tier's paged KV cache: physical K/V storage, indexed by the block ids of `kvcache` tables.
 
 Token t of a request lives in block `block_table[t // block_size]` at offset `t % block_size`; its
-flat slot is `block_id * block_size + offset`. The model stores and gathers through `store`/`gather`,
-the transfer receiver writes prompt KV through `write`.
+flat slot is `block_id * block_size + offset`. The model stores through `store` and attention reads
+a batch's context blocks through `context_blocks`; the transfer receiver writes prompt KV through `write`.
 
 Quantized caches (fp8_e4m3, int8) hold one float32 scale per block per kv head beside the blocks
 (`k_scales`, `v_scales` [L, N, Hkv]; x ≈ q * scale, as `kvcache.quant` defines). `write` stores the
 prefill tier's bytes and scales as they came, never re-quantizing them. `store` quantizes the tokens
 decode computes itself: a block's scale starts at the first token written at offset 0 and grows when
 a later token exceeds its range (the block's earlier values are then re-expressed in the larger scale,
-a rare event: the absmax of K/V varies little along a block). `gather` dequantizes to float32.
+a rare event: the absmax of K/V varies little along a block). `context_blocks` and `gather` dequantize
+in float32.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _SAME_SIZE_INT: dict[int, tuple[type, torch.dtype]] = {
     1: (np.int8, torch.int8),
     2: (np.int16, torch.int16),
     4: (np.int32, torch.int32),
+    8: (np.int64, torch.int64),
 }
 
 
@@ -67,6 +69,15 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.view(torch_int).numpy()
 
 
+def _pinned(array: np.ndarray) -> torch.Tensor:
+    """A copy of the array in pinned (page-locked) host memory, same bits and dtype: the source of a fast
+    non-blocking copy onto a CUDA device."""
+    dtype = _FROM_NUMPY[array.dtype.name] if array.dtype.name in _FROM_NUMPY else torch.from_numpy(array[:0]).dtype
+    staged = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+    _bits(staged)[...] = np.ascontiguousarray(array).view(_bits(staged).dtype)
+    return staged
+
+
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """(index of the first, length, first block id) of each run of consecutive block ids."""
     runs: list[tuple[int, int, int]] = []
@@ -95,6 +106,8 @@ class PagedKvCache:
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
         self.v = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
+        self._copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
+        """CUDA: where received KV is copied onto the device (`_write_device`)."""
         self.k_scales: torch.Tensor | None = None  # [L, N, Hkv] float32, quantized dtypes only
         self.v_scales: torch.Tensor | None = None
         if self.quantized:
@@ -131,8 +144,11 @@ class PagedKvCache:
         v: np.ndarray,
         k_scales: np.ndarray | None = None,
         v_scales: np.ndarray | None = None,
-    ) -> None:
+    ):
         """Copies k, v [l, n, Hkv, D] bit-exactly to tokens [token_start, +n) of layers [layer_start, +l).
+
+        On the CPU the copy is done on return (None); on CUDA it is in flight: the CUDA event returned
+        follows it (`_write_device`).
 
         Quantized caches take the pieces' scales [l, ceil(n / block_size), Hkv] too, stored as they are.
         """
@@ -159,27 +175,51 @@ class PagedKvCache:
                 if scales is None or scales.shape != scale_shape or scales.dtype != np.float32:
                     got = "nothing" if scales is None else f"{scales.dtype} {scales.shape}"
                     raise ValueError(f"{layout.dtype} KV needs {name} float32 {scale_shape}, got {got}")
-            first = token_start // self.block_size
-            block_ids = torch.tensor(block_table[first : first + covered], dtype=torch.int64, device=self.device)
-            self.k_scales[layers, block_ids] = torch.from_numpy(np.array(k_scales)).to(self.device)
-            self.v_scales[layers, block_ids] = torch.from_numpy(np.array(v_scales)).to(self.device)
         elif k_scales is not None or v_scales is not None:
             raise ValueError(f"{layout.dtype} KV takes no scales")
         first = token_start // self.block_size
         runs = _runs(block_table[first : first + layout.num_blocks(n)])
+        if self.device.type != "cpu":
+            return self._write_device(layers, runs, n, k, v, block_table[first : first + layout.num_blocks(n)],
+                                      k_scales, v_scales)
+        if self.quantized:
+            block_ids = torch.tensor(block_table[first : first + layout.num_blocks(n)], dtype=torch.int64)
+            self.k_scales[layers, block_ids] = torch.from_numpy(np.array(k_scales))
+            self.v_scales[layers, block_ids] = torch.from_numpy(np.array(v_scales))
         for cache, src in ((self.k, k), (self.v, v)):
             # On CPU, numpy copies (a plain memcpy): torch's multi-threaded copy_ collapses when the
             # cores are busy with other work, and this runs beside the decode loop.
-            if cache.device.type == "cpu":
-                dst = _bits(cache)[layers].reshape(num_layers, -1, *heads)  # [l, N * bs, Hkv, D], a view
-                src = np.ascontiguousarray(src).view(dst.dtype)
-            else:
-                dst, src = cache[layers].flatten(1, 2), _borrow(src).to(cache.device)
+            dst = _bits(cache)[layers].reshape(num_layers, -1, *heads)  # [l, N * bs, Hkv, D], a view
+            src = np.ascontiguousarray(src).view(dst.dtype)
             # Whole runs of consecutive block ids are one strided copy each (no scatter, no index tensor).
             for run_start, run_len, block_id in runs:
                 t0, t1 = run_start * self.block_size, min((run_start + run_len) * self.block_size, n)
                 slot = block_id * self.block_size
                 dst[:, slot : slot + t1 - t0] = src[:, t0:t1]
+        return None
+
+    def _write_device(self, layers: slice, runs: list[tuple[int, int, int]], n: int, k: np.ndarray, v: np.ndarray,
+                      block_ids: list[int], k_scales: np.ndarray | None, v_scales: np.ndarray | None):
+        """`write` onto an accelerator: the piece is copied (a memcpy, in the caller's thread) into pinned host
+        memory, then onto the device with non-blocking copies on the cache's copy stream. Returns the CUDA
+        event that follows the copies: a step that reads these blocks waits for it on the device (no host
+        wait); torch's pinned allocator keeps the staging memory until the copies are done."""
+        with torch.cuda.stream(self._copy_stream):
+            if self.quantized:
+                ids = _pinned(np.asarray(block_ids, dtype=np.int64)).to(self.device, non_blocking=True)
+                self.k_scales[layers, ids] = _pinned(k_scales).to(self.device, non_blocking=True)
+                self.v_scales[layers, ids] = _pinned(v_scales).to(self.device, non_blocking=True)
+            for cache, src in ((self.k, k), (self.v, v)):
+                dst, staged = cache[layers].flatten(1, 2), _pinned(src)  # [l, N * bs, Hkv, D], [l, n, Hkv, D]
+                # One contiguous copy per layer and run of blocks: a strided one would go through pageable memory.
+                for layer in range(dst.shape[0]):
+                    for run_start, run_len, block_id in runs:
+                        t0, t1 = run_start * self.block_size, min((run_start + run_len) * self.block_size, n)
+                        slot = block_id * self.block_size
+                        dst[layer, slot : slot + t1 - t0].copy_(staged[layer, t0:t1], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        return copied
 
     def read(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [L, T, Hkv, D] of a request's first num_tokens tokens (a copy)."""
@@ -198,39 +238,64 @@ class PagedKvCache:
         return self.k_scales[:, blocks.to(self.device)], self.v_scales[:, blocks.to(self.device)]
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Writes k, v [N, Hkv, D] of one layer at flat slots [N] (block_id * block_size + offset).
+        """Writes k, v [..., Hkv, D] of one layer at flat slots [...] (block_id * block_size + offset).
 
-        Slots must come in order within a block (as tokens do); quantized caches quantize here.
+        slots [B, S]: each row the consecutive positions of one sequence (a forward's new tokens);
+        slots [n]: any tokens, each taken as a row of its own. Quantized caches quantize here.
         """
+        rows = slots if slots.ndim == 2 else slots[:, None]  # [B, S]
+        flat = rows.flatten()  # [n]
+        k, v = k.reshape(flat.shape[0], *k.shape[-2:]), v.reshape(flat.shape[0], *v.shape[-2:])  # [n, Hkv, D]
         if not self.quantized:
-            self.k[layer].flatten(0, 1)[slots] = k.to(self.dtype)
-            self.v[layer].flatten(0, 1)[slots] = v.to(self.dtype)
+            self.k[layer].flatten(0, 1)[flat] = k.to(self.dtype)
+            self.v[layer].flatten(0, 1)[flat] = v.to(self.dtype)
             return
-        self._store_quantized(self.k[layer], self.k_scales[layer], slots, k)
-        self._store_quantized(self.v[layer], self.v_scales[layer], slots, v)
+        self._store_quantized(self.k[layer], self.k_scales[layer], rows, k)
+        self._store_quantized(self.v[layer], self.v_scales[layer], rows, v)
 
-    def _store_quantized(self, data: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor, x: torch.Tensor):
-        """data [N, bs, Hkv, D] and scales [N, Hkv] of one layer; x [n, Hkv, D] for flat slots [n]."""
+    def _store_quantized(self, data: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, x: torch.Tensor):
+        """data [N, bs, Hkv, D] and scales [N, Hkv] of one layer; x [B S, Hkv, D] for slots rows [B, S].
+
+        Per token, duplicate block ids reduced by scatter_reduce_, so that nothing here needs the set of
+        touched blocks on the host (no unique, no boolean indexing: no host sync). Only a row's first
+        block can hold earlier values (the row's later blocks start at offset 0), so only it is
+        re-expressed when its scale grows.
+        """
+        B, S = rows.shape
+        slots = rows.flatten()  # [n]
         blocks = slots // self.block_size  # [n]
-        scales[blocks[slots % self.block_size == 0]] = 0.0  # a block starts afresh at its first token
-        touched, where = torch.unique(blocks, return_inverse=True)  # [U], [n]
-        old = scales[touched]  # [U, Hkv]
+        first = (slots % self.block_size == 0)[:, None]  # [n, 1] a block starts afresh at its first token
+        fresh = torch.where(first, 0.0, float("inf")).expand(-1, scales.shape[1])  # [n, Hkv]
+        index = blocks[:, None].expand(-1, scales.shape[1])  # [n, Hkv]
+        scales.scatter_reduce_(0, index, fresh, "amin")
+        lead = blocks.view(B, S)[:, 0]  # [B] each row's first block
+        old = scales[lead]  # [B, Hkv] before this store
         need = x.detach().abs().amax(-1).float() / self.qmax  # [n, Hkv]
-        new = old.scatter_reduce(0, where[:, None].expand_as(need), need, "amax")  # [U, Hkv]
-        grown = (new > old).any(-1) & (old > 0).any(-1)  # [U] blocks whose earlier values change scale
-        if grown.any():
-            ids = touched[grown]
-            ratio = old[grown] / new[grown]  # [G, Hkv] <= 1
-            data[ids] = self._quantize(data[ids].float() * ratio[:, None, :, None])
-        scales[touched] = new
-        per_token = new[where]  # [n, Hkv]
-        safe = torch.where(per_token > 0, per_token, torch.ones_like(per_token))
+        scales.scatter_reduce_(0, index, need, "amax")
+        new = scales[blocks]  # [n, Hkv]
+        safe = torch.where(new > 0, new, torch.ones_like(new))
+        # The earlier values of a lead block whose scale grew, re-expressed in the new scale (a ratio of 1
+        # leaves the bytes as they are; a fresh block's 0 clears what its former owner left).
+        ratio = old / safe.view(B, S, -1)[:, 0]  # [B, Hkv] <= 1
+        data[lead] = self._quantize(data[lead].float() * ratio[:, None, :, None])
         data.flatten(0, 1)[slots] = self._quantize(x.float() / safe[..., None])
 
     def _quantize(self, y: torch.Tensor) -> torch.Tensor:
         """Values already divided by their scale -> the storage dtype (round to nearest, saturate)."""
         y = y.clamp(-self.qmax, self.qmax)
         return (y.round() if self.dtype == torch.int8 else y).to(self.dtype)
+
+    def context_blocks(self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [B, Hkv, M * block_size, D] in dtype of one layer's blocks [B, M]: only those blocks are
+        read, and a quantized cache dequantizes only them (in float32, then to dtype)."""
+        k = self.k[layer][block_tables]  # [B, M, bs, Hkv, D]
+        v = self.v[layer][block_tables]
+        if self.quantized:
+            k = k.float() * self.k_scales[layer][block_tables][:, :, None, :, None]  # scales [B, M, 1, Hkv, 1]
+            v = v.float() * self.v_scales[layer][block_tables][:, :, None, :, None]
+        B, M, bs, H, D = k.shape
+        return tuple(t.to(dtype).permute(0, 3, 1, 2, 4).reshape(B, H, M * bs, D) for t in (k, v))
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [B, M * block_size, Hkv, D] of one layer for block tables [B, M] (float32 when quantized)."""

@@ -7,14 +7,12 @@ the same way. Numerics follow transformers: RMSNorm in fp32, RoPE cos/sin from f
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.server.decode.kv_cache import PagedKvCache, numpy_to_torch
+from pdserve.server.decode.attention import PagedContext, paged_attention
+from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.quant import Linear, WeightFormat
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
@@ -32,33 +30,30 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weight: Callable[[str], torch.Tensor], index: int,
-                 linear: Callable[[torch.Tensor, torch.Tensor | None], Linear], dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        """Empty buffers of the layer's shapes; `weights.load_weights` fills them."""
         super().__init__()
         self.config = config
         self.index = index
-        p = f"model.layers.{index}."
-        attn = [f"{p}self_attn.{name}_proj" for name in "qkv"]
-        bqkv = torch.cat([weight(f"{n}.bias") for n in attn]) if config.qkv_bias else None
-        self.wqkv = linear(torch.cat([weight(f"{n}.weight") for n in attn]), bqkv)  # [(H + 2 Hkv) D, d]
-        norm = lambda name: nn.Buffer(weight(name).to(dtype))  # noqa: E731
-        self.q_norm = norm(f"{p}self_attn.q_norm.weight") if config.qk_norm else None  # [D]
-        self.k_norm = norm(f"{p}self_attn.k_norm.weight") if config.qk_norm else None  # [D]
-        self.wo = linear(weight(f"{p}self_attn.o_proj.weight"), None)  # [d, H D]
-        mlp = [weight(f"{p}mlp.{name}_proj.weight") for name in ("gate", "up")]
-        self.w_gate_up = linear(torch.cat(mlp), None)  # [2 I, d]
-        self.w_down = linear(weight(f"{p}mlp.down_proj.weight"), None)  # [d, I]
-        self.attn_norm = norm(f"{p}input_layernorm.weight")  # [d]
-        self.mlp_norm = norm(f"{p}post_attention_layernorm.weight")  # [d]
+        H, Hkv, D, d, inter = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size, \
+            config.intermediate_size
+        norm = lambda n: nn.Buffer(torch.empty(n, dtype=dtype, device=device))  # noqa: E731
+        self.wqkv = Linear(d, (H + 2 * Hkv) * D, config.qkv_bias, dtype, device)  # [(H + 2 Hkv) D, d]
+        self.q_norm = norm(D) if config.qk_norm else None  # [D]
+        self.k_norm = norm(D) if config.qk_norm else None  # [D]
+        self.wo = Linear(H * D, d, False, dtype, device)  # [d, H D]
+        self.w_gate_up = Linear(d, 2 * inter, False, dtype, device)  # [2 I, d]
+        self.w_down = Linear(inter, d, False, dtype, device)  # [d, I]
+        self.attn_norm = norm(d)  # [d]
+        self.mlp_norm = norm(d)  # [d]
 
     def forward(
         self,
         x: torch.Tensor,  # [B, S, d]
         cos: torch.Tensor,  # [B, S, 1, D]
         sin: torch.Tensor,  # [B, S, 1, D]
-        slots: torch.Tensor,  # [B, S] flat cache slot of each new token
-        block_tables: torch.Tensor,  # [B, M]
-        mask: torch.Tensor,  # [B, S, M * block_size] bool, True = attend
+        context: PagedContext,
         cache: PagedKvCache,
     ) -> torch.Tensor:
         c = self.config
@@ -75,16 +70,9 @@ class DecoderLayer(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
 
-        cache.store(self.index, slots.flatten(), k.flatten(0, 1), v.flatten(0, 1))
-        k_all, v_all = cache.gather(self.index, block_tables)  # [B, T, Hkv, D]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),  # [B, H, S, D]
-            k_all.transpose(1, 2).to(q.dtype),  # [B, Hkv, T, D]
-            v_all.transpose(1, 2).to(q.dtype),
-            attn_mask=mask[:, None],  # [B, 1, S, T]
-            enable_gqa=True,
-        )  # [B, H, S, D]
-        x = x + self.wo(out.transpose(1, 2).reshape(B, S, -1))
+        cache.store(self.index, context.slots, k, v)
+        out = paged_attention(q, cache, self.index, context)  # [B, S, H, D]
+        x = x + self.wo(out.reshape(B, S, -1))
 
         gate_up = self.w_gate_up(rms_norm(x, self.mlp_norm, eps))  # [B, S, 2 I]
         gate, up = gate_up.chunk(2, dim=-1)
@@ -92,75 +80,79 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, np.ndarray],
-        dtype: torch.dtype = torch.float32,
-        weight_format: WeightFormat | None = None,
-    ):
-        """dtype: the compute dtype; weight_format: int8/fp8 quantizes the layers' linear weights at load
-        (weight-only, per-output-channel scales), embeddings, norms and biases stay in dtype."""
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        """The model's shapes from its config, in the compute dtype on the device, holding no weights yet:
+        `weights.load_weights(model, tensors)` fills them, `quant.quantize(model, fmt)` may follow."""
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.weight_format = weight_format
-        source = torch.float32 if weight_format else dtype  # quantize from the checkpoint's own values
-
-        def weight(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"the checkpoint lacks {name} ({config.describe()})")
-            return numpy_to_torch(weights[name]).to(source)
-
-        def linear(w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-            return Linear(w, bias, dtype, weight_format)
-
-        self.embed = nn.Buffer(weight("model.embed_tokens.weight").to(dtype))  # [V, d]
+        self.weight_format: WeightFormat | None = None
+        V, d = config.vocab_size, config.hidden_size
+        self.embed = nn.Buffer(torch.empty(V, d, dtype=dtype, device=device))  # [V, d]
         tied = config.tie_word_embeddings
-        self.untied_lm_head = None if tied else nn.Buffer(weight("lm_head.weight").to(dtype))  # [V, d]
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, weight, i, linear, dtype) for i in range(config.num_layers)
-        )
-        self.norm = nn.Buffer(weight("model.norm.weight").to(dtype))  # [d]
-        self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)))  # [D / 2] float32
+        self.untied_lm_head = None if tied else nn.Buffer(torch.empty(V, d, dtype=dtype, device=device))  # [V, d]
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = nn.Buffer(torch.empty(d, dtype=dtype, device=device))  # [d]
+        self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)).to(device))  # [D / 2] float32
+        self.packed_head: Linear | None = None
+        """The LM head in oneDNN's layout once `prepack` ran on CPU (a copy beside the embedding table)."""
+        self.paged_kernel = False
+        """Decode (one new token per sequence) attends through the CUDA paged kernel (`cuda_attention`); set
+        where the model runs, by the worker's start-up."""
 
     @property
     def lm_head(self) -> torch.Tensor:
         return self.embed if self.untied_lm_head is None else self.untied_lm_head
 
+    def prepack(self) -> None:
+        """On CPU, bf16/fp16 linear weights reordered once for oneDNN (`Linear.prepack`): ~1.5x the rate
+        at which a decode step streams them. The LM head gets a packed copy (V x d more memory) since
+        the embedding lookup still reads the plain table. A no-op elsewhere."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        head = Linear.of(self.lm_head, None, self.dtype)
+        head.prepack()
+        if head.packed:
+            self.packed_head = head
+
     def _forward(
         self,
         token_ids: torch.Tensor,  # [B, S]
-        positions: torch.Tensor,  # [B, S]
-        block_tables: torch.Tensor,  # [B, M]
-        mask: torch.Tensor,  # [B, S, M * block_size]
+        context: PagedContext,
         cache: PagedKvCache,
     ) -> torch.Tensor:
-        bs = cache.block_size
-        slots = block_tables.gather(1, positions // bs) * bs + positions % bs  # [B, S]
-        freqs = positions[..., None].float() * self.inv_freq.float()  # [B, S, D / 2]
+        freqs = context.positions[..., None].float() * self.inv_freq.float()  # [B, S, D / 2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [B, S, 1, D]
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
         x = F.embedding(token_ids, self.embed)  # [B, S, d]
         for layer in self.layers:
-            x = layer(x, cos, sin, slots, block_tables, mask, cache)
-        return F.linear(rms_norm(x, self.norm, self.config.rms_norm_eps), self.lm_head).float()  # [B, S, V]
+            x = layer(x, cos, sin, context, cache)
+        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
+        logits = F.linear(x, self.lm_head) if self.packed_head is None else self.packed_head(x)
+        return logits.float()  # [B, S, V]
+
+    def _context(self, positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 cache: PagedKvCache) -> PagedContext:
+        c = self.config
+        return PagedContext.build(positions, block_tables, context_lens, cache.block_size, self.embed.device,
+                                  self.dtype, groups=c.num_heads // c.num_kv_heads,
+                                  paged_kernel=self.paged_kernel and positions.shape[1] == 1)
 
     @torch.inference_mode()
     def prefill(
         self, token_ids: torch.Tensor, block_table: list[int], cache: PagedKvCache, start_pos: int = 0
     ) -> torch.Tensor:
         """Logits f32 [S, V] of S new tokens of one sequence whose first start_pos tokens are cached."""
-        device = self.embed.device
         total = start_pos + token_ids.shape[0]
         num_blocks = -(-total // cache.block_size)
         if num_blocks > len(block_table):
             raise ValueError(f"{total} tokens need {num_blocks} blocks; the table has {len(block_table)}")
-        table = torch.tensor(block_table[:num_blocks], dtype=torch.int64, device=device)[None]  # [1, M]
-        positions = torch.arange(start_pos, total, device=device)[None]  # [1, S]
-        keys = torch.arange(num_blocks * cache.block_size, device=device)  # [T]
-        mask = keys <= positions[..., None]  # [1, S, T] causal
-        return self._forward(token_ids.to(device)[None], positions, table, mask, cache)[0]
+        table = torch.tensor(block_table[:num_blocks], dtype=torch.int64)[None]  # [1, M]
+        positions = torch.arange(start_pos, total)[None]  # [1, S]
+        context = self._context(positions, table, torch.tensor([total]), cache)
+        return self._forward(token_ids.to(self.embed.device)[None], context, cache)[0]
 
     @torch.inference_mode()
     def decode(
@@ -173,11 +165,8 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Logits f32 [B, V] of one new token per sequence, at positions [B], attending context_lens [B].
 
-        All M columns of block_tables are gathered (no host sync): keep M at the batch's longest table.
+        Only the blocks the contexts hold are read: tables and lengths given on the host are cut there to
+        the longest context (see `PagedContext.build`), whatever width the tables have.
         """
-        device = self.embed.device
-        block_tables = block_tables.to(device)  # [B, M]
-        keys = torch.arange(block_tables.shape[1] * cache.block_size, device=device)  # [T]
-        mask = (keys < context_lens.to(device)[:, None])[:, None]  # [B, 1, T]
-        positions = positions.to(device)[:, None]  # [B, 1]
-        return self._forward(token_ids.to(device)[:, None], positions, block_tables, mask, cache)[:, 0]
+        context = self._context(positions[:, None], block_tables, context_lens, cache)
+        return self._forward(token_ids.to(self.embed.device)[:, None], context, cache)[:, 0]

@@ -1,9 +1,11 @@
 """Batched sampling: greedy, temperature, top-k, top-p and min-p per row, reproducible per (seed, token
 index); penalties and min_tokens shape the logits first (`apply_penalties`), as vLLM does.
 
-The filters run once over the whole batch (one sort). Each row then draws one uniform number and picks
-by inverse CDF. Seeded rows take it from a CPU generator seeded from (seed, index), so a seeded request
-gives the same tokens on any worker and device, which a migrated request needs.
+Each row draws one uniform number and picks by inverse CDF. Rows without top-k/top-p (temperature,
+min-p) walk the vocabulary in id order: no sort. Rows with them sort their logits once (together) and
+walk that order. Seeded rows take the number from a CPU generator seeded from (seed, index), and a
+row's path depends only on its own parameters, so a seeded request gives the same tokens on any
+worker, device and batch, which a migrated request needs.
 """
 
 from __future__ import annotations
@@ -27,7 +29,11 @@ def sample(
     indices: list[int],
     min_p: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Next token ids int64 [B] from logits f32 [B, V]; temperature 0 is greedy, top_k 0 and min_p 0 are off."""
+    """Next token ids int64 [B] from logits f32 [B, V]; temperature 0 is greedy, top_k 0 and min_p 0 are off.
+
+    The parameters [B] come on the host (the engine builds them from the requests), so choosing each
+    row's path never waits on the device.
+    """
     greedy = logits.argmax(dim=-1)  # [B]
     is_greedy = temperature <= 0  # [B]
     if bool(is_greedy.all()):
@@ -36,29 +42,57 @@ def sample(
     device = logits.device
     temperature = torch.where(is_greedy, 1.0, temperature).to(device=device, dtype=torch.float32)
     scaled = logits.float() / temperature[:, None]  # [B, V]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
-
-    ranks = torch.arange(V, device=device)  # [V]
-    k = torch.where(top_k > 0, top_k.clamp(max=V), V).to(device)  # [B]
-    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
-    if min_p is not None:  # below min_p x the top probability: p_i / p_0 = exp(l_i - l_0)
-        floor = sorted_logits[:, :1] + torch.log(min_p.to(device)[:, None].clamp(min=1e-30))  # [B, 1]
-        sorted_logits = sorted_logits.masked_fill((sorted_logits < floor) & (min_p.to(device)[:, None] > 0),
-                                                  float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)  # [B, V]
-    mass_before = probs.cumsum(dim=-1) - probs  # [B, V] (the top token always stays)
-    probs = probs.masked_fill(mass_before > top_p.to(device)[:, None], 0.0)
-
+    min_p = torch.zeros(B) if min_p is None else min_p
     uniform = torch.rand(B)  # fresh randomness for unseeded rows
     for row, (seed, index) in enumerate(zip(seeds, indices)):
         if seed is not None:
             uniform[row] = _seeded_uniform(seed, index)
-    cdf = probs.cumsum(dim=-1)  # [B, V]
-    target = uniform.to(device)[:, None] * cdf[:, -1:]  # [B, 1] inside the kept mass
-    kept = (probs > 0).sum(dim=-1, keepdim=True)  # [B, 1] the kept tokens are a prefix of the order
-    pick = torch.minimum(torch.searchsorted(cdf, target, right=True), kept - 1)  # [B, 1]
-    sampled = order.gather(1, pick)[:, 0]  # [B]
-    return torch.where(is_greedy.to(device), greedy, sampled)
+    ranked = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)  # [B] rows whose filters need the order
+    sampled = greedy.clone()
+    for rows, draw in ((~ranked & ~is_greedy, _draw_in_vocab_order), (ranked & ~is_greedy, _draw_ranked)):
+        if bool(rows.any()):
+            picked = rows.nonzero()[:, 0]  # [R]
+            sampled[picked.to(device)] = draw(scaled[picked.to(device)], top_k[picked], top_p[picked],
+                                              min_p[picked], uniform[picked])
+    return sampled
+
+
+def _draw_in_vocab_order(scaled: torch.Tensor, top_k, top_p, min_p: torch.Tensor, uniform: torch.Tensor
+                         ) -> torch.Tensor:
+    """No top-k/top-p: the inverse CDF over the vocabulary in id order, no sort. scaled [R, V] -> [R]."""
+    device = scaled.device
+    min_p = min_p.to(device)[:, None]  # [R, 1]
+    floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_p.clamp(min=1e-30))  # [R, 1]
+    scaled = scaled.masked_fill((scaled < floor) & (min_p > 0), float("-inf"))
+    probs = scaled.softmax(dim=-1)  # [R, V]
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    target = uniform.to(device)[:, None] * cdf[:, -1:]  # [R, 1]
+    ids = torch.arange(probs.shape[-1], device=device)  # [V]
+    last_kept = torch.where(probs > 0, ids, 0).amax(dim=-1, keepdim=True)  # [R, 1] if rounding overshoots
+    return torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)[:, 0]
+
+
+def _draw_ranked(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                 uniform: torch.Tensor) -> torch.Tensor:
+    """top-k, then min-p, then top-p over the logits sorted once, most likely first; the inverse CDF in
+    that order. scaled [R, V] -> [R]."""
+    R, V = scaled.shape
+    device = scaled.device
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [R, V]
+    ranks = torch.arange(V, device=device)  # [V]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V).to(device)  # [R]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k[:, None], float("-inf"))
+    min_p = min_p.to(device)[:, None]  # [R, 1] below min_p x the top probability: p_i / p_0 = exp(l_i - l_0)
+    floor = sorted_logits[:, :1] + torch.log(min_p.clamp(min=1e-30))  # [R, 1]
+    sorted_logits = sorted_logits.masked_fill((sorted_logits < floor) & (min_p > 0), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)  # [R, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [R, V] (the top token always stays)
+    probs = probs.masked_fill(mass_before > top_p.to(device)[:, None], 0.0)
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    target = uniform.to(device)[:, None] * cdf[:, -1:]  # [R, 1] inside the kept mass
+    kept = (probs > 0).sum(dim=-1, keepdim=True)  # [R, 1] the kept tokens are a prefix of the order
+    pick = torch.minimum(torch.searchsorted(cdf, target, right=True), kept - 1)  # [R, 1]
+    return order.gather(1, pick)[:, 0]
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int

@@ -26,8 +26,19 @@ class PrefillConfig:
     """auto: the checkpoint's dtype; int8/fp8: weight-only, per-output-channel scales, quantized at load."""
     max_model_len: int | None = None
     """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
-    tensor_parallel_size: int = 1
-    """Devices the prefill model is sharded over (vLLM's flag): heads and MLP split Megatron-style."""
+    tensor_parallel_size: int | None = None
+    """Devices the prefill model is sharded over (vLLM's flag): kv heads and MLP split Megatron-style
+    (sharding.py). Default: all the backend's devices, or the most of them that divide the model's kv heads."""
+    compilation_cache: Path | None = None
+    """JAX's persistent compilation cache in this directory: a restart (or a pod sharing the volume)
+    loads the start-up compiles instead of redoing them."""
+    coordinator_address: str | None = None
+    """Multi-host slices: host:port of process 0's jax.distributed coordinator (or JAX_COORDINATOR_ADDRESS);
+    every host runs this worker with the same flags. Unset: one host."""
+    num_processes: int | None = None
+    """Multi-host slices: processes in the slice (auto-detected on TPU slices when unset)."""
+    process_id: int | None = None
+    """Multi-host slices: this process's index, 0 .. num_processes - 1 (auto-detected on TPU slices)."""
     served_model_name: tuple[str, ...] = ()
     """The model's names (vLLM's flag); the first labels the metrics. Default: the checkpoint directory's name."""
     kv_layer_groups: int = 4
@@ -63,8 +74,12 @@ class PrefillConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.tensor_parallel_size < 1:
+        if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ValueError(f"--num-processes must be >= 1, got {self.num_processes}")
+        if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or self.process_id + 1):
+            raise ValueError(f"--process-id must lie in [0, --num-processes), got {self.process_id}")
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
 
     @property

@@ -4,20 +4,19 @@ Life cycle of a prompt here:
 1. `enqueue` queues it as a PrefillJob in the scheduler (scheduler.py: fifo or shortest-first);
    `submit` does that and collects the whole result.
 2. The loop takes the scheduler's next batch (up to the batch limits), pads lengths to a power-of-two
-   bucket and the batch to a power of two, so XLA compiles a bounded set of shapes; each batch's
-   speed is measured per bucket (rates.py) for the coordinator's expected-wait admission. `job.started`
-   resolves: the prefill of this prompt begins (its KV stream opens now, and the decode worker's
-   lease with it).
+   bucket and the batch to a power of two: one of `shapes()`, every one of which `warmup` compiled
+   at start, so nothing compiles here. Each batch's speed is measured per bucket (rates.py) for the
+   coordinator's expected-wait admission. `job.started` resolves: the prefill of this prompt begins
+   (its KV stream opens now, and the decode worker's lease with it).
 3. In a worker thread the model runs as `kv_layer_groups` jitted layer groups, dispatched back to
-   back; each group's KV is converted to the wire dtype on the device (fp8_e4m3/int8 quantized with
-   per-block, per-kv-head scales over each prompt's true length) and copied to the host
-   asynchronously while the next group computes. The first token is sampled on the device, from the
-   logits with the prompt's penalties and min_tokens applied; when asked, the prompt's logprobs come
-   from the final hidden state of the same pass.
-4. As each group's host copy lands, every prompt of the batch gets its KvTensors for the true
-   length on `job.kv` (then None); the first token goes to `job.first_token` (its logprob and the
-   prompt's logprobs on the job beside it) before the last group's KV, so the caller can answer at
-   once and stream each group while the next one computes.
+   back, then the head: the first token is sampled on the device, from the logits with the prompt's
+   penalties and min_tokens applied; when asked, the prompt's logprobs come from the final hidden
+   state of the same pass. Only then is each group's KV converted to the wire dtype on the device
+   (fp8_e4m3/int8 quantized with per-block, per-kv-head scales over each prompt's true length) and
+   copied to the host asynchronously, so the first token never waits behind KV on its way out.
+4. The first token goes to `job.first_token` (its logprob and the prompt's logprobs on the job
+   beside it) before any KV; then, as each group's host copy lands, every prompt of the batch gets
+   its KvTensors for the true length on `job.kv` (then None).
 """
 
 from __future__ import annotations
@@ -115,6 +114,7 @@ class PrefillEngine:
         self._prompt_logprobs = jax.jit(partial(prompt_logprobs_head, config=model_config,
                                                 top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)))
         self._quantize_kv = jax.jit(quantize_kv, static_argnames=("block_size", "fmt"))
+        self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",))
         self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(
             config.prefill_order, bucket=self._bucket, max_batch_size=config.max_batch_size,
             max_batch_tokens=config.max_batch_tokens, ageing_tokens_per_s=config.prefill_ageing)
@@ -218,22 +218,25 @@ class PrefillEngine:
         formats = {(j.kv_dtype, j.block_size) for j in batch}
 
         x, cos, sin = self._embed(self.params, tokens)  # [B, S, H], [S, D] x2
-        pending = []  # (first layer, {format: device arrays on their way to the host})
+        kv = []  # (first layer, k, v [l, B, S, Hkv, D]) of each group, on the device
         for start, size in self.groups:  # dispatched back to back: XLA runs them while we wait below
-            x, k, v = self._group(self.params["layers"], x, cos, sin, np.int32(start), size=size)  # k, v [l, B, S, Hkv, D]
-            pending.append((start, {f: self._to_wire(k, v, true_lengths, *f) for f in formats}))
+            x, k, v = self._group(self.params["layers"], x, cos, sin, np.int32(start), size=size)
+            kv.append((start, k, v))
         logits = self._head(self.params, x, true_lengths)  # [B, V]
         first = self._sample(self._penalized(logits, batch, tokens, true_lengths), batch, rows)
         prompt_lp = None
         if any(j.sampling.HasField("prompt_logprobs") for j in batch):  # the same pass's hidden state
             prompt_lp = self._prompt_logprobs(self.params, x, tokens)  # [B, S], [B, S, top] x2
+        # The KV's conversion and host copies are queued behind the sampling, so the first token
+        # (which needs every layer anyway) is answered before any KV leaves the device.
+        pending = [(start, {f: self._to_wire(k, v, true_lengths, *f) for f in formats}) for start, k, v in kv]
+        del kv, k, v
+        first_ids = np.asarray(first)
+        self._logprobs(batch, logits, first_ids, prompt_lp)
+        for i, job in enumerate(batch):
+            loop.call_soon_threadsafe(_resolve, job.first_token, int(first_ids[i]))
 
-        for g, (start, wire) in enumerate(pending):
-            if g == len(pending) - 1:  # the first token needs every layer: answer before the last copy
-                first_ids = np.asarray(first)
-                self._logprobs(batch, logits, first_ids, prompt_lp)
-                for i, job in enumerate(batch):
-                    loop.call_soon_threadsafe(_resolve, job.first_token, int(first_ids[i]))
+        for start, wire in pending:
             host = {f: tuple(None if a is None else np.asarray(a) for a in arrays) for f, arrays in wire.items()}
             for i, job in enumerate(batch):
                 hk, hv, hks, hvs = host[job.kv_dtype, job.block_size]
@@ -252,7 +255,7 @@ class PrefillEngine:
             arrays = (qk, qv, k_scales, v_scales)
         else:
             wire = NUMPY_DTYPES[dtype]
-            arrays = (k.astype(wire), v.astype(wire), None, None)
+            arrays = (k, v, None, None) if k.dtype == wire else (self._cast(k, dtype=dtype), self._cast(v, dtype=dtype), None, None)
         for a in arrays:
             if a is not None:
                 a.copy_to_host_async()
@@ -311,16 +314,60 @@ class PrefillEngine:
             column([p.min_p for p in sp], np.float32),
         )
 
-    def warmup(self) -> None:
-        """Compiles the smallest bucket so the first request does not pay for it."""
-        tokens = np.zeros((1, self.config.min_bucket), dtype=np.int32)
-        lengths = np.ones((1,), dtype=np.int32)
-        x, cos, sin = self._embed(self.params, tokens)
-        for start, size in self.groups:
-            x, _, _ = self._group(self.params["layers"], x, cos, sin, np.int32(start), size=size)
-        logits = self._head(self.params, x, lengths)
-        jax.block_until_ready(sample_jit(logits, jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1),
-                                         jnp.zeros(1, jnp.uint32), jnp.zeros(1, jnp.int32), jnp.zeros(1)))
+    def shapes(self) -> list[tuple[int, int]]:
+        """Every (rows, padded length) batch the loop can run: rows a power of two up to the batch size,
+        lengths the buckets, rows x length within --max-num-batched-tokens (a lone prompt always runs).
+        `warmup` compiles exactly these; batching that changes the shapes changes this method."""
+        rows = [1 << i for i in range(_pow2(self.config.max_batch_size).bit_length())]
+        lengths = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
+        return [(r, s) for r in rows for s in lengths if r == 1 or r * s <= self.config.max_batch_tokens]
+
+    def warmup(self, progress: bool = False) -> float:
+        """Compiles (ahead of time: nothing runs) every program `_run` dispatches, for every shape of
+        `shapes()`, so no request pays for a compile. Returns the seconds it took."""
+        import os
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
+        from tqdm import tqdm
+
+        t0 = time.perf_counter()
+        shapes = self.shapes()
+        with ThreadPoolExecutor(min(len(shapes), os.cpu_count() or 1), thread_name_prefix="compile") as pool:
+            done = [pool.submit(self._compile, *shape) for shape in shapes]  # XLA compiles outside the GIL
+            for future in tqdm(as_completed(done), total=len(done), desc="compiling prefill shapes", unit="shape",
+                               disable=not progress):
+                future.result()
+        return time.perf_counter() - t0
+
+    def _compile(self, rows: int, length: int) -> None:
+        """The programs of one batch shape: embed, each layer group's size, head, sampling, penalties,
+        prompt logprobs and the KV's cast to the unquantized wire dtypes."""
+        spec = jax.ShapeDtypeStruct
+        tokens, lengths = spec((rows, length), jnp.int32), spec((rows,), jnp.int32)
+        column = {t: spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)}
+        x, cos, sin = _avals(self._embed.lower(self.params, tokens).compile())
+        casts = {d for d in ("float32", "bfloat16") if jnp.dtype(d) != x.dtype}
+        done = set()  # (size, x's sharding): the groups' programs differ only in these
+        for _, size in self.groups:  # in order: each group's x comes from the one before
+            if (size, x.sharding) not in done:
+                done.add((size, x.sharding))
+                x, k, _ = _avals(self._group.lower(self.params["layers"], x, cos, sin, np.int32(0),
+                                                   size=size).compile())
+                for dtype in casts:
+                    self._cast.lower(k, dtype=dtype).compile()
+        logits, = _avals(self._head.lower(self.params, x, lengths).compile())
+        f32, i32, u32 = column[jnp.float32], column[jnp.int32], column[jnp.uint32]
+        sample_jit.lower(logits, f32, i32, f32, u32, i32, f32).compile()
+        penalize.lower(logits, tokens, lengths, i32, f32, f32, f32, spec(logits.shape, jnp.bool_)).compile()
+        self._prompt_logprobs.lower(self.params, x, tokens).compile()
+
+
+def _avals(compiled) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """What a compiled program returns, as the next program's arguments: sharded as it returns them
+    over a mesh; on one device uncommitted, as arrays made from numpy (and so its outputs) are."""
+    return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding if
+                                      isinstance(o.sharding, jax.sharding.NamedSharding) else None)
+                 for o in jax.tree.leaves(compiled.out_info))
 
 
 def _column(values: list, dtype, rows: int) -> np.ndarray:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+import jax
 
 from pdserve.kvcache.sender import GrpcKvTransport
 from pdserve.v1 import worker_pb2_grpc
@@ -18,6 +21,7 @@ from pdserve.server.prefill.model import compute_dtype, load_params
 from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
 from pdserve.server.prefill.service import PrefillService
+from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params, start_distributed
 from pdserve.server.registration import Memberships, join, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
@@ -47,22 +51,11 @@ class PrefillWorker:
 
 
 async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> PrefillWorker:
-    model_config = load_config(config.model_dir).limited_to(config.max_model_len)
-    dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
-    t0 = time.perf_counter()
-    params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
-    if config.tensor_parallel_size > 1:  # sharded at the edge; the model code is the same
-        from pdserve.server.prefill.sharding import make_mesh, shard_params
-
-        params = shard_params(params, make_mesh(config.tensor_parallel_size), model_config)
-    engine = PrefillEngine(model_config, params, config)
-    engine.warmup()
-    log.info("prefill model %s loaded and compiled in %.1f s; weights %.1f MiB (%s, compute %s)",
-             model_config.describe(), time.perf_counter() - t0, param_bytes(params) / 2**20, dtype,
-             compute_dtype(model_config, dtype))
+    engine = load_engine(config)
     server, health, port = serving.new_server(SERVICES, config.port, config.host)
     transport = GrpcKvTransport(num_streams=config.kv_streams, channel_options=serving.CHANNEL_OPTIONS,
                                 credentials=serving.channel_credentials(), interceptors=serving.channel_interceptors())
+    model_config = engine.model_config
     service = PrefillService(engine, transport, model_config,
                              fingerprint=fingerprint(config.model_dir, model_config),
                              address=options.advertise_address or f"{config.host}:{port}")
@@ -80,6 +73,44 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     if options.coordinator:
         await join(worker, options.coordinator, service.info)
     return worker
+
+
+def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
+    """The model loaded (and sharded over the device mesh), every batch shape compiled."""
+    if config.compilation_cache is not None:  # before the first compile
+        use_compilation_cache(config.compilation_cache)
+    if start_distributed(config.coordinator_address, config.num_processes, config.process_id):
+        log.info("joined a %d-process slice as process %d", jax.process_count(), jax.process_index())
+        if jax.process_count() > 1:  # README: "Prefill on a device mesh"
+            raise SystemExit(f"pdserve prefill: joined a {jax.process_count()}-process slice, but serving a mesh "
+                             "that spans hosts needs every process to replay process 0's batches, which is not "
+                             "written yet; run one worker per host over its own chips (no --coordinator-address)")
+    model_config = load_config(config.model_dir).limited_to(config.max_model_len)
+    dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
+    t0 = time.perf_counter()
+    params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
+    tp = config.tensor_parallel_size or default_size(model_config)
+    if config.tensor_parallel_size is None and tp < jax.device_count():
+        log.warning("sharding over %d of %d devices: the model's kv heads (%d) do not split over more",
+                    tp, jax.device_count(), model_config.num_kv_heads)
+    if tp > 1:  # sharded at the edge; the model code is the same
+        params = shard_params(params, make_mesh(tp), model_config)
+    loaded = time.perf_counter() - t0
+    engine = PrefillEngine(model_config, params, config)
+    shapes = engine.shapes()
+    compile_s = engine.warmup(progress=progress)
+    log.info("prefill model %s loaded in %.1f s (tensor parallel %d over %s); weights %.1f MiB (%s, compute %s); "
+             "%d batch shapes compiled in %.1f s", model_config.describe(), loaded, tp, jax.default_backend(),
+             param_bytes(params) / 2**20, dtype, compute_dtype(model_config, dtype), len(shapes), compile_s)
+    return engine
+
+
+def use_compilation_cache(directory: Path) -> None:
+    """JAX's persistent compilation cache in `directory`, caching every compile (however quick)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 async def serve(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> None:

@@ -88,3 +88,17 @@ def test_min_p_keeps_only_tokens_above_min_p_times_the_top_probability():
     assert set(drawn.tolist()) == {0, 1}
     drawn = sample(logits, *_params(300), list(range(300)), list(range(300)), torch.zeros(300))
     assert set(drawn.tolist()) >= {0, 1, 2, 3}
+
+
+def test_a_seeded_row_without_filters_draws_the_same_beside_rows_that_sort():
+    """Rows without top-k/top-p walk the vocabulary in id order, rows with them the sorted order: the
+    path is each row's own, so a neighbour's filters never change a seeded row's token."""
+    logits = torch.randn(3, 200, generator=torch.Generator().manual_seed(5))
+    temperature, top_p = torch.ones(3), torch.tensor([1.0, 0.9, 1.0])
+    top_k = torch.tensor([0, 0, 5])
+    mixed = sample(logits, temperature, top_k, top_p, [11, 11, 11], [2, 2, 2])
+    for row in range(3):
+        alone = sample(logits[row : row + 1], temperature[:1], top_k[row : row + 1], top_p[row : row + 1],
+                       [11], [2])
+        assert alone[0] == mixed[row]
+    assert mixed[2] in logits[2].topk(5).indices

@@ -118,12 +118,16 @@ def test_big_model_blocks_split_into_layer_groups_under_1_mib():
     layout = KvLayout(num_layers=80, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
     num_tokens = 40
     k, v, _, _ = random_kv(layout, num_tokens)
-    msgs = list(encode_blocks(layout, k, v))
+    msgs = list(encode_blocks(layout, k, v, max_chunk_bytes=2**20))
     assert pieces(msgs) == [
         (layer, 14 if layer < 70 else 10, t, n) for t, n in ((0, 16), (16, 16), (32, 8)) for layer in range(0, 80, 14)
     ]
     sizes = [m.ByteSize() for m in msgs]
-    assert max(pb.KvChunk(blocks=m).ByteSize() for m in msgs) <= MAX_CHUNK_BYTES
+    assert max(pb.KvChunk(blocks=m).ByteSize() for m in msgs) <= 2**20
+    # The default 4 MiB messages hold 63 layer-blocks: two groups of 40 layers.
+    assert pieces(list(encode_blocks(layout, k, v))) == [
+        (layer, 40, t, n) for t, n in ((0, 16), (16, 16), (32, 8)) for layer in (0, 40)
+    ]
     assert sizes[0] == 2 * 14 * 16 * 8 * 128 * 2 + 12  # 896 KiB of KV + the envelope
     k2, v2, _, _, seen = reassemble(layout, msgs, num_tokens)
     assert k2.tobytes() == k.tobytes() and v2.tobytes() == v.tobytes()

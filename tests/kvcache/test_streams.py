@@ -11,14 +11,29 @@ import pytest
 
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.local import LocalKvTransport
-from pdserve.kvcache.receiver import KvReceiver, TransferError, TransferState, add_receiver_to_server
+from pdserve.kvcache.receiver import (
+    WRITES_IN_FLIGHT,
+    KvReceiver,
+    TransferError,
+    TransferState,
+    add_receiver_to_server,
+)
 from pdserve.kvcache.sender import GrpcKvTransport
 from pdserve.kvcache.tensors import KvTensors
 from pdserve.kvcache.transfer import KvPoll
 from pdserve.v1 import worker_pb2 as pb
 
 from .test_codec import random_kv
-from .test_transfer import FINGERPRINT, LAYOUT, NUM_TOKENS, SMALL_CHUNKS, TOKEN, RecordingSink, make_header
+from .test_transfer import (
+    FINGERPRINT,
+    LAYOUT,
+    NUM_TOKENS,
+    SMALL_CHUNKS,
+    TOKEN,
+    GatedSink,
+    RecordingSink,
+    make_header,
+)
 
 ADDRESS = "decode-0"
 
@@ -203,3 +218,53 @@ def test_whole_kv_send_checks_the_arrays_first():
             await transport.send("nowhere", make_header(num_tokens=NUM_TOKENS), LAYOUT, k.astype(np.float32), v, 1)
 
     asyncio.run(run())
+
+
+async def _until(predicate) -> None:
+    while not predicate():
+        await asyncio.sleep(0.01)
+
+
+async def test_a_stream_reads_on_while_its_pieces_are_written_and_ends_once_all_are(pairs):
+    pair = await pairs()
+    sink = pair.receiver.sink = GatedSink()
+    transfer = pair.receiver.expect("r1", 0, TOKEN, NUM_TOKENS)
+    k, v, _, _ = random_kv(LAYOUT, NUM_TOKENS)
+    sender = await pair.transport.open(pair.address, pair.header(), LAYOUT)
+    sending = asyncio.ensure_future(sender.send(KvTensors(0, 0, k, v)))  # 9 pieces, one stream
+    await asyncio.wait_for(_until(lambda: sink.running == WRITES_IN_FLIGHT), 10)
+    assert (sink.writes, transfer.done.done(), transfer.bytes_received) == ([], False, 0)
+    sink.gate.set()
+    await sending
+    await sender.finish(first_token_id=5)
+    assert await transfer.done == 5 and transfer.bytes_received == k.nbytes + v.nbytes
+    assert (sink.most, len(sink.writes)) == (WRITES_IN_FLIGHT, 9)
+    got_k, got_v = sink.assemble("r1", LAYOUT, NUM_TOKENS)
+    assert got_k.tobytes() == k.tobytes() and got_v.tobytes() == v.tobytes()
+
+
+async def test_a_cancelled_transfer_skips_the_writes_still_queued(pairs):
+    pair = await pairs()
+    sink = GatedSink()
+    pair.receiver = KvReceiver(LAYOUT, FINGERPRINT, sink, write_threads=1)  # one write runs, the rest queue
+    if pair.kind == "local":
+        pair.transport.receivers[ADDRESS] = pair.receiver
+    else:
+        await pair.server.stop(None)
+        pair.server = grpc.aio.server()
+        add_receiver_to_server(pair.receiver, pair.server)
+        pair.address = f"127.0.0.1:{pair.server.add_insecure_port('127.0.0.1:0')}"
+        await pair.server.start()
+    pair.receiver.expect("r1", 0, TOKEN, NUM_TOKENS)
+    k, v, _, _ = random_kv(LAYOUT, NUM_TOKENS)
+    sender = await pair.transport.open(pair.address, pair.header(), LAYOUT)
+    sending = asyncio.ensure_future(sender.send(KvTensors(0, 0, k, v)))
+    await asyncio.wait_for(_until(lambda: sink.running == 1 and len(pair.receiver._writes.get("r1", ())) == 4), 10)
+    pair.receiver.cancel("r1")  # the decode worker gave the request up: its stream is cut
+    sink.gate.set()
+    await asyncio.wait_for(pair.receiver.settle("r1"), 10)
+    assert len(sink.writes) == 1  # the running write landed; the three queued behind it wrote nothing
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await sending
+        await sender.finish(first_token_id=5)
+    assert err.value.code() == grpc.StatusCode.ABORTED

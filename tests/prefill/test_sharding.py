@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+import numpy as np
+
 SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp, numpy as np
@@ -78,3 +80,51 @@ def test_sharded_prefill_equals_unsharded(tiny_model):
     assert report["qwen2"]["lm_head"] is None  # tied: the replicated embedding serves as the head
     assert report["qwen3"]["specs"]["q_norm"] == []
     assert report["qwen3"]["lm_head"] == ["tp", None]  # vocab-split
+
+
+SERVED = r"""
+import asyncio, json, sys
+from pathlib import Path
+import jax, jax.monitoring, numpy as np
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.main import load_engine
+
+events = []
+jax.monitoring.register_event_duration_secs_listener(lambda e, d, **kw: events.append(e) if "compile" in e else None)
+path = Path(sys.argv[1])
+greedy = gen_pb.SamplingParams(max_tokens=2, temperature=0.0)
+prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
+
+async def run(engine, kv_dtype):
+    return await asyncio.gather(*(engine.submit(p, greedy, 0, kv_dtype) for p in prompts))
+
+report = {}
+for name, tp in (("default", None), ("one", 1)):
+    engine = load_engine(PrefillConfig(model_dir=path, tensor_parallel_size=tp, max_batch_size=2, max_model_len=64),
+                         progress=False)
+    wq = engine.params["layers"]["wq"]
+    before = len(events)
+    results = asyncio.run(run(engine, "float32")) + asyncio.run(run(engine, "bfloat16"))
+    report[name] = {"devices": len(wq.sharding.device_set), "compiles": len(events) - before,
+                    "first": [r.first_token for r in results], "shapes": [list(r.k.shape) for r in results],
+                    "k": [r.k.astype(np.float32).tolist() for r in results]}
+print(json.dumps(report))
+"""
+
+
+def test_served_engine_shards_over_all_devices_by_default(tiny_model):
+    """`pdserve prefill` (load_engine) with 2 host devices: sharded over both, nothing compiles after
+    start, and the first tokens and KV (gathered from the sharded arrays) equal one device's."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", SERVED, str(tiny_model("qwen2"))], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    sharded, one = report["default"], report["one"]
+    assert (sharded["devices"], one["devices"]) == (2, 1)
+    assert sharded["compiles"] == one["compiles"] == 0
+    assert sharded["first"] == one["first"]
+    assert sharded["shapes"] == one["shapes"] == [[2, n, 2, 32] for n in (5, 40, 17)] * 2
+    for got, want in zip(sharded["k"], one["k"]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,88 @@
+"""Paged attention over the decode tier's KV cache: the reference path (CPU, and any device without a
+kernel) that the GPU paged-attention kernel (`cuda_attention`, chosen here when `paged_kernel`) is
+checked against.
+
+A forward's `PagedContext` is built once, before the first layer, from the batch's block tables and
+context lengths: the new tokens' flat cache slots, the block tables cut to the blocks the longest
+context uses (never the whole reservation), and the additive mask. Every layer then stores its new K/V
+at `slots` and attends over `context_blocks` of the cache: only the blocks the contexts hold are read,
+and a quantized cache is dequantized only for those blocks. Nothing inside a layer waits on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.server.decode.kv_cache import PagedKvCache
+
+
+@dataclass(frozen=True)
+class PagedContext:
+    """What every layer of one forward needs to find its tokens in the paged cache."""
+
+    positions: torch.Tensor  # [B, S] int64 position of each new token
+    slots: torch.Tensor  # [B, S] int64 flat cache slot of each new token (block_id * block_size + offset)
+    block_tables: torch.Tensor  # [B, M] int64, M = blocks of the longest context in the batch
+    context_lens: torch.Tensor  # [B] int64 tokens each row attends to (its new tokens included)
+    bias: torch.Tensor | None  # [B, 1, G S, M * block_size] float: 0 where a query attends a key, -inf elsewhere
+    """Rows ordered (query-head group g, new token s), as `paged_attention` lays out the queries; None
+    with `paged_kernel`, which reads each row's first context_lens tokens without a mask."""
+    paged_kernel: bool = False
+    """One new token per row, attended by the CUDA paged kernel (`cuda_attention`) straight from the cache."""
+
+    @classmethod
+    def build(
+        cls,
+        positions: torch.Tensor,  # [B, S]
+        block_tables: torch.Tensor,  # [B, M0]
+        context_lens: torch.Tensor,  # [B]
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        groups: int = 1,
+        paged_kernel: bool = False,
+    ) -> PagedContext:
+        """Causal within the context: the query at position p attends keys [0, min(p + 1, context_len)).
+        groups: query heads per kv head (G); the mask is repeated for them here, once per forward.
+
+        Tables given on the host (as the engine builds them) are cut there to the blocks of the longest
+        context, so a long reservation costs nothing; tables already on an accelerator keep their width
+        (cutting them would need the lengths on the host).
+        """
+        if context_lens.device.type == "cpu" and block_tables.shape[1]:
+            width = -(-int(context_lens.max()) // block_size)
+            block_tables = block_tables[:, :width]
+        block_tables = block_tables.to(device)
+        positions = positions.to(device)
+        context_lens = context_lens.to(device)
+        slots = block_tables.gather(1, positions // block_size) * block_size + positions % block_size  # [B, S]
+        if paged_kernel:
+            return cls(positions, slots, block_tables, context_lens, None, True)
+        keys = torch.arange(block_tables.shape[1] * block_size, device=device)  # [T]
+        visible = (keys <= positions[..., None]) & (keys < context_lens[:, None, None])  # [B, S, T]
+        bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+        B, S, T = bias.shape
+        if S > 1 and groups > 1:  # one token each: the [B, 1, 1, T] mask broadcasts over the groups
+            bias = bias[:, None].expand(B, groups, S, T).reshape(B, groups * S, T)
+        return cls(positions, slots, block_tables, context_lens, bias[:, None])
+
+
+def paged_attention(q: torch.Tensor, cache: PagedKvCache, layer: int, context: PagedContext) -> torch.Tensor:
+    """softmax(q K^T / sqrt(D)) V over the context's blocks of one layer; q [B, S, H, D] -> [B, S, H, D].
+
+    Grouped-query heads share their K/V without repeating them: q is viewed as [B, Hkv, G * S, D].
+    """
+    if context.paged_kernel:  # decode on CUDA: q [B, 1, H, D]
+        from pdserve.server.decode.cuda_attention import decode_attention
+
+        return decode_attention(q[:, 0], cache, layer, context.block_tables, context.context_lens)[:, None]
+    B, S, H, D = q.shape
+    k, v = cache.context_blocks(layer, context.block_tables, q.dtype)  # [B, Hkv, T, D] each
+    Hkv = k.shape[1]
+    G = H // Hkv
+    q = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)  # [B, Hkv, G S, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=context.bias)  # [B, Hkv, G S, D]
+    return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, H, D)
