@@ -5,13 +5,14 @@
 2. Admission (`admission.py`): a decode worker D with room (by the decode policy), else wait in the
    decode queue; a prefill worker P (least queued), else wait in the prefill queue. No prefill worker
    alive: D prefills the prompt itself (a fallback, counted).
-3. Open `D.Decode`, a stream: its first message, `reserved`, means D holds blocks for the request
-   under a lease. A refusal before it (RESOURCE_EXHAUSTED, ...) goes to the client as it is.
-4. Call `P.Prefill` with D's KV endpoint as the target and the attempt's transfer token. P returns the
-   first token at once; it goes to the client before the KV reaches D (P pushes it to D itself).
-5. Read D's stream: `tokens` are the ids after the first; `finished` ends it. The ids are
-   detokenized incrementally and cut at the first stop string (then D's call is cancelled, which
-   frees its blocks). The last message carries finish_reason and usage.
+3-5. One `Attempt` (attempt.py) does reserve -> prefill -> stream: `D.Decode`'s `reserved` means D
+   holds blocks under a lease (D refusing for room is picked again, never the client's failure; another
+   refusal goes to the client as it is); `P.Prefill` returns the first token at once, before the KV
+   reaches D; then D's events: `tokens` (the ids after the first), `finished`. D sends them on its
+   Steps stream, one message per decode step for every request of this coordinator (steps.py), or
+   per request. Here the ids are detokenized incrementally and cut at the first stop string (then the
+   attempt is closed, which cancels D's call and frees its blocks). The last message carries
+   finish_reason and usage.
 6. Failures. P dies or fails before the KV arrives: the attempt is retried (attempt + 1, a fresh
    transfer token, so the dead attempt's chunks are refused) on another P. D dies mid-stream: the
    request migrates: prompt + the tokens already sent are prefilled again on a live pair, whose
