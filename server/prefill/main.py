@@ -22,7 +22,7 @@ from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
 from pdserve.server.prefill.service import PrefillService
 from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params, start_distributed
-from pdserve.server.registration import Registration, join, serve_until_signal
+from pdserve.server.registration import Memberships, join, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -35,7 +35,7 @@ class PrefillWorker:
     service: PrefillService
     port: int
     health: object = None
-    registration: Registration | None = None
+    registration: Memberships | None = None
 
     async def drain(self, seconds: float) -> None:
         """No new Prefill calls, the coordinator told; running prefills and KV pushes finish."""
@@ -66,6 +66,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     metrics.identify(config.model_name, "prefill", model_config.max_model_len)
     metrics.prefill_queued_tokens.set_function(lambda: engine.queued_tokens)
     metrics.prefill_queued_seconds.set_function(lambda: queued_seconds(engine.load()))
+    metrics.prefill_padding_share.set_function(lambda: engine.padding_share)
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("prefill worker listening on %s:%d", config.host, port)
