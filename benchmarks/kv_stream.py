@@ -176,7 +176,7 @@ async def overlap(model_dir: Path, num_tokens: int, groups: list[int], streams: 
     try:
         for g in groups:
             engine = PrefillEngine(config, params, PrefillConfig(model_dir=model_dir, kv_layer_groups=g,
-                                                                 min_bucket=num_tokens))
+                                                                 min_bucket=num_tokens, prefix_cache_bytes=0))
             transport = GrpcKvTransport(num_streams=streams)
             service = PrefillService(engine, transport, config, fingerprint=digest)
             best = (float("inf"), float("inf"))

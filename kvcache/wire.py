@@ -70,12 +70,13 @@ def encode_piece_bytes(layout_block_size: int, kv: KvTensors, piece: Piece) -> b
         arrays += [(7, kv.k_scales), (8, kv.v_scales)]
     fields: list[tuple[bytes, np.ndarray]] = []  # (tag and length, the bytes to copy)
     size = len(head)
+    r0 = t0 - kv.token_start  # kv's arrays start at its token_start (a block multiple)
     for number, array in arrays:
         if number >= 7:  # scales cover the blocks the tokens touch
-            b0, b1 = t0 // layout_block_size, -(-(t0 + tc) // layout_block_size)
+            b0, b1 = r0 // layout_block_size, -(-(r0 + tc) // layout_block_size)
             src = _field_views(array, g0, lc, b0, b1 - b0)
         else:
-            src = _field_views(array, g0, lc, t0, tc)
+            src = _field_views(array, g0, lc, r0, tc)
         if not src.size:
             continue
         tag = bytes([number << 3 | _LEN]) + _varint(src.size)

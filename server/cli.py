@@ -241,7 +241,9 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
     prefill_args = [*shared, "--weight-dtype", prefill["prefill_weight_dtype"],
                     *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
                     *(["--compilation-cache", str(args.compilation_cache)] if args.compilation_cache else []),
-                    "--kv-streams", str(args.kv_streams), "--prefill-order", args.prefill_order]
+                    "--kv-streams", str(args.kv_streams), "--prefill-order", args.prefill_order,
+                    "--max-num-batched-tokens", str(args.max_batch_tokens), "--prefix-cache-bytes", str(args.prefix_cache_bytes),
+                    *(["--max-prefill-chunk", str(args.max_prefill_chunk)] if args.max_prefill_chunk else [])]
     decode_args = [*shared, "--weight-dtype", decode["decode_weight_dtype"], "--kv-dtype", decode["kv_dtype"],
                    *(["--max-running", str(args.max_running)] if args.max_running else []),
                    *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
@@ -437,7 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-device", default="auto",
                    help="decode workers' device (their --device): auto (CUDA when torch sees one), cpu, cuda, cuda:N")
     add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig)
-                                           if f not in ("kv_streams", "prefill_order", "compilation_cache")))
+                                           if f not in ("kv_streams", "prefill_order", "compilation_cache", "max_batch_tokens",
+                                                        "max_prefill_chunk", "prefix_cache_bytes")))
     p.add_argument("--tensor-parallel-size", type=int,
                    help="prefill workers shard the model over this many devices (default: all of them); "
                         "each decode worker runs on one device")

@@ -103,6 +103,8 @@ kv_blocks_total = _pd(Gauge, "kv_blocks_total", "KV cache blocks in all")
 prefill_queued_tokens = _pd(Gauge, "prefill_queued_tokens", "Prompt tokens waiting to be prefilled")
 prefill_queued_seconds = _pd(Gauge, "prefill_queued_seconds",
                              "Seconds of prefill work queued, at the measured rate per length bucket")
+prefill_padding_share = _pd(Gauge, "prefill_padding_share",
+                            "Share of the prefill steps' token slots that held padding, since start (0 to 1)")
 
 # ---- outcomes (counters) ---------------------------------------------------------
 request_success = _pd(Counter, "request_success", "Requests that finished, by finish reason", ("finished_reason",),
@@ -113,6 +115,8 @@ generation_tokens = _pd(Counter, "generation_tokens", "Tokens generated", vllm="
 kv_transfer_bytes = _pd(Counter, "kv_transfer_bytes", "KV bytes transferred (sent by prefill, received by decode)")
 kv_transfer_failures = _pd(Counter, "kv_transfer_failures", "KV transfers that failed (push refused or broken, or never arrived)")
 prefill_retries = _pd(Counter, "prefill_retries", "Prefills retried on another worker")
+prefill_prefix_cache_hits = _pd(Counter, "prefill_prefix_cache_hit_tokens",
+                                "Prompt tokens a prefill worker took from its prefix KV instead of computing")
 migrations = _pd(Counter, "migrations", "Requests moved to another decode worker mid-stream")
 vllm_kv_tokens_loaded = _pd(Counter, "vllm_kv_tokens_loaded",
                             "Prompt tokens whose KV the connector wrote into vLLM's cache")

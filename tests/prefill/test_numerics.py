@@ -14,7 +14,7 @@ from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill import engine as engine_module
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
-from pdserve.server.prefill.model import embed, head, layer_group, load_params
+from pdserve.server.prefill.model import Packing, embed, head, layer_group, load_params
 
 
 def _dots(jaxpr) -> list:
@@ -35,8 +35,11 @@ def test_every_bf16_matmul_accumulates_in_fp32(tiny_model):
     tokens = jnp.zeros((2, 16), jnp.int32)
 
     def forward(params, tokens):
-        x, cos, sin = embed(params, tokens, config=config)
-        x, k, v = layer_group(params["layers"], x, cos, sin, jnp.int32(0), size=config.num_layers, config=config)
+        packing = Packing.plain(*tokens.shape)
+        x, cos, sin = embed(params, tokens, packing.positions, config=config)
+        context = jnp.zeros((config.num_layers, 2, 0, config.num_kv_heads, config.head_dim), jnp.bfloat16)
+        x, k, v = layer_group(params["layers"], x, cos, sin, packing, context, context, jnp.int32(0),
+                              size=config.num_layers, config=config)
         return head(params, x, jnp.array([3, 16]), config=config), k, v
 
     dots = _dots(jax.make_jaxpr(forward)(params, tokens).jaxpr)
