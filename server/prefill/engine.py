@@ -46,7 +46,7 @@ from pdserve.kvcache import quant as host_quant
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.kvcache.tensors import KvTensors
 from pdserve.v1 import generation_pb2 as gen_pb
-from pdserve.server import logprobs
+from pdserve.server import logprobs, metrics
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import (Packing, bucket_length, embed, group_sizes, head, layer_group,
@@ -55,7 +55,7 @@ from pdserve.server.prefill.prefix_kv import PrefixKv
 from pdserve.server.prefill.quant import quantize_kv_masked
 from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.sampler import penalize, sample_jit
-from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, aligned
+from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, aligned, packed_tokens
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -198,8 +198,6 @@ class PrefillEngine:
 
     def step_shape(self, step: list[Segment]) -> StepShape:
         """The smallest shape that holds the step's packed tokens and its context."""
-        from pdserve.server.prefill.scheduler import packed_tokens
-
         tokens, context = packed_tokens(step), sum(s.start for s in step)
         return StepShape(next(b for b in self.token_buckets if b >= tokens),
                          next(b for b in self.context_buckets if b >= context))
@@ -233,18 +231,12 @@ class PrefillEngine:
                 job.computed = hit[0].shape[1]
                 job.context = self._new_context(job)
                 job.context[0, :, : job.computed], job.context[1, :, : job.computed] = hit
-                self.prefix_hits(job.computed)
+                metrics.prefill_prefix_cache_hits.inc(job.computed)
         self.scheduler.add(job)
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="prefill-loop")
         return job
-
-    @staticmethod
-    def prefix_hits(tokens: int) -> None:
-        from pdserve.server import metrics
-
-        metrics.prefill_prefix_cache_hits.inc(tokens)
 
     def _new_context(self, job: PrefillJob) -> np.ndarray:
         c = self.model_config
