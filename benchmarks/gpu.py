@@ -168,7 +168,7 @@ def ceilings(plan: Plan, device, run: Run) -> None:
     dst = torch.empty_like(src)
     copy_s = _best(lambda: dst.copy_(src), plan.repeats, sync)
     read_s = _best(lambda: src.sum(dtype=torch.float32), plan.repeats, sync)
-    del dst
+    dst = None  # the copy ceiling's buffer, freed
     n = plan.matmul_n
     a = torch.randn(n, n, device=device).to(torch.bfloat16)
     b = torch.randn(n, n, device=device).to(torch.bfloat16)
@@ -278,6 +278,14 @@ async def decode(plan: Plan, config, device, run: Run, deadline: Deadline) -> No
             run.rows.append(Row("decode bf16", f"steps/s B={batch} ctx={ctx} vs weight-streaming floor",
                                 1 / p.step_s, 1 / floor_s, "steps/s", 0.85))
     await engine.close()
+    if device.type == "cuda":
+        try:
+            count, ms = gpu_decode.kernels_per_step(engine)
+            run.rows.append(Row("decode bf16", f"CUDA kernels in one eager B=1 step ({ms:.2f} ms of device time)",
+                                count, unit="kernels"))
+            log(f"one eager batch-1 step: {count} CUDA kernels, {ms:.2f} ms on the device")
+        except Exception as e:  # noqa: BLE001 - a diagnostic
+            run.notes.append(f"kernel count: the profiler failed ({e!r})")
     gpu_decode.free(engine)
     del engine
     gc.collect()
@@ -386,6 +394,13 @@ def handoff(plan: Plan, config, device, run: Run, deadline: Deadline) -> None:
     log(f"KV handoff: {nbytes / seconds / GB:.2f} GB/s (raw grpcio {raw:.2f})")
 
 
+def gpu_checks_failure(section: str, error: Exception):
+    """A failed section as a failed check: the run exits 1 and says where."""
+    from pdserve.benchmarks.gpu_checks import Check
+
+    return Check(f"section {section} ran to the end", False, f"raised {error!r}")
+
+
 # ---- output ---------------------------------------------------------------------------------------
 
 
@@ -438,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where gpu.json and gpu.md go (default: $OUT, else ./gpu-results)")
     p.add_argument("--time-limit", type=float, default=540.0, help="seconds for the whole run (sections that "
                    "would not fit are skipped and named in the notes)")
-    p.add_argument("--skip", action="append", default=[], choices=["prefill", "handoff", "decode"],
+    p.add_argument("--skip", action="append", default=[],
+                   choices=["ceilings", "correctness", "decode", "prefill", "handoff"],
                    help="leave a section out")
     args = p.parse_args(argv)
     deadline = Deadline(args.time_limit)
@@ -462,25 +478,26 @@ def main(argv: list[str] | None = None) -> int:
     env = _environment(device)
     log(f"{config.describe()} on {env['device']}; {env}")
     run = Run()
-    ceilings(plan, device, run)
-    correctness(plan, device, run)
-    if "decode" not in args.skip:
-        asyncio.run(decode(plan, config, device, run, deadline))
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    if "prefill" not in args.skip:
-        try:
-            prefill(plan, config, device, run, deadline, args.dry_run, args.out)
-        except Exception as e:  # noqa: BLE001 - the decode figures are kept
-            run.notes.append(f"prefill: failed with {e!r}")
-            log(run.notes[-1])
-    if "handoff" not in args.skip:
-        try:
-            handoff(plan, config, device, run, deadline)
+    sections = [("ceilings", lambda: ceilings(plan, device, run)),
+                ("correctness", lambda: correctness(plan, device, run)),
+                ("decode", lambda: asyncio.run(decode(plan, config, device, run, deadline))),
+                ("prefill", lambda: prefill(plan, config, device, run, deadline, args.dry_run, args.out)),
+                ("handoff", lambda: handoff(plan, config, device, run, deadline))]
+    for name, section in sections:
+        if name in args.skip:
+            continue
+        try:  # unattended: a failing section is reported and the others still run
+            section()
         except Exception as e:  # noqa: BLE001
-            run.notes.append(f"KV handoff: failed with {e!r}")
+            import traceback
+
+            run.notes.append(f"{name}: failed with {e!r} (traceback on stderr)")
+            run.checks.append(gpu_checks_failure(name, e))
             log(run.notes[-1])
+            traceback.print_exc()
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # each section's memory goes before the next allocates (JAX included)
     failed = [c.name for c in run.checks if not c.passed]
     doc = {"environment": env, "model": config.describe(), "plan": asdict(plan), "ceilings": run.ceilings,
            "rows": [asdict(r) | {"ratio": r.ratio, "met": r.met} for r in run.rows],

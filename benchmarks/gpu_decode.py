@@ -166,3 +166,23 @@ def free(engine) -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def kernels_per_step(engine) -> tuple[int, float]:
+    """(CUDA kernels one eager batch-1 decode step launches, their summed device time in ms): how much of a
+    step is small kernels between the matmuls (norms, RoPE, activations), what fusing them would win."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve.server.decode.model_runner import EagerRunner
+
+    runner = EagerRunner(engine.model, engine.cache)
+    one = torch.zeros(1, dtype=torch.int64)
+    args = (one, one, one[:, None], one + 1)  # token 0 at position 0 of block 0 (no sequence holds it now)
+    runner.decode(*args)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.decode(*args)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    return len(kernels), sum(e.device_time for e in kernels) / 1e3

@@ -141,7 +141,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
     _common_args(p)
-    p.add_argument("--coordinator", metavar="HOST:PORT", help="register with this coordinator and heartbeat")
+    p.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="register with this coordinator and heartbeat; several replicas: a comma-separated list, "
+                        "or a DNS name resolving to all of them (resolved again every 10 s)")
     p.add_argument("--advertise-address", metavar="HOST:PORT", help="the address peers dial (default HOST:PORT)")
     p.add_argument("--drain-seconds", type=float, default=60.0,
                    help="on SIGTERM, how long in-flight requests may take before the worker exits")
@@ -186,6 +188,8 @@ def _check_model(model_dir: Path) -> None:
 def cmd_up(args) -> int:
     from pdserve.server import launcher
 
+    if args.coordinators < 1:
+        raise SystemExit(f"pdserve up: error: --coordinators must be >= 1, got {args.coordinators}")
     if args.prefill_workers < 0 or args.decode_workers < 1:
         raise SystemExit(f"pdserve up: error: --prefill-workers must be >= 0 and --decode-workers >= 1, got "
                          f"{args.prefill_workers} and {args.decode_workers}")
@@ -253,13 +257,18 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
                                   common_args=["--cluster-secret-file", str(args.cluster_secret_file)],
                                   prefill_args=prefill_args, decode_args=decode_args,
-                                  decode_python=args.decode_python or sys.executable)
+                                  decode_python=args.decode_python or sys.executable,
+                                  coordinators=args.coordinators)
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
     state = cluster.describe()
     if args.state_file:
         launcher.write_state(cluster, args.state_file)
+    if args.coordinators > 1:
+        print(f"{args.coordinators} coordinator processes share {state['coordinator']} (SO_REUSEPORT; pids "
+              f"{', '.join(str(pid) for name, pid in state['pids'].items() if name.startswith('coordinator'))})",
+              flush=True)
     print(f"pdserve listening on {state['coordinator']} (prefill: {', '.join(state['prefill'])}; "
           f"decode: {', '.join(state['decode'])})", flush=True)
     if http_port is not None:
@@ -413,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(p, required=False)
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--coordinators", type=int, default=1,
+                   help="coordinator processes sharing the port (SO_REUSEPORT), each routing over every worker")
     _server_args(p, 50051)
     p.add_argument("--state-file", type=Path, help="write the processes' addresses here as JSON")
     p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")

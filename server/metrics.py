@@ -54,13 +54,19 @@ class Series:
 
     def __init__(self, *families: MetricWrapperBase):
         self.families = families
+        self._own: tuple[tuple[str, ...], tuple, _Children] | None = None
+        """The children for this process's identity, looked up once (the per-token path uses them)."""
 
     def labels(self, *values: str) -> Series:
         """The children for the extra labels (after model_name and role)."""
         return _Children([f.labels(*_identity.values(), *values) for f in self.families])
 
     def __getattr__(self, method: str) -> Callable[..., None]:
-        return _Children([f.labels(**_identity) for f in self.families]).__getattr__(method)
+        key = tuple(_identity.values())
+        own = self._own
+        if own is None or own[0] != key or own[1] is not self.families:  # identify() may replace families
+            own = self._own = (key, self.families, _Children([f.labels(**_identity) for f in self.families]))
+        return own[2].__getattr__(method)
 
 
 class _Children:
@@ -127,6 +133,7 @@ admission_rejections = _pd(Counter, "admission_rejections", "Requests refused be
 expected_wait_rejections = _pd(Counter, "expected_wait_rejections",
                                "Requests refused because their expected prefill wait exceeded the deadline or TTFT budget")
 stalled_streams = _pd(Counter, "stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
+decode_refusals = _pd(Counter, "decode_refusals", "Decode workers refusing a request for lack of room (another replica took the blocks); picked again")
 
 
 class _OfRole(Series):

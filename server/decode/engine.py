@@ -66,12 +66,16 @@ class DecodeEngine:
         self._copies: dict[str, list] = {}
         """Request id -> the CUDA events that follow its KV chunks' copies onto the device, until its first step
         (a list: a request's KV streams may write concurrently)."""
+        self.runner: EagerRunner | CudaGraphRunner = EagerRunner(model, self.cache)
         if cuda_graphs:
             max_blocks = layout.num_blocks(self.max_model_len)
-            self.runner = CudaGraphRunner(model, self.cache, max_running, max_blocks, pad_block=num_blocks)
-            self.runner.capture()
-        else:
-            self.runner = EagerRunner(model, self.cache)
+            graphs = CudaGraphRunner(model, self.cache, max_running, max_blocks, pad_block=num_blocks)
+            try:
+                graphs.capture()
+                self.runner = graphs
+            except Exception:  # a step that cannot be captured still runs, eagerly
+                log.exception("capturing the decode step's CUDA graphs failed; decode steps run eagerly "
+                              "(--enforce-eager skips the attempt)")
 
     @property
     def running(self) -> list[Sequence]:

@@ -16,7 +16,7 @@ from pdserve.server.decode.engine import DecodeEngine
 from pdserve.server.decode.service import DecodeService
 from pdserve.server.decode.startup import build_native_engine
 from pdserve.server.model.fingerprint import fingerprint
-from pdserve.server.registration import Registration, join, serve_until_signal
+from pdserve.server.registration import Memberships, join, serve_until_signal
 
 log = logging.getLogger("pdserve.decode")
 
@@ -33,7 +33,7 @@ class DecodeWorker:
     kv_server: object = None
     """The KvTransfer-only server (`--kv-port`), or None when KvTransfer shares the main port."""
     kv_port: int = 0
-    registration: Registration | None = None
+    registration: Memberships | None = None
 
     async def drain(self, seconds: float) -> None:
         """No new Decode calls, the coordinator told; in-flight requests finish (up to `seconds`)."""

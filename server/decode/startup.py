@@ -23,6 +23,7 @@ from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_ca
 from pdserve.server.decode.engine import DecodeEngine
 from pdserve.server.decode.kv_cache import TORCH_DTYPES
 from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.model_runner import CudaGraphRunner
 from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import ModelConfig, load_config
@@ -90,7 +91,7 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
              device, num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype,
              engine.cache.nbytes / 2**20, sized_by,
              f"CUDA graphs for batches {', '.join(map(str, engine.runner.buckets))} captured in "
-             f"{time.perf_counter() - t0:.1f} s" if cuda_graphs else "eager steps")
+             f"{time.perf_counter() - t0:.1f} s" if isinstance(engine.runner, CudaGraphRunner) else "eager steps")
     return engine, layout
 
 

@@ -22,7 +22,7 @@ from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
 from pdserve.server.prefill.service import PrefillService
 from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params, start_distributed
-from pdserve.server.registration import Registration, join, serve_until_signal
+from pdserve.server.registration import Memberships, join, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -35,7 +35,7 @@ class PrefillWorker:
     service: PrefillService
     port: int
     health: object = None
-    registration: Registration | None = None
+    registration: Memberships | None = None
 
     async def drain(self, seconds: float) -> None:
         """No new Prefill calls, the coordinator told; running prefills and KV pushes finish."""

@@ -22,9 +22,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
+    # Two coordinator processes share the public port (SO_REUSEPORT): the load below spreads over both.
     with pdserve_up(
-        tiny_model("llama"), tmp_path_factory.mktemp("bench-up"), prefill_workers=1, decode_workers=1
+        tiny_model("llama"), tmp_path_factory.mktemp("bench-up"), prefill_workers=1, decode_workers=1,
+        extra_args=["--coordinators", "2"],
     ) as state:
+        assert state["coordinators"] == 2 and len([n for n in state["pids"] if n.startswith("coordinator")]) == 2
         yield state
 
 
