@@ -158,7 +158,10 @@ class PrefillEngine:
         largest = min(config.max_batch_tokens, _pow2(config.max_batch_size) * self.max_len)  # what steps can fill
         self.token_buckets = _buckets(min(config.min_bucket, largest), largest)
         """The packed buffer's sizes, powers of two: few and static, so every one is compiled at start."""
-        self.context_buckets = [0, *_buckets(min(CONTEXT_BUCKET, self.max_len), self.max_len, growth=4)]
+        chunked = min(config.max_prefill_chunk or config.max_batch_tokens, config.max_batch_tokens) < self.max_model_len
+        self.context_buckets = [0]
+        if chunked or config.prefix_cache_bytes:  # else no step has context: nothing to compile for it
+            self.context_buckets += _buckets(min(CONTEXT_BUCKET, self.max_len), self.max_len, growth=4)
         """Context sizes (all segments' earlier tokens of a step together, at most max_len), growing 4x:
         padded context costs little (attention skips key blocks no query reads), a shape costs a compile."""
         self.dtype = params["embed"].dtype
