@@ -562,7 +562,9 @@ class PrefillEngine:
     def _compile_sampling(self, rows: int, length: int) -> None:
         """Sampling at `rows` rows, and the penalties over prompts padded to `length`."""
         spec = jax.ShapeDtypeStruct
-        logits = spec((rows, self.model_config.vocab_size), jnp.float32)
+        mesh = getattr(self.params["embed"].sharding, "mesh", None)  # sharded params: logits come replicated
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+        logits = spec((rows, self.model_config.vocab_size), jnp.float32, sharding=replicated)
         column = {t: spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)}
         f32, i32, u32 = column[jnp.float32], column[jnp.int32], column[jnp.uint32]
         sample_jit.lower(logits, f32, i32, f32, u32, i32, f32).compile()
