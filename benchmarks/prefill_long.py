@@ -3,11 +3,12 @@
     .venv/bin/python -m pdserve.benchmarks.prefill_long --lengths 2048,4096,8192,16384 --chunk 2048
 
 The model: Qwen2.5-0.5B's shape with --layers layers (random weights), run in float32 on the CPU.
-Each (length, chunk) point runs in its own process: the
-engine loads, compiles the step shapes the prompt needs (untimed, before the baseline), then prefills
-one prompt of that length through `PrefillEngine.submit`. Reported: seconds, the peak RSS above the
-RSS before the prompt (sampled every 5 ms, benchmarks/prefill.py's PeakRss), and that peak per 1k tokens (flat when memory is linear in the length). For scale, the
-score matrix the old whole-matrix attention built, fp32 [Hq, S, S] per layer, is printed beside it.
+Each (length, chunk) point runs in its own process: the engine loads, compiles the step shapes the
+prompt needs (untimed), then prefills one prompt of that length through `PrefillEngine.submit`.
+Reported: seconds, the peak RSS above the RSS just before the prompt (sampled every 5 ms,
+benchmarks/prefill.py's PeakRss), and that peak per 1k tokens (flat or falling when memory is linear
+in the length). For scale, the score matrix the old whole-matrix attention built, fp32 [Hq, S, S] per
+layer, is printed beside it.
 """
 
 from __future__ import annotations

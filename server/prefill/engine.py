@@ -46,7 +46,7 @@ from pdserve.kvcache import quant as host_quant
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.kvcache.tensors import KvTensors
 from pdserve.v1 import generation_pb2 as gen_pb
-from pdserve.server import logprobs
+from pdserve.server import logprobs, metrics
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import (Packing, bucket_length, embed, group_sizes, head, layer_group,
@@ -55,7 +55,7 @@ from pdserve.server.prefill.prefix_kv import PrefixKv
 from pdserve.server.prefill.quant import quantize_kv_masked
 from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.sampler import penalize, sample_jit
-from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, aligned
+from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, aligned, packed_tokens
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -158,7 +158,10 @@ class PrefillEngine:
         largest = min(config.max_batch_tokens, _pow2(config.max_batch_size) * self.max_len)  # what steps can fill
         self.token_buckets = _buckets(min(config.min_bucket, largest), largest)
         """The packed buffer's sizes, powers of two: few and static, so every one is compiled at start."""
-        self.context_buckets = [0, *_buckets(min(CONTEXT_BUCKET, self.max_len), self.max_len, growth=4)]
+        chunked = min(config.max_prefill_chunk or config.max_batch_tokens, config.max_batch_tokens) < self.max_model_len
+        self.context_buckets = [0]
+        if chunked or config.prefix_cache_bytes:  # else no step has context: nothing to compile for it
+            self.context_buckets += _buckets(min(CONTEXT_BUCKET, self.max_len), self.max_len, growth=4)
         """Context sizes (all segments' earlier tokens of a step together, at most max_len), growing 4x:
         padded context costs little (attention skips key blocks no query reads), a shape costs a compile."""
         self.dtype = params["embed"].dtype
@@ -198,8 +201,6 @@ class PrefillEngine:
 
     def step_shape(self, step: list[Segment]) -> StepShape:
         """The smallest shape that holds the step's packed tokens and its context."""
-        from pdserve.server.prefill.scheduler import packed_tokens
-
         tokens, context = packed_tokens(step), sum(s.start for s in step)
         return StepShape(next(b for b in self.token_buckets if b >= tokens),
                          next(b for b in self.context_buckets if b >= context))
@@ -233,18 +234,12 @@ class PrefillEngine:
                 job.computed = hit[0].shape[1]
                 job.context = self._new_context(job)
                 job.context[0, :, : job.computed], job.context[1, :, : job.computed] = hit
-                self.prefix_hits(job.computed)
+                metrics.prefill_prefix_cache_hits.inc(job.computed)
         self.scheduler.add(job)
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="prefill-loop")
         return job
-
-    @staticmethod
-    def prefix_hits(tokens: int) -> None:
-        from pdserve.server import metrics
-
-        metrics.prefill_prefix_cache_hits.inc(tokens)
 
     def _new_context(self, job: PrefillJob) -> np.ndarray:
         c = self.model_config
@@ -567,7 +562,9 @@ class PrefillEngine:
     def _compile_sampling(self, rows: int, length: int) -> None:
         """Sampling at `rows` rows, and the penalties over prompts padded to `length`."""
         spec = jax.ShapeDtypeStruct
-        logits = spec((rows, self.model_config.vocab_size), jnp.float32)
+        mesh = getattr(self.params["embed"].sharding, "mesh", None)  # sharded params: logits come replicated
+        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
+        logits = spec((rows, self.model_config.vocab_size), jnp.float32, sharding=replicated)
         column = {t: spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)}
         f32, i32, u32 = column[jnp.float32], column[jnp.int32], column[jnp.uint32]
         sample_jit.lower(logits, f32, i32, f32, u32, i32, f32).compile()
