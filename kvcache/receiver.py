@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import enum
 import hmac
 import time
@@ -405,7 +406,20 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         transfer.touch()
 
     async def _receive(self, stream: _Stream, chunks) -> None:
-        """Writes every piece of this stream; returns once KvEnd came and the stream closed."""
+        """Writes every piece of this stream; returns once KvEnd came and the stream closed.
+
+        A malformed stream is refused once the pieces it sent before are written (so what a refused
+        stream wrote is exactly what preceded the fault); a KvAbort drops the pieces still queued.
+        """
+        try:
+            await self._read(stream, chunks)
+        except _Refusal as refusal:
+            if refusal.code is not Code.ABORTED:
+                with contextlib.suppress(_Refusal):
+                    await self._drain(stream, 0)
+            raise
+
+    async def _read(self, stream: _Stream, chunks) -> None:
         transfer = stream.transfer
         first_token_id: int | None = None
         while True:

@@ -72,9 +72,9 @@ def _prefill_retries() -> float:
 async def test_a_long_prefill_queue_does_not_expire_leases(cluster):
     run = cluster.prefill.service.engine._run
 
-    def slow(batch, loop):  # one prompt at a time, 0.2 s each: the 20th waits ~4 s, 8 leases
+    def slow(*step):  # one prompt at a time, 0.2 s each: the 20th waits ~4 s, 8 leases
         time.sleep(0.2)
-        return run(batch, loop)
+        return run(*step)
 
     cluster.prefill.service.engine._run = slow
     retries = _prefill_retries()
