@@ -527,9 +527,9 @@ class PrefillEngine:
 
         t0 = time.perf_counter()
         shapes = self.shapes() if shapes is None else shapes
-        rows = [1 << i for i in range(_pow2(self.config.max_batch_size).bit_length())]
-        jobs = [(self._compile_step, (shape,)) for shape in shapes]
-        jobs += [(self._compile_sampling, (r, n)) for r in rows for n in self.rates.buckets]
+        logits = self._compile_step(shapes[0])  # first: the samplers take the head's output as it comes
+        jobs = [(self._compile_step, (shape,)) for shape in shapes[1:]]
+        jobs += [(self._compile_sampling, (aval, n)) for aval in logits for n in self.rates.buckets]
         with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1), thread_name_prefix="compile") as pool:
             done = [pool.submit(fn, *args) for fn, args in jobs]  # XLA compiles outside the GIL
             for future in tqdm(as_completed(done), total=len(done), desc="compiling prefill shapes", unit="program",
@@ -537,7 +537,7 @@ class PrefillEngine:
                 future.result()
         return time.perf_counter() - t0
 
-    def _compile_step(self, shape: StepShape) -> None:
+    def _compile_step(self, shape: StepShape) -> list[jax.ShapeDtypeStruct]:
         """The programs of one step shape: embed, each layer group's size, the KV's cast to the
         unquantized wire dtypes, the head at every row count, and the prompt logprobs."""
         c, spec = self.model_config, jax.ShapeDtypeStruct
@@ -555,21 +555,21 @@ class PrefillEngine:
                                                    np.int32(0), size=size).compile())
                 for dtype in casts:
                     self._cast.lower(k, dtype=dtype).compile()
-        for r in (1 << i for i in range(_pow2(self.config.max_batch_size).bit_length())):
-            self._head.lower(self.params, x, spec((r,), jnp.int32)).compile()
+        logits = [_avals(self._head.lower(self.params, x, spec((r,), jnp.int32)).compile())[0]
+                  for r in (1 << i for i in range(_pow2(self.config.max_batch_size).bit_length()))]
         self._prompt_logprobs.lower(self.params, x, ints).compile()
+        return logits  # [R, V] at each row count R
 
-    def _compile_sampling(self, rows: int, length: int) -> None:
-        """Sampling at `rows` rows, and the penalties over prompts padded to `length`."""
-        spec = jax.ShapeDtypeStruct
-        mesh = getattr(self.params["embed"].sharding, "mesh", None)  # sharded params: logits come replicated
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()) if mesh is not None else None
-        logits = spec((rows, self.model_config.vocab_size), jnp.float32, sharding=replicated)
+    def _compile_sampling(self, logits: jax.ShapeDtypeStruct, length: int) -> None:
+        """Sampling at the head's logits' rows (as the head returns them, or penalized), and the
+        penalties over prompts padded to `length`."""
+        spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
         column = {t: spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)}
         f32, i32, u32 = column[jnp.float32], column[jnp.int32], column[jnp.uint32]
-        sample_jit.lower(logits, f32, i32, f32, u32, i32, f32).compile()
-        penalize.lower(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
-                       spec(logits.shape, jnp.bool_)).compile()
+        penalized, = _avals(penalize.lower(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
+                                           spec(logits.shape, jnp.bool_)).compile())
+        for aval in {logits, penalized}:
+            sample_jit.lower(aval, f32, i32, f32, u32, i32, f32).compile()
 
 
 def _avals(compiled) -> tuple[jax.ShapeDtypeStruct, ...]:

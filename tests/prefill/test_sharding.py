@@ -96,8 +96,9 @@ path = Path(sys.argv[1])
 greedy = gen_pb.SamplingParams(max_tokens=2, temperature=0.0)
 prompts = [list(range(3, 3 + n)) for n in (5, 40, 17)]
 
-async def run(engine, kv_dtype):
-    return await asyncio.gather(*(engine.submit(p, greedy, 0, kv_dtype) for p in prompts))
+async def run(engine):  # one event loop per engine: its loop task lives on it
+    return [r for kv_dtype in ("float32", "bfloat16")
+            for r in await asyncio.gather(*(engine.submit(p, greedy, 0, kv_dtype) for p in prompts))]
 
 report = {}
 for name, tp in (("default", None), ("one", 1)):
@@ -105,7 +106,7 @@ for name, tp in (("default", None), ("one", 1)):
                          progress=False)
     wq = engine.params["layers"]["wq"]
     before = len(events)
-    results = asyncio.run(run(engine, "float32")) + asyncio.run(run(engine, "bfloat16"))
+    results = asyncio.run(run(engine))
     report[name] = {"devices": len(wq.sharding.device_set), "compiles": len(events) - before,
                     "first": [r.first_token for r in results], "shapes": [list(r.k.shape) for r in results],
                     "k": [r.k.astype(np.float32).tolist() for r in results]}
