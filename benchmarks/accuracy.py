@@ -41,7 +41,7 @@ import torch
 
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED, KvLayout
 from pdserve.server.decode.kv_cache import TORCH_DTYPES, PagedKvCache
-from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.model import bucket_length, compute_dtype, load_params, make_prefill_fn
@@ -82,7 +82,7 @@ class Pipeline:
         self.kv_dtype = kv_dtype
         quantized = decode_weights in WEIGHT_FORMATS
         dtype = TORCH_DTYPES[compute_dtype(config, decode_weights)]
-        self.decoder = DecoderModel(config, weights, dtype, weight_format=decode_weights if quantized else None)
+        self.decoder = build_model(config, weights, dtype, weight_format=decode_weights if quantized else None)
         del weights
         self.layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size, kv_dtype,
                                "block_head" if kv_dtype in QUANTIZED else "none")

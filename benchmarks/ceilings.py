@@ -21,6 +21,7 @@ from collections.abc import Callable
 import grpc
 import numpy as np
 
+from pdserve.kvcache.codec import MAX_CHUNK_BYTES
 from pdserve.kvcache.sender import CHANNEL_OPTIONS
 
 GB = 1e9
@@ -112,7 +113,7 @@ class GrpcLoopback:
     transport moving N bytes could reach at best. seconds() then carries exactly those N bytes.
     """
 
-    def __init__(self, message_bytes: int = 2**20, streams: int = 1, *, copies: int = 0) -> None:
+    def __init__(self, message_bytes: int = MAX_CHUNK_BYTES, streams: int = 1, *, copies: int = 0) -> None:
         self.message_bytes, self.streams = message_bytes, streams
         self._payload = os.urandom(message_bytes)
         self._source = np.random.default_rng(0).integers(0, 256, copies, np.uint8) if copies else None
@@ -147,7 +148,8 @@ class GrpcLoopback:
     async def _one(self, push, at: int, share: int) -> None:
         size, source = self.message_bytes, self._source
         if source is not None and at + share > len(source):
-            raise ValueError(f"GrpcLoopback(copies={len(source)}) carries at most those bytes, not {at + share}")
+            raise ValueError(f"GrpcLoopback(copies={len(source)}) carries at most {len(source)} bytes, "
+                             f"not {at + share}")
 
         async def messages():
             for offset in range(0, share, size):
@@ -168,8 +170,10 @@ class GrpcLoopback:
             await self._server.stop(None)
 
 
-async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = 2**20, streams: int = 1) -> float:
-    """GB/s of total_bytes streamed through GrpcLoopback: the best of `repeats` after a warm-up."""
+async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = MAX_CHUNK_BYTES,
+                             streams: int = 1) -> float:
+    """GB/s of total_bytes streamed through GrpcLoopback (by default in messages of the KV transfer's size):
+    the best of `repeats` after a warm-up."""
     loopback = await GrpcLoopback(message_bytes, streams).start()
     try:
         await loopback.seconds(total_bytes)  # connects and warms up

@@ -42,6 +42,7 @@ from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_number, 
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config, parse_config
 from pdserve.server.model.weights import load_weights
 
@@ -115,7 +116,7 @@ def _fill(cache: PagedKvCache, blocks: int) -> None:
 
 def bench_reservation(args) -> list[dict]:
     config, weights = random_qwen_shape(args.reservation_layers, args.reservation_vocab)
-    model = DecoderModel(config, weights, dtype=torch.float32)
+    model = build_model(config, weights, dtype=torch.float32)
     model.prepack()
     rows = []
     batch, context = args.batch, args.context
@@ -154,7 +155,7 @@ def bench_bandwidth(args) -> dict:
     per_seq = -(-(context + 2 * args.steps + 4) // BLOCK_SIZE)
     models = {}
     for name in ("prepacked", "plain"):
-        models[name] = DecoderModel(config, weights, dtype=torch.bfloat16)
+        models[name] = build_model(config, weights, dtype=torch.bfloat16)
         if name == "prepacked":
             models[name].prepack()
     cache = PagedKvCache(layout, per_seq)

@@ -7,8 +7,8 @@ in the same run.
 1. A Llama-3-8B-shaped model (32 layers, hidden 4096, 32 q / 8 kv heads, MLP 14336, vocab 128256) with
    random bf16 weights made on the device (no checkpoint, no download), in load_params' layout (the
    dry run checks the layout against load_params).
-2. A PrefillEngine over it, as `pdserve prefill` serves it: one prompt per batch, every batch shape up
-   to the longest length compiled first (its time is reported).
+2. A PrefillEngine over it, as `pdserve prefill` serves it: one prompt per batch, every batch shape from
+   the shortest length's bucket up to the longest compiled first (its time is reported).
 3. At each length (512 / 4k / 16k): the bf16 matmul rate (`jnp.dot` of [T, 4096] x [4096, 14336],
    fp32 accumulation: the MLP's widest matmul at the same token count), then one prompt of T tokens
    from enqueue to its first token, repetition after repetition (one untimed first).
@@ -133,8 +133,10 @@ def run(out_dir: str | Path, *, dry_run: bool = False, lengths: tuple[int, ...] 
         _layout_matches_load_params(config, params)
     made_s = time.perf_counter() - t0
     longest = max(lengths)
+    smallest = 1 << (min(lengths) - 1).bit_length()  # buckets from the shortest length up: fewer compiles
     engine = PrefillEngine(config, params, PrefillConfig(model_dir=out, max_batch_size=1, max_model_len=longest,
-                                                         max_batch_tokens=longest))
+                                                         max_batch_tokens=longest, min_bucket=smallest,
+                                                         prefix_cache_bytes=0))  # the prompt repeats
     compile_s = engine.warmup(progress=progress)
     greedy = gen_pb.SamplingParams(max_tokens=1, temperature=0.0)
 

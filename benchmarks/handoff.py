@@ -34,7 +34,7 @@ def one_process(model_dir: Path, lengths: list[int], repeats: int) -> dict[int, 
 
     from pdserve.kvcache.layout import KvLayout
     from pdserve.server.decode.kv_cache import PagedKvCache
-    from pdserve.server.decode.model import DecoderModel
+    from pdserve.server.decode.weights import build_model
     from pdserve.server.model.config import load_config
     from pdserve.server.model.weights import load_weights
     from pdserve.server.prefill.model import bucket_length, load_params, make_prefill_fn
@@ -47,7 +47,7 @@ def one_process(model_dir: Path, lengths: list[int], repeats: int) -> dict[int, 
     dtype = config.dtype if config.dtype in ("float32", "bfloat16") else "float32"
     params = load_params(config, weights, dtype=dtype)
     fn = make_prefill_fn(config)
-    model = DecoderModel(config, weights, dtype=getattr(torch, dtype))
+    model = build_model(config, weights, dtype=getattr(torch, dtype))
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype=dtype)
     out = {}
     for n in lengths:

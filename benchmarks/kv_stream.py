@@ -133,7 +133,8 @@ async def transfer(num_tokens: int, streams: list[int], repeats: int, chunk_byte
             rows.append(row)
             f = protocol.fmt_spread
             print(f"  {n} stream(s): transfer {f(row.transfer_gbps)} GB/s, raw grpcio {f(row.raw_gbps)} GB/s, "
-                  f"ratio {f(row.ratio)}; grpcio + copies {f(row.copies_gbps)} GB/s, ratio {f(row.copies_ratio)}", file=sys.stderr, flush=True)
+                  f"ratio {f(row.ratio)}; grpcio + copies {f(row.copies_gbps)} GB/s, ratio {f(row.copies_ratio)}",
+                  file=sys.stderr, flush=True)
     finally:
         await server.stop(None)
     return rows
@@ -175,7 +176,7 @@ async def overlap(model_dir: Path, num_tokens: int, groups: list[int], streams: 
     try:
         for g in groups:
             engine = PrefillEngine(config, params, PrefillConfig(model_dir=model_dir, kv_layer_groups=g,
-                                                                 min_bucket=num_tokens))
+                                                                 min_bucket=num_tokens, prefix_cache_bytes=0))
             transport = GrpcKvTransport(num_streams=streams)
             service = PrefillService(engine, transport, config, fingerprint=digest)
             best = (float("inf"), float("inf"))

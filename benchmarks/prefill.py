@@ -90,6 +90,7 @@ def probe(model: Path, tokens: int, reps: int) -> dict:
 
     t0 = time.perf_counter()
     config = PrefillConfig(model_dir=model, max_batch_size=1, max_model_len=tokens, max_batch_tokens=tokens,
+                           prefix_cache_bytes=0,  # the same prompt repeats: each repetition computes it all
                            compilation_cache=Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
                            / "jax-compilation-cache")
     engine = load_engine(config, progress=False)

@@ -38,8 +38,9 @@ from pdserve.benchmarks.metrics import stats
 from pdserve.benchmarks.side_by_side import ROOT, Server, _spawn, _wait, free_port
 
 
-def start(model: Path, out: Path, order: str, budget: float, weight_dtype: str) -> tuple[Server, int]:
-    """A coordinator, one prefill and one decode worker; returns the server and the metrics port."""
+def start(model: Path, out: Path, order: str, budget: float, weight_dtype: str, chunk: int = 0) -> tuple[Server, int]:
+    """A coordinator, one prefill and one decode worker (prefilling in chunks of `chunk` tokens when
+    given); returns the server and the metrics port."""
     py = [sys.executable, "-m", "pdserve.server.cli"]
     host, cp, mp = "127.0.0.1", free_port(), free_port()
     coordinator = f"{host}:{cp}"
@@ -48,7 +49,8 @@ def start(model: Path, out: Path, order: str, budget: float, weight_dtype: str) 
     procs = [_spawn([*py, "coordinator", "--model", str(model), "--port", str(cp), "--host", host,
                      "--metrics-port", str(mp), "--ttft-budget", str(budget)], logs[0], None, env)]
     procs.append(_spawn([*py, "prefill", "--model", str(model), "--port", str(free_port()), "--host", host,
-                         "--weight-dtype", weight_dtype, "--prefill-order", order, "--coordinator", coordinator],
+                         "--weight-dtype", weight_dtype, "--prefill-order", order, "--coordinator", coordinator,
+                         *(["--max-prefill-chunk", str(chunk)] if chunk else [])],
                         logs[1], {0}, env))
     procs.append(_spawn([*py, "decode", "--model", str(model), "--port", str(free_port()), "--host", host,
                          "--weight-dtype", weight_dtype, "--threads", "1", "--coordinator", coordinator],
@@ -201,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", type=Path, help="checkpoint dir (default: Qwen2.5-0.5B's shape, --layers layers)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--weight-dtype", default="float32", help="both workers' --weight-dtype")
-    p.add_argument("--configs", default="fifo:0,shortest-first:30",
-                   help="ORDER:TTFT_BUDGET_S pairs; budget 0: none (the deadline alone)")
+    p.add_argument("--configs", default="fifo:0,shortest-first:30,shortest-first:30:256",
+                   help="ORDER:TTFT_BUDGET_S[:CHUNK] each; budget 0: none (the deadline alone); CHUNK: --max-prefill-chunk")
     p.add_argument("--duration", type=float, default=40.0, help="seconds of load per configuration")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--decode-len", type=int, default=16)
@@ -219,13 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         cache / "models" / f"qwen2.5-0.5b-shape-random-bfloat16-{args.layers}l", num_hidden_layers=args.layers)
     results: dict[str, dict] = {}
     for config in args.configs.split(","):
-        order, _, budget_text = config.partition(":")
-        budget = float(budget_text or 0)
+        order, budget_text, chunk_text = (config.split(":") + ["", ""])[:3]
+        budget, chunk = float(budget_text or 0), int(chunk_text or 0)
         name = f"{order}, budget {budget:g} s" if budget else f"{order}, no budget"
+        name += f", chunks of {chunk}" if chunk else ""
         out = run_dir / config.replace(":", "-")
         out.mkdir(parents=True, exist_ok=True)
         print(f"== {name}: starting ...", file=sys.stderr, flush=True)
-        server, metrics_port = start(model, out, order, budget, args.weight_dtype)
+        server, metrics_port = start(model, out, order, budget, args.weight_dtype, chunk)
         try:
 
             async def go():

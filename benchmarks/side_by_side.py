@@ -216,6 +216,8 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
                 host,
                 "--weight-dtype",
                 dtype,
+                "--compilation-cache",  # every batch shape compiles at start: once per machine, not per run
+                str(Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "jax-compilation-cache"),
             ],
             logs[0],
             {0},

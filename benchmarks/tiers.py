@@ -202,9 +202,9 @@ def bench_decode(name: str, config: ModelConfig, weights, plan: Plan, ceil: dict
 
     from pdserve.kvcache.layout import KvLayout
     from pdserve.server.decode.kv_cache import PagedKvCache
-    from pdserve.server.decode.model import DecoderModel
+    from pdserve.server.decode.weights import build_model
 
-    model = DecoderModel(config, weights, dtype=torch.float32)
+    model = build_model(config, weights, dtype=torch.float32)
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype="float32")
     prompt_len, steps, max_batch = plan.decode_context, plan.decode_steps, max(plan.decode_batches)
     blocks_per_seq = layout.num_blocks(prompt_len + steps)

@@ -62,23 +62,31 @@ def iter_pieces(
 
 def plan_tensors(layout: KvLayout, kv: KvTensors, max_chunk_bytes: int = MAX_CHUNK_BYTES,
                  skip_tokens: int = 0) -> list[Piece]:
-    """The pieces of a layer group of a whole prompt (token_start 0), its arrays checked first.
+    """The pieces of a layer group of the prompt's tokens [kv.token_start, +n), its arrays checked first.
 
-    skip_tokens: the leading tokens (whole blocks) the receiver holds already; no piece covers them.
+    kv.token_start: a block multiple (a chunked prefill sends its chunks as they come); the pieces
+    name the prompt's token positions. skip_tokens: the leading tokens (whole blocks) of the prompt
+    the receiver holds already; no piece covers them.
     """
-    if kv.token_start != 0:
-        raise ValueError(f"a layer group to send covers the prompt from token 0, not {kv.token_start}")
+    if kv.token_start % layout.block_size or kv.token_start < 0:
+        raise ValueError(f"a piece of KV starts on a block boundary (block size {layout.block_size}), "
+                         f"not at token {kv.token_start}")
     _check_group(layout, kv)
-    if skip_tokens % layout.block_size or not 0 <= skip_tokens <= kv.num_tokens:
-        raise ValueError(f"cannot skip {skip_tokens} tokens of {kv.num_tokens}: whole blocks of the prompt only")
-    return list(iter_pieces(layout, kv.num_tokens, max_chunk_bytes, (kv.layer_start, kv.num_layers), skip_tokens))
+    end = kv.token_start + kv.num_tokens
+    if skip_tokens % layout.block_size or skip_tokens < 0:
+        raise ValueError(f"cannot skip {skip_tokens} tokens: whole blocks of the prompt only")
+    first = max(kv.token_start, skip_tokens)
+    if first >= end:
+        return []
+    return list(iter_pieces(layout, end, max_chunk_bytes, (kv.layer_start, kv.num_layers), first))
 
 
 def encode_piece(layout: KvLayout, kv: KvTensors, piece: Piece) -> pb.KvChunk:
     """One piece of kv (plan_tensors' output), written straight from kv's arrays into the KvChunk."""
     l0, lc, t0, tc = piece
     g0 = l0 - kv.layer_start
-    return next(_encode(layout, iter([(g0, lc, t0, tc)]), kv.k, kv.v, kv.k_scales, kv.v_scales, kv.layer_start))
+    return next(_encode(layout, iter([(g0, lc, t0 - kv.token_start, tc)]), kv.k, kv.v, kv.k_scales, kv.v_scales,
+                        kv.layer_start, kv.token_start))
 
 
 def encode_chunks(
@@ -110,13 +118,15 @@ def _encode(
     k_scales: np.ndarray | None,
     v_scales: np.ndarray | None,
     layer_offset: int = 0,
+    token_offset: int = 0,
 ) -> Iterator[pb.KvChunk]:
-    """pieces index the arrays; the messages name layers layer_offset + their index."""
+    """pieces index the arrays; the messages name layers layer_offset + their index, tokens
+    token_offset + theirs (a block multiple)."""
     bs = layout.block_size
     for l0, lc, t0, tc in pieces:
         chunk = pb.KvChunk()
         msg = chunk.blocks
-        msg.layer_start, msg.layer_count, msg.token_start, msg.token_count = l0 + layer_offset, lc, t0, tc
+        msg.layer_start, msg.layer_count, msg.token_start, msg.token_count = l0 + layer_offset, lc, t0 + token_offset, tc
         msg.k = k[l0 : l0 + lc, t0 : t0 + tc].tobytes()
         msg.v = v[l0 : l0 + lc, t0 : t0 + tc].tobytes()
         if k_scales is not None and v_scales is not None:

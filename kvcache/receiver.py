@@ -499,12 +499,13 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         await self._drain(stream, WRITES_IN_FLIGHT - 1)
 
     def _write_unless_cut(self, stream: _Stream, piece: KvPiece) -> None:
-        """Runs in a writing thread: a stream cut off meanwhile writes nothing more."""
-        if stream.cut is None:
+        """Runs in a writing thread: a stream cut off, or a transfer failed or cancelled, meanwhile
+        writes nothing more (its pieces still queued are dropped)."""
+        if stream.cut is None and stream.transfer.state is TransferState.TRANSFERRING:
             self.sink.write(stream.transfer.request_id, piece)
 
     async def _drain(self, stream: _Stream, keep: int) -> None:
-        """Waits until at most `keep` of the stream's pieces are still being written; a failed write refuses."""
+        """Waits until at most `keep` of the stream's pieces are being written; a failed write refuses."""
         transfer = stream.transfer
         while stream.writes and (len(stream.writes) > keep or stream.writes[0][0].done()):
             running, nbytes, where = stream.writes[0]

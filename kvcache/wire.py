@@ -5,9 +5,10 @@ grpcio hands a servicer the request bytes and takes `bytes` from a serializer. T
 code would copy a piece's KV three more times on the way out (tobytes, the message field, serialize)
 and twice on the way in (parse, field access). Here a KvBlocks piece is written as the protobuf wire
 format directly: its fields, then k and v (and scales), each copied by one numpy copy from the host
-array (any strides) into the one `bytes` grpcio sends, allocated once at its final size. On receipt, a chunk whose only field is `blocks` is parsed here into
-memoryviews on the received bytes; anything else (header, end, abort, or a layout this parser does
-not expect) goes through the generated parser, so the wire stays plain protobuf both ways.
+array (any strides) into the one `bytes` grpcio sends, allocated once at its final size. On receipt,
+a chunk whose only field is `blocks` is parsed here into memoryviews on the received bytes; anything
+else (header, end, abort, or a layout this parser does not expect) goes through the generated
+parser, so the wire stays plain protobuf both ways.
 """
 
 from __future__ import annotations
@@ -69,12 +70,13 @@ def encode_piece_bytes(layout_block_size: int, kv: KvTensors, piece: Piece) -> b
         arrays += [(7, kv.k_scales), (8, kv.v_scales)]
     fields: list[tuple[bytes, np.ndarray]] = []  # (tag and length, the bytes to copy)
     size = len(head)
+    r0 = t0 - kv.token_start  # kv's arrays start at its token_start (a block multiple)
     for number, array in arrays:
         if number >= 7:  # scales cover the blocks the tokens touch
-            b0, b1 = t0 // layout_block_size, -(-(t0 + tc) // layout_block_size)
+            b0, b1 = r0 // layout_block_size, -(-(r0 + tc) // layout_block_size)
             src = _field_views(array, g0, lc, b0, b1 - b0)
         else:
-            src = _field_views(array, g0, lc, t0, tc)
+            src = _field_views(array, g0, lc, r0, tc)
         if not src.size:
             continue
         tag = bytes([number << 3 | _LEN]) + _varint(src.size)
@@ -105,7 +107,8 @@ class _Message:
     def __init__(self, n: int) -> None:
         if _IN_PLACE:
             self._bytes = _new_bytes(None, n)
-            self.array = np.frombuffer((ctypes.c_char * n).from_address(id(self._bytes) + _BYTES_DATA), np.uint8)
+            contents = (ctypes.c_char * n).from_address(id(self._bytes) + _BYTES_DATA)
+            self.array = np.frombuffer(contents, np.uint8)
         else:
             self._bytes = None
             self.array = np.empty(n, np.uint8)

@@ -141,7 +141,9 @@ def _common_args(p: argparse.ArgumentParser) -> None:
 
 def _worker_args(p: argparse.ArgumentParser) -> None:
     _common_args(p)
-    p.add_argument("--coordinator", metavar="HOST:PORT", help="register with this coordinator and heartbeat")
+    p.add_argument("--coordinator", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="register with this coordinator and heartbeat; several replicas: a comma-separated list, "
+                        "or a DNS name resolving to all of them (resolved again every 10 s)")
     p.add_argument("--advertise-address", metavar="HOST:PORT", help="the address peers dial (default HOST:PORT)")
     p.add_argument("--drain-seconds", type=float, default=60.0,
                    help="on SIGTERM, how long in-flight requests may take before the worker exits")
@@ -186,11 +188,20 @@ def _check_model(model_dir: Path) -> None:
 def cmd_up(args) -> int:
     from pdserve.server import launcher
 
+    if args.coordinators < 1:
+        raise SystemExit(f"pdserve up: error: --coordinators must be >= 1, got {args.coordinators}")
     if args.prefill_workers < 0 or args.decode_workers < 1:
         raise SystemExit(f"pdserve up: error: --prefill-workers must be >= 0 and --decode-workers >= 1, got "
                          f"{args.prefill_workers} and {args.decode_workers}")
     if not args.stall_timeout > 0:
         raise SystemExit(f"pdserve up: error: --stall-timeout must be > 0, got {args.stall_timeout}")
+    try:
+        from pdserve.server.decode.device import parse_bytes, parse_device
+
+        parse_device(args.decode_device)
+        parse_bytes(args.kv_cache_memory, "--kv-cache-memory")
+    except ValueError as e:
+        raise SystemExit(f"pdserve up: error: {str(e).replace('--device', '--decode-device')}") from e
     model = _resolve_model(args) or default_model_dir()
     _check_model(model)
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
@@ -230,11 +241,15 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
     prefill_args = [*shared, "--weight-dtype", prefill["prefill_weight_dtype"],
                     *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
                     *(["--compilation-cache", str(args.compilation_cache)] if args.compilation_cache else []),
-                    "--kv-streams", str(args.kv_streams), "--prefill-order", args.prefill_order]
+                    "--kv-streams", str(args.kv_streams), "--prefill-order", args.prefill_order,
+                    "--max-num-batched-tokens", str(args.max_batch_tokens), "--prefix-cache-bytes", str(args.prefix_cache_bytes),
+                    *(["--max-prefill-chunk", str(args.max_prefill_chunk)] if args.max_prefill_chunk else [])]
     decode_args = [*shared, "--weight-dtype", decode["decode_weight_dtype"], "--kv-dtype", decode["kv_dtype"],
                    *(["--max-running", str(args.max_running)] if args.max_running else []),
                    *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
                      if args.gpu_memory_utilization is not None else []),
+                   "--device", args.decode_device, "--kv-cache-memory", args.kv_cache_memory,
+                   *(["--enforce-eager"] if args.enforce_eager else []),
                    # vLLM's CPU attention takes blocks of 32 tokens (and CUDA backends multiples of 16).
                    *(["--engine", "vllm", "--block-size", "32"] if args.decode_engine == "vllm" else [])]
     try:
@@ -242,13 +257,18 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
                                   port=args.port, host=args.host, coordinator_args=coordinator_args,
                                   common_args=["--cluster-secret-file", str(args.cluster_secret_file)],
                                   prefill_args=prefill_args, decode_args=decode_args,
-                                  decode_python=args.decode_python or sys.executable)
+                                  decode_python=args.decode_python or sys.executable,
+                                  coordinators=args.coordinators)
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
     state = cluster.describe()
     if args.state_file:
         launcher.write_state(cluster, args.state_file)
+    if args.coordinators > 1:
+        print(f"{args.coordinators} coordinator processes share {state['coordinator']} (SO_REUSEPORT; pids "
+              f"{', '.join(str(pid) for name, pid in state['pids'].items() if name.startswith('coordinator'))})",
+              flush=True)
     print(f"pdserve listening on {state['coordinator']} (prefill: {', '.join(state['prefill'])}; "
           f"decode: {', '.join(state['decode'])})", flush=True)
     if http_port is not None:
@@ -402,6 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_arg(p, required=False)
     p.add_argument("--prefill-workers", type=int, default=1)
     p.add_argument("--decode-workers", type=int, default=1)
+    p.add_argument("--coordinators", type=int, default=1,
+                   help="coordinator processes sharing the port (SO_REUSEPORT), each routing over every worker")
     _server_args(p, 50051)
     p.add_argument("--state-file", type=Path, help="write the processes' addresses here as JSON")
     p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
@@ -412,9 +434,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(p, CoordinatorConfig, skip=tuple(f for f in _field_names(CoordinatorConfig)
                                                if f not in ("served_model_name", "max_model_len", "chat_template",
                                                              "ttft_budget")))
-    add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig) if f != "gpu_memory_utilization"))
+    add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig)
+                                          if f not in ("gpu_memory_utilization", "enforce_eager", "kv_cache_memory")))
+    p.add_argument("--decode-device", default="auto",
+                   help="decode workers' device (their --device): auto (CUDA when torch sees one), cpu, cuda, cuda:N")
     add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig)
-                                           if f not in ("kv_streams", "prefill_order", "compilation_cache")))
+                                           if f not in ("kv_streams", "prefill_order", "compilation_cache", "max_batch_tokens",
+                                                        "max_prefill_chunk", "prefix_cache_bytes")))
     p.add_argument("--tensor-parallel-size", type=int,
                    help="prefill workers shard the model over this many devices (default: all of them); "
                         "each decode worker runs on one device")

@@ -52,14 +52,17 @@ class Cluster:
     coordinator: Proc | None = None
     prefill: list[Proc] = field(default_factory=list)
     decode: list[Proc] = field(default_factory=list)
+    replicas: list[Proc] = field(default_factory=list)
+    """Coordinator processes beside `coordinator`, on the same port (SO_REUSEPORT), over the same workers."""
 
     @property
     def procs(self) -> list[Proc]:
-        return [*self.prefill, *self.decode, *([self.coordinator] if self.coordinator else [])]
+        return [*self.prefill, *self.decode, *([self.coordinator] if self.coordinator else []), *self.replicas]
 
     def describe(self) -> dict:
         return {
             "coordinator": self.coordinator.address if self.coordinator else None,
+            "coordinators": 1 + len(self.replicas) if self.coordinator else 0,
             "prefill": [p.address for p in self.prefill],
             "decode": [p.address for p in self.decode],
             "pids": {p.name: p.popen.pid for p in self.procs},
@@ -155,9 +158,12 @@ def wait_serving(cluster: Cluster, procs: list[Proc], timeout: float) -> None:
 
 def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: int, host: str,
            prefill_args: list[str] = (), decode_args: list[str] = (), coordinator_args: list[str] = (),
-           common_args: list[str] = (), timeout: float = 600.0, decode_python: str = sys.executable) -> Cluster:
+           common_args: list[str] = (), timeout: float = 600.0, decode_python: str = sys.executable,
+           coordinators: int = 1) -> Cluster:
     """common_args: flags every process gets (the cluster secret, TLS); decode_python: the interpreter of
-    the decode workers (one with vLLM for `--engine vllm`)."""
+    the decode workers (one with vLLM for `--engine vllm`); coordinators: that many coordinator processes
+    share the public ports (SO_REUSEPORT: the kernel spreads connections over them), each routing over
+    every worker with its own view of the load."""
     cluster = Cluster()
     prefill_args, decode_args = [*prefill_args, *common_args], [*decode_args, *common_args]
     coordinator_args = [*coordinator_args, *common_args]
@@ -176,9 +182,23 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
         wait_serving(cluster, cluster.procs, timeout)
         workers = [a for p in cluster.prefill for a in ("--prefill", p.address)]
         workers += [a for p in cluster.decode for a in ("--decode", p.address)]
-        cluster.coordinator = _spawn("coordinator", ["coordinator", "--model", str(model_dir), *workers,
-                                                     *coordinator_args], port or free_port(host), host)
-        wait_serving(cluster, [cluster.coordinator], timeout)
+        if coordinators == 1:
+            cluster.coordinator = _spawn("coordinator", ["coordinator", "--model", str(model_dir), *workers,
+                                                         *coordinator_args], port or free_port(host), host)
+            wait_serving(cluster, [cluster.coordinator], timeout)
+            return cluster
+        # Several share the public port; each also serves its registry on a port of its own, which
+        # tells them apart (a health check there reaches that one process).
+        port, own = port or free_port(host), []
+        for i in range(coordinators):
+            registry = free_port(host)
+            proc = _spawn("coordinator" if i == 0 else f"coordinator-{i}",
+                          ["coordinator", "--model", str(model_dir), *workers, *coordinator_args, "--reuse-port",
+                           "--registry-port", str(registry)], port, host)
+            cluster.replicas.append(proc)
+            own.append(Proc(proc.name, f"{host}:{registry}", proc.popen))
+        cluster.coordinator = cluster.replicas.pop(0)
+        wait_serving(cluster, own, timeout)
     except BaseException:
         cluster.stop()
         raise

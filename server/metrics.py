@@ -54,13 +54,19 @@ class Series:
 
     def __init__(self, *families: MetricWrapperBase):
         self.families = families
+        self._own: tuple[tuple[str, ...], tuple, _Children] | None = None
+        """The children for this process's identity, looked up once (the per-token path uses them)."""
 
     def labels(self, *values: str) -> Series:
         """The children for the extra labels (after model_name and role)."""
         return _Children([f.labels(*_identity.values(), *values) for f in self.families])
 
     def __getattr__(self, method: str) -> Callable[..., None]:
-        return _Children([f.labels(**_identity) for f in self.families]).__getattr__(method)
+        key = tuple(_identity.values())
+        own = self._own
+        if own is None or own[0] != key or own[1] is not self.families:  # identify() may replace families
+            own = self._own = (key, self.families, _Children([f.labels(**_identity) for f in self.families]))
+        return own[2].__getattr__(method)
 
 
 class _Children:
@@ -97,6 +103,8 @@ kv_blocks_total = _pd(Gauge, "kv_blocks_total", "KV cache blocks in all")
 prefill_queued_tokens = _pd(Gauge, "prefill_queued_tokens", "Prompt tokens waiting to be prefilled")
 prefill_queued_seconds = _pd(Gauge, "prefill_queued_seconds",
                              "Seconds of prefill work queued, at the measured rate per length bucket")
+prefill_padding_share = _pd(Gauge, "prefill_padding_share",
+                            "Share of the prefill steps' token slots that held padding, since start (0 to 1)")
 
 # ---- outcomes (counters) ---------------------------------------------------------
 request_success = _pd(Counter, "request_success", "Requests that finished, by finish reason", ("finished_reason",),
@@ -107,6 +115,8 @@ generation_tokens = _pd(Counter, "generation_tokens", "Tokens generated", vllm="
 kv_transfer_bytes = _pd(Counter, "kv_transfer_bytes", "KV bytes transferred (sent by prefill, received by decode)")
 kv_transfer_failures = _pd(Counter, "kv_transfer_failures", "KV transfers that failed (push refused or broken, or never arrived)")
 prefill_retries = _pd(Counter, "prefill_retries", "Prefills retried on another worker")
+prefill_prefix_cache_hits = _pd(Counter, "prefill_prefix_cache_hit_tokens",
+                                "Prompt tokens a prefill worker took from its prefix KV instead of computing")
 migrations = _pd(Counter, "migrations", "Requests moved to another decode worker mid-stream")
 vllm_kv_tokens_loaded = _pd(Counter, "vllm_kv_tokens_loaded",
                             "Prompt tokens whose KV the connector wrote into vLLM's cache")
@@ -123,6 +133,7 @@ admission_rejections = _pd(Counter, "admission_rejections", "Requests refused be
 expected_wait_rejections = _pd(Counter, "expected_wait_rejections",
                                "Requests refused because their expected prefill wait exceeded the deadline or TTFT budget")
 stalled_streams = _pd(Counter, "stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
+decode_refusals = _pd(Counter, "decode_refusals", "Decode workers refusing a request for lack of room (another replica took the blocks); picked again")
 
 
 class _OfRole(Series):

@@ -1,7 +1,15 @@
-"""A worker's membership in a coordinator's pool (`--coordinator`): Register, then Heartbeat.
+"""A worker's membership in its coordinators' pools (`--coordinator`): Register, then Heartbeat.
 
+`--coordinator` names one coordinator or several replicas: a comma-separated list of HOST:PORT, where a
+HOST may be a DNS name resolving to every replica (a Kubernetes headless service). `Memberships` keeps one
+`Registration` per resolved address and resolves the names again every `resolve_seconds`: a replica that
+appears is joined, one that is gone from DNS is let go. One replica down never stops the worker serving
+the others.
+
+For each coordinator:
 1. `start()` registers (waiting up to `connect_seconds` for the coordinator to come up). A refusal
    (FAILED_PRECONDITION: another model or KV layout) raises SystemExit with the coordinator's message.
+   A replica found later registers from its first heartbeat (it answers `known=False`).
 2. A background task heartbeats the worker's info (load, draining) every `heartbeat_seconds`; when
    the coordinator answers `known=False` (it restarted) the worker registers again.
 3. On SIGTERM the worker sets draining and calls `beat()` at once, so no new work is routed to it.
@@ -11,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 from collections.abc import Callable
 
 import grpc
@@ -33,9 +43,11 @@ class Registration:
         self._stub = worker_pb2_grpc.RegistryStub(self._channel)
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        await self._register(wait=True)
-        self._task = asyncio.create_task(self._beat_forever(), name="heartbeat")
+    async def start(self, wait: bool = True) -> None:
+        """wait: register now (SystemExit when it cannot); else from the first heartbeat on."""
+        if wait:
+            await self._register(wait=True)
+        self._task = asyncio.create_task(self._beat_forever(), name=f"heartbeat-{self.coordinator}")
 
     async def _register(self, wait: bool) -> None:
         info = self.info()
@@ -87,9 +99,105 @@ class Registration:
         await self._channel.close()
 
 
+RESOLVE_SECONDS = 10.0
+"""How often `--coordinator`'s DNS names are resolved again (replicas come and go)."""
+
+
+def coordinator_names(spec: str) -> list[tuple[str, int]]:
+    """`--coordinator`'s comma-separated HOST:PORT entries; SystemExit naming a bad one."""
+    names = []
+    for entry in (e.strip() for e in spec.split(",")):
+        host, sep, port = entry.rpartition(":")
+        if not entry or not sep or not host or not port.isdigit():
+            raise SystemExit(f"--coordinator: {entry!r} is not HOST:PORT (a list: HOST:PORT,HOST:PORT)")
+        names.append((host.strip("[]"), int(port)))
+    return names
+
+
+def resolve(names: list[tuple[str, int]]) -> list[str]:
+    """Every address the names resolve to (an IP stays itself; a DNS name gives all its IPv4 addresses,
+    else all of its addresses), in order, without duplicates; a name that does not resolve gives none."""
+    out: list[str] = []
+    for host, port in names:
+        try:
+            ipaddress.ip_address(host)
+            found = [host]
+        except ValueError:
+            found = []
+            for family in (socket.AF_INET, socket.AF_UNSPEC):
+                with contextlib.suppress(OSError):
+                    found = [info[4][0] for info in socket.getaddrinfo(host, port, family, socket.SOCK_STREAM)]
+                if found:
+                    break
+            if not found:
+                log.warning("--coordinator: %s does not resolve (yet)", host)
+        for ip in found:
+            address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+            if address not in out:
+                out.append(address)
+    return out
+
+
+class Memberships:
+    """One Registration per coordinator replica the `--coordinator` names resolve to, kept in step with DNS."""
+
+    def __init__(self, spec: str, info: Callable[[], pb.WorkerInfo], *, resolve_seconds: float = RESOLVE_SECONDS,
+                 connect_seconds: float = 60.0):
+        self.names = coordinator_names(spec)
+        self.info = info
+        self.resolve_seconds = resolve_seconds
+        self.connect_seconds = connect_seconds
+        self.registrations: dict[str, Registration] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Registers with every replica found now (SystemExit if none resolves, or one refuses or never
+        answers within connect_seconds), then follows DNS."""
+        addresses = await asyncio.to_thread(resolve, self.names)
+        if not addresses:
+            raise SystemExit(f"--coordinator: {', '.join(h for h, _ in self.names)} resolves to no address; "
+                             f"check the name (a headless service lists its ready replicas)")
+        for address in addresses:
+            self.registrations[address] = Registration(address, self.info, connect_seconds=self.connect_seconds)
+        for registration in self.registrations.values():  # one by one: a refusal's SystemExit must not
+            await registration.start()  # leave a task of asyncio.gather (it escapes the event loop there)
+        self._task = asyncio.create_task(self._follow_dns(), name="coordinator-dns")
+
+    async def _follow_dns(self) -> None:
+        while True:
+            await asyncio.sleep(self.resolve_seconds)
+            addresses = await asyncio.to_thread(resolve, self.names)
+            if not addresses:
+                continue  # DNS hiccup: keep the replicas known
+            for address in addresses:
+                if address not in self.registrations:
+                    log.info("coordinator replica %s appeared; joining its pool", address)
+                    registration = self.registrations[address] = Registration(address, self.info)
+                    await registration.start(wait=False)
+            for address in [a for a in self.registrations if a not in addresses]:
+                log.info("coordinator replica %s is gone from DNS; leaving it", address)
+                await self.registrations.pop(address).close()
+
+    async def beat(self) -> None:
+        """One heartbeat to every replica now (one unreachable does not stop the others)."""
+        for address, registration in list(self.registrations.items()):
+            try:
+                await registration.beat()
+            except grpc.aio.AioRpcError as e:
+                log.warning("heartbeat to %s failed: %s %s", address, e.code().name, e.details())
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await asyncio.gather(*(r.close() for r in self.registrations.values()))
+
+
 async def join(worker, coordinator: str, info: Callable[[], pb.WorkerInfo]) -> None:
-    """Registers a started worker (`worker.registration`); a refusal stops it and exits non-zero."""
-    worker.registration = Registration(coordinator, info)
+    """Registers a started worker with every coordinator replica (`worker.registration`); a refusal stops
+    it and exits non-zero."""
+    worker.registration = Memberships(coordinator, info)
     try:
         await worker.registration.start()
     except SystemExit:

@@ -82,10 +82,13 @@ def channel_credentials() -> grpc.ChannelCredentials | None:
 
 
 def new_server(
-    service_names: list[str], port: int, host: str = "127.0.0.1", interceptors: Sequence[Any] = ()
+    service_names: list[str], port: int, host: str = "127.0.0.1", interceptors: Sequence[Any] = (),
+    reuse_port: bool | None = None,
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
-    """A server with grpc.health.v1 and reflection added; the caller adds its own servicers."""
-    server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=[*server_interceptors(), *interceptors] or None)
+    """A server with grpc.health.v1 and reflection added; the caller adds its own servicers.
+    reuse_port: SO_REUSEPORT on or off (None: gRPC's default, on)."""
+    options = [*CHANNEL_OPTIONS, *([("grpc.so_reuseport", int(reuse_port))] if reuse_port is not None else [])]
+    server = grpc.aio.server(options=options, interceptors=[*server_interceptors(), *interceptors] or None)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

@@ -17,6 +17,9 @@ PrefillPolicy = Literal["least-queued"]
 DecodePolicy = Literal["prefix-aware", "most-free-blocks", "power-of-two"]
 LogFormat = Literal["text", "json"]
 Role = Literal["coordinator", "prefill", "decode"]
+DecodeStreams = Literal["batched", "per-request"]
+"""How decode workers stream to the coordinator: batched (one message per step per connection, the
+workers' Steps stream) or per-request (one message per token per request, the pre-Steps wire)."""
 DecodeEngine = Literal["native", "vllm"]
 """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
 
@@ -26,6 +29,7 @@ PREFILL_POLICIES: tuple[str, ...] = get_args(PrefillPolicy)
 DECODE_POLICIES: tuple[str, ...] = get_args(DecodePolicy)
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 DECODE_ENGINES: tuple[str, ...] = get_args(DecodeEngine)
+DECODE_STREAMS: tuple[str, ...] = get_args(DecodeStreams)
 
 VLLM_DTYPES: dict[str, str] = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16"}
 """vLLM's `--dtype` values pdserve serves, as its weight dtype (`half`/`float16` weights are not served)."""

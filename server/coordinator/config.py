@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.server.flags import flag
-from pdserve.server.vocabulary import DECODE_POLICIES, PREFILL_POLICIES, DecodePolicy, PrefillPolicy
+from pdserve.server.vocabulary import (DECODE_POLICIES, DECODE_STREAMS, PREFILL_POLICIES, DecodePolicy,
+                                       DecodeStreams, PrefillPolicy)
 
 
 def _check_address(address: str, flag: str) -> None:
@@ -66,6 +67,14 @@ class CoordinatorConfig:
     """A Jinja chat template, or a file holding one, used instead of the model's (vLLM's flag)."""
     registry_port: int | None = None
     """Serve the worker Registry only on this internal port (`--registry-port`; 0 picks one); None: on `port`."""
+    decode_streams: DecodeStreams = "batched"
+    """batched: each decode worker sends one message per step for every request on this coordinator (its
+    Steps stream); per-request: one message per token per request (workers without Steps get that anyway)."""
+    max_coalesce: int = 1
+    """A client slower than generation gets up to this many tokens merged into one response (1: off, one
+    response per decode event)."""
+    reuse_port: bool = False
+    """Bind the public ports with SO_REUSEPORT, so several coordinator processes share them (`--reuse-port`)."""
 
     def __post_init__(self) -> None:
         self.model_dir = Path(self.model_dir)
@@ -115,6 +124,10 @@ class CoordinatorConfig:
             raise ValueError(f"--prefill-policy must be one of {', '.join(PREFILL_POLICIES)}, got {self.prefill_policy!r}")
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"--decode-policy must be one of {', '.join(DECODE_POLICIES)}, got {self.decode_policy!r}")
+        if self.decode_streams not in DECODE_STREAMS:
+            raise ValueError(f"--decode-streams must be one of {', '.join(DECODE_STREAMS)}, got {self.decode_streams!r}")
+        if self.max_coalesce < 1:
+            raise ValueError(f"--max-coalesce must be >= 1 token, got {self.max_coalesce}")
         self.served_model_name = tuple(self.served_model_name)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")

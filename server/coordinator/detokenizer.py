@@ -44,7 +44,21 @@ class IncrementalDetokenizer:
         self.stream = DecodeStream(self.context, skip_special_tokens=True)
 
     def push(self, ids: list[int]) -> str:
-        """Takes new output ids; returns the text they complete (possibly "")."""
+        """Takes new output ids; returns the text they complete (possibly ""). Several ids (a step's merged
+        events) go through DecodeStream in one call; should their tail be an incomplete character, they
+        go again one by one (a fresh stream from the context), so each is held exactly as alone."""
+        if len(ids) > 1:
+            chunk = self.stream.step(self.tokenizer.hf, list(ids))
+            if chunk is not None:
+                self.context = (self.context + self.held + list(ids))[-PROMPT_CONTEXT:]
+                self.held = []
+                return chunk
+            again, self.held = [*self.held, *ids], []
+            self.stream = DecodeStream(self.context, skip_special_tokens=True)
+            return self._push_each(again)
+        return self._push_each(ids)
+
+    def _push_each(self, ids: list[int]) -> str:
         pieces = []
         for i in ids:
             chunk = self.stream.step(self.tokenizer.hf, i)

@@ -33,10 +33,13 @@ class HttpServer:
             await self.task
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """reuse_port: SO_REUSEPORT, so several coordinator replicas on one host share the port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as e:
@@ -48,9 +51,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def start(app, host: str, port: int, tls=None) -> HttpServer:
+async def start(app, host: str, port: int, tls=None, reuse_port: bool = False) -> HttpServer:
     """tls: a security.TlsConfig with a certificate: serve HTTPS, following renewals of its files."""
-    sock = _bind(host, port)
+    sock = _bind(host, port, reuse_port)
     config = uvicorn.Config(
         app, log_config=None, access_log=False, lifespan="off", ws="none", timeout_keep_alive=30
     )

@@ -51,6 +51,7 @@ class Coordinator:
         grace = self.config.grace_seconds if grace is None else grace
         await asyncio.gather(self.server.stop(grace), *([self.http.stop(grace)] if self.http else []),
                              *([self.registry_server.stop(grace)] if self.registry_server else []))
+        await self.service.steps.close()
         await self.pool.close()
 
 
@@ -63,7 +64,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     interceptors = [ApiKeyInterceptor(config.api_key, guarded)] if config.api_key else []
     # Reflection lists the public services only; the registry answers cluster members (security.py).
     server, health_servicer, port = new_server([SERVICE_NAME, kserve.SERVICE_NAME], config.port, config.host,
-                                               interceptors)
+                                               interceptors, reuse_port=config.reuse_port)
     await set_serving(health_servicer, [SERVICE_NAME], False)
 
     async def on_change(serving: bool) -> None:
@@ -85,7 +86,8 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     service = GenerationService(tokenizer, limits, pool, config.lease_seconds,
                                 default_timeout=config.default_timeout, max_queue=config.max_queue,
                                 max_migrations=config.max_migrations, stall_timeout=config.stall_timeout,
-                                ttft_budget=config.ttft_budget)
+                                ttft_budget=config.ttft_budget, decode_streams=config.decode_streams,
+                                max_coalesce=config.max_coalesce)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, config.model_name, lambda: pool.serving,
                                               max_model_len), server)

@@ -774,6 +774,7 @@ async def serve_http(
         max_prompt_bytes=getattr(config, "max_prompt_bytes", 4 * 2**20),
     )
     app = BodyLimit(create_app(front), front.max_body_bytes)
-    server = await http_server.start(app, config.host, config.http_port, tls=serving.tls_config())
+    server = await http_server.start(app, config.host, config.http_port, tls=serving.tls_config(),
+                                     reuse_port=config.reuse_port)
     log.info("OpenAI-compatible HTTP on http://%s:%d/v1", config.host, server.port)
     return server

@@ -60,6 +60,9 @@ class Worker:
     last_seen: float = 0.0
     """time.monotonic() of the last answer (GetInfo, Register or Heartbeat)."""
     dead_since: float | None = None
+    refused: bool = False
+    """It refused a request for lack of room (another coordinator took its blocks first): no room in this
+    coordinator's view until its next load report."""
     lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
     """Set when the worker stops answering; requests waiting on it give up on it at once."""
 
@@ -79,7 +82,7 @@ class Worker:
         return (self.info.kv_address if self.info else "") or self.address
 
     def free_kv_blocks(self) -> int:
-        if not self.info:
+        if not self.info or self.refused:
             return 0
         load = self.info.load
         used = max(load.total_kv_blocks - load.free_kv_blocks, self.reserved_blocks)
@@ -97,7 +100,7 @@ class Worker:
 
     def has_queue_room(self) -> bool:
         """The worker's own waiting queue can take one more (counting this coordinator's picks)."""
-        if not self.info or not self.info.load.max_waiting_requests:
+        if not self.info or not self.info.load.max_waiting_requests or self.refused:
             return False
         load = self.info.load
         taken = max(load.running_requests + load.waiting_requests, self.inflight)
@@ -215,6 +218,7 @@ class WorkerPool:
         now = time.monotonic()
         worker.registered = True
         worker.info, worker.last_heartbeat, worker.last_seen = info, now, now
+        worker.refused = False
         worker.draining = info.draining
         worker.set_ready(True)
         log.info("%s worker %s registered: model %s", info.role, info.address, _describe(info))
@@ -228,6 +232,7 @@ class WorkerPool:
             return False
         now = time.monotonic()
         worker.info, worker.last_heartbeat, worker.last_seen = info, now, now
+        worker.refused = False
         if info.draining and not worker.draining:
             log.info("%s worker %s is draining", worker.role, worker.address)
         worker.draining = worker.draining or info.draining
@@ -304,6 +309,7 @@ class WorkerPool:
             log.info("%s worker %s is draining", worker.role, worker.address)
         worker.draining = worker.draining or info.draining
         worker.info, worker.last_seen = info, now
+        worker.refused = False
         worker.set_ready(True)
 
     async def _notify(self) -> None:

@@ -1,5 +1,6 @@
 """Paged attention over the decode tier's KV cache: the reference path (CPU, and any device without a
-kernel) that the GPU paged-attention kernel is checked against.
+kernel) that the GPU paged-attention kernel (`cuda_attention`, chosen here when `paged_kernel`) is
+checked against.
 
 A forward's `PagedContext` is built once, before the first layer, from the batch's block tables and
 context lengths: the new tokens' flat cache slots, the block tables cut to the blocks the longest
@@ -26,8 +27,11 @@ class PagedContext:
     slots: torch.Tensor  # [B, S] int64 flat cache slot of each new token (block_id * block_size + offset)
     block_tables: torch.Tensor  # [B, M] int64, M = blocks of the longest context in the batch
     context_lens: torch.Tensor  # [B] int64 tokens each row attends to (its new tokens included)
-    bias: torch.Tensor  # [B, 1, G S, M * block_size] float: 0 where a query attends a key, -inf elsewhere
-    """Rows ordered (query-head group g, new token s), as `paged_attention` lays out the queries."""
+    bias: torch.Tensor | None  # [B, 1, G S, M * block_size] float: 0 where a query attends a key, -inf elsewhere
+    """Rows ordered (query-head group g, new token s), as `paged_attention` lays out the queries; None
+    with `paged_kernel`, which reads each row's first context_lens tokens without a mask."""
+    paged_kernel: bool = False
+    """One new token per row, attended by the CUDA paged kernel (`cuda_attention`) straight from the cache."""
 
     @classmethod
     def build(
@@ -39,6 +43,7 @@ class PagedContext:
         device: torch.device,
         dtype: torch.dtype,
         groups: int = 1,
+        paged_kernel: bool = False,
     ) -> PagedContext:
         """Causal within the context: the query at position p attends keys [0, min(p + 1, context_len)).
         groups: query heads per kv head (G); the mask is repeated for them here, once per forward.
@@ -54,6 +59,8 @@ class PagedContext:
         positions = positions.to(device)
         context_lens = context_lens.to(device)
         slots = block_tables.gather(1, positions // block_size) * block_size + positions % block_size  # [B, S]
+        if paged_kernel:
+            return cls(positions, slots, block_tables, context_lens, None, True)
         keys = torch.arange(block_tables.shape[1] * block_size, device=device)  # [T]
         visible = (keys <= positions[..., None]) & (keys < context_lens[:, None, None])  # [B, S, T]
         bias = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
@@ -68,6 +75,10 @@ def paged_attention(q: torch.Tensor, cache: PagedKvCache, layer: int, context: P
 
     Grouped-query heads share their K/V without repeating them: q is viewed as [B, Hkv, G * S, D].
     """
+    if context.paged_kernel:  # decode on CUDA: q [B, 1, H, D]
+        from pdserve.server.decode.cuda_attention import decode_attention
+
+        return decode_attention(q[:, 0], cache, layer, context.block_tables, context.context_lens)[:, None]
     B, S, H, D = q.shape
     k, v = cache.context_blocks(layer, context.block_tables, q.dtype)  # [B, Hkv, T, D] each
     Hkv = k.shape[1]

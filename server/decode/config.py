@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.server.decode.device import parse_bytes, parse_device
 from pdserve.server.flags import flag
 from pdserve.server.vocabulary import DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, DecodeEngine, KvDtype, WeightDtype
 
@@ -17,8 +18,18 @@ class DecodeConfig:
     host: str = "127.0.0.1"
     block_size: int = 16
     """Tokens per KV cache block (a power of two)."""
-    kv_cache_tokens: int = 16384
-    """Capacity of the paged KV cache in tokens (rounded up to whole blocks)."""
+    device: str = "auto"
+    """Where the weights, KV cache, block tables and sampling state live: auto (the first CUDA device when
+    torch sees one, else the CPU), cpu, cuda or cuda:N."""
+    kv_cache_tokens: int | None = None
+    """Capacity of the paged KV cache in tokens (rounded up to whole blocks). Default: sized from memory,
+    --gpu-memory-utilization on CUDA, --kv-cache-memory on the CPU."""
+    kv_cache_memory: str = "4GiB"
+    """On the CPU without --kv-cache-tokens: the KV cache's byte budget (e.g. 4GiB, 512MiB), capped at what
+    --max-running requests of --max-model-len tokens can hold (vLLM-cpu's VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = False
+    """vLLM's flag: on CUDA, run every decode step eagerly instead of replaying CUDA graphs captured per
+    batch bucket (1, 2, 4, ..., 256)."""
     max_running: int = field(default=64, metadata=flag("--max-running", "--max-num-seqs"))
     """Most requests holding blocks at once (running or receiving their KV); more wait in the queue
     (vLLM: --max-num-seqs)."""
@@ -38,8 +49,9 @@ class DecodeConfig:
     tensor_parallel_size: int = 1
     """Devices one decode worker spans (vLLM's flag); the decode tier runs on one device, so 1."""
     gpu_memory_utilization: float | None = None
-    """vLLM's flag: the share of the GPU's memory for weights + KV cache. The decode worker computes on
-    the CPU, where it does not apply (logged at start); --kv-cache-tokens sizes the cache."""
+    """vLLM's flag and meaning: on CUDA without --kv-cache-tokens, the share of the device's memory for
+    weights + activations (measured by a profiling step at the largest batch) + KV cache; default 0.9.
+    On the CPU it does not apply (logged at start)."""
     served_model_name: tuple[str, ...] = ()
     """The model's names (vLLM's flag); the first labels the metrics. Default: the checkpoint directory's name."""
     engine: DecodeEngine = "native"
@@ -49,8 +61,10 @@ class DecodeConfig:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
-        if self.kv_cache_tokens < self.block_size:
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ValueError(f"--kv-cache-tokens must hold at least one block ({self.block_size} tokens)")
+        parse_device(self.device)
+        parse_bytes(self.kv_cache_memory, "--kv-cache-memory")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
@@ -71,8 +85,9 @@ class DecodeConfig:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
 
     @property
-    def num_blocks(self) -> int:
-        return -(-self.kv_cache_tokens // self.block_size)
+    def num_blocks(self) -> int | None:
+        """The cache's blocks when --kv-cache-tokens gives them; None: sized from memory at start."""
+        return None if self.kv_cache_tokens is None else -(-self.kv_cache_tokens // self.block_size)
 
     @property
     def model_name(self) -> str:

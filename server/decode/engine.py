@@ -28,6 +28,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.server import metrics
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 from pdserve.server import logprobs
 from pdserve.server.decode.sampler import apply_penalties, sample, token_logprobs
 from pdserve.server.decode.scheduler import QueueFull, Scheduler
@@ -42,13 +43,15 @@ __all__ = ["DecodeEngine", "QueueFull"]
 class DecodeEngine:
     def __init__(self, model: DecoderModel, layout: KvLayout, num_blocks: int, max_running: int, *,
                  max_queue: int = 256, enable_prefix_caching: bool = True, eos_ids: frozenset[int] = frozenset(),
-                 max_model_len: int = 0):
-        """max_model_len: 0 takes the model's, capped by what the cache holds."""
+                 max_model_len: int = 0, cuda_graphs: bool = False):
+        """max_model_len: 0 takes the model's, capped by what the cache holds. The cache lives on the model's
+        device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad)."""
         self.model = model
         self.layout = layout
         self.scheduler = Scheduler(num_blocks, layout.block_size, max_running, max_queue, enable_prefix_caching)
         self.pool = self.scheduler.pool
-        self.cache = PagedKvCache(layout, num_blocks)
+        device = model.embed.device
+        self.cache = PagedKvCache(layout, num_blocks + (1 if cuda_graphs else 0), device=device)
         self.max_running = max_running
         self.eos_ids = eos_ids
         self.max_model_len = resolve_max_model_len(model.config.max_model_len, max_model_len,
@@ -60,6 +63,19 @@ class DecodeEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.steps = 0
+        self._copies: dict[str, list] = {}
+        """Request id -> the CUDA events that follow its KV chunks' copies onto the device, until its first step
+        (a list: a request's KV streams may write concurrently)."""
+        self.runner: EagerRunner | CudaGraphRunner = EagerRunner(model, self.cache)
+        if cuda_graphs:
+            max_blocks = layout.num_blocks(self.max_model_len)
+            graphs = CudaGraphRunner(model, self.cache, max_running, max_blocks, pad_block=num_blocks)
+            try:
+                graphs.capture()
+                self.runner = graphs
+            except Exception:  # a step that cannot be captured still runs, eagerly
+                log.exception("capturing the decode step's CUDA graphs failed; decode steps run eagerly "
+                              "(--enforce-eager skips the attempt)")
 
     @property
     def running(self) -> list[Sequence]:
@@ -115,8 +131,10 @@ class DecodeEngine:
         seq = self.sequences.get(request_id)
         if seq is None or seq.state is not SeqState.WAITING_KV:
             raise KeyError(f"request {request_id} holds no blocks on this worker")
-        self.cache.write(seq.block_table, piece.layer_start, piece.token_start, piece.k, piece.v,
-                         piece.k_scales, piece.v_scales)
+        copied = self.cache.write(seq.block_table, piece.layer_start, piece.token_start, piece.k, piece.v,
+                                  piece.k_scales, piece.v_scales)
+        if copied is not None:  # a copy onto the device in flight: the sequence's first step waits for it
+            self._copies.setdefault(request_id, []).append(copied)
 
     async def prefill_locally(self, seq: Sequence) -> int:
         """The prompt's KV (past its cached prefix) computed here; the first token."""
@@ -178,6 +196,8 @@ class DecodeEngine:
 
     def _retire(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Drops the sequence and its blocks: now, or after the thread that is using them."""
+        for copied in self._copies.pop(seq.request_id, ()):  # its blocks' next owner waits for them too
+            torch.cuda.current_stream(self.cache.device).wait_event(copied)
         if self.sequences.get(seq.request_id) is seq:
             del self.sequences[seq.request_id]
         if seq.request_id in self._busy:
@@ -217,6 +237,7 @@ class DecodeEngine:
 
     def _step(self, batch: list[Sequence]) -> tuple[list[int], list]:
         """One token for every sequence in the batch (runs in a worker thread)."""
+        self._wait_for_copies(batch)
         for s in batch:
             if s.resume_from is not None and s.resume_from < s.num_tokens - 1:  # preempted, readmitted
                 ids = torch.tensor(s.token_ids[s.resume_from : s.num_tokens - 1], dtype=torch.int64)
@@ -228,9 +249,15 @@ class DecodeEngine:
             [s.block_table + [s.block_table[0]] * (width - len(s.block_table)) for s in batch],
             dtype=torch.int64,
         )  # [B, M]
-        logits = self.model.decode(last, positions, tables, positions + 1, self.cache)  # [B, V]
+        logits = self.runner.decode(last, positions, tables, positions + 1)  # [B, V]
         next_ids = self._sample(logits, batch)
         return next_ids.tolist(), _logprobs(logits, next_ids, [s.sampling for s in batch])
+
+    def _wait_for_copies(self, batch: list[Sequence]) -> None:
+        """The device's compute stream waits (on the device, not the host) for the batch's KV copies alone."""
+        for s in batch:
+            for copied in self._copies.pop(s.request_id, ()):
+                torch.cuda.current_stream(self.cache.device).wait_event(copied)
 
     @staticmethod
     def _sample(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:

@@ -37,6 +37,7 @@ _SAME_SIZE_INT: dict[int, tuple[type, torch.dtype]] = {
     1: (np.int8, torch.int8),
     2: (np.int16, torch.int16),
     4: (np.int32, torch.int32),
+    8: (np.int64, torch.int64),
 }
 
 
@@ -68,6 +69,15 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.view(torch_int).numpy()
 
 
+def _pinned(array: np.ndarray) -> torch.Tensor:
+    """A copy of the array in pinned (page-locked) host memory, same bits and dtype: the source of a fast
+    non-blocking copy onto a CUDA device."""
+    dtype = _FROM_NUMPY[array.dtype.name] if array.dtype.name in _FROM_NUMPY else torch.from_numpy(array[:0]).dtype
+    staged = torch.empty(array.shape, dtype=dtype, pin_memory=True)
+    _bits(staged)[...] = np.ascontiguousarray(array).view(_bits(staged).dtype)
+    return staged
+
+
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """(index of the first, length, first block id) of each run of consecutive block ids."""
     runs: list[tuple[int, int, int]] = []
@@ -96,6 +106,8 @@ class PagedKvCache:
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
         self.v = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
+        self._copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
+        """CUDA: where received KV is copied onto the device (`_write_device`)."""
         self.k_scales: torch.Tensor | None = None  # [L, N, Hkv] float32, quantized dtypes only
         self.v_scales: torch.Tensor | None = None
         if self.quantized:
@@ -132,8 +144,11 @@ class PagedKvCache:
         v: np.ndarray,
         k_scales: np.ndarray | None = None,
         v_scales: np.ndarray | None = None,
-    ) -> None:
+    ):
         """Copies k, v [l, n, Hkv, D] bit-exactly to tokens [token_start, +n) of layers [layer_start, +l).
+
+        On the CPU the copy is done on return (None); on CUDA it is in flight: the CUDA event returned
+        follows it (`_write_device`).
 
         Quantized caches take the pieces' scales [l, ceil(n / block_size), Hkv] too, stored as they are.
         """
@@ -160,27 +175,51 @@ class PagedKvCache:
                 if scales is None or scales.shape != scale_shape or scales.dtype != np.float32:
                     got = "nothing" if scales is None else f"{scales.dtype} {scales.shape}"
                     raise ValueError(f"{layout.dtype} KV needs {name} float32 {scale_shape}, got {got}")
-            first = token_start // self.block_size
-            block_ids = torch.tensor(block_table[first : first + covered], dtype=torch.int64, device=self.device)
-            self.k_scales[layers, block_ids] = torch.from_numpy(np.array(k_scales)).to(self.device)
-            self.v_scales[layers, block_ids] = torch.from_numpy(np.array(v_scales)).to(self.device)
         elif k_scales is not None or v_scales is not None:
             raise ValueError(f"{layout.dtype} KV takes no scales")
         first = token_start // self.block_size
         runs = _runs(block_table[first : first + layout.num_blocks(n)])
+        if self.device.type != "cpu":
+            return self._write_device(layers, runs, n, k, v, block_table[first : first + layout.num_blocks(n)],
+                                      k_scales, v_scales)
+        if self.quantized:
+            block_ids = torch.tensor(block_table[first : first + layout.num_blocks(n)], dtype=torch.int64)
+            self.k_scales[layers, block_ids] = torch.from_numpy(np.array(k_scales))
+            self.v_scales[layers, block_ids] = torch.from_numpy(np.array(v_scales))
         for cache, src in ((self.k, k), (self.v, v)):
             # On CPU, numpy copies (a plain memcpy): torch's multi-threaded copy_ collapses when the
             # cores are busy with other work, and this runs beside the decode loop.
-            if cache.device.type == "cpu":
-                dst = _bits(cache)[layers].reshape(num_layers, -1, *heads)  # [l, N * bs, Hkv, D], a view
-                src = np.ascontiguousarray(src).view(dst.dtype)
-            else:
-                dst, src = cache[layers].flatten(1, 2), _borrow(src).to(cache.device)
+            dst = _bits(cache)[layers].reshape(num_layers, -1, *heads)  # [l, N * bs, Hkv, D], a view
+            src = np.ascontiguousarray(src).view(dst.dtype)
             # Whole runs of consecutive block ids are one strided copy each (no scatter, no index tensor).
             for run_start, run_len, block_id in runs:
                 t0, t1 = run_start * self.block_size, min((run_start + run_len) * self.block_size, n)
                 slot = block_id * self.block_size
                 dst[:, slot : slot + t1 - t0] = src[:, t0:t1]
+        return None
+
+    def _write_device(self, layers: slice, runs: list[tuple[int, int, int]], n: int, k: np.ndarray, v: np.ndarray,
+                      block_ids: list[int], k_scales: np.ndarray | None, v_scales: np.ndarray | None):
+        """`write` onto an accelerator: the piece is copied (a memcpy, in the caller's thread) into pinned host
+        memory, then onto the device with non-blocking copies on the cache's copy stream. Returns the CUDA
+        event that follows the copies: a step that reads these blocks waits for it on the device (no host
+        wait); torch's pinned allocator keeps the staging memory until the copies are done."""
+        with torch.cuda.stream(self._copy_stream):
+            if self.quantized:
+                ids = _pinned(np.asarray(block_ids, dtype=np.int64)).to(self.device, non_blocking=True)
+                self.k_scales[layers, ids] = _pinned(k_scales).to(self.device, non_blocking=True)
+                self.v_scales[layers, ids] = _pinned(v_scales).to(self.device, non_blocking=True)
+            for cache, src in ((self.k, k), (self.v, v)):
+                dst, staged = cache[layers].flatten(1, 2), _pinned(src)  # [l, N * bs, Hkv, D], [l, n, Hkv, D]
+                # One contiguous copy per layer and run of blocks: a strided one would go through pageable memory.
+                for layer in range(dst.shape[0]):
+                    for run_start, run_len, block_id in runs:
+                        t0, t1 = run_start * self.block_size, min((run_start + run_len) * self.block_size, n)
+                        slot = block_id * self.block_size
+                        dst[layer, slot : slot + t1 - t0].copy_(staged[layer, t0:t1], non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self._copy_stream)
+        return copied
 
     def read(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [L, T, Hkv, D] of a request's first num_tokens tokens (a copy)."""

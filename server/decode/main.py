@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import dataclass
 
 import grpc
-import torch
 
-from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.kvcache.receiver import KvReceiver, add_receiver_to_server
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.engine import DecodeEngine
-from pdserve.server.decode.kv_cache import TORCH_DTYPES
-from pdserve.server.decode.model import DecoderModel
-from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
 from pdserve.server.decode.service import DecodeService
-from pdserve.server.model.config import load_config
+from pdserve.server.decode.startup import build_native_engine
 from pdserve.server.model.fingerprint import fingerprint
-from pdserve.server.model.weights import load_weights
-from pdserve.server.registration import Registration, join, serve_until_signal
+from pdserve.server.registration import Memberships, join, serve_until_signal
 
 log = logging.getLogger("pdserve.decode")
 
@@ -40,7 +33,7 @@ class DecodeWorker:
     kv_server: object = None
     """The KvTransfer-only server (`--kv-port`), or None when KvTransfer shares the main port."""
     kv_port: int = 0
-    registration: Registration | None = None
+    registration: Memberships | None = None
 
     async def drain(self, seconds: float) -> None:
         """No new Decode calls, the coordinator told; in-flight requests finish (up to `seconds`)."""
@@ -62,40 +55,7 @@ def build_engine(config: DecodeConfig):
         from pdserve.server.decode.vllm_worker import build_vllm_engine
 
         return build_vllm_engine(config)
-    model_config = load_config(config.model_dir).limited_to(config.max_model_len)
-    if config.gpu_memory_utilization is not None:
-        log.warning("--gpu-memory-utilization %s does not apply: this decode worker computes on the CPU; its KV "
-                    "cache holds --kv-cache-tokens %d tokens", config.gpu_memory_utilization, config.kv_cache_tokens)
-    weight_dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
-    quantized = weight_dtype in QUANTIZED_WEIGHTS
-    compute_dtype = (model_config.dtype if model_config.dtype in TORCH_DTYPES else "float32") if quantized \
-        else weight_dtype
-    kv_dtype = compute_dtype if config.kv_dtype == "auto" else config.kv_dtype
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    t0 = time.perf_counter()
-    model = DecoderModel(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
-                         weight_format=weight_dtype if quantized else None)
-    model.prepack()
-    if weight_dtype == "fp8" and next(model.buffers()).device.type == "cpu":
-        log.warning("fp8 weights on CPU save memory only: no CPU kernel multiplies them, so every matmul "
-                    "dequantizes (int8 runs a weight-only int8 kernel; bf16 is the fastest for speed)")
-    layout = KvLayout(
-        num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        block_size=config.block_size,
-        dtype=kv_dtype,
-        scale_granularity="block_head" if kv_dtype in QUANTIZED else "none",
-    )
-    engine = DecodeEngine(model, layout, config.num_blocks, config.max_running, max_queue=config.max_queue,
-                          enable_prefix_caching=config.enable_prefix_caching,
-                          eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0)
-    log.info("decode model %s loaded in %.1f s; weights %.1f MiB (%s, compute %s); KV cache %d blocks x %d "
-             "tokens (%s, %.1f MiB incl. scales)", model_config.describe(), time.perf_counter() - t0,
-             buffer_bytes(model) / 2**20, weight_dtype, compute_dtype, config.num_blocks, config.block_size,
-             kv_dtype, engine.cache.nbytes / 2**20)
-    return model_config, engine, layout
+    return build_native_engine(config)
 
 
 async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> DecodeWorker:

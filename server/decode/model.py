@@ -7,15 +7,12 @@ the same way. Numerics follow transformers: RMSNorm in fp32, RoPE cos/sin from f
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.server.decode.attention import PagedContext, paged_attention
-from pdserve.server.decode.kv_cache import PagedKvCache, numpy_to_torch
+from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.quant import Linear, WeightFormat
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
@@ -33,24 +30,23 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, weight: Callable[[str], torch.Tensor], index: int,
-                 linear: Callable[[torch.Tensor, torch.Tensor | None], Linear], dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, index: int, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        """Empty buffers of the layer's shapes; `weights.load_weights` fills them."""
         super().__init__()
         self.config = config
         self.index = index
-        p = f"model.layers.{index}."
-        attn = [f"{p}self_attn.{name}_proj" for name in "qkv"]
-        bqkv = torch.cat([weight(f"{n}.bias") for n in attn]) if config.qkv_bias else None
-        self.wqkv = linear(torch.cat([weight(f"{n}.weight") for n in attn]), bqkv)  # [(H + 2 Hkv) D, d]
-        norm = lambda name: nn.Buffer(weight(name).to(dtype))  # noqa: E731
-        self.q_norm = norm(f"{p}self_attn.q_norm.weight") if config.qk_norm else None  # [D]
-        self.k_norm = norm(f"{p}self_attn.k_norm.weight") if config.qk_norm else None  # [D]
-        self.wo = linear(weight(f"{p}self_attn.o_proj.weight"), None)  # [d, H D]
-        mlp = [weight(f"{p}mlp.{name}_proj.weight") for name in ("gate", "up")]
-        self.w_gate_up = linear(torch.cat(mlp), None)  # [2 I, d]
-        self.w_down = linear(weight(f"{p}mlp.down_proj.weight"), None)  # [d, I]
-        self.attn_norm = norm(f"{p}input_layernorm.weight")  # [d]
-        self.mlp_norm = norm(f"{p}post_attention_layernorm.weight")  # [d]
+        H, Hkv, D, d, inter = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size, \
+            config.intermediate_size
+        norm = lambda n: nn.Buffer(torch.empty(n, dtype=dtype, device=device))  # noqa: E731
+        self.wqkv = Linear(d, (H + 2 * Hkv) * D, config.qkv_bias, dtype, device)  # [(H + 2 Hkv) D, d]
+        self.q_norm = norm(D) if config.qk_norm else None  # [D]
+        self.k_norm = norm(D) if config.qk_norm else None  # [D]
+        self.wo = Linear(H * D, d, False, dtype, device)  # [d, H D]
+        self.w_gate_up = Linear(d, 2 * inter, False, dtype, device)  # [2 I, d]
+        self.w_down = Linear(inter, d, False, dtype, device)  # [d, I]
+        self.attn_norm = norm(d)  # [d]
+        self.mlp_norm = norm(d)  # [d]
 
     def forward(
         self,
@@ -84,39 +80,26 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(
-        self,
-        config: ModelConfig,
-        weights: dict[str, np.ndarray],
-        dtype: torch.dtype = torch.float32,
-        weight_format: WeightFormat | None = None,
-    ):
-        """dtype: the compute dtype; weight_format: int8/fp8 quantizes the layers' linear weights at load
-        (weight-only, per-output-channel scales), embeddings, norms and biases stay in dtype."""
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None):
+        """The model's shapes from its config, in the compute dtype on the device, holding no weights yet:
+        `weights.load_weights(model, tensors)` fills them, `quant.quantize(model, fmt)` may follow."""
         super().__init__()
         self.config = config
         self.dtype = dtype
-        self.weight_format = weight_format
-        source = torch.float32 if weight_format else dtype  # quantize from the checkpoint's own values
-
-        def weight(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise ValueError(f"the checkpoint lacks {name} ({config.describe()})")
-            return numpy_to_torch(weights[name]).to(source)
-
-        def linear(w: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-            return Linear(w, bias, dtype, weight_format)
-
-        self.embed = nn.Buffer(weight("model.embed_tokens.weight").to(dtype))  # [V, d]
+        self.weight_format: WeightFormat | None = None
+        V, d = config.vocab_size, config.hidden_size
+        self.embed = nn.Buffer(torch.empty(V, d, dtype=dtype, device=device))  # [V, d]
         tied = config.tie_word_embeddings
-        self.untied_lm_head = None if tied else nn.Buffer(weight("lm_head.weight").to(dtype))  # [V, d]
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, weight, i, linear, dtype) for i in range(config.num_layers)
-        )
-        self.norm = nn.Buffer(weight("model.norm.weight").to(dtype))  # [d]
-        self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)))  # [D / 2] float32
+        self.untied_lm_head = None if tied else nn.Buffer(torch.empty(V, d, dtype=dtype, device=device))  # [V, d]
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = nn.Buffer(torch.empty(d, dtype=dtype, device=device))  # [d]
+        self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)).to(device))  # [D / 2] float32
         self.packed_head: Linear | None = None
         """The LM head in oneDNN's layout once `prepack` ran on CPU (a copy beside the embedding table)."""
+        self.paged_kernel = False
+        """Decode (one new token per sequence) attends through the CUDA paged kernel (`cuda_attention`); set
+        where the model runs, by the worker's start-up."""
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -129,7 +112,7 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
-        head = Linear(self.lm_head, None, self.dtype)
+        head = Linear.of(self.lm_head, None, self.dtype)
         head.prepack()
         if head.packed:
             self.packed_head = head
@@ -154,7 +137,8 @@ class DecoderModel(nn.Module):
                  cache: PagedKvCache) -> PagedContext:
         c = self.config
         return PagedContext.build(positions, block_tables, context_lens, cache.block_size, self.embed.device,
-                                  self.dtype, groups=c.num_heads // c.num_kv_heads)
+                                  self.dtype, groups=c.num_heads // c.num_kv_heads,
+                                  paged_kernel=self.paged_kernel and positions.shape[1] == 1)
 
     @torch.inference_mode()
     def prefill(

@@ -1,7 +1,10 @@
 """Weight-only quantized linear layers for the decode tier: int8 and fp8 (e4m3), per-output-channel scales.
 
-Weights are quantized once at load from the checkpoint's values: `w ≈ q * scale[out]`, scale =
-absmax over the input dimension / qmax (127 for int8, 448 for fp8).
+Weights are quantized once, right after loading (`quantize`), from the loaded values: `w ≈ q * scale[out]`,
+scale = absmax over the input dimension / qmax (127 for int8, 448 for fp8).
+
+On CUDA (`cuda_linear`): fp8 through `torch._scaled_mm` on devices of compute capability 8.9+, int8
+through torch's weight-only int8 kernel where it runs there; elsewhere dequantized per call (memory only).
 
 How each runs on CPU (measured on one core, benchmarks/decode_step.py): bf16/fp16 weights are
 prepacked for oneDNN at load (`Linear.prepack`, `DecoderModel.prepack`; ~1.5x the streaming rate of torch's default linear at 1-16
@@ -20,6 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kvcache.quant import QMAX
+from pdserve.server.decode import cuda_linear
+from pdserve.server.decode.cuda_linear import Kernel
 
 WeightFormat = Literal["int8", "fp8"]
 QUANTIZED_WEIGHTS: dict[str, tuple[torch.dtype, float]] = {
@@ -38,22 +43,41 @@ def quantize_weight(w: torch.Tensor, fmt: WeightFormat) -> tuple[torch.Tensor, t
 
 
 class Linear(nn.Module):
-    """y = x @ w.T + b with w held as given (float) or quantized (int8/fp8 + per-row scales)."""
+    """y = x @ w.T + b with w held as loaded (float), prepacked for oneDNN (CPU), or after `quantize_` as
+    int8/fp8 + per-row scales."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype,
-                 fmt: WeightFormat | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
+                 device: torch.device | str | None = None):
+        """Empty buffers of the shapes, in dtype on the device; `weights.load_weights` fills them."""
         super().__init__()
         self.dtype = dtype
-        if fmt is None:
-            self.weight = nn.Buffer(weight.to(dtype))  # [out, in]
-            self.scale = None
-        else:
-            q, scale = quantize_weight(weight, fmt)
-            self.weight = nn.Buffer(q)  # [out, in] int8 / float8_e4m3fn
-            self.scale = nn.Buffer(scale)  # [out, 1] float32
-        self.bias = None if bias is None else nn.Buffer(bias.to(dtype))
+        self.weight = nn.Buffer(torch.empty(out_features, in_features, dtype=dtype, device=device))  # [out, in]
+        self.register_buffer("scale", None)  # [out, 1] float32 once quantized
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if bias else None)  # [out]
+        self.kernel: Kernel | None = None
+        """A matmul reading the quantized weight itself (`cuda_linear`), where the device has one."""
         self.packed = False
         """weight holds oneDNN's blocked layout (`prepack`): only `_linear_pointwise` can read it."""
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> Linear:
+        """A Linear over a weight [out, in] (and bias [out]) already in memory, in dtype (default: its own)."""
+        dtype = dtype or weight.dtype
+        linear = cls(weight.shape[1], weight.shape[0], False, dtype, device="meta")
+        linear.weight = nn.Buffer(weight.to(dtype))
+        if bias is not None:
+            linear.bias = nn.Buffer(bias.to(dtype))
+        return linear
+
+    def quantize_(self, fmt: WeightFormat, kernel: Kernel | None = None) -> None:
+        """Replaces the loaded weight with its int8/fp8 form and per-output-channel scales; kernel: the matmul
+        over them (None: torch's CPU int8 kernel where it applies, else dequantize per call)."""
+        if self.scale is not None or self.packed:
+            raise ValueError("the weight is quantized or prepacked already")
+        q, scale = quantize_weight(self.weight, fmt)
+        self.weight = nn.Buffer(q)  # [out, in] int8 / float8_e4m3fn
+        self.scale = nn.Buffer(scale)  # [out, 1] float32
+        self.kernel = kernel
 
     def prepack(self) -> None:
         """On CPU, bf16/fp16 weights reordered once into oneDNN's blocked layout (in place of the plain
@@ -72,6 +96,8 @@ class Linear(nn.Module):
         return (self.weight.float() * self.scale).to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.scale, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         if self.weight.dtype == torch.int8 and x.device.type == "cpu" and x.shape[-1] % 32 == 0:
@@ -81,6 +107,25 @@ class Linear(nn.Module):
             y = y.view(*x.shape[:-1], -1)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dequantized(), self.bias)
+
+
+def quantize(model: nn.Module, fmt: WeightFormat) -> str:
+    """Every `Linear` of the model (its layers' matmuls) to int8/fp8; embeddings, norms and biases stay.
+    Returns (and sets as model.weight_kernel) how they compute: through a kernel for the format on the
+    model's device, or "saves memory only"."""
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    device = linears[0].weight.device if linears else torch.device("cpu")
+    kernel = cuda_linear.pick(fmt, linears[0].dtype, device) if linears else None
+    for module in linears:
+        module.quantize_(fmt, kernel)
+    model.weight_format = fmt
+    if kernel is not None:
+        model.weight_kernel = f"{fmt} weights through {kernel.__name__}"
+    elif fmt == "int8" and device.type == "cpu":
+        model.weight_kernel = "int8 weights through torch's weight-only int8 kernel on cpu (input widths of 32k)"
+    else:
+        model.weight_kernel = f"{fmt} weights dequantized per matmul on {device.type}: the format saves memory only"
+    return model.weight_kernel
 
 
 def buffer_bytes(module: nn.Module) -> int:

@@ -18,7 +18,8 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import logs, metrics, request_checks, serving
 from pdserve.server.decode.engine import DecodeEngine, QueueFull
-from pdserve.server.decode.sequence import SeqState
+from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.decode.steps import StepSink, StepStream
 
 if TYPE_CHECKING:
     from pdserve.server.decode.vllm_engine import VllmEngine
@@ -42,6 +43,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         self.draining = False
         """SIGTERM: new Decode calls are refused (UNAVAILABLE), in-flight ones finish."""
         self.vocab_size = engine.model.config.vocab_size
+        self.step_streams: dict[str, StepStream] = {}
+        """Open Steps streams by id: one per coordinator connection."""
 
     def _request_problem(self, request: pb.DecodeRequest) -> str | None:
         """What is wrong with a DecodeRequest, whoever sent it (INVALID_ARGUMENT), or None."""
@@ -56,6 +59,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                                                  self.engine.max_model_len)
                 or request_checks.lease_problem(request.lease_seconds))
 
+    def _stream_problem(self, stream_id: str) -> str | None:
+        if stream_id and stream_id not in self.step_streams:
+            return f"no Steps stream {stream_id!r} is open here: open it (Steps) before naming it"
+        return None
+
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         engine = self.engine
         rid = request.request_id
@@ -64,7 +72,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; pick another")
         if rid in engine.sequences:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already decoding here")
-        problem = self._request_problem(request)
+        problem = self._request_problem(request) or self._stream_problem(request.steps_stream_id)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
@@ -81,6 +89,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             if seq.state is SeqState.FINISHED:  # aborted while it waited
                 yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason))
                 return
+            first_event = None
             reserved = pb.Reserved(num_blocks=len(seq.block_table), cached_blocks=seq.num_hit_blocks)
             if request.local_prefill:  # no prefill worker is alive: run the prompt here
                 yield pb.DecodeResponse(reserved=reserved)
@@ -90,8 +99,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                     log.exception("request %s: local prefill failed", rid)
                     await context.abort(grpc.StatusCode.INTERNAL, f"local prefill of {rid} failed: {e!r}")
                 metrics.local_prefill_fallbacks.inc()
-                yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=[first_token], logprobs=seq.logprobs[:1],
-                                                             prompt_logprobs=seq.prompt_logprobs))
+                first_event = pb.TokenEvent(token_ids=[first_token], logprobs=seq.logprobs[:1],
+                                            prompt_logprobs=seq.prompt_logprobs)
                 del seq.logprobs[:1]  # the first token's (vLLM may have sampled more already)
             else:
                 transfer = self.receiver.expect(rid, request.attempt, request.transfer_token, len(seq.prompt_ids),
@@ -115,6 +124,12 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                                         f"outside the vocabulary [0, {self.vocab_size})")
                 metrics.kv_transfer_bytes.inc(transfer.bytes_received)
                 metrics.kv_transfer_seconds.observe(transfer.seconds)
+            sink = self._ride(request.steps_stream_id, seq, first_event if request.local_prefill else None)
+            if sink is not None:
+                await self._ride_until_finished(engine, seq, sink, first_token, context)
+                return
+            if request.local_prefill:
+                yield pb.DecodeResponse(tokens=first_event)
             engine.start(seq, first_token)
             while True:
                 try:
@@ -135,6 +150,52 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             await self.receiver.settle(rid)  # a piece being written in its thread lands before the free
             engine.abort(rid, gen_pb.FINISH_REASON_ABORT)  # frees its blocks, now or after the step using them
 
+    async def Steps(self, request: pb.StepsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.StepBatch]:
+        if not request.stream_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stream_id must not be empty")
+        if request.stream_id in self.step_streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"Steps stream {request.stream_id} is already open; pick a fresh stream_id")
+        stream = self.step_streams[request.stream_id] = StepStream(request.stream_id)
+        try:
+            async for batch in stream.batches():
+                yield batch
+        finally:
+            del self.step_streams[request.stream_id]
+            stream.close(lambda rid: self.engine.abort(rid, gen_pb.FINISH_REASON_ABORT))
+
+    def _ride(self, stream_id: str, seq: Sequence, first: pb.TokenEvent | None) -> StepSink | None:
+        """The request's events from now on go to the Steps stream `stream_id` (None: on this call).
+        `first`: a local prefill's first token, sent ahead of what the engine has put meanwhile."""
+        if not stream_id:
+            return None
+        stream = self.step_streams.get(stream_id)
+        if stream is None:  # it closed since the call came in
+            stream = StepStream(stream_id)
+            stream.closed = True
+        waiting, sink = seq.events, StepSink(stream, seq)
+        seq.events = sink  # type: ignore[assignment]  # the engines put into it as into the queue
+        if first is not None:
+            sink.send(tokens=first)
+        while not waiting.empty():  # vLLM's tokens after a local prefill's first; an abort's end
+            sink.put_nowait(waiting.get_nowait())
+        return sink
+
+    async def _ride_until_finished(self, engine, seq: Sequence, sink: StepSink, first_token: int, context) -> None:
+        """Starts the sequence; its events go to the stream. The call ends (OK) once `finished` is out;
+        UNAVAILABLE if the stream closes first."""
+        engine.start(seq, first_token)
+        while not sink.done.done():
+            await asyncio.wait([sink.done], timeout=QUEUED_EVERY_S)
+            if sink.stream.closed:
+                break
+            if not sink.done.done() and seq.state is SeqState.WAITING:  # preempted: it waits for blocks again
+                sink.send(queued=pb.Queued(position=engine.position(seq)))
+        if sink.stream.closed and (sink.cut_off or not sink.done.done()):
+            sink.detach()
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"the Steps stream {sink.stream.stream_id} closed; open a new one and retry")
+
     async def Abort(self, request: pb.AbortRequest, context) -> pb.AbortResponse:
         return pb.AbortResponse(found=self.engine.abort(request.request_id, gen_pb.FINISH_REASON_ABORT))
 
@@ -153,3 +214,4 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             draining=self.draining,
             kv_address=self.kv_address,
         )
+

@@ -254,6 +254,7 @@ class VllmEngine:
                 self._loop.call_soon_threadsafe(self._fail, failed)
                 continue
             self.steps += 1
+            step = []
             for out in outputs:
                 seq = self._by_vllm_id.get(out.request_id)
                 if seq is None:
@@ -262,7 +263,9 @@ class VllmEngine:
                     del self._by_vllm_id[out.request_id]
                 ids = list(out.outputs[0].token_ids) if out.outputs else []
                 lps = _token_logprobs(seq, ids, out.outputs[0]) if out.outputs else None
-                self._loop.call_soon_threadsafe(self._deliver, seq, ids, out.finished, lps)
+                step.append((seq, ids, out.finished, lps))
+            if step:  # one callback per step: its outputs reach the Steps streams as one message
+                self._loop.call_soon_threadsafe(self._deliver_step, step)
 
     def _add(self, add: _Add) -> None:
         params = self._sampling_params(add.seq, len(add.prompt))
@@ -277,6 +280,10 @@ class VllmEngine:
             del self._by_vllm_id[add.vllm_id]
             self._connector_staged.pop(add.vllm_id, None)
             self._loop.call_soon_threadsafe(self._fail, [add.seq])
+
+    def _deliver_step(self, step: list[tuple[Sequence, list[int], bool, list[gen_pb.TokenLogprob] | None]]) -> None:
+        for seq, ids, finished, lps in step:
+            self._deliver(seq, ids, finished, lps)
 
     def _deliver(self, seq: Sequence, ids: list[int], finished: bool,
                  lps: list[gen_pb.TokenLogprob] | None = None) -> None:

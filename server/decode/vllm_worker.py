@@ -78,14 +78,15 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     dtype = model_config.dtype if config.kv_dtype == "auto" else config.kv_dtype
     # vLLM refuses a cache that cannot hold one request of max_model_len: cap it at the cache's tokens
     # (less vLLM's null block)
+    num_blocks = config.num_blocks or -(-16384 // config.block_size)  # vLLM's cache: --kv-cache-tokens, else 16k
     max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0,
-                                          capacity=(config.num_blocks - 1) * config.block_size)
+                                          capacity=(num_blocks - 1) * config.block_size)
     t0 = time.perf_counter()
     args = EngineArgs(
         model=str(config.model_dir),
         dtype=dtype,
         block_size=config.block_size,
-        num_gpu_blocks_override=config.num_blocks,
+        num_gpu_blocks_override=num_blocks,
         max_num_seqs=config.max_running,
         max_model_len=max_model_len,
         enable_prefix_caching=False,  # every prompt's KV comes from prefill; nothing to share

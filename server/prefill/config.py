@@ -17,9 +17,16 @@ class PrefillConfig:
     """The gRPC port; 0 picks a free port."""
     host: str = "127.0.0.1"
     max_batch_size: int = 8
-    """Most prompts run in one batch (padded to a power of two)."""
+    """Most prompts (or chunks of prompts) packed into one step."""
     max_batch_tokens: int = field(default=8192, metadata=flag("--max-batch-tokens", "--max-num-batched-tokens"))
-    """Most padded tokens in one batch (vLLM: --max-num-batched-tokens)."""
+    """Token slots of one step, the prompts packed end to end (vLLM: --max-num-batched-tokens); steps
+    run at power-of-two sizes up to it."""
+    max_prefill_chunk: int | None = None
+    """Prompts longer than this many tokens prefill chunk by chunk, each chunk reading the KV of the
+    ones before it, interleaved with other prompts (vLLM's chunked prefill). Default: the token budget."""
+    prefix_cache_bytes: int = 1 << 30
+    """Host bytes of recently computed prefix KV kept for reuse (full blocks, hash-chained as the
+    decode tier's prefix cache); a prompt whose prefix is held computes only the rest. 0: off."""
     min_bucket: int = field(default=16, metadata=flag(cli=False))
     """Prompt lengths are padded to powers of two from this up, so XLA compiles few shapes."""
     weight_dtype: WeightDtype = "auto"
@@ -72,6 +79,12 @@ class PrefillConfig:
                             ("--max-pushes", self.max_pushes), ("--max-push-bytes", self.max_push_bytes)):
             if value <= 0:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
+            raise ValueError(f"--max-prefill-chunk must be >= 1 token, got {self.max_prefill_chunk}")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {self.prefix_cache_bytes}")
+        if self.max_batch_tokens < self.min_bucket:
+            raise ValueError(f"--max-num-batched-tokens must be >= {self.min_bucket}, got {self.max_batch_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:

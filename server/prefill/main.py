@@ -22,7 +22,7 @@ from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
 from pdserve.server.prefill.service import PrefillService
 from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params, start_distributed
-from pdserve.server.registration import Registration, join, serve_until_signal
+from pdserve.server.registration import Memberships, join, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -35,7 +35,7 @@ class PrefillWorker:
     service: PrefillService
     port: int
     health: object = None
-    registration: Registration | None = None
+    registration: Memberships | None = None
 
     async def drain(self, seconds: float) -> None:
         """No new Prefill calls, the coordinator told; running prefills and KV pushes finish."""
@@ -66,6 +66,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     metrics.identify(config.model_name, "prefill", model_config.max_model_len)
     metrics.prefill_queued_tokens.set_function(lambda: engine.queued_tokens)
     metrics.prefill_queued_seconds.set_function(lambda: queued_seconds(engine.load()))
+    metrics.prefill_padding_share.set_function(lambda: engine.padding_share)
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("prefill worker listening on %s:%d", config.host, port)
@@ -81,6 +82,10 @@ def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
         use_compilation_cache(config.compilation_cache)
     if start_distributed(config.coordinator_address, config.num_processes, config.process_id):
         log.info("joined a %d-process slice as process %d", jax.process_count(), jax.process_index())
+        if jax.process_count() > 1:  # README: "Prefill on a device mesh"
+            raise SystemExit(f"pdserve prefill: joined a {jax.process_count()}-process slice, but serving a mesh "
+                             "that spans hosts needs every process to replay process 0's batches, which is not "
+                             "written yet; run one worker per host over its own chips (no --coordinator-address)")
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
     dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
     t0 = time.perf_counter()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import numpy as np
 
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
+from pdserve.server.prefill.attention import attention
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
 
 Params = dict
@@ -102,32 +104,40 @@ def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 
 def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """HF rotate_half RoPE in fp32. x [B, S, N, D]; cos, sin [S, D]."""
+    """HF rotate_half RoPE in fp32. x [B, S, N, D]; cos, sin [B, S, D] at each token's position."""
     x32 = x.astype(F32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    return (x32 * cos[:, None] + rotated * sin[:, None]).astype(x.dtype)
+    return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
 
 
 def _mm(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
     return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(x.dtype)
 
 
-def _attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal GQA. q [B, S, Hq, D]; k, v [B, S, Hkv, D] -> [B, S, Hq, D]."""
-    b, s, hq, d = q.shape
-    hkv = k.shape[2]
-    q = q.reshape(b, s, hkv, hq // hkv, d)  # [B, S, Hkv, G, D]: q head h reads kv head h // G
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) * d**-0.5  # [B, Hkv, G, S, S]
-    causal = jnp.tril(jnp.ones((s, s), dtype=bool))  # [S, S]
-    scores = jnp.where(causal, scores, jnp.finfo(F32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=F32)  # [B, S, Hkv, G, D]
-    return out.astype(v.dtype).reshape(b, s, hq, d)
+class Packing(NamedTuple):
+    """Where each token of a (possibly packed, possibly chunked) step sits; see attention.py's rule.
+
+    A row may hold several prompts (segments) and, before its new tokens, context: the KV of earlier
+    tokens of those prompts (earlier chunks, or a cached prefix), passed per layer beside it.
+    """
+
+    positions: jax.Array  # int32 [B, S]: each new token's position in its prompt
+    segments: jax.Array  # int32 [B, S]: each new token's prompt; padding -1
+    context_positions: jax.Array  # int32 [B, C]
+    context_segments: jax.Array  # int32 [B, C]: padding -2
+
+    @staticmethod
+    def plain(batch: int, length: int) -> Packing:
+        """One prompt a row, right-padded, no context: causal attention and nothing else."""
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+        empty = jnp.zeros((batch, 0), jnp.int32)
+        return Packing(positions, jnp.zeros((batch, length), jnp.int32), empty, empty)
 
 
-def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, x: jax.Array, p: Params):
-    """One decoder layer. x [B, S, H] -> (x [B, S, H], (k, v) [B, S, Hkv, D])."""
+def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing, x: jax.Array, p: Params,
+           context_k: jax.Array, context_v: jax.Array):
+    """One decoder layer. x [B, S, H], context k, v [B, C, Hkv, D] -> (x [B, S, H], (k, v) [B, S, Hkv, D])."""
     eps = config.rms_norm_eps
     w = partial(dequantize, p, dtype=x.dtype)  # int8/fp8 weights -> the compute dtype, fused by XLA
     h = _rms_norm(x, p["attn_norm"], eps)
@@ -139,7 +149,12 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, x: jax.Array, p:
     if config.qk_norm:
         q, k = _rms_norm(q, p["q_norm"], eps), _rms_norm(k, p["k_norm"], eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    attn = _mm("bsnd,ndh->bsh", _attention(q, k, v), w("wo"))  # [B, S, H]
+    keys = jnp.concatenate([context_k.astype(k.dtype), k], axis=1)  # [B, C + S, Hkv, D]
+    values = jnp.concatenate([context_v.astype(v.dtype), v], axis=1)
+    key_pos = jnp.concatenate([packing.context_positions, packing.positions], axis=1)  # [B, C + S]
+    key_seg = jnp.concatenate([packing.context_segments, packing.segments], axis=1)
+    out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg)  # [B, S, Hq, D]
+    attn = _mm("bsnd,ndh->bsh", out, w("wo"))  # [B, S, H]
     x = x + (attn + p["bo"] if "bo" in p else attn)
     h = _rms_norm(x, p["mlp_norm"], eps)
     gate = _mm("bsh,hi->bsi", h, w("w_gate"))  # [B, S, I]
@@ -148,45 +163,53 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, x: jax.Array, p:
     return x, (k, v)
 
 
+def _no_context(config: ModelConfig, layers: int, batch: int, dtype) -> tuple[jax.Array, jax.Array]:
+    shape = (layers, batch, 0, config.num_kv_heads, config.head_dim)
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
 def _hidden(params: Params, tokens: jax.Array, config: ModelConfig):
     """tokens [B, S] -> (hidden [B, S, H] before the final norm, k, v [L, B, S, Hkv, D])."""
-    s = tokens.shape[1]
-    angles = jnp.arange(s, dtype=F32)[:, None] * jnp.asarray(inv_freq(config))[None]  # [S, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [S, D]
-    x = jnp.take(params["embed"], tokens, axis=0, mode="clip")  # [B, S, H]
-    x, (k, v) = jax.lax.scan(partial(_layer, config, jnp.cos(angles), jnp.sin(angles)), x, params["layers"])
+    b, s = tokens.shape
+    packing = Packing.plain(b, s)
+    x, cos, sin = embed(params, tokens, packing.positions, config=config)
+    context = _no_context(config, config.num_layers, b, x.dtype)
+    x, k, v = layer_group(params["layers"], x, cos, sin, packing, *context, jnp.int32(0), size=config.num_layers,
+                          config=config)
     return x, k, v
 
 
-def embed(params: Params, tokens: jax.Array, *, config: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """tokens [B, S] -> (x [B, S, H], cos, sin [S, D]): what every layer group starts from."""
-    s = tokens.shape[1]
-    angles = jnp.arange(s, dtype=F32)[:, None] * jnp.asarray(inv_freq(config))[None]  # [S, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [S, D]
+def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, config: ModelConfig
+          ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """tokens, positions [B, S] -> (x [B, S, H], cos, sin [B, S, D]): what every layer group starts from."""
+    angles = positions.astype(F32)[..., None] * jnp.asarray(inv_freq(config))  # [B, S, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, S, D]
     return jnp.take(params["embed"], tokens, axis=0, mode="clip"), jnp.cos(angles), jnp.sin(angles)
 
 
 def layer_group(
-    layers: Params, x: jax.Array, cos: jax.Array, sin: jax.Array, start: jax.Array, *, size: int, config: ModelConfig
+    layers: Params, x: jax.Array, cos: jax.Array, sin: jax.Array, packing: Packing, context_k: jax.Array,
+    context_v: jax.Array, start: jax.Array, *, size: int, config: ModelConfig
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Layers [start, start + size) of the stacked `layers`: x [B, S, H] -> (x, k, v [size, B, S, Hkv, D]).
+    """Layers [start, start + size): x [B, S, H], context k, v [size, B, C, Hkv, D]
+    -> (x, k, v [size, B, S, Hkv, D]) of the new tokens.
 
     The same scan body as the whole model, over layer indexes: each step reads its layer's slice of
     the stack, as `lax.scan` over the stack does, so a group costs no copy of its weights.
     """
 
-    def step(h: jax.Array, i: jax.Array):
+    def step(h: jax.Array, xs):
+        i, ck, cv = xs
         p = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), layers)
-        return _layer(config, cos, sin, h, p)
+        return _layer(config, cos, sin, packing, h, p, ck, cv)
 
-    x, (k, v) = jax.lax.scan(step, x, start + jnp.arange(size))
+    x, (k, v) = jax.lax.scan(step, x, (start + jnp.arange(size), context_k, context_v))
     return x, k, v
 
 
-def head(params: Params, x: jax.Array, lengths: jax.Array, *, config: ModelConfig) -> jax.Array:
-    """x [B, S, H] after the last layer -> logits f32[B, V] at lengths - 1."""
-    last = jnp.clip(lengths - 1, 0, x.shape[1] - 1)  # [B]
-    x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, H]
+def head(params: Params, x: jax.Array, index: jax.Array, *, config: ModelConfig) -> jax.Array:
+    """x [B, S, H] after the last layer -> logits f32[R, V] at the flat token indexes index int32[R]."""
+    x_last = jnp.take(x.reshape(-1, x.shape[-1]), index, axis=0, mode="clip")  # [R, H]
     return _logits(params, x_last, config)
 
 
@@ -223,19 +246,18 @@ def make_prefill_fn(config: ModelConfig) -> Callable:
 
 
 def prompt_logprobs_head(
-    params: Params, x: jax.Array, tokens: jax.Array, *, config: ModelConfig, top: int
+    params: Params, x: jax.Array, next_tokens: jax.Array, *, config: ModelConfig, top: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The prompt's log-probabilities from the final hidden state x [B, S, H] (after the last layer).
+    """What the final hidden state x [B, S, H] (after the last layer) predicts at each position.
 
-    Returns token_logprobs f32[B, S] (position i: log p(tokens[i] | tokens[:i]); position 0 holds 0),
-    top_ids int32[B, S, top] and top_logprobs f32[B, S, top] (the most likely tokens predicted at
-    position i, from tokens[:i]; position 0 holds garbage).
+    Returns f32[B, S]: log p(next_tokens[i] | the prompt up to i), and top_ids int32[B, S, top],
+    top_logprobs f32[B, S, top]: the most likely next tokens. A prompt's logprob of token j comes
+    from position j - 1, which in a chunked prompt may lie in the chunk before j's.
     """
-    logprobs = jax.nn.log_softmax(_logits(params, x[:, :-1], config), axis=-1)  # [B, S-1, V] predicting 1..S-1
-    chosen = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]  # [B, S-1]
-    top_logprobs, top_ids = jax.lax.top_k(logprobs, top)  # [B, S-1, top]
-    pad = ((0, 0), (1, 0))
-    return jnp.pad(chosen, pad), jnp.pad(top_ids, (*pad, (0, 0))), jnp.pad(top_logprobs, (*pad, (0, 0)))
+    logprobs = jax.nn.log_softmax(_logits(params, x, config), axis=-1)  # [B, S, V]
+    chosen = jnp.take_along_axis(logprobs, next_tokens[..., None], axis=-1)[..., 0]  # [B, S]
+    top_logprobs, top_ids = jax.lax.top_k(logprobs, top)  # [B, S, top]
+    return chosen, top_ids, top_logprobs
 
 
 def forward_logits(params: Params, tokens: jax.Array, *, config: ModelConfig) -> jax.Array:

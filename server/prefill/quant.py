@@ -74,11 +74,16 @@ def quantize_kv(x: jax.Array, lengths: jax.Array, block_size: int, fmt: str) -> 
     S' is S rounded up to whole blocks. Positions at or after a row's length are zeroed first, so a
     block's scale is the absmax of its true tokens / qmax (0 for a block of zeros), as kvcache.quant.
     """
+    valid = jnp.arange(x.shape[2])[None, :] < lengths[:, None]  # [B, S]
+    return quantize_kv_masked(x, valid, block_size, fmt)
+
+
+def quantize_kv_masked(x: jax.Array, valid: jax.Array, block_size: int, fmt: str) -> tuple[jax.Array, jax.Array]:
+    """`quantize_kv` over the tokens where valid bool [B, S] holds (a packed buffer's real tokens)."""
     dtype, qmax = KV_FORMATS[fmt]
     L, B, S, H, D = x.shape
     nb = -(-S // block_size)
     x = x.astype(F32)
-    valid = jnp.arange(S)[None, :] < lengths[:, None]  # [B, S]
     x = jnp.where(valid[None, :, :, None, None], x, 0.0)
     x = jnp.pad(x, ((0, 0), (0, 0), (0, nb * block_size - S), (0, 0), (0, 0)))
     blocks = x.reshape(L, B, nb, block_size, H, D)

@@ -1,19 +1,29 @@
-"""The prefill queue: which waiting prompts run in the next batch.
+"""The prefill queue: which pieces of which waiting prompts run in the next step.
+
+A step is one packed token buffer: several prompts' segments laid end to end (ragged, no padding to
+the longest), at most `max_batch_tokens` tokens (vLLM's --max-num-batched-tokens) and
+`max_batch_size` segments. A prompt longer than `max_chunk` tokens, or longer than what is left of
+the budget, runs as several segments (chunked prefill) over consecutive steps; each later segment
+reads the KV of the ones before it as context.
 
 Life cycle of a prompt here:
-1. `add` queues it with a priority key fixed at arrival.
-2. `next_batch` takes prompts in key order into one batch (up to `max_batch_size` prompts and
-   `max_batch_tokens` padded tokens), dropping those cancelled while queued.
-3. `finish` forgets the batch once it ran; until then its tokens still count as queued work.
+1. `add` queues it with a priority key fixed at arrival. Its `computed` tokens (a cached prefix)
+   are not run again: its first segment starts there.
+2. `next_step` walks the queue in key order and gives each prompt one segment: the rest of the
+   prompt, or as much of it as `max_chunk` and the budget allow (a whole number of its blocks, so the
+   KV it ships and caches starts on a block boundary). It stops at the first prompt that gets
+   nothing: prompts start in key order.
+3. `finish` takes the step back once it ran: each unfinished prompt returns to the queue with its
+   key; until it ends, its remaining tokens count as queued work.
 
 Orders (`PrefillOrder`):
 - fifo: by arrival.
-- shortest-first: shortest remaining work first, with ageing, so nothing starves. The key is
+- shortest-first: shortest work first, with ageing, so nothing starves. The key is
   `arrival + tokens / ageing_tokens_per_s`: a prompt runs no later than every prompt that arrives
   more than `tokens / ageing_tokens_per_s` seconds after it, so a long one waits at most that long
-  for later short ones. A batch takes no prompt of a longer padding bucket than its first one: a
-  long prompt padded into a batch of short ones would hold all their first tokens back.
-Either way prompts start in key order: a batch is the longest prefix of the queue that fits.
+  for later short ones. A long prompt under way keeps its key: short prompts that arrive meanwhile
+  take the front of the next step, and the long prompt's next chunk fills what they leave, so a short
+  prompt waits for at most one step, never for a whole long prompt (issue 19's bound).
 """
 
 from __future__ import annotations
@@ -34,10 +44,44 @@ class Schedulable(Protocol):
     @property
     def num_tokens(self) -> int: ...
 
+    computed: int
+    """Leading tokens whose KV exists already (a cached prefix, finished segments)."""
+    block_size: int
+    """Segments other than a prompt's last cover whole blocks of this size."""
+
     def cancelled(self) -> bool: ...
 
 
 J = TypeVar("J", bound=Schedulable)
+
+
+@dataclass(frozen=True)
+class Segment(Generic[J]):
+    """Tokens [start, start + length) of job's prompt, run in one step; [0, start) are its context."""
+
+    job: J
+    start: int
+    length: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    @property
+    def last(self) -> bool:
+        """The prompt's last segment: its first token is sampled from this step."""
+        return self.end == self.job.num_tokens
+
+
+def aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def packed_tokens(segments: list[Segment]) -> int:
+    """The token buffer a step needs: each segment starts on a block boundary (the largest block size
+    among them), so the wire format's per-block scales can be computed over the whole buffer."""
+    align = max((s.job.block_size for s in segments), default=1)
+    return sum(aligned(s.length, align) for s in segments)
 
 
 @dataclass(order=True)
@@ -56,10 +100,14 @@ class PrefillScheduler(Generic[J]):
         bucket: Callable[[int], int],
         max_batch_size: int,
         max_batch_tokens: int,
+        max_chunk: int | None = None,
+        max_context: int | None = None,
         ageing_tokens_per_s: float = 32.0,
         clock: Callable[[], float] = time.monotonic,
     ):
-        """bucket(n): the padded length of an n-token prompt (the engine's power-of-two bucket)."""
+        """bucket(n): the length bucket an n-token prompt's queued work is reported under.
+        max_chunk: most tokens of one prompt in a step (default the budget). max_context: most context
+        tokens (earlier segments' KV) one step reads, all its prompts together (default unbounded)."""
         if order not in PREFILL_ORDERS:
             raise ValueError(f"--prefill-order must be one of {', '.join(PREFILL_ORDERS)}, not {order!r}")
         if not ageing_tokens_per_s > 0:
@@ -68,13 +116,15 @@ class PrefillScheduler(Generic[J]):
         self.bucket = bucket
         self.max_batch_size = max_batch_size
         self.max_batch_tokens = max_batch_tokens
+        self.max_chunk = min(max_chunk or max_batch_tokens, max_batch_tokens)
+        self.max_context = max_context
         self.ageing_tokens_per_s = ageing_tokens_per_s
         self.clock = clock
         self._heap: list[_Entry[J]] = []
         self._seq = itertools.count()
         self._running: list[_Entry[J]] = []
         self.queued_by_bucket: Counter[int] = Counter()
-        """Tokens of the prompts waiting or running, by padding bucket."""
+        """Tokens still to compute of the prompts waiting or running, by length bucket."""
         self.prompts_by_bucket: Counter[int] = Counter()
 
     @property
@@ -89,38 +139,59 @@ class PrefillScheduler(Generic[J]):
         key = now if self.order == "fifo" else now + job.num_tokens / self.ageing_tokens_per_s
         entry = _Entry(key, next(self._seq), job, self.bucket(job.num_tokens))
         heapq.heappush(self._heap, entry)
-        self._count(entry, +1)
+        self.queued_by_bucket[entry.bucket] += job.num_tokens - job.computed
+        self.prompts_by_bucket[entry.bucket] += 1
 
-    def next_batch(self) -> list[J]:
-        batch: list[_Entry[J]] = []
-        while self._heap and len(batch) < self.max_batch_size:
+    def next_step(self) -> list[Segment[J]]:
+        """The segments of the next step, in queue order (empty: nothing waits)."""
+        step: list[Segment[J]] = []
+        taken: list[_Entry[J]] = []
+        context = 0
+        while self._heap and len(step) < self.max_batch_size:
             entry = self._heap[0]
-            if entry.job.cancelled():
+            job = entry.job
+            if job.cancelled():
                 heapq.heappop(self._heap)
-                self._count(entry, -1)
+                self._forget(entry, job.num_tokens - job.computed)
                 continue
-            if batch and not self._fits(batch, entry):
+            segment = self._segment(step, job)
+            if segment is None or (step and self.max_context is not None
+                                   and context + job.computed > self.max_context):
                 break
-            batch.append(heapq.heappop(self._heap))
-        self._running.extend(batch)
-        return [e.job for e in batch]
+            heapq.heappop(self._heap)
+            step.append(segment)
+            taken.append(entry)
+            context += job.computed
+        self._running.extend(taken)
+        return step
 
-    def finish(self, batch: list[J]) -> None:
-        """The batch ran (or failed): its prompts no longer count as queued work."""
-        done = {id(j) for j in batch}
-        for entry in [e for e in self._running if id(e.job) in done]:
+    def _segment(self, step: list[Segment[J]], job: J) -> Segment[J] | None:
+        """job's segment if it joins `step`: as much of its rest as the chunk and the budget allow."""
+        remaining = job.num_tokens - job.computed
+        align = max([job.block_size, *(s.job.block_size for s in step)])  # block sizes are powers of two
+        room = self.max_batch_tokens - sum(aligned(s.length, align) for s in step)
+        n = min(remaining, max(self.max_chunk // job.block_size, 1) * job.block_size)
+        if aligned(n, align) > room:
+            n = room // align * align  # whole blocks: this is not the prompt's last segment
+        return Segment(job, job.computed, n) if n > 0 else None
+
+    def finish(self, step: list[Segment[J]]) -> None:
+        """The step ran (the engine advanced each job's `computed`), or failed (it did not, and the
+        engine fails the jobs): unfinished, uncancelled prompts queue again under their key."""
+        for segment in step:
+            entry = next(e for e in self._running if e.job is segment.job)
             self._running.remove(entry)
-            self._count(entry, -1)
+            job = segment.job
+            done = job.computed >= segment.end
+            if done:
+                self.queued_by_bucket[entry.bucket] -= segment.length
+            if done and not segment.last and not job.cancelled():
+                heapq.heappush(self._heap, entry)
+            else:
+                self._forget(entry, job.num_tokens - job.computed)
 
-    def _fits(self, batch: list[_Entry[J]], entry: _Entry[J]) -> bool:
-        if self.order == "shortest-first" and entry.bucket > batch[0].bucket:
-            return False
-        longest = max(entry.bucket, *(e.bucket for e in batch))
-        rows = 1 << len(batch).bit_length()  # the batch is padded to a power of two rows
-        return rows * longest <= self.max_batch_tokens
-
-    def _count(self, entry: _Entry[J], sign: int) -> None:
-        self.queued_by_bucket[entry.bucket] += sign * entry.job.num_tokens
-        self.prompts_by_bucket[entry.bucket] += sign
+    def _forget(self, entry: _Entry[J], remaining: int) -> None:
+        self.queued_by_bucket[entry.bucket] -= remaining
+        self.prompts_by_bucket[entry.bucket] -= 1
         if not self.prompts_by_bucket[entry.bucket]:
             del self.queued_by_bucket[entry.bucket], self.prompts_by_bucket[entry.bucket]

@@ -7,6 +7,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -21,9 +22,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
+    # Two coordinator processes share the public port (SO_REUSEPORT): the load below spreads over both.
     with pdserve_up(
-        tiny_model("llama"), tmp_path_factory.mktemp("bench-up"), prefill_workers=1, decode_workers=1
+        tiny_model("llama"), tmp_path_factory.mktemp("bench-up"), prefill_workers=1, decode_workers=1,
+        extra_args=["--coordinators", "2"],
     ) as state:
+        assert state["coordinators"] == 2 and len([n for n in state["pids"] if n.startswith("coordinator")]) == 2
         yield state
 
 
@@ -151,30 +155,32 @@ async def test_openai_target_streams_and_counts():
     assert all(len(o.itl) == 4 and o.ttft > 0 for o in result.outputs)
 
 
-def test_gpu_script_runs_end_to_end_tiny(tmp_path):
-    """benchmarks/gpu.py --tiny: every stage of the H200 script on this machine's CPU, table last."""
-    out = tmp_path / "gpu.json"
+def test_gpu_script_runs_end_to_end_dry(tmp_path):
+    """benchmarks/gpu.py --device cpu --dry-run, run as a file (as on the device, no install): every stage of
+    the H200 script at tiny sizes on this CPU (the paged kernel under Triton's interpreter when triton is
+    installed), its checks passing, the JSON and markdown written, the table printed last. The CUDA graphs,
+    pinned copies, fp8 matmuls and the speed targets need the GPU run itself."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
     proc = subprocess.run(
-        [sys.executable, "-m", "pdserve.benchmarks.gpu", "--tiny", "--json", str(out)],
+        [sys.executable, str(script), "--device", "cpu", "--dry-run", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads(out.read_text())
+    doc = json.loads((tmp_path / "gpu.json").read_text())
     measures = [r["measure"] for r in doc["rows"]]
-    for b in (1, 8, 32, 64):
-        assert f"tokens/s B={b} ctx=64" in measures and f"GB/s read B={b}" in measures
-    for s in (32, 64, 128):
-        assert f"TFLOP/s S={s}" in measures
-    handoff = [r for r in doc["rows"] if r["tier"] == "kv-handoff"]
-    # 128 tokens x 512 B/token (k + v, 2 layers, 2 kv heads, 32 dims, bf16)
-    assert len(handoff) == 1 and handoff[0]["measure"].startswith("GB/s 128 tok 0.0655 MB")
+    for b, ctx in ((1, 16), (4, 48)):
+        assert f"tokens/s B={b} ctx={ctx} vs roofline" in measures and f"ms/step B={b} ctx={ctx}" in measures
+    targets = {r["measure"]: r["target"] for r in doc["rows"] if r["target"] is not None}
+    assert targets == {"steps/s B=1 ctx=16 vs weight-streaming floor": 0.85, "tokens/s B=4 ctx=48 vs roofline": 0.7,
+                       "steps/s B=1 ctx=16 fp8 vs bf16 (fp8 weights dequantized per matmul on cpu: the format "
+                       "saves memory only)": 1.0}
+    assert any(r["section"] == "kv-handoff" for r in doc["rows"]) and any(r["section"] == "prefill" for r in doc["rows"])
+    names = [c["name"] for c in doc["checks"]]
+    assert all(c["passed"] for c in doc["checks"]), doc["checks"]
+    assert "received KV written bit-exactly (100 tokens, 7 scattered blocks)" in names
+    assert any(n.startswith("greedy tokens = transformers' (cpu, eager") for n in names)
     assert all(r["value"] > 0 for r in doc["rows"])
-    assert set(doc["ceilings"]) == {
-        "copy_gbps",
-        "matmul_torch_bf16_tflops",
-        "matmul_jax_bf16_tflops",
-        "grpc_loopback_gbps",
-    }
-    assert proc.stdout.splitlines()[0].split()[:2] == ["tier", "measure"]  # the table is printed last, alone
+    assert (tmp_path / "gpu.md").read_text().count("| ok |") == len(names)
+    assert proc.stdout.splitlines()[0].split()[:2] == ["section", "measure"]  # the table is printed last, alone

@@ -56,6 +56,8 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         self.finish_message = ""
         self.refuse: grpc.StatusCode | None = None
         """Refuse the call with this code before `reserved`."""
+        self.refuse_calls: int | None = None
+        """Refuse only this many calls, then serve (None: every call while `refuse` is set)."""
         self.queued = 0
         """`queued` events sent before `reserved` and before every token event (a request waiting for blocks)."""
         self.die_after: int | None = None
@@ -87,7 +89,9 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         self.completed.set()
 
     async def _decode(self, request, context):
-        if self.refuse is not None:
+        if self.refuse is not None and self.refuse_calls != 0:
+            if self.refuse_calls is not None:
+                self.refuse_calls -= 1
             await context.send_initial_metadata((("retry-after-ms", "250"),))
             await context.abort(self.refuse, "fake decode: 0 free KV blocks; you may retry")
         self._kv[request.request_id] = asyncio.Event()

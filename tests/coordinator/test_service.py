@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass
 
 import grpc
+import prometheus_client
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -266,14 +267,21 @@ async def test_too_long_names_both_numbers_and_the_limit(cluster: Cluster):
     )
 
 
-async def test_resource_exhausted_from_decode_reaches_the_client(cluster: Cluster):
-    cluster.decode.refuse = grpc.StatusCode.RESOURCE_EXHAUSTED
-    with pytest.raises(grpc.aio.AioRpcError) as e:
-        await generate(cluster, request())
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert e.value.details() == "fake decode: 0 free KV blocks; you may retry"
-    assert ("retry-after-ms", "250") in tuple(e.value.trailing_metadata())
-    assert cluster.prefill.requests == []
+async def test_a_decode_worker_refusing_for_room_is_picked_again_not_the_clients_failure(cluster: Cluster):
+    """Another coordinator replica took its blocks first: the worker refuses; this one waits for its next
+    load report and picks again."""
+    def refusals() -> float:
+        return sum(s.value for m in prometheus_client.REGISTRY.collect() if m.name == "pdserve_decode_refusals"
+                   for s in m.samples if s.name == "pdserve_decode_refusals_total")
+
+    before = refusals()
+    cluster.decode.refuse, cluster.decode.refuse_calls = grpc.StatusCode.RESOURCE_EXHAUSTED, 2
+    cluster.script([5, 6, 7], [1, 1])
+    responses = await generate(cluster, request())
+    assert [list(r.token_ids) for r in responses] == [[5], [6], [7], []]
+    assert len(cluster.decode.requests) == 3
+    assert refusals() - before == 2
+    assert len(cluster.prefill.requests) == 1  # the prefill goes out once the blocks are held
 
 
 async def test_decode_worker_dying_mid_stream_is_unavailable_naming_it(cluster: Cluster):

@@ -11,7 +11,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.decode.engine import DecodeEngine, QueueFull
-from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.weights import build_model
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
@@ -38,7 +38,7 @@ async def _drain(seq: Sequence) -> list[int]:
 
 def _engine(path, num_blocks: int, block_size: int = 4, **kw) -> DecodeEngine:
     config = load_config(path)
-    model = DecoderModel(config, load_weights(path))
+    model = build_model(config, load_weights(path))
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=block_size, dtype="float32")
     return DecodeEngine(model, layout, num_blocks=num_blocks, **{"max_running": 8, **kw})
 

@@ -10,6 +10,7 @@ import transformers
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 
@@ -23,7 +24,7 @@ def models(family_model):
     _, path = family_model
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     config = load_config(path)
-    return hf, DecoderModel(config, load_weights(path))
+    return hf, build_model(config, load_weights(path))
 
 
 def _cache(model: DecoderModel, block_size: int, num_blocks: int, dtype: str = "float32") -> PagedKvCache:
@@ -120,7 +121,7 @@ def test_bfloat16_checkpoint_stays_close_to_hf_bfloat16(tiny_model):
     path = tiny_model("llama", "bfloat16")
     config = load_config(path)
     assert config.dtype == "bfloat16"
-    model = DecoderModel(config, load_weights(path), dtype=torch.bfloat16)
+    model = build_model(config, load_weights(path), dtype=torch.bfloat16)
     cache = _cache(model, 4, num_blocks=8, dtype="bfloat16")
     prompt = _prompt(12, seed=2)
     table = [3, 6, 0, 5, 1]

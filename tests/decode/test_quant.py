@@ -125,6 +125,7 @@ def test_kv_capacity_doubles_with_fp8_and_int8_for_a_fixed_budget():
 
 from pdserve.server.decode.model import DecoderModel  # noqa: E402
 from pdserve.server.decode.quant import Linear, buffer_bytes, quantize_weight  # noqa: E402
+from pdserve.server.decode.weights import build_model  # noqa: E402
 from pdserve.server.model.config import load_config  # noqa: E402
 from pdserve.server.model.weights import load_weights  # noqa: E402
 
@@ -139,7 +140,10 @@ def test_weight_quantization_per_output_channel(fmt):
     err = (q.float() * scale - w).abs()
     bound = scale / 2 if fmt == "int8" else torch.maximum(w.abs() * 2**-4, scale * 2**-10)
     assert bool((err <= bound * (1 + 1e-6)).all())
-    linear = Linear(w, torch.ones(6), torch.float32, fmt)
+    linear = Linear(40, 6, True, torch.float32)
+    linear.weight.copy_(w)
+    linear.bias.fill_(1)
+    linear.quantize_(fmt)
     x = torch.randn(3, 40)
     assert torch.allclose(linear(x), x @ (q.float() * scale).T + 1)
 
@@ -161,8 +165,8 @@ def _prefill_logits(model: DecoderModel, kv_dtype: str) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 def test_quantized_weights_hold_less_memory_and_keep_logits_close(llama, fmt):
     config, weights = llama
-    full = DecoderModel(config, weights)
-    quant = DecoderModel(config, weights, torch.float32, weight_format=fmt)
+    full = build_model(config, weights)
+    quant = build_model(config, weights, torch.float32, weight_format=fmt)
     # 2 layers x (qkv 256x128 + o 128x128 + gate_up 512x128 + down 128x256) = 294912 weights: 4 -> 1 byte,
     # plus one float32 scale per output row: 2 x (256 + 128 + 512 + 128) = 2048
     assert buffer_bytes(full) - buffer_bytes(quant) == 294912 * 3 - 2048 * 4
@@ -172,9 +176,16 @@ def test_quantized_weights_hold_less_memory_and_keep_logits_close(llama, fmt):
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3"])
 def test_quantized_cache_keeps_logits_close(llama, kv_dtype):
-    model = DecoderModel(*llama)
+    model = build_model(*llama)
     ref, got = _prefill_logits(model, "float32"), _prefill_logits(model, kv_dtype)
     assert ((got - ref).abs().max() / ref.abs().max()).item() < {"int8": 0.02, "fp8_e4m3": 0.1}[kv_dtype]
+
+
+def _linear(w: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, fmt: str | None = None) -> Linear:
+    linear = Linear.of(w, bias, dtype)
+    if fmt is not None:
+        linear.quantize_(fmt)
+    return linear
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -183,7 +194,7 @@ def test_int8_weights_run_the_int8_kernel_like_the_dequantized_matmul(dtype, wid
     """On CPU the int8 layer never dequantizes its weight; it computes what dequantize-then-matmul does."""
     g = torch.Generator().manual_seed(3)
     w, x = torch.randn(24, width, generator=g), torch.randn(2, 3, width, generator=g).to(dtype)
-    linear = Linear(w, torch.ones(24), dtype, "int8")
+    linear = _linear(w, torch.ones(24), dtype, "int8")
     reference = (x.double() @ (linear.weight.double() * linear.scale.double()).T + 1)  # [2, 3, 24]
     got = linear(x)
     assert got.dtype == dtype and got.shape == (2, 3, 24)
@@ -194,8 +205,8 @@ def test_int8_weights_run_the_int8_kernel_like_the_dequantized_matmul(dtype, wid
 def test_prepacked_bf16_linear_computes_what_the_plain_one_does():
     g = torch.Generator().manual_seed(4)
     w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
-    plain = Linear(w, bias, torch.bfloat16)
-    packed = Linear(w, bias, torch.bfloat16)
+    plain = _linear(w, bias, torch.bfloat16)
+    packed = _linear(w, bias, torch.bfloat16)
     packed.prepack()
     assert packed.packed and not plain.packed
     for rows in (1, 4, 16):
@@ -203,7 +214,7 @@ def test_prepacked_bf16_linear_computes_what_the_plain_one_does():
         torch.testing.assert_close(packed(x), plain(x), rtol=2**-7, atol=2**-7 * 8)
     with pytest.raises(ValueError, match="read it through forward"):
         packed.dequantized()
-    fp32 = Linear(w, None, torch.float32)
+    fp32 = _linear(w, None, torch.float32)
     fp32.prepack()  # float32 keeps torch's default linear, the one transformers runs
     assert not fp32.packed
 
@@ -211,7 +222,7 @@ def test_prepacked_bf16_linear_computes_what_the_plain_one_does():
 def test_a_prepacked_bf16_model_decodes_the_same_tokens(tiny_model):
     path = tiny_model("llama", "bfloat16")
     config, weights = load_config(path), load_weights(path)
-    plain, packed = (DecoderModel(config, weights, dtype=torch.bfloat16) for _ in range(2))
+    plain, packed = (build_model(config, weights, dtype=torch.bfloat16) for _ in range(2))
     packed.prepack()
     assert packed.packed_head is not None
     tokens = []

@@ -63,9 +63,9 @@ def test_renders_hold_the_expected_objects(rendered):
     config_maps = sorted(f"ConfigMap/{o['metadata']['name']}" for o in by_kind(rendered["base"], "ConfigMap"))
     assert [c.rsplit("-", 1)[0] for c in config_maps] == [f"ConfigMap/{t}" for t in tiers]
     assert kinds("base") == sorted(common + config_maps + ["PodMonitor/pdserve"])
-    assert [k for k in kinds("gke") if not k.startswith("ConfigMap/")] == [
-        k for k in kinds("base") if not k.startswith("ConfigMap/")
-    ]
+    assert [k for k in kinds("gke") if not k.startswith("ConfigMap/")] == sorted(
+        [k for k in kinds("base") if not k.startswith("ConfigMap/")] + ["HorizontalPodAutoscaler/pdserve-coordinator"]
+    )
     # cpu: no PodMonitor (kind/minikube have no prometheus-operator unless installed).
     assert [k for k in kinds("cpu") if not k.startswith("ConfigMap/")] == [
         k for k in kinds("base") if not k.startswith("ConfigMap/") and k != "PodMonitor/pdserve"

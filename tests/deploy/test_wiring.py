@@ -200,7 +200,8 @@ def test_autoscalers_read_metrics_pdserve_exports(rendered):
     assert set(served.values()) <= exported, set(served.values()) - exported
     for kustomization, objects in rendered.items():
         hpas = {h["metadata"]["name"]: h for h in by_kind(objects, "HorizontalPodAutoscaler")}
-        assert sorted(hpas) == ["pdserve-decode", "pdserve-prefill"]
+        # gke runs coordinator replicas too, scaled on their in-flight requests
+        assert sorted(hpas) == ["pdserve-coordinator"] * (kustomization == "gke") + ["pdserve-decode", "pdserve-prefill"]
         for name, hpa in hpas.items():
             assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": name}
             names = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]]
@@ -209,6 +210,22 @@ def test_autoscalers_read_metrics_pdserve_exports(rendered):
             "pdserve_prefill_queued_seconds"]
         assert [m["pods"]["metric"]["name"] for m in hpas["pdserve-decode"]["spec"]["metrics"]] == [
             "pdserve_kv_cache_usage_perc", "pdserve_num_requests_waiting"]
+        if "pdserve-coordinator" in hpas:
+            assert [m["pods"]["metric"]["name"] for m in hpas["pdserve-coordinator"]["spec"]["metrics"]] == [
+                "pdserve_num_requests_running"]
+
+
+def test_gke_runs_two_coordinator_replicas_at_least_and_workers_register_with_every_one(rendered):
+    objects = rendered["gke"]
+    assert named(objects, "Deployment", "pdserve-coordinator")["spec"]["replicas"] >= 2
+    (hpa,) = [h for h in by_kind(objects, "HorizontalPodAutoscaler") if h["metadata"]["name"] == "pdserve-coordinator"]
+    assert hpa["spec"]["minReplicas"] >= 2
+    # workers dial the headless registry Service: its DNS name resolves to every replica (registration.py)
+    registry = named(objects, "Service", "pdserve-coordinator-registry")
+    assert registry["spec"]["clusterIP"] == "None" and registry["spec"]["publishNotReadyAddresses"] is True
+    for proc in processes(objects):
+        if proc.deployment != "pdserve-coordinator":
+            assert option(proc.argv, "--coordinator") == "pdserve-coordinator-registry:50051", proc.name
 
 
 def test_pod_monitor_scrapes_every_tier_on_its_metrics_port(rendered):

@@ -58,6 +58,31 @@ def test_greedy_equals_transformers(family, tiny_model, tmp_path):
         assert all(free == total for free, total in pairs), pairs
 
 
+LONG_PROMPTS = [
+    "def f(x):\n    return x * 2\n" * 9,  # several 64-token chunks
+    "import numpy as np\nimport torch\n" * 5,
+]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_greedy_equals_transformers_with_small_chunks_and_packed_steps(family, tiny_model, tmp_path):
+    """Prompts of mixed lengths at once through one prefill worker that packs them into 128-token steps
+    and runs anything longer than 64 tokens chunk by chunk, interleaved with the short ones."""
+    model_dir = tiny_model(family)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    prompts = PROMPTS + LONG_PROMPTS
+    assert max(len(tok.encode(p).ids) for p in prompts) > 2 * 64, "a prompt must take several chunks"
+    expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in prompts]
+    args = ["--max-prefill-chunk", "64", "--max-num-batched-tokens", "128"]
+    with pdserve_up(model_dir, tmp_path, prefill_workers=1, decode_workers=1, extra_args=args) as state:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: generate_ids(state["coordinator"], p), prompts))
+        for prompt, want, (ids, _) in zip(prompts, expected, got):
+            assert ids == want, f"{family}: prompt {prompt!r}"
+        pairs = wait_all_blocks_free(state["decode"])
+        assert all(free == total for free, total in pairs), pairs
+
+
 def test_bf16_checkpoint_serves_end_to_end(tiny_model, tmp_path):
     model_dir = tiny_model("qwen3", "bfloat16")
     with pdserve_up(model_dir, tmp_path, prefill_workers=1, decode_workers=1) as state:

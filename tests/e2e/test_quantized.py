@@ -86,7 +86,8 @@ def test_kv_bytes_per_token_on_the_wire_from_the_transfer_metrics(tiny_model, tm
         assert per_token == {"float32": 1024.0, "bfloat16": 512.0, "int8": 256.0 + 2.0, "fp8_e4m3": 256.0 + 2.0}
         assert counter(prefill.metrics(), "pdserve_kv_transfer_bytes_total") == sum(received.values())
         log = procs.procs["d-int8"].log.read_text()
-        assert "weights 0.5 MiB (int8, compute float32)" in log and "KV cache 64 blocks x 16 tokens (int8" in log
+        assert "weights 0.5 MiB (int8, compute float32)" in log
+        assert "KV cache on cpu: 64 blocks x 16 tokens = 1024 tokens (int8" in log
     finally:
         procs.stop_all()
 

@@ -4,7 +4,6 @@ transports: gRPC on 127.0.0.1 and the in-memory one."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import grpc
 import numpy as np
@@ -25,7 +24,16 @@ from pdserve.kvcache.transfer import KvPoll
 from pdserve.v1 import worker_pb2 as pb
 
 from .test_codec import random_kv
-from .test_transfer import FINGERPRINT, LAYOUT, NUM_TOKENS, SMALL_CHUNKS, TOKEN, RecordingSink, make_header
+from .test_transfer import (
+    FINGERPRINT,
+    LAYOUT,
+    NUM_TOKENS,
+    SMALL_CHUNKS,
+    TOKEN,
+    GatedSink,
+    RecordingSink,
+    make_header,
+)
 
 ADDRESS = "decode-0"
 
@@ -210,25 +218,6 @@ def test_whole_kv_send_checks_the_arrays_first():
             await transport.send("nowhere", make_header(num_tokens=NUM_TOKENS), LAYOUT, k.astype(np.float32), v, 1)
 
     asyncio.run(run())
-
-
-class GatedSink(RecordingSink):
-    """Writes wait for `gate`; counts the writes running at once (the pool's threads)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gate = threading.Event()
-        self.running = self.most = 0
-        self._lock = threading.Lock()
-
-    def write(self, request_id, piece) -> None:
-        with self._lock:
-            self.running += 1
-            self.most = max(self.most, self.running)
-        self.gate.wait(10)
-        with self._lock:
-            self.running -= 1
-            self.writes.append((request_id, piece))
 
 
 async def _until(predicate) -> None:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import re
+import threading
 
 import grpc
 import numpy as np
@@ -47,6 +49,25 @@ class RecordingSink:
                     p.layer_start : p.layer_start + p.num_layers, p.token_start : p.token_start + p.num_tokens
                 ] = p.v
         return k, v
+
+
+class GatedSink(RecordingSink):
+    """Writes wait for `gate`; counts the writes running at once (the pool's threads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.running = self.most = 0
+        self._lock = threading.Lock()
+
+    def write(self, request_id, piece) -> None:
+        with self._lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        self.gate.wait(10)
+        with self._lock:
+            self.running -= 1
+            self.writes.append((request_id, piece))
 
 
 class Harness:
@@ -495,4 +516,24 @@ async def test_a_sender_that_disagrees_on_the_held_blocks_is_refused(harnesses):
     err = await refused(h.send(k, v))  # sends every block
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "holds 1" in err.details()
     with pytest.raises(TransferError):
+        await transfer.done
+
+
+async def test_a_failed_transfer_drops_the_writes_still_queued(h):
+    sink = h.receiver.sink = GatedSink()
+    h.receiver._pool = concurrent.futures.ThreadPoolExecutor(1)  # one write runs, the others queue behind it
+    transfer = h.expect()
+    k, v, _, _ = random_kv(LAYOUT, NUM_TOKENS)
+    call, queue = h.open_stream()
+    queue.put_nowait(pb.KvChunk(header=make_header(request_id="r1", transfer_token=TOKEN, num_tokens=10)))
+    for chunk in block_chunks(k, v)[:3]:  # under WRITES_IN_FLIGHT: the stream reads on
+        queue.put_nowait(chunk)
+    await eventually(lambda: sink.running == 1 and len(h.receiver._writes.get("r1", ())) == 3)
+    queue.put_nowait(pb.KvChunk(abort=pb.KvAbort(reason="device lost")))
+    assert (await refused(call)).code() == grpc.StatusCode.ABORTED
+    assert transfer.state is TransferState.FAILED
+    sink.gate.set()
+    await h.receiver.settle("r1")
+    assert len(sink.writes) == 1  # the running write landed; the two queued behind it wrote nothing
+    with pytest.raises(TransferError, match="device lost"):
         await transfer.done

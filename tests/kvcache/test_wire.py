@@ -8,6 +8,7 @@ import numpy as np
 from pdserve.kvcache.codec import decode_blocks, encode_chunks, iter_pieces
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.tensors import KvTensors
+from pdserve.kvcache import wire
 from pdserve.kvcache.wire import WireChunk, decode_chunk, encode_chunk, encode_piece_bytes
 from pdserve.v1 import worker_pb2 as pb
 
@@ -22,6 +23,17 @@ def test_pieces_are_the_generated_serialization_byte_for_byte():
         want = [c.SerializeToString() for c in encode_chunks(layout, k, v, k_scales=ks, v_scales=vs, max_chunk_bytes=limit)]
         got = [encode_piece_bytes(4, kv, piece) for piece in iter_pieces(layout, 10, limit)]
         assert got == want
+
+
+def test_messages_are_the_same_bytes_without_the_in_place_allocation(monkeypatch):
+    layout = KvLayout(3, 2, 8, 4, "int8", "block_head")
+    k, v, ks, vs = random_kv(layout, 10, seed=3)
+    kv = KvTensors(0, 0, k, v, ks, vs)
+    pieces = list(iter_pieces(layout, 10, 300))
+    in_place = [encode_piece_bytes(4, kv, piece) for piece in pieces]
+    monkeypatch.setattr(wire, "_IN_PLACE", False)  # another Python: filled in an array, then copied
+    assert [encode_piece_bytes(4, kv, piece) for piece in pieces] == in_place
+    assert wire._check_in_place() is True  # this CPython takes the in-place path
 
 
 def test_a_layer_group_viewed_in_a_batch_encodes_without_a_contiguous_copy_first():

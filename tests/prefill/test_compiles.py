@@ -1,4 +1,5 @@
-"""After `warmup`, a load of mixed prompt lengths and sampling options compiles nothing.
+"""After `warmup`, a load of mixed prompt lengths and sampling options compiles nothing, packed,
+chunked or from a cached prefix.
 
 Compilations are counted from JAX's own monitoring events: every jit cache miss traces a jaxpr
 (`/jax/core/compile/jaxpr_trace_duration`) and every XLA compile reports its duration
@@ -49,7 +50,8 @@ async def test_a_mixed_load_compiles_nothing_after_warmup(tiny_model):
     config = PrefillConfig(model_dir=path, max_batch_size=4, max_model_len=128)
     engine = PrefillEngine(model_config, load_params(model_config, load_weights(path)), config)
     shapes = engine.shapes()
-    assert shapes == [(r, s) for r in (1, 2, 4) for s in (16, 32, 64, 128)]
+    # (token slots, context slots): up to 4 prompts of 128 tokens packed; a context of up to 128 tokens
+    assert [(s.tokens, s.context) for s in shapes] == [(t, c) for c in (0, 128) for t in (16, 32, 64, 128, 256, 512)]
     engine.warmup()
 
     before = compiles()
@@ -63,8 +65,19 @@ async def test_a_mixed_load_compiles_nothing_after_warmup(tiny_model):
         assert [r.k.shape[1] for r in results] == lengths
     alone = [await engine.submit(list(range(3, 3 + n)), _sampling(0), 0, "float32") for n in (2, 33, 128)]
     assert [r.k.shape[1] for r in alone] == [2, 33, 128]
+    assert engine.prefix.hits == 32  # the 128-token prompt reused the 33-token one's two full blocks
     assert compiles() == before, f"{compiles() - before} compilations on the request path"
-    assert engine.batches >= 3 + 2 * len(lengths) // 4  # batches of several prompts ran
+    assert engine.batches < 3 + 2 * len(lengths)  # prompts shared steps
+
+    chunked = PrefillEngine(model_config, engine.params, PrefillConfig(model_dir=path, max_batch_size=4, max_model_len=128,
+                                                                       max_prefill_chunk=32, max_batch_tokens=64))
+    chunked.warmup()
+    before_chunked = compiles()
+    results = await asyncio.gather(*(chunked.submit(rng.integers(3, 500, n).tolist(), _sampling(i), 0, "float32")
+                                     for i, n in enumerate(lengths)))
+    assert [r.k.shape[1] for r in results] == lengths
+    assert compiles() == before_chunked, f"{compiles() - before_chunked} compilations on the chunked request path"
+    before = compiles()
 
     jax.jit(lambda x: x * 3)(np.zeros(7, np.float32))  # the counter counts: a new program compiles
     assert compiles() > before

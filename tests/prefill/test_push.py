@@ -68,6 +68,9 @@ class Sink:
 
 class Rig:
     def __init__(self, path, sink: Sink, **config) -> None:
+        # The tests compare with a first pass of the same prompt bit for bit: a prefix taken from the
+        # prefix KV would round differently (test_chunks_leave_as_they_are_computed covers it).
+        config.setdefault("prefix_cache_bytes", 0)
         self.model = load_config(path)
         self.engine = PrefillEngine(self.model, load_params(self.model, load_weights(path)),
                                     PrefillConfig(model_dir=path, **config))
@@ -105,6 +108,26 @@ async def test_kv_leaves_layer_group_by_group_and_equals_the_whole_prefill(tiny_
     layers = [p.layer_start for _, p, _ in sink.writes]
     assert sorted(layers) == [0] * 4 + [1] * 4  # 7 blocks of each layer in 4 pieces; each layer its own group
     assert transfer.started_at < min(t for _, _, t in sink.writes)  # the header came first: the lease ran
+
+
+async def test_chunks_leave_as_they_are_computed_and_a_cached_prefix_leaves_first(tiny_model):
+    path = tiny_model("llama")
+    want = await Rig(path, Sink()).engine.submit(PROMPT, GREEDY, 0, "float32", 4)
+    sink = Sink()
+    rig = Rig(path, sink, kv_layer_groups=2, max_prefill_chunk=8, prefix_cache_bytes=1 << 20)
+    for rid, prompt in (("r1", PROMPT), ("r2", PROMPT)):  # r2: its first 16 tokens from the prefix KV
+        sink.writes.clear()
+        transfer = rig.receiver.expect(rid, 0, TOKEN, len(prompt))
+        assert await rig.prefill(rid, prompt) == want.first_token
+        assert await asyncio.wait_for(transfer.done, 30) == want.first_token
+        k, v = sink.assemble(sink.writes, rig.layout, len(prompt))
+        np.testing.assert_allclose(k, want.k, atol=1e-5)
+        np.testing.assert_allclose(v, want.v, atol=1e-5)
+        starts = sorted({p.token_start for _, p, _ in sink.writes})
+        # r1: a chunk of 8 tokens at a time; r2: the cached 16 tokens (all layers in one KvTensors, cut
+        # into one-block pieces by the CHUNK byte limit), then its two computed chunks
+        assert starts == ([0, 8, 16, 24] if rid == "r1" else [0, 4, 8, 12, 16, 24])
+    assert rig.engine.prefix.hits == 16
 
 
 async def test_a_prefill_that_dies_after_k_of_n_groups_aborts_and_the_retry_does_not_mix(tiny_model):

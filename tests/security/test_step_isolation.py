@@ -11,7 +11,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.decode.engine import DecodeEngine
-from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.weights import build_model
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
@@ -21,7 +21,7 @@ from tests.decode.test_engine import _drain, _greedy, _hf_greedy
 async def test_poisoned_sequences_fail_alone(tiny_model):
     path = tiny_model("llama")
     config = load_config(path)
-    model = DecoderModel(config, load_weights(path))
+    model = build_model(config, load_weights(path))
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=4, dtype="float32")
     engine = DecodeEngine(model, layout, num_blocks=64, max_running=8)
 

@@ -64,7 +64,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., first_token_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "attempt", "prompt_token_ids", "sampling", "transfer_token", "lease_seconds", "num_output_tokens", "local_prefill")
+    __slots__ = ("request_id", "attempt", "prompt_token_ids", "sampling", "transfer_token", "lease_seconds", "num_output_tokens", "local_prefill", "steps_stream_id")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class DecodeRequest(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    STEPS_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +82,8 @@ class DecodeRequest(_message.Message):
     lease_seconds: float
     num_output_tokens: int
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    steps_stream_id: str
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., steps_stream_id: _Optional[str] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("num_blocks", "cached_blocks")
@@ -126,6 +128,30 @@ class DecodeResponse(_message.Message):
     finished: Finished
     queued: Queued
     def __init__(self, reserved: _Optional[_Union[Reserved, _Mapping]] = ..., tokens: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
+
+class StepsRequest(_message.Message):
+    __slots__ = ("stream_id",)
+    STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    stream_id: str
+    def __init__(self, stream_id: _Optional[str] = ...) -> None: ...
+
+class SequenceEvent(_message.Message):
+    __slots__ = ("request_id", "tokens", "finished", "queued")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens: TokenEvent
+    finished: Finished
+    queued: Queued
+    def __init__(self, request_id: _Optional[str] = ..., tokens: _Optional[_Union[TokenEvent, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., queued: _Optional[_Union[Queued, _Mapping]] = ...) -> None: ...
+
+class StepBatch(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[SequenceEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[SequenceEvent, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

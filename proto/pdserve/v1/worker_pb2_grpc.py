@@ -125,6 +125,11 @@ class DecodeStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.Steps = channel.unary_stream(
+                '/pdserve.v1.Decode/Steps',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.StepBatch.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -146,6 +151,15 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Steps(self, request, context):
+        """One per coordinator connection: every decode step, one StepBatch carrying the events of every
+        request on it that named this stream (DecodeRequest.steps_stream_id). The first message is an
+        empty batch: the stream is open. When it ends, the worker aborts the requests riding it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +172,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+            ),
+            'Steps': grpc.unary_stream_rpc_method_handler(
+                    servicer.Steps,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.StepsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.StepBatch.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +235,33 @@ class Decode:
             '/pdserve.v1.Decode/Abort',
             pdserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Steps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.Decode/Steps',
+            pdserve_dot_v1_dot_worker__pb2.StepsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.StepBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,314 @@
+"""Tokens/s one coordinator process relays to many concurrent streams: before and after batched streams.
+
+    python -m pdserve.benchmarks.coordinator [--streams 256 1024] [--fronts grpc sse] [--seconds 10]
+        [--baseline-rev REV] [--out results/coordinator.json]
+
+One fake prefill + decode worker process (`fake_workers.py`: no compute, tokens as fast as the coordinator
+takes them), ONE coordinator process, and this process as the clients: N closed-loop streams (each
+request 8 prompt tokens, `--output-len` tokens out; a new one starts when one ends), over gRPC `Generate`
+or the OpenAI SSE front (`/v1/completions`, stream). After a warm-up, it counts the tokens the clients
+receive in a `--seconds` window, and the coordinator's CPU seconds in it (from /proc).
+
+Three coordinators run in the same invocation against the same workers:
+- before: the coordinator of `--baseline-rev` (default: the commit before batched streams), extracted
+  with `git archive` and run from there: one message per token per request from decode, one response
+  per token to the client;
+- after: this checkout's, default flags: one `StepBatch` per decode step per connection;
+- coalesce: the same with `--max-coalesce 16`: a client behind gets up to 16 tokens per response.
+
+The figure is tokens/s (wall) and tokens per coordinator CPU-second, against before. The clients share
+the machine's cores with the coordinator: on a small machine they can cap the wall figure; the CPU
+figure says what the coordinator itself costs per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parents[1]
+BASELINE_REV = "590e462"
+"""main just before batched decode streams (issue 18): per-request decode streams, a response per token."""
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+
+
+@dataclass
+class Row:
+    coordinator: str  # before | after | coalesce
+    front: str  # grpc | sse
+    streams: int
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    coordinator_cpu_s: float
+    tokens_per_cpu_s: float
+    messages: int
+    """Responses (gRPC messages or SSE events) the clients received in the window."""
+    errors: int
+    first_error: str = ""
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _free_port() -> int:
+    from pdserve.server.launcher import free_port
+
+    return free_port()
+
+
+def _one_char_token(model_dir: Path) -> int:
+    """A token id each repetition of which adds exactly one character of text (so SSE text counts tokens)."""
+    from pdserve.server.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    for t in range(tokenizer.hf.get_vocab_size()):
+        one = tokenizer.decode([t])
+        if len(one) == 1 and one.isalpha() and tokenizer.decode([t] * 7) == one * 7:
+            return t
+    raise SystemExit(f"no single-character token in {model_dir}'s vocabulary; pass another --model")
+
+
+def _baseline_tree(rev: str, into: Path) -> Path:
+    """`rev`'s source as an importable `pdserve` package under `into` (PYTHONPATH=into)."""
+    src = into / "src"
+    src.mkdir(parents=True)
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+    pkg = into / "pdserve"
+    shutil.copytree(src / "proto" / "pdserve", pkg)
+    for name in ("server", "kvcache", "benchmarks"):
+        (pkg / name).symlink_to(src / name)
+    return into
+
+
+class Coordinator:
+    def __init__(self, name: str, model_dir: Path, prefill: str, decode: str, pythonpath: Path | None,
+                 args: list[str] = (), log: Path | None = None):
+        self.name = name
+        self.port, self.http_port = _free_port(), _free_port()
+        env = dict(os.environ)
+        if pythonpath is not None:
+            env["PYTHONPATH"] = str(pythonpath)
+        cmd = [sys.executable, "-m", "pdserve.server.cli", "coordinator", "--model", str(model_dir),
+               "--prefill", prefill, "--decode", decode, "--port", str(self.port), "--http-port", str(self.http_port),
+               "--max-queue", "100000", "--stall-timeout", "600", "--log-format", "text", *args]
+        self.log = log or Path(tempfile.mkstemp(prefix=f"pdserve-coordinator-{name}-", suffix=".log")[1])
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=out)
+
+    def wait_serving(self, timeout: float = 120.0) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the {self.name} coordinator exited: {self.log.read_text()[-2000:]}")
+            try:
+                with grpc.insecure_channel(f"127.0.0.1:{self.port}") as ch:
+                    reply = health_pb2_grpc.HealthStub(ch).Check(
+                        health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.3)
+        raise SystemExit(f"the {self.name} coordinator did not serve within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.messages = 0
+        self.errors = 0
+        self.first_error = ""
+
+    def error(self, what: str) -> None:
+        self.errors += 1
+        self.first_error = self.first_error or what[:300]
+
+
+async def _grpc_streams(port: int, streams: int, output_len: int, counter: Counter, stop: asyncio.Event) -> None:
+    import grpc
+
+    from pdserve.v1 import generation_pb2 as pb
+    from pdserve.v1 import generation_pb2_grpc
+
+    channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}") for _ in range(max(1, streams // 128))]
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(
+        max_tokens=output_len, temperature=0.0, ignore_eos=True))
+
+    async def one(i: int) -> None:
+        await asyncio.sleep(i * 0.002)  # ramp up
+        stub = generation_pb2_grpc.GenerationStub(channels[i % len(channels)])
+        while not stop.is_set():
+            try:
+                async for response in stub.Generate(request):
+                    counter.tokens += len(response.token_ids)
+                    counter.messages += 1
+                    if stop.is_set():
+                        break
+            except grpc.aio.AioRpcError as e:
+                counter.error(f"{e.code().name}: {e.details()}")
+                await asyncio.sleep(0.1)
+
+    try:
+        await asyncio.gather(*(one(i) for i in range(streams)))
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+async def _sse_streams(port: int, streams: int, output_len: int, counter: Counter, stop: asyncio.Event) -> None:
+    import httpx
+
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
+                                 timeout=httpx.Timeout(None, connect=60.0)) as client:
+        body["model"] = (await client.get("/v1/models")).json()["data"][0]["id"]
+
+        async def one(i: int) -> None:
+            await asyncio.sleep(i * 0.002)
+            while not stop.is_set():
+                try:
+                    async with client.stream("POST", "/v1/completions", json=body) as resp:
+                        async for line in resp.aiter_lines():
+                            if not line.startswith("data:") or line == "data: [DONE]":
+                                continue
+                            chunk = json.loads(line[5:])
+                            counter.tokens += sum(len(c.get("text") or "") for c in chunk.get("choices") or ())
+                            counter.messages += 1
+                            if stop.is_set():
+                                break
+                except httpx.HTTPError as e:
+                    counter.error(repr(e))
+                    await asyncio.sleep(0.1)
+
+        await asyncio.gather(*(one(i) for i in range(streams)))
+
+
+async def measure(coordinator: Coordinator, front: str, streams: int, output_len: int, warmup: float,
+                  seconds: float) -> Row:
+    counter, stop = Counter(), asyncio.Event()
+    run = _grpc_streams if front == "grpc" else _sse_streams
+    port = coordinator.port if front == "grpc" else coordinator.http_port
+    task = asyncio.create_task(run(port, streams, output_len, counter, stop))
+    await asyncio.sleep(warmup + streams * 0.002)
+    tokens, messages, errors = counter.tokens, counter.messages, counter.errors
+    cpu, t0 = _cpu_seconds(coordinator.proc.pid), time.perf_counter()
+    await asyncio.sleep(seconds)
+    tokens, messages, errors = counter.tokens - tokens, counter.messages - messages, counter.errors - errors
+    cpu, elapsed = _cpu_seconds(coordinator.proc.pid) - cpu, time.perf_counter() - t0
+    stop.set()
+    try:
+        await asyncio.wait_for(task, 60)
+    except TimeoutError:
+        task.cancel()
+    return Row(coordinator.name, front, streams, tokens, round(elapsed, 3), round(tokens / elapsed, 1), round(cpu, 3),
+               round(tokens / cpu, 1) if cpu else 0.0, messages, errors, counter.first_error)
+
+
+def _table(rows: list[Row]) -> str:
+    lines = [f"{'front':<5} {'streams':>7} {'coordinator':<11} {'tok/s':>9} {'x before':>9} {'tok/cpu-s':>10} "
+             f"{'x before':>9} {'tok/msg':>8} {'errors':>6}"]
+    for front in dict.fromkeys(r.front for r in rows):
+        for n in dict.fromkeys(r.streams for r in rows):
+            by = {r.coordinator: r for r in rows if r.front == front and r.streams == n}
+            b = by.get("before")
+            for name, r in by.items():
+                x_wall = f"{r.tokens_per_s / b.tokens_per_s:.2f}" if b and b.tokens_per_s else "-"
+                x_cpu = f"{r.tokens_per_cpu_s / b.tokens_per_cpu_s:.2f}" if b and b.tokens_per_cpu_s else "-"
+                lines.append(f"{front:<5} {n:>7} {name:<11} {r.tokens_per_s:>9.0f} {x_wall:>9} "
+                             f"{r.tokens_per_cpu_s:>10.0f} {x_cpu:>9} {r.tokens / max(r.messages, 1):>8.2f} "
+                             f"{r.errors:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    from pdserve.server.cli import default_model_dir
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--streams", type=int, nargs="+", default=[256, 1024])
+    p.add_argument("--fronts", nargs="+", choices=["grpc", "sse"], default=["grpc", "sse"])
+    p.add_argument("--seconds", type=float, default=10.0, help="the measured window per case")
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--output-len", type=int, default=500)
+    p.add_argument("--baseline-rev", default=BASELINE_REV, help="the 'before' coordinator's git revision; "
+                                                                "'none': measure this checkout only")
+    p.add_argument("--model", type=Path, help="tokenizer and config for the coordinator (default: the embedded model)")
+    p.add_argument("--out", type=Path, help="write the rows here as JSON")
+    args = p.parse_args(argv)
+    model_dir = args.model or default_model_dir()
+    from pdserve.server.model.config import load_config
+
+    vocab_size = load_config(model_dir).vocab_size
+    token = _one_char_token(model_dir)
+    load = os.getloadavg()
+    prefill_port, decode_port = _free_port(), _free_port()
+    workers = subprocess.Popen([sys.executable, "-m", "pdserve.benchmarks.fake_workers", "--prefill-port",
+                                str(prefill_port), "--decode-port", str(decode_port), "--vocab-size", str(vocab_size),
+                                "--token", str(token)])
+    tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-coordinator-"))
+    rows: list[Row] = []
+    try:
+        kinds = [("after", None, []), ("coalesce", None, ["--max-coalesce", "16"])]
+        if args.baseline_rev != "none":
+            kinds.insert(0, ("before", _baseline_tree(args.baseline_rev, tmp), []))
+        cases = [(k, f, n) for f in args.fronts for n in args.streams for k in kinds]
+        with tqdm(total=len(cases), desc="coordinator relay", unit="case") as bar:
+            for (name, path, extra), front, n in cases:
+                bar.set_postfix_str(f"{name} {front} {n} streams")
+                log = (args.out.parent if args.out else tmp) / f"coordinator-{name}-{front}-{n}.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                coordinator = Coordinator(name, model_dir, f"127.0.0.1:{prefill_port}", f"127.0.0.1:{decode_port}",
+                                          path, extra, log)
+                try:
+                    coordinator.wait_serving()
+                    rows.append(asyncio.run(measure(coordinator, front, n, args.output_len, args.warmup,
+                                                    args.seconds)))
+                finally:
+                    coordinator.stop()
+                bar.update()
+    finally:
+        workers.terminate()
+        workers.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+    for r in rows:
+        print(json.dumps(asdict(r)))
+    print(_table(rows))
+    print(f"load average at start {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, at end "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} cores)")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"rows": [asdict(r) for r in rows], "loadavg_start": load,
+                                        "baseline_rev": args.baseline_rev}, indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,215 @@
+"""Correctness before speed, for `benchmarks/gpu.py`: the paged-attention kernel against the reference
+attention, the served engine's greedy tokens (CUDA graphs and eager) against transformers, the kernel path
+against the reference inside the model, and received KV copied onto the device bit-exactly.
+
+Each check returns a `Check` (name, passed, detail, worst error); none raises, so one failure leaves the
+others and the timings to run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+    error: float | None = None
+
+
+def _reference_attention(q, cache, layer: int, tables, lens):
+    """The model's reference path: gather the table, mask past the context, SDPA. q [B, H, D] -> [B, H, D]."""
+    k, v = cache.gather(layer, tables)  # [B, T, Hkv, D]
+    keys = torch.arange(k.shape[1], device=q.device)
+    mask = (keys < lens[:, None])[:, None, None]  # [B, 1, 1, T]
+    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                         attn_mask=mask, enable_gqa=True)
+    return out[:, :, 0]
+
+
+def kernel_checks(device: torch.device, kv_dtypes: tuple[str, ...], large: bool) -> list[Check]:
+    """The Triton kernel against the reference for each KV dtype, auto splits and one split; large: Llama-3-8B's
+    heads (32 query / 8 kv, 128 dims, blocks of 16) and contexts up to 4000 tokens."""
+    from pdserve.kvcache.layout import QUANTIZED, KvLayout
+    from pdserve.server.decode.cuda_attention import paged_decode_attention
+    from pdserve.server.decode.kv_cache import PagedKvCache
+
+    H, Hkv, D, bs, lens = (32, 8, 128, 16, [1, 100, 4000]) if large else (4, 2, 32, 4, [1, 17, 40])
+    num_blocks = sum(-(-n // bs) for n in lens) + 8
+    checks = []
+    for kv_dtype in kv_dtypes:
+        q_dtype = torch.float32 if kv_dtype in ("float32",) or device.type == "cpu" else torch.bfloat16
+        tol = 1e-4 if q_dtype == torch.float32 else 2e-2
+        layout = KvLayout(1, Hkv, D, bs, kv_dtype, "block_head" if kv_dtype in QUANTIZED else "none")
+        cache = PagedKvCache(layout, num_blocks, device=device)
+        g = torch.Generator(device="cpu").manual_seed(0)
+        n = num_blocks * bs
+        cache.store(0, torch.arange(n, device=device), torch.randn(n, Hkv, D, generator=g).to(device),
+                    torch.randn(n, Hkv, D, generator=g).to(device))
+        order = torch.randperm(num_blocks, generator=g)
+        width = max(-(-x // bs) for x in lens)
+        tables = torch.stack([order[(torch.arange(width) + 37 * i) % num_blocks] for i in range(len(lens))]
+                             ).to(device)  # [B, M] scattered blocks (rows may share some: only read)
+        ctx = torch.tensor(lens, device=device)
+        q = torch.randn(len(lens), H, D, generator=g).to(device, q_dtype)
+        expected = _reference_attention(q, cache, 0, tables, ctx).float()
+        scales = (None, None) if cache.k_scales is None else (cache.k_scales[0], cache.v_scales[0])
+        for splits in (None, 1):
+            name = f"paged kernel vs reference: {kv_dtype} KV, q {str(q_dtype)[6:]}, splits {splits or 'auto'}"
+            try:
+                got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, ctx, *scales, splits=splits).float()
+                err = (got - expected).abs().max().item()
+                checks.append(Check(name, err < tol, f"max abs error {err:.2e} (tolerance {tol:g})", err))
+            except Exception as e:  # noqa: BLE001 - reported, the run goes on
+                checks.append(Check(name, False, f"raised {e!r}"))
+    return checks
+
+
+def _hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    out = []
+    for ids in prompts:
+        with torch.no_grad():
+            got = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        out.append(got[0, len(ids):].tolist())
+    return out
+
+
+async def _engine_greedy(engine, prompts: list[list[int]], n: int) -> list[list[int]]:
+    from pdserve.v1 import generation_pb2 as gen_pb
+    from pdserve.v1 import worker_pb2 as pb
+
+    async def one(i: int, ids: list[int]) -> list[int]:
+        sampling = gen_pb.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        seq = engine.add(pb.DecodeRequest(request_id=f"parity-{i}", prompt_token_ids=ids, sampling=sampling,
+                                          local_prefill=True))
+        await seq.admitted
+        first = await engine.prefill_locally(seq)
+        engine.start(seq, first)
+        got = [first]
+        while (ids := await seq.events.get()) is not None:
+            got.extend(ids)
+        return got
+
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        await engine.close()
+
+
+def parity_checks(device: torch.device, cpu_kernel: bool) -> list[Check]:
+    """A tiny random llama (fp32): greedy tokens of the served engine on the device, 3 requests batched
+    (a padded bucket of 4), with CUDA graphs and eager, equal transformers' on the CPU. Then the model's
+    decode through the paged kernel against the reference path, fp32 and int8 KV.
+    cpu_kernel: on the CPU, also run the engine through the kernel (Triton's interpreter)."""
+    from pdserve.server.decode.config import DecodeConfig
+    from pdserve.server.decode.startup import build_native_engine
+    from pdserve.server.model.tiny import make_tiny_model
+
+    checks = []
+    prompts = [list(range(3, 14)), list(range(40, 45)), list(range(100, 133))]
+    n = 8
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "llama"
+        make_tiny_model(path, "llama")
+        expected = _hf_greedy(path, prompts, n)
+        modes = [("CUDA graphs", False), ("eager", True)] if device.type == "cuda" else [("eager", True)]
+        for label, eager in modes:
+            config = DecodeConfig(model_dir=path, device=str(device), kv_cache_tokens=1024, block_size=4,
+                                  max_running=8, enforce_eager=eager)
+            name = f"greedy tokens = transformers' ({device.type}, {label}, 3 requests batched)"
+            try:
+                _, engine, _ = build_native_engine(config)
+                if cpu_kernel and device.type == "cpu":
+                    engine.model.paged_kernel = True
+                    name += ", paged kernel (interpreter)"
+                runner = type(engine.runner).__name__
+                got = asyncio.run(_engine_greedy(engine, prompts, n))
+                graphed = eager or runner == "CudaGraphRunner"  # a failed capture falls back to eager steps
+                checks.append(Check(name, got == expected and graphed,
+                                    f"{runner}: got {got}, transformers {expected}"))
+            except Exception as e:  # noqa: BLE001
+                checks.append(Check(name, False, f"raised {e!r}"))
+        if device.type == "cuda" or cpu_kernel:
+            checks += _kernel_in_model(path, device)
+    return checks
+
+
+def _kernel_in_model(path: Path, device: torch.device) -> list[Check]:
+    from pdserve.kvcache.layout import KvLayout
+    from pdserve.server.decode.kv_cache import PagedKvCache
+    from pdserve.server.decode.weights import build_model
+    from pdserve.server.model.config import load_config
+    from pdserve.server.model.weights import load_weights
+
+    model = build_model(load_config(path), load_weights(path), device=device)
+    c = model.config
+    checks = []
+    for kv_dtype in ("float32", "int8"):
+        layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype,
+                          "block_head" if kv_dtype == "int8" else "none")
+        tables = torch.tensor([[0, 1, 2, 3, 12, 12], [5, 6, 12, 12, 12, 12]])
+        logits = {}
+        for kernel in (False, True):
+            cache = PagedKvCache(layout, 13, device=device)
+            for ids, table in zip([list(range(3, 12)), list(range(40, 45))], tables.tolist()):
+                model.prefill(torch.tensor(ids), table, cache)
+            model.paged_kernel = kernel
+            positions = torch.tensor([9, 5])
+            logits[kernel] = torch.stack([model.decode(torch.tensor([100 + s, 7]), positions + s, tables,
+                                                       positions + s + 1, cache) for s in range(3)]).cpu()
+        model.paged_kernel = False
+        err = (logits[True] - logits[False]).abs().max().item()
+        checks.append(Check(f"model decode, paged kernel vs reference ({kv_dtype} KV, 3 steps)", err < 1e-3,
+                            f"max abs logit error {err:.2e}", err))
+    return checks
+
+
+def received_kv_check(device: torch.device) -> Check:
+    """engine.write (pinned staging + non-blocking copy on CUDA) puts the piece's bytes in the cache exactly,
+    and the sequence's first step waits for it."""
+    from pdserve.kvcache.codec import KvPiece
+    from pdserve.kvcache.layout import KvLayout
+    from pdserve.server.decode.kv_cache import PagedKvCache
+
+    layout = KvLayout(4, 2, 64, 16, "bfloat16")
+    cache = PagedKvCache(layout, 64, device=device)
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((4, 100, 2, 64), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((4, 100, 2, 64), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    table = [9, 10, 11, 3, 40, 41, 42]
+    piece = KvPiece(0, 0, k, v, None, None)
+    copied = cache.write(table, piece.layer_start, piece.token_start, piece.k, piece.v)
+    if copied is not None:
+        torch.cuda.current_stream(device).wait_event(copied)
+    got_k, got_v = cache.read(table, 100)
+    same = np.array_equal(got_k.float().cpu().numpy(), k.astype(np.float32)) and \
+        np.array_equal(got_v.float().cpu().numpy(), v.astype(np.float32))
+    how = "pinned staging, non-blocking copy, event" if copied is not None else "CPU memcpy"
+    return Check("received KV written bit-exactly (100 tokens, 7 scattered blocks)", same, how)
+
+
+def weight_kernel_checks(device: torch.device) -> list[Check]:
+    """Which kernel int8/fp8 weights get here (informational: a fallback is not a failure)."""
+    from pdserve.server.decode import cuda_linear
+
+    out = []
+    for fmt in ("fp8", "int8"):
+        kernel = cuda_linear.pick(fmt, torch.bfloat16, device)
+        out.append(Check(f"{fmt} weights' matmul on {device.type}", True,
+                         kernel.__name__ if kernel else "dequantize per matmul (saves memory only)"))
+    return out

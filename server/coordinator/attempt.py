@@ -1,0 +1,467 @@
+"""One attempt at a request: reserve -> prefill -> stream.
+
+1. Reserve: a decode worker D with room (the decode queue, by the decode policy); D's `Decode` call opened
+   (naming D's Steps stream, when D has one) and its `reserved` read: D holds the prompt's blocks. D may
+   refuse for lack of room (RESOURCE_EXHAUSTED: another coordinator replica took the blocks first, or
+   its own queue is full): that is never the client's failure: D counts as full in this coordinator's view
+   until it next reports its load, and the attempt picks again (until the deadline).
+2. Prefill: P answers the first token, yielded at once, and pushes the KV to D itself. No prefill worker
+   alive: D prefills the prompt, and its first event carries the first token.
+3. Stream: D's events (`tokens`..., then `finished`) as the proto's `SequenceEvent` oneof, from D's Steps
+   stream (batched with the other requests on it) or from the call itself (one message per token). A
+   reader behind the stream gets the tokens that piled up merged into one event (at most
+   `max_coalesce` tokens; never reordered, never dropped).
+4. `close` (always): the Decode call cancelled unless it ended (D frees the blocks), the counts returned.
+
+Failures another attempt can recover from raise `Lost` (the request retries or migrates); the others
+raise `RequestFailed` (the client's status).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from pdserve.server import metrics
+from pdserve.server.coordinator.admission import Deadline, RequestFailed
+from pdserve.server.coordinator.prefill_estimate import admit
+from pdserve.server.coordinator.router import Worker
+from pdserve.server.coordinator.steps import DecodeEvent, Route, StepsClient, StreamBroken
+from pdserve.server.coordinator.validate import ValidRequest
+
+if TYPE_CHECKING:
+    from pdserve.server.coordinator.service import GenerationService
+
+log = logging.getLogger("pdserve.coordinator")
+
+FinishReason = generation_pb2.FinishReason
+TRANSFER_TOKEN_BYTES = 16
+_WORKER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
+_FORWARDED_METADATA = ("retry-after-ms",)
+"""A refusing worker's hints that reach the client (as trailing metadata)."""
+
+
+class Lost(Exception):
+    """A worker died or failed this attempt in a way another attempt can recover from."""
+
+    def __init__(self, worker: Worker, message: str):
+        super().__init__(message)
+        self.worker = worker
+        self.message = message
+
+
+class _Full(Exception):
+    """The decode worker refused the request for lack of room: pick again."""
+
+
+class _EndedEarly(Exception):
+    """A per-request Decode call ended without `finished`."""
+
+
+@dataclass
+class RequestState:
+    """One client request across its attempts."""
+
+    req: ValidRequest
+    deadline: Deadline
+    worker_request_id: str
+    outputs: list[int] = field(default_factory=list)
+    """Every token id sent on to the client so far (a migration continues after them)."""
+    attempt: int = 0
+    retries: int = 0
+    migrations: int = 0
+    last_failure: str = ""
+    """Why the previous attempt was lost."""
+    prompt_logprobs: list[generation_pb2.TokenLogprob] | None = None
+    """From the prefill (when asked for); None until it answered, [] once sent on."""
+
+    @property
+    def sampling(self) -> generation_pb2.SamplingParams:
+        """What the workers get: the prompt's logprobs only until they have arrived."""
+        s = self.req.sampling
+        if self.prompt_logprobs is None or not s.HasField("prompt_logprobs"):
+            return s
+        without = generation_pb2.SamplingParams()
+        without.CopyFrom(s)
+        without.ClearField("prompt_logprobs")
+        return without
+
+    def take_prompt_logprobs(self) -> list[generation_pb2.TokenLogprob]:
+        """The prompt's logprobs for the next message to the client: once."""
+        out = self.prompt_logprobs or []
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = []
+        return out
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker_request_id if self.attempt == 0 else f"{self.worker_request_id}.a{self.attempt}"
+
+    def no_worker_left(self, role: str) -> RequestFailed:
+        if self.last_failure:
+            return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{self.last_failure}; no ready {role} worker to continue on")
+        return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready {role} worker")
+
+
+class Attempt:
+    def __init__(self, service: GenerationService, r: RequestState):
+        self.service = service
+        self.r = r
+        self.prompt = [*r.req.prompt_ids, *r.outputs]
+        self.decode: Worker | None = None
+        self.prefill: Worker | None = None
+        self.call: grpc.aio.UnaryStreamCall | None = None
+        self.steps: StepsClient | None = None
+        self.route = Route()
+        self._reserved_blocks = 0
+        self._watcher: asyncio.Task[None] | None = None
+
+    async def events(self) -> AsyncIterator[worker_pb2.SequenceEvent | DecodeEvent]:
+        """`tokens` events, then `finished`; raises Lost or RequestFailed. Close it (aclosing) to end it."""
+        try:
+            cached_blocks = await self._reserve()
+            if self.prefill is None:
+                metrics.local_prefill_fallbacks.inc()
+                log.info("request %s: no prefill worker alive; decode worker %s prefills it", self.r.req.request_id,
+                         self.decode.address)
+                events = await self._next()
+            else:
+                yield await self._run_prefill(cached_blocks)
+                events = await self._first_decode_events()
+            while True:
+                for event in events:
+                    yield event
+                    if event.WhichOneof("event") == "finished":
+                        # The worker ends its call right after `finished`: wait briefly for that, so
+                        # the call completes rather than being cancelled.
+                        if self._watcher is not None:
+                            with contextlib.suppress(TimeoutError):
+                                await asyncio.wait_for(asyncio.shield(self._watcher), 1.0)
+                        return
+                events = await self._next()
+        finally:
+            self._close()
+
+    # ---- 1. reserve -------------------------------------------------------------------
+
+    async def _reserve(self) -> int:
+        """Holds blocks on a decode worker (picking again while workers refuse for room); returns the
+        prompt blocks it had cached."""
+        service, r = self.service, self.r
+        queued_at = time.monotonic()
+        while True:
+            if not service.pool.ready("decode"):
+                raise r.no_worker_left("decode")
+            decode = await service.decode_queue.acquire(
+                service.pool, lambda: service.pool.pick_decode(len(self.prompt), self.prompt), r.deadline)
+            self._hold(decode)
+            if self.prefill is None and service.pool.ready("prefill"):
+                self.prefill = await service.prefill_queue.acquire(service.pool, self._pick_prefill, r.deadline)
+                if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
+                    admit(self.prefill, len(self.prompt), r.deadline.remaining(), service.ttft_budget)
+            try:
+                cached = await self._open_decode()
+            except _Full as full:
+                metrics.decode_refusals.inc()
+                log.info("request %s: %s; picking again", r.req.request_id, full)
+                decode.refused = True  # until its next load report
+                self._release()
+                continue
+            if r.attempt == 0:
+                metrics.request_queue_time.observe(time.monotonic() - queued_at)
+            return cached
+
+    def _hold(self, decode: Worker) -> None:
+        """Counted at pick time, so requests routed before the next load report see the worker taken."""
+        self.decode = decode
+        decode.inflight += 1
+        self._reserved_blocks = decode.blocks_for(len(self.prompt))
+        decode.reserved_blocks += self._reserved_blocks
+        metrics.num_requests_running.inc()
+
+    def _release(self) -> None:
+        decode, self.decode = self.decode, None
+        if decode is None:
+            return
+        metrics.num_requests_running.dec()
+        decode.inflight -= 1
+        decode.reserved_blocks -= self._reserved_blocks
+        if self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        if self.steps is not None:
+            self.steps.unroute(self.r.worker_id)
+            self.steps = None
+        if self.call is not None and not self.call.done():
+            self.call.cancel()  # frees the decode worker's blocks now
+        self.call = None
+        self.route = Route()
+        self.service.pool.poke()
+
+    def _close(self) -> None:
+        self._release()
+
+    def _pick_prefill(self) -> Worker | None:
+        room = [w for w in self.service.pool.ready("prefill") if w.inflight < self.service.prefill_inflight_per_worker]
+        return self.service.pool.prefill_policy(room)
+
+    async def _open_decode(self) -> int:
+        service, r, decode = self.service, self.r, self.decode
+        assert decode is not None and decode.channel is not None
+        self.transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)
+        self.steps = await service.steps.for_worker(decode)
+        if self.steps is not None:
+            self.route = self.steps.route(r.worker_id)  # before the call: no event can come first
+        self.call = worker_pb2_grpc.DecodeStub(decode.channel).Decode(
+            worker_pb2.DecodeRequest(
+                request_id=r.worker_id,
+                attempt=r.attempt,
+                prompt_token_ids=self.prompt,
+                sampling=r.sampling,
+                transfer_token=self.transfer_token,
+                lease_seconds=service.lease_seconds,  # the call's deadline also frees the blocks
+                num_output_tokens=len(r.outputs),
+                local_prefill=self.prefill is None,
+                steps_stream_id=self.steps.stream_id if self.steps is not None else "",
+            ),
+            timeout=r.deadline.check(),
+        )
+        cached_blocks = await self._read_reserved()
+        self._watcher = asyncio.create_task(self._watch(self.call, self.route, batched=self.steps is not None))
+        return cached_blocks
+
+    async def _read_reserved(self) -> int:
+        """Waits for D to hold the request's blocks (it may queue it); the prompt blocks it had cached."""
+        decode = self.decode
+        try:
+            message = await self._read_call()
+        except grpc.aio.AioRpcError as e:
+            if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and not self.r.deadline.expired:
+                raise _Full(f"decode worker {decode.address} refused it: {e.details()}") from e
+            raise await self._refused(decode, e) from e
+        if message is grpc.aio.EOF:
+            raise Lost(decode, f"decode worker {decode.address} ended the stream before reserving")
+        event = message.WhichOneof("event")
+        if event == "reserved":
+            return message.reserved.cached_blocks
+        if event == "finished" and message.finished.reason == FinishReason.FINISH_REASON_ERROR:
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address}: {message.finished.message}")
+        raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} sent {event!r} before 'reserved'")
+
+    async def _read_call(self):
+        """The call's next message but `queued` ones (D keeps a waiting request's call alive with them)."""
+        while True:
+            read = self.call.read()
+            message = await (read if self._stall_after() is None else self._stalling(read))
+            if message is grpc.aio.EOF or message.WhichOneof("event") != "queued":
+                return message
+
+    @staticmethod
+    async def _watch(call: grpc.aio.UnaryStreamCall, route: Route, batched: bool) -> None:
+        """After `reserved`, the call's messages (per request) and its end go to the route. Riding a Steps
+        stream the call stays silent; ending OK then means `finished` is on the stream."""
+        try:
+            while True:
+                message = await call.read()
+                if message is grpc.aio.EOF:
+                    if not batched:
+                        route.put(_EndedEarly())
+                    return
+                route.put(message)
+        except grpc.aio.AioRpcError as e:
+            route.put(e)
+        except asyncio.CancelledError:
+            pass
+
+    # ---- 2. prefill -------------------------------------------------------------------
+
+    async def _run_prefill(self, cached_blocks: int) -> worker_pb2.SequenceEvent:
+        """The first token; the prefill worker then pushes the KV to the decode worker itself."""
+        service, r, prefill, decode = self.service, self.r, self.prefill, self.decode
+        assert prefill is not None and prefill.channel is not None and decode is not None and decode.info is not None
+        call = worker_pb2_grpc.PrefillStub(prefill.channel).Prefill(
+            worker_pb2.PrefillRequest(
+                request_id=r.worker_id,
+                attempt=r.attempt,
+                token_ids=self.prompt,
+                sampling=r.sampling,
+                target=worker_pb2.KvTarget(address=decode.kv_address, layout=decode.info.kv_layout,
+                                           cached_blocks=cached_blocks),
+                transfer_token=self.transfer_token,
+                sample_index=len(r.outputs),
+            ),
+            timeout=r.deadline.check(),
+        )
+        prefill.inflight += 1
+        prefill.pending_tokens += len(self.prompt)
+        prefill.pending_lengths.append(len(self.prompt))
+        sent = time.monotonic()
+        try:
+            reply = await call
+            metrics.prefill_wait.observe(time.monotonic() - sent)
+        except grpc.aio.AioRpcError as e:
+            raise await self._refused(prefill, e) from e
+        finally:
+            prefill.inflight -= 1
+            prefill.pending_tokens -= len(self.prompt)
+            prefill.pending_lengths.remove(len(self.prompt))
+            if not call.done():
+                call.cancel()
+        if not 0 <= reply.first_token_id < service.limits.vocab_size:
+            raise Lost(prefill, f"prefill worker {prefill.address} answered token id {reply.first_token_id}, "
+                                f"outside the vocabulary [0, {service.limits.vocab_size})")
+        if r.sampling.HasField("prompt_logprobs"):
+            r.prompt_logprobs = list(reply.prompt_logprobs)
+        first = worker_pb2.SequenceEvent(request_id=r.worker_id, tokens=worker_pb2.TokenEvent(
+            token_ids=[reply.first_token_id]))
+        if reply.HasField("first_token_logprob"):
+            first.tokens.logprobs.append(reply.first_token_logprob)
+        return first
+
+    async def _first_decode_events(self) -> list[DecodeEvent]:
+        """D's first events after the prefill answered: they mean the KV arrived. Should P die before
+        that, the attempt is lost at once (D would otherwise wait out its lease)."""
+        prefill, decode, r = self.prefill, self.decode, self.r
+        read = asyncio.ensure_future(self._next(kv_from=prefill))
+        lost = asyncio.ensure_future(prefill.lost.wait())
+        try:
+            await asyncio.wait({read, lost}, timeout=r.deadline.check(), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            lost.cancel()
+            if not read.done():
+                read.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError, Lost, RequestFailed):
+                    await read
+        if read.done() and not read.cancelled():
+            return read.result()
+        if lost.done() and not lost.cancelled():
+            raise Lost(prefill, f"prefill worker {prefill.address} died before its KV reached decode worker "
+                                f"{decode.address}")
+        r.deadline.check()
+        raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded waiting for the KV")
+
+    # ---- 3. stream --------------------------------------------------------------------
+
+    async def _next(self, kv_from: Worker | None = None) -> list[DecodeEvent]:
+        """The next `tokens`/`finished` events, merged where they pile up. `kv_from`: the KV has not
+        arrived yet, so a failed transfer is the prefill worker's failure."""
+        while True:
+            items = await self._take()
+            events: list[DecodeEvent] = []
+            for i, item in enumerate(items):
+                if isinstance(item, Exception):
+                    if events:  # what came before the failure goes out first (a migration continues after it)
+                        self.route.items.extendleft(reversed(items[i:]))
+                        break
+                    raise await self._failure(item, kv_from)
+                kind = item.WhichOneof("event")
+                if kind == "queued":
+                    continue
+                self._check(item, kind)
+                events.append(item)
+            if events:
+                return _merged(events, self.service.max_coalesce)
+
+    async def _take(self) -> list[DecodeEvent | Exception]:
+        stall = self._stall_after()
+        if stall is None:
+            return await self.route.take(None)  # the call's own deadline ends it first
+        try:
+            return await self.route.take(stall)
+        except TimeoutError:
+            raise await self._stalled() from None
+
+    def _stall_after(self) -> float | None:
+        stall = self.service.stall_timeout
+        return None if stall is None or self.r.deadline.check() <= stall else stall
+
+    async def _stalling(self, read):
+        try:
+            return await asyncio.wait_for(read, self._stall_after())
+        except TimeoutError:
+            raise await self._stalled() from None
+
+    async def _stalled(self) -> Lost:
+        decode = self.decode
+        metrics.stalled_streams.inc()
+        message = f"decode worker {decode.address} sent nothing for {self.service.stall_timeout:g} s (--stall-timeout)"
+        await self.service.pool.mark_failed(decode, message)
+        return Lost(decode, message)
+
+    def _check(self, event: DecodeEvent, kind: str | None) -> None:
+        decode = self.decode
+        if kind == "tokens":
+            vocab = self.service.limits.vocab_size
+            if any(not 0 <= i < vocab for i in event.tokens.token_ids):
+                raise Lost(decode, f"decode worker {decode.address} sent a token id outside the vocabulary [0, {vocab})")
+        elif kind == "finished":
+            finished = event.finished
+            if finished.reason == FinishReason.FINISH_REASON_ERROR:
+                raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address}: {finished.message}")
+            if finished.reason == FinishReason.FINISH_REASON_UNSPECIFIED:
+                raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} finished without a reason")
+        else:
+            raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} sent {kind!r} mid-stream")
+
+    async def _failure(self, e: Exception, kv_from: Worker | None) -> Exception:
+        decode, r = self.decode, self.r
+        if isinstance(e, _EndedEarly):
+            return Lost(decode, f"decode worker {decode.address} ended the stream without finishing the request")
+        if isinstance(e, StreamBroken):
+            if e.code == grpc.StatusCode.UNAVAILABLE:  # the worker is gone: route around it at once
+                await self.service.pool.mark_failed(decode, str(e))
+            return Lost(decode, str(e))
+        assert isinstance(e, grpc.aio.AioRpcError)
+        if kv_from is not None and e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
+            if e.code() == grpc.StatusCode.ABORTED or not r.deadline.expired:
+                return Lost(kv_from, f"the KV from prefill worker {kv_from.address} never reached decode "
+                                     f"worker {decode.address}: {e.details()}")
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RequestFailed(e.code(), e.details() or "deadline exceeded")
+        if e.code() not in _WORKER_GONE:
+            return RequestFailed(e.code(), f"decode worker {decode.address}: {e.details()}")
+        return await self._gone(decode, e)
+
+    async def _refused(self, worker: Worker, e: grpc.aio.AioRpcError) -> Exception:
+        """A worker call failed before any output: the client gets its status, unless the worker is gone."""
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return RequestFailed(e.code(), e.details() or "deadline exceeded")
+        if e.code() not in _WORKER_GONE:
+            hints = [*(e.initial_metadata() or ()), *(e.trailing_metadata() or ())]
+            return RequestFailed(
+                e.code(),
+                e.details() or f"{worker.role} worker {worker.address}: {e.code().name}",
+                tuple((k, v) for k, v in hints if k in _FORWARDED_METADATA),
+            )
+        return await self._gone(worker, e)
+
+    async def _gone(self, worker: Worker, e: grpc.aio.AioRpcError) -> Lost:
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            await self.service.pool.mark_failed(worker, e.details() or "")
+        return Lost(worker, f"{worker.role} worker {worker.address} failed: {e.code().name}: {e.details()}")
+
+
+def _merged(events: list[DecodeEvent], max_tokens: int) -> list[DecodeEvent]:
+    """Runs of `tokens` events joined, each up to max_tokens ids, in order; `finished` stays last."""
+    if len(events) == 1 or max_tokens <= 1:
+        return events
+    out: list[DecodeEvent] = []
+    for event in events:
+        last = out[-1] if out else None
+        if (last is not None and event.WhichOneof("event") == "tokens" and last.WhichOneof("event") == "tokens"
+                and not event.tokens.prompt_logprobs
+                and len(last.tokens.token_ids) + len(event.tokens.token_ids) <= max_tokens):
+            last.tokens.token_ids.extend(event.tokens.token_ids)
+            last.tokens.logprobs.extend(event.tokens.logprobs)
+        else:
+            out.append(event)
+    return out

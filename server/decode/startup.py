@@ -1,0 +1,112 @@
+"""The native decode engine as a worker starts it: the model on its device, the KV cache sized, the
+decode step eager or CUDA-graphed. `benchmarks/gpu.py` starts it the same way (`engine_for_model`).
+
+1. `--device` resolved (auto: CUDA when torch sees one).
+2. The model built from its config on the device, the checkpoint's tensors loaded, then quantized when
+   --weight-dtype is int8/fp8 (through a kernel for the format where the device has one).
+3. The KV layout; the cache's blocks from --kv-cache-tokens, else from memory (`device.py`).
+4. The engine: cache on the device, CUDA graphs captured per batch bucket unless --enforce-eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.server.decode.config import DecodeConfig
+from pdserve.server.decode.cuda_attention import have_triton
+from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_cache_blocks, gpu_cache_blocks,
+                                          parse_bytes, profile_step, resolve_device)
+from pdserve.server.decode.engine import DecodeEngine
+from pdserve.server.decode.kv_cache import TORCH_DTYPES
+from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.model_runner import CudaGraphRunner
+from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
+from pdserve.server.decode.weights import build_model
+from pdserve.server.model.config import ModelConfig, load_config
+from pdserve.server.model.weights import load_weights
+
+log = logging.getLogger("pdserve.decode")
+
+
+def dtypes(config: DecodeConfig, model_config: ModelConfig) -> tuple[str, str, str]:
+    """(weight dtype, compute dtype, KV dtype) the flags and the checkpoint give."""
+    weight_dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
+    quantized = weight_dtype in QUANTIZED_WEIGHTS
+    compute_dtype = (model_config.dtype if model_config.dtype in TORCH_DTYPES else "float32") if quantized \
+        else weight_dtype
+    kv_dtype = compute_dtype if config.kv_dtype == "auto" else config.kv_dtype
+    return weight_dtype, compute_dtype, kv_dtype
+
+
+def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine, KvLayout]:
+    model_config = load_config(config.model_dir).limited_to(config.max_model_len)
+    device = resolve_device(config.device)
+    if config.gpu_memory_utilization is not None and device.type != "cuda":
+        log.warning("--gpu-memory-utilization %s does not apply: this decode worker computes on the CPU; its KV "
+                    "cache is sized by --kv-cache-tokens or --kv-cache-memory", config.gpu_memory_utilization)
+    weight_dtype, compute_dtype, _ = dtypes(config, model_config)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    t0 = time.perf_counter()
+    quantized = weight_dtype in QUANTIZED_WEIGHTS
+    model = build_model(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
+                        weight_format=weight_dtype if quantized else None, device=device)
+    model.prepack()  # CPU: bf16/fp16 linears in oneDNN's layout; a no-op on CUDA
+    log.info("decode model %s loaded onto %s in %.1f s; weights %.1f MiB (%s, compute %s)%s",
+             model_config.describe(), device, time.perf_counter() - t0, buffer_bytes(model) / 2**20, weight_dtype,
+             compute_dtype, f"; {model.weight_kernel}" if quantized else "")
+    engine, layout = engine_for_model(config, model)
+    return model_config, engine, layout
+
+
+def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeEngine, KvLayout]:
+    """The engine over a model already on its device (steps 3 and 4)."""
+    model_config = model.config
+    device = model.embed.device
+    _, _, kv_dtype = dtypes(config, model_config)
+    model.paged_kernel = device.type == "cuda" and have_triton()
+    if device.type == "cuda" and not model.paged_kernel:
+        log.warning("triton is not installed: decode attention on %s gathers whole block tables (pip install "
+                    "triton for the paged kernel)", device)
+    layout = KvLayout(
+        num_layers=model_config.num_layers,
+        num_kv_heads=model_config.num_kv_heads,
+        head_dim=model_config.head_dim,
+        block_size=config.block_size,
+        dtype=kv_dtype,
+        scale_granularity="block_head" if kv_dtype in QUANTIZED else "none",
+    )
+    cuda_graphs = device.type == "cuda" and not config.enforce_eager
+    num_blocks, sized_by = cache_blocks(config, model, layout, device, cuda_graphs)
+    t0 = time.perf_counter()
+    engine = DecodeEngine(model, layout, num_blocks, config.max_running, max_queue=config.max_queue,
+                          enable_prefix_caching=config.enable_prefix_caching,
+                          eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
+                          cuda_graphs=cuda_graphs)
+    log.info("decode KV cache on %s: %d blocks x %d tokens = %d tokens (%s, %.1f MiB incl. scales; %s); %s",
+             device, num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype,
+             engine.cache.nbytes / 2**20, sized_by,
+             f"CUDA graphs for batches {', '.join(map(str, engine.runner.buckets))} captured in "
+             f"{time.perf_counter() - t0:.1f} s" if isinstance(engine.runner, CudaGraphRunner) else "eager steps")
+    return engine, layout
+
+
+def cache_blocks(config: DecodeConfig, model: DecoderModel, layout: KvLayout, device: torch.device,
+                 cuda_graphs: bool) -> tuple[int, str]:
+    """The KV cache's blocks and what sized it: --kv-cache-tokens, else the memory left on the device."""
+    if config.num_blocks is not None:
+        return config.num_blocks, f"--kv-cache-tokens {config.kv_cache_tokens}"
+    max_model_len = model.config.max_model_len
+    if device.type != "cuda":
+        budget = parse_bytes(config.kv_cache_memory, "--kv-cache-memory")
+        blocks = cpu_cache_blocks(budget, layout, config.max_running, max_model_len)
+        return blocks, f"--kv-cache-memory {config.kv_cache_memory}, at most --max-running x --max-model-len"
+    utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+    peak, other, total = profile_step(model, layout, config.max_running, max_model_len, device)
+    blocks = gpu_cache_blocks(total, utilization, peak, other, layout, reserved_blocks=1 if cuda_graphs else 0)
+    return blocks, (f"--gpu-memory-utilization {utilization} of {total / 2**30:.1f} GiB; weights + a step at batch "
+                    f"{config.max_running} peaked at {peak / 2**30:.2f} GiB, other memory {other / 2**30:.2f} GiB")

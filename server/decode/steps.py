@@ -1,0 +1,91 @@
+"""Batched streams to the coordinator: one `StepBatch` per decode step per coordinator connection.
+
+Life cycle:
+1. A coordinator opens `Steps(stream_id)` once per connection; the worker answers an empty batch (open).
+2. A `Decode` call naming that stream gets its `reserved` as before; then its sequence's events go to
+   the stream through a `StepSink` put in place of `seq.events`: the engines keep calling
+   `seq.events.put_nowait(ids | None)` exactly as for a per-request stream.
+3. Every event lands in the stream's pending batch; the stream sends what is pending the next time the
+   event loop runs it. An engine step puts the tokens of all its sequences in one go, so one step makes
+   one message; a coordinator slower than the steps gets several steps' events in one message, in order.
+4. The stream ends (the coordinator went away): every request riding it is aborted, its blocks freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.server.decode.sequence import Sequence
+
+
+class StepStream:
+    """One coordinator connection's Steps stream: the pending events of every request riding it."""
+
+    def __init__(self, stream_id: str):
+        self.stream_id = stream_id
+        self.pending: list[pb.SequenceEvent] = []
+        self.riders: dict[str, StepSink] = {}
+        self.closed = False
+        self._ready = asyncio.Event()
+
+    def send(self, event: pb.SequenceEvent) -> None:
+        self.pending.append(event)
+        self._ready.set()
+
+    async def batches(self) -> AsyncIterator[pb.StepBatch]:
+        """An empty batch (the stream is open), then whatever is pending each time something is."""
+        yield pb.StepBatch()
+        while True:
+            await self._ready.wait()
+            self._ready.clear()
+            events, self.pending = self.pending, []
+            yield pb.StepBatch(events=events)
+
+    def close(self, abort: Callable[[str], object]) -> None:
+        """The coordinator is gone: abort every request riding the stream (abort(request_id))."""
+        self.closed = True
+        for rid in list(self.riders):
+            abort(rid)
+
+
+class StepSink:
+    """Stands in for `seq.events` of a request riding a StepStream: what the engine puts becomes events."""
+
+    def __init__(self, stream: StepStream, seq: Sequence):
+        self.stream = stream
+        self.seq = seq
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        """Resolves once the request has ended (its `finished` event is out, unless the stream had closed)."""
+        self.cut_off = False
+        """The request ended after its stream closed: the coordinator never got `finished`."""
+        stream.riders[seq.request_id] = self
+
+    def put_nowait(self, ids: list[int] | None) -> None:
+        """The engine's output: new token ids (their logprobs wait on seq.logprobs), or None at the end."""
+        seq = self.seq
+        if self.done.done():
+            return
+        if ids is None:
+            self.cut_off = self.stream.closed
+            message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
+            self.stream.send(pb.SequenceEvent(request_id=seq.request_id,
+                                              finished=pb.Finished(reason=seq.finish_reason, message=message)))
+            self.stream.riders.pop(seq.request_id, None)
+            self.done.set_result(None)
+            return
+        tokens = pb.TokenEvent(token_ids=ids)
+        if seq.logprobs:
+            tokens.logprobs.extend(seq.logprobs[: len(ids)])
+            del seq.logprobs[: len(ids)]
+        self.stream.send(pb.SequenceEvent(request_id=seq.request_id, tokens=tokens))
+
+    def send(self, **event) -> None:
+        """A service-side event for the request: `tokens=` (a local prefill's first) or `queued=`."""
+        if not self.done.done():
+            self.stream.send(pb.SequenceEvent(request_id=self.seq.request_id, **event))
+
+    def detach(self) -> None:
+        self.stream.riders.pop(self.seq.request_id, None)

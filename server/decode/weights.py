@@ -1,0 +1,83 @@
+"""Loads a checkpoint's tensors into a `DecoderModel` built from its config (gpt-fast's shape: the model
+file holds the math, this file the names, quantization is one step after).
+
+    model = DecoderModel(config, dtype, device)    # empty buffers of the right shapes, on the device
+    load_weights(model, tensors)                   # HF names -> fused buffers (q|k|v, gate|up), copied
+    quantize(model, "fp8")                         # optional: int8/fp8 weight-only, per-output-channel
+
+`build_model` does the three.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from pdserve.server.decode.kv_cache import numpy_to_torch
+from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.quant import WeightFormat, quantize
+from pdserve.server.model.config import ModelConfig
+
+
+def load_weights(model: DecoderModel, tensors: Mapping[str, np.ndarray]) -> None:
+    """Copies the HF-named checkpoint tensors into the model's buffers (converted to its dtype, on its
+    device); raises ValueError naming the first missing tensor or mismatched shape."""
+    config = model.config
+
+    def copy(dst: torch.Tensor, name: str) -> None:
+        if name not in tensors:
+            raise ValueError(f"the checkpoint lacks {name} ({config.describe()})")
+        src = tensors[name]
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"{name} is {tuple(src.shape)} in the checkpoint; {config.describe()} needs "
+                             f"{tuple(dst.shape)}: is config.json the checkpoint's own?")
+        dst.copy_(numpy_to_torch(src))
+
+    def rows(dst: torch.Tensor, names: list[str]) -> None:
+        """Fused weights: each name's rows one after another in dst."""
+        start = 0
+        for name in names:
+            n = tensors[name].shape[0] if name in tensors else 0
+            copy(dst[start : start + n], name)
+            start += n
+        if start != dst.shape[0]:
+            raise ValueError(f"{', '.join(names)} hold {start} rows together; {config.describe()} needs "
+                             f"{dst.shape[0]}")
+
+    with torch.no_grad():
+        copy(model.embed, "model.embed_tokens.weight")
+        if model.untied_lm_head is not None:
+            copy(model.untied_lm_head, "lm_head.weight")
+        copy(model.norm, "model.norm.weight")
+        for layer in model.layers:
+            p = f"model.layers.{layer.index}."
+            attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
+            rows(layer.wqkv.weight, [f"{n}.weight" for n in attn])
+            if layer.wqkv.bias is not None:
+                rows(layer.wqkv.bias, [f"{n}.bias" for n in attn])
+            if layer.q_norm is not None:
+                copy(layer.q_norm, f"{p}self_attn.q_norm.weight")
+                copy(layer.k_norm, f"{p}self_attn.k_norm.weight")
+            copy(layer.wo.weight, f"{p}self_attn.o_proj.weight")
+            rows(layer.w_gate_up.weight, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
+            copy(layer.w_down.weight, f"{p}mlp.down_proj.weight")
+            copy(layer.attn_norm, f"{p}input_layernorm.weight")
+            copy(layer.mlp_norm, f"{p}post_attention_layernorm.weight")
+
+
+def build_model(
+    config: ModelConfig,
+    tensors: Mapping[str, np.ndarray],
+    dtype: torch.dtype = torch.float32,
+    weight_format: WeightFormat | None = None,
+    device: torch.device | str | None = None,
+) -> DecoderModel:
+    """The model on the device with the checkpoint's weights, its linears quantized when weight_format is set
+    (from the loaded values: the checkpoint's own when dtype holds them exactly)."""
+    model = DecoderModel(config, dtype, device)
+    load_weights(model, tensors)
+    if weight_format is not None:
+        quantize(model, weight_format)
+    return model.eval()

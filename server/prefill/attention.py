@@ -1,0 +1,175 @@
+"""Causal attention over packed, ragged prompts, without ever building the [S, S] score matrix.
+
+Every query and key carries a position (in its prompt) and a segment id (which prompt of the packed
+buffer it belongs to): query i reads key j iff seg[i] == seg[j] and pos[j] <= pos[i]. That one rule
+covers right padding, several prompts packed into one token buffer, and a chunk attending to the KV
+of the chunks before it (the context keys carry the earlier positions). Padding carries a segment id
+that no real token has.
+
+- `reference_attention`: the whole masked score matrix at once; the oracle for tests.
+- `blockwise_attention`: flash-style online softmax over key blocks, one query block at a time; peak
+  memory [B, Hkv, G, block_q, block_k] per step, so linear in the prompt length. Key blocks no query
+  of the block may read are skipped (`lax.cond`), so a packed buffer costs about what its prompts
+  would cost one by one. Used on every backend but TPU.
+- `pallas_attention`: the same algorithm as a Pallas kernel (one program per batch row, query head and
+  query block, looping over key blocks in VMEM); compiled by Mosaic on TPU, run in interpret mode on CPU
+  by the tests against the reference.
+- `attention`: picks one by backend.
+
+Shapes: B batch, S queries, K keys, Hq/Hkv query/kv heads, G = Hq // Hkv, D head dim.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+NEG = -1e30
+"""The masked score: finite, so a block whose keys are all masked leaves the running max unchanged."""
+
+
+def _mask(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array) -> jax.Array:
+    """[..., S] and [..., K] -> bool [..., S, K]: who may read whom."""
+    same = q_seg[..., :, None] == k_seg[..., None, :]
+    return same & (k_pos[..., None, :] <= q_pos[..., :, None])
+
+
+def reference_attention(q, k, v, q_pos, q_seg, k_pos, k_seg):
+    """q [B, S, Hq, D]; k, v [B, K, Hkv, D]; q_pos, q_seg int32 [B, S]; k_pos, k_seg [B, K] -> [B, S, Hq, D]."""
+    b, s, hq, d = q.shape
+    hkv = k.shape[2]
+    q = q.reshape(b, s, hkv, hq // hkv, d)  # [B, S, Hkv, G, D]: q head h reads kv head h // G
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) * d**-0.5  # [B, Hkv, G, S, K]
+    mask = _mask(q_pos, q_seg, k_pos, k_seg)[:, None, None]  # [B, 1, 1, S, K]
+    scores = jnp.where(mask, scores, NEG)
+    probs = jax.nn.softmax(scores, axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(v.dtype)  # a query reading nothing (padding) gets zeros
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v, preferred_element_type=F32)  # [B, S, Hkv, G, D]
+    return out.astype(v.dtype).reshape(b, s, hq, d)
+
+
+def _pad_to(x: jax.Array, axis: int, multiple: int, value) -> jax.Array:
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 256, block_k: int = 256):
+    """`reference_attention`'s result with online softmax over key blocks (exact within fp32 rounding)."""
+    q, k, v, q_pos, q_seg, k_pos, k_seg = map(jnp.asarray, (q, k, v, q_pos, q_seg, k_pos, k_seg))
+    b, s, hq, d = q.shape
+    kk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    bq, bk = min(block_q, s), min(block_k, kk)
+    q = _pad_to(q, 1, bq, 0)
+    q_pos, q_seg = _pad_to(q_pos, 1, bq, 0), _pad_to(q_seg, 1, bq, -1)
+    k, v = _pad_to(k, 1, bk, 0), _pad_to(v, 1, bk, 0)
+    k_pos, k_seg = _pad_to(k_pos, 1, bk, 0), _pad_to(k_seg, 1, bk, -2)  # -2: matches no query, padding neither
+    nq, nk = q.shape[1] // bq, k.shape[1] // bk
+    qb = q.reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, Hkv, G, bq, D]
+    kb = k.reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)  # [nk, B, Hkv, bk, D]
+    vb = v.reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)  # [nk, B, Hkv, bk, D]
+    qpb, qsb = q_pos.reshape(b, nq, bq).transpose(1, 0, 2), q_seg.reshape(b, nq, bq).transpose(1, 0, 2)  # [nq, B, bq]
+    kpb, ksb = k_pos.reshape(b, nk, bk).transpose(1, 0, 2), k_seg.reshape(b, nk, bk).transpose(1, 0, 2)  # [nk, B, bk]
+    scale = d**-0.5
+
+    def one_query_block(args):
+        qi, qp, qs = args  # [B, Hkv, G, bq, D], [B, bq], [B, bq]
+
+        def step(j, carry):
+            mask = _mask(qp, qs, kpb[j], ksb[j])  # [B, bq, bk]
+
+            def update(carry):
+                m, l, acc = carry  # [B, Hkv, G, bq] x2, [B, Hkv, G, bq, D] f32
+                sc = jnp.einsum("bkgqd,bksd->bkgqs", qi, kb[j], preferred_element_type=F32) * scale
+                sc = jnp.where(mask[:, None, None], sc, NEG)  # [B, Hkv, G, bq, bk]
+                m_new = jnp.maximum(m, sc.max(-1))
+                p = jnp.where(mask[:, None, None], jnp.exp(sc - m_new[..., None]), 0.0)
+                corr = jnp.exp(m - m_new)
+                pv = jnp.einsum("bkgqs,bksd->bkgqd", p.astype(v.dtype), vb[j], preferred_element_type=F32)
+                return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+            return jax.lax.cond(mask.any(), update, lambda c: c, carry)
+
+        init = (jnp.full((b, hkv, g, bq), NEG, F32), jnp.zeros((b, hkv, g, bq), F32),
+                jnp.zeros((b, hkv, g, bq, d), F32))
+        _, l, acc = jax.lax.fori_loop(0, nk, step, init)
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]  # [B, Hkv, G, bq, D]
+
+    out = jax.lax.map(one_query_block, (qb, qpb, qsb))  # [nq, B, Hkv, G, bq, D]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(b, nq * bq, hq, d)[:, :s]
+    return out.astype(v.dtype)
+
+
+def _flash_kernel(qp_ref, qs_ref, kp_ref, ks_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, scale: float):
+    """One (row, query head, query block): q [bq, D] against every key block of its kv head [K, D]."""
+    from jax.experimental import pallas as pl
+
+    q = q_ref[...].astype(F32)  # [bq, D]
+    qp, qs = qp_ref[...], qs_ref[...]  # [bq]
+    bq, d = q.shape
+    nk = k_ref.shape[0] // block_k
+
+    def step(j, carry):
+        m, l, acc = carry  # [bq], [bq], [bq, D]
+        keys = pl.ds(j * block_k, block_k)
+        kj, vj = k_ref[keys, :].astype(F32), v_ref[keys, :].astype(F32)  # [bk, D]
+        mask = (qs[:, None] == ks_ref[keys][None, :]) & (kp_ref[keys][None, :] <= qp[:, None])  # [bq, bk]
+        sc = jnp.where(mask, jnp.dot(q, kj.T, preferred_element_type=F32) * scale, NEG)
+        m_new = jnp.maximum(m, sc.max(-1))
+        p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        return m_new, l * corr + p.sum(-1), acc * corr[:, None] + jnp.dot(p, vj, preferred_element_type=F32)
+
+    init = (jnp.full((bq,), NEG, F32), jnp.zeros((bq,), F32), jnp.zeros((bq, d), F32))
+    _, l, acc = jax.lax.fori_loop(0, nk, step, init)
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 128, block_k: int = 128,
+                     interpret: bool = False):
+    """`reference_attention` as a Pallas kernel; interpret=True runs it on any backend (tests)."""
+    from jax.experimental import pallas as pl
+
+    q, k, v, q_pos, q_seg, k_pos, k_seg = map(jnp.asarray, (q, k, v, q_pos, q_seg, k_pos, k_seg))
+    b, s, hq, d = q.shape
+    kk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    bq, bk = min(block_q, s), min(block_k, kk)
+    q = _pad_to(q, 1, bq, 0)
+    q_pos, q_seg = _pad_to(q_pos, 1, bq, 0), _pad_to(q_seg, 1, bq, -1)
+    k, v = _pad_to(k, 1, bk, 0), _pad_to(v, 1, bk, 0)
+    k_pos, k_seg = _pad_to(k_pos, 1, bk, 0), _pad_to(k_seg, 1, bk, -2)
+    sp, kp = q.shape[1], k.shape[1]
+    qt = q.transpose(0, 2, 1, 3)  # [B, Hq, S, D]
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, K, D]
+    out = pl.pallas_call(
+        partial(_flash_kernel, block_k=bk, scale=d**-0.5),
+        grid=(b, hq, sp // bq),
+        in_specs=[
+            pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),  # q_pos
+            pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),  # q_seg
+            pl.BlockSpec((None, kp), lambda i, h, j: (i, 0)),  # k_pos
+            pl.BlockSpec((None, kp), lambda i, h, j: (i, 0)),  # k_seg
+            pl.BlockSpec((None, None, bq, d), lambda i, h, j: (i, h, j, 0)),  # q
+            pl.BlockSpec((None, None, kp, d), lambda i, h, j: (i, h // g, 0, 0)),  # k of this head's group
+            pl.BlockSpec((None, None, kp, d), lambda i, h, j: (i, h // g, 0, 0)),  # v
+        ],
+        out_specs=pl.BlockSpec((None, None, bq, d), lambda i, h, j: (i, h, j, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hq, sp, d), q.dtype),
+        interpret=interpret,
+    )(q_pos, q_seg, k_pos, k_seg, qt, kt, vt)
+    return out.transpose(0, 2, 1, 3)[:, :s]  # [B, S, Hq, D]
+
+
+def attention(q, k, v, q_pos, q_seg, k_pos, k_seg):
+    """The backend's memory-bounded attention: the Pallas kernel on TPU, blockwise elsewhere."""
+    if jax.default_backend() == "tpu":
+        return pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg)
+    return blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg)

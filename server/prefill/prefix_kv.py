@@ -1,0 +1,85 @@
+"""PrefixKv: the KV of recently prefilled prompts' full blocks, kept by the prefill worker for reuse.
+
+The same scheme as the decode tier's prefix cache, and its code: logical blocks from a
+`kvcache.BlockPool` named by `kvcache.prefix_cache.block_hashes` (each block's hash chains over every
+token before it) and evicted least recently used by `PrefixCache`; the physical storage here is one
+host array per k and v, [blocks, L, block_size, Hkv, D] in the compute dtype, sized by the byte budget.
+
+Life of a prefix:
+1. `store(tokens, k, v)` after a prompt's prefill: its full blocks not cached yet are written (evicting
+   the least recently used blocks when the budget is full) and registered under their hashes.
+2. `lookup(tokens)` for a new prompt: the KV of its longest cached prefix, copied out (so eviction
+   cannot pull it from under a running prompt), always leaving at least the last token to compute
+   (its logits give the first token). The prompt then prefills from there: chunked prefill whose
+   first chunk's context is that prefix.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pdserve.kvcache.block_pool import BlockPool
+from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes
+
+BLOCK_SIZE = 16
+"""Tokens per cached block (whatever the decode worker's block size: hits are rounded down to its)."""
+
+
+class PrefixKv:
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype, budget_bytes: int,
+                 block_size: int = BLOCK_SIZE):
+        self.block_size = block_size
+        shape = (num_layers, block_size, num_kv_heads, head_dim)  # one block of all layers
+        block_bytes = 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
+        num_blocks = budget_bytes // block_bytes
+        self.cache = PrefixCache(BlockPool(max(num_blocks, 1)), enabled=num_blocks > 0)
+        self.k = np.zeros((num_blocks, *shape), dtype)  # [N, L, bs, Hkv, D]
+        self.v = np.zeros((num_blocks, *shape), dtype)
+        self.hits = 0
+        """Prompt tokens served from the cache (not computed)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.cache.enabled
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def lookup(self, token_ids: list[int], multiple_of: int = 1) -> tuple[np.ndarray, np.ndarray] | None:
+        """k, v [L, m, Hkv, D] of the longest cached prefix (m a multiple of `multiple_of` and of the
+        block size, m < len(token_ids)); None when there is none."""
+        if not self.enabled:
+            return None
+        hashes = block_hashes(token_ids, self.block_size, limit=(len(token_ids) - 1) // self.block_size)
+        ids = self.cache.lookup(hashes)
+        try:
+            step = max(multiple_of // self.block_size, 1)
+            ids_used = ids[: len(ids) // step * step]
+            if not ids_used:
+                return None
+            k = np.concatenate(list(self.k[ids_used]), axis=1)  # [L, m, Hkv, D]
+            v = np.concatenate(list(self.v[ids_used]), axis=1)
+            self.hits += k.shape[1]
+            return k, v
+        finally:
+            self.cache.free(ids)
+
+    def store(self, token_ids: list[int], k: np.ndarray, v: np.ndarray) -> None:
+        """Caches the full blocks of a prompt whose k, v [L, n >= full blocks' tokens, Hkv, D] are given."""
+        if not self.enabled:
+            return
+        hashes = block_hashes(token_ids, self.block_size)
+        held = self.cache.lookup(hashes)
+        try:
+            fresh = min(len(hashes) - len(held), self.cache.num_available)
+            new = self.cache.allocate(fresh)
+        except Exception:
+            self.cache.free(held)
+            raise
+        bs = self.block_size
+        for i, block_id in enumerate(new, start=len(held)):
+            self.k[block_id] = k[:, i * bs : (i + 1) * bs]
+            self.v[block_id] = v[:, i * bs : (i + 1) * bs]
+        self.cache.register(new, hashes[len(held) : len(held) + len(new)])
+        self.cache.free(held + new)

@@ -1,0 +1,127 @@
+"""The CUDA paged-attention kernel against the reference attention (the cache's gather + SDPA over the
+context), run here by Triton's interpreter on the CPU. bfloat16 is left to the GPU run (`python -m
+pdserve.benchmarks.gpu`, its correctness section): the interpreter's bf16 `tl.dot` is wrong on the CPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
+
+from pdserve.kvcache.layout import KvLayout
+from pdserve.server.decode.cuda_attention import have_triton, num_splits, paged_decode_attention
+from pdserve.server.decode.kv_cache import PagedKvCache
+
+needs_triton = pytest.mark.skipif(not have_triton(), reason="triton is not installed here (pip install triton); "
+                                  "the GPU run of benchmarks/gpu.py checks the kernel on CUDA")
+
+
+def test_splits_follow_the_shapes_alone():
+    # 256 programs wanted: batch 1 x 8 kv heads -> 32 splits, no more than the 64-token tiles of the table.
+    assert num_splits(1, 8, 256, 16) == 32
+    assert num_splits(1, 8, 4, 16) == 1  # a 64-token table is one tile
+    assert num_splits(64, 8, 256, 16) == 1  # 512 programs already
+    assert num_splits(4, 8, 256, 16) == 8
+    assert num_splits(2, 2, 10, 4) == 1  # 40 tokens: one tile
+    assert num_splits(1, 1, 4096, 16) == 64  # 256 wanted, capped for the combining kernel
+
+
+def _reference(q, cache: PagedKvCache, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The model's attention over the gathered table, masked to the context: q [B, H, D] -> [B, H, D]."""
+    k, v = cache.gather(0, tables)  # [B, T, Hkv, D]
+    keys = torch.arange(k.shape[1])
+    mask = (keys < lens[:, None])[:, None, None]  # [B, 1, 1, T]
+    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                         attn_mask=mask, enable_gqa=True)  # [B, H, 1, D]
+    return out[:, :, 0]
+
+
+def _filled_cache(dtype: str, num_blocks: int = 40, block_size: int = 4) -> PagedKvCache:
+    quantized = dtype in ("int8", "fp8_e4m3")
+    cache = PagedKvCache(KvLayout(1, 2, 32, block_size, dtype, "block_head" if quantized else "none"), num_blocks)
+    g = torch.Generator().manual_seed(1)
+    k = torch.randn(num_blocks * block_size, 2, 32, generator=g)
+    v = torch.randn(num_blocks * block_size, 2, 32, generator=g)
+    slots = torch.arange(num_blocks * block_size)
+    cache.store(0, slots, k, v)  # quantizes per block for int8/fp8
+    return cache
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype, q_dtype, splits, tol", [
+    ("float32", torch.float32, 1, 1e-5),
+    ("float32", torch.float32, 3, 1e-5),
+    ("float16", torch.float16, None, 2e-3),
+    ("int8", torch.float32, 2, 1e-5),
+    ("fp8_e4m3", torch.float32, 1, 1e-5),
+])
+def test_kernel_matches_the_reference(kv_dtype, q_dtype, splits, tol):
+    cache = _filled_cache(kv_dtype)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(3, 4, 32, generator=g).to(q_dtype)  # 4 query heads share 2 kv heads
+    tables = torch.randperm(40, generator=g)[:30].view(3, 10)  # scattered blocks
+    lens = torch.tensor([1, 17, 40])  # one token, part of a block, the whole table
+    got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens,
+                                 None if cache.k_scales is None else cache.k_scales[0],
+                                 None if cache.v_scales is None else cache.v_scales[0], splits=splits)
+    assert got.dtype == q_dtype and got.shape == (3, 4, 32)
+    assert (got.float() - _reference(q, cache, tables, lens).float()).abs().max().item() < tol
+
+
+@needs_triton
+def test_kernel_reads_no_block_past_the_context():
+    """Blocks beyond each context hold NaN and the table past it points at them: nothing changes."""
+    cache = _filled_cache("float32")
+    q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(3))
+    tables = torch.arange(20).view(2, 10)
+    lens = torch.tensor([5, 9])  # blocks 0-1 and 10-12 hold the contexts
+    expected = paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens)
+    for b, used in ((0, 2), (1, 3)):
+        cache.k[0, tables[b, used:]] = float("nan")
+        cache.v[0, tables[b, used:]] = float("nan")
+    got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, splits=2)
+    assert torch.equal(got, expected) or (got - expected).abs().max().item() < 1e-6
+    assert not got.isnan().any()
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model):
+    from pdserve.server.decode.weights import build_model
+    from pdserve.server.model.config import load_config
+    from pdserve.server.model.weights import load_weights
+
+    path = tiny_model("llama")
+    return build_model(load_config(path), load_weights(path))
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype, tol", [("float32", 1e-4), ("int8", 1e-4)])
+def test_model_decode_through_the_kernel_matches_the_reference(llama, kv_dtype, tol):
+    """The model's decode step with `paged_kernel` (what runs on CUDA, block tables as wide as a CUDA graph's)
+    against the reference path, fp32 and int8 KV."""
+    c = llama.config
+    granularity = "block_head" if kv_dtype == "int8" else "none"
+    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype, granularity)
+    prompts = [list(range(3, 12)), list(range(40, 45))]
+    tables = torch.tensor([[0, 1, 2, 3, 12, 12], [5, 6, 12, 12, 12, 12]])  # padded with the pad block 12
+    logits = {}
+    for kernel in (False, True):
+        cache = PagedKvCache(layout, 13)
+        for ids, table in zip(prompts, tables.tolist()):
+            llama.prefill(torch.tensor(ids), table, cache)
+        llama.paged_kernel = kernel
+        try:
+            positions = torch.tensor([len(p) for p in prompts])
+            steps = []
+            for step in range(3):  # three tokens: the kernel path stores each new token itself
+                steps.append(llama.decode(torch.tensor([100 + step, 7]), positions + step, tables,
+                                          positions + step + 1, cache))
+        finally:
+            llama.paged_kernel = False
+        logits[kernel] = torch.stack(steps)  # [3, B, V]
+    assert (logits[True] - logits[False]).abs().max().item() < tol
