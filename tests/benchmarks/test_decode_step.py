@@ -14,7 +14,7 @@ def test_random_qwen_shape_builds_a_model_that_decodes():
     config, weights = decode_step.random_qwen_shape(layers=1, vocab=64)
     assert (config.num_layers, config.vocab_size, config.hidden_size, config.num_kv_heads) == (1, 64, 896, 2)
     assert config.qkv_bias and config.tie_word_embeddings and "lm_head.weight" not in weights
-    model = decode_step.DecoderModel(config, weights)
+    model = decode_step.build_model(config, weights)
     cache = decode_step.PagedKvCache(decode_step._layout(config, "int8"), 4)
     times = decode_step.step_seconds(model, cache, torch.tensor([[0, 1], [2, 3]]), context=20, steps=2, warmup=1)
     assert len(times) == 2 and all(t > 0 for t in times)
