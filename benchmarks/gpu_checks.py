@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -27,13 +26,13 @@ class Check:
 
 
 def _reference_attention(q, cache, layer: int, tables, lens):
-    """The model's reference path: gather the table, mask past the context, SDPA. q [B, H, D] -> [B, H, D]."""
-    k, v = cache.gather(layer, tables)  # [B, T, Hkv, D]
-    keys = torch.arange(k.shape[1], device=q.device)
-    mask = (keys < lens[:, None])[:, None, None]  # [B, 1, 1, T]
-    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                         attn_mask=mask, enable_gqa=True)
-    return out[:, :, 0]
+    """The reference paged attention (`attention.paged_attention`, what CPU decode runs) of one new token per
+    row at its context's last position: q [B, H, D] -> [B, H, D]."""
+    from pdserve.server.decode.attention import PagedContext, paged_attention
+
+    context = PagedContext.build((lens - 1)[:, None], tables, lens, cache.block_size, q.device, q.dtype,
+                                 groups=q.shape[1] // cache.layout.num_kv_heads)
+    return paged_attention(q[:, None], cache, layer, context)[:, 0]
 
 
 def kernel_checks(device: torch.device, kv_dtypes: tuple[str, ...], large: bool) -> list[Check]:
@@ -204,12 +203,16 @@ def received_kv_check(device: torch.device) -> Check:
 
 
 def weight_kernel_checks(device: torch.device) -> list[Check]:
-    """Which kernel int8/fp8 weights get here (informational: a fallback is not a failure)."""
-    from pdserve.server.decode import cuda_linear
+    """How int8/fp8 weights compute here, as `quant.quantize` decides it at load (informational: a format
+    without a kernel saves memory only, which is not a failure)."""
+    from torch import nn
+
+    from pdserve.server.decode.quant import Linear, quantize
 
     out = []
     for fmt in ("fp8", "int8"):
-        kernel = cuda_linear.pick(fmt, torch.bfloat16, device)
-        out.append(Check(f"{fmt} weights' matmul on {device.type}", True,
-                         kernel.__name__ if kernel else "dequantize per matmul (saves memory only)"))
+        holder = nn.Module()
+        holder.linear = Linear(128, 64, False, torch.bfloat16, device)
+        holder.linear.weight.normal_()
+        out.append(Check(f"{fmt} weights' matmul on {device.type}", True, quantize(holder, fmt)))
     return out

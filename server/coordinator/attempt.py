@@ -11,7 +11,8 @@
    stream (batched with the other requests on it) or from the call itself (one message per token). A
    reader behind the stream gets the tokens that piled up merged into one event (at most
    `max_coalesce` tokens; never reordered, never dropped).
-4. `close` (always): the Decode call cancelled unless it ended (D frees the blocks), the counts returned.
+4. `_release` (always, and before each pick again): the Decode call cancelled unless it ended (D frees
+   the blocks), the counts returned.
 
 Failures another attempt can recover from raise `Lost` (the request retries or migrates); the others
 raise `RequestFailed` (the client's status).
@@ -149,7 +150,7 @@ class Attempt:
                         return
                 events = await self._next()
         finally:
-            self._close()
+            self._release()
 
     # ---- 1. reserve -------------------------------------------------------------------
 
@@ -189,6 +190,7 @@ class Attempt:
         metrics.num_requests_running.inc()
 
     def _release(self) -> None:
+        """Gives the decode worker back: its counts, the route, the call (cancelled: D frees the blocks)."""
         decode, self.decode = self.decode, None
         if decode is None:
             return
@@ -206,9 +208,6 @@ class Attempt:
         self.call = None
         self.route = Route()
         self.service.pool.poke()
-
-    def _close(self) -> None:
-        self._release()
 
     def _pick_prefill(self) -> Worker | None:
         room = [w for w in self.service.pool.ready("prefill") if w.inflight < self.service.prefill_inflight_per_worker]

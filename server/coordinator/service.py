@@ -28,7 +28,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import grpc
 

@@ -58,7 +58,8 @@ class Route:
         """Everything that arrived, waiting up to `timeout` for something; raises TimeoutError."""
         if not self.items:
             self._ready.clear()
-            await asyncio.wait_for(self._ready.wait(), timeout)
+            async with asyncio.timeout(timeout):  # per event: no wrapping task, unlike asyncio.wait_for
+                await self._ready.wait()
         items = list(self.items)
         self.items.clear()
         return items

@@ -1,6 +1,6 @@
-"""The CUDA paged-attention kernel against the reference attention (the cache's gather + SDPA over the
-context), run here by Triton's interpreter on the CPU. bfloat16 is left to the GPU run (`python -m
-pdserve.benchmarks.gpu`, its correctness section): the interpreter's bf16 `tl.dot` is wrong on the CPU."""
+"""The CUDA paged-attention kernel against the reference paged attention (`attention.paged_attention`), run
+here by Triton's interpreter on the CPU. bfloat16 is left to the GPU run (`benchmarks/gpu.py`, its
+correctness section): the interpreter's bf16 `tl.dot` is wrong on the CPU."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton is first imported
 
 from pdserve.kvcache.layout import KvLayout
+from pdserve.server.decode.attention import PagedContext, paged_attention
 from pdserve.server.decode.cuda_attention import have_triton, num_splits, paged_decode_attention
 from pdserve.server.decode.kv_cache import PagedKvCache
 
@@ -32,13 +32,11 @@ def test_splits_follow_the_shapes_alone():
 
 
 def _reference(q, cache: PagedKvCache, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
-    """The model's attention over the gathered table, masked to the context: q [B, H, D] -> [B, H, D]."""
-    k, v = cache.gather(0, tables)  # [B, T, Hkv, D]
-    keys = torch.arange(k.shape[1])
-    mask = (keys < lens[:, None])[:, None, None]  # [B, 1, 1, T]
-    out = F.scaled_dot_product_attention(q[:, :, None], k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                         attn_mask=mask, enable_gqa=True)  # [B, H, 1, D]
-    return out[:, :, 0]
+    """The reference paged attention (`attention.paged_attention`) of one new token per row at its context's
+    last position: q [B, H, D] -> [B, H, D]."""
+    context = PagedContext.build((lens - 1)[:, None], tables, lens, cache.block_size, q.device, q.dtype,
+                                 groups=q.shape[1] // cache.layout.num_kv_heads)
+    return paged_attention(q[:, None], cache, 0, context)[:, 0]
 
 
 def _filled_cache(dtype: str, num_blocks: int = 40, block_size: int = 4) -> PagedKvCache:

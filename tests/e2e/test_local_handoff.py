@@ -12,7 +12,7 @@ from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.decode.engine import DecodeEngine
-from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
@@ -39,7 +39,7 @@ async def test_prefill_to_decode_through_the_in_memory_transport_matches_transfo
     weights = load_weights(path)
     digest = fingerprint(path, config)
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, 4, "float32")
-    decode = DecodeEngine(DecoderModel(config, weights), layout, num_blocks=32, max_running=4)
+    decode = DecodeEngine(build_model(config, weights), layout, num_blocks=32, max_running=4)
     receiver = KvReceiver(layout, digest, decode)  # the decode worker's sink: pieces land in its paged cache
     prefill = PrefillService(
         PrefillEngine(config, load_params(config, weights), PrefillConfig(model_dir=path, kv_layer_groups=2)),
