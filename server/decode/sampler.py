@@ -34,6 +34,8 @@ def sample(
     The parameters [B] come on the host (the engine builds them from the requests), so choosing each
     row's path never waits on the device.
     """
+    if not bool(torch.isfinite(temperature).all()):  # on the host: a row no validation caught fails its step
+        raise ValueError(f"temperatures must be finite numbers, got {temperature.tolist()}")
     greedy = logits.argmax(dim=-1)  # [B]
     is_greedy = temperature <= 0  # [B]
     if bool(is_greedy.all()):
