@@ -374,6 +374,8 @@ class PrefillEngine:
             first_ids = np.asarray(first)
             self._logprobs([s.job for _, s in finishing], logits, first_ids)
             for r, (_, s) in enumerate(finishing):
+                if s.job.prompt_lp is not None:  # the answer to the first token carries them
+                    self._finish_prompt_logprobs(s.job)
                 loop.call_soon_threadsafe(_resolve, s.job.first_token, int(first_ids[r]))
         for s in step:  # a cached prefix leaves before the tokens computed after it
             if s.job.sent < s.start:

@@ -167,3 +167,14 @@ async def test_prompt_logprobs_survive_chunking(tiny_model):
     for a, b in zip(chunked.prompt_logprobs, whole.prompt_logprobs, strict=True):
         assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
         assert list(a.top_token_ids) == list(b.top_token_ids)
+
+
+async def test_prompt_logprobs_are_ready_with_the_first_token(tiny_model):
+    """The service answers as soon as the first token resolves: the prompt's logprobs must be set by then."""
+    path = tiny_model("llama")
+    engine = _engine(path, max_prefill_chunk=16)
+    sampling = gen_pb.SamplingParams(max_tokens=1, temperature=0.0, top_p=1.0, prompt_logprobs=1)
+    prompt = [(7 * i + 2) % 300 for i in range(40)]
+    job = engine.enqueue(prompt, sampling, 0, "float32")
+    await job.first_token
+    assert [e.token_id for e in job.prompt_logprobs] == prompt[1:]
