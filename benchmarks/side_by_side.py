@@ -202,7 +202,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
     pp, dp, cp = free_port(), free_port(), free_port()
     host = "127.0.0.1"
     logs = [out / "pdserve-prefill.log", out / "pdserve-decode.log", out / "pdserve-coordinator.log"]
-    env = {"PDSERVE_LOG_LEVEL": "WARNING"}
+    env = {"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")}
     procs = [
         _spawn(
             [
