@@ -13,6 +13,10 @@
    protobuf, asyncio, the tokenizer). What is left is Python itself (the engine's own code).
 5. Writes <out>/profile.md and profile.json, and each profile's raw collapsed stacks (for a flame graph).
 
+py-spy pauses the process for each sample (native stacks need it): on a worker pinned to one core this
+can delay its replies enough for the coordinator's health checks to declare it dead (seen on the
+prefill worker at 100 Hz); lower `--rate` if the coordinator log says so.
+
 Shares are of the samples in which the process was running (py-spy leaves idle threads out), so
 they say where the busy time goes, not how busy the worker was; per-core throughput against vLLM is
 the side-by-side's `--per-core` probes.
