@@ -354,7 +354,7 @@ class Attempt:
         """The next `tokens`/`finished` events, merged where they pile up. `kv_from`: the KV has not
         arrived yet, so a failed transfer is the prefill worker's failure."""
         while True:
-            items = await self._take()
+            items = await self._take(waiting_for_kv=kv_from is not None)
             events: list[DecodeEvent] = []
             for i, item in enumerate(items):
                 if isinstance(item, Exception):
@@ -370,8 +370,13 @@ class Attempt:
             if events:
                 return _merged(events, self.service.max_coalesce)
 
-    async def _take(self) -> list[DecodeEvent | Exception]:
+    async def _take(self, waiting_for_kv: bool = False) -> list[DecodeEvent | Exception]:
+        """The route's next items. A worker silent for --stall-timeout is lost; before its first event it
+        also waits for the KV, which P sends after answering the first token (a long batch's KV may take
+        more than the stall timeout to leave P), so the KV lease is added to the limit there."""
         stall = self._stall_after()
+        if stall is not None and waiting_for_kv:
+            stall += self.service.lease_seconds
         if stall is None:
             return await self.route.take(None)  # the call's own deadline ends it first
         try:
