@@ -60,17 +60,23 @@ def _pad_to(x: jax.Array, axis: int, multiple: int, value) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
+def _padded_to_blocks(q, k, v, q_pos, q_seg, k_pos, k_seg, bq: int, bk: int):
+    """Queries padded to a multiple of bq, keys to a multiple of bk; padded queries get segment -1,
+    padded keys -2 (matches no query, padding neither)."""
+    q, k, v, q_pos, q_seg, k_pos, k_seg = map(jnp.asarray, (q, k, v, q_pos, q_seg, k_pos, k_seg))
+    q, q_pos, q_seg = _pad_to(q, 1, bq, 0), _pad_to(q_pos, 1, bq, 0), _pad_to(q_seg, 1, bq, -1)
+    k, v = _pad_to(k, 1, bk, 0), _pad_to(v, 1, bk, 0)
+    k_pos, k_seg = _pad_to(k_pos, 1, bk, 0), _pad_to(k_seg, 1, bk, -2)
+    return q, k, v, q_pos, q_seg, k_pos, k_seg
+
+
 def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 256, block_k: int = 256):
     """`reference_attention`'s result with online softmax over key blocks (exact within fp32 rounding)."""
-    q, k, v, q_pos, q_seg, k_pos, k_seg = map(jnp.asarray, (q, k, v, q_pos, q_seg, k_pos, k_seg))
     b, s, hq, d = q.shape
-    kk, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     g = hq // hkv
-    bq, bk = min(block_q, s), min(block_k, kk)
-    q = _pad_to(q, 1, bq, 0)
-    q_pos, q_seg = _pad_to(q_pos, 1, bq, 0), _pad_to(q_seg, 1, bq, -1)
-    k, v = _pad_to(k, 1, bk, 0), _pad_to(v, 1, bk, 0)
-    k_pos, k_seg = _pad_to(k_pos, 1, bk, 0), _pad_to(k_seg, 1, bk, -2)  # -2: matches no query, padding neither
+    bq, bk = min(block_q, s), min(block_k, k.shape[1])
+    q, k, v, q_pos, q_seg, k_pos, k_seg = _padded_to_blocks(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk)
     nq, nk = q.shape[1] // bq, k.shape[1] // bk
     qb = q.reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, Hkv, G, bq, D]
     kb = k.reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)  # [nk, B, Hkv, bk, D]
@@ -137,15 +143,11 @@ def pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 128,
     """`reference_attention` as a Pallas kernel; interpret=True runs it on any backend (tests)."""
     from jax.experimental import pallas as pl
 
-    q, k, v, q_pos, q_seg, k_pos, k_seg = map(jnp.asarray, (q, k, v, q_pos, q_seg, k_pos, k_seg))
     b, s, hq, d = q.shape
-    kk, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     g = hq // hkv
-    bq, bk = min(block_q, s), min(block_k, kk)
-    q = _pad_to(q, 1, bq, 0)
-    q_pos, q_seg = _pad_to(q_pos, 1, bq, 0), _pad_to(q_seg, 1, bq, -1)
-    k, v = _pad_to(k, 1, bk, 0), _pad_to(v, 1, bk, 0)
-    k_pos, k_seg = _pad_to(k_pos, 1, bk, 0), _pad_to(k_seg, 1, bk, -2)
+    bq, bk = min(block_q, s), min(block_k, k.shape[1])
+    q, k, v, q_pos, q_seg, k_pos, k_seg = _padded_to_blocks(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk)
     sp, kp = q.shape[1], k.shape[1]
     qt = q.transpose(0, 2, 1, 3)  # [B, Hq, S, D]
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, K, D]
