@@ -13,8 +13,10 @@ Three coordinators run in the same invocation against the same workers:
 - before: the coordinator of `--baseline-rev` (default: the commit before batched streams), extracted
   with `git archive` and run from there: one message per token per request from decode, one response
   per token to the client;
-- after: this checkout's, default flags: one `StepBatch` per decode step per connection;
-- coalesce: the same with `--max-coalesce 16`: a client behind gets up to 16 tokens per response.
+- after: this checkout's, default flags: one `StepBatch` per decode step per connection, and adaptive
+  coalescing (a stream still writing its previous response gets the tokens that arrived meanwhile in
+  its next one; no timer);
+- per-event: the same with `--max-coalesce 1`: one response per decode event (coalescing's share).
 
 The figure is tokens/s (wall) and tokens per coordinator CPU-second, against before. The clients share
 the machine's cores with the coordinator: on a small machine they can cap the wall figure; the CPU
@@ -46,7 +48,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 @dataclass
 class Row:
-    coordinator: str  # before | after | coalesce
+    coordinator: str  # before | after | per-event
     front: str  # grpc | sse
     streams: int
     tokens: int
@@ -276,7 +278,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-coordinator-"))
     rows: list[Row] = []
     try:
-        kinds = [("after", None, []), ("coalesce", None, ["--max-coalesce", "16"])]
+        kinds = [("after", None, []), ("per-event", None, ["--max-coalesce", "1"])]
         if args.baseline_rev != "none":
             kinds.insert(0, ("before", _baseline_tree(args.baseline_rev, tmp), []))
         cases = [(k, f, n) for f in args.fronts for n in args.streams for k in kinds]

@@ -23,6 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from json.encoder import encode_basestring  # type: ignore[attr-defined]  # json.dumps' own (C) string escaper
 from pathlib import Path
 from typing import Any, Literal
 
@@ -266,7 +267,7 @@ def _logprob_fields(req: SamplingFields) -> list[tuple[str, int | None]]:
 
 @dataclass
 class Outcome:
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -275,8 +276,13 @@ class Outcome:
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
     def add(self, response: generation_pb2.GenerateResponse) -> None:
-        self.text += response.text
+        if response.text:
+            self.pieces.append(response.text)
         self.logprobs.extend(response.logprobs)
         self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason:
@@ -300,6 +306,29 @@ def _stop_reason(response: generation_pb2.GenerateResponse) -> str | int | None:
 
 def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+_TEXT_MARK = "\x00pdserve:text\x00"
+"""Stands for a chunk's text while its template is rendered (no text can hold it: it is cut on NUL)."""
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """An SSE chunk that only adds text, as the bytes around the text's JSON string: rendered once per
+    choice, then filled per response without a dict or json.dumps (the same bytes as `_sse(body)`)."""
+
+    head: bytes
+    tail: bytes
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> TextChunk:
+        """From a chunk `body` whose text is `_TEXT_MARK`."""
+        head, mark, tail = _sse(body).partition(json.dumps(_TEXT_MARK, ensure_ascii=False).encode())
+        assert mark and mark not in tail, "the text mark must appear once in the chunk"
+        return cls(head, tail)
+
+    def render(self, text: str) -> bytes:
+        return b"".join((self.head, encode_basestring(text).encode(), self.tail))
 
 
 @dataclass
@@ -499,6 +528,15 @@ class Handler:
                                stop_reason=o.stop_reason, index=i) for i, o in enumerate(outcomes)]
         return JSONResponse(self.body(choices, _usage(outcomes), False))
 
+    def text_chunk(self, index: int) -> TextChunk:
+        """The template of choice `index`'s chunks that only add text (not its first, no finish reason)."""
+        return TextChunk.of(self.body([self.choice(_TEXT_MARK, None, index=index)], None, True))
+
+    @property
+    def plain(self) -> bool:
+        """No logprobs asked for: a chunk that only adds text can be rendered from its TextChunk."""
+        return self.completion_logprobs is None and not (self.kind == "chat" and self.req.logprobs)
+
     async def events(
         self, streams: list[AsyncIterator[generation_pb2.GenerateResponse]],
         firsts: list[generation_pb2.GenerateResponse],
@@ -506,40 +544,17 @@ class Handler:
         """SSE chunks, the choices' interleaved; cancelled (client gone) or not, closing the streams
         cancels the worker calls."""
         outcomes = [Outcome() for _ in streams]
-        merged: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse | Exception | None]] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for response in streams[i]:
-                    merged.put_nowait((i, response))
-            except (InvalidRequest, RequestFailed) as e:
-                merged.put_nowait((i, e))
-                return
-            merged.put_nowait((i, None))
-
         async with contextlib.AsyncExitStack() as closing:
             for stream in streams:
                 closing.push_async_callback(stream.aclose)
             if self.kind == "chat":
                 for i in range(len(streams)):
                     yield _sse(self.body([self.choice(None, None, first=True, index=i)], None, True))
-            pumps = [asyncio.create_task(pump(i)) for i in range(len(streams))]
-
-            async def stop_pumps() -> None:  # before the streams close (callbacks run last-in first-out)
-                for p in pumps:
-                    p.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-
-            closing.push_async_callback(stop_pumps)
+            responses = _interleaved(streams, firsts)
+            closing.push_async_callback(responses.aclose)  # before the streams close (last in, first out)
             is_first = [self.kind == "completion"] * len(streams)  # a chat's first chunk (the role) went above
-            for i, first in enumerate(firsts):
-                merged.put_nowait((i, first))
-            running = len(streams)
-            while running:
-                i, response = await merged.get()
-                if response is None:
-                    running -= 1
-                    continue
+            templates = [self.text_chunk(i) for i in range(len(streams))] if self.plain else None
+            async for i, response in responses:
                 if isinstance(response, Exception):
                     log.warning("request %s failed mid-stream: %s", self.id, response)
                     yield _sse(_api_error(response).body())
@@ -547,7 +562,9 @@ class Handler:
                     return
                 outcome = outcomes[i]
                 outcome.add(response)
-                if response.text or response.finish_reason or response.logprobs or is_first[i]:
+                if templates is not None and response.text and not response.finish_reason and not is_first[i]:
+                    yield templates[i].render(response.text)
+                elif response.text or response.finish_reason or response.logprobs or is_first[i]:
                     choice = self.choice(response.text, outcome.finish_reason, first=is_first[i],
                                          logprobs=self._logprobs(response, is_first[i], i),
                                          stop_reason=outcome.stop_reason, index=i)
@@ -556,6 +573,53 @@ class Handler:
         if self.include_usage:
             yield _sse(self.body([], _usage(outcomes), True))
         yield _sse("[DONE]")
+
+
+Failure = InvalidRequest | RequestFailed
+
+
+async def _interleaved(
+    streams: list[AsyncIterator[generation_pb2.GenerateResponse]], firsts: list[generation_pb2.GenerateResponse],
+) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse | Failure]]:
+    """(choice, response): each choice's first response, then its stream's, the choices' interleaved as
+    they come. A failure is yielded, and ends it. One choice is read in this task (no queue, no task
+    switch per response); several through a task each."""
+    if len(streams) == 1:
+        yield 0, firsts[0]
+        try:
+            async for response in streams[0]:
+                yield 0, response
+        except (InvalidRequest, RequestFailed) as e:
+            yield 0, e
+        return
+    merged: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse | Failure | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async for response in streams[i]:
+                merged.put_nowait((i, response))
+        except (InvalidRequest, RequestFailed) as e:
+            merged.put_nowait((i, e))
+            return
+        merged.put_nowait((i, None))
+
+    pumps = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+    try:
+        for i, first in enumerate(firsts):
+            merged.put_nowait((i, first))
+        running = len(streams)
+        while running:
+            i, response = await merged.get()
+            if response is None:
+                running -= 1
+                continue
+            yield i, response
+            if isinstance(response, Exception):
+                return
+    finally:  # the pumps stop before the streams close
+        for p in pumps:
+            p.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 def _usage(outcomes: list[Outcome]) -> dict[str, int]:

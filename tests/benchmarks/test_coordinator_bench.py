@@ -12,10 +12,10 @@ def test_every_coordinator_relays_every_token_it_was_sent_without_errors(tmp_pat
     rows = bench.main(["--streams", "4", "--seconds", "1", "--warmup", "1", "--fronts", "grpc", "sse",
                        "--output-len", "50", "--out", str(out)])
     assert [(r.coordinator, r.front) for r in rows] == [
-        (c, f) for f in ("grpc", "sse") for c in ("before", "after", "coalesce")]
+        (c, f) for f in ("grpc", "sse") for c in ("before", "after", "per-event")]
     for r in rows:
         assert r.errors == 0, r.first_error
         assert r.tokens > 0 and r.messages > 0
-        assert r.tokens <= r.messages or r.coordinator == "coalesce"  # a response per token (and each end) unless merged
+        assert r.tokens <= r.messages or r.coordinator == "after"  # a response per token (and each end) unless merged
     assert [r["coordinator"] for r in json.loads(out.read_text())["rows"]] == [r.coordinator for r in rows]
     assert (tmp_path / "coordinator-after-grpc-4.log").exists()
