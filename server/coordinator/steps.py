@@ -24,6 +24,12 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.coordinator")
 
+DECODE_CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0)]
+"""The channel to a decode worker keeps HTTP/2's fixed 64 KiB stream window (no BDP probing, which grows
+it to megabytes): a coordinator that falls behind then holds back the worker's next StepBatch, the
+worker puts every step that piles up meanwhile into it, and each request's tokens of those steps reach
+its client as one response. Coalescing at the source, in proportion to the lag; with a large window a
+lagging coordinator would read a backlog of one-step batches instead (nothing merged, latency growing)."""
 OPEN_TIMEOUT_S = 5.0
 """How long opening a Steps stream may take before the request falls back to its own stream."""
 REOPEN_AFTER_S = 5.0
