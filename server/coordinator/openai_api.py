@@ -309,7 +309,7 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 
 
 _TEXT_MARK = "\x00pdserve:text\x00"
-"""Stands for a chunk's text while its template is rendered (no text can hold it: it is cut on NUL)."""
+"""Stands for the text while a choice's TextChunk is rendered (once); it must not occur elsewhere in a chunk."""
 
 
 @dataclass(frozen=True)
