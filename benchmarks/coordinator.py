@@ -16,7 +16,8 @@ Three coordinators run in the same invocation against the same workers:
 - after: this checkout's, default flags: one `StepBatch` per decode step per connection, and adaptive
   coalescing (a stream still writing its previous response gets the tokens that arrived meanwhile in
   its next one; no timer);
-- per-event: the same with `--max-coalesce 1`: one response per decode event (coalescing's share).
+- per-event: the same with `--max-coalesce 1`: one response per decode event, the coordinator merges
+  nothing (a lagging coordinator still gets steps joined by the worker).
 
 The figure is tokens/s (wall) and tokens per coordinator CPU-second, against before. The clients share
 the machine's cores with the coordinator: on a small machine they can cap the wall figure; the CPU

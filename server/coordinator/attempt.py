@@ -456,35 +456,19 @@ class Attempt:
 
 
 def _merged(events: list[DecodeEvent], max_tokens: int) -> list[DecodeEvent]:
-    """The events with runs of `tokens` joined, and none over max_tokens ids (a longer one, a worker's
-    steps joined, is split), in order; `finished` stays last. An event with prompt logprobs starts anew."""
-    if len(events) == 1:
-        only = events[0]
-        if only.WhichOneof("event") != "tokens" or len(only.tokens.token_ids) <= max_tokens:
-            return events
+    """Runs of `tokens` events joined, each up to max_tokens ids, in order; `finished` stays last. An event
+    is never split (one the worker joined from several steps may hold more); one with prompt logprobs
+    starts anew."""
+    if len(events) == 1 or max_tokens <= 1:
+        return events
     out: list[DecodeEvent] = []
     for event in events:
-        if event.WhichOneof("event") != "tokens":
-            out.append(event)
-            continue
-        tokens = event.tokens
         last = out[-1] if out else None
-        if (last is not None and last.WhichOneof("event") == "tokens" and not tokens.prompt_logprobs
-                and len(last.tokens.token_ids) + len(tokens.token_ids) <= max_tokens):
-            last.tokens.token_ids.extend(tokens.token_ids)
-            last.tokens.logprobs.extend(tokens.logprobs)
-        elif len(tokens.token_ids) > max_tokens:
-            out.extend(_split(event, max_tokens))
+        if (last is not None and event.WhichOneof("event") == "tokens" and last.WhichOneof("event") == "tokens"
+                and not event.tokens.prompt_logprobs
+                and len(last.tokens.token_ids) + len(event.tokens.token_ids) <= max_tokens):
+            last.tokens.token_ids.extend(event.tokens.token_ids)
+            last.tokens.logprobs.extend(event.tokens.logprobs)
         else:
             out.append(event)
     return out
-
-
-def _split(event: DecodeEvent, max_tokens: int) -> list[worker_pb2.SequenceEvent]:
-    """A `tokens` event as events of max_tokens ids each (the last may hold fewer), logprobs with their ids."""
-    ids, logprobs = list(event.tokens.token_ids), list(event.tokens.logprobs)
-    pieces = [worker_pb2.SequenceEvent(request_id=getattr(event, "request_id", ""), tokens=worker_pb2.TokenEvent(
-        token_ids=ids[at : at + max_tokens], logprobs=logprobs[at : at + max_tokens]))
-        for at in range(0, len(ids), max_tokens)]
-    pieces[0].tokens.prompt_logprobs.extend(event.tokens.prompt_logprobs)
-    return pieces

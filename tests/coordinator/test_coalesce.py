@@ -1,5 +1,5 @@
 """Coalescing a stream's decode events (attempt._merged): what piled up goes out in fewer events, the
-ids and logprobs exactly as they came, none over --max-coalesce ids."""
+ids and logprobs exactly as they came, no merged event over --max-coalesce ids (a worker's event stays whole)."""
 
 from __future__ import annotations
 
@@ -34,25 +34,21 @@ def test_runs_of_tokens_join_up_to_the_cap_and_finished_stays_last():
     assert shape(_merged(events, 3)) == [[1, 2], [3, 4, 5], "finished"]
 
 
-def test_an_event_over_the_cap_is_split_with_its_logprobs():
-    """A worker that joined several steps in one event: with --max-coalesce 1 the client still gets one
-    id per response."""
-    merged = _merged([tokens(1, 2, 3)], 1)
-    assert shape(merged) == [[1], [2], [3]]
-    assert [[lp.token_id for lp in e.tokens.logprobs] for e in merged] == [[1], [2], [3]]
-    assert shape(_merged([tokens(1, 2, 3, 4, 5), tokens(6)], 2)) == [[1, 2], [3, 4], [5, 6]]
+def test_an_event_is_never_split_and_max_coalesce_1_merges_nothing():
+    """An event the worker joined from several steps goes out as it came (--max-coalesce 1: one response
+    per decode event)."""
+    assert shape(_merged([tokens(1, 2, 3), tokens(4)], 2)) == [[1, 2, 3], [4]]
+    assert shape(_merged([tokens(1), tokens(2, 3), tokens(4)], 1)) == [[1], [2, 3], [4]]
 
 
-def test_prompt_logprobs_start_a_new_event_and_stay_on_its_first_piece():
-    merged = _merged([tokens(1), tokens(2, 3, prompt_logprobs=2), tokens(4)], 2)
-    assert shape(merged) == [[1], [2, 3], [4]]
-    assert [len(e.tokens.prompt_logprobs) for e in merged] == [0, 2, 0]
-    merged = _merged([tokens(2, 3, 4, prompt_logprobs=2)], 2)
-    assert [len(e.tokens.prompt_logprobs) for e in merged] == [2, 0]
+def test_prompt_logprobs_start_a_new_event():
+    merged = _merged([tokens(1), tokens(2, 3, prompt_logprobs=2), tokens(4)], 8)
+    assert shape(merged) == [[1], [2, 3, 4]]
+    assert [len(e.tokens.prompt_logprobs) for e in merged] == [0, 2]
 
 
-def test_one_event_within_the_cap_is_returned_as_it_is():
-    event = tokens(1, 2)
+def test_one_event_is_returned_as_it_is():
+    event = tokens(1, 2, 3)
     assert _merged([event], 2)[0] is event
     assert _merged([FINISHED], 1)[0] is FINISHED
 
@@ -65,6 +61,7 @@ def test_the_ids_and_logprobs_are_exactly_those_that_came(chunks, cap, logprobs,
     ids = [i for c in chunks for i in c]
     assert [i for e in merged for i in e.tokens.token_ids] == ids
     assert [lp.token_id for e in merged for lp in e.tokens.logprobs] == (ids if logprobs else [])
-    assert all(1 <= len(e.tokens.token_ids) <= cap for e in merged if e.WhichOneof("event") == "tokens")
+    longest = max(cap, *(len(c) for c in chunks))  # an event over the cap stays whole
+    assert all(1 <= len(e.tokens.token_ids) <= longest for e in merged if e.WhichOneof("event") == "tokens")
     assert (merged[-1].WhichOneof("event") == "finished") == finished
-    assert len(merged) <= len(events) or max(len(c) for c in chunks) > cap  # fewer, unless split
+    assert len(merged) <= len(events)
