@@ -16,8 +16,8 @@ Life cycle of a request here:
    inside vLLM.
 
 vLLM's engine core runs in this process, stepped by one thread; its model too with one rank (the
-connector reaches the staged pieces without another copy), in vLLM's rank processes with more. Calls from the event loop reach
-that thread through a queue; its outputs come back with `call_soon_threadsafe`.
+connector reaches the staged pieces without another copy), in vLLM's rank processes with more. Calls
+from the event loop reach that thread through a queue; its outputs come back with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations

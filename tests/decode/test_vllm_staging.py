@@ -168,7 +168,8 @@ def test_a_new_worker_removes_the_stages_of_dead_workers_only(tmp_path):
     staging = KvStaging(shared=True, root=tmp_path)
     assert not dead_dir.exists() and other.dir.exists() and staging.dir.exists()
     assert remove_dead_workers_stages(tmp_path) == []
-    other.close(), staging.close()
+    other.close()
+    staging.close()
 
 
 def test_stages_live_in_shared_memory_where_the_os_has_it():
