@@ -7,7 +7,6 @@ missing .venv-vllm fails the module instead of skipping it. One cluster per chec
 
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,15 +21,12 @@ from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.client import open_channel
 from tests.e2e.procs import Procs, Stream, counter, list_workers, request, wait_blocks_free, wait_until
 from tests.e2e.test_parity import MAX_TOKENS, PROMPTS, generate_ids, hf_greedy
+from tests.vllm_python import VLLM_PYTHON, require_vllm_python
 
-VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 VLLM_ARGS = ("--engine", "vllm", "--block-size", "32", "--kv-cache-tokens", "8192")
 START_TIMEOUT = 300.0  # vLLM's start-up on a loaded 2-core machine
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("PDSERVE_REQUIRE_VLLM"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (make test does)")
-    pytest.skip("no .venv-vllm (make vllm-venv); make test runs these", allow_module_level=True)
+require_vllm_python()
 
 
 class Clusters:
