@@ -5,7 +5,8 @@ in T rank processes (which read the received KV from shared memory: `vllm_stagin
 Runs in an environment with vLLM installed (`make vllm-venv`: .venv-vllm); the native engine's process
 never imports vllm. On vLLM's CPU backend each rank binds its OpenMP threads to the cores
 VLLM_CPU_OMP_THREADS_BIND names ("0|1": rank 0 on core 0, rank 1 on core 1); vLLM's default ("auto")
-wants a NUMA node per rank.
+wants a NUMA node per rank, so with fewer nodes than ranks and the variable unset this worker splits its
+cores among the ranks (`cpu_threads_bind`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.server.decode.config import DecodeConfig
@@ -69,6 +71,28 @@ def sampling_params(seq: Sequence, num_prompt_tokens: int):
     )
 
 
+def cpu_threads_bind(cores: list[int], num_numa_nodes: int, tp: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU ranks: None where vLLM's "auto" works (a NUMA node per rank),
+    else the cores split in `tp` contiguous runs ("0,1|2,3"); refuses fewer cores than ranks."""
+    if tp <= num_numa_nodes:
+        return None
+    if len(cores) < tp:
+        raise ValueError(f"--tensor-parallel-size {tp} on the CPU needs a core per rank; this worker may use "
+                         f"{len(cores)} ({cores}): lower --tensor-parallel-size or give it more cores")
+    per_rank = len(cores) // tp
+    return "|".join(",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(tp))
+
+
+def _bind_cpu_ranks(tp: int) -> None:
+    if tp == 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    bind = cpu_threads_bind(sorted(os.sched_getaffinity(0)), nodes, tp)
+    if bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        log.info("VLLM_CPU_OMP_THREADS_BIND=%s: %d ranks over %d NUMA node(s)", bind, tp, nodes)
+
+
 def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, KvLayout]:
     check_supported(config)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here: the connector meets our receiver
@@ -87,6 +111,8 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0,
                                           capacity=(num_blocks - 1) * config.block_size)
     tp = config.tensor_parallel_size
+    if current_platform.is_cpu():
+        _bind_cpu_ranks(tp)
     t0 = time.perf_counter()
     args = EngineArgs(
         model=str(config.model_dir),

@@ -14,7 +14,7 @@ from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState
 from pdserve.server.decode.vllm_engine import RESERVED, VllmEngine
 from pdserve.server.decode.vllm_staging import KvStaging, Staged, StagedKv
-from pdserve.server.decode.vllm_worker import check_supported
+from pdserve.server.decode.vllm_worker import check_supported, cpu_threads_bind
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
@@ -240,3 +240,12 @@ def test_tensor_parallelism_is_vllms_and_refused_for_the_native_engine(tmp_path)
         DecodeConfig(model_dir=tmp_path, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="must be >= 1"):
         DecodeConfig(model_dir=tmp_path, engine="vllm", tensor_parallel_size=0)
+
+
+def test_cpu_ranks_get_their_own_cores_where_vllm_cannot_bind_them_by_numa_node():
+    assert cpu_threads_bind([0, 1], num_numa_nodes=1, tp=2) == "0|1"
+    assert cpu_threads_bind(list(range(8)), num_numa_nodes=1, tp=2) == "0,1,2,3|4,5,6,7"
+    assert cpu_threads_bind([2, 3, 5, 7, 9], num_numa_nodes=1, tp=2) == "2,3|5,7"  # its affinity, evenly
+    assert cpu_threads_bind(list(range(8)), num_numa_nodes=2, tp=2) is None  # vLLM's "auto": a node per rank
+    with pytest.raises(ValueError, match="needs a core per rank; this worker may use 2"):
+        cpu_threads_bind([0, 1], num_numa_nodes=1, tp=4)

@@ -7,6 +7,7 @@ missing .venv-vllm fails the module instead of skipping it. One cluster per chec
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -231,14 +232,13 @@ def test_tensor_parallel_vllm_decode_equals_transformers_and_leaves_no_stage(clu
         if proc.role == "decode" and proc.popen.poll() is None:
             procs.terminate(name)
             proc.popen.wait(30)
-    procs.env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # a core per rank: vLLM's "auto" wants a NUMA node per rank
-    try:
-        tp2 = vllm_decode(procs, "tp2", "--tensor-parallel-size", "2")
-    finally:
-        del procs.env["VLLM_CPU_OMP_THREADS_BIND"]
+    tp2 = vllm_decode(procs, "tp2", "--tensor-parallel-size", "2")
     wait_until(lambda: [w.state for w in list_workers(coord) if w.role == "decode" and w.state == "ready"] == ["ready"],
                "tp2 the only decode worker ready")
-    assert "tensor parallel 2" in tp2.log.read_text()
+    log = tp2.log.read_text()
+    assert "tensor parallel 2" in log
+    if len(os.sched_getaffinity(0)) == 2:  # this machine: one NUMA node, so the worker gives each rank a core
+        assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in log
     stages = list(Path("/dev/shm").glob(f"pdserve-kv-{tp2.popen.pid}-*"))
     assert len(stages) == 1, stages
 
