@@ -195,8 +195,9 @@ class Attempt:
                 continue
             if r.attempt == 0:
                 metrics.request_queue_time.observe(time.monotonic() - queued_at)
-                if placement is not None:
-                    metrics.shared_prompt_choices.labels("shared" if decode is placement.decode else "own").inc()
+                if r.shared is not None and not r.leads:
+                    shared = placement is not None and decode is placement.decode
+                    metrics.shared_prompt_choices.labels("shared" if shared else "own").inc()
             return cached
 
     async def _placement(self) -> Placement | None:
