@@ -127,8 +127,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 async for response in responses:
                     yield response
         finally:
-            if shared is not None and choice == 0:  # ended without placing the prompt's KV: the rest go their own way
-                shared.abandon()
+            if shared is not None and choice == 0:  # a no-op once it placed the prompt's KV
+                shared.abandon()  # else the other choices go their own way
 
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidRequest:
         try:
