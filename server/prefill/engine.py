@@ -292,6 +292,7 @@ class PrefillEngine:
             shape = self.step_shape(step)
             try:
                 await asyncio.to_thread(self._run, step, shape, loop)
+                metrics.prefill_computed_tokens.inc(sum(s.length for s in step))
                 if shape in self._shapes_run:
                     longest = max(s.job.num_tokens for s in step)
                     self.rates.record(self._bucket(longest), sum(s.length for s in step), time.perf_counter() - t0)

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from tokenizers import Tokenizer
 
@@ -20,6 +21,7 @@ from pdserve.v1 import generation_pb2_grpc
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.client import open_channel
+from pdserve.server.launcher import free_port
 from tests.e2e.procs import Procs, Stream, counter, list_workers, request, wait_blocks_free, wait_until
 from tests.e2e.test_parity import MAX_TOKENS, PROMPTS, generate_ids, hf_greedy
 from tests.vllm_python import VLLM_PYTHON, require_vllm_python
@@ -36,12 +38,16 @@ class Clusters:
     def __init__(self, tiny_model, tmp_factory):
         self.tiny_model, self.tmp_factory = tiny_model, tmp_factory
         self.by_family: dict[str, Procs] = {}
+        self.http: dict[str, str] = {}
+        """Each cluster's OpenAI front (the coordinator's --http-port)."""
 
     def get(self, family: str) -> Procs:
         if family not in self.by_family:
             procs = Procs(self.tiny_model(family), self.tmp_factory.mktemp(f"vllm-{family}"))
             self.by_family[family] = procs
-            coord = procs.coordinator()
+            port = free_port()
+            self.http[family] = f"http://127.0.0.1:{port}"
+            coord = procs.coordinator("coordinator", "--http-port", str(port))
             procs.worker("p0", "prefill", coord, wait=False)
             vllm_decode(procs, "d0")
             procs.wait_serving(procs.procs["p0"])
@@ -115,6 +121,28 @@ def test_cancel_mid_stream_frees_vllms_blocks(clusters):
         assert time.monotonic() < deadline, f"vLLM's blocks not freed after cancel: {load}"
         time.sleep(0.1)
     assert (load.free_kv_blocks, load.waiting_requests) == (idle.total_kv_blocks, 0)
+
+
+def test_n_choices_through_vllm_decode_equal_the_generation_path(clusters, tiny_model):
+    """OpenAI n = 3: choices 1 and 2 follow choice 0's prompt KV to the vLLM worker; each greedy choice
+    is the generation path's text, whose ids equal transformers'."""
+    from pdserve.server.client import build_request, stream
+
+    procs, model_dir = clusters.get("llama"), tiny_model("llama")
+    coord, decode = procs.procs["coordinator"], procs.procs["d0"]
+    prompt = PROMPTS[6]  # a few blocks of 32 and a partial one
+    body = {"model": model_dir.name, "prompt": prompt, "n": 3, "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(f"{clusters.http['llama']}/v1/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    replies = list(stream(coord.address, build_request(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0),
+                          timeout=120))
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert [i for m in replies for i in m.token_ids] == hf_greedy(model_dir, tok.encode(prompt).ids)
+    assert texts == ["".join(m.text for m in replies)] * 3
+    # both other choices went to choice 0's decode worker
+    assert coord.metrics()['pdserve_shared_prompt_choices_total{route="shared"}'] == 2
+    assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
 
 
 def test_kill_one_of_two_vllm_workers_migrates_streams_exactly(clusters):
