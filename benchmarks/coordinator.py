@@ -6,8 +6,11 @@
 One fake prefill + decode worker process (`fake_workers.py`: no compute, tokens as fast as the coordinator
 takes them), ONE coordinator process, and this process as the clients: N closed-loop streams (each
 request 8 prompt tokens, `--output-len` tokens out; a new one starts when one ends), over gRPC `Generate`
-or the OpenAI SSE front (`/v1/completions`, stream). After a warm-up, it counts the tokens the clients
-receive in a `--seconds` window, and the coordinator's CPU seconds in it (from /proc).
+(grpc.aio) or the OpenAI SSE front (`/v1/completions`, stream; `sse_client.py`: raw asyncio on uvloop,
+HTTP/1.1 keep-alive, every event's JSON parsed). After a warm-up, it counts the tokens the clients
+receive in a `--seconds` window, and the CPU seconds in it (from /proc) of the coordinator, of the client
+process and of the workers. Every stream that ends is checked against what the workers sent (its tokens
+= max_tokens; SSE: = the usage, and `data: [DONE]` last); one that does not fails the run.
 
 Three coordinators run in the same invocation against the same workers:
 - before: the coordinator of `--baseline-rev` (default: the commit before batched streams), extracted
@@ -20,8 +23,9 @@ Three coordinators run in the same invocation against the same workers:
   nothing (a lagging coordinator still gets steps joined by the worker).
 
 The figure is tokens/s (wall) and tokens per coordinator CPU-second, against before. The clients share
-the machine's cores with the coordinator: on a small machine they can cap the wall figure; the CPU
-figure says what the coordinator itself costs per token.
+the machine's cores with the coordinator: on a small machine they can cap the wall figure (then the
+coordinator's busy share, its CPU seconds per wall second, is well under 1); the CPU figure says what the
+coordinator itself costs per token.
 """
 
 from __future__ import annotations
@@ -36,10 +40,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import uvloop
 from tqdm import tqdm
+
+from pdserve.benchmarks.sse_client import run_sse_streams
+from pdserve.benchmarks.stream_count import StreamCount
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REV = "590e462"
@@ -57,10 +66,21 @@ class Row:
     tokens_per_s: float
     coordinator_cpu_s: float
     tokens_per_cpu_s: float
+    busy: float
+    """The coordinator's CPU seconds per wall second of the window (1.0: a core all the time)."""
+    client_cpu_s: float
+    """The client process's CPU seconds in the window (it shares the machine's cores with the coordinator)."""
+    workers_cpu_s: float
     messages: int
-    """Responses (gRPC messages or SSE events) the clients received in the window."""
+    """Responses (gRPC messages or SSE events) carrying tokens the clients received in the window."""
+    requests: int
+    """Requests that ended whole in the window, each checked: tokens = max_tokens (= what the workers sent)."""
     errors: int
+    mismatches: int
+    """Streams, in the whole case, whose tokens differ from what the workers sent (or, SSE, that end without
+    data: [DONE]): the run fails."""
     first_error: str = ""
+    first_mismatch: str = ""
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -142,19 +162,7 @@ class Coordinator:
             self.proc.wait()
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.messages = 0
-        self.errors = 0
-        self.first_error = ""
-
-    def error(self, what: str) -> None:
-        self.errors += 1
-        self.first_error = self.first_error or what[:300]
-
-
-async def _grpc_streams(port: int, streams: int, output_len: int, counter: Counter, stop: asyncio.Event) -> None:
+async def _grpc_streams(port: int, streams: int, output_len: int, counter: StreamCount, stop: asyncio.Event) -> None:
     import grpc
 
     from pdserve.v1 import generation_pb2 as pb
@@ -168,12 +176,16 @@ async def _grpc_streams(port: int, streams: int, output_len: int, counter: Count
         await asyncio.sleep(i * 0.002)  # ramp up
         stub = generation_pb2_grpc.GenerationStub(channels[i % len(channels)])
         while not stop.is_set():
+            tokens = 0
             try:
                 async for response in stub.Generate(request):
+                    tokens += len(response.token_ids)
                     counter.tokens += len(response.token_ids)
                     counter.messages += 1
                     if stop.is_set():
                         break
+                else:
+                    counter.ended(tokens, output_len, "gRPC Generate")
             except grpc.aio.AioRpcError as e:
                 counter.error(f"{e.code().name}: {e.details()}")
                 await asyncio.sleep(0.1)
@@ -185,60 +197,44 @@ async def _grpc_streams(port: int, streams: int, output_len: int, counter: Count
             await ch.close()
 
 
-async def _sse_streams(port: int, streams: int, output_len: int, counter: Counter, stop: asyncio.Event) -> None:
-    import httpx
-
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
-                                 timeout=httpx.Timeout(None, connect=60.0)) as client:
-        body["model"] = (await client.get("/v1/models")).json()["data"][0]["id"]
-
-        async def one(i: int) -> None:
-            await asyncio.sleep(i * 0.002)
-            while not stop.is_set():
-                try:
-                    async with client.stream("POST", "/v1/completions", json=body) as resp:
-                        async for line in resp.aiter_lines():
-                            if not line.startswith("data:") or line == "data: [DONE]":
-                                continue
-                            chunk = json.loads(line[5:])
-                            counter.tokens += sum(len(c.get("text") or "") for c in chunk.get("choices") or ())
-                            counter.messages += 1
-                            if stop.is_set():
-                                break
-                except httpx.HTTPError as e:
-                    counter.error(repr(e))
-                    await asyncio.sleep(0.1)
-
-        await asyncio.gather(*(one(i) for i in range(streams)))
+async def _sse_streams(port: int, streams: int, output_len: int, counter: StreamCount, stop: asyncio.Event) -> None:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as reply:
+        model = json.load(reply)["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    await run_sse_streams("127.0.0.1", port, body, streams, counter, stop)
 
 
 async def measure(coordinator: Coordinator, front: str, streams: int, output_len: int, warmup: float,
-                  seconds: float) -> Row:
-    counter, stop = Counter(), asyncio.Event()
+                  seconds: float, workers_pid: int) -> Row:
+    counter, stop = StreamCount(), asyncio.Event()
     run = _grpc_streams if front == "grpc" else _sse_streams
     port = coordinator.port if front == "grpc" else coordinator.http_port
     task = asyncio.create_task(run(port, streams, output_len, counter, stop))
     await asyncio.sleep(warmup + streams * 0.002)
-    tokens, messages, errors = counter.tokens, counter.messages, counter.errors
-    cpu, t0 = _cpu_seconds(coordinator.proc.pid), time.perf_counter()
+    pids = (coordinator.proc.pid, os.getpid(), workers_pid)
+    start = (counter.tokens, counter.messages, counter.requests, counter.errors)
+    cpu, t0 = [_cpu_seconds(p) for p in pids], time.perf_counter()
     await asyncio.sleep(seconds)
-    tokens, messages, errors = counter.tokens - tokens, counter.messages - messages, counter.errors - errors
-    cpu, elapsed = _cpu_seconds(coordinator.proc.pid) - cpu, time.perf_counter() - t0
+    tokens, messages, requests, errors = (
+        b - a for a, b in zip(start, (counter.tokens, counter.messages, counter.requests, counter.errors)))
+    elapsed = time.perf_counter() - t0
+    coordinator_cpu, client_cpu, workers_cpu = (_cpu_seconds(p) - c for p, c in zip(pids, cpu))
     stop.set()
     try:
         await asyncio.wait_for(task, 60)
     except TimeoutError:
         task.cancel()
-    return Row(coordinator.name, front, streams, tokens, round(elapsed, 3), round(tokens / elapsed, 1), round(cpu, 3),
-               round(tokens / cpu, 1) if cpu else 0.0, messages, errors, counter.first_error)
+    return Row(coordinator.name, front, streams, tokens, round(elapsed, 3), round(tokens / elapsed, 1),
+               round(coordinator_cpu, 3), round(tokens / coordinator_cpu, 1) if coordinator_cpu else 0.0,
+               round(coordinator_cpu / elapsed, 3), round(client_cpu, 3), round(workers_cpu, 3), messages, requests,
+               errors, counter.mismatches, counter.first_error, counter.first_mismatch)
 
 
 def _table(rows: list[Row]) -> str:
     lines = [f"{'front':<5} {'streams':>7} {'coordinator':<11} {'tok/s':>9} {'x before':>9} {'tok/cpu-s':>10} "
-             f"{'x before':>9} {'tok/msg':>8} {'errors':>6}"]
+             f"{'x before':>9} {'tok/msg':>8} {'coord cpu-s':>11} {'busy':>5} {'client cpu-s':>12} "
+             f"{'workers cpu-s':>13} {'checked':>7} {'errors':>6}"]
     for front in dict.fromkeys(r.front for r in rows):
         for n in dict.fromkeys(r.streams for r in rows):
             by = {r.coordinator: r for r in rows if r.front == front and r.streams == n}
@@ -248,7 +244,8 @@ def _table(rows: list[Row]) -> str:
                 x_cpu = f"{r.tokens_per_cpu_s / b.tokens_per_cpu_s:.2f}" if b and b.tokens_per_cpu_s else "-"
                 lines.append(f"{front:<5} {n:>7} {name:<11} {r.tokens_per_s:>9.0f} {x_wall:>9} "
                              f"{r.tokens_per_cpu_s:>10.0f} {x_cpu:>9} {r.tokens / max(r.messages, 1):>8.2f} "
-                             f"{r.errors:>6}")
+                             f"{r.coordinator_cpu_s:>11.2f} {r.busy:>5.2f} {r.client_cpu_s:>12.2f} "
+                             f"{r.workers_cpu_s:>13.2f} {r.requests:>7} {r.errors:>6}")
     return "\n".join(lines)
 
 
@@ -292,8 +289,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
                                           path, extra, log)
                 try:
                     coordinator.wait_serving()
-                    rows.append(asyncio.run(measure(coordinator, front, n, args.output_len, args.warmup,
-                                                    args.seconds)))
+                    # the SSE client on uvloop (its per-event cost is the client's share of the cores);
+                    # gRPC's on asyncio's own loop, as grpc.aio is most often run
+                    with asyncio.Runner(loop_factory=uvloop.new_event_loop if front == "sse" else None) as runner:
+                        rows.append(runner.run(measure(coordinator, front, n, args.output_len, args.warmup,
+                                                       args.seconds, workers.pid)))
                 finally:
                     coordinator.stop()
                 bar.update()
@@ -310,6 +310,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": [asdict(r) for r in rows], "loadavg_start": load,
                                         "baseline_rev": args.baseline_rev}, indent=2))
+    wrong = [r for r in rows if r.mismatches]
+    if wrong:
+        raise SystemExit("\n".join(
+            f"{r.coordinator} {r.front} {r.streams} streams: {r.mismatches} streams did not carry what the workers "
+            f"sent, first: {r.first_mismatch}" for r in wrong) + "\nthe relay lost, invented or cut tokens: "
+            "its figures are void; see the coordinator's log beside --out")
     return rows
 
 

@@ -15,7 +15,11 @@ def test_every_coordinator_relays_every_token_it_was_sent_without_errors(tmp_pat
         (c, f) for f in ("grpc", "sse") for c in ("before", "after", "per-event")]
     for r in rows:
         assert r.errors == 0, r.first_error
+        assert r.mismatches == 0, r.first_mismatch
         assert r.tokens > 0 and r.messages > 0
+        # streams of 50 tokens end in the window, each checked against what the workers sent
+        assert r.requests > 0
+        assert r.coordinator_cpu_s > 0 and r.client_cpu_s > 0 and r.busy > 0
         # before: a response per token (and each end); this checkout merges the steps that piled up
         assert r.tokens <= r.messages or r.coordinator != "before"
     assert [r["coordinator"] for r in json.loads(out.read_text())["rows"]] == [r.coordinator for r in rows]
