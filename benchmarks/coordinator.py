@@ -4,13 +4,14 @@
         [--baseline-rev REV] [--out results/coordinator.json]
 
 One fake prefill + decode worker process (`fake_workers.py`: no compute, tokens as fast as the coordinator
-takes them), ONE coordinator process, and this process as the clients: N closed-loop streams (each
-request 8 prompt tokens, `--output-len` tokens out; a new one starts when one ends), over gRPC `Generate`
-(grpc.aio) or the OpenAI SSE front (`/v1/completions`, stream; `sse_client.py`: raw asyncio on uvloop,
-HTTP/1.1 keep-alive, every event's JSON parsed). After a warm-up, it counts the tokens the clients
-receive in a `--seconds` window, and the CPU seconds in it (from /proc) of the coordinator, of the client
-process and of the workers. Every stream that ends is checked against what the workers sent (its tokens
-= max_tokens; SSE: = the usage, and `data: [DONE]` last); one that does not fails the run.
+takes them), ONE coordinator process, and N closed-loop client streams (each request 8 prompt tokens,
+`--output-len` tokens out; a new one starts when one ends): over gRPC `Generate` from this process
+(grpc.aio), or over the OpenAI SSE front (`/v1/completions`, stream) from `--sse-clients` processes of
+their own (`sse_client.py`: raw asyncio on uvloop, HTTP/1.1 keep-alive, every event's JSON parsed; httpx
+cost more per event than the coordinator, and set the pace). After a warm-up, it counts the tokens the
+clients receive in a `--seconds` window, and the CPU seconds in it (from /proc) of the coordinator, of
+the clients and of the workers. Every stream that ends is checked against what the workers sent (its
+tokens = max_tokens; SSE: = the usage, and `data: [DONE]` last); one that does not fails the run.
 
 Three coordinators run in the same invocation against the same workers:
 - before: the coordinator of `--baseline-rev` (default: the commit before batched streams), extracted
@@ -44,10 +45,8 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import uvloop
 from tqdm import tqdm
 
-from pdserve.benchmarks.sse_client import run_sse_streams
 from pdserve.benchmarks.stream_count import StreamCount
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,8 +67,9 @@ class Row:
     tokens_per_cpu_s: float
     busy: float
     """The coordinator's CPU seconds per wall second of the window (1.0: a core all the time)."""
+    client_processes: int
     client_cpu_s: float
-    """The client process's CPU seconds in the window (it shares the machine's cores with the coordinator)."""
+    """The client processes' CPU seconds in the window (they share the machine's cores with the coordinator)."""
     workers_cpu_s: float
     messages: int
     """Responses (gRPC messages or SSE events) carrying tokens the clients received in the window."""
@@ -197,38 +197,94 @@ async def _grpc_streams(port: int, streams: int, output_len: int, counter: Strea
             await ch.close()
 
 
-async def _sse_streams(port: int, streams: int, output_len: int, counter: StreamCount, stop: asyncio.Event) -> None:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as reply:
-        model = json.load(reply)["data"][0]["id"]
-    body = {"model": model, "prompt": PROMPT, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    await run_sse_streams("127.0.0.1", port, body, streams, counter, stop)
+class GrpcClients:
+    """The gRPC streams, in this process (grpc.aio on asyncio's own loop)."""
+
+    def __init__(self, port: int, streams: int, output_len: int):
+        self.count, self._stop = StreamCount(), asyncio.Event()
+        self._task = asyncio.create_task(_grpc_streams(port, streams, output_len, self.count, self._stop))
+        self.pids = [os.getpid()]
+
+    async def counts(self) -> StreamCount:
+        return StreamCount.total([vars(self.count)])
+
+    async def stop(self) -> StreamCount:
+        self._stop.set()
+        try:
+            await asyncio.wait_for(self._task, 60)
+        except TimeoutError:
+            self.count.error("the gRPC streams did not end within 60 s of the stop")
+        return self.count
+
+
+class SseClients:
+    """The SSE streams from client processes of their own (`sse_client.py`), sharing `streams` evenly."""
+
+    def __init__(self, procs: list[asyncio.subprocess.Process]):
+        self.procs = procs
+        self.pids = [p.pid for p in procs]
+
+    @classmethod
+    async def start(cls, port: int, streams: int, output_len: int, processes: int) -> SseClients:
+        url = f"http://127.0.0.1:{port}/v1/models"
+        with await asyncio.to_thread(urllib.request.urlopen, url, timeout=60) as reply:
+            model = json.load(reply)["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        shares = [streams // processes + (i < streams % processes) for i in range(processes)]
+        return cls([await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pdserve.benchmarks.sse_client", "--port", str(port), "--streams", str(n),
+            "--body", json.dumps(body), "--ramp-s", str(0.002 * processes),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE) for n in shares if n])
+
+    async def _read(self) -> StreamCount:
+        parts = []
+        for p in self.procs:
+            line = await p.stdout.readline()
+            if not line:
+                raise SystemExit(f"an SSE client process (pid {p.pid}) exited with {await p.wait()}: its "
+                                 "error is above; fix it, or run `python -m pdserve.benchmarks.sse_client` alone")
+            parts.append(json.loads(line))
+        return StreamCount.total(parts)
+
+    async def counts(self) -> StreamCount:
+        for p in self.procs:
+            p.stdin.write(b"\n")
+        return await self._read()
+
+    async def stop(self) -> StreamCount:
+        for p in self.procs:
+            p.stdin.close()
+        try:
+            return await asyncio.wait_for(self._read(), 90)
+        finally:
+            for p in self.procs:
+                if p.returncode is None:
+                    p.kill()
+                await p.wait()
 
 
 async def measure(coordinator: Coordinator, front: str, streams: int, output_len: int, warmup: float,
-                  seconds: float, workers_pid: int) -> Row:
-    counter, stop = StreamCount(), asyncio.Event()
-    run = _grpc_streams if front == "grpc" else _sse_streams
-    port = coordinator.port if front == "grpc" else coordinator.http_port
-    task = asyncio.create_task(run(port, streams, output_len, counter, stop))
-    await asyncio.sleep(warmup + streams * 0.002)
-    pids = (coordinator.proc.pid, os.getpid(), workers_pid)
-    start = (counter.tokens, counter.messages, counter.requests, counter.errors)
-    cpu, t0 = [_cpu_seconds(p) for p in pids], time.perf_counter()
-    await asyncio.sleep(seconds)
-    tokens, messages, requests, errors = (
-        b - a for a, b in zip(start, (counter.tokens, counter.messages, counter.requests, counter.errors)))
-    elapsed = time.perf_counter() - t0
-    coordinator_cpu, client_cpu, workers_cpu = (_cpu_seconds(p) - c for p, c in zip(pids, cpu))
-    stop.set()
+                  seconds: float, workers_pid: int, sse_processes: int = 1) -> Row:
+    if front == "grpc":
+        clients: GrpcClients | SseClients = GrpcClients(coordinator.port, streams, output_len)
+    else:
+        clients = await SseClients.start(coordinator.http_port, streams, output_len, sse_processes)
     try:
-        await asyncio.wait_for(task, 60)
-    except TimeoutError:
-        task.cancel()
+        await asyncio.sleep(warmup + streams * 0.002)
+        pids = (coordinator.proc.pid, workers_pid, *clients.pids)
+        first, cpu, t0 = await clients.counts(), [_cpu_seconds(p) for p in pids], time.perf_counter()
+        await asyncio.sleep(seconds)
+        last, elapsed = await clients.counts(), time.perf_counter() - t0
+        coordinator_cpu, workers_cpu, *client_cpu = (_cpu_seconds(p) - c for p, c in zip(pids, cpu))
+    finally:
+        final = await clients.stop()  # its streams all checked, including those that ended after the window
+    tokens = last.tokens - first.tokens
     return Row(coordinator.name, front, streams, tokens, round(elapsed, 3), round(tokens / elapsed, 1),
                round(coordinator_cpu, 3), round(tokens / coordinator_cpu, 1) if coordinator_cpu else 0.0,
-               round(coordinator_cpu / elapsed, 3), round(client_cpu, 3), round(workers_cpu, 3), messages, requests,
-               errors, counter.mismatches, counter.first_error, counter.first_mismatch)
+               round(coordinator_cpu / elapsed, 3), len(clients.pids), round(sum(client_cpu), 3),
+               round(workers_cpu, 3), last.messages - first.messages, last.requests - first.requests,
+               last.errors - first.errors, final.mismatches, final.first_error, final.first_mismatch)
 
 
 def _table(rows: list[Row]) -> str:
@@ -258,6 +314,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--seconds", type=float, default=10.0, help="the measured window per case")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--output-len", type=int, default=500)
+    p.add_argument("--sse-clients", type=int, default=1, help="client processes the SSE streams are spread over")
     p.add_argument("--baseline-rev", default=BASELINE_REV, help="the 'before' coordinator's git revision; "
                                                                 "'none': measure this checkout only")
     p.add_argument("--model", type=Path, help="tokenizer and config for the coordinator (default: the embedded model)")
@@ -289,11 +346,8 @@ def main(argv: list[str] | None = None) -> list[Row]:
                                           path, extra, log)
                 try:
                     coordinator.wait_serving()
-                    # the SSE client on uvloop (its per-event cost is the client's share of the cores);
-                    # gRPC's on asyncio's own loop, as grpc.aio is most often run
-                    with asyncio.Runner(loop_factory=uvloop.new_event_loop if front == "sse" else None) as runner:
-                        rows.append(runner.run(measure(coordinator, front, n, args.output_len, args.warmup,
-                                                       args.seconds, workers.pid)))
+                    rows.append(asyncio.run(measure(coordinator, front, n, args.output_len, args.warmup,
+                                                    args.seconds, workers.pid, args.sse_clients)))
                 finally:
                     coordinator.stop()
                 bar.update()

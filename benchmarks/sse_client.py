@@ -13,12 +13,20 @@ cut off. A stream cut by the end of a case (`stop`) is only checked not to excee
 Life cycle of one stream (`SseConnection`): connect; send the request; read its response; when the
 terminating chunk arrives, check it, and send the next request on the same connection (unless the
 server said `Connection: close`, or `stop` is set: then close; `run_sse_streams` reconnects).
+
+As a process of its own (the benchmark runs one or several, so their CPU is measured apart from the
+coordinator's and the benchmark's), on uvloop: each line on stdin asks for the counts so far (one JSON
+line on stdout); the end of stdin stops the streams, and the final counts follow.
+
+    python -m pdserve.benchmarks.sse_client --port P --streams N --body '{"model": ..., "stream": true, ...}'
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import sys
 
 from pdserve.benchmarks.stream_count import StreamCount
 
@@ -250,3 +258,33 @@ async def run_sse_streams(host: str, port: int, body: dict, streams: int, count:
             conn.transport.abort()
 
     await asyncio.gather(close_at_stop(), *(one(i) for i in range(streams)))
+
+
+async def serve_counts(port: int, body: dict, streams: int, ramp_s: float) -> None:
+    """Runs the streams; answers each line on stdin with the counts so far; stops at the end of stdin."""
+    count, stop = StreamCount(), asyncio.Event()
+    streaming = asyncio.create_task(run_sse_streams("127.0.0.1", port, body, streams, count, stop, ramp_s))
+    loop = asyncio.get_running_loop()
+    stdin = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stdin), sys.stdin)
+    while await stdin.readline():
+        print(json.dumps(vars(count)), flush=True)
+    stop.set()
+    await asyncio.wait_for(streaming, 60)
+    print(json.dumps(vars(count)), flush=True)
+
+
+def main() -> None:
+    import uvloop
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--port", type=int, required=True, help="the server's HTTP port on 127.0.0.1")
+    p.add_argument("--streams", type=int, required=True)
+    p.add_argument("--body", required=True, help="the streamed /v1/completions request, JSON (with max_tokens)")
+    p.add_argument("--ramp-s", type=float, default=0.002, help="stream i starts after i * this many seconds")
+    args = p.parse_args()
+    uvloop.run(serve_counts(args.port, json.loads(args.body), args.streams, args.ramp_s))
+
+
+if __name__ == "__main__":
+    main()

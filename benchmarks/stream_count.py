@@ -21,6 +21,15 @@ class StreamCount:
         self.mismatches = 0
         self.first_mismatch = ""
 
+    @classmethod
+    def total(cls, parts: list[dict]) -> StreamCount:
+        """The sum of several clients' counts (each a `vars()` of one), first messages of the first that has one."""
+        out = cls()
+        for part in parts:
+            for name, value in part.items():
+                setattr(out, name, getattr(out, name) + value if isinstance(value, int) else getattr(out, name) or value)
+        return out
+
     def error(self, what: str) -> None:
         self.errors += 1
         self.first_error = self.first_error or what[:300]
