@@ -247,6 +247,8 @@ async def run_sse_streams(host: str, port: int, body: dict, streams: int, count:
                 await asyncio.sleep(0.1)
                 continue
             live.add(conn)
+            if stop.is_set():  # connected after close_at_stop went through `live`
+                conn.transport.abort()
             try:
                 await conn.closed
             finally:
