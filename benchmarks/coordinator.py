@@ -76,6 +76,7 @@ class Row:
     requests: int
     """Requests that ended whole in the window, each checked: tokens = max_tokens (= what the workers sent)."""
     errors: int
+    """Failed streams in the window (first_error: the first until the window's end; none after the stop)."""
     mismatches: int
     """Streams, in the whole case, whose tokens differ from what the workers sent (or, SSE, that end without
     data: [DONE]): the run fails."""
@@ -284,7 +285,7 @@ async def measure(coordinator: Coordinator, front: str, streams: int, output_len
                round(coordinator_cpu, 3), round(tokens / coordinator_cpu, 1) if coordinator_cpu else 0.0,
                round(coordinator_cpu / elapsed, 3), len(clients.pids), round(sum(client_cpu), 3),
                round(workers_cpu, 3), last.messages - first.messages, last.requests - first.requests,
-               last.errors - first.errors, final.mismatches, final.first_error, final.first_mismatch)
+               last.errors - first.errors, final.mismatches, last.first_error, final.first_mismatch)
 
 
 def _table(rows: list[Row]) -> str:
