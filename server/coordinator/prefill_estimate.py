@@ -1,17 +1,22 @@
-"""Admission by expected wait: how long a new prompt would wait for its first token on a prefill worker.
+"""Admission by expected wait: how long a new prompt may wait for its first token on a prefill worker.
 
-The estimate reads the worker's last report (`WorkerLoad.prefill_buckets`: queued tokens and measured
-tokens/s per length bucket; `WorkerInfo.prefill_order`) and the prompts this coordinator sent it and
-has not yet seen answered (`Worker.pending_lengths`; per bucket the larger of the two counts):
-- fifo: the prompt waits for all the queued work, then for its own prefill;
-- shortest-first: for the queued work in its own bucket and the shorter ones (ageing left out), then
-  its own. A longer batch already running may add up to one prefill's time, which is not counted.
-While the worker has measured no rate there is nothing to go on: no estimate, the request is admitted.
+The estimate is the worst case the worker's scheduler (server/prefill/scheduler.py) allows: every
+prompt queued there now may run first (those due before the new one do, and those due after it may
+until its slack runs out), and prompts that arrive later never delay it past its due time. So it is
+all the queued work, the running step's included (a step's tokens count as queued until it ends),
+then the prompt's own prefill, at the worker's measured rates. It reads the worker's last report
+(`WorkerLoad.prefill_buckets`: queued tokens and measured tokens/s per length bucket) and the prompts
+this coordinator sent it and has not yet seen answered (`Worker.pending_lengths`; per bucket the
+larger of the two counts). While the worker has measured no rate there is nothing to go on: no
+estimate, the request is admitted.
 
-A request whose estimate exceeds its remaining deadline (or `--ttft-budget`) is refused at once with
-RESOURCE_EXHAUSTED and `retry-after-ms` = the estimate, instead of queueing for minutes. With nothing
-queued ahead of it a request is always admitted, whatever its own prefill takes: an idle worker serves,
-so a rate measured too low is measured again.
+A request whose estimate exceeds its TTFT budget (`--ttft-budget`, or the time left before its
+deadline when less) is refused at once with RESOURCE_EXHAUSTED and `retry-after-ms` = the estimate,
+instead of queueing for minutes. An admitted one carries that budget and its admission time to the
+worker (PrefillRequest.ttft_budget_seconds, admitted_seconds_ago), which runs it ahead of later work
+once its slack runs out: its first token comes within the budget while the rates hold. With nothing
+queued ahead of it a request is always admitted, whatever its own prefill takes: an idle worker
+serves, so a rate measured too low is measured again.
 """
 
 from __future__ import annotations
@@ -30,41 +35,41 @@ if TYPE_CHECKING:
 
 
 def expected_wait(worker: Worker, num_tokens: int) -> float | None:
-    """Seconds until an n-token prompt sent to `worker` now would have its first token; None: unknown."""
+    """Seconds until an n-token prompt sent to `worker` now would have its first token, in the worst
+    case; None: unknown."""
     work = _work(worker, num_tokens)
     return None if work is None else sum(work)
 
 
 def _work(worker: Worker, num_tokens: int) -> tuple[float, float] | None:
-    """(seconds of queued work ahead of the prompt, seconds of its own prefill); None: unknown."""
+    """(seconds of queued work that may run before the prompt, seconds of its own prefill); None: unknown."""
     if worker.info is None or not worker.info.load.prefill_buckets:
         return None
     buckets = worker.info.load.prefill_buckets
     pending = [0] * len(buckets)
     for n in worker.pending_lengths:
         pending[bucket_of(buckets, n)] += n
-    work = [max(b.queued_tokens, p) for b, p in zip(buckets, pending)]
-    own = bucket_of(buckets, num_tokens)
-    ahead = range(own + 1) if worker.info.prefill_order == "shortest-first" else range(len(buckets))
-    ahead_s = seconds_of(buckets, [(i, work[i]) for i in ahead])
-    own_s = seconds_of(buckets, [(own, num_tokens)])
+    ahead_s = seconds_of(buckets, [(i, max(b.queued_tokens, p)) for i, (b, p) in enumerate(zip(buckets, pending))])
+    own_s = seconds_of(buckets, [(bucket_of(buckets, num_tokens), num_tokens)])
     return None if ahead_s is None or own_s is None else (ahead_s, own_s)
 
 
-def admit(worker: Worker, num_tokens: int, deadline_left: float, ttft_budget: float) -> float | None:
-    """The expected wait (None: unknown); raises RequestFailed when it exceeds what the request allows.
+def ttft_limit(deadline_left: float, ttft_budget: float) -> tuple[float, str]:
+    """The budget a new request's first token must come within, and what sets it: --ttft-budget (0: none),
+    or the time left before its deadline when that is less. (The decode lease only runs once the prefill
+    begins, so queueing never expires it.)"""
+    if ttft_budget and ttft_budget < deadline_left:
+        return ttft_budget, "TTFT budget (--ttft-budget)"
+    return deadline_left, "time left before its deadline"
 
-    ttft_budget: 0 for none (the deadline alone bounds the wait; the decode lease only runs once the
-    prefill begins, so queueing never expires it).
-    """
+
+def admit(worker: Worker, num_tokens: int, limit: float, what: str) -> float | None:
+    """The expected wait (None: unknown); raises RequestFailed when it exceeds `limit` (from ttft_limit)."""
     work = _work(worker, num_tokens)
     if work is None:
         return None
     wait = sum(work)
     metrics.prefill_expected_wait.observe(wait)
-    limit, what = deadline_left, "time left before its deadline"
-    if ttft_budget and ttft_budget < limit:
-        limit, what = ttft_budget, "TTFT budget (--ttft-budget)"
     if wait <= limit or not work[0]:
         return wait
     metrics.expected_wait_rejections.inc()

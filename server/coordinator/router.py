@@ -126,6 +126,10 @@ class Worker:
             self.dead_since = None
             self.lost = asyncio.Event()
             log.info("%s worker %s is ready", self.role, self.address)
+            if self.role == "prefill" and self.info is not None and not self.info.prefill_deadlines:
+                log.warning("prefill worker %s predates TTFT-budget scheduling: --ttft-budget still refuses "
+                            "requests by expected wait there, but later short prompts may delay admitted ones "
+                            "past it; upgrade the worker", self.address)
         else:
             self.dead_since = time.monotonic()
             self.lost.set()

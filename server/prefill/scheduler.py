@@ -7,12 +7,13 @@ the budget, runs as several segments (chunked prefill) over consecutive steps; e
 reads the KV of the ones before it as context.
 
 Life cycle of a prompt here:
-1. `add` queues it with a priority key fixed at arrival. Its `computed` tokens (a cached prefix)
-   are not run again: its first segment starts there.
+1. `add` queues it with a priority key fixed at arrival and, when the coordinator admitted it under a
+   TTFT budget, the time its first token is due. Its `computed` tokens (a cached prefix) are not run
+   again: its first segment starts there.
 2. `next_step` walks the queue in key order and gives each prompt one segment: the rest of the
    prompt, or as much of it as `max_chunk` and the budget allow (a whole number of its blocks, so the
    KV it ships and caches starts on a block boundary). It stops at the first prompt that gets
-   nothing: prompts start in key order.
+   nothing. It skips a prompt whose segment would make a prompt due earlier miss its due time (below).
 3. `finish` takes the step back once it ran: each unfinished prompt returns to the queue with its
    key; until it ends, its remaining tokens count as queued work.
 
@@ -23,12 +24,26 @@ Orders (`PrefillOrder`):
   more than `tokens / ageing_tokens_per_s` seconds after it, so a long one waits at most that long
   for later short ones. A long prompt under way keeps its key: short prompts that arrive meanwhile
   take the front of the next step, and the long prompt's next chunk fills what they leave, so a short
-  prompt waits for at most one step, never for a whole long prompt (issue 19's bound).
+  prompt waits for at most one step, never for a whole long prompt.
+
+Due times (issue 19's bound: no admitted prompt waits longer than its TTFT budget). Take the prompts
+that have a due time, earliest first; the slack of the k-th is its due time less now less the expected
+prefill time (`seconds`, the worker's measured rates) of it and of every prompt due before it: the
+time the worker may spend on anything else and still give each of them its first token in time. A
+segment of a prompt due later than the k-th (or of one with no due time) spends the k-th's slack; the
+step takes it only while every such slack stays >= 0 (one already negative allows nothing). So the
+order above runs as long as the due times allow it; once a prompt's slack is used up, only it and the
+prompts due before it get into steps (one due later than another only while the earlier one's slack
+allows it), and later short arrivals cannot push it past its due time. The prompts of one step all
+finish when it ends: the slack counts that (a segment spends the slack of every prompt due before it,
+in the same step or not). Admission (coordinator/prefill_estimate.py) only admits a prompt
+whose due time leaves room for all the work queued before it, so with the measured rates right every
+admitted prompt's first token comes in time. What can still push one past: a rate measured wrong
+(the machine slowed), and a later arrival due earlier (a client deadline shorter than the budget).
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections import Counter
@@ -90,6 +105,16 @@ class _Entry(Generic[J]):
     seq: int
     job: J = field(compare=False)
     bucket: int = field(compare=False)
+    due: float | None = field(compare=False, default=None)
+    """When its first token is due (the scheduler's clock); None: never."""
+
+    @property
+    def remaining(self) -> int:
+        return self.job.num_tokens - self.job.computed
+
+
+def _no_rate(bucket: int, tokens: int) -> float:
+    return 0.0
 
 
 class PrefillScheduler(Generic[J]):
@@ -103,11 +128,15 @@ class PrefillScheduler(Generic[J]):
         max_chunk: int | None = None,
         max_context: int | None = None,
         ageing_tokens_per_s: float = 32.0,
+        seconds: Callable[[int, int], float] = _no_rate,
         clock: Callable[[], float] = time.monotonic,
     ):
         """bucket(n): the length bucket an n-token prompt's queued work is reported under.
         max_chunk: most tokens of one prompt in a step (default the budget). max_context: most context
-        tokens (earlier segments' KV) one step reads, all its prompts together (default unbounded)."""
+        tokens (earlier segments' KV) one step reads, all its prompts together (default unbounded).
+        seconds(bucket, n): expected seconds to prefill n tokens of a prompt in that bucket (the
+        worker's measured rates, rates.py); by default (and while nothing is measured) 0: due times
+        change nothing."""
         if order not in PREFILL_ORDERS:
             raise ValueError(f"--prefill-order must be one of {', '.join(PREFILL_ORDERS)}, not {order!r}")
         if not ageing_tokens_per_s > 0:
@@ -119,8 +148,9 @@ class PrefillScheduler(Generic[J]):
         self.max_chunk = min(max_chunk or max_batch_tokens, max_batch_tokens)
         self.max_context = max_context
         self.ageing_tokens_per_s = ageing_tokens_per_s
+        self.seconds = seconds
         self.clock = clock
-        self._heap: list[_Entry[J]] = []
+        self._waiting: list[_Entry[J]] = []
         self._seq = itertools.count()
         self._running: list[_Entry[J]] = []
         self.queued_by_bucket: Counter[int] = Counter()
@@ -132,38 +162,59 @@ class PrefillScheduler(Generic[J]):
         return sum(self.queued_by_bucket.values())
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._waiting)
 
-    def add(self, job: J) -> None:
+    def add(self, job: J, due: float | None = None) -> None:
+        """due: when the prompt's first token is due, on the scheduler's clock (admission time plus the
+        TTFT budget it was admitted under); None: never urgent."""
         now = self.clock()
         key = now if self.order == "fifo" else now + job.num_tokens / self.ageing_tokens_per_s
-        entry = _Entry(key, next(self._seq), job, self.bucket(job.num_tokens))
-        heapq.heappush(self._heap, entry)
-        self.queued_by_bucket[entry.bucket] += job.num_tokens - job.computed
+        entry = _Entry(key, next(self._seq), job, self.bucket(job.num_tokens), due)
+        self._waiting.append(entry)
+        self.queued_by_bucket[entry.bucket] += entry.remaining
         self.prompts_by_bucket[entry.bucket] += 1
 
     def next_step(self) -> list[Segment[J]]:
         """The segments of the next step, in queue order (empty: nothing waits)."""
+        for entry in [e for e in self._waiting if e.job.cancelled()]:
+            self._waiting.remove(entry)
+            self._forget(entry, entry.remaining)
+        due = sorted((e for e in self._waiting if e.due is not None), key=lambda e: (e.due, e.seq))
+        rank = {id(e): k for k, e in enumerate(due)}
+        slack = self._slack(due)
         step: list[Segment[J]] = []
         taken: list[_Entry[J]] = []
         context = 0
-        while self._heap and len(step) < self.max_batch_size:
-            entry = self._heap[0]
+        for entry in sorted(self._waiting):
+            if len(step) == self.max_batch_size:
+                break
             job = entry.job
-            if job.cancelled():
-                heapq.heappop(self._heap)
-                self._forget(entry, job.num_tokens - job.computed)
-                continue
             segment = self._segment(step, job)
             if segment is None or (step and self.max_context is not None
                                    and context + job.computed > self.max_context):
                 break
-            heapq.heappop(self._heap)
+            spends = slack[: rank.get(id(entry), len(due))]  # the prompts due before this one
+            cost = self.seconds(entry.bucket, segment.length)
+            if spends and cost > min(spends):
+                continue  # a prompt due earlier would miss its due time
+            for k in range(len(spends)):
+                slack[k] -= cost
             step.append(segment)
             taken.append(entry)
             context += job.computed
+        for entry in taken:
+            self._waiting.remove(entry)
         self._running.extend(taken)
         return step
+
+    def _slack(self, due: list[_Entry[J]]) -> list[float]:
+        """Per prompt, earliest due first: its due time less now less the expected prefill time of it
+        and every prompt due before it (0 when that is negative: it is late, nothing may delay it)."""
+        now, work, slack = self.clock(), 0.0, []
+        for entry in due:
+            work += self.seconds(entry.bucket, entry.remaining)
+            slack.append(max(entry.due - now - work, 0.0))
+        return slack
 
     def _segment(self, step: list[Segment[J]], job: J) -> Segment[J] | None:
         """job's segment if it joins `step`: as much of its rest as the chunk and the budget allow."""
@@ -186,7 +237,7 @@ class PrefillScheduler(Generic[J]):
             if done:
                 self.queued_by_bucket[entry.bucket] -= segment.length
             if done and not segment.last and not job.cancelled():
-                heapq.heappush(self._heap, entry)
+                self._waiting.append(entry)
             else:
                 self._forget(entry, job.num_tokens - job.computed)
 

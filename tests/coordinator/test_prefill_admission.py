@@ -1,4 +1,5 @@
-"""Admission by expected wait: a scripted slow prefill worker's queued work, at its measured rate."""
+"""Admission by expected wait: a scripted slow prefill worker's queued work, at its measured rate, in
+the worst case its scheduler allows (all of it, the running step's included), then the prompt's own."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from pdserve.server import metrics
 from pdserve.server.coordinator.prefill_estimate import expected_wait
 from pdserve.server.coordinator.router import Worker
+from pdserve.server.prefill.rates import PrefillRates
+from pdserve.server.prefill.scheduler import PrefillScheduler
 from tests.coordinator.fakes import start_fake_pools
+from tests.prefill.jobs import Clock, Job, bucket
 
 BUCKETS = (16, 32, 64, 128, 256, 512)
 
@@ -83,18 +87,49 @@ async def test_a_request_whose_expected_wait_exceeds_its_deadline_is_refused_at_
         await pools.stop()
 
 
-async def test_shortest_first_admits_a_short_prompt_that_long_queued_ones_do_not_delay(model_dir):
-    pools = await _pools(model_dir, "shortest-first", slow_load(3 * 500))
+async def test_admission_counts_all_the_queued_work_whatever_the_order_and_sends_the_budget(model_dir):
+    """Issue 19's bound: under shortest-first a short prompt may still wait for all the work queued
+    before it (those prompts become due first), so it counts too, not only the shorter buckets'."""
+    pools = await _pools(model_dir, "shortest-first", slow_load(3 * 500), ttft_budget=16.0)
+    refused = _expected_wait_rejections()
     try:
-        responses = await _generate(pools, [5, 6, 7], timeout=10)
-        assert [list(r.token_ids) for r in responses] == [[5], [6], []]
-        assert len(pools.prefill.requests) == 1
-        with pytest.raises(grpc.aio.AioRpcError) as e:  # a long one waits behind the long queue
-            await _generate(pools, [5] * 300, timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # 1500 / 100 + 3 / 128 s = 15.02 s > 10 s left
+            await _generate(pools, [5, 6, 7], timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert ("retry-after-ms", "18000") in tuple(e.value.trailing_metadata())  # (1500 + 300) / 100 s
+        assert ("retry-after-ms", "15024") in tuple(e.value.trailing_metadata())
+        assert "exceeds the request's time left before its deadline, " in e.value.details()
+        assert pools.prefill.requests == [] and _expected_wait_rejections() == refused + 1
+        responses = await _generate(pools, [5, 6, 7], timeout=600)  # 15.02 s <= the 16 s budget
+        assert [list(r.token_ids) for r in responses] == [[5], [6], []]
+        (sent,) = pools.prefill.requests
+        assert sent.ttft_budget_seconds == 16.0  # the worker's scheduler keeps the first token within it
+        assert 0.0 <= sent.admitted_seconds_ago < 16.0
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # a long one: (1500 + 300) / 100 s > 16 s
+            await _generate(pools, [5] * 300, timeout=600)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("retry-after-ms", "18000") in tuple(e.value.trailing_metadata())
+        assert "TTFT budget (--ttft-budget), 16 s" in e.value.details()
     finally:
         await pools.stop()
+
+
+def test_the_running_step_counts_as_queued_work_ahead_of_a_short_prompt():
+    """What a real scheduler reports while a long prompt's step runs: its tokens count until the step
+    ends, so a short prompt's worst case waits for it (the short one cannot join a running step)."""
+    clock = Clock()
+    rates = PrefillRates([16, 32, 64, 128, 256, 512, 1024, 2048])
+    rates.record(16, 128, 1.0)
+    rates.record(2048, 100, 1.0)
+    s = PrefillScheduler("shortest-first", bucket=bucket, max_batch_size=1, max_batch_tokens=2048,
+                         seconds=rates.seconds, clock=clock)
+    s.add(Job("long", 1500), due=30.0)
+    running = s.next_step()
+    assert [g.job.name for g in running] == ["long"]
+    s.add(Job("mid", 400), due=30.0)
+    load = worker_pb2.WorkerLoad(prefill_buckets=rates.report(s.queued_by_bucket, s.prompts_by_bucket))
+    worker = Worker("127.0.0.1:1", "prefill", info=worker_pb2.WorkerInfo(load=load, prefill_order="shortest-first"))
+    # 1500 running and 400 queued at the 2048 bucket's 100 tokens/s (the nearest measured), own 16 at 128/s
+    assert expected_wait(worker, 16) == 15.0 + 4.0 + 0.125
 
 
 async def test_the_ttft_budget_bounds_the_wait_below_the_deadline(model_dir):
@@ -125,9 +160,9 @@ def test_prompts_sent_since_the_last_report_count_as_queued_work():
     assert expected_wait(worker, 16) == 500 / 100 + 16 / 128
     worker.pending_lengths = [300, 300, 10]  # 600 > the reported 500 in the 512 bucket; 10 in the 16 bucket
     assert expected_wait(worker, 16) == 600 / 100 + 10 / 128 + 16 / 128
-    worker.info.prefill_order = "shortest-first"
-    assert expected_wait(worker, 16) == 10 / 128 + 16 / 128
-    assert expected_wait(worker, 40) == 10 / 128 + 40 / 128  # 64 bucket: the nearest measured rate (16)
+    worker.info.prefill_order = "shortest-first"  # the worst case is the same: all of it may run first
+    assert expected_wait(worker, 16) == 600 / 100 + 10 / 128 + 16 / 128
+    assert expected_wait(worker, 40) == 600 / 100 + 10 / 128 + 40 / 128  # 64 bucket: the nearest measured rate (16)
     assert expected_wait(Worker("127.0.0.1:2", "prefill"), 16) is None
 
 

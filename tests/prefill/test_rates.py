@@ -30,3 +30,14 @@ def test_seconds_use_the_nearest_measured_bucket_and_none_without_any():
     assert queued_seconds(buckets) == 256 / 128 + 96 / 64 + 32 / 64
     assert seconds_of(PrefillRates([16]).report({16: 10}, {}), [(0, 10)]) is None
     assert queued_seconds(PrefillRates([16]).report({16: 10}, {})) == 0.0
+
+
+def test_the_schedulers_seconds_use_the_nearest_measured_bucket_and_0_without_any():
+    rates = PrefillRates([16, 32, 64])
+    assert rates.seconds(32, 100) == 0.0  # nothing measured: due times change nothing
+    rates.record(16, 128, 1.0)
+    rates.record(64, 50, 1.0)
+    assert rates.seconds(16, 64) == 0.5
+    assert rates.seconds(32, 100) == 2.0  # equally near 16 and 64: the longer bucket's 50 tokens/s
+    assert rates.seconds(4096, 100) == 2.0  # past the last bucket: the last one's
+    assert rates.seconds(64, 0) == 0.0

@@ -1,45 +1,32 @@
 """The prefill queue's orders and steps: short prompts before long ones, ageing, packed steps,
-chunks of long prompts interleaved with short ones, no starvation."""
+chunks of long prompts interleaved with short ones, no starvation, and admitted prompts' due times
+kept against later arrivals (a scripted clock and rate)."""
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
 import pytest
 
 from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, packed_tokens
 
-
-@dataclass(eq=False)
-class Job:
-    name: str
-    num_tokens: int
-    dropped: bool = False
-    computed: int = 0
-    block_size: int = 16
-
-    def cancelled(self) -> bool:
-        return self.dropped
+from .jobs import Clock, Job, bucket
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+def unmeasured(bucket: int, tokens: int) -> float:
+    return 0.0
 
 
-def bucket(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
+def at_100_tokens_per_s(bucket: int, tokens: int) -> float:
+    """A scripted worker's measured rate: 100 tokens/s whatever the length."""
+    return tokens / 100
 
 
 def scheduler(order: str, clock: Clock, *, max_batch_size: int = 8, max_batch_tokens: int = 2048,
-              ageing: float = 256.0, max_chunk: int | None = None) -> PrefillScheduler[Job]:
+              ageing: float = 256.0, max_chunk: int | None = None, seconds=unmeasured) -> PrefillScheduler[Job]:
     return PrefillScheduler(order, bucket=bucket, max_batch_size=max_batch_size,  # type: ignore[arg-type]
                             max_batch_tokens=max_batch_tokens, max_chunk=max_chunk, ageing_tokens_per_s=ageing,
-                            clock=clock)
+                            seconds=seconds, clock=clock)
 
 
 def run(step: list[Segment[Job]]) -> None:
@@ -48,12 +35,15 @@ def run(step: list[Segment[Job]]) -> None:
         seg.job.computed = seg.end
 
 
-def drain(s: PrefillScheduler[Job]) -> list[list[str]]:
-    """Each step's segments as name (whole prompts) or name[start:end] (chunks)."""
+def drain(s: PrefillScheduler[Job], clock: Clock | None = None) -> list[list[str]]:
+    """Each step's segments as name (whole prompts) or name[start:end] (chunks); each step moves the
+    clock, when given, at 100 tokens/s."""
     steps = []
     while step := s.next_step():
         steps.append([g.job.name if g.length == g.job.num_tokens else f"{g.job.name}[{g.start}:{g.end}]"
                       for g in step])
+        if clock is not None:
+            clock.now += sum(at_100_tokens_per_s(0, g.length) for g in step)
         run(step)
         s.finish(step)
     return steps
@@ -211,3 +201,114 @@ def test_nothing_starves_under_a_mixed_load(order):
         for b, (b_at, b_key) in arrived.items():
             if b_key > a_key and b_at >= a_at:
                 assert started[a] <= started[b], (a, b)
+
+
+def serve(s: PrefillScheduler[Job], clock: Clock, watched: list[Job], arrivals: int = 400) -> dict[str, tuple[float, float]]:
+    """Runs steps at 100 tokens/s until every watched prompt has its first token; before each step a
+    25-token prompt arrives (0.25 s of work), due 30 s later. Returns (start, first token) per watched name."""
+    times: dict[str, tuple[float, float]] = {}
+    for i in range(arrivals):
+        s.add(Job(f"short{i}", 25), due=clock.now + 30.0)
+        step = s.next_step()
+        start = clock.now
+        clock.now += sum(at_100_tokens_per_s(0, g.length) for g in step)
+        run(step)
+        s.finish(step)
+        for g in step:
+            if g.job in watched and g.last:
+                times[g.job.name] = (start, clock.now)
+        if len(times) == len(watched):
+            break
+    return times
+
+
+def test_an_admitted_long_prompt_starts_by_its_budget_less_its_prefill_whatever_arrives_after_it():
+    """Issue 19's bound by construction: 1,000 tokens (10 s) admitted with a 30 s budget, then a short
+    prompt before every step. Shortest-first runs the short ones while the long one's slack lasts
+    (ageing too slow to help: 1 token/s); it starts at 30 - 10 = 20 s and its first token comes at its
+    due time, 30 s. Without due times it would wait for the short ones to stop."""
+    clock = Clock()
+    s = scheduler("shortest-first", clock, max_batch_size=1, ageing=1.0, seconds=at_100_tokens_per_s)
+    long = Job("long", 1000)
+    s.add(long, due=30.0)
+    assert serve(s, clock, [long]) == {"long": (20.0, 30.0)}
+
+
+def test_two_admitted_long_prompts_each_make_their_due_time():
+    """The second one's slack counts the first one's prefill: both must start by 10.25 s, not 20 s each
+    (a prompt's own slack alone would run the first at 20 s and make the second 9.75 s late)."""
+    clock = Clock()
+    s = scheduler("shortest-first", clock, max_batch_size=1, ageing=1.0, seconds=at_100_tokens_per_s)
+    a, b = Job("a", 1000), Job("b", 1000)
+    s.add(a, due=30.0)
+    s.add(b, due=30.25)
+    assert serve(s, clock, [a, b]) == {"a": (10.25, 20.25), "b": (20.25, 30.25)}
+
+
+def test_a_step_packs_short_prompts_beside_a_due_one_only_within_its_slack():
+    """The prompts of a step finish together: with 0.5 s of slack left, two 0.25 s prompts may join the
+    due one's step, the other two wait for the next."""
+    clock = Clock()
+    s = scheduler("shortest-first", clock, seconds=at_100_tokens_per_s)
+    long = Job("long", 1000)
+    s.add(long, due=10.5)
+    for i in range(4):
+        s.add(Job(f"s{i}", 25), due=30.0)
+    assert drain(s, clock) == [["s0", "s1", "long"], ["s2", "s3"]]
+    assert clock.now == 11.0
+
+
+def test_a_late_prompt_allows_nothing_before_it_and_a_prompt_with_no_due_time_runs_within_the_slack():
+    """A prompt past its due time allows nothing else before it; one without a due time (from an older
+    coordinator) runs where the due prompts' slack allows it, here between the two."""
+    clock = Clock()
+    s = scheduler("shortest-first", clock, max_batch_size=1, seconds=at_100_tokens_per_s)
+    s.add(Job("anytime", 25))  # 0.25 s, the first by key
+    s.add(Job("late", 500), due=1.0)  # 5 s of work due in 1 s
+    s.add(Job("next", 300), due=9.0)  # 3 s more: once "late" ends at 5 s, 1 s of slack
+    assert drain(s, clock) == [["late"], ["anytime"], ["next"]]
+    assert clock.now == 8.25
+
+
+def test_admitted_by_worst_case_wait_every_prompt_makes_its_due_time_under_an_overload():
+    """Seeded Poisson arrivals, 1.2x what the worker serves: 32-token prompts at 55/s (1,760 tokens/s)
+    and 1,500-token ones at 0.4/s (600), each admitted on arrival (mid-step too) as the coordinator
+    does: all the queued work (the running step's included) plus its own prefill within the 2 s budget,
+    else refused. Served at the rate the scheduler assumes, every admitted prompt gets its first token
+    by its due time. (Without due times, short prompts overtaking admitted long ones made 6 of them
+    late, one by 15 s.)"""
+    rng = random.Random(11)
+    clock = Clock()
+    rate, budget = 2000.0, 2.0
+
+    def seconds(bucket: int, tokens: int) -> float:
+        return tokens / rate
+
+    s = scheduler("shortest-first", clock, max_batch_tokens=512, ageing=32.0, seconds=seconds)
+    arrivals: list[tuple[float, int]] = []
+    t = 0.0
+    while t < 30.0:
+        t += rng.expovariate(55.4)
+        arrivals.append((t, 32 if rng.random() < 55 / 55.4 else 1500))
+    due: dict[str, float] = {}
+    first: dict[str, float] = {}
+    refused = 0
+    while arrivals or len(s):
+        step = s.next_step()
+        end = clock.now + sum(g.length for g in step) / rate if step else arrivals[0][0]
+        while arrivals and arrivals[0][0] <= end:  # arriving while the step runs
+            clock.now, n = arrivals.pop(0)
+            if (s.queued_tokens + n) / rate > budget:
+                refused += 1
+                continue
+            job = Job(f"j{len(due)}", n)
+            due[job.name] = clock.now + budget
+            s.add(job, due=due[job.name])
+        clock.now = end
+        run(step)
+        s.finish(step)
+        first.update((g.job.name, clock.now) for g in step if g.last)
+    assert (refused, len(due)) == (12, 1663)  # overloaded, and still serving nearly all
+    assert set(first) == set(due)
+    late = {name: first[name] - due[name] for name in due if first[name] > due[name] + 1e-9}
+    assert late == {}
