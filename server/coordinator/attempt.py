@@ -34,7 +34,7 @@ import grpc
 from pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.server import metrics
 from pdserve.server.coordinator.admission import Deadline, RequestFailed
-from pdserve.server.coordinator.prefill_estimate import admit, ttft_limit
+from pdserve.server.coordinator.prefill_estimate import admit, ttft_budget_of
 from pdserve.server.coordinator.router import Worker
 from pdserve.server.coordinator.steps import DecodeEvent, Route, StepsClient, StreamBroken
 from pdserve.server.coordinator.validate import ValidRequest
@@ -84,10 +84,6 @@ class RequestState:
     """Why the previous attempt was lost."""
     prompt_logprobs: list[generation_pb2.TokenLogprob] | None = None
     """From the prefill (when asked for); None until it answered, [] once sent on."""
-    ttft_budget: float = 0.0
-    """The TTFT budget it was admitted under (prefill_estimate.ttft_limit); 0 until admitted."""
-    admitted_at: float = 0.0
-    """time.monotonic() of its admission: with ttft_budget, when its first token is due (every attempt)."""
 
     @property
     def sampling(self) -> generation_pb2.SamplingParams:
@@ -172,9 +168,7 @@ class Attempt:
             if self.prefill is None and service.pool.ready("prefill"):
                 self.prefill = await service.prefill_queue.acquire(service.pool, self._pick_prefill, r.deadline)
                 if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
-                    limit, what = ttft_limit(r.deadline.remaining(), service.ttft_budget)
-                    admit(self.prefill, len(self.prompt), limit, what)
-                    r.ttft_budget, r.admitted_at = limit, time.monotonic()
+                    admit(self.prefill, len(self.prompt), r.deadline, service.ttft_budget)
             try:
                 cached = await self._open_decode()
             except _Full as full:
@@ -303,8 +297,8 @@ class Attempt:
                                            cached_blocks=cached_blocks),
                 transfer_token=self.transfer_token,
                 sample_index=len(r.outputs),
-                ttft_budget_seconds=r.ttft_budget,
-                admitted_seconds_ago=time.monotonic() - r.admitted_at if r.ttft_budget else 0.0,
+                ttft_budget_seconds=ttft_budget_of(r.deadline, service.ttft_budget),
+                arrived_seconds_ago=r.deadline.seconds - r.deadline.remaining(),
             ),
             timeout=r.deadline.check(),
         )

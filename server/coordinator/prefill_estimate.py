@@ -10,11 +10,12 @@ this coordinator sent it and has not yet seen answered (`Worker.pending_lengths`
 larger of the two counts). While the worker has measured no rate there is nothing to go on: no
 estimate, the request is admitted.
 
-A request whose estimate exceeds its TTFT budget (`--ttft-budget`, or the time left before its
-deadline when less) is refused at once with RESOURCE_EXHAUSTED and `retry-after-ms` = the estimate,
-instead of queueing for minutes. An admitted one carries that budget and its admission time to the
-worker (PrefillRequest.ttft_budget_seconds, admitted_seconds_ago), which runs it ahead of later work
-once its slack runs out: its first token comes within the budget while the rates hold. With nothing
+A request whose estimate exceeds what is left of its TTFT budget (`--ttft-budget`, or its deadline
+when shorter, both counted from its arrival at the coordinator) is refused at once with
+RESOURCE_EXHAUSTED and `retry-after-ms` = the estimate, instead of queueing for minutes. An admitted
+one carries that budget and how long ago it arrived to the worker (PrefillRequest.ttft_budget_seconds,
+arrived_seconds_ago), which runs it ahead of later work once its slack runs out: its first token
+comes within the budget while the measured rates hold. With nothing
 queued ahead of it a request is always admitted, whatever its own prefill takes: an idle worker
 serves, so a rate measured too low is measured again.
 """
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.server import metrics
-from pdserve.server.coordinator.admission import RequestFailed
+from pdserve.server.coordinator.admission import Deadline, RequestFailed
 from pdserve.server.prefill.rates import bucket_of, seconds_of
 
 if TYPE_CHECKING:
@@ -54,29 +55,32 @@ def _work(worker: Worker, num_tokens: int) -> tuple[float, float] | None:
     return None if ahead_s is None or own_s is None else (ahead_s, own_s)
 
 
-def ttft_limit(deadline_left: float, ttft_budget: float) -> tuple[float, str]:
-    """The budget a new request's first token must come within, and what sets it: --ttft-budget (0: none),
-    or the time left before its deadline when that is less. (The decode lease only runs once the prefill
-    begins, so queueing never expires it.)"""
-    if ttft_budget and ttft_budget < deadline_left:
-        return ttft_budget, "TTFT budget (--ttft-budget)"
-    return deadline_left, "time left before its deadline"
+def ttft_budget_of(deadline: Deadline, ttft_budget: float) -> float:
+    """The TTFT budget a request is admitted under, counted from its arrival at the coordinator (so time
+    it queued there counts): --ttft-budget (0: none), or its deadline's when that is shorter."""
+    return ttft_budget if ttft_budget and ttft_budget < deadline.seconds else deadline.seconds
 
 
-def admit(worker: Worker, num_tokens: int, limit: float, what: str) -> float | None:
-    """The expected wait (None: unknown); raises RequestFailed when it exceeds `limit` (from ttft_limit)."""
+def admit(worker: Worker, num_tokens: int, deadline: Deadline, ttft_budget: float) -> float | None:
+    """The expected wait (None: unknown); raises RequestFailed when it exceeds what is left of the
+    request's TTFT budget (ttft_budget_of; the decode lease only runs once the prefill begins, so
+    queueing never expires it)."""
     work = _work(worker, num_tokens)
     if work is None:
         return None
     wait = sum(work)
     metrics.prefill_expected_wait.observe(wait)
-    if wait <= limit or not work[0]:
+    budget = ttft_budget_of(deadline, ttft_budget)
+    left = budget - (deadline.seconds - deadline.remaining())
+    if wait <= left or not work[0]:
         return wait
     metrics.expected_wait_rejections.inc()
     retry_ms = math.ceil(wait * 1000)
+    what = (f"of the request's TTFT budget (--ttft-budget {budget:g} s from its arrival)" if budget < deadline.seconds
+            else "before the request's deadline")
     raise RequestFailed(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"expected prefill wait {wait:.3g} s (queued work on prefill worker {worker.address} at its measured "
-        f"rate) exceeds the request's {what}, {limit:.3g} s; you may retry after {retry_ms} ms",
+        f"rate) exceeds the {left:.3g} s left {what}; you may retry after {retry_ms} ms",
         (("retry-after-ms", str(retry_ms)),),
     )

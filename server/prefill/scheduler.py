@@ -165,8 +165,8 @@ class PrefillScheduler(Generic[J]):
         return len(self._waiting)
 
     def add(self, job: J, due: float | None = None) -> None:
-        """due: when the prompt's first token is due, on the scheduler's clock (admission time plus the
-        TTFT budget it was admitted under); None: never urgent."""
+        """due: when the prompt's first token is due, on the scheduler's clock (its arrival at the
+        coordinator plus the TTFT budget it was admitted under); None: never."""
         now = self.clock()
         key = now if self.order == "fifo" else now + job.num_tokens / self.ageing_tokens_per_s
         entry = _Entry(key, next(self._seq), job, self.bucket(job.num_tokens), due)

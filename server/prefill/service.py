@@ -42,11 +42,11 @@ _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.S
 
 def ttft_due(request: pb.PrefillRequest, received: float) -> float | None:
     """When the request's first token is due on this worker's clock (time.monotonic() of `received`,
-    when the call arrived): the coordinator's admission plus the TTFT budget it admitted it under;
+    when the call arrived): its arrival at the coordinator plus the TTFT budget it was admitted under;
     None without a budget (an older coordinator)."""
     if request.ttft_budget_seconds <= 0:
         return None
-    return received - request.admitted_seconds_ago + request.ttft_budget_seconds
+    return received - request.arrived_seconds_ago + request.ttft_budget_seconds
 
 
 def _fail(future: asyncio.Future, error: BaseException) -> None:
@@ -230,8 +230,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
 
 
 def _budget_problem(request: pb.PrefillRequest) -> str | None:
-    budget, ago = request.ttft_budget_seconds, request.admitted_seconds_ago
+    budget, ago = request.ttft_budget_seconds, request.arrived_seconds_ago
     if not (math.isfinite(budget) and budget >= 0 and math.isfinite(ago) and ago >= 0):
-        return (f"ttft_budget_seconds ({budget}) and admitted_seconds_ago ({ago}) must be finite and >= 0 "
+        return (f"ttft_budget_seconds ({budget}) and arrived_seconds_ago ({ago}) must be finite and >= 0 "
                 f"(0 and 0: no TTFT budget)")
     return None

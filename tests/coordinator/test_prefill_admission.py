@@ -76,8 +76,8 @@ async def test_a_request_whose_expected_wait_exceeds_its_deadline_is_refused_at_
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert ("retry-after-ms", "3024") in tuple(e.value.trailing_metadata())
         assert e.value.details().startswith(f"expected prefill wait 3.02 s (queued work on prefill worker "
-                                            f"{pools.prefill_worker.address} at its measured rate) exceeds "
-                                            f"the request's time left before its deadline, ")
+                                            f"{pools.prefill_worker.address} at its measured rate) exceeds the ")
+        assert e.value.details().endswith(" s left before the request's deadline; you may retry after 3024 ms")
         assert pools.prefill.requests == [] and pools.decode.requests == []  # refused before any worker call
         assert _expected_wait_rejections() == refused + 1
         # A deadline the wait fits in is admitted.
@@ -90,25 +90,25 @@ async def test_a_request_whose_expected_wait_exceeds_its_deadline_is_refused_at_
 async def test_admission_counts_all_the_queued_work_whatever_the_order_and_sends_the_budget(model_dir):
     """Issue 19's bound: under shortest-first a short prompt may still wait for all the work queued
     before it (those prompts become due first), so it counts too, not only the shorter buckets'."""
-    pools = await _pools(model_dir, "shortest-first", slow_load(3 * 500), ttft_budget=16.0)
+    pools = await _pools(model_dir, "shortest-first", slow_load(3 * 500), ttft_budget=17.0)
     refused = _expected_wait_rejections()
     try:
         with pytest.raises(grpc.aio.AioRpcError) as e:  # 1500 / 100 + 3 / 128 s = 15.02 s > 10 s left
             await _generate(pools, [5, 6, 7], timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert ("retry-after-ms", "15024") in tuple(e.value.trailing_metadata())
-        assert "exceeds the request's time left before its deadline, " in e.value.details()
+        assert e.value.details().endswith(" s left before the request's deadline; you may retry after 15024 ms")
         assert pools.prefill.requests == [] and _expected_wait_rejections() == refused + 1
-        responses = await _generate(pools, [5, 6, 7], timeout=600)  # 15.02 s <= the 16 s budget
+        responses = await _generate(pools, [5, 6, 7], timeout=600)  # 15.02 s <= the 17 s budget
         assert [list(r.token_ids) for r in responses] == [[5], [6], []]
         (sent,) = pools.prefill.requests
-        assert sent.ttft_budget_seconds == 16.0  # the worker's scheduler keeps the first token within it
-        assert 0.0 <= sent.admitted_seconds_ago < 16.0
-        with pytest.raises(grpc.aio.AioRpcError) as e:  # a long one: (1500 + 300) / 100 s > 16 s
+        assert sent.ttft_budget_seconds == 17.0  # the worker's scheduler keeps the first token within it
+        assert 0.0 < sent.arrived_seconds_ago < 17.0  # from the request's arrival at the coordinator
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # a long one: (1500 + 300) / 100 s > 17 s
             await _generate(pools, [5] * 300, timeout=600)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert ("retry-after-ms", "18000") in tuple(e.value.trailing_metadata())
-        assert "TTFT budget (--ttft-budget), 16 s" in e.value.details()
+        assert " s left of the request's TTFT budget (--ttft-budget 17 s from its arrival); " in e.value.details()
     finally:
         await pools.stop()
 
@@ -138,7 +138,7 @@ async def test_the_ttft_budget_bounds_the_wait_below_the_deadline(model_dir):
         with pytest.raises(grpc.aio.AioRpcError) as e:  # 400 / 100 + 3 / 128 s > 2 s, deadline 600 s
             await _generate(pools, [5, 6, 7], timeout=600)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "TTFT budget (--ttft-budget), 2 s" in e.value.details()
+        assert " s left of the request's TTFT budget (--ttft-budget 2 s from its arrival); " in e.value.details()
         assert ("retry-after-ms", "4024") in tuple(e.value.trailing_metadata())
     finally:
         await pools.stop()

@@ -207,7 +207,7 @@ async def test_the_push_bound_holds_and_the_worker_takes_no_new_work_at_it(tiny_
 
 
 def test_the_ttft_budget_the_coordinator_admitted_under_sets_when_the_first_token_is_due():
-    request = pb.PrefillRequest(ttft_budget_seconds=30.0, admitted_seconds_ago=4.5)
+    request = pb.PrefillRequest(ttft_budget_seconds=30.0, arrived_seconds_ago=4.5)
     assert ttft_due(request, received=100.0) == 125.5
     assert ttft_due(pb.PrefillRequest(), received=100.0) is None  # an older coordinator: never urgent
 
@@ -219,7 +219,7 @@ async def test_a_prompt_is_queued_due_when_its_budget_ends_and_a_bad_budget_is_r
     add = rig.engine.scheduler.add
     rig.engine.scheduler.add = lambda job, due=None: (dues.append(due), add(job, due))[1]
     request = rig.request("r1", PROMPT)
-    request.ttft_budget_seconds, request.admitted_seconds_ago = 30.0, 4.5
+    request.ttft_budget_seconds, request.arrived_seconds_ago = 30.0, 4.5
     transfer = rig.receiver.expect("r1", 0, TOKEN, len(PROMPT))
     before = time.monotonic()
     await rig.service.Prefill(request, Context())
@@ -227,9 +227,9 @@ async def test_a_prompt_is_queued_due_when_its_budget_ends_and_a_bad_budget_is_r
     await asyncio.wait_for(transfer.done, 30)
     (due,) = dues
     assert before + 25.5 <= due <= after + 25.5
-    request.admitted_seconds_ago = -1.0
+    request.arrived_seconds_ago = -1.0
     with pytest.raises(Aborted) as err:
         await rig.service.Prefill(request, Context())
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details == ("ttft_budget_seconds (30.0) and admitted_seconds_ago (-1.0) must be finite "
+    assert err.value.details == ("ttft_budget_seconds (30.0) and arrived_seconds_ago (-1.0) must be finite "
                                  "and >= 0 (0 and 0: no TTFT budget)")
