@@ -9,11 +9,13 @@ worker serves them. Load, the same for every configuration:
 - short: 32-token prompts (--short-len), 4 tokens, Poisson --short-rate/s;
 - long: --long-len-token prompts, max_tokens 1, Poisson --long-rate/s (more than the worker serves).
 For each configuration (--configs; default `fifo` without a TTFT budget, as before, and the new
-default `shortest-first` with `--ttft-budget`) it starts a fresh pdserve (prefill worker pinned to
-core 0, decode worker to core 1, registered with the coordinator so it reports its load), times one
-long prefill alone (`one prefill`), runs the load, and prints one table: TTFT p50/p99 of short
-requests, the decoding clients' throughput, requests refused early (RESOURCE_EXHAUSTED with a retry
-hint) and how fast, the longest TTFT of an admitted request against budget + one prefill, and the
+default `shortest-first` with `--ttft-budget`, whose prefill worker keeps every admitted prompt's
+first token within the budget, server/prefill/scheduler.py) it starts a fresh pdserve (prefill worker
+pinned to core 0, decode worker to core 1, registered with the coordinator so it reports its load),
+times one long prefill alone (`one prefill`), runs the load, and prints one table: TTFT p50/p99 of
+short requests, the decoding clients' throughput, requests refused early (RESOURCE_EXHAUSTED with a
+retry hint) and how fast, the longest TTFT of an admitted request against budget + one prefill (and
+how many admitted requests went past the budget, and past budget + one prefill), and the
 coordinator's expected vs actual prefill waits (its /metrics).
 """
 
@@ -148,6 +150,9 @@ async def run_one(target: GrpcTarget, args, metrics_port: int, budget: float) ->
         "decode_tok_s": sum(o.output_len for o in by["decode"] if o.success) / args.duration,
         "longest_admitted_ttft_s": longest,
         "admitted_within_budget_plus_one_prefill": (longest <= budget + prefill_s) if budget else None,
+        "admitted_past_budget": sum(o.ttft > budget for o in ok) if budget else None,
+        "admitted_past_budget_plus_one_prefill": sum(o.ttft > budget + prefill_s for o in ok) if budget else None,
+        "admitted": len(ok),
         "expected_wait_mean_s": _mean(deltas, "pdserve_prefill_expected_wait_seconds"),
         "actual_wait_mean_s": _mean(deltas, "pdserve_prefill_wait_seconds"),
     }
@@ -187,6 +192,9 @@ def table(results: dict[str, dict]) -> str:
         ("longest admitted TTFT (ms)", lambda d: f(d["longest_admitted_ttft_s"] * 1000)),
         ("longest <= budget + one prefill", lambda d: {None: "-", True: "yes", False: "NO"}[
             d["admitted_within_budget_plus_one_prefill"]]),
+        ("admitted past budget, past budget + one prefill / admitted",
+         lambda d: "-" if d["admitted_past_budget"] is None else
+         f"{d['admitted_past_budget']}, {d['admitted_past_budget_plus_one_prefill']} / {d['admitted']}"),
         ("mean expected / actual prefill wait (s)",
          lambda d: f"{f(d['expected_wait_mean_s'], 2)} / {f(d['actual_wait_mean_s'], 2)}"),
         ("load run incl. drain (s)", lambda d: f(d["run_s"])),

@@ -15,9 +15,9 @@ when shorter, both counted from its arrival at the coordinator) is refused at on
 RESOURCE_EXHAUSTED and `retry-after-ms` = the estimate, instead of queueing for minutes. An admitted
 one carries that budget and how long ago it arrived to the worker (PrefillRequest.ttft_budget_seconds,
 arrived_seconds_ago), which runs it ahead of later work once its slack runs out: its first token
-comes within the budget while the measured rates hold. With nothing
-queued ahead of it a request is always admitted, whatever its own prefill takes: an idle worker
-serves, so a rate measured too low is measured again.
+comes within the budget while the measured rates hold. With nothing queued ahead of it a request is
+always admitted, whatever its own prefill takes: an idle worker serves, so a rate measured too low is
+measured again.
 """
 
 from __future__ import annotations
