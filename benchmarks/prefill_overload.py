@@ -63,7 +63,7 @@ def start(model: Path, out: Path, order: str, budget: float, weight_dtype: str, 
             text = scrape(mp)
         except OSError:
             return False
-        return bool(re.search(r"^pdserve_num_requests_running ", text, re.M)) and _pools_ready(coordinator)
+        return bool(re.search(r"^pdserve_num_requests_running[ {]", text, re.M)) and _pools_ready(coordinator)
 
     server = Server(f"{order} budget={budget:g}", procs, lambda: GrpcTarget(coordinator, timeout=600), logs)
     try:
@@ -96,8 +96,8 @@ def scrape(port: int) -> str:
 
 
 def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    """A metric's value summed over its label sets (each process labels its samples with its identity)."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
 
 
 def refused(o: RequestOutput) -> bool:
