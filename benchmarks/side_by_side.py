@@ -450,7 +450,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-load", type=float, default=2.0,
                    help="refuse to start when the 1-minute load average is above this")
     p.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, marking the result noisy")
-    p.add_argument("--duration", type=float, default=90.0, help="seconds of load per scenario")
+    p.add_argument("--duration", type=float, default=30.0,
+                   help="seconds of load per scenario (30: the published 3-repetition run takes ~85 min here)")
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)

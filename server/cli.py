@@ -443,7 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                         "max_prefill_chunk", "prefix_cache_bytes")))
     p.add_argument("--tensor-parallel-size", type=int,
                    help="prefill workers shard the model over this many devices (default: all of them); "
-                        "each decode worker runs on one device")
+                        "each decode worker runs on one device (`pdserve decode --engine vllm "
+                        "--tensor-parallel-size N` spans N)")
     p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int,
                    help="each decode worker's running-request cap (default: the decode worker's)")
     p.add_argument("--decode-engine", choices=DECODE_ENGINES, default="native",

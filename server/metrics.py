@@ -117,6 +117,12 @@ kv_transfer_failures = _pd(Counter, "kv_transfer_failures", "KV transfers that f
 prefill_retries = _pd(Counter, "prefill_retries", "Prefills retried on another worker")
 prefill_prefix_cache_hits = _pd(Counter, "prefill_prefix_cache_hit_tokens",
                                 "Prompt tokens a prefill worker took from its prefix KV instead of computing")
+prefill_computed_tokens = _pd(Counter, "prefill_computed_tokens",
+                              "Prompt tokens a prefill worker computed (those from its prefix KV are not)")
+shared_prompt_choices = _pd(Counter, "shared_prompt_choices",
+                            "Choices after the first of requests with n > 1, by where they went: shared (choice 0's "
+                            "decode worker, reusing its prompt KV) or own (it had no room, or choice 0 placed none)",
+                            ("route",))
 migrations = _pd(Counter, "migrations", "Requests moved to another decode worker mid-stream")
 vllm_kv_tokens_loaded = _pd(Counter, "vllm_kv_tokens_loaded",
                             "Prompt tokens whose KV the connector wrote into vLLM's cache")

@@ -62,7 +62,7 @@ def test_vllm_spellings_map_onto_pdserve_settings(tiny_model):
     (["decode", "--dtype", "half"], "--dtype 'half' is not served by pdserve; it takes auto, float32"),
     (["decode", "--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype 'fp8_e5m2' is not served"),
     (["prefill", "--quantization", "awq"], "--quantization 'awq' is not served"),
-    (["decode", "--tensor-parallel-size", "2"], "a decode worker runs on one device"),
+    (["decode", "--tensor-parallel-size", "2"], "the native decode engine runs on one device"),
     (["decode", "--gpu-memory-utilization", "1.5"], "must lie in (0, 1]"),
 ])
 def test_what_pdserve_cannot_serve_is_refused_naming_the_flag(tiny_model, argv, words):

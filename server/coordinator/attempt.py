@@ -14,6 +14,10 @@
 4. `_release` (always, and before each pick again): the Decode call cancelled unless it ended (D frees
    the blocks), the counts returned.
 
+A choice of a request with n > 1 (shared_prompt.py): choice 0 says where its prompt KV is once D's first
+event shows it arrived; the other choices wait for that before they reserve, then prefer that D (reserving
+only the blocks the prompt's cached full blocks do not cover) and that P.
+
 Failures another attempt can recover from raise `Lost` (the request retries or migrates); the others
 raise `RequestFailed` (the client's status).
 """
@@ -36,6 +40,7 @@ from pdserve.server import metrics
 from pdserve.server.coordinator.admission import Deadline, RequestFailed
 from pdserve.server.coordinator.prefill_estimate import admit, ttft_budget_of
 from pdserve.server.coordinator.router import Worker
+from pdserve.server.coordinator.shared_prompt import Placement, SharedPrompt
 from pdserve.server.coordinator.steps import DecodeEvent, Route, StepsClient, StreamBroken
 from pdserve.server.coordinator.validate import ValidRequest
 
@@ -84,6 +89,14 @@ class RequestState:
     """Why the previous attempt was lost."""
     prompt_logprobs: list[generation_pb2.TokenLogprob] | None = None
     """From the prefill (when asked for); None until it answered, [] once sent on."""
+    shared: SharedPrompt | None = None
+    """A choice of a request with n > 1: how the choices share the prompt's KV."""
+    choice: int = 0
+    """Which choice this is (0 leads: it places the prompt's KV; the others follow it)."""
+
+    @property
+    def leads(self) -> bool:
+        return self.shared is not None and self.choice == 0
 
     @property
     def sampling(self) -> generation_pb2.SamplingParams:
@@ -138,6 +151,8 @@ class Attempt:
             else:
                 yield await self._run_prefill(cached_blocks)
                 events = await self._first_decode_events()
+            if self.r.leads:  # D's first event: the prompt's KV is there, its full blocks in D's prefix cache
+                self.r.shared.place(self.decode, self.prefill, len(self.r.req.prompt_ids))
             while True:
                 for event in events:
                     yield event
@@ -159,14 +174,15 @@ class Attempt:
         prompt blocks it had cached."""
         service, r = self.service, self.r
         queued_at = time.monotonic()
+        placement = await self._placement()
         while True:
             if not service.pool.ready("decode"):
                 raise r.no_worker_left("decode")
-            decode = await service.decode_queue.acquire(
-                service.pool, lambda: service.pool.pick_decode(len(self.prompt), self.prompt), r.deadline)
-            self._hold(decode)
+            decode = await service.decode_queue.acquire(service.pool, lambda: self._pick_decode(placement), r.deadline)
+            self._hold(decode, placement)
             if self.prefill is None and service.pool.ready("prefill"):
-                self.prefill = await service.prefill_queue.acquire(service.pool, self._pick_prefill, r.deadline)
+                self.prefill = await service.prefill_queue.acquire(
+                    service.pool, lambda: self._pick_prefill(placement), r.deadline)
                 if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
                     admit(self.prefill, len(self.prompt), r.deadline, service.ttft_budget)
             try:
@@ -179,13 +195,30 @@ class Attempt:
                 continue
             if r.attempt == 0:
                 metrics.request_queue_time.observe(time.monotonic() - queued_at)
+                if r.shared is not None and not r.leads:
+                    shared = placement is not None and decode is placement.decode
+                    metrics.shared_prompt_choices.labels("shared" if shared else "own").inc()
             return cached
 
-    def _hold(self, decode: Worker) -> None:
+    async def _placement(self) -> Placement | None:
+        """A following choice's: where the leader's prompt KV is (on its first attempt, once it is there)."""
+        r = self.r
+        if r.shared is None or r.leads:
+            return None
+        return await r.shared.placement(r.deadline) if r.attempt == 0 else r.shared.placed()
+
+    def _pick_decode(self, placement: Placement | None) -> Worker | None:
+        """The leader's decode worker when it has room for what is this choice's own, else by the policy."""
+        if placement is not None and placement.takes(len(self.prompt)):
+            return placement.decode
+        return self.service.pool.pick_decode(len(self.prompt), self.prompt)
+
+    def _hold(self, decode: Worker, placement: Placement | None = None) -> None:
         """Counted at pick time, so requests routed before the next load report see the worker taken."""
         self.decode = decode
         decode.inflight += 1
-        self._reserved_blocks = decode.blocks_for(len(self.prompt))
+        shared = placement.shared_blocks if placement is not None and decode is placement.decode else 0
+        self._reserved_blocks = decode.blocks_for(len(self.prompt)) - shared
         decode.reserved_blocks += self._reserved_blocks
         metrics.num_requests_running.inc()
 
@@ -209,8 +242,12 @@ class Attempt:
         self.route = Route()
         self.service.pool.poke()
 
-    def _pick_prefill(self) -> Worker | None:
+    def _pick_prefill(self, placement: Placement | None = None) -> Worker | None:
+        """The prefill worker that computed the leader's prompt (its prefix KV holds it) when it has a slot,
+        else by the policy."""
         room = [w for w in self.service.pool.ready("prefill") if w.inflight < self.service.prefill_inflight_per_worker]
+        if placement is not None and placement.prefill in room:
+            return placement.prefill
         return self.service.pool.prefill_policy(room)
 
     async def _open_decode(self) -> int:

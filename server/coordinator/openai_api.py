@@ -20,6 +20,7 @@ import logging
 import math
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -42,6 +43,7 @@ from pdserve.server.coordinator.body_limit import BodyLimit, BodyTooLarge, error
 from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.server.coordinator.openai_logprobs import CompletionLogprobs, chat_logprobs
 from pdserve.server.coordinator.service import GenerationService, RequestFailed
+from pdserve.server.coordinator.shared_prompt import SharedPrompt
 from pdserve.server.coordinator.validate import InvalidRequest, TooLarge
 from pdserve.server.model.config import served_model_name
 
@@ -345,14 +347,6 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-async def _first(stream: AsyncIterator[generation_pb2.GenerateResponse]) -> generation_pb2.GenerateResponse:
-    """The first response: errors before any output become the HTTP status, not an SSE event."""
-    try:
-        return await anext(stream)
-    except (InvalidRequest, RequestFailed) as e:
-        raise _api_error(e) from e
-
-
 async def _until_disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -377,8 +371,21 @@ async def _cancel_on_disconnect(request: Request, work: asyncio.Future) -> Any:
 class Handler:
     """One endpoint's request: build the GenerateRequest(s), run them, shape the answer.
 
-    `n` > 1 runs n generations of the prompt side by side (seed + i for choice i when seeded), each
-    its own request through the tiers: the prompt is prefilled once per choice (its KV is not shared).
+    `n` > 1 runs n generations of the prompt side by side (seed + i for choice i when seeded) that
+    share the prompt's KV, as vLLM V1 does: n child requests through the tiers, choice 0 first; once
+    its prompt KV is on its decode worker (full blocks in that worker's prefix cache), the other
+    choices go to the same decode and prefill workers, so the decode worker reuses the prompt's full
+    blocks (only the last, partial block is each choice's own), the prefill worker's prefix KV spares
+    computing them and only the partial block crosses the wire (shared_prompt.py). A choice whose
+    decode worker has no room goes elsewhere, the normal way.
+
+    Why child requests and not a fork on the decode worker (one prefill, n sequences copy-on-write of
+    the last block): the fork needs a new decode API, a first token per choice sampled from one set
+    of logits on the prefill worker, and its own path through migration (a forked choice that moves
+    must re-prefill anyway). Child requests keep every tier's API, reuse the prefix caches both tiers
+    already have (and the vLLM decode engine's), and leave failover, migration and cancellation per
+    choice as they are; the cost is one partial block computed and sent per extra choice, and the
+    other choices' first tokens wait for choice 0's KV to land.
     """
 
     def __init__(self, front: Front, kind: Kind, req: SamplingFields, request_id: str,
@@ -461,88 +468,61 @@ class Handler:
         return out
 
     async def run(self, http: Request, generate: generation_pb2.GenerateRequest) -> Response:
-        streams = [self.front.generation.stream(g, self.front.timeout) for g in self._requests(generate)]
-        if self.req.stream:
-            firsts = []
-            try:
-                for stream in streams:
-                    firsts.append(await _first(stream))
-            except ApiError:
-                for stream in streams:
-                    await stream.aclose()
-                raise
-            return StreamingResponse(
-                self.events(streams, firsts),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return await _cancel_on_disconnect(http, asyncio.ensure_future(self.collect(streams)))
-
-    async def collect(self, streams: list[AsyncIterator[generation_pb2.GenerateResponse]]) -> Response:
-        async def outcome_of(stream: AsyncIterator[generation_pb2.GenerateResponse]) -> Outcome:
-            outcome = Outcome()
-            async with contextlib.aclosing(stream):
-                async for response in stream:
-                    outcome.add(response)
-            return outcome
-
-        error: InvalidRequest | RequestFailed | None = None
+        shared = SharedPrompt() if self.req.n > 1 else None
+        choices = _Choices([self.front.generation.stream(g, self.front.timeout, shared=shared, choice=i)
+                            for i, g in enumerate(self._requests(generate))])
+        if not self.req.stream:
+            return await _cancel_on_disconnect(http, asyncio.ensure_future(self.collect(choices)))
         try:
-            async with asyncio.TaskGroup() as group:  # one failing cancels the others
-                tasks = [group.create_task(outcome_of(s)) for s in streams]
-        except* (InvalidRequest, RequestFailed) as failed:
-            error = failed.exceptions[0]  # type: ignore[assignment]
-        if error is not None:
-            return _api_error(error).response()
-        outcomes = [t.result() for t in tasks]
-        choices = [self.choice(o.text, o.finish_reason, first=True, logprobs=self._logprobs(o, True, i),
-                               stop_reason=o.stop_reason, index=i) for i, o in enumerate(outcomes)]
-        return JSONResponse(self.body(choices, _usage(outcomes), False))
+            early = await choices.until_each_answered()
+        except BaseException:
+            await choices.close()
+            raise
+        return StreamingResponse(
+            self.events(choices, early),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
-    async def events(
-        self, streams: list[AsyncIterator[generation_pb2.GenerateResponse]],
-        firsts: list[generation_pb2.GenerateResponse],
-    ) -> AsyncIterator[bytes]:
-        """SSE chunks, the choices' interleaved; cancelled (client gone) or not, closing the streams
-        cancels the worker calls."""
-        outcomes = [Outcome() for _ in streams]
-        merged: asyncio.Queue[tuple[int, generation_pb2.GenerateResponse | Exception | None]] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            try:
-                async for response in streams[i]:
-                    merged.put_nowait((i, response))
-            except (InvalidRequest, RequestFailed) as e:
-                merged.put_nowait((i, e))
-                return
-            merged.put_nowait((i, None))
-
-        async with contextlib.AsyncExitStack() as closing:
-            for stream in streams:
-                closing.push_async_callback(stream.aclose)
-            if self.kind == "chat":
-                for i in range(len(streams)):
-                    yield _sse(self.body([self.choice(None, None, first=True, index=i)], None, True))
-            pumps = [asyncio.create_task(pump(i)) for i in range(len(streams))]
-
-            async def stop_pumps() -> None:  # before the streams close (callbacks run last-in first-out)
-                for p in pumps:
-                    p.cancel()
-                await asyncio.gather(*pumps, return_exceptions=True)
-
-            closing.push_async_callback(stop_pumps)
-            is_first = [self.kind == "completion"] * len(streams)  # a chat's first chunk (the role) went above
-            for i, first in enumerate(firsts):
-                merged.put_nowait((i, first))
-            running = len(streams)
+    async def collect(self, choices: _Choices) -> Response:
+        """One JSON body once every choice finished; the first failure fails them all."""
+        outcomes = [Outcome() for _ in choices.streams]
+        try:
+            running = len(outcomes)
             while running:
-                i, response = await merged.get()
+                i, response = await choices.next()
+                if response is None:
+                    running -= 1
+                elif isinstance(response, Exception):
+                    return _error_of(response).response()
+                else:
+                    outcomes[i].add(response)
+        finally:
+            await choices.close()
+        body = [self.choice(o.text, o.finish_reason, first=True, logprobs=self._logprobs(o, True, i),
+                            stop_reason=o.stop_reason, index=i) for i, o in enumerate(outcomes)]
+        return JSONResponse(self.body(body, _usage(outcomes), False))
+
+    async def events(self, choices: _Choices, early: list[_Item]) -> AsyncIterator[bytes]:
+        """SSE chunks, the choices' interleaved; cancelled (client gone) or not, closing the choices
+        cancels the worker calls."""
+        n = len(choices.streams)
+        outcomes = [Outcome() for _ in range(n)]
+        pending = deque(early)
+        try:
+            if self.kind == "chat":
+                for i in range(n):
+                    yield _sse(self.body([self.choice(None, None, first=True, index=i)], None, True))
+            is_first = [self.kind == "completion"] * n  # a chat's first chunk (the role) went above
+            running = n
+            while running:
+                i, response = pending.popleft() if pending else await choices.next()
                 if response is None:
                     running -= 1
                     continue
                 if isinstance(response, Exception):
                     log.warning("request %s failed mid-stream: %s", self.id, response)
-                    yield _sse(_api_error(response).body())
+                    yield _sse(_error_of(response).body())
                     yield _sse("[DONE]")
                     return
                 outcome = outcomes[i]
@@ -553,9 +533,67 @@ class Handler:
                                          stop_reason=outcome.stop_reason, index=i)
                     yield _sse(self.body([choice], None, True))
                     is_first[i] = False
+        finally:
+            await choices.close()
         if self.include_usage:
             yield _sse(self.body([], _usage(outcomes), True))
         yield _sse("[DONE]")
+
+
+_Item = tuple[int, generation_pb2.GenerateResponse | Exception | None]
+"""(choice, its next response, the failure that ended it, or None when it finished)."""
+
+
+class _Choices:
+    """Every choice's stream driven by a task of its own from the start, into one queue in arrival
+    order: a following choice waits for choice 0's prompt KV to reach its decode worker, so choice 0
+    must go on whether or not its output has been read yet."""
+
+    def __init__(self, streams: list[AsyncIterator[generation_pb2.GenerateResponse]]):
+        self.streams = streams
+        self._items: asyncio.Queue[_Item] = asyncio.Queue()
+        self._pumps = [asyncio.create_task(self._pump(i)) for i in range(len(streams))]
+
+    async def _pump(self, i: int) -> None:
+        try:
+            async for response in self.streams[i]:
+                self._items.put_nowait((i, response))
+        except Exception as e:  # InvalidRequest or RequestFailed: the client's status; else a bug (500)
+            self._items.put_nowait((i, e))
+            return
+        self._items.put_nowait((i, None))
+
+    async def next(self) -> _Item:
+        return await self._items.get()
+
+    async def until_each_answered(self) -> list[_Item]:
+        """What arrives until every choice has answered once; a failure before then raises ApiError
+        (the HTTP status: no output has gone out)."""
+        early: list[_Item] = []
+        answered: set[int] = set()
+        while len(answered) < len(self.streams):
+            i, item = await self.next()
+            if isinstance(item, Exception):
+                raise _error_of(item) from item
+            early.append((i, item))
+            answered.add(i)
+        return early
+
+    async def close(self) -> None:
+        """Stops every choice still running: closing its stream cancels its worker calls."""
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        for stream in self.streams:
+            await stream.aclose()
+
+
+def _error_of(e: Exception) -> ApiError:
+    """The OpenAI error for a choice's failure."""
+    if isinstance(e, (InvalidRequest, RequestFailed)):
+        return _api_error(e)
+    log.error("request failed: %r", e, exc_info=e)
+    return ApiError(500, f"internal error: {type(e).__name__}", code="internal_error")
 
 
 def _usage(outcomes: list[Outcome]) -> dict[str, int]:

@@ -18,6 +18,8 @@
    request migrates: prompt + the tokens already sent are prefilled again on a live pair, whose
    first token is the next one, so nothing is lost or repeated (at most `max_migrations` times).
 7. Client cancel, deadline or error: both worker calls are cancelled, so both workers free everything.
+8. n > 1 (the OpenAI front): n requests, one per choice; choice 0 leads and the others follow its prompt
+   KV to its workers (shared_prompt.py), so the prompt is prefilled and sent once.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQu
 from pdserve.server.coordinator.detokenizer import Completion
 from pdserve.server.coordinator.attempt import Attempt, Lost, RequestState
 from pdserve.server.coordinator.router import WorkerPool
+from pdserve.server.coordinator.shared_prompt import SharedPrompt
 from pdserve.server.coordinator.steps import StepsClients
 from pdserve.server.coordinator.validate import InvalidRequest, Limits, ValidRequest, validate
 from pdserve.server.model.tokenizer import Tokenizer
@@ -109,17 +112,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             await context.abort(e.code, e.details, e.metadata)
 
     async def stream(
-        self, request: generation_pb2.GenerateRequest, timeout: float | None = None
+        self, request: generation_pb2.GenerateRequest, timeout: float | None = None, *,
+        shared: SharedPrompt | None = None, choice: int = 0,
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The request path every front shares (gRPC, HTTP, KServe): validate, route, stream.
 
         Raises InvalidRequest (bad input) or RequestFailed (a status for the client). Closing the
-        iterator (`contextlib.aclosing`) cancels both worker calls.
+        iterator (`contextlib.aclosing`) cancels both worker calls. `shared`: this is choice `choice`
+        of a request with n > 1, whose choices share the prompt's KV (shared_prompt.py).
         """
-        valid = await self._validate(request)
-        async with contextlib.aclosing(self._generate(valid, timeout)) as responses:
-            async for response in responses:
-                yield response
+        try:
+            valid = await self._validate(request)
+            async with contextlib.aclosing(self._generate(valid, timeout, shared, choice)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            if shared is not None and choice == 0:  # a no-op once it placed the prompt's KV
+                shared.abandon()  # else the other choices go their own way
 
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidRequest:
         try:
@@ -133,13 +142,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     # ---- one request, across attempts ---------------------------------------------------
 
     async def _generate(
-        self, req: ValidRequest, timeout: float | None
+        self, req: ValidRequest, timeout: float | None, shared: SharedPrompt | None = None, choice: int = 0
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         logs.request_id.set(req.request_id)
         arrived = time.monotonic()
         # Workers key requests by this id; clients may reuse theirs, so make it unique here.
         r = RequestState(req, Deadline.after(timeout if timeout is not None else self.default_timeout),
-                     f"{req.request_id}.{secrets.token_hex(4)}")
+                         f"{req.request_id}.{secrets.token_hex(4)}", shared=shared, choice=choice)
         completion = Completion(self.tokenizer, req.prompt_ids, list(req.sampling.stop), req.sampling.min_tokens)
         metrics.prompt_tokens.inc(len(req.prompt_ids))
         last_token_at: float | None = None

@@ -47,7 +47,8 @@ class DecodeConfig:
     max_model_len: int | None = None
     """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
     tensor_parallel_size: int = 1
-    """Devices one decode worker spans (vLLM's flag); the decode tier runs on one device, so 1."""
+    """Devices one decode worker spans (vLLM's flag): with --engine vllm, vLLM's tensor parallelism (T rank
+    processes, each holding 1/T of the kv heads); the native engine runs on one device."""
     gpu_memory_utilization: float | None = None
     """vLLM's flag and meaning: on CUDA without --kv-cache-tokens, the share of the device's memory for
     weights + activations (measured by a profiling step at the largest batch) + KV cache; default 0.9.
@@ -75,9 +76,12 @@ class DecodeConfig:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: a decode worker runs on one "
-                             f"device; scale the decode tier with more workers (prefill workers take it)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size != 1 and self.engine != "vllm":
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size}: the native decode engine runs "
+                             f"on one device; use --engine vllm (vLLM's tensor parallelism) for a model one device "
+                             f"cannot hold, or scale the decode tier with more workers")
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))

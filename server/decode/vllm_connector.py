@@ -1,21 +1,30 @@
 """pdserve's KV connector for vLLM v1: the prompt KV a pdserve prefill worker pushed, loaded into vLLM's blocks.
 
 Loaded by vLLM from `kv_transfer_config` (kv_connector="PdserveConnector",
-kv_connector_module_path="pdserve.server.decode.vllm_connector", kv_role="kv_consumer") in the decode
-worker's own process (`vllm_engine`), where pdserve's receiver has already checked and staged the KV.
+kv_connector_module_path="pdserve.server.decode.vllm_connector", kv_role="kv_consumer"): its scheduler
+side in the decode worker's own process (`vllm_engine`), where pdserve's receiver checked and staged the
+KV; its worker side in every rank that runs the model (the same process with --tensor-parallel-size 1,
+vLLM's T rank processes with T > 1).
 
 Life of one request through the connector:
-1. The engine stages the request's pieces in `STAGED[vllm_id]` and adds the request (prompt + first token)
-   with `kv_transfer_params={PARAMS_KEY: vllm_id}`.
+1. The engine seals the request's stage (`vllm_staging`) into `STAGED[vllm_id]` and adds the request
+   (prompt + first token) with `kv_transfer_params={PARAMS_KEY: vllm_id}`.
 2. Scheduler side: `get_num_new_matched_tokens` says every prompt token but the first token is loadable,
-   synchronously; `update_state_after_alloc` records the block ids vLLM took for them;
-   `build_connector_meta` passes (vllm_id, block ids) to the worker side.
-3. Worker side: `start_load_kv`, before the step's forward, writes the staged pieces into those blocks
-   through each attention layer's own cache-update kernel (`PagedKvWriter`). The step then computes only
-   the first token's KV and samples the second.
-4. A piece that cannot be written reports its blocks through `get_block_ids_with_load_errors`: vLLM's
-   load-failure path recomputes them from the tokens. A request asked again (preempted) loads nothing:
-   vLLM recomputes it.
+   synchronously; `update_state_after_alloc` takes the stage with the block ids vLLM gave the prompt;
+   `build_connector_meta` passes (block ids, stage) to every rank: for T > 1 the stage is a shared-memory
+   file's path and its pieces' places, never the bytes.
+3. Worker side, on every rank: `start_load_kv`, before the step's forward, reads the rank's own kv heads
+   (`kv_head_range`: vLLM's split, replicated when T exceeds the kv heads) and writes them through each
+   attention layer's own cache-update kernel (`PagedKvWriter`). The step then computes only the first
+   token's KV and samples the second. `build_connector_worker_meta` says which stages the rank read.
+4. vLLM sums those reports over the ranks (`KVOutputAggregator`) before `update_connector_output`: once
+   all T ranks read a stage it is released (its file unlinked) and counted. (`get_finished`'s
+   finished_recving is for asynchronous loads only: vLLM asserts a request it names is waiting for
+   remote KV or finished, and these loads are synchronous.)
+5. A piece a rank cannot write reports its blocks through `get_block_ids_with_load_errors`; vLLM takes
+   the union over ranks and its load-failure path recomputes them from the tokens. A request asked again
+   (preempted) loads nothing: vLLM recomputes it. A request finished or aborted before it got blocks
+   releases its stage in `request_finished` (or the engine's abort).
 """
 
 from __future__ import annotations
@@ -29,35 +38,67 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 
-from pdserve.kvcache.codec import KvPiece
 from pdserve.server import metrics
 from pdserve.server.decode.vllm_kv_writer import PagedKvWriter
+from pdserve.server.decode.vllm_staging import PendingReads, Staged
 
 log = logging.getLogger("pdserve.decode.vllm")
 
 PARAMS_KEY = "pdserve_kv"
 """The key in a request's kv_transfer_params naming its staged KV."""
 
-STAGED: dict[str, list[KvPiece]] = {}
-"""vLLM request id -> the prompt KV pieces waiting to be written (the engine thread adds and drops them)."""
+STAGED: dict[str, Staged] = {}
+"""vLLM request id -> its sealed stage, until the scheduler side takes it with the request's blocks (the
+engine thread adds and drops entries; vLLM's scheduler runs on that thread too)."""
+
+
+@dataclass
+class KvLoad:
+    block_ids: list[int]
+    """The prompt's blocks, in token order."""
+    staged: Staged | None
+    """None: nothing was staged for it (the load fails over to recomputation)."""
 
 
 @dataclass
 class PdserveConnectorMetadata(KVConnectorMetadata):
-    loads: dict[str, list[int]] = field(default_factory=dict)
-    """vLLM request id -> the block ids of its prompt, in token order."""
+    loads: dict[str, KvLoad] = field(default_factory=dict)
+    """vLLM request id -> what to load into which blocks this step."""
+
+
+@dataclass
+class PdserveWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the ranks did with this step's loads; vLLM aggregates one per rank."""
+
+    reads: dict[str, int] = field(default_factory=dict)
+    """vLLM request id -> ranks done reading its stage (written or not)."""
+    failed: set[str] = field(default_factory=set)
+    """Requests some rank could not write (their blocks are recomputed)."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> PdserveWorkerMetadata:
+        assert isinstance(other, PdserveWorkerMetadata)
+        reads = {k: self.reads.get(k, 0) + other.reads.get(k, 0) for k in self.reads.keys() | other.reads.keys()}
+        return PdserveWorkerMetadata(reads, self.failed | other.failed)
 
 
 class PdserveConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
-        self._to_load: dict[str, list[int]] = {}
+        self._world = vllm_config.parallel_config.world_size  # ranks that each read every stage
+        self._tp = vllm_config.parallel_config.tensor_parallel_size
+        # scheduler side
+        self._to_load: dict[str, KvLoad] = {}
+        self._pending = PendingReads(self._world)  # stages sent to the ranks, until every rank read them
         self._asked: set[str] = set()  # requests that were offered external KV once
+        # worker side
         self._writer: PagedKvWriter | None = None
+        self._rank = 0
         self._load_errors: set[int] = set()
+        self._reads = PdserveWorkerMetadata()
 
     # ---- scheduler side -------------------------------------------------------------
 
@@ -71,21 +112,47 @@ class PdserveConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens > 0:  # vLLM adds a suffix to request ids: the params carry pdserve's key
             self._asked.add(request.request_id)
-            self._to_load[request.kv_transfer_params[PARAMS_KEY]] = list(blocks.get_block_ids()[0])
+            key = request.kv_transfer_params[PARAMS_KEY]
+            self._to_load[key] = KvLoad(list(blocks.get_block_ids()[0]), STAGED.pop(key, None))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        # Steps run one at a time: a stage still here from an earlier step was read by every rank whose
+        # step returned, but no report said so (none should be left; never leak the file).
+        for key in self._pending.release_all():
+            log.warning("not every rank reported reading the KV of %s; released it", key)
         meta = PdserveConnectorMetadata(loads=self._to_load)
+        for key, load in self._to_load.items():
+            self._pending.sent(key, load.staged)
         self._to_load = {}
         return meta
 
+    def update_connector_output(self, connector_output) -> None:
+        report = connector_output.kv_connector_worker_meta
+        if not isinstance(report, PdserveWorkerMetadata):
+            return
+        for key, ranks in report.reads.items():
+            done, staged = self._pending.read(key, ranks)
+            if not done:
+                continue
+            if key in report.failed or staged is None:
+                metrics.vllm_kv_load_failures.inc()
+            else:  # every layer of every prompt token (the receiver checked the stream was whole)
+                metrics.vllm_kv_tokens_loaded.inc(staged.num_tokens)
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._asked.discard(request.request_id)
+        staged = STAGED.pop((request.kv_transfer_params or {}).get(PARAMS_KEY), None)
+        if staged is not None:  # finished or aborted before vLLM gave it blocks
+            staged.release()
         return False, None
 
     # ---- worker side ----------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.distributed import get_tensor_model_parallel_rank
         from vllm.model_executor.models.utils import extract_layer_index
+
+        self._rank = get_tensor_model_parallel_rank()
 
         layers = self._vllm_config.compilation_config.static_forward_context
         names = sorted(kv_caches, key=extract_layer_index)
@@ -95,19 +162,24 @@ class PdserveConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, PdserveConnectorMetadata)
-        for vllm_id, block_ids in meta.loads.items():
-            pieces = STAGED.pop(vllm_id, None)
+        for vllm_id, load in meta.loads.items():
             try:
-                if pieces is None:
+                if load.staged is None:
                     raise KeyError(f"no staged KV for {vllm_id}")
-                for piece in pieces:
-                    self._writer.write(block_ids, piece)
+                for piece in load.staged.read(self._rank, self._tp):
+                    self._writer.write(load.block_ids, piece)
             except Exception:
-                log.exception("could not load the KV of %s into vLLM's blocks; vLLM recomputes them", vllm_id)
-                self._load_errors.update(block_ids)
-                metrics.vllm_kv_load_failures.inc()
-            else:  # every layer of every prompt token (pdserve's receiver checked the stream was whole)
-                metrics.vllm_kv_tokens_loaded.inc(max(p.token_start + p.num_tokens for p in pieces) if pieces else 0)
+                log.exception("rank %d could not load the KV of %s into vLLM's blocks; vLLM recomputes them",
+                              self._rank, vllm_id)
+                self._load_errors.update(load.block_ids)
+                self._reads.failed.add(vllm_id)
+            self._reads.reads[vllm_id] = 1
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if not self._reads.reads:
+            return None
+        reads, self._reads = self._reads, PdserveWorkerMetadata()
+        return reads
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

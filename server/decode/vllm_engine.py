@@ -4,7 +4,8 @@ Life cycle of a request here:
 1. `add(request)` admits it at once when vLLM's free blocks, less the blocks promised to every request
    still waiting for its KV, hold its prompt (`seq.admitted` resolves); otherwise QueueFull (vLLM keeps
    its own queue of running requests; pdserve keeps none in front of it).
-2. The PushKv stream's pieces are staged in host memory (`write`), checked by pdserve's receiver.
+2. The PushKv stream's pieces are staged (`write`), checked by pdserve's receiver: in host memory, or
+   with --tensor-parallel-size > 1 in a shared-memory file every rank reads (`vllm_staging`).
 3. `start(seq, first_token)` hands vLLM a request whose prompt is the prompt plus the first token, with
    `kv_transfer_params` naming it. vLLM's scheduler asks the connector (`vllm_connector`), which says the
    prompt's KV is loadable; vLLM takes blocks for it, and the connector's worker side writes the staged
@@ -14,9 +15,9 @@ Life cycle of a request here:
 5. `abort` ends the sequence and aborts the vLLM request when it still runs, which frees its blocks
    inside vLLM.
 
-vLLM runs in this process (its engine core in-process, uni-process executor), stepped by one thread, so
-the connector reaches the staged pieces without another copy or socket. Calls from the event loop reach
-that thread through a queue; its outputs come back with `call_soon_threadsafe`.
+vLLM's engine core runs in this process, stepped by one thread; its model too with one rank (the
+connector reaches the staged pieces without another copy), in vLLM's rank processes with more. Calls
+from the event loop reach that thread through a queue; its outputs come back with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.server import logprobs
 from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState, admissible
+from pdserve.server.decode.vllm_staging import KvStaging, Stage, Staged
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
@@ -70,8 +72,8 @@ class _Add:
     vllm_id: str
     seq: Sequence
     prompt: list[int]
-    pieces: list[KvPiece] | None
-    """The staged prompt KV; None: vLLM computes the prompt itself (local prefill)."""
+    staged: Staged | None
+    """The sealed stage of the prompt's KV; None: vLLM computes the prompt itself (local prefill)."""
 
 
 @dataclass
@@ -87,11 +89,13 @@ class _Stop:
 class VllmEngine:
     def __init__(self, llm_engine, model_config: ModelConfig, layout: KvLayout, max_running: int,
                  num_free_blocks: Callable[[], int], num_total_blocks: int,
-                 sampling_params: Callable[[Sequence, int], object], staged: dict[str, list[KvPiece]],
-                 params_key: str, *, eos_ids: frozenset[int] = frozenset(), max_model_len: int = 0):
+                 sampling_params: Callable[[Sequence, int], object], staged: dict[str, Staged],
+                 params_key: str, *, eos_ids: frozenset[int] = frozenset(), max_model_len: int = 0,
+                 staging: KvStaging | None = None):
         """llm_engine: vLLM's LLMEngine (add_request, abort_request, step, has_unfinished_requests);
         staged / params_key: where the connector looks for a request's KV, and the kv_transfer_params key;
-        max_model_len: 0 takes the model's, capped by what vLLM's cache holds."""
+        max_model_len: 0 takes the model's, capped by what vLLM's cache holds; staging: where received KV
+        waits (default: in memory, for one rank)."""
         self.llm = llm_engine
         self.model = VllmModel(model_config)
         self.layout = layout
@@ -106,7 +110,8 @@ class VllmEngine:
         self._sampling_params = sampling_params
         self._connector_staged = staged
         self._params_key = params_key
-        self._staged: dict[str, list[KvPiece]] = {}
+        self._staging = staging or KvStaging(shared=False)
+        self._staged: dict[str, Stage] = {}  # requests receiving their KV
         self._vllm_ids: dict[str, str] = {}  # pdserve request id -> its vLLM request id
         self._first: dict[str, asyncio.Future] = {}  # local prefills awaiting vLLM's first token
         self._by_vllm_id: dict[str, Sequence] = {}  # only touched by the engine thread
@@ -151,7 +156,7 @@ class VllmEngine:
         seq.state = SeqState.WAITING_KV
         seq.admitted.set_result(None)
         self.sequences[rid] = seq
-        self._staged[rid] = []
+        self._staged[rid] = self._staging.new(rid)
         return seq
 
     def abort(self, request_id: str, reason: int = gen_pb.FINISH_REASON_ABORT) -> bool:
@@ -165,7 +170,7 @@ class VllmEngine:
         first = self._first.pop(request_id, None)
         if first is not None and not first.done():
             first.cancel()
-        self._staged.pop(request_id, None)
+        self._discard_stage(request_id)
         self._stop_in_vllm(seq)
         seq.block_table = []
         return True
@@ -189,23 +194,29 @@ class VllmEngine:
             seq.events.put_nowait(None)
             self.abort(seq.request_id)
             return
-        self._submit(seq, [*seq.prompt_ids, first_token], self._staged.pop(seq.request_id, None))
+        stage = self._staged.pop(seq.request_id, None)
+        self._submit(seq, [*seq.prompt_ids, first_token], stage.seal() if stage is not None else None)
 
     async def prefill_locally(self, seq: Sequence) -> int:
         """No prefill worker is alive: vLLM runs the prompt itself; its first token."""
         first = asyncio.get_running_loop().create_future()
         self._first[seq.request_id] = first
-        self._staged.pop(seq.request_id, None)
+        self._discard_stage(seq.request_id)
         self._submit(seq, list(seq.prompt_ids), None)
         return await first
 
-    def _submit(self, seq: Sequence, prompt: list[int], pieces: list[KvPiece] | None) -> None:
+    def _discard_stage(self, request_id: str) -> None:
+        stage = self._staged.pop(request_id, None)
+        if stage is not None:
+            stage.discard()
+
+    def _submit(self, seq: Sequence, prompt: list[int], staged: Staged | None) -> None:
         seq.state = SeqState.RUNNING
         vllm_id = f"{seq.request_id}-{next(self._ids)}"
         self._vllm_ids[seq.request_id] = vllm_id
         self.running.append(seq)
         self._ensure_thread()
-        self._inbox.put(_Add(vllm_id, seq, prompt, pieces))
+        self._inbox.put(_Add(vllm_id, seq, prompt, staged))
 
     def _stop_in_vllm(self, seq: Sequence) -> None:
         if seq in self.running:
@@ -238,7 +249,7 @@ class VllmEngine:
                 else:
                     self._by_vllm_id.pop(command.vllm_id, None)
                     self.llm.abort_request([command.vllm_id])
-                    self._connector_staged.pop(command.vllm_id, None)
+                    self._release_staged(command.vllm_id)
                 try:
                     command = self._inbox.get_nowait()
                 except queue.Empty:
@@ -269,8 +280,8 @@ class VllmEngine:
 
     def _add(self, add: _Add) -> None:
         params = self._sampling_params(add.seq, len(add.prompt))
-        if add.pieces is not None:
-            self._connector_staged[add.vllm_id] = add.pieces
+        if add.staged is not None:
+            self._connector_staged[add.vllm_id] = add.staged
             params.extra_args = {"kv_transfer_params": {self._params_key: add.vllm_id}}
         self._by_vllm_id[add.vllm_id] = add.seq
         try:
@@ -278,8 +289,14 @@ class VllmEngine:
         except Exception:
             log.exception("vLLM refused request %s", add.seq.request_id)
             del self._by_vllm_id[add.vllm_id]
-            self._connector_staged.pop(add.vllm_id, None)
+            self._release_staged(add.vllm_id)
             self._loop.call_soon_threadsafe(self._fail, [add.seq])
+
+    def _release_staged(self, vllm_id: str) -> None:
+        """A request vLLM will not load (aborted, refused): its stage goes (the connector may have taken it)."""
+        staged = self._connector_staged.pop(vllm_id, None)
+        if staged is not None:
+            staged.release()
 
     def _deliver_step(self, step: list[tuple[Sequence, list[int], bool, list[gen_pb.TokenLogprob] | None]]) -> None:
         for seq, ids, finished, lps in step:
@@ -332,6 +349,11 @@ class VllmEngine:
             stop = _Stop()
             self._inbox.put(stop)
             await asyncio.to_thread(stop.done.wait, 30)
+        for request_id in list(self._staged):
+            self._discard_stage(request_id)
+        for vllm_id in list(self._connector_staged):
+            self._release_staged(vllm_id)
+        self._staging.close()
 
 
 def _token_logprobs(seq: Sequence, ids: list[int], output) -> list[gen_pb.TokenLogprob] | None:

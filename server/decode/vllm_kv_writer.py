@@ -5,6 +5,7 @@ K|V side by side per token, the CPU backend K rows then V rows per block and hea
 tiling). Rather than assume one, `PagedKvWriter` hands each piece to the layer's
 `impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`, the call vLLM itself makes for the
 tokens it computes, so a piece lands exactly where that backend's attention reads it.
+With tensor parallelism each rank writes its own slice of kv heads (`vllm_staging.kv_head_range`).
 Token t of a request lives in block `block_ids[t // B]` at offset `t % B`: slot `block * B + offset`.
 """
 
@@ -44,6 +45,9 @@ class PagedKvWriter:
             raise ValueError(f"the piece holds {k.dtype} KV, vLLM computes in {self.dtype}")
         if piece.layer_start + piece.num_layers > self.num_layers:
             raise ValueError(f"piece layers {piece.layer_start}+{piece.num_layers} exceed vLLM's {self.num_layers}")
+        heads = getattr(self.layers[0].impl, "num_kv_heads", k.shape[2])
+        if k.shape[2] != heads:
+            raise ValueError(f"the piece holds {k.shape[2]} kv heads, this rank's attention {heads}")
         tokens = torch.arange(piece.token_start, piece.token_start + piece.num_tokens)  # [n]
         if int(tokens[-1]) // self.block_size >= len(block_ids):
             raise ValueError(f"piece tokens up to {int(tokens[-1])} exceed the request's {len(block_ids)} blocks")

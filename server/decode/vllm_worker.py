@@ -1,7 +1,12 @@
-"""Builds the vLLM decode engine (`pdserve decode --engine vllm`): vLLM in this process, pdserve's connector.
+"""Builds the vLLM decode engine (`pdserve decode --engine vllm`): vLLM's engine core in this process,
+pdserve's connector, and with --tensor-parallel-size T > 1 vLLM's multiprocess executor running the model
+in T rank processes (which read the received KV from shared memory: `vllm_staging`).
 
 Runs in an environment with vLLM installed (`make vllm-venv`: .venv-vllm); the native engine's process
-never imports vllm.
+never imports vllm. On vLLM's CPU backend each rank binds its OpenMP threads to the cores
+VLLM_CPU_OMP_THREADS_BIND names ("0|1": rank 0 on core 0, rank 1 on core 1); vLLM's default ("auto")
+wants a NUMA node per rank, so with fewer nodes than ranks and the variable unset this worker splits its
+cores among the ranks (`cpu_threads_bind`).
 """
 
 from __future__ import annotations
@@ -9,11 +14,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+from pathlib import Path
 
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.vllm_engine import VllmEngine
+from pdserve.server.decode.vllm_staging import KvStaging
 from pdserve.server.model.config import ModelConfig, load_config, resolve_max_model_len
 
 log = logging.getLogger("pdserve.decode.vllm")
@@ -64,6 +71,28 @@ def sampling_params(seq: Sequence, num_prompt_tokens: int):
     )
 
 
+def cpu_threads_bind(cores: list[int], num_numa_nodes: int, tp: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU ranks: None where vLLM's "auto" works (a NUMA node per rank),
+    else the cores split in `tp` contiguous runs ("0,1|2,3"); refuses fewer cores than ranks."""
+    if tp <= num_numa_nodes:
+        return None
+    if len(cores) < tp:
+        raise ValueError(f"--tensor-parallel-size {tp} on the CPU needs a core per rank; this worker may use "
+                         f"{len(cores)} ({cores}): lower --tensor-parallel-size or give it more cores")
+    per_rank = len(cores) // tp
+    return "|".join(",".join(map(str, cores[r * per_rank:(r + 1) * per_rank])) for r in range(tp))
+
+
+def _bind_cpu_ranks(tp: int) -> None:
+    if tp == 1 or os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") != "auto":
+        return
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))) or 1
+    bind = cpu_threads_bind(sorted(os.sched_getaffinity(0)), nodes, tp)
+    if bind is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+        log.info("VLLM_CPU_OMP_THREADS_BIND=%s: %d ranks over %d NUMA node(s)", bind, tp, nodes)
+
+
 def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, KvLayout]:
     check_supported(config)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here: the connector meets our receiver
@@ -81,6 +110,9 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     num_blocks = config.num_blocks or -(-16384 // config.block_size)  # vLLM's cache: --kv-cache-tokens, else 16k
     max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0,
                                           capacity=(num_blocks - 1) * config.block_size)
+    tp = config.tensor_parallel_size
+    if current_platform.is_cpu():
+        _bind_cpu_ranks(tp)
     t0 = time.perf_counter()
     args = EngineArgs(
         model=str(config.model_dir),
@@ -93,6 +125,9 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         skip_tokenizer_init=True,
         enforce_eager=True,  # no CUDA graphs / compile: starts ~60 s sooner; see README for GPU pools
         async_scheduling=False,
+        tensor_parallel_size=tp,
+        # T > 1: T rank processes, their inputs broadcast through shared memory; the engine core stays here
+        **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
         # On CPU this fraction of host memory is reserved up front; the cache is --kv-cache-tokens anyway.
         **({"gpu_memory_utilization": 0.1} if current_platform.is_cpu() else
            {"gpu_memory_utilization": config.gpu_memory_utilization} if config.gpu_memory_utilization else {}),
@@ -115,7 +150,8 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     )
     engine = VllmEngine(llm, model_config, layout, config.max_running, block_pool.get_num_free_blocks, num_total,
                         sampling_params, vllm_connector.STAGED, vllm_connector.PARAMS_KEY,
-                        eos_ids=frozenset(model_config.eos_token_ids), max_model_len=max_model_len)
-    log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s)", model_config.describe(),
-             time.perf_counter() - t0, num_total, layout.block_size, dtype)
+                        eos_ids=frozenset(model_config.eos_token_ids), max_model_len=max_model_len,
+                        staging=KvStaging(shared=tp > 1))
+    log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s), tensor parallel %d",
+             model_config.describe(), time.perf_counter() - t0, num_total, layout.block_size, dtype, tp)
     return model_config, engine, layout

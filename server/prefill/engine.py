@@ -51,7 +51,7 @@ from pdserve.server import logprobs, metrics
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import (Packing, bucket_length, embed, group_sizes, head, layer_group,
-                                          prompt_logprobs_head)
+                                          prompt_logprobs_head, split_layers)
 from pdserve.server.prefill.prefix_kv import PrefixKv
 from pdserve.server.prefill.quant import quantize_kv_masked
 from pdserve.server.prefill.rates import PrefillRates
@@ -150,12 +150,15 @@ def _buckets(smallest: int, largest: int, growth: int = 2) -> list[int]:
 class PrefillEngine:
     def __init__(self, model_config: ModelConfig, params, config: PrefillConfig):
         self.model_config = model_config
-        self.params = params
         self.config = config
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0)
         self.max_len = _pow2(self.max_model_len)
         self.groups = group_sizes(model_config.num_layers, config.kv_layer_groups)
         """(first layer, layers) of each group the prefill runs and ships as one."""
+        self.group_layers = split_layers(params["layers"], self.groups)
+        """Each group's own weight stack; the engine keeps no stack of all layers beside them."""
+        self.params = {name: value for name, value in params.items() if name != "layers"}
+        """embed, final_norm, [lm_head]."""
         largest = min(config.max_batch_tokens, _pow2(config.max_batch_size) * self.max_len)  # what steps can fill
         self.token_buckets = _buckets(min(config.min_bucket, largest), largest)
         """The packed buffer's sizes, powers of two: few and static, so every one is compiled at start."""
@@ -167,7 +170,7 @@ class PrefillEngine:
         padded context costs little (attention skips key blocks no query reads), a shape costs a compile."""
         self.dtype = params["embed"].dtype
         self._embed = jax.jit(partial(embed, config=model_config))
-        self._group = jax.jit(partial(layer_group, config=model_config), static_argnames=("size",))
+        self._group = jax.jit(partial(layer_group, config=model_config))
         self._head = jax.jit(partial(head, config=model_config))
         self._prompt_logprobs = jax.jit(partial(prompt_logprobs_head, config=model_config,
                                                 top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)))
@@ -291,6 +294,7 @@ class PrefillEngine:
             shape = self.step_shape(step)
             try:
                 await asyncio.to_thread(self._run, step, shape, loop)
+                metrics.prefill_computed_tokens.inc(sum(s.length for s in step))
                 if shape in self._shapes_run:
                     longest = max(s.job.num_tokens for s in step)
                     self.rates.record(self._bucket(longest), sum(s.length for s in step), time.perf_counter() - t0)
@@ -350,9 +354,10 @@ class PrefillEngine:
 
         x, cos, sin = self._embed(self.params, tokens, packing.positions)  # [1, T, H], [1, T, D] x2
         kv = []  # (first layer, k, v [l, 1, T, Hkv, D]) of each group, on the device
-        for start, size in self.groups:  # dispatched back to back: XLA runs them while we wait below
-            x, k, v = self._group(self.params["layers"], x, cos, sin, packing, context[0, start : start + size],
-                                  context[1, start : start + size], np.int32(start), size=size)
+        # The groups are dispatched back to back: XLA runs them while we wait below.
+        for (start, size), layers in zip(self.groups, self.group_layers):
+            x, k, v = self._group(layers, x, cos, sin, packing, context[0, start : start + size],
+                                  context[1, start : start + size])
             kv.append((start, k, v))
         finishing = [(i, s) for i, s in enumerate(step) if s.last]
         first = logits = None
@@ -551,12 +556,11 @@ class PrefillEngine:
         x, cos, sin = _avals(self._embed.lower(self.params, ints, ints).compile())
         casts = {d for d in ("float32", "bfloat16") if jnp.dtype(d) != x.dtype}
         done = set()  # (size, x's sharding): the groups' programs differ only in these
-        for _, size in self.groups:  # in order: each group's x comes from the one before
+        for (_, size), layers in zip(self.groups, self.group_layers):  # each group's x comes from the one before
             if (size, x.sharding) not in done:
                 done.add((size, x.sharding))
                 context = spec((size, 1, shape.context, c.num_kv_heads, c.head_dim), self.dtype)
-                x, k, _ = _avals(self._group.lower(self.params["layers"], x, cos, sin, packing, context, context,
-                                                   np.int32(0), size=size).compile())
+                x, k, _ = _avals(self._group.lower(layers, x, cos, sin, packing, context, context).compile())
                 for dtype in casts:
                     self._cast.lower(k, dtype=dtype).compile()
         logits = [_avals(self._head.lower(self.params, x, spec((r,), jnp.int32)).compile())[0]

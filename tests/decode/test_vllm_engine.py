@@ -13,7 +13,8 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState
 from pdserve.server.decode.vllm_engine import RESERVED, VllmEngine
-from pdserve.server.decode.vllm_worker import check_supported
+from pdserve.server.decode.vllm_staging import KvStaging, Staged, StagedKv
+from pdserve.server.decode.vllm_worker import check_supported, cpu_threads_bind
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
@@ -29,8 +30,11 @@ class FakeLlm:
         self.requests: dict[str, tuple[list[int], object, list[int]]] = {}
         self.added: list[tuple[str, list[int], object]] = []
         self.aborted: list[str] = []
+        self.refuse = False
 
     def add_request(self, request_id, prompt, params):
+        if self.refuse:
+            raise ValueError("vLLM refuses the request")
         self.added.append((request_id, prompt["prompt_token_ids"], params))
         self.requests[request_id] = (prompt["prompt_token_ids"], params, [])
 
@@ -58,12 +62,12 @@ def params_for(seq: Sequence, num_prompt_tokens: int):
     return SimpleNamespace(max_tokens=seq.sampling.max_tokens - seq.sample_index, extra_args=None)
 
 
-def make_engine(free: int = 10):
-    staged: dict[str, list[KvPiece]] = {}
+def make_engine(free: int = 10, staging: KvStaging | None = None):
+    staged: dict[str, Staged] = {}
     llm = FakeLlm()
     engine = VllmEngine(llm, SimpleNamespace(vocab_size=128), LAYOUT, max_running=4, num_free_blocks=lambda: free,
                         num_total_blocks=10, sampling_params=params_for, staged=staged, params_key="pdserve_kv",
-                        eos_ids=frozenset({EOS}), max_model_len=512)
+                        eos_ids=frozenset({EOS}), max_model_len=512, staging=staging)
     return engine, llm, staged
 
 
@@ -79,7 +83,7 @@ def make_seq(rid: str, prompt: list[int], max_tokens: int, engine: VllmEngine, *
 
 
 def piece(num_tokens: int) -> KvPiece:
-    kv = np.zeros((2, num_tokens, 2, 32), np.float32)
+    kv = np.arange(2 * num_tokens * 2 * 32, dtype=np.float32).reshape(2, num_tokens, 2, 32)
     return KvPiece(layer_start=0, token_start=0, k=kv, v=kv, k_scales=None, v_scales=None)
 
 
@@ -100,7 +104,7 @@ async def test_vllm_decodes_from_the_first_token_with_the_staged_kv():
     (vllm_id, prompt, params), = llm.added
     assert prompt == [5, 6, 7, 20] and params.max_tokens == 3
     assert params.extra_args == {"kv_transfer_params": {"pdserve_kv": vllm_id}}
-    assert [p.num_tokens for p in staged[vllm_id]] == [3]  # the connector's worker side pops them
+    assert [p.num_tokens for p in staged[vllm_id].pieces] == [3]  # the connector's scheduler side takes them
     engine.abort("r1")
     await engine.close()
 
@@ -176,6 +180,50 @@ async def test_local_prefill_vllm_runs_the_prompt_and_returns_its_first_token():
     await engine.close()
 
 
+async def wait_for(condition, what: str) -> None:
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+async def test_tensor_parallel_stages_go_through_shared_memory_and_never_outlive_their_request():
+    staging = KvStaging(shared=True)  # /dev/shm, as the decode worker's
+    engine, llm, staged = make_engine(free=100, staging=staging)
+    # aborted while its KV arrives: the stage's file goes with it
+    receiving = make_seq("receiving", [1, 2, 3], max_tokens=5, engine=engine)
+    engine.write("receiving", piece(3))
+    assert len(staging.files()) == 1
+    assert engine.abort("receiving") and staging.files() == [] and receiving.finish_reason == gen_pb.FINISH_REASON_ABORT
+    # started: the sealed stage waits for the connector, which vLLM's ranks read it through
+    seq = make_seq("r1", [5, 6, 7], max_tokens=10**6, engine=engine, ignore_eos=True)
+    engine.write("r1", piece(3))
+    engine.start(seq, 20)
+    assert (await asyncio.wait_for(seq.events.get(), 5))[0] == 21
+    (vllm_id, _, _), = llm.added
+    assert isinstance(staged[vllm_id], StagedKv) and staged[vllm_id].read(1, 2)[0].k.tobytes() == (
+        piece(3).k[:, :, 1:2].tobytes())  # rank 1 of 2 reads kv head 1
+    assert len(staging.files()) == 1
+    # aborted before vLLM loaded it (this twin never does): released by the engine thread
+    assert engine.abort("r1")
+    await wait_for(lambda: not staging.files(), "the stage of an aborted request released")
+    assert staged == {} and llm.aborted == [vllm_id]
+    # vLLM refuses the request: its stage is released and the request fails
+    llm.refuse = True
+    refused = make_seq("refused", [1, 2], max_tokens=5, engine=engine)
+    engine.write("refused", piece(2))
+    engine.start(refused, 9)
+    assert await drain(refused) == [] and refused.finish_reason == gen_pb.FINISH_REASON_ERROR
+    assert staged == {} and staging.files() == []
+    # closing the worker removes what is still staged, and the directory
+    make_seq("left", [1, 2], max_tokens=5, engine=engine)
+    engine.write("left", piece(2))
+    assert len(staging.files()) == 1
+    await engine.close()
+    assert not staging.dir.exists()
+
+
 @pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "int8"])
 def test_quantized_kv_is_refused_naming_both_formats(kv_dtype, tmp_path):
     with pytest.raises(ValueError) as e:
@@ -184,3 +232,20 @@ def test_quantized_kv_is_refused_naming_both_formats(kv_dtype, tmp_path):
     assert f"--kv-dtype {kv_dtype}" in message and "per block per kv head" in message
     assert "k_scale/v_scale per layer" in message and "--engine native" in message
     check_supported(DecodeConfig(model_dir=tmp_path, engine="vllm", kv_dtype="bfloat16"))
+
+
+def test_tensor_parallelism_is_vllms_and_refused_for_the_native_engine(tmp_path):
+    assert DecodeConfig(model_dir=tmp_path, engine="vllm", tensor_parallel_size=8).tensor_parallel_size == 8
+    with pytest.raises(ValueError, match="the native decode engine runs on one device; use --engine vllm"):
+        DecodeConfig(model_dir=tmp_path, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        DecodeConfig(model_dir=tmp_path, engine="vllm", tensor_parallel_size=0)
+
+
+def test_cpu_ranks_get_their_own_cores_where_vllm_cannot_bind_them_by_numa_node():
+    assert cpu_threads_bind([0, 1], num_numa_nodes=1, tp=2) == "0|1"
+    assert cpu_threads_bind(list(range(8)), num_numa_nodes=1, tp=2) == "0,1,2,3|4,5,6,7"
+    assert cpu_threads_bind([2, 3, 5, 7, 9], num_numa_nodes=1, tp=2) == "2,3|5,7"  # its affinity, evenly
+    assert cpu_threads_bind(list(range(8)), num_numa_nodes=2, tp=2) is None  # vLLM's "auto": a node per rank
+    with pytest.raises(ValueError, match="needs a core per rank; this worker may use 2"):
+        cpu_threads_bind([0, 1], num_numa_nodes=1, tp=4)

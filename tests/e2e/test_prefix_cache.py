@@ -2,14 +2,19 @@
 
 A second request sharing a cached prefix gets transformers' tokens while only its missing blocks
 cross the wire (the decode worker's transfer metric); a small cache preempts and resumes sequences with
-transformers' tokens; every block comes back (free + cached = total).
+transformers' tokens; an OpenAI request with n = 4 computes and sends its prompt once, plus each other
+choice's partial last block; every block comes back (free + cached = total).
 """
 
 from __future__ import annotations
 
+import grpc
+import httpx
 import pytest
 import torch
 
+from pdserve.server.launcher import free_port
+from pdserve.v1 import generation_pb2_grpc
 from tests.e2e.procs import Procs, Stream, counter, generate, request, wait_blocks_free
 
 BLOCK = 16
@@ -24,10 +29,15 @@ def hf_greedy(model_dir, ids: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model, tmp_path_factory):
+def http_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, tmp_path_factory, http_port):
     procs = Procs(tiny_model("qwen2"), tmp_path_factory.mktemp("prefix"))
     try:
-        coordinator = procs.coordinator("coordinator")
+        coordinator = procs.coordinator("coordinator", "--http-port", str(http_port))
         procs.worker("p0", "prefill", coordinator)
         # 12 blocks of 16 tokens: two 40-token prompts growing to 160 tokens (10 blocks) cannot both fit
         procs.worker("d0", "decode", coordinator, "--kv-cache-tokens", str(12 * BLOCK), "--threads", "1")
@@ -69,3 +79,56 @@ def test_sequences_preempted_on_a_small_cache_resume_with_transformers_tokens(cl
         assert s.tokens == hf_greedy(cluster.model_dir, p, 120)
     free, total = wait_blocks_free([d0])[0]
     assert free == total
+
+
+def test_n_choices_share_the_prompts_kv_computed_and_sent_once(cluster, http_port):
+    """Runs last: the tests above read absolute counters."""
+    coordinator, p0, d0 = cluster.procs["coordinator"], cluster.procs["p0"], cluster.procs["d0"]
+    base = f"http://127.0.0.1:{http_port}"
+    model = httpx.get(f"{base}/v1/models", timeout=10).json()["data"][0]["id"]
+    tail, new = 5, 8
+    length = 3 * BLOCK + tail  # 3 full blocks and a partial one; with 8 new tokens each choice stays in 4 blocks
+
+    def prompt(k: int) -> list[int]:
+        return [(11 * i + k) % 500 + 3 for i in range(length)]
+
+    def counters() -> tuple[float, float]:
+        """(prompt tokens p0 computed, KV bytes d0 received)."""
+        return (counter(p0.metrics(), "pdserve_prefill_computed_tokens_total"),
+                counter(d0.metrics(), "pdserve_kv_transfer_bytes_total"))
+
+    def complete(ids: list[int], n: int, **fields) -> list[str]:
+        body = {"model": model, "prompt": ids, "n": n, "max_tokens": new, "ignore_eos": True, **fields}
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+
+    one, shared, sampled = prompt(1), prompt(2), prompt(3)
+    computed0, received0 = counters()
+    complete(one, 1, temperature=0)
+    computed1, received1 = counters()
+    per_token = (received1 - received0) // length  # fp32 K and V of every layer
+    assert (computed1 - computed0, received1 - received0) == (length, per_token * length)
+
+    greedy = complete(shared, 4, temperature=0)
+    computed4, received4 = counters()
+    # the prompt computed and sent once; each other choice computes and receives only its partial block
+    assert computed4 - computed1 == length + 3 * tail
+    assert received4 - received1 == per_token * (length + 3 * tail)
+    ids, text = generate_with_text(coordinator.address, request(shared, new))
+    assert ids == hf_greedy(cluster.model_dir, shared, new)
+    assert greedy == [text] * 4
+
+    # seeded choices draw with seed + i, as one request per choice does
+    choices = complete(sampled, 4, temperature=1.0, seed=1234)
+    assert choices == [complete(sampled, 1, temperature=1.0, seed=1234 + i)[0] for i in range(4)]
+    assert len(set(choices)) > 1
+    free, total = wait_blocks_free([d0])[0]
+    assert free == total
+
+
+def generate_with_text(address: str, req) -> tuple[list[int], str]:
+    """pdserve.v1.Generate's token ids and text."""
+    with grpc.insecure_channel(address) as ch:
+        replies = list(generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=60))
+    return [t for m in replies for t in m.token_ids], "".join(m.text for m in replies)

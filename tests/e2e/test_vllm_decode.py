@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from tokenizers import Tokenizer
 
@@ -20,17 +21,15 @@ from pdserve.v1 import generation_pb2_grpc
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.client import open_channel
+from pdserve.server.launcher import free_port
 from tests.e2e.procs import Procs, Stream, counter, list_workers, request, wait_blocks_free, wait_until
 from tests.e2e.test_parity import MAX_TOKENS, PROMPTS, generate_ids, hf_greedy
+from tests.vllm_python import VLLM_PYTHON, require_vllm_python
 
-VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
 VLLM_ARGS = ("--engine", "vllm", "--block-size", "32", "--kv-cache-tokens", "8192")
 START_TIMEOUT = 300.0  # vLLM's start-up on a loaded 2-core machine
 
-if not VLLM_PYTHON.exists():
-    if os.environ.get("PDSERVE_REQUIRE_VLLM"):
-        raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (make test does)")
-    pytest.skip("no .venv-vllm (make vllm-venv); make test runs these", allow_module_level=True)
+require_vllm_python()
 
 
 class Clusters:
@@ -39,12 +38,16 @@ class Clusters:
     def __init__(self, tiny_model, tmp_factory):
         self.tiny_model, self.tmp_factory = tiny_model, tmp_factory
         self.by_family: dict[str, Procs] = {}
+        self.http: dict[str, str] = {}
+        """Each cluster's OpenAI front (the coordinator's --http-port)."""
 
     def get(self, family: str) -> Procs:
         if family not in self.by_family:
             procs = Procs(self.tiny_model(family), self.tmp_factory.mktemp(f"vllm-{family}"))
             self.by_family[family] = procs
-            coord = procs.coordinator()
+            port = free_port()
+            self.http[family] = f"http://127.0.0.1:{port}"
+            coord = procs.coordinator("coordinator", "--http-port", str(port))
             procs.worker("p0", "prefill", coord, wait=False)
             vllm_decode(procs, "d0")
             procs.wait_serving(procs.procs["p0"])
@@ -57,8 +60,8 @@ class Clusters:
             procs.stop_all()
 
 
-def vllm_decode(procs: Procs, name: str, wait: bool = True):
-    return procs.worker(name, "decode", procs.procs["coordinator"], *VLLM_ARGS, python=str(VLLM_PYTHON),
+def vllm_decode(procs: Procs, name: str, *args: str, wait: bool = True):
+    return procs.worker(name, "decode", procs.procs["coordinator"], *VLLM_ARGS, *args, python=str(VLLM_PYTHON),
                         wait=wait, timeout=START_TIMEOUT)
 
 
@@ -118,6 +121,28 @@ def test_cancel_mid_stream_frees_vllms_blocks(clusters):
         assert time.monotonic() < deadline, f"vLLM's blocks not freed after cancel: {load}"
         time.sleep(0.1)
     assert (load.free_kv_blocks, load.waiting_requests) == (idle.total_kv_blocks, 0)
+
+
+def test_n_choices_through_vllm_decode_equal_the_generation_path(clusters, tiny_model):
+    """OpenAI n = 3: choices 1 and 2 follow choice 0's prompt KV to the vLLM worker; each greedy choice
+    is the generation path's text, whose ids equal transformers'."""
+    from pdserve.server.client import build_request, stream
+
+    procs, model_dir = clusters.get("llama"), tiny_model("llama")
+    coord, decode = procs.procs["coordinator"], procs.procs["d0"]
+    prompt = PROMPTS[6]  # a few blocks of 32 and a partial one
+    body = {"model": model_dir.name, "prompt": prompt, "n": 3, "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = httpx.post(f"{clusters.http['llama']}/v1/completions", json=body, timeout=180)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+    replies = list(stream(coord.address, build_request(prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0),
+                          timeout=120))
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    assert [i for m in replies for i in m.token_ids] == hf_greedy(model_dir, tok.encode(prompt).ids)
+    assert texts == ["".join(m.text for m in replies)] * 3
+    # both other choices went to choice 0's decode worker
+    assert coord.metrics()['pdserve_shared_prompt_choices_total{route="shared"}'] == 2
+    assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
 
 
 def test_kill_one_of_two_vllm_workers_migrates_streams_exactly(clusters):
@@ -225,3 +250,37 @@ def test_logprobs_through_vllm_decode_equal_transformers(clusters, tiny_model):
         assert entry.logprob == pytest.approx(row[out_ids[j]], abs=1e-4)
         assert list(entry.top_token_ids) == np.argsort(-row, kind="stable")[:3].tolist()
         np.testing.assert_allclose(entry.top_logprobs, np.sort(row)[::-1][:3], atol=1e-4)
+
+
+def test_tensor_parallel_vllm_decode_equals_transformers_and_leaves_no_stage(clusters, tiny_model):
+    """--tensor-parallel-size 2: two vLLM rank processes, one kv head each, read the staged KV from /dev/shm."""
+    procs = clusters.get("llama")
+    coord = procs.procs["coordinator"]
+    for name, proc in list(procs.procs.items()):  # tp2 alone decodes (this test runs last: it stops the others)
+        if proc.role == "decode" and proc.popen.poll() is None:
+            procs.terminate(name)
+            proc.popen.wait(30)
+    tp2 = vllm_decode(procs, "tp2", "--tensor-parallel-size", "2")
+    wait_until(lambda: [w.state for w in list_workers(coord) if w.role == "decode" and w.state == "ready"] == ["ready"],
+               "tp2 the only decode worker ready")
+    log = tp2.log.read_text()
+    assert "tensor parallel 2" in log
+    if len(os.sched_getaffinity(0)) == 2:  # this machine: one NUMA node, so the worker gives each rank a core
+        assert "VLLM_CPU_OMP_THREADS_BIND=0|1" in log
+    stages = list(Path("/dev/shm").glob(f"pdserve-kv-{tp2.popen.pid}-*"))
+    assert len(stages) == 1, stages
+
+    model_dir = tiny_model("llama")
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # 8 concurrent prompts of different lengths
+        got = list(pool.map(lambda p: generate_ids(coord.address, p), PROMPTS))
+    assert [ids for ids, _ in got] == expected
+    samples = tp2.metrics()
+    assert counter(samples, "pdserve_vllm_kv_tokens_loaded_total") == sum(len(tok.encode(p).ids) for p in PROMPTS)
+    assert counter(samples, "pdserve_vllm_kv_load_failures_total") == 0
+    assert wait_blocks_free([tp2]) == [(info(tp2).load.total_kv_blocks,) * 2]
+    assert list(stages[0].iterdir()) == []  # every stage released once both ranks read it
+    procs.terminate("tp2")
+    tp2.popen.wait(60)
+    assert not stages[0].exists()

@@ -48,7 +48,8 @@ async def test_a_mixed_load_compiles_nothing_after_warmup(tiny_model):
     path = tiny_model("qwen2")
     model_config = load_config(path)
     config = PrefillConfig(model_dir=path, max_batch_size=4, max_model_len=128)
-    engine = PrefillEngine(model_config, load_params(model_config, load_weights(path)), config)
+    params = load_params(model_config, load_weights(path))
+    engine = PrefillEngine(model_config, params, config)
     shapes = engine.shapes()
     # (token slots, context slots): up to 4 prompts of 128 tokens packed; a context of up to 128 tokens
     assert [(s.tokens, s.context) for s in shapes] == [(t, c) for c in (0, 128) for t in (16, 32, 64, 128, 256, 512)]
@@ -69,7 +70,7 @@ async def test_a_mixed_load_compiles_nothing_after_warmup(tiny_model):
     assert compiles() == before, f"{compiles() - before} compilations on the request path"
     assert engine.batches < 3 + 2 * len(lengths)  # prompts shared steps
 
-    chunked = PrefillEngine(model_config, engine.params, PrefillConfig(model_dir=path, max_batch_size=4, max_model_len=128,
+    chunked = PrefillEngine(model_config, params, PrefillConfig(model_dir=path, max_batch_size=4, max_model_len=128,
                                                                        max_prefill_chunk=32, max_batch_tokens=64))
     chunked.warmup()
     before_chunked = compiles()

@@ -38,8 +38,7 @@ def test_every_bf16_matmul_accumulates_in_fp32(tiny_model):
         packing = Packing.plain(*tokens.shape)
         x, cos, sin = embed(params, tokens, packing.positions, config=config)
         context = jnp.zeros((config.num_layers, 2, 0, config.num_kv_heads, config.head_dim), jnp.bfloat16)
-        x, k, v = layer_group(params["layers"], x, cos, sin, packing, context, context, jnp.int32(0),
-                              size=config.num_layers, config=config)
+        x, k, v = layer_group(params["layers"], x, cos, sin, packing, context, context, config=config)
         return head(params, x, jnp.array([3, 16]), config=config), k, v
 
     dots = _dots(jax.make_jaxpr(forward)(params, tokens).jaxpr)
