@@ -342,6 +342,7 @@ class Attempt:
         prefill.inflight += 1
         prefill.pending_tokens += len(self.prompt)
         prefill.pending_lengths.append(len(self.prompt))
+        prefill.unreported_lengths.append(len(self.prompt))
         sent = time.monotonic()
         try:
             reply = await call
@@ -352,6 +353,8 @@ class Attempt:
             prefill.inflight -= 1
             prefill.pending_tokens -= len(self.prompt)
             prefill.pending_lengths.remove(len(self.prompt))
+            if len(self.prompt) in prefill.unreported_lengths:  # answered before the next report
+                prefill.unreported_lengths.remove(len(self.prompt))
             if not call.done():
                 call.cancel()
         if not 0 <= reply.first_token_id < service.limits.vocab_size:

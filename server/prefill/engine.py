@@ -219,9 +219,11 @@ class PrefillEngine:
         """Tokens of the prompts waiting or running still to compute."""
         return self.scheduler.queued_tokens
 
-    def load(self) -> list:
-        """Queued work and measured rate per bucket (WorkerLoad.prefill_buckets)."""
-        return self.rates.report(self.scheduler.queued_by_bucket, self.scheduler.prompts_by_bucket)
+    def load(self, waits: bool = True) -> list:
+        """Queued work, measured rate and (`waits`) a new prompt's expected wait per bucket
+        (WorkerLoad.prefill_buckets; the waits replay the queue once per bucket)."""
+        wait = {b: self.scheduler.expected_wait(b) for b in self.rates.buckets} if waits else None
+        return self.rates.report(self.scheduler.queued_by_bucket, self.scheduler.prompts_by_bucket, wait)
 
     def enqueue(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
                 kv_dtype: str, block_size: int = 16, due: float | None = None) -> PrefillJob:

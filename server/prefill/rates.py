@@ -1,7 +1,8 @@
 """How fast this worker prefills, per padding bucket, and how many seconds of work a queue holds.
 
 The engine records each batch (true tokens over wall seconds) under its padded length; the worker
-reports, per bucket, its queued tokens and that rate (`WorkerLoad.prefill_buckets`). `seconds_of`
+reports, per bucket, its queued tokens, that rate and the expected wait of a new prompt of that length
+(its scheduler's replay, `PrefillScheduler.expected_wait`) (`WorkerLoad.prefill_buckets`). `seconds_of`
 turns such a report into seconds of work: the coordinator's expected wait (prefill_estimate.py) and
 the worker's `pdserve_prefill_queued_seconds` gauge (what the prefill HPA scales on) both use it; the
 worker's scheduler reads `PrefillRates.seconds` for each prompt's slack before its TTFT budget.
@@ -40,11 +41,15 @@ class PrefillRates:
         rate = nearest_rate([self.tokens_per_second.get(b, 0.0) for b in self.buckets], index)
         return tokens / rate if rate and tokens > 0 else 0.0
 
-    def report(self, queued_tokens: Mapping[int, int], queued_prompts: Mapping[int, int]) -> list[pb.PrefillBucket]:
+    def report(self, queued_tokens: Mapping[int, int], queued_prompts: Mapping[int, int],
+               waits: Mapping[int, float] | None = None) -> list[pb.PrefillBucket]:
+        """waits: per bucket, the seconds of other work before a new prompt of its length (the
+        scheduler's `expected_wait`); None: not reported."""
         return [
             pb.PrefillBucket(max_tokens=b, queued_tokens=queued_tokens.get(b, 0),
                              queued_prompts=queued_prompts.get(b, 0),
-                             tokens_per_second=self.tokens_per_second.get(b, 0.0))
+                             tokens_per_second=self.tokens_per_second.get(b, 0.0),
+                             **({} if waits is None else {"expected_wait_seconds": waits[b]}))
             for b in self.buckets
         ]
 

@@ -258,9 +258,10 @@ def test_a_step_packs_short_prompts_beside_a_due_one_only_within_its_slack():
     assert clock.now == 11.0
 
 
-def test_a_late_prompt_allows_nothing_before_it_and_a_prompt_with_no_due_time_runs_within_the_slack():
-    """A prompt past its due time allows nothing else before it; one without a due time (from an older
-    coordinator) runs where the due prompts' slack allows it, here between the two."""
+def test_a_past_due_prompt_runs_first_and_allows_others_before_nothing_but_beside_it():
+    """A prompt that misses its due time even if it runs alone now goes first, earliest due first; it
+    keeps nothing from packing beside it (it is late whatever they do). One without a due time (from
+    an older coordinator) runs where the due prompts' slack allows it, here between the two."""
     clock = Clock()
     s = scheduler("shortest-first", clock, max_batch_size=1, seconds=at_100_tokens_per_s)
     s.add(Job("anytime", 25))  # 0.25 s, the first by key
@@ -270,13 +271,53 @@ def test_a_late_prompt_allows_nothing_before_it_and_a_prompt_with_no_due_time_ru
     assert clock.now == 8.25
 
 
-def test_admitted_by_worst_case_wait_every_prompt_makes_its_due_time_under_an_overload():
+def test_past_due_prompts_do_not_hold_the_token_budget_hostage():
+    """Two past-due prompts (the later due first by key) and four short ones due in 30 s: the step
+    takes the past-due ones first, earliest due first, and packs the short ones beside them. (When a
+    late prompt's slack of 0 allowed nothing due after it, the step was the late prompts alone.)"""
+    clock = Clock()
+    s = scheduler("shortest-first", clock, max_batch_tokens=512, seconds=at_100_tokens_per_s)
+    s.add(Job("late2", 100), due=0.5)
+    s.add(Job("late1", 200), due=0.25)
+    clock.now = 1.0  # both past due
+    for i in range(4):
+        s.add(Job(f"s{i}", 25), due=31.0)
+    assert drain(s, clock) == [["late1", "late2", "s0", "s1", "s2", "s3"]]
+
+
+def test_the_expected_wait_counts_only_the_work_the_order_and_the_due_times_run_first():
+    """Three admitted 500-token prompts (5 s each at 100 tokens/s) due in 30 s: a short prompt arriving
+    now would run before them (their slack allows it), a long one after all three; under fifo the
+    short one waits for all three. The running step's rest counts, and a due time that leaves no room
+    for the short prompt puts that prompt first."""
+    clock = Clock()
+    s = scheduler("shortest-first", clock, max_batch_size=1, ageing=32.0, seconds=at_100_tokens_per_s)
+    for i in (1, 2, 3):
+        s.add(Job(f"long{i}", 500), due=30.0)  # keys 500 / 32 = 15.6 s after their arrival
+    assert s.expected_wait(20) == 0.0
+    assert s.expected_wait(500) == 15.0
+    assert [g.job.name for g in s.next_step()] == ["long1"]  # runs until 5 s
+    clock.now = 2.0
+    assert s.expected_wait(20) == 3.0  # the running step's rest
+    assert s.expected_wait(500) == 13.0
+    tight = scheduler("shortest-first", Clock(), max_batch_size=1, seconds=at_100_tokens_per_s)
+    tight.add(Job("long", 500), due=5.25)  # 0.25 s of slack: a 0.3 s prompt would make it late
+    assert tight.expected_wait(30) == 5.0
+    assert tight.expected_wait(25) == 0.0  # 0.25 s: within the slack
+    fifo = scheduler("fifo", Clock(), max_batch_size=1, seconds=at_100_tokens_per_s)
+    for i in (1, 2, 3):
+        fifo.add(Job(f"long{i}", 500), due=30.0)
+    assert fifo.expected_wait(20) == 15.0
+    assert scheduler("shortest-first", Clock()).expected_wait(20) == 0.0  # idle
+
+
+def overload(admission: str, slow: float = 1.0, slow_until: float = 0.0) -> tuple[int, dict[str, float], dict[str, float], int]:
     """Seeded Poisson arrivals, 1.2x what the worker serves: 32-token prompts at 55/s (1,760 tokens/s)
-    and 1,500-token ones at 0.4/s (600), each admitted on arrival (mid-step too) as the coordinator
-    does: all the queued work (the running step's included) plus its own prefill within the 2 s budget,
-    else refused. Served at the rate the scheduler assumes, every admitted prompt gets its first token
-    by its due time. (Without due times, short prompts overtaking admitted long ones made 6 of them
-    late, one by 15 s.)"""
+    and 1,500-token ones at 0.4/s (600) for 30 s, each admitted on arrival (mid-step too) as the
+    coordinator does, within a 2 s budget: `admission` "worst-case" (all the queued work, the running
+    step's included, then its own prefill) or "expected" (the scheduler's `expected_wait`, then its own
+    prefill). The worker serves at the rate the scheduler assumes (2,000 tokens/s), `slow` times
+    slower until `slow_until`. Returns (refused, due time and first token of each admitted prompt, steps)."""
     rng = random.Random(11)
     clock = Clock()
     rate, budget = 2000.0, 2.0
@@ -292,13 +333,16 @@ def test_admitted_by_worst_case_wait_every_prompt_makes_its_due_time_under_an_ov
         arrivals.append((t, 32 if rng.random() < 55 / 55.4 else 1500))
     due: dict[str, float] = {}
     first: dict[str, float] = {}
-    refused = 0
+    refused = steps = 0
     while arrivals or len(s):
         step = s.next_step()
-        end = clock.now + sum(g.length for g in step) / rate if step else arrivals[0][0]
+        steps += bool(step)
+        took = sum(g.length for g in step) / rate * (slow if clock.now < slow_until else 1.0)
+        end = clock.now + took if step else arrivals[0][0]
         while arrivals and arrivals[0][0] <= end:  # arriving while the step runs
             clock.now, n = arrivals.pop(0)
-            if (s.queued_tokens + n) / rate > budget:
+            ahead = s.queued_tokens / rate if admission == "worst-case" else s.expected_wait(n)
+            if ahead + n / rate > budget:
                 refused += 1
                 continue
             job = Job(f"j{len(due)}", n)
@@ -308,7 +352,36 @@ def test_admitted_by_worst_case_wait_every_prompt_makes_its_due_time_under_an_ov
         run(step)
         s.finish(step)
         first.update((g.job.name, clock.now) for g in step if g.last)
+    assert s.queued_tokens == 0 and set(first) == set(due)  # nothing starves
+    return refused, due, first, steps
+
+
+def test_admitted_by_worst_case_wait_every_prompt_makes_its_due_time_under_an_overload():
+    """The worst case (all the queued work) keeps every admitted prompt within its due time. (Without
+    due times, short prompts overtaking admitted long ones made 6 of them late, one by 15 s.)"""
+    refused, due, first, _ = overload("worst-case")
     assert (refused, len(due)) == (12, 1663)  # overloaded, and still serving nearly all
-    assert set(first) == set(due)
     late = {name: first[name] - due[name] for name in due if first[name] > due[name] + 1e-9}
     assert late == {}
+
+
+def test_admitted_by_expected_wait_fewer_are_refused_and_none_is_later_than_one_prefill():
+    """The expected wait (what the order and the due times run first) admits more than the worst
+    case, and no admitted prompt's first token comes later than its due time plus one long prompt's
+    prefill (1,500 tokens: 0.75 s; here none is late at all)."""
+    refused, due, first, _ = overload("expected")
+    assert (refused, len(due)) == (7, 1668)  # the worst case: 12 refused, 1,663 admitted
+    assert max(first[name] - due[name] for name in due) <= 0.0
+
+
+def test_nothing_starves_when_the_worker_runs_slower_than_measured():
+    """The worker takes 1.5x the measured time for 10 s: admitted prompts go past due (the rates were
+    wrong); they run first, earliest due first, and let others pack beside them. Every admitted prompt
+    is served (`overload` checks it), the lateness ends soon after the slowdown, and the steps stay
+    packed: 283 of them (599 when a past-due prompt's slack of 0 kept everything due after it out of
+    its steps)."""
+    refused, due, first, steps = overload("expected", slow=1.5, slow_until=10.0)
+    late = {name: first[name] - due[name] for name in due if first[name] > due[name] + 1e-9}
+    assert (refused, len(due), len(late), steps) == (115, 1560, 380, 283)
+    assert max(due[name] for name in late) < 10.0 + 2.0 + 0.1
+    assert max(late.values()) < 1.25

@@ -284,16 +284,18 @@ class WorkerLoad(_message.Message):
     def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[_Union[PrefillBucket, _Mapping]]] = ..., max_waiting_requests: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillBucket(_message.Message):
-    __slots__ = ("max_tokens", "queued_tokens", "queued_prompts", "tokens_per_second")
+    __slots__ = ("max_tokens", "queued_tokens", "queued_prompts", "tokens_per_second", "expected_wait_seconds")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     queued_tokens: int
     queued_prompts: int
     tokens_per_second: float
-    def __init__(self, max_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queued_prompts: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    expected_wait_seconds: float
+    def __init__(self, max_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queued_prompts: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., expected_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len", "draining", "kv_address", "prefill_order", "prefill_deadlines")
