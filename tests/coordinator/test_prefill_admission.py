@@ -1,5 +1,6 @@
-"""Admission by expected wait: a scripted slow prefill worker's queued work, at its measured rate, in
-the worst case its scheduler allows (all of it, the running step's included), then the prompt's own."""
+"""Admission by expected wait: a scripted slow prefill worker's report (the seconds of other work its
+scheduler runs before a new prompt of each length; from an older worker, all its queued work), the
+prompts sent since, at its measured rates, then the prompt's own."""
 
 from __future__ import annotations
 
@@ -20,16 +21,23 @@ from tests.prefill.jobs import Clock, Job, bucket
 BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
-def slow_load(queued_long_tokens: int) -> worker_pb2.WorkerLoad:
+def slow_load(queued_long_tokens: int, waits: dict[int, float] | None = None) -> worker_pb2.WorkerLoad:
     """A prefill worker doing 128 tokens/s on short prompts and 100 on its 512-token bucket, which
-    holds `queued_long_tokens` (three long prompts, say); nothing else measured."""
+    holds `queued_long_tokens` (three long prompts, say); nothing else measured. waits: the expected
+    wait it reports per bucket (None: none, as an older worker)."""
     rates = {16: 128.0, 512: 100.0}
     return worker_pb2.WorkerLoad(prefill_buckets=[
         worker_pb2.PrefillBucket(max_tokens=b, queued_tokens=queued_long_tokens if b == 512 else 0,
                                  queued_prompts=3 if b == 512 and queued_long_tokens else 0,
-                                 tokens_per_second=rates.get(b, 0.0))
+                                 tokens_per_second=rates.get(b, 0.0),
+                                 **({} if waits is None else {"expected_wait_seconds": waits[b]}))
         for b in BUCKETS
     ])
+
+
+SHORT_FIRST = {16: 0.5, 32: 0.5, 64: 0.5, 128: 0.5, 256: 0.5, 512: 15.0}
+"""What a shortest-first worker holding three 500-token prompts reports: a short prompt waits for the
+running step's rest (0.5 s), a long one for all 15 s of them."""
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +67,13 @@ async def _generate(pools, ids: list[int], timeout: float) -> list[generation_pb
         return [r async for r in stub.Generate(req, timeout=timeout)]
 
 
+def _expected_waits() -> float:
+    """How many estimates pdserve_prefill_expected_wait_seconds holds, over every identity."""
+    family = metrics.prefill_expected_wait.families[0]
+    return sum(s.value for m in family.collect() for s in m.samples
+               if s.name == "pdserve_prefill_expected_wait_seconds_count")
+
+
 def _expected_wait_rejections() -> float:
     """pdserve_expected_wait_rejections over every identity (the fakes share this process)."""
     family = metrics.expected_wait_rejections.families[0]
@@ -75,8 +90,9 @@ async def test_a_request_whose_expected_wait_exceeds_its_deadline_is_refused_at_
         # fifo: 300 queued tokens at 100/s, then its own 3 at 128/s: 3.0234375 s
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert ("retry-after-ms", "3024") in tuple(e.value.trailing_metadata())
-        assert e.value.details().startswith(f"expected prefill wait 3.02 s (queued work on prefill worker "
-                                            f"{pools.prefill_worker.address} at its measured rate) exceeds the ")
+        assert e.value.details().startswith(f"expected prefill wait 3.02 s (the work prefill worker "
+                                            f"{pools.prefill_worker.address} runs first, at its measured rates) "
+                                            f"exceeds the ")
         assert e.value.details().endswith(" s left before the request's deadline; you may retry after 3024 ms")
         assert pools.prefill.requests == [] and pools.decode.requests == []  # refused before any worker call
         assert _expected_wait_rejections() == refused + 1
@@ -87,9 +103,9 @@ async def test_a_request_whose_expected_wait_exceeds_its_deadline_is_refused_at_
         await pools.stop()
 
 
-async def test_admission_counts_all_the_queued_work_whatever_the_order_and_sends_the_budget(model_dir):
-    """Issue 19's bound: under shortest-first a short prompt may still wait for all the work queued
-    before it (those prompts become due first), so it counts too, not only the shorter buckets'."""
+async def test_a_worker_that_reports_no_expected_wait_gets_the_worst_case_and_the_budget_is_sent(model_dir):
+    """An older worker reports only its queued work: a short prompt may wait for all of it, whatever
+    the order, so it all counts, not only the shorter buckets'."""
     pools = await _pools(model_dir, "shortest-first", slow_load(3 * 500), ttft_budget=17.0)
     refused = _expected_wait_rejections()
     try:
@@ -111,6 +127,41 @@ async def test_admission_counts_all_the_queued_work_whatever_the_order_and_sends
         assert " s left of the request's TTFT budget (--ttft-budget 17 s from its arrival); " in e.value.details()
     finally:
         await pools.stop()
+
+
+async def test_a_short_prompt_is_admitted_by_what_the_worker_runs_first_and_a_long_one_refused(model_dir):
+    """Three 500-token prompts queued (15 s at 100 tokens/s) under a 10 s deadline: the worst case
+    refused every request; with the worker's expected waits a short prompt waits 0.5 s and is
+    admitted, a long one would wait for all of them and is refused at once, the estimate in its retry
+    hint. Only admitted requests' estimates go to the expected-wait histogram."""
+    pools = await _pools(model_dir, "shortest-first", slow_load(3 * 500, SHORT_FIRST))
+    refused, estimates = _expected_wait_rejections(), _expected_waits()
+    try:
+        responses = await _generate(pools, [5, 6, 7], timeout=10)  # 0.5 + 3 / 128 s
+        assert [list(r.token_ids) for r in responses] == [[5], [6], []]
+        assert _expected_waits() == estimates + 1
+        with pytest.raises(grpc.aio.AioRpcError) as e:  # 15 + 300 / 100 s > 10 s
+            await _generate(pools, [5] * 300, timeout=10)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert ("retry-after-ms", "18000") in tuple(e.value.trailing_metadata())
+        assert e.value.details().startswith("expected prefill wait 18 s (the work prefill worker ")
+        assert len(pools.prefill.requests) == 1 and _expected_wait_rejections() == refused + 1
+        assert _expected_waits() == estimates + 1
+    finally:
+        await pools.stop()
+
+
+def test_prompts_sent_since_the_report_count_where_the_order_runs_them_first():
+    worker = Worker("127.0.0.1:1", "prefill",
+                    info=worker_pb2.WorkerInfo(load=slow_load(1500, SHORT_FIRST), prefill_order="shortest-first"))
+    assert expected_wait(worker, 16) == 0.5 + 16 / 128
+    worker.unreported_lengths = [10, 300]
+    assert expected_wait(worker, 16) == 0.5 + 10 / 128 + 16 / 128  # the 300-token one runs after it
+    assert expected_wait(worker, 300) == 15.0 + (10 / 128 + 300 / 100) + 300 / 100
+    worker.info.prefill_order = "fifo"
+    assert expected_wait(worker, 16) == 0.5 + (10 / 128 + 300 / 100) + 16 / 128
+    worker.reported(worker.info, now=1.0)  # the next report counts them
+    assert worker.unreported_lengths == [] and worker.last_seen == 1.0
 
 
 def test_the_running_step_counts_as_queued_work_ahead_of_a_short_prompt():

@@ -215,6 +215,8 @@ def test_the_ttft_budget_the_coordinator_admitted_under_sets_when_the_first_toke
 async def test_a_prompt_is_queued_due_when_its_budget_ends_and_a_bad_budget_is_refused(tiny_model):
     rig = Rig(tiny_model("llama"), Sink())
     assert rig.service.info().prefill_deadlines
+    buckets = rig.service.info().load.prefill_buckets  # idle: no wait for any length
+    assert [b.expected_wait_seconds for b in buckets if b.HasField("expected_wait_seconds")] == [0.0] * len(buckets)
     dues: list[float | None] = []
     add = rig.engine.scheduler.add
     rig.engine.scheduler.add = lambda job, due=None: (dues.append(due), add(job, due))[1]

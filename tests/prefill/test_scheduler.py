@@ -286,8 +286,8 @@ def test_past_due_prompts_do_not_hold_the_token_budget_hostage():
 
 
 def test_the_expected_wait_counts_only_the_work_the_order_and_the_due_times_run_first():
-    """Three admitted 500-token prompts (5 s each at 100 tokens/s) due in 30 s: a short prompt arriving
-    now would run before them (their slack allows it), a long one after all three; under fifo the
+    """A scripted slow worker: three admitted 500-token prompts (5 s each at 100 tokens/s) due in 30 s:
+    a short prompt arriving now would run before them (their slack allows it), a long one after all three; under fifo the
     short one waits for all three. The running step's rest counts, and a due time that leaves no room
     for the short prompt puts that prompt first."""
     clock = Clock()
@@ -296,10 +296,16 @@ def test_the_expected_wait_counts_only_the_work_the_order_and_the_due_times_run_
         s.add(Job(f"long{i}", 500), due=30.0)  # keys 500 / 32 = 15.6 s after their arrival
     assert s.expected_wait(20) == 0.0
     assert s.expected_wait(500) == 15.0
-    assert [g.job.name for g in s.next_step()] == ["long1"]  # runs until 5 s
+    running = s.next_step()
+    assert [g.job.name for g in running] == ["long1"]  # runs until 5 s
     clock.now = 2.0
     assert s.expected_wait(20) == 3.0  # the running step's rest
     assert s.expected_wait(500) == 13.0
+    s.add(Job("short", 20), due=32.0)  # and so it runs: first once the running step ends
+    clock.now = 5.0
+    run(running)
+    s.finish(running)
+    assert drain(s, clock) == [["short"], ["long2"], ["long3"]]
     tight = scheduler("shortest-first", Clock(), max_batch_size=1, seconds=at_100_tokens_per_s)
     tight.add(Job("long", 500), due=5.25)  # 0.25 s of slack: a 0.3 s prompt would make it late
     assert tight.expected_wait(30) == 5.0
