@@ -49,7 +49,9 @@ order within the slack: nothing starves.
 Admission: `expected_wait` replays this queue (a copy of it, the running step's rest first) with one
 more prompt of a given length, due after every queued one (as one admitted now under the same
 budget), until its last segment: the seconds of other work the policy runs before its first token,
-at the measured rates, with no later arrivals. The worker reports it per length bucket; the
+at the measured rates, with no later arrivals; under shortest-first stretched by the share of the
+worker that shorter prompts took lately (they will run before it too, while its slack lasts), so a
+long prompt is admitted only with room left for them. The worker reports it per length bucket; the
 coordinator (coordinator/prefill_estimate.py) admits a prompt only when that plus its own prefill
 fits in what is left of its budget. Later arrivals cannot push it past its due time (the slack
 above), so with the measured rates right its first token comes in time, give or take the step it
@@ -61,13 +63,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Literal, Protocol, TypeVar
 
 PrefillOrder = Literal["fifo", "shortest-first"]
 PREFILL_ORDERS: tuple[PrefillOrder, ...] = ("fifo", "shortest-first")
+
+ARRIVALS_WINDOW = 10.0
+"""Seconds of arrivals `expected_wait` measures the shorter prompts' share of the worker's time over."""
+MAX_OVERTAKING_SHARE = 0.9
+"""The share above which `expected_wait` stops growing (10x): shorter prompts arriving that fast leave a
+longer one nothing but its slack, and the estimate refuses it anyway."""
 
 
 class Schedulable(Protocol):
@@ -195,6 +203,8 @@ class PrefillScheduler(Generic[J]):
         self.queued_by_bucket: Counter[int] = Counter()
         """Tokens still to compute of the prompts waiting or running, by length bucket."""
         self.prompts_by_bucket: Counter[int] = Counter()
+        self._arrivals: deque[tuple[float, int, float]] = deque()
+        """(when, bucket, seconds of prefill) of the prompts added in the last ARRIVALS_WINDOW seconds."""
 
     @property
     def queued_tokens(self) -> int:
@@ -208,7 +218,9 @@ class PrefillScheduler(Generic[J]):
         coordinator plus the TTFT budget it was admitted under); None: never."""
         now = self.clock()
         key = now if self.order == "fifo" else now + job.num_tokens / self.ageing_tokens_per_s
-        self._queue(_Entry(key, next(self._seq), job, self.bucket(job.num_tokens), due))
+        entry = _Entry(key, next(self._seq), job, self.bucket(job.num_tokens), due)
+        self._queue(entry)
+        self._arrivals.append((now, entry.bucket, self.seconds(entry.bucket, entry.remaining)))
 
     def _queue(self, entry: _Entry[J]) -> None:
         self._waiting.append(entry)
@@ -272,11 +284,33 @@ class PrefillScheduler(Generic[J]):
 
     def expected_wait(self, num_tokens: int, block_size: int = 16) -> float:
         """Seconds of other work before the first token of an n-token prompt that arrives now due after
-        every queued prompt (as one the coordinator admits now under the same TTFT budget): the running
-        step's rest, then the steps `next_step` would take until the prompt's last segment ends, at the
-        measured rates (`seconds`), with no later arrivals. Its own prefill is not counted. It replays
-        this queue on a copy of the scheduler: the estimate follows the order and the due times exactly."""
+        every queued prompt (as one the coordinator admits now under the same TTFT budget), at the
+        measured rates (`seconds`): the running step's rest, then the steps `next_step` would take
+        until the prompt's last segment ends, replayed on a copy of this queue, so the estimate follows
+        the order and the due times exactly. Its own prefill is not counted. Under shortest-first,
+        shorter prompts arriving later run before it too (while its slack lasts): the wait W and its
+        own prefill P stretch by the share s of the worker's time such prompts took over the last
+        ARRIVALS_WINDOW seconds, to (W + P) / (1 - s) - P (at most MAX_OVERTAKING_SHARE), so a long
+        prompt is admitted only with room left for them."""
         now = self.clock()
+        bucket = self.bucket(num_tokens)
+        waited = self._replay(num_tokens, block_size, now)
+        if self.order == "fifo":
+            return waited
+        share = min(self._overtaking_share(bucket, now), MAX_OVERTAKING_SHARE)
+        own = self.seconds(bucket, num_tokens)
+        return (waited + own) / (1 - share) - own if share else waited
+
+    def _overtaking_share(self, bucket: int, now: float) -> float:
+        """The share of the worker's time the prompts shorter than `bucket` that arrived in the last
+        ARRIVALS_WINDOW seconds take (their prefill at the measured rates)."""
+        while self._arrivals and self._arrivals[0][0] < now - ARRIVALS_WINDOW:
+            self._arrivals.popleft()
+        return sum(seconds for _, b, seconds in self._arrivals if b < bucket) / ARRIVALS_WINDOW
+
+    def _replay(self, num_tokens: int, block_size: int, now: float) -> float:
+        """Seconds of other work `next_step` runs, on a copy of this queue, before the last segment of
+        an n-token prompt added now with no due time ends (no later arrivals)."""
         clock = _Clock(now)
         shadow: PrefillScheduler[_Shadow] = PrefillScheduler(
             self.order, bucket=self.bucket, max_batch_size=self.max_batch_size,
