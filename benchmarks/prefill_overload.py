@@ -1,6 +1,6 @@
 """Prefill under overload: `fifo` as before vs shortest-first + expected-wait admission, in one run.
 
-    .venv/bin/python -m pdserve.benchmarks.prefill_overload --duration 40
+    .venv/bin/python -m pdserve.benchmarks.prefill_overload --duration 40 [--allow-noisy]
 
 The side-by-side's bursts scenario (pdserve only), with long prompts arriving faster than one prefill
 worker serves them. Load, the same for every configuration:
@@ -16,7 +16,9 @@ times one long prefill alone (`one prefill`), runs the load, and prints one tabl
 short requests, the decoding clients' throughput, requests refused early (RESOURCE_EXHAUSTED with a
 retry hint) and how fast, the longest TTFT of an admitted request against budget + one prefill (and
 how many admitted requests went past the budget, and past budget + one prefill), and the
-coordinator's expected vs actual prefill waits (its /metrics).
+coordinator's expected vs actual prefill waits of the admitted requests (its /metrics). The machine
+record (benchmarks/protocol.py: load average before, during and after) heads the table; above
+--max-load the run is refused unless --allow-noisy, which marks it noisy.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.benchmarks import datasets
+from pdserve.benchmarks import datasets, protocol
 from pdserve.benchmarks.bench import Group, run_groups
 from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
@@ -205,28 +207,8 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="prefill_overload", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="checkpoint dir (default: Qwen2.5-0.5B's shape, --layers layers)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--weight-dtype", default="float32", help="both workers' --weight-dtype")
-    p.add_argument("--configs", default="fifo:0,shortest-first:30,shortest-first:30:256",
-                   help="ORDER:TTFT_BUDGET_S[:CHUNK] each; budget 0: none (the deadline alone); CHUNK: --max-prefill-chunk")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of load per configuration")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--decode-len", type=int, default=16)
-    p.add_argument("--short-len", type=int, default=32)
-    p.add_argument("--short-rate", type=float, default=0.5)
-    p.add_argument("--long-len", type=int, default=1536)
-    p.add_argument("--long-rate", type=float, default=0.4)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefill_overload")
-    args = p.parse_args(argv)
-    run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
-    model = args.model or make_qwen25_05b_shape(
-        cache / "models" / f"qwen2.5-0.5b-shape-random-bfloat16-{args.layers}l", num_hidden_layers=args.layers)
+def run_configs(args, model: Path, run_dir: Path) -> dict[str, dict]:
+    """Each configuration on a fresh pdserve, one after the other: its result by name."""
     results: dict[str, dict] = {}
     for config in args.configs.split(","):
         order, budget_text, chunk_text = (config.split(":") + ["", ""])[:3]
@@ -251,11 +233,44 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
         print(f"== {name}: done", file=sys.stderr, flush=True)
-    text = table(results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="prefill_overload", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="checkpoint dir (default: Qwen2.5-0.5B's shape, --layers layers)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--weight-dtype", default="float32", help="both workers' --weight-dtype")
+    p.add_argument("--configs", default="fifo:0,shortest-first:30,shortest-first:30:256",
+                   help="ORDER:TTFT_BUDGET_S[:CHUNK] each; budget 0: none (the deadline alone); CHUNK: --max-prefill-chunk")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of load per configuration")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--decode-len", type=int, default=16)
+    p.add_argument("--short-len", type=int, default=32)
+    p.add_argument("--short-rate", type=float, default=0.5)
+    p.add_argument("--long-len", type=int, default=1536)
+    p.add_argument("--long-rate", type=float, default=0.4)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefill_overload")
+    p.add_argument("--max-load", type=float, default=2.0, help="refuse to run above this 1-minute load average")
+    p.add_argument("--allow-noisy", action="store_true", help="run above --max-load anyway, the result marked noisy")
+    args = p.parse_args(argv)
+    record = protocol.MachineRecord.take()
+    protocol.gate(record, args.max_load, args.allow_noisy)
+    run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    model = args.model or make_qwen25_05b_shape(
+        cache / "models" / f"qwen2.5-0.5b-shape-random-bfloat16-{args.layers}l", num_hidden_layers=args.layers)
+    with protocol.LoadMonitor() as monitor:
+        results = run_configs(args, model, run_dir)
+    record.finish(monitor)
+    text = f"{record.markdown()}\n\n{table(results)}"
     cmd = "python -m pdserve.benchmarks.prefill_overload " + " ".join(argv if argv is not None else sys.argv[1:])
     (run_dir / "table.md").write_text(f"`{cmd.strip()}` (model {model.name})\n\n{text}\n")
-    (run_dir / "prefill_overload.json").write_text(
-        json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    (run_dir / "prefill_overload.json").write_text(json.dumps(
+        {"config": {k: str(v) for k, v in vars(args).items()}, "machine": record.as_dict(), "results": results},
+        indent=1))
     print(text)
     print(f"written: {run_dir / 'table.md'}", file=sys.stderr)
     return 0
