@@ -220,6 +220,7 @@ class PrefillScheduler(Generic[J]):
         key = now if self.order == "fifo" else now + job.num_tokens / self.ageing_tokens_per_s
         entry = _Entry(key, next(self._seq), job, self.bucket(job.num_tokens), due)
         self._queue(entry)
+        self._forget_arrivals(now)
         self._arrivals.append((now, entry.bucket, self.seconds(entry.bucket, entry.remaining)))
 
     def _queue(self, entry: _Entry[J]) -> None:
@@ -304,9 +305,12 @@ class PrefillScheduler(Generic[J]):
     def _overtaking_share(self, bucket: int, now: float) -> float:
         """The share of the worker's time the prompts shorter than `bucket` that arrived in the last
         ARRIVALS_WINDOW seconds take (their prefill at the measured rates)."""
+        self._forget_arrivals(now)
+        return sum(seconds for _, b, seconds in self._arrivals if b < bucket) / ARRIVALS_WINDOW
+
+    def _forget_arrivals(self, now: float) -> None:
         while self._arrivals and self._arrivals[0][0] < now - ARRIVALS_WINDOW:
             self._arrivals.popleft()
-        return sum(seconds for _, b, seconds in self._arrivals if b < bucket) / ARRIVALS_WINDOW
 
     def _replay(self, num_tokens: int, block_size: int, now: float) -> float:
         """Seconds of other work `next_step` runs, on a copy of this queue, before the last segment of
