@@ -4,21 +4,29 @@
         [--baseline-rev REV] [--out results/coordinator.json]
 
 One fake prefill + decode worker process (`fake_workers.py`: no compute, tokens as fast as the coordinator
-takes them), ONE coordinator process, and this process as the clients: N closed-loop streams (each
-request 8 prompt tokens, `--output-len` tokens out; a new one starts when one ends), over gRPC `Generate`
-or the OpenAI SSE front (`/v1/completions`, stream). After a warm-up, it counts the tokens the clients
-receive in a `--seconds` window, and the coordinator's CPU seconds in it (from /proc).
+takes them), ONE coordinator process, and N closed-loop client streams (each request 8 prompt tokens,
+`--output-len` tokens out; a new one starts when one ends): over gRPC `Generate` from this process
+(grpc.aio), or over the OpenAI SSE front (`/v1/completions`, stream) from `--sse-clients` processes of
+their own (`sse_client.py`: raw asyncio on uvloop, HTTP/1.1 keep-alive, every event's JSON parsed; httpx
+cost more per event than the coordinator, and set the pace). After a warm-up, it counts the tokens the
+clients receive in a `--seconds` window, and the CPU seconds in it (from /proc) of the coordinator, of
+the clients and of the workers. Every stream that ends is checked against what the workers sent (its
+tokens = max_tokens; SSE: = the usage, and `data: [DONE]` last); one that does not fails the run.
 
 Three coordinators run in the same invocation against the same workers:
 - before: the coordinator of `--baseline-rev` (default: the commit before batched streams), extracted
   with `git archive` and run from there: one message per token per request from decode, one response
   per token to the client;
-- after: this checkout's, default flags: one `StepBatch` per decode step per connection;
-- coalesce: the same with `--max-coalesce 16`: a client behind gets up to 16 tokens per response.
+- after: this checkout's, default flags: one `StepBatch` per decode step per connection, and adaptive
+  coalescing (a stream still writing its previous response gets the tokens that arrived meanwhile in
+  its next one; no timer);
+- per-event: the same with `--max-coalesce 1`: one response per decode event, the coordinator merges
+  nothing (a lagging coordinator still gets steps joined by the worker).
 
 The figure is tokens/s (wall) and tokens per coordinator CPU-second, against before. The clients share
-the machine's cores with the coordinator: on a small machine they can cap the wall figure; the CPU
-figure says what the coordinator itself costs per token.
+the machine's cores with the coordinator: on a small machine they can cap the wall figure (then the
+coordinator's busy share, its CPU seconds per wall second, is well under 1); the CPU figure says what the
+coordinator itself costs per token.
 """
 
 from __future__ import annotations
@@ -33,10 +41,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+from pdserve.benchmarks.stream_count import StreamCount
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REV = "590e462"
@@ -46,7 +57,7 @@ PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 
 @dataclass
 class Row:
-    coordinator: str  # before | after | coalesce
+    coordinator: str  # before | after | per-event
     front: str  # grpc | sse
     streams: int
     tokens: int
@@ -54,10 +65,23 @@ class Row:
     tokens_per_s: float
     coordinator_cpu_s: float
     tokens_per_cpu_s: float
+    busy: float
+    """The coordinator's CPU seconds per wall second of the window (1.0: a core all the time)."""
+    client_processes: int
+    client_cpu_s: float
+    """The client processes' CPU seconds in the window (they share the machine's cores with the coordinator)."""
+    workers_cpu_s: float
     messages: int
-    """Responses (gRPC messages or SSE events) the clients received in the window."""
+    """Responses (gRPC messages or SSE events) carrying tokens the clients received in the window."""
+    requests: int
+    """Requests that ended whole in the window, each checked: tokens = max_tokens (= what the workers sent)."""
     errors: int
+    """Failed streams in the window (first_error: the first until the window's end; none after the stop)."""
+    mismatches: int
+    """Streams, in the whole case, whose tokens differ from what the workers sent (or, SSE, that end without
+    data: [DONE]): the run fails."""
     first_error: str = ""
+    first_mismatch: str = ""
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -139,19 +163,7 @@ class Coordinator:
             self.proc.wait()
 
 
-class Counter:
-    def __init__(self) -> None:
-        self.tokens = 0
-        self.messages = 0
-        self.errors = 0
-        self.first_error = ""
-
-    def error(self, what: str) -> None:
-        self.errors += 1
-        self.first_error = self.first_error or what[:300]
-
-
-async def _grpc_streams(port: int, streams: int, output_len: int, counter: Counter, stop: asyncio.Event) -> None:
+async def _grpc_streams(port: int, streams: int, output_len: int, counter: StreamCount, stop: asyncio.Event) -> None:
     import grpc
 
     from pdserve.v1 import generation_pb2 as pb
@@ -165,12 +177,16 @@ async def _grpc_streams(port: int, streams: int, output_len: int, counter: Count
         await asyncio.sleep(i * 0.002)  # ramp up
         stub = generation_pb2_grpc.GenerationStub(channels[i % len(channels)])
         while not stop.is_set():
+            tokens = 0
             try:
                 async for response in stub.Generate(request):
+                    tokens += len(response.token_ids)
                     counter.tokens += len(response.token_ids)
                     counter.messages += 1
                     if stop.is_set():
                         break
+                else:
+                    counter.ended(tokens, output_len, "gRPC Generate")
             except grpc.aio.AioRpcError as e:
                 counter.error(f"{e.code().name}: {e.details()}")
                 await asyncio.sleep(0.1)
@@ -182,60 +198,100 @@ async def _grpc_streams(port: int, streams: int, output_len: int, counter: Count
             await ch.close()
 
 
-async def _sse_streams(port: int, streams: int, output_len: int, counter: Counter, stop: asyncio.Event) -> None:
-    import httpx
+class GrpcClients:
+    """The gRPC streams, in this process (grpc.aio on asyncio's own loop)."""
 
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
-            "stream": True}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
-                                 timeout=httpx.Timeout(None, connect=60.0)) as client:
-        body["model"] = (await client.get("/v1/models")).json()["data"][0]["id"]
+    def __init__(self, port: int, streams: int, output_len: int):
+        self.count, self._stop = StreamCount(), asyncio.Event()
+        self._task = asyncio.create_task(_grpc_streams(port, streams, output_len, self.count, self._stop))
+        self.pids = [os.getpid()]
 
-        async def one(i: int) -> None:
-            await asyncio.sleep(i * 0.002)
-            while not stop.is_set():
-                try:
-                    async with client.stream("POST", "/v1/completions", json=body) as resp:
-                        async for line in resp.aiter_lines():
-                            if not line.startswith("data:") or line == "data: [DONE]":
-                                continue
-                            chunk = json.loads(line[5:])
-                            counter.tokens += sum(len(c.get("text") or "") for c in chunk.get("choices") or ())
-                            counter.messages += 1
-                            if stop.is_set():
-                                break
-                except httpx.HTTPError as e:
-                    counter.error(repr(e))
-                    await asyncio.sleep(0.1)
+    async def counts(self) -> StreamCount:
+        return StreamCount.total([vars(self.count)])
 
-        await asyncio.gather(*(one(i) for i in range(streams)))
+    async def stop(self) -> StreamCount:
+        self._stop.set()
+        try:
+            await asyncio.wait_for(self._task, 60)
+        except TimeoutError:
+            self.count.error("the gRPC streams did not end within 60 s of the stop")
+        return self.count
+
+
+class SseClients:
+    """The SSE streams from client processes of their own (`sse_client.py`), sharing `streams` evenly."""
+
+    def __init__(self, procs: list[asyncio.subprocess.Process]):
+        self.procs = procs
+        self.pids = [p.pid for p in procs]
+
+    @classmethod
+    async def start(cls, port: int, streams: int, output_len: int, processes: int) -> SseClients:
+        url = f"http://127.0.0.1:{port}/v1/models"
+        with await asyncio.to_thread(urllib.request.urlopen, url, timeout=60) as reply:
+            model = json.load(reply)["data"][0]["id"]
+        body = {"model": model, "prompt": PROMPT, "max_tokens": output_len, "temperature": 0.0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}}
+        shares = [streams // processes + (i < streams % processes) for i in range(processes)]
+        return cls([await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pdserve.benchmarks.sse_client", "--port", str(port), "--streams", str(n),
+            "--body", json.dumps(body), "--ramp-s", str(0.002 * processes),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE) for n in shares if n])
+
+    async def _read(self) -> StreamCount:
+        parts = []
+        for p in self.procs:
+            line = await p.stdout.readline()
+            if not line:
+                raise SystemExit(f"an SSE client process (pid {p.pid}) exited with {await p.wait()}: its "
+                                 "error is above; fix it, or run `python -m pdserve.benchmarks.sse_client` alone")
+            parts.append(json.loads(line))
+        return StreamCount.total(parts)
+
+    async def counts(self) -> StreamCount:
+        for p in self.procs:
+            p.stdin.write(b"\n")
+        return await self._read()
+
+    async def stop(self) -> StreamCount:
+        for p in self.procs:
+            p.stdin.close()
+        try:
+            return await asyncio.wait_for(self._read(), 90)
+        finally:
+            for p in self.procs:
+                if p.returncode is None:
+                    p.kill()
+                await p.wait()
 
 
 async def measure(coordinator: Coordinator, front: str, streams: int, output_len: int, warmup: float,
-                  seconds: float) -> Row:
-    counter, stop = Counter(), asyncio.Event()
-    run = _grpc_streams if front == "grpc" else _sse_streams
-    port = coordinator.port if front == "grpc" else coordinator.http_port
-    task = asyncio.create_task(run(port, streams, output_len, counter, stop))
-    await asyncio.sleep(warmup + streams * 0.002)
-    tokens, messages, errors = counter.tokens, counter.messages, counter.errors
-    cpu, t0 = _cpu_seconds(coordinator.proc.pid), time.perf_counter()
-    await asyncio.sleep(seconds)
-    tokens, messages, errors = counter.tokens - tokens, counter.messages - messages, counter.errors - errors
-    cpu, elapsed = _cpu_seconds(coordinator.proc.pid) - cpu, time.perf_counter() - t0
-    stop.set()
+                  seconds: float, workers_pid: int, sse_processes: int = 1) -> Row:
+    if front == "grpc":
+        clients: GrpcClients | SseClients = GrpcClients(coordinator.port, streams, output_len)
+    else:
+        clients = await SseClients.start(coordinator.http_port, streams, output_len, sse_processes)
     try:
-        await asyncio.wait_for(task, 60)
-    except TimeoutError:
-        task.cancel()
-    return Row(coordinator.name, front, streams, tokens, round(elapsed, 3), round(tokens / elapsed, 1), round(cpu, 3),
-               round(tokens / cpu, 1) if cpu else 0.0, messages, errors, counter.first_error)
+        await asyncio.sleep(warmup + streams * 0.002)
+        pids = (coordinator.proc.pid, workers_pid, *clients.pids)
+        first, cpu, t0 = await clients.counts(), [_cpu_seconds(p) for p in pids], time.perf_counter()
+        await asyncio.sleep(seconds)
+        last, elapsed = await clients.counts(), time.perf_counter() - t0
+        coordinator_cpu, workers_cpu, *client_cpu = (_cpu_seconds(p) - c for p, c in zip(pids, cpu))
+    finally:
+        final = await clients.stop()  # its streams all checked, including those that ended after the window
+    tokens = last.tokens - first.tokens
+    return Row(coordinator.name, front, streams, tokens, round(elapsed, 3), round(tokens / elapsed, 1),
+               round(coordinator_cpu, 3), round(tokens / coordinator_cpu, 1) if coordinator_cpu else 0.0,
+               round(coordinator_cpu / elapsed, 3), len(clients.pids), round(sum(client_cpu), 3),
+               round(workers_cpu, 3), last.messages - first.messages, last.requests - first.requests,
+               last.errors - first.errors, final.mismatches, last.first_error, final.first_mismatch)
 
 
 def _table(rows: list[Row]) -> str:
     lines = [f"{'front':<5} {'streams':>7} {'coordinator':<11} {'tok/s':>9} {'x before':>9} {'tok/cpu-s':>10} "
-             f"{'x before':>9} {'tok/msg':>8} {'errors':>6}"]
+             f"{'x before':>9} {'tok/msg':>8} {'coord cpu-s':>11} {'busy':>5} {'client cpu-s':>12} "
+             f"{'workers cpu-s':>13} {'checked':>7} {'errors':>6}"]
     for front in dict.fromkeys(r.front for r in rows):
         for n in dict.fromkeys(r.streams for r in rows):
             by = {r.coordinator: r for r in rows if r.front == front and r.streams == n}
@@ -245,7 +301,8 @@ def _table(rows: list[Row]) -> str:
                 x_cpu = f"{r.tokens_per_cpu_s / b.tokens_per_cpu_s:.2f}" if b and b.tokens_per_cpu_s else "-"
                 lines.append(f"{front:<5} {n:>7} {name:<11} {r.tokens_per_s:>9.0f} {x_wall:>9} "
                              f"{r.tokens_per_cpu_s:>10.0f} {x_cpu:>9} {r.tokens / max(r.messages, 1):>8.2f} "
-                             f"{r.errors:>6}")
+                             f"{r.coordinator_cpu_s:>11.2f} {r.busy:>5.2f} {r.client_cpu_s:>12.2f} "
+                             f"{r.workers_cpu_s:>13.2f} {r.requests:>7} {r.errors:>6}")
     return "\n".join(lines)
 
 
@@ -258,6 +315,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     p.add_argument("--seconds", type=float, default=10.0, help="the measured window per case")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--output-len", type=int, default=500)
+    p.add_argument("--sse-clients", type=int, default=1, help="client processes the SSE streams are spread over")
     p.add_argument("--baseline-rev", default=BASELINE_REV, help="the 'before' coordinator's git revision; "
                                                                 "'none': measure this checkout only")
     p.add_argument("--model", type=Path, help="tokenizer and config for the coordinator (default: the embedded model)")
@@ -276,7 +334,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-coordinator-"))
     rows: list[Row] = []
     try:
-        kinds = [("after", None, []), ("coalesce", None, ["--max-coalesce", "16"])]
+        kinds = [("after", None, []), ("per-event", None, ["--max-coalesce", "1"])]
         if args.baseline_rev != "none":
             kinds.insert(0, ("before", _baseline_tree(args.baseline_rev, tmp), []))
         cases = [(k, f, n) for f in args.fronts for n in args.streams for k in kinds]
@@ -290,7 +348,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 try:
                     coordinator.wait_serving()
                     rows.append(asyncio.run(measure(coordinator, front, n, args.output_len, args.warmup,
-                                                    args.seconds)))
+                                                    args.seconds, workers.pid, args.sse_clients)))
                 finally:
                     coordinator.stop()
                 bar.update()
@@ -307,6 +365,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"rows": [asdict(r) for r in rows], "loadavg_start": load,
                                         "baseline_rev": args.baseline_rev}, indent=2))
+    wrong = [r for r in rows if r.mismatches]
+    if wrong:
+        raise SystemExit("\n".join(
+            f"{r.coordinator} {r.front} {r.streams} streams: {r.mismatches} streams did not carry what the workers "
+            f"sent, first: {r.first_mismatch}" for r in wrong) + "\nthe relay lost, invented or cut tokens: "
+            "its figures are void; see the coordinator's log beside --out")
     return rows
 
 

@@ -97,9 +97,8 @@ class FakeEngine:
             events = seq.events
             if isinstance(events, asyncio.Queue):
                 most = max(most, events.qsize())
-            else:  # a StepSink: its stream's pending events, about one per rider per step
-                stream = events.stream
-                most = max(most, len(stream.pending) // max(1, len(stream.riders)))
+            else:  # a StepSink: its tokens waiting in the stream's pending batch, one per step
+                most = max(most, events.pending_tokens())
         return most
 
     async def _loop(self) -> None:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -112,3 +113,10 @@ def throughput_timeline(
         "completed_per_s": list(completed / bin_s),
         "in_flight": list(running),
     }
+
+
+def prometheus_value(text: str, name: str) -> float:
+    """A Prometheus sample's value summed over its label sets (each pdserve process labels its samples
+    with its identity); a counter may be named with or without its `_total` suffix. 0 when absent."""
+    pattern = rf"^{re.escape(name)}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+-]+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.MULTILINE))

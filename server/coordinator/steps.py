@@ -24,6 +24,12 @@ from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.coordinator")
 
+DECODE_CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0)]
+"""The channel to a decode worker keeps HTTP/2's fixed 64 KiB stream window (no BDP probing, which grows
+it to megabytes): a coordinator that falls behind then holds back the worker's next StepBatch, the
+worker puts every step that piles up meanwhile into it, and each request's tokens of those steps reach
+its client as one response. Coalescing at the source, in proportion to the lag; with a large window a
+lagging coordinator would read a backlog of one-step batches instead (nothing merged, latency growing)."""
 OPEN_TIMEOUT_S = 5.0
 """How long opening a Steps stream may take before the request falls back to its own stream."""
 REOPEN_AFTER_S = 5.0
@@ -44,25 +50,63 @@ DecodeEvent = worker_pb2.SequenceEvent | worker_pb2.DecodeResponse
 
 
 class Route:
-    """One attempt's events, as they arrive: taken all at once, so a slow reader gets several together."""
+    """One attempt's events, as they arrive: taken all at once, so a slow reader gets several together.
+
+    A wait for events may be limited (`take(timeout)`, the stall limit): one timer per route, re-armed
+    only when it fires early, rather than a timer per event (the per-token path sets none)."""
 
     def __init__(self) -> None:
         self.items: deque[DecodeEvent | Exception] = deque()
-        self._ready = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None
+        self._since = 0.0
+        """When the current wait began (the loop's clock)."""
+        self._limit: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     def put(self, item: DecodeEvent | Exception) -> None:
         self.items.append(item)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def take(self, timeout: float | None) -> list[DecodeEvent | Exception]:
         """Everything that arrived, waiting up to `timeout` for something; raises TimeoutError."""
         if not self.items:
-            self._ready.clear()
-            async with asyncio.timeout(timeout):  # per event: no wrapping task, unlike asyncio.wait_for
-                await self._ready.wait()
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            self._limit = timeout
+            if timeout is not None:
+                self._since = loop.time()
+                ends = self._since + timeout
+                if self._timer is None or self._timer.when() > ends:
+                    if self._timer is not None:
+                        self._timer.cancel()
+                    self._timer = loop.call_at(ends, self._expire)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
         items = list(self.items)
         self.items.clear()
         return items
+
+    def _expire(self) -> None:
+        """The timer: a wait older than its limit ends in TimeoutError; else the timer waits for it."""
+        self._timer = None
+        waiter, limit = self._waiter, self._limit
+        if waiter is None or waiter.done() or limit is None:
+            return  # no limited wait now: the next one arms the timer
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._since >= limit:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._timer = loop.call_at(self._since + limit, self._expire)
+
+    def close(self) -> None:
+        """The attempt is over: its timer goes."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class StepsClient:

@@ -6,8 +6,9 @@ Life cycle:
    the stream through a `StepSink` put in place of `seq.events`: the engines keep calling
    `seq.events.put_nowait(ids | None)` exactly as for a per-request stream.
 3. Every event lands in the stream's pending batch; the stream sends what is pending the next time the
-   event loop runs it. An engine step puts the tokens of all its sequences in one go, so one step makes
-   one message; a coordinator slower than the steps gets several steps' events in one message, in order.
+   event loop runs it (and gRPC takes it: the coordinator's stream window is small). An engine step puts
+   the tokens of all its sequences in one go, so one step makes one message; a coordinator slower than
+   the steps gets several steps in one message, each request's tokens of them joined in one event.
 4. The stream ends (the coordinator went away): every request riding it is aborted, its blocks freed.
 """
 
@@ -29,6 +30,8 @@ class StepStream:
         self.pending: list[pb.SequenceEvent] = []
         self.riders: dict[str, StepSink] = {}
         self.closed = False
+        self.batches_sent = 0
+        """Batches taken from `pending` so far: the number of the pending one."""
         self._ready = asyncio.Event()
 
     def send(self, event: pb.SequenceEvent) -> None:
@@ -42,6 +45,7 @@ class StepStream:
             await self._ready.wait()
             self._ready.clear()
             events, self.pending = self.pending, []
+            self.batches_sent += 1
             yield pb.StepBatch(events=events)
 
     def close(self, abort: Callable[[str], object]) -> None:
@@ -61,6 +65,9 @@ class StepSink:
         """Resolves once the request has ended (its `finished` event is out, unless the stream had closed)."""
         self.cut_off = False
         """The request ended after its stream closed: the coordinator never got `finished`."""
+        self._tokens: tuple[int, pb.TokenEvent] | None = None
+        """(batch number, event): this request's `tokens` in the pending batch, its last event there:
+        further tokens join it."""
         stream.riders[seq.request_id] = self
 
     def put_nowait(self, ids: list[int] | None) -> None:
@@ -68,23 +75,36 @@ class StepSink:
         seq = self.seq
         if self.done.done():
             return
+        stream = self.stream
         if ids is None:
-            self.cut_off = self.stream.closed
+            self.cut_off = stream.closed
             message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
-            self.stream.send(pb.SequenceEvent(request_id=seq.request_id,
-                                              finished=pb.Finished(reason=seq.finish_reason, message=message)))
-            self.stream.riders.pop(seq.request_id, None)
+            self.send(finished=pb.Finished(reason=seq.finish_reason, message=message))
+            stream.riders.pop(seq.request_id, None)
             self.done.set_result(None)
             return
-        tokens = pb.TokenEvent(token_ids=ids)
+        held = self._tokens
+        if held is not None and held[0] == stream.batches_sent:  # still pending: join it
+            tokens = held[1]
+            tokens.token_ids.extend(ids)
+        else:
+            event = pb.SequenceEvent(request_id=seq.request_id, tokens=pb.TokenEvent(token_ids=ids))
+            tokens = event.tokens
+            stream.send(event)
+            self._tokens = (stream.batches_sent, tokens)
         if seq.logprobs:
             tokens.logprobs.extend(seq.logprobs[: len(ids)])
             del seq.logprobs[: len(ids)]
-        self.stream.send(pb.SequenceEvent(request_id=seq.request_id, tokens=tokens))
+
+    def pending_tokens(self) -> int:
+        """This request's tokens in the stream's pending batch (not yet taken by gRPC)."""
+        held = self._tokens
+        return len(held[1].token_ids) if held is not None and held[0] == self.stream.batches_sent else 0
 
     def send(self, **event) -> None:
         """A service-side event for the request: `tokens=` (a local prefill's first) or `queued=`."""
         if not self.done.done():
+            self._tokens = None  # what follows comes after this event
             self.stream.send(pb.SequenceEvent(request_id=self.seq.request_id, **event))
 
     def detach(self) -> None:

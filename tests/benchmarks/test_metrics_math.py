@@ -12,7 +12,7 @@ from pdserve.benchmarks import datasets
 from pdserve.benchmarks.bench import Group, run_groups
 from pdserve.benchmarks.clients import RequestOutput, Target
 from pdserve.benchmarks.load import LoadSpec, arrival_offsets
-from pdserve.benchmarks.metrics import stats, summarize, throughput_timeline, tpot
+from pdserve.benchmarks.metrics import prometheus_value, stats, summarize, throughput_timeline, tpot
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-9)
 
@@ -203,3 +203,17 @@ async def test_run_groups_counts_and_concurrency():
     assert sum(o.output_len for o in result.outputs if o.group == "decode") == 35
     assert [o.prompt_len for o in result.outputs if o.group == "burst"] == [9, 9, 9]
     assert target.peak <= 5  # 2 decode + at most 3 bursts
+
+
+def test_prometheus_value_sums_label_sets_and_reads_counters_by_either_name():
+    text = (
+        "# TYPE pdserve_num_preemptions counter\n"
+        'pdserve_num_preemptions_total{identity="decode-0"} 5.0\n'
+        'pdserve_num_preemptions_total{identity="decode-1"} 2.0\n'
+        'pdserve_num_preemptions_created{identity="decode-0"} 1.7e9\n'
+        "pdserve_kv_transfer_bytes 10\n"
+    )
+    assert prometheus_value(text, "pdserve_num_preemptions") == 7.0
+    assert prometheus_value(text, "pdserve_num_preemptions_total") == 7.0
+    assert prometheus_value(text, "pdserve_kv_transfer_bytes") == 10.0
+    assert prometheus_value(text, "pdserve_prefix_cache_hits") == 0.0

@@ -69,6 +69,11 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         self.completed = asyncio.Event()
         self.aborted: list[str] = []
         self.kv_pushes: list[worker_pb2.PrefillRequest] = []
+        self.steps = False
+        """Serve `Steps` (else UNIMPLEMENTED): a request riding the stream gets all its token events and
+        its `finished` in ONE StepBatch, as a worker sends the steps that piled up while the coordinator
+        was behind."""
+        self.step_streams: dict[str, asyncio.Queue[worker_pb2.StepBatch]] = {}
         self._kv: dict[str, asyncio.Event] = {}
         self._tokens: dict[str, bytes] = {}
 
@@ -108,6 +113,10 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
                 )
             )
             return
+        stream = self.step_streams.get(request.steps_stream_id)
+        if stream is not None:
+            await self._send_on_stream(request, stream)
+            return
         for n, ids in enumerate(self.events):
             if n == self.die_after:
                 await self._die()
@@ -123,6 +132,30 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         yield worker_pb2.DecodeResponse(
             finished=worker_pb2.Finished(reason=self.finish, message=self.finish_message)  # type: ignore[arg-type]
         )
+
+    async def Steps(self, request, context):
+        if not self.steps:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "fake decode: no Steps stream")
+        stream = self.step_streams[request.stream_id] = asyncio.Queue()
+        yield worker_pb2.StepBatch()
+        while True:
+            yield await stream.get()
+
+    async def _send_on_stream(self, request, stream: asyncio.Queue) -> None:
+        """Every token event, then `finished`, in one StepBatch (the Decode call then ends OK)."""
+        def event(**kw) -> worker_pb2.SequenceEvent:
+            return worker_pb2.SequenceEvent(request_id=request.request_id, **kw)
+
+        batch = worker_pb2.StepBatch()
+        for ids in self.events:
+            logprobs = ([fake_logprob(i, request.sampling.logprobs) for i in ids]
+                        if request.sampling.HasField("logprobs") else [])
+            batch.events.append(event(tokens=worker_pb2.TokenEvent(token_ids=ids, logprobs=logprobs)))
+        if self.finish is not None:
+            batch.events.append(event(finished=worker_pb2.Finished(reason=self.finish, message=self.finish_message)))
+        stream.put_nowait(batch)
+        if self.finish is None:
+            await asyncio.Event().wait()
 
     async def _die(self) -> None:
         # Stopped from its own task: stopping the server cancels this handler.

@@ -16,7 +16,7 @@ import pytest
 from pdserve.v1 import generation_pb2
 from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.server.coordinator.main import Coordinator
-from pdserve.server.coordinator.openai_api import Front, create_app
+from pdserve.server.coordinator.openai_api import ChatRequest, CompletionRequest, Front, Handler, _sse, create_app
 from pdserve.server.model.tokenizer import Tokenizer
 from tests.coordinator.fakes import FakeDecode, FakePrefill, start_fake_pools, wait_for
 
@@ -469,3 +469,36 @@ def test_chat_template_renders_and_tokenizes_as_transformers_does(tmp_path, mode
     assert text == hf.apply_chat_template(hf_messages, tokenize=False, add_generation_prompt=True)
     hf_ids = hf.apply_chat_template(hf_messages, tokenize=True, add_generation_prompt=True)
     assert ids == list(hf_ids["input_ids"] if isinstance(hf_ids, dict) or hasattr(hf_ids, "keys") else hf_ids)
+
+
+TEXTS = ["x", ' "quoted" \\ back', "new\nline\ttab\r", "你好 😀 é", "\u2028\u2029", "\x00\x1f\x7f", "</script>"]
+
+
+@pytest.mark.parametrize("kind, fields", [
+    ("completion", {"prompt": "x"}),
+    ("completion", {"prompt": "x", "n": 2, "stream_options": {"include_usage": True}}),
+    ("chat", {"messages": [{"role": "user", "content": "x"}]}),
+    ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 3, "stream_options": {"include_usage": True}}),
+])
+def test_a_text_only_chunk_from_its_template_is_the_bytes_json_dumps_gives(kind, fields):
+    """The SSE fast path (a chunk that only adds text, rendered from bytes made once per choice) writes
+    exactly what the dict + json.dumps path writes, for every choice and any text."""
+    front = Front(generation=None, model_name=MODEL, aliases=(), max_model_len=MAX_MODEL_LEN, chat=None,
+                  ready=lambda: True)  # type: ignore[arg-type]
+    body = (CompletionRequest if kind == "completion" else ChatRequest)(model=MODEL, stream=True, **fields)
+    handler = Handler(front, kind, body, "id-1")
+    assert handler.plain
+    for index in range(body.n):
+        template = handler.text_chunk(index)
+        for text in TEXTS:
+            expected = _sse(handler.body([handler.choice(text, None, index=index)], None, True))
+            assert template.render(text) == expected
+            chunk = json.loads(expected[len(b"data: "):])
+            assert chunk["choices"][0]["index"] == index
+
+
+def test_logprobs_take_the_dict_path():
+    front = Front(generation=None, model_name=MODEL, aliases=(), max_model_len=MAX_MODEL_LEN, chat=None,
+                  ready=lambda: True)  # type: ignore[arg-type]
+    assert not Handler(front, "completion", CompletionRequest(model=MODEL, prompt="x", logprobs=1), "i").plain
+    assert not Handler(front, "chat", ChatRequest(model=MODEL, messages=[], logprobs=True), "i").plain

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
@@ -15,7 +16,7 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.coordinator.main import Coordinator, start
 from pdserve.server.model.tokenizer import Tokenizer
-from tests.coordinator.fakes import LAYOUT, FakeDecode, FakePrefill, FakeWorker, wait_for
+from tests.coordinator.fakes import LAYOUT, FakeDecode, FakePrefill, FakeWorker, fake_logprob, wait_for
 
 FinishReason = generation_pb2.FinishReason
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -54,7 +55,10 @@ def model_dir(tiny_model):
     return tiny_model("llama")
 
 
-async def _coordinator(model_dir, prefill: list[str], decode: list[str]) -> Coordinator:
+async def _coordinator(model_dir, prefill: list[str], decode: list[str], max_coalesce: int | None = 1,
+                       **config) -> Coordinator:
+    """max_coalesce 1 by default: one response per decode event, so the tests can script their boundaries
+    (None: the coordinator's default)."""
     config = CoordinatorConfig(
         model_dir,
         port=0,
@@ -62,32 +66,46 @@ async def _coordinator(model_dir, prefill: list[str], decode: list[str]) -> Coor
         decode_addresses=decode,
         refresh_seconds=0.1,
         lease_seconds=5,
+        **({} if max_coalesce is None else {"max_coalesce": max_coalesce}),
+        **config,
     )
     return await start(config)
 
 
-@pytest.fixture
-async def cluster(model_dir):
+@contextlib.asynccontextmanager
+async def _cluster(model_dir, steps: bool = False, max_coalesce: int | None = 1, **config) -> AsyncIterator[Cluster]:
+    """steps: the fake decode worker serves `Steps` (each request's events in one StepBatch); config: more
+    CoordinatorConfig fields."""
     decode, prefill = FakeDecode(), FakePrefill()
+    decode.steps = steps
     decode_worker = await FakeWorker.start("decode", decode)
     prefill_worker = await FakeWorker.start("prefill", prefill)
     prefill.decoders[decode_worker.address] = decode
-    coordinator = await _coordinator(model_dir, [prefill_worker.address], [decode_worker.address])
+    coordinator = await _coordinator(model_dir, [prefill_worker.address], [decode_worker.address], max_coalesce,
+                                     **config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{coordinator.port}")
-    yield Cluster(
-        coordinator,
-        prefill,
-        decode,
-        prefill_worker,
-        decode_worker,
-        generation_pb2_grpc.GenerationStub(channel),
-        health_pb2_grpc.HealthStub(channel),
-        Tokenizer.from_dir(model_dir),
-    )
-    await channel.close()
-    await coordinator.stop(0)
-    await prefill_worker.stop()
-    await decode_worker.stop()
+    try:
+        yield Cluster(
+            coordinator,
+            prefill,
+            decode,
+            prefill_worker,
+            decode_worker,
+            generation_pb2_grpc.GenerationStub(channel),
+            health_pb2_grpc.HealthStub(channel),
+            Tokenizer.from_dir(model_dir),
+        )
+    finally:
+        await channel.close()
+        await coordinator.stop(0)
+        await prefill_worker.stop()
+        await decode_worker.stop()
+
+
+@pytest.fixture
+async def cluster(model_dir):
+    async with _cluster(model_dir) as c:
+        yield c
 
 
 def request(text: str = "import os", **sampling) -> generation_pb2.GenerateRequest:
@@ -472,3 +490,69 @@ async def test_queued_events_from_a_decode_worker_keep_the_stream_and_change_not
     responses = await generate(cluster, request("import os", max_tokens=len(ids)))
     assert [list(r.token_ids) for r in responses] == [[ids[0]], *events, []]
     assert "".join(r.text for r in responses) == text
+
+
+# ---- adaptive coalescing: steps that piled up go out together -------------------------------------
+
+
+def _joined(responses: list[generation_pb2.GenerateResponse]) -> tuple[list[int], str, int, int, str]:
+    """What the client ends up with: every id, the text, the finish reason, the usage, the stop string."""
+    final = responses[-1]
+    return ([i for r in responses for i in r.token_ids], "".join(r.text for r in responses), final.finish_reason,
+            final.usage.completion_tokens, final.stop_string)
+
+
+@pytest.mark.parametrize("max_coalesce", [None, 3, 1])
+async def test_steps_that_piled_up_go_out_together_with_the_same_tokens_and_text(model_dir, max_coalesce):
+    """A StepBatch carrying several steps of a request (the worker ran ahead of the coordinator): by default
+    one response carries them all; --max-coalesce N at most N ids each; 1 one response per step. The ids,
+    the text (split multi-byte characters included), the finish and the usage are the same every way."""
+    async with _cluster(model_dir, steps=True, max_coalesce=max_coalesce) as cluster:
+        text = "Hello, world! 你好 😀 done"
+        ids = cluster.tokenizer.encode(text)
+        cluster.script(ids, [1] * (len(ids) - 1))  # one step per id
+        responses = await generate(cluster, request(max_tokens=len(ids)))
+        assert cluster.decode.requests[0].steps_stream_id  # it rode the Steps stream
+
+    per = len(ids) - 1 if max_coalesce is None else max_coalesce
+    rest = ids[1:]
+    assert [list(r.token_ids) for r in responses] == [
+        [ids[0]], *[rest[k : k + per] for k in range(0, len(rest), per)], []]
+    assert _joined(responses) == (ids, text, FinishReason.FINISH_REASON_LENGTH, len(ids), "")
+    assert all("\ufffd" not in r.text for r in responses)
+
+
+@pytest.mark.parametrize("max_coalesce", [None, 1])
+async def test_a_stop_string_in_coalesced_steps_cuts_at_the_same_token_and_text(model_dir, max_coalesce):
+    async with _cluster(model_dir, steps=True, max_coalesce=max_coalesce) as cluster:
+        tok = cluster.tokenizer
+        head, stop, tail = tok.encode("The answer is 42. "), tok.encode("你好"), tok.encode(" more text")
+        ids, n = [*head, *stop, *tail], len(head)
+        cluster.script(ids, [1] * (len(ids) - 1), finish=None)
+        responses = await generate(cluster, request(stop=["你好", "zzz"], max_tokens=40))
+        assert await wait_for(cluster.decode.cancelled)  # the stop string ended the decode call
+
+    assert _joined(responses) == (ids[: n + 6], "The answer is 42. ", FinishReason.FINISH_REASON_STOP, n + 6, "你好")
+    assert len(responses) == (2 if max_coalesce is None else n + 6)  # the first token's, then one with the rest
+
+
+async def test_coalesced_steps_keep_each_tokens_logprob_in_order(model_dir):
+    async with _cluster(model_dir, steps=True, max_coalesce=None) as cluster:
+        ids = cluster.tokenizer.encode(" print('hello')")
+        cluster.script(ids, [1] * (len(ids) - 1))
+        responses = await generate(cluster, request(max_tokens=len(ids), logprobs=1))
+
+    assert [list(r.token_ids) for r in responses] == [[ids[0]], ids[1:], []]
+    assert [lp for r in responses for lp in r.logprobs] == [fake_logprob(i, 1) for i in ids]
+
+
+@pytest.mark.parametrize("steps", [False, True])
+async def test_a_decode_worker_silent_for_the_stall_timeout_is_lost(model_dir, steps):
+    """After its first events the worker sends nothing more: past --stall-timeout the stream is lost (the
+    worker marked failed, the request migrated until no worker is left), never left hanging."""
+    async with _cluster(model_dir, steps=steps, stall_timeout=0.3) as cluster:
+        cluster.script([5, 6], [1], finish=None)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await generate(cluster, request(max_tokens=10))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "sent nothing for 0.3 s (--stall-timeout)" in e.value.details()

@@ -11,7 +11,9 @@ from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
+from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.service import DecodeService
+from pdserve.server.decode.steps import StepSink, StepStream
 from pdserve.server.serving import new_server
 from tests.decode.test_engine import _engine, _greedy, _hf_greedy
 
@@ -60,7 +62,8 @@ async def test_requests_on_one_steps_stream_share_a_message_per_step_and_get_tra
         assert await call.code() == grpc.StatusCode.OK
     for rid, prompt in PROMPTS.items():
         events = [e for b in batches for e in b.events if e.request_id == rid]
-        assert [e.WhichOneof("event") for e in events] == ["tokens"] * MAX_TOKENS + ["finished"]
+        # tokens events (one per step, or several steps' joined when this reader fell behind), then finished
+        assert [e.WhichOneof("event") for e in events] == ["tokens"] * (len(events) - 1) + ["finished"]
         assert [t for e in events[:-1] for t in e.tokens.token_ids] == _hf_greedy(path, prompt, MAX_TOKENS)
         assert events[-1].finished.reason == gen_pb.FINISH_REASON_LENGTH
     # once both run, each step's tokens for both requests travel in one message
@@ -104,3 +107,31 @@ async def test_a_decode_naming_no_open_stream_is_refused_and_a_stream_id_is_take
         await stub.Steps(pb.StepsRequest(stream_id="c3")).read()
     assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
     first.cancel()
+
+
+async def test_steps_that_pile_up_before_a_batch_is_sent_join_each_requests_tokens_in_order():
+    """The coordinator is behind (the batch not yet taken): each request's tokens of the steps meanwhile
+    travel as one event, logprobs with them; a service event (queued) or a sent batch starts a new one."""
+    stream = StepStream("s")
+    batches = stream.batches()
+    assert await anext(batches) == pb.StepBatch()
+    seqs = {rid: Sequence(rid, prompt, _greedy(MAX_TOKENS), frozenset(), 64, block_table=[0])
+            for rid, prompt in PROMPTS.items()}
+    sinks = {rid: StepSink(stream, seq) for rid, seq in seqs.items()}
+    seqs["a"].logprobs = [gen_pb.TokenLogprob(token_id=t, logprob=-t) for t in (1, 2, 3)]
+    for step in ([1, 1], [2, 2], [3, 3]):  # three engine steps: a then b each time
+        for (rid, sink), token in zip(sinks.items(), step):
+            sink.put_nowait([token + (10 if rid == "b" else 0)])
+    assert sinks["a"].pending_tokens() == 3
+    sinks["b"].send(queued=pb.Queued(position=0))
+    sinks["b"].put_nowait([14])
+    batch = await anext(batches)
+    assert [(e.request_id, e.WhichOneof("event"), list(e.tokens.token_ids)) for e in batch.events] == [
+        ("a", "tokens", [1, 2, 3]), ("b", "tokens", [11, 12, 13]), ("b", "queued", []), ("b", "tokens", [14])]
+    assert [lp.token_id for lp in batch.events[0].tokens.logprobs] == [1, 2, 3] and not seqs["a"].logprobs
+    assert sinks["a"].pending_tokens() == 0  # sent: the next step starts a new event
+    sinks["a"].put_nowait([4])
+    seqs["a"].finish_reason = gen_pb.FINISH_REASON_LENGTH
+    sinks["a"].put_nowait(None)
+    batch = await anext(batches)
+    assert [(e.WhichOneof("event"), list(e.tokens.token_ids)) for e in batch.events] == [("tokens", [4]), ("finished", [])]

@@ -62,12 +62,12 @@ def params_for(seq: Sequence, num_prompt_tokens: int):
     return SimpleNamespace(max_tokens=seq.sampling.max_tokens - seq.sample_index, extra_args=None)
 
 
-def make_engine(free: int = 10, staging: KvStaging | None = None):
+def make_engine(free: int = 10, staging: KvStaging | None = None, max_model_len: int = 512):
     staged: dict[str, Staged] = {}
     llm = FakeLlm()
     engine = VllmEngine(llm, SimpleNamespace(vocab_size=128), LAYOUT, max_running=4, num_free_blocks=lambda: free,
                         num_total_blocks=10, sampling_params=params_for, staged=staged, params_key="pdserve_kv",
-                        eos_ids=frozenset({EOS}), max_model_len=512, staging=staging)
+                        eos_ids=frozenset({EOS}), max_model_len=max_model_len, staging=staging)
     return engine, llm, staged
 
 
@@ -190,7 +190,9 @@ async def wait_for(condition, what: str) -> None:
 
 async def test_tensor_parallel_stages_go_through_shared_memory_and_never_outlive_their_request():
     staging = KvStaging(shared=True)  # /dev/shm, as the decode worker's
-    engine, llm, staged = make_engine(free=100, staging=staging)
+    # FakeLlm steps as fast as the engine thread runs: a context limit within reach would end r1 (and
+    # release its stage) before the assertions below look at it
+    engine, llm, staged = make_engine(free=100, staging=staging, max_model_len=1 << 40)
     # aborted while its KV arrives: the stage's file goes with it
     receiving = make_seq("receiving", [1, 2, 3], max_tokens=5, engine=engine)
     engine.write("receiving", piece(3))
