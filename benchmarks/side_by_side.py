@@ -226,8 +226,8 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
                 str(pp),
                 "--host",
                 host,
-                "--weight-dtype",
-                dtype,
+                "--weight-dtype",  # the served default: a bf16 checkpoint computes in fp32 on XLA:CPU (faster there)
+                "auto",
                 "--compilation-cache",  # every batch shape compiles at start: once per machine, not per run
                 str(Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "jax-compilation-cache"),
             ],

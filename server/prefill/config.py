@@ -30,7 +30,8 @@ class PrefillConfig:
     min_bucket: int = field(default=16, metadata=flag(cli=False))
     """Prompt lengths are padded to powers of two from this up, so XLA compiles few shapes."""
     weight_dtype: WeightDtype = "auto"
-    """auto: the checkpoint's dtype; int8/fp8: weight-only, per-output-channel scales, quantized at load."""
+    """auto: the checkpoint's dtype (a bf16 checkpoint on the CPU backend: fp32, XLA:CPU's faster matmul);
+    int8/fp8: weight-only, per-output-channel scales, quantized at load."""
     max_model_len: int | None = None
     """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
     tensor_parallel_size: int | None = None

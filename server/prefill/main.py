@@ -17,7 +17,7 @@ from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
-from pdserve.server.prefill.model import compute_dtype, load_params
+from pdserve.server.prefill.model import compute_dtype, load_params, served_weight_dtype
 from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
 from pdserve.server.prefill.service import PrefillService
@@ -87,7 +87,7 @@ def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
                              "that spans hosts needs every process to replay process 0's batches, which is not "
                              "written yet; run one worker per host over its own chips (no --coordinator-address)")
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
-    dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
+    dtype = served_weight_dtype(config.weight_dtype, model_config.dtype, jax.default_backend())
     t0 = time.perf_counter()
     params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
     tp = config.tensor_parallel_size or default_size(model_config)

@@ -34,6 +34,22 @@ def compute_dtype(config: ModelConfig, weight_dtype: str) -> str:
     return weight_dtype
 
 
+def served_weight_dtype(requested: str, checkpoint_dtype: str, backend: str) -> str:
+    """The matmul weights' dtype a prefill worker serves: --weight-dtype, whose `auto` is the checkpoint's
+    dtype except for a bf16 checkpoint on the CPU backend, which is upcast to fp32 at load (exactly).
+
+    XLA:CPU multiplies bf16 operands with fp32 accumulation at about half its fp32 rate (no AMX path;
+    benchmarks/README.md, "Prefill on one core"), so there fp32 is faster and no less exact: a 128-token
+    prefill of the Qwen2.5-0.5B shape took 1.25 s instead of 2.6 s on one core. The price is twice the host
+    memory for weights; `--weight-dtype bfloat16` keeps them bf16. On TPU and GPU, bf16 stays bf16.
+    """
+    if requested != "auto":
+        return requested
+    if backend == "cpu" and checkpoint_dtype == "bfloat16":
+        return "float32"
+    return checkpoint_dtype
+
+
 def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str = "float32") -> Params:
     """Device params from HF-named weights; matmul weights in `dtype`, norm weights in fp32.
 

@@ -10,7 +10,7 @@ import transformers
 
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
-from pdserve.server.prefill.model import bucket_length, forward_logits, load_params, make_prefill_fn
+from pdserve.server.prefill.model import bucket_length, forward_logits, load_params, make_prefill_fn, served_weight_dtype
 
 TOL = 1e-4
 
@@ -109,6 +109,40 @@ def test_bfloat16_checkpoint_runs_close_to_transformers_bfloat16(tiny_model):
     assert np.abs(got - want).max() < 0.05
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
     assert np.abs(np.asarray(k, np.float32)[:, 0] - want_k).max() < 0.05
+
+
+def test_served_weight_dtype_upcasts_bf16_only_for_auto_on_cpu():
+    assert served_weight_dtype("auto", "bfloat16", "cpu") == "float32"  # XLA:CPU's fp32 matmul is faster
+    assert served_weight_dtype("auto", "bfloat16", "tpu") == "bfloat16"
+    assert served_weight_dtype("auto", "bfloat16", "gpu") == "bfloat16"
+    assert served_weight_dtype("auto", "float32", "cpu") == "float32"
+    assert served_weight_dtype("bfloat16", "bfloat16", "cpu") == "bfloat16"  # asked for: kept
+    assert served_weight_dtype("int8", "bfloat16", "cpu") == "int8"
+
+
+def test_served_bf16_checkpoint_on_cpu_computes_in_fp32_and_sends_bf16_kv(tiny_model):
+    """`pdserve prefill` (load_engine, --weight-dtype auto) on a bf16 checkpoint: fp32 weights equal to the
+    bf16 ones (the upcast is exact), the first token of fp32 transformers on those weights, bf16 KV."""
+    import asyncio
+
+    from pdserve.v1 import generation_pb2 as gen_pb
+    from pdserve.server.prefill.config import PrefillConfig
+    from pdserve.server.prefill.main import load_engine
+
+    path = tiny_model("llama", "bfloat16")
+    engine = load_engine(PrefillConfig(model_dir=path, max_batch_size=1, max_model_len=64), progress=False)
+    wq = engine.group_layers[0]["wq"]
+    assert wq.dtype == jnp.float32
+    bf16 = load_params(load_config(path), load_weights(path), dtype="bfloat16")["layers"]["wq"]
+    np.testing.assert_array_equal(np.asarray(wq), np.asarray(bf16[: wq.shape[0]], np.float32))
+    ids = _prompt(11, seed=5)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = int(hf(torch.tensor(ids[None])).logits[0, -1].argmax())
+    greedy = gen_pb.SamplingParams(max_tokens=1, temperature=0.0)
+    result = asyncio.run(engine.submit(ids.tolist(), greedy, 0, "bfloat16"))
+    assert result.first_token == want
+    assert str(result.k.dtype) == "bfloat16"
 
 
 def test_bucket_length():
