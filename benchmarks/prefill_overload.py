@@ -1,6 +1,6 @@
 """Prefill under overload: `fifo` as before vs shortest-first + expected-wait admission, in one run.
 
-    .venv/bin/python -m pdserve.benchmarks.prefill_overload --duration 40
+    .venv/bin/python -m pdserve.benchmarks.prefill_overload --duration 40 [--allow-noisy]
 
 The side-by-side's bursts scenario (pdserve only), with long prompts arriving faster than one prefill
 worker serves them. Load, the same for every configuration:
@@ -9,12 +9,16 @@ worker serves them. Load, the same for every configuration:
 - short: 32-token prompts (--short-len), 4 tokens, Poisson --short-rate/s;
 - long: --long-len-token prompts, max_tokens 1, Poisson --long-rate/s (more than the worker serves).
 For each configuration (--configs; default `fifo` without a TTFT budget, as before, and the new
-default `shortest-first` with `--ttft-budget`) it starts a fresh pdserve (prefill worker pinned to
-core 0, decode worker to core 1, registered with the coordinator so it reports its load), times one
-long prefill alone (`one prefill`), runs the load, and prints one table: TTFT p50/p99 of short
-requests, the decoding clients' throughput, requests refused early (RESOURCE_EXHAUSTED with a retry
-hint) and how fast, the longest TTFT of an admitted request against budget + one prefill, and the
-coordinator's expected vs actual prefill waits (its /metrics).
+default `shortest-first` with `--ttft-budget`, whose prefill worker keeps every admitted prompt's
+first token within the budget, server/prefill/scheduler.py) it starts a fresh pdserve (prefill worker
+pinned to core 0, decode worker to core 1, registered with the coordinator so it reports its load),
+times one long prefill alone (`one prefill`), runs the load, and prints one table: TTFT p50/p99 of
+short requests, the decoding clients' throughput, requests refused early (RESOURCE_EXHAUSTED with a
+retry hint) and how fast, the longest TTFT of an admitted request against budget + one prefill (and
+how many admitted requests went past the budget, and past budget + one prefill), and the
+coordinator's expected vs actual prefill waits of the admitted requests (its /metrics). The machine
+record (benchmarks/protocol.py: load average before, during and after) heads the table; above
+--max-load the run is refused unless --allow-noisy, which marks it noisy.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.benchmarks import datasets
+from pdserve.benchmarks import datasets, protocol
 from pdserve.benchmarks.bench import Group, run_groups
 from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
@@ -61,7 +65,7 @@ def start(model: Path, out: Path, order: str, budget: float, weight_dtype: str, 
             text = scrape(mp)
         except OSError:
             return False
-        return bool(re.search(r"^pdserve_num_requests_running ", text, re.M)) and _pools_ready(coordinator)
+        return bool(re.search(r"^pdserve_num_requests_running[ {]", text, re.M)) and _pools_ready(coordinator)
 
     server = Server(f"{order} budget={budget:g}", procs, lambda: GrpcTarget(coordinator, timeout=600), logs)
     try:
@@ -94,8 +98,8 @@ def scrape(port: int) -> str:
 
 
 def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    """A metric's value summed over its label sets (each process labels its samples with its identity)."""
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
 
 
 def refused(o: RequestOutput) -> bool:
@@ -148,6 +152,9 @@ async def run_one(target: GrpcTarget, args, metrics_port: int, budget: float) ->
         "decode_tok_s": sum(o.output_len for o in by["decode"] if o.success) / args.duration,
         "longest_admitted_ttft_s": longest,
         "admitted_within_budget_plus_one_prefill": (longest <= budget + prefill_s) if budget else None,
+        "admitted_past_budget": sum(o.ttft > budget for o in ok) if budget else None,
+        "admitted_past_budget_plus_one_prefill": sum(o.ttft > budget + prefill_s for o in ok) if budget else None,
+        "admitted": len(ok),
         "expected_wait_mean_s": _mean(deltas, "pdserve_prefill_expected_wait_seconds"),
         "actual_wait_mean_s": _mean(deltas, "pdserve_prefill_wait_seconds"),
     }
@@ -187,6 +194,9 @@ def table(results: dict[str, dict]) -> str:
         ("longest admitted TTFT (ms)", lambda d: f(d["longest_admitted_ttft_s"] * 1000)),
         ("longest <= budget + one prefill", lambda d: {None: "-", True: "yes", False: "NO"}[
             d["admitted_within_budget_plus_one_prefill"]]),
+        ("admitted past budget, past budget + one prefill / admitted",
+         lambda d: "-" if d["admitted_past_budget"] is None else
+         f"{d['admitted_past_budget']}, {d['admitted_past_budget_plus_one_prefill']} / {d['admitted']}"),
         ("mean expected / actual prefill wait (s)",
          lambda d: f"{f(d['expected_wait_mean_s'], 2)} / {f(d['actual_wait_mean_s'], 2)}"),
         ("load run incl. drain (s)", lambda d: f(d["run_s"])),
@@ -197,28 +207,8 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="prefill_overload", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, help="checkpoint dir (default: Qwen2.5-0.5B's shape, --layers layers)")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--weight-dtype", default="float32", help="both workers' --weight-dtype")
-    p.add_argument("--configs", default="fifo:0,shortest-first:30,shortest-first:30:256",
-                   help="ORDER:TTFT_BUDGET_S[:CHUNK] each; budget 0: none (the deadline alone); CHUNK: --max-prefill-chunk")
-    p.add_argument("--duration", type=float, default=40.0, help="seconds of load per configuration")
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--decode-len", type=int, default=16)
-    p.add_argument("--short-len", type=int, default=32)
-    p.add_argument("--short-rate", type=float, default=0.5)
-    p.add_argument("--long-len", type=int, default=1536)
-    p.add_argument("--long-rate", type=float, default=0.4)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefill_overload")
-    args = p.parse_args(argv)
-    run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
-    model = args.model or make_qwen25_05b_shape(
-        cache / "models" / f"qwen2.5-0.5b-shape-random-bfloat16-{args.layers}l", num_hidden_layers=args.layers)
+def run_configs(args, model: Path, run_dir: Path) -> dict[str, dict]:
+    """Each configuration on a fresh pdserve, one after the other: its result by name."""
     results: dict[str, dict] = {}
     for config in args.configs.split(","):
         order, budget_text, chunk_text = (config.split(":") + ["", ""])[:3]
@@ -243,11 +233,44 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             server.stop()
         print(f"== {name}: done", file=sys.stderr, flush=True)
-    text = table(results)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="prefill_overload", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, help="checkpoint dir (default: Qwen2.5-0.5B's shape, --layers layers)")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--weight-dtype", default="float32", help="both workers' --weight-dtype")
+    p.add_argument("--configs", default="fifo:0,shortest-first:30,shortest-first:30:256",
+                   help="ORDER:TTFT_BUDGET_S[:CHUNK] each; budget 0: none (the deadline alone); CHUNK: --max-prefill-chunk")
+    p.add_argument("--duration", type=float, default=40.0, help="seconds of load per configuration")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--decode-len", type=int, default=16)
+    p.add_argument("--short-len", type=int, default=32)
+    p.add_argument("--short-rate", type=float, default=0.5)
+    p.add_argument("--long-len", type=int, default=1536)
+    p.add_argument("--long-rate", type=float, default=0.4)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefill_overload")
+    p.add_argument("--max-load", type=float, default=2.0, help="refuse to run above this 1-minute load average")
+    p.add_argument("--allow-noisy", action="store_true", help="run above --max-load anyway, the result marked noisy")
+    args = p.parse_args(argv)
+    record = protocol.MachineRecord.take()
+    protocol.gate(record, args.max_load, args.allow_noisy)
+    run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    model = args.model or make_qwen25_05b_shape(
+        cache / "models" / f"qwen2.5-0.5b-shape-random-bfloat16-{args.layers}l", num_hidden_layers=args.layers)
+    with protocol.LoadMonitor() as monitor:
+        results = run_configs(args, model, run_dir)
+    record.finish(monitor)
+    text = f"{record.markdown()}\n\n{table(results)}"
     cmd = "python -m pdserve.benchmarks.prefill_overload " + " ".join(argv if argv is not None else sys.argv[1:])
     (run_dir / "table.md").write_text(f"`{cmd.strip()}` (model {model.name})\n\n{text}\n")
-    (run_dir / "prefill_overload.json").write_text(
-        json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=1))
+    (run_dir / "prefill_overload.json").write_text(json.dumps(
+        {"config": {k: str(v) for k, v in vars(args).items()}, "machine": record.as_dict(), "results": results},
+        indent=1))
     print(text)
     print(f"written: {run_dir / 'table.md'}", file=sys.stderr)
     return 0

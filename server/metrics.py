@@ -198,7 +198,7 @@ request_queue_time = _pd(Histogram, "request_queue_time_seconds", "Time a reques
                          buckets=LATENCY_BUCKETS, vllm="request_queue_time_seconds",
                          vllm_buckets=VLLM_REQUEST_LATENCY_BUCKETS)
 prefill_expected_wait = _pd(Histogram, "prefill_expected_wait_seconds",
-                            "A request's expected prefill wait (queued work ahead + its own) at admission",
+                            "An admitted request's expected prefill wait at admission: the work its prefill worker runs first, then its own",
                             buckets=LATENCY_BUCKETS)
 prefill_wait = _pd(Histogram, "prefill_wait_seconds", "A request's actual prefill wait: Prefill call to first token",
                    buckets=LATENCY_BUCKETS)

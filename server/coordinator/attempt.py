@@ -38,7 +38,7 @@ import grpc
 from pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.server import metrics
 from pdserve.server.coordinator.admission import Deadline, RequestFailed
-from pdserve.server.coordinator.prefill_estimate import admit
+from pdserve.server.coordinator.prefill_estimate import admit, ttft_budget_of
 from pdserve.server.coordinator.router import Worker
 from pdserve.server.coordinator.shared_prompt import Placement, SharedPrompt
 from pdserve.server.coordinator.steps import DecodeEvent, Route, StepsClient, StreamBroken
@@ -184,7 +184,7 @@ class Attempt:
                 self.prefill = await service.prefill_queue.acquire(
                     service.pool, lambda: self._pick_prefill(placement), r.deadline)
                 if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
-                    admit(self.prefill, len(self.prompt), r.deadline.remaining(), service.ttft_budget)
+                    admit(self.prefill, len(self.prompt), r.deadline, service.ttft_budget)
             try:
                 cached = await self._open_decode()
             except _Full as full:
@@ -335,12 +335,15 @@ class Attempt:
                                            cached_blocks=cached_blocks),
                 transfer_token=self.transfer_token,
                 sample_index=len(r.outputs),
+                ttft_budget_seconds=ttft_budget_of(r.deadline, service.ttft_budget),
+                arrived_seconds_ago=r.deadline.seconds - r.deadline.remaining(),
             ),
             timeout=r.deadline.check(),
         )
         prefill.inflight += 1
         prefill.pending_tokens += len(self.prompt)
         prefill.pending_lengths.append(len(self.prompt))
+        prefill.unreported_lengths.append(len(self.prompt))
         sent = time.monotonic()
         try:
             reply = await call
@@ -351,6 +354,8 @@ class Attempt:
             prefill.inflight -= 1
             prefill.pending_tokens -= len(self.prompt)
             prefill.pending_lengths.remove(len(self.prompt))
+            if len(self.prompt) in prefill.unreported_lengths:  # answered before the next report
+                prefill.unreported_lengths.remove(len(self.prompt))
             if not call.done():
                 call.cancel()
         if not 0 <= reply.first_token_id < service.limits.vocab_size:

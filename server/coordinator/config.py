@@ -44,8 +44,9 @@ class CoordinatorConfig:
     decode_policy: DecodePolicy = "prefix-aware"
     """How a decode worker is picked (prefix-aware: by the prompt's first blocks, load bounded)."""
     ttft_budget: float = 0.0
-    """Refuse (RESOURCE_EXHAUSTED) a request whose expected prefill wait exceeds this many seconds; 0: only
-    its deadline bounds the wait (`--ttft-budget`, prefill_estimate.py)."""
+    """Refuse (RESOURCE_EXHAUSTED) a request whose expected prefill wait (worst case) exceeds this many
+    seconds; an admitted one's first token is due within it (the prefill worker runs it ahead of later
+    work once its slack runs out); 0: only its deadline bounds the wait (`--ttft-budget`, prefill_estimate.py)."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     stall_timeout: float = 10.0

@@ -54,6 +54,8 @@ class Worker:
     """Prompt tokens this coordinator has sent here and not yet seen prefilled."""
     pending_lengths: list[int] = field(default_factory=list)
     """The lengths of those prompts (for the expected wait, prefill_estimate.py)."""
+    unreported_lengths: list[int] = field(default_factory=list)
+    """Of those, the ones sent since the worker's last load report (which does not count them yet)."""
     registered: bool = False
     draining: bool = False
     """Sticky: a draining worker never takes new work again (it exits when done)."""
@@ -66,6 +68,11 @@ class Worker:
     coordinator's view until its next load report."""
     lost: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
     """Set when the worker stops answering; requests waiting on it give up on it at once."""
+
+    def reported(self, info: worker_pb2.WorkerInfo, now: float) -> None:
+        """A load report (GetInfo, Register or Heartbeat) answered at `now`: it counts what was sent before."""
+        self.info, self.last_seen = info, now
+        self.unreported_lengths.clear()
 
     @property
     def state(self) -> State:
@@ -127,6 +134,10 @@ class Worker:
             self.dead_since = None
             self.lost = asyncio.Event()
             log.info("%s worker %s is ready", self.role, self.address)
+            if self.role == "prefill" and self.info is not None and not self.info.prefill_deadlines:
+                log.warning("prefill worker %s predates TTFT-budget scheduling: --ttft-budget still refuses "
+                            "requests by expected wait there, but later short prompts may delay admitted ones "
+                            "past it; upgrade the worker", self.address)
         else:
             self.dead_since = time.monotonic()
             self.lost.set()
@@ -218,7 +229,8 @@ class WorkerPool:
             worker = self.add(Worker(info.address, info.role))  # type: ignore[arg-type]
         now = time.monotonic()
         worker.registered = True
-        worker.info, worker.last_heartbeat, worker.last_seen = info, now, now
+        worker.reported(info, now)
+        worker.last_heartbeat = now
         worker.refused = False
         worker.draining = info.draining
         worker.set_ready(True)
@@ -232,7 +244,8 @@ class WorkerPool:
         if worker is None or not worker.registered or worker.role != info.role:
             return False
         now = time.monotonic()
-        worker.info, worker.last_heartbeat, worker.last_seen = info, now, now
+        worker.reported(info, now)
+        worker.last_heartbeat = now
         worker.refused = False
         if info.draining and not worker.draining:
             log.info("%s worker %s is draining", worker.role, worker.address)
@@ -309,7 +322,7 @@ class WorkerPool:
         if info.draining and not worker.draining:
             log.info("%s worker %s is draining", worker.role, worker.address)
         worker.draining = worker.draining or info.draining
-        worker.info, worker.last_seen = info, now
+        worker.reported(info, now)
         worker.refused = False
         worker.set_ready(True)
 

@@ -3,7 +3,8 @@
 Life cycle of a prompt here:
 1. `enqueue` looks its prefix up in the prefix KV (prefix_kv.py: full blocks computed for earlier
    prompts); a hit is not computed again (the job starts at `computed` > 0). It queues as a
-   PrefillJob in the scheduler (scheduler.py: fifo or shortest-first); `submit` does that and
+   PrefillJob in the scheduler (scheduler.py: fifo or shortest-first, within the due times of the TTFT
+   budgets the coordinator admitted the prompts under); `submit` does that and
    collects the whole result.
 2. The loop takes the scheduler's next step: segments of one or more prompts, packed end to end into
    one token buffer of a static size (a power-of-two token bucket up to --max-num-batched-tokens), each
@@ -175,15 +176,15 @@ class PrefillEngine:
                                                 top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)))
         self._quantize_kv = jax.jit(quantize_kv_masked, static_argnames=("block_size", "fmt"))
         self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",))
-        self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(
-            config.prefill_order, bucket=self._bucket, max_batch_size=config.max_batch_size,
-            max_batch_tokens=config.max_batch_tokens, max_chunk=config.max_prefill_chunk,
-            max_context=self.max_len, ageing_tokens_per_s=config.prefill_ageing)
         self.prefix = PrefixKv(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                head_dim=model_config.head_dim, dtype=np.dtype(self.dtype),
                                budget_bytes=config.prefix_cache_bytes)
         buckets = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
         self.rates = PrefillRates(buckets)
+        self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(
+            config.prefill_order, bucket=self._bucket, max_batch_size=config.max_batch_size,
+            max_batch_tokens=config.max_batch_tokens, max_chunk=config.max_prefill_chunk,
+            max_context=self.max_len, ageing_tokens_per_s=config.prefill_ageing, seconds=self.rates.seconds)
         self._shapes_run: set[StepShape] = set()
         """Every step shape run: a shape's first step compiles, so is not timed."""
         self.slots = 0
@@ -218,14 +219,17 @@ class PrefillEngine:
         """Tokens of the prompts waiting or running still to compute."""
         return self.scheduler.queued_tokens
 
-    def load(self) -> list:
-        """Queued work and measured rate per bucket (WorkerLoad.prefill_buckets)."""
-        return self.rates.report(self.scheduler.queued_by_bucket, self.scheduler.prompts_by_bucket)
+    def load(self, waits: bool = True) -> list:
+        """Queued work, measured rate and (`waits`) a new prompt's expected wait per bucket
+        (WorkerLoad.prefill_buckets; the waits replay the queue once per bucket)."""
+        wait = {b: self.scheduler.expected_wait(b) for b in self.rates.buckets} if waits else None
+        return self.rates.report(self.scheduler.queued_by_bucket, self.scheduler.prompts_by_bucket, wait)
 
     def enqueue(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
-                kv_dtype: str, block_size: int = 16) -> PrefillJob:
+                kv_dtype: str, block_size: int = 16, due: float | None = None) -> PrefillJob:
         """Queues a prompt; its first token and KV arrive on the job. block_size: the target cache's,
-        over which fp8_e4m3/int8 scales are computed (a power of two)."""
+        over which fp8_e4m3/int8 scales are computed (a power of two). due: when its first token is due
+        (time.monotonic(); the TTFT budget it was admitted under), None: never urgent (scheduler.py)."""
         if not 0 < len(token_ids) <= self.max_model_len:  # no bucket fits: it would stop the loop
             raise ValueError(f"a prompt of {len(token_ids)} tokens; this worker takes 1 to {self.max_model_len}")
         if block_size <= 0 or block_size & (block_size - 1):
@@ -238,7 +242,7 @@ class PrefillEngine:
                 job.context = self._new_context(job)
                 job.context[0, :, : job.computed], job.context[1, :, : job.computed] = hit
                 metrics.prefill_prefix_cache_hits.inc(job.computed)
-        self.scheduler.add(job)
+        self.scheduler.add(job, due)
         self._wakeup.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop(), name="prefill-loop")

@@ -65,7 +65,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     await serving.set_serving(health, SERVICES, True)
     metrics.identify(config.model_name, "prefill", model_config.max_model_len)
     metrics.prefill_queued_tokens.set_function(lambda: engine.queued_tokens)
-    metrics.prefill_queued_seconds.set_function(lambda: queued_seconds(engine.load()))
+    metrics.prefill_queued_seconds.set_function(lambda: queued_seconds(engine.load(waits=False)))
     metrics.prefill_padding_share.set_function(lambda: engine.padding_share)
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)

@@ -2,7 +2,8 @@
 
 Life of a Prefill call:
 1. Check the target's KV format; wait for room in the push budget (count and host bytes in flight).
-2. Queue the prompt in the engine. When the engine begins it, the push opens its KV streams to the
+2. Queue the prompt in the engine, due when the TTFT budget it was admitted under ends (`ttft_due`).
+   When the engine begins it, the push opens its KV streams to the
    decode worker with the header: the decode worker's lease starts now, not while the prompt queued.
 3. The call answers with the first token once the header was accepted; a push that could not start
    fails the call instead (the coordinator then frees the decode worker's blocks and retries).
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import grpc
@@ -36,6 +38,15 @@ WIRE_FORMATS = {"float32": "none", "bfloat16": "none", "float16": "none", "fp8_e
 WIRE_DTYPES = tuple(WIRE_FORMATS)
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
 """A push failing with these says nothing about this prefill worker: the caller must not mark it dead."""
+
+
+def ttft_due(request: pb.PrefillRequest, received: float) -> float | None:
+    """When the request's first token is due on this worker's clock (time.monotonic() of `received`,
+    when the call arrived): its arrival at the coordinator plus the TTFT budget it was admitted under;
+    None without a budget (an older coordinator)."""
+    if request.ttft_budget_seconds <= 0:
+        return None
+    return received - request.arrived_seconds_ago + request.ttft_budget_seconds
 
 
 def _fail(future: asyncio.Future, error: BaseException) -> None:
@@ -85,6 +96,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
                 f"{weights}) sends {sends}")
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
+        received = time.monotonic()
         logs.request_id.set(request.request_id)  # every line logged for this request (and its push) names it
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; pick another")
@@ -115,7 +127,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         self.active += 1
         try:
             await self.budget.acquire(nbytes, len(ids))
-            job = self.engine.enqueue(ids, request.sampling, request.sample_index, layout.dtype, layout.block_size)
+            job = self.engine.enqueue(ids, request.sampling, request.sample_index, layout.dtype, layout.block_size,
+                                      due=ttft_due(request, received))
             opened = asyncio.get_running_loop().create_future()
             task = asyncio.create_task(self._push(request.target.address, header, layout, job, opened, nbytes))
             self.pushes.add(task)
@@ -156,6 +169,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
                     f"prompt's blocks" if request.target.cached_blocks * request.target.layout.block_size
                     > len(request.token_ids) else None)
                 or request_checks.sampling_problem(request.sampling, c.vocab_size)
+                or _budget_problem(request)
                 or (None if request.target.address else "target.address must be set"))
 
     def busy(self) -> bool:
@@ -211,4 +225,13 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             max_model_len=self.engine.max_model_len,
             draining=self.draining,
             prefill_order=self.engine.scheduler.order,
+            prefill_deadlines=True,
         )
+
+
+def _budget_problem(request: pb.PrefillRequest) -> str | None:
+    budget, ago = request.ttft_budget_seconds, request.arrived_seconds_ago
+    if not (math.isfinite(budget) and budget >= 0 and math.isfinite(ago) and ago >= 0):
+        return (f"ttft_budget_seconds ({budget}) and arrived_seconds_ago ({ago}) must be finite and >= 0 "
+                f"(0 and 0: no TTFT budget)")
+    return None

@@ -40,7 +40,7 @@ class FakeControl(worker_pb2_grpc.ControlServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker is down")
         return worker_pb2.WorkerInfo(
             role=self.role, address=self.address, kv_layout=LAYOUT, load=self.load, max_model_len=512,
-            prefill_order=self.prefill_order,
+            prefill_order=self.prefill_order, prefill_deadlines=self.role == "prefill",
         )
 
     def add_to(self, server: grpc.aio.Server) -> None:

@@ -22,7 +22,7 @@ from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
 from pdserve.server.prefill.model import load_params
-from pdserve.server.prefill.service import PrefillService
+from pdserve.server.prefill.service import PrefillService, ttft_due
 
 from .test_engine import GREEDY
 
@@ -204,3 +204,34 @@ async def test_the_push_bound_holds_and_the_worker_takes_no_new_work_at_it(tiny_
         f"the prompt's KV takes {kv_bytes(rig.layout, 81)} bytes on the host, over this prefill worker's "
         f"--max-push-bytes {2 * layout_bytes + 100}"
     )
+
+
+def test_the_ttft_budget_the_coordinator_admitted_under_sets_when_the_first_token_is_due():
+    request = pb.PrefillRequest(ttft_budget_seconds=30.0, arrived_seconds_ago=4.5)
+    assert ttft_due(request, received=100.0) == 125.5
+    assert ttft_due(pb.PrefillRequest(), received=100.0) is None  # an older coordinator: never urgent
+
+
+async def test_a_prompt_is_queued_due_when_its_budget_ends_and_a_bad_budget_is_refused(tiny_model):
+    rig = Rig(tiny_model("llama"), Sink())
+    assert rig.service.info().prefill_deadlines
+    buckets = rig.service.info().load.prefill_buckets  # idle: no wait for any length
+    assert [b.expected_wait_seconds for b in buckets if b.HasField("expected_wait_seconds")] == [0.0] * len(buckets)
+    dues: list[float | None] = []
+    add = rig.engine.scheduler.add
+    rig.engine.scheduler.add = lambda job, due=None: (dues.append(due), add(job, due))[1]
+    request = rig.request("r1", PROMPT)
+    request.ttft_budget_seconds, request.arrived_seconds_ago = 30.0, 4.5
+    transfer = rig.receiver.expect("r1", 0, TOKEN, len(PROMPT))
+    before = time.monotonic()
+    await rig.service.Prefill(request, Context())
+    after = time.monotonic()
+    await asyncio.wait_for(transfer.done, 30)
+    (due,) = dues
+    assert before + 25.5 <= due <= after + 25.5
+    request.arrived_seconds_ago = -1.0
+    with pytest.raises(Aborted) as err:
+        await rig.service.Prefill(request, Context())
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details == ("ttft_budget_seconds (30.0) and arrived_seconds_ago (-1.0) must be finite "
+                                 "and >= 0 (0 and 0: no TTFT budget)")

@@ -34,7 +34,7 @@ class KvTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "attempt", "token_ids", "sampling", "target", "transfer_token", "sample_index")
+    __slots__ = ("request_id", "attempt", "token_ids", "sampling", "target", "transfer_token", "sample_index", "ttft_budget_seconds", "arrived_seconds_ago")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class PrefillRequest(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TTFT_BUDGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ARRIVED_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -49,7 +51,9 @@ class PrefillRequest(_message.Message):
     target: KvTarget
     transfer_token: bytes
     sample_index: int
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., sample_index: _Optional[int] = ...) -> None: ...
+    ttft_budget_seconds: float
+    arrived_seconds_ago: float
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., sample_index: _Optional[int] = ..., ttft_budget_seconds: _Optional[float] = ..., arrived_seconds_ago: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "prefill_seconds", "first_token_logprob", "prompt_logprobs")
@@ -280,19 +284,21 @@ class WorkerLoad(_message.Message):
     def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[_Union[PrefillBucket, _Mapping]]] = ..., max_waiting_requests: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillBucket(_message.Message):
-    __slots__ = ("max_tokens", "queued_tokens", "queued_prompts", "tokens_per_second")
+    __slots__ = ("max_tokens", "queued_tokens", "queued_prompts", "tokens_per_second", "expected_wait_seconds")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     queued_tokens: int
     queued_prompts: int
     tokens_per_second: float
-    def __init__(self, max_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queued_prompts: _Optional[int] = ..., tokens_per_second: _Optional[float] = ...) -> None: ...
+    expected_wait_seconds: float
+    def __init__(self, max_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queued_prompts: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., expected_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len", "draining", "kv_address", "prefill_order")
+    __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len", "draining", "kv_address", "prefill_order", "prefill_deadlines")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +308,7 @@ class WorkerInfo(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ORDER_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DEADLINES_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     fingerprint: ModelFingerprint
@@ -311,7 +318,8 @@ class WorkerInfo(_message.Message):
     draining: bool
     kv_address: str
     prefill_order: str
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_address: _Optional[str] = ..., prefill_order: _Optional[str] = ...) -> None: ...
+    prefill_deadlines: bool
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_address: _Optional[str] = ..., prefill_order: _Optional[str] = ..., prefill_deadlines: _Optional[bool] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("info",)
