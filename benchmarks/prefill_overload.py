@@ -38,7 +38,7 @@ from pdserve.benchmarks.bench import Group, run_groups
 from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
 from pdserve.benchmarks.load import LoadSpec
-from pdserve.benchmarks.metrics import stats
+from pdserve.benchmarks.metrics import prometheus_value, stats
 from pdserve.benchmarks.side_by_side import ROOT, Server, _spawn, _wait, free_port
 
 
@@ -97,11 +97,6 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
-def metric(text: str, name: str) -> float:
-    """A metric's value summed over its label sets (each process labels its samples with its identity)."""
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.M))
-
-
 def refused(o: RequestOutput) -> bool:
     return o.error.startswith("RESOURCE_EXHAUSTED") and "retry after" in o.error
 
@@ -141,7 +136,7 @@ async def run_one(target: GrpcTarget, args, metrics_port: int, budget: float) ->
     after = scrape(metrics_port)
     by = {g.name: [o for o in res.outputs if o.group == g.name] for g in groups}
     ok = [o for o in res.outputs if o.success]
-    deltas = {k: metric(after, k) - metric(before, k) for k in (
+    deltas = {k: prometheus_value(after, k) - prometheus_value(before, k) for k in (
         "pdserve_prefill_expected_wait_seconds_sum", "pdserve_prefill_expected_wait_seconds_count",
         "pdserve_prefill_wait_seconds_sum", "pdserve_prefill_wait_seconds_count")}
     longest = max((o.ttft for o in ok), default=0.0)
