@@ -39,7 +39,7 @@ from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
 from pdserve.benchmarks.load import LoadSpec
 from pdserve.benchmarks.metrics import prometheus_value, stats
-from pdserve.benchmarks.side_by_side import ROOT, Server, _spawn, _wait, free_port
+from pdserve.benchmarks.side_by_side import ROOT, Server, _spawn, _wait, free_port, pools_ready
 
 
 def start(model: Path, out: Path, order: str, budget: float, weight_dtype: str, chunk: int = 0) -> tuple[Server, int]:
@@ -65,7 +65,7 @@ def start(model: Path, out: Path, order: str, budget: float, weight_dtype: str, 
             text = scrape(mp)
         except OSError:
             return False
-        return bool(re.search(r"^pdserve_num_requests_running[ {]", text, re.M)) and _pools_ready(coordinator)
+        return bool(re.search(r"^pdserve_num_requests_running[ {]", text, re.M)) and pools_ready(coordinator)
 
     server = Server(f"{order} budget={budget:g}", procs, lambda: GrpcTarget(coordinator, timeout=600), logs)
     try:
@@ -74,22 +74,6 @@ def start(model: Path, out: Path, order: str, budget: float, weight_dtype: str, 
         server.stop()
         raise
     return server, mp
-
-
-def _pools_ready(address: str) -> bool:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from pdserve.v1 import worker_pb2, worker_pb2_grpc
-
-    try:
-        with grpc.insecure_channel(address) as ch:
-            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
-            workers = worker_pb2_grpc.RegistryStub(ch).ListWorkers(worker_pb2.ListWorkersRequest(), timeout=2)
-    except grpc.RpcError:
-        return False
-    roles = {w.role for w in workers.workers if w.state == "ready"}
-    return health.status == health_pb2.HealthCheckResponse.SERVING and roles == {"prefill", "decode"}
 
 
 def scrape(port: int) -> str:

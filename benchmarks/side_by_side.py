@@ -203,6 +203,24 @@ def _external_kv(decode_url: str) -> dict:
     return found
 
 
+def pools_ready(address: str) -> bool:
+    """The coordinator at `address` serves and has a ready prefill and a ready decode worker (a worker
+    still compiling its shapes is not ready: requests sent before would wait on it)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pdserve.v1 import worker_pb2, worker_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+            workers = worker_pb2_grpc.RegistryStub(ch).ListWorkers(worker_pb2.ListWorkersRequest(), timeout=2)
+    except grpc.RpcError:
+        return False
+    roles = {w.role for w in workers.workers if w.state == "ready"}
+    return health.status == health_pb2.HealthCheckResponse.SERVING and roles == {"prefill", "decode"}
+
+
 def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine: str = "native") -> Server:
     """pdserve: a JAX prefill worker (core 0), a decode worker (core 1) on the native or vLLM engine."""
     py = [sys.executable, "-m", "pdserve.server.cli"]
@@ -276,16 +294,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
     procs.append(_spawn(coord, logs[2], None, dict(env, PDSERVE_PROCESS="coordinator")))
     addr = f"{host}:{cp}"
 
-    def ready() -> bool:
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        try:
-            with grpc.insecure_channel(addr) as ch:
-                resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
-                return resp.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
+    ready = lambda: pools_ready(addr)
 
     if http_port is not None:
         make = lambda: OpenAITarget(f"http://{host}:{http_port}", timeout=600)
