@@ -55,19 +55,23 @@ def _work(worker: Worker, num_tokens: int) -> tuple[float, float] | None:
     if own_s is None:
         return None
     if buckets[own].HasField("expected_wait_seconds"):
-        unreported = [0] * len(buckets)
-        for n in worker.unreported_lengths:
-            unreported[bucket_of(buckets, n)] += n
+        unreported = _tokens_by_bucket(buckets, worker.unreported_lengths)
         first = range(own + 1) if worker.info.prefill_order == "shortest-first" else range(len(buckets))
         ahead_s = buckets[own].expected_wait_seconds + (seconds_of(buckets, [(i, unreported[i]) for i in first]) or 0.0)
     else:
-        pending = [0] * len(buckets)
-        for n in worker.pending_lengths:
-            pending[bucket_of(buckets, n)] += n
+        pending = _tokens_by_bucket(buckets, worker.pending_lengths)
         ahead_s = seconds_of(buckets, [(i, max(b.queued_tokens, p)) for i, (b, p) in enumerate(zip(buckets, pending))])
         if ahead_s is None:
             return None
     return ahead_s, own_s
+
+
+def _tokens_by_bucket(buckets, lengths: list[int]) -> list[int]:
+    """The prompt tokens of `lengths`, summed per length bucket of the worker's report."""
+    tokens = [0] * len(buckets)
+    for n in lengths:
+        tokens[bucket_of(buckets, n)] += n
+    return tokens
 
 
 def ttft_budget_of(deadline: Deadline, ttft_budget: float) -> float:
