@@ -177,6 +177,8 @@ class Attempt:
         queued_at = time.monotonic()
         placement = await self._placement()
         while True:
+            if not service.pool.ready("decode"):  # one marked dead by a call may be back at its health check
+                await service.pool.recheck("decode", min(r.deadline.check(), service.pool.recheck_seconds))
             if not service.pool.ready("decode"):
                 raise r.no_worker_left("decode")
             decode = await service.decode_queue.acquire(service.pool, lambda: self._pick_decode(placement), r.deadline)

@@ -75,9 +75,9 @@ async def test_a_worker_marked_failed_by_a_call_is_back_after_one_health_round_a
     await gone.stop()
     for worker in (a, g, r):
         await pool.mark_failed(worker, "decode worker sent nothing for 10 s (--stall-timeout)")
-    assert pool.ready("decode") == [] and not pool.serving
+    assert pool.ready("decode") == [] and not pool.serving and pool.awaiting_recheck("decode")
     await pool.refresh()  # one round
-    assert pool.ready("decode") == [a, r] and pool.serving
+    assert pool.ready("decode") == [a, r] and pool.serving and not pool.awaiting_recheck("decode")
     for _ in range(3):
         await pool.refresh()
     assert pool.ready("decode") == [a, r] and g.state == "dead"

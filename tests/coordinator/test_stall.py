@@ -3,7 +3,8 @@
 Before its first event a decode worker waits on the prefill worker's KV, or prefills the prompt itself
 when no prefill worker is up (a fresh cluster whose prefill worker still compiles): neither wait marks it
 dead, however long; its health checks and the deadline end them. After its first event, a silent decode
-worker is lost (tests/coordinator/test_service.py)."""
+worker is lost (tests/coordinator/test_service.py). A worker marked dead by a call (a stall) is back at
+its next health check if it answers; a request finding no other meanwhile waits for that check."""
 
 from __future__ import annotations
 
@@ -129,3 +130,29 @@ async def test_a_decode_worker_going_down_while_it_prefills_locally_loses_the_at
         assert e.value.details() == (f"decode worker {pools.decode_worker.address} went down before its first token "
                                      f"(prefilling the prompt); no ready decode worker to continue on")
         assert await asyncio.wait_for(pools.decode.cancelled.wait(), 5) is True  # its call cancelled: blocks freed
+
+
+async def test_a_request_finding_its_only_decode_worker_marked_dead_by_a_call_waits_for_its_health_check(model_dir):
+    """The only decode worker was just marked dead by a call (a stall): a request arriving then waits for the
+    worker's next health check, which finds it answering, and is served there. Marked dead again with its
+    health check failing too, the next request is refused after that check."""
+    async with _pools(model_dir, steps=False, prefill_up=True, refresh_seconds=60) as pools:  # rounds by hand
+        pool = pools.coordinator.pool
+        worker = pool.workers[pools.decode_worker.address]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{pools.coordinator.port}") as channel:
+            await pool.mark_failed(worker, "decode worker sent nothing for 10 s (--stall-timeout)")
+            call = asyncio.ensure_future(_tokens(_generate(pools, channel)))
+            await asyncio.sleep(3 * STALL)
+            assert not call.done() and pool.ready("decode") == []  # waiting, not refused
+            await pool.refresh()  # the health check: GetInfo answers
+            assert await call == [5, 6, 7]
+            pools.decode_worker.control.healthy = False
+            await pool.mark_failed(worker, "decode worker sent nothing for 10 s (--stall-timeout)")
+            call = asyncio.ensure_future(_tokens(_generate(pools, channel)))
+            await asyncio.sleep(3 * STALL)
+            assert not call.done()
+            await pool.refresh()  # GetInfo fails: dead
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await call
+        assert (e.value.code(), e.value.details()) == (grpc.StatusCode.UNAVAILABLE, "no ready decode worker")
+        assert [r.local_prefill for r in pools.decode.requests] == [False]  # served once, on the KV path
