@@ -373,8 +373,8 @@ class Attempt:
         return first
 
     async def _first_events(self) -> list[DecodeEvent]:
-        """D's first events: the KV arrived from P (after P answered), or D prefilled the prompt itself (no P).
-        Until then D waits on P or computes the prompt, silent: no --stall-timeout runs against it. The wait
+        """D's first events: the KV arrived from P (after P answered), or D prefilled the prompt itself
+        (no P). Until then D waits on P or computes the prompt, silent: no --stall-timeout runs against it. The wait
         ends when P or D goes down (its health check failed, or a call found it gone: the attempt is lost at
         once, rather than D waiting out its lease), when D reports the KV failed (P's failure), or at the
         deadline."""

@@ -119,7 +119,8 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
             first.append(worker_pb2.TokenEvent(token_ids=[self.local_first_token]))
         else:
             try:
-                await asyncio.wait_for(self._kv[request.request_id].wait(), self.kv_wait_limit or request.lease_seconds)
+                limit = self.kv_wait_limit or request.lease_seconds
+                await asyncio.wait_for(self._kv[request.request_id].wait(), limit)
             except TimeoutError:
                 yield worker_pb2.DecodeResponse(
                     finished=worker_pb2.Finished(
@@ -157,7 +158,8 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         while True:
             yield await stream.get()
 
-    async def _send_on_stream(self, request, stream: asyncio.Queue, first: list[worker_pb2.TokenEvent]) -> None:
+    async def _send_on_stream(self, request, stream: asyncio.Queue,
+                              first: list[worker_pb2.TokenEvent]) -> None:
         """Every token event (`first`: a local prefill's first token), then `finished`, in one StepBatch
         (the Decode call then ends OK)."""
         def event(**kw) -> worker_pb2.SequenceEvent:
@@ -226,7 +228,8 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer):
         return response
 
     @staticmethod
-    async def _push_later(target: FakeDecode, request: worker_pb2.PrefillRequest, after: asyncio.Event) -> None:
+    async def _push_later(target: FakeDecode, request: worker_pb2.PrefillRequest,
+                          after: asyncio.Event) -> None:
         await after.wait()
         target.push_kv(request)
 

@@ -82,7 +82,7 @@ async def test_a_worker_marked_failed_by_a_call_is_back_after_one_health_round_a
         await pool.refresh()
     assert pool.ready("decode") == [a, r] and g.state == "dead"
     await pool.mark_failed(r, "decode worker sent nothing for 10 s (--stall-timeout)")
-    assert await pool.heartbeat(info("decode", joined.address)) is True  # a registered worker's next heartbeat
+    assert await pool.heartbeat(info("decode", joined.address)) is True  # a registered worker's heartbeat
     assert pool.ready("decode") == [a, r]
     await pool.close()
     await alive.stop()

@@ -93,7 +93,8 @@ async def test_a_decode_worker_prefilling_locally_past_the_stall_timeout_is_not_
 
 
 @pytest.mark.parametrize("steps", [False, True])
-async def test_a_decode_worker_waiting_for_kv_past_the_stall_timeout_and_lease_is_not_marked_dead(model_dir, steps):
+async def test_a_decode_worker_waiting_for_kv_past_the_stall_timeout_and_lease_is_not_marked_dead(
+        model_dir, steps):
     """P answers the first token at once but its KV reaches D three stall timeouts later (longer than
     the stall timeout plus the lease: a transfer whose chunks keep D's lease alive): D is not charged."""
     async with _pools(model_dir, steps, prefill_up=True, lease_seconds=STALL / 2) as pools:
@@ -127,12 +128,13 @@ async def test_a_decode_worker_going_down_while_it_prefills_locally_loses_the_at
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await call
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert e.value.details() == (f"decode worker {pools.decode_worker.address} went down before its first token "
-                                     f"(prefilling the prompt); no ready decode worker to continue on")
-        assert await asyncio.wait_for(pools.decode.cancelled.wait(), 5) is True  # its call cancelled: blocks freed
+        assert e.value.details() == (f"decode worker {pools.decode_worker.address} went down before its first "
+                                     f"token (prefilling the prompt); no ready decode worker to continue on")
+        assert await asyncio.wait_for(pools.decode.cancelled.wait(), 5) is True  # the call cancelled: blocks freed
 
 
-async def test_a_request_finding_its_only_decode_worker_marked_dead_by_a_call_waits_for_its_health_check(model_dir):
+async def test_a_request_finding_its_only_decode_worker_marked_dead_by_a_call_waits_for_its_health_check(
+        model_dir):
     """The only decode worker was just marked dead by a call (a stall): a request arriving then waits for the
     worker's next health check, which finds it answering, and is served there. Marked dead again with its
     health check failing too, the next request is refused after that check."""
