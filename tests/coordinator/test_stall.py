@@ -27,6 +27,14 @@ def model_dir(tiny_model):
     return tiny_model("llama")
 
 
+async def _until(predicate) -> None:
+    for _ in range(250):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("not reached within 5 s")
+
+
 @contextlib.asynccontextmanager
 async def _pools(model_dir, steps: bool, prefill_up: bool, **config) -> AsyncIterator[FakePools]:
     """A coordinator before one fake prefill and one fake decode worker (steps: D serves `Steps`); the
@@ -38,17 +46,13 @@ async def _pools(model_dir, steps: bool, prefill_up: bool, **config) -> AsyncIte
         pools.prefill.first_token_id = pools.decode.local_first_token = 5
         if not prefill_up:
             pools.prefill_worker.control.healthy = False
-            for _ in range(100):  # the next GetInfo round finds it down
-                if not pools.coordinator.pool.ready("prefill"):
-                    break
-                await asyncio.sleep(0.02)
-            assert not pools.coordinator.pool.ready("prefill")
+            await _until(lambda: not pools.coordinator.pool.ready("prefill"))  # the next GetInfo round
         yield pools
     finally:
         await pools.stop()
 
 
-def _generate(pools: FakePools, channel: grpc.aio.Channel):
+def _generate(channel: grpc.aio.Channel):
     stub = generation_pb2_grpc.GenerationStub(channel)
     request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=[1, 2, 3]),
                                              sampling=generation_pb2.SamplingParams(max_tokens=3))
@@ -63,14 +67,6 @@ async def _tokens(call) -> list[int]:
     return ids
 
 
-async def _until(predicate) -> None:
-    for _ in range(250):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("not reached within 5 s")
-
-
 @pytest.mark.parametrize("steps", [False, True])
 async def test_a_decode_worker_prefilling_locally_past_the_stall_timeout_is_not_marked_dead(model_dir, steps):
     """No prefill worker is up: D prefills the prompt itself, silent for three stall timeouts (its health
@@ -80,7 +76,7 @@ async def test_a_decode_worker_prefilling_locally_past_the_stall_timeout_is_not_
         worker = pools.coordinator.pool.workers[pools.decode_worker.address]
         lost = worker.lost
         async with grpc.aio.insecure_channel(f"127.0.0.1:{pools.coordinator.port}") as channel:
-            call = asyncio.ensure_future(_tokens(_generate(pools, channel)))
+            call = asyncio.ensure_future(_tokens(_generate(channel)))
             await _until(lambda: pools.decode.requests)
             await asyncio.sleep(3 * STALL)
             prefilled.set()
@@ -103,7 +99,7 @@ async def test_a_decode_worker_waiting_for_kv_past_the_stall_timeout_and_lease_i
         worker = pools.coordinator.pool.workers[pools.decode_worker.address]
         lost = worker.lost
         async with grpc.aio.insecure_channel(f"127.0.0.1:{pools.coordinator.port}") as channel:
-            call = _generate(pools, channel)
+            call = _generate(channel)
             assert list((await call.read()).token_ids) == [5]  # P's first token, before the KV arrives
             await asyncio.sleep(3 * STALL)
             pushed.set()
@@ -122,7 +118,7 @@ async def test_a_decode_worker_going_down_while_it_prefills_locally_loses_the_at
     async with _pools(model_dir, steps, prefill_up=False) as pools:
         pools.decode.local_prefill = asyncio.Event()  # never set: it prefills until cancelled
         async with grpc.aio.insecure_channel(f"127.0.0.1:{pools.coordinator.port}") as channel:
-            call = asyncio.ensure_future(_tokens(_generate(pools, channel)))
+            call = asyncio.ensure_future(_tokens(_generate(channel)))
             await _until(lambda: pools.decode.requests)
             pools.decode_worker.control.healthy = False
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -143,14 +139,14 @@ async def test_a_request_finding_its_only_decode_worker_marked_dead_by_a_call_wa
         worker = pool.workers[pools.decode_worker.address]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{pools.coordinator.port}") as channel:
             await pool.mark_failed(worker, "decode worker sent nothing for 10 s (--stall-timeout)")
-            call = asyncio.ensure_future(_tokens(_generate(pools, channel)))
+            call = asyncio.ensure_future(_tokens(_generate(channel)))
             await asyncio.sleep(3 * STALL)
             assert not call.done() and pool.ready("decode") == []  # waiting, not refused
             await pool.refresh()  # the health check: GetInfo answers
             assert await call == [5, 6, 7]
             pools.decode_worker.control.healthy = False
             await pool.mark_failed(worker, "decode worker sent nothing for 10 s (--stall-timeout)")
-            call = asyncio.ensure_future(_tokens(_generate(pools, channel)))
+            call = asyncio.ensure_future(_tokens(_generate(channel)))
             await asyncio.sleep(3 * STALL)
             assert not call.done()
             await pool.refresh()  # GetInfo fails: dead
