@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -124,14 +122,16 @@ def test_served_weight_dtype_upcasts_bf16_only_for_auto_on_cpu():
 
 
 def test_quantized_weights_of_a_bf16_checkpoint_compute_in_fp32_only_on_cpu(tiny_model):
-    bf16 = dataclasses.replace(load_config(tiny_model), dtype="bfloat16")
+    path = tiny_model("llama", "bfloat16")
+    bf16 = load_config(path)
+    assert bf16.dtype == "bfloat16"
     for fmt in ("int8", "fp8"):
         assert compute_dtype(bf16, fmt, "cpu") == "float32"  # XLA:CPU's bf16 dot is the slow path
         assert compute_dtype(bf16, fmt, "tpu") == "bfloat16"
         assert compute_dtype(bf16, fmt) == "bfloat16"  # no backend: as on an accelerator
     assert compute_dtype(bf16, "bfloat16", "cpu") == "bfloat16"  # unquantized: the weights' own, as asked
-    embed = load_params(bf16, load_weights(tiny_model), "int8", backend="cpu")["embed"]
-    assert embed.dtype == jnp.float32
+    assert load_params(bf16, load_weights(path), "int8", backend="cpu")["embed"].dtype == jnp.float32
+    assert load_params(bf16, load_weights(path), "int8", backend="tpu")["embed"].dtype == jnp.bfloat16
 
 
 def test_served_bf16_checkpoint_on_cpu_computes_in_fp32_and_sends_bf16_kv(tiny_model):
