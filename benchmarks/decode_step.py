@@ -153,7 +153,7 @@ def qwen_bf16() -> tuple:
 
 
 def served_model(config, weights) -> DecoderModel:
-    """The bf16 model as the decode worker holds it on CPU (`startup.prepare`: prepacked, on huge pages)."""
+    """The bf16 model as the decode worker holds it on CPU (`startup.prepare`: prepacked for oneDNN)."""
     model = build_model(config, weights, dtype=torch.bfloat16)
     log(f"prepared as the worker does: {prepare(model) or 'nothing to do'}")
     return model

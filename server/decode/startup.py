@@ -3,8 +3,8 @@ decode step eager or CUDA-graphed. `benchmarks/gpu.py` starts it the same way (`
 
 1. `--device` resolved (auto: CUDA when torch sees one).
 2. The model built from its config on the device, the checkpoint's tensors loaded, then quantized when
-   --weight-dtype is int8/fp8 (through a kernel for the format where the device has one); on the CPU the
-   linears prepacked for oneDNN and the weights put on huge pages (`prepare`).
+   --weight-dtype is int8/fp8 (through a kernel for the format where the device has one); on the CPU
+   bf16/fp16 linears prepacked for oneDNN (`prepare`).
 3. The KV layout; the cache's blocks from --kv-cache-tokens, else from memory (`device.py`).
 4. The engine: cache on the device, CUDA graphs captured per batch bucket unless --enforce-eager.
 """
@@ -22,11 +22,10 @@ from pdserve.server.decode.cuda_attention import have_triton
 from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_cache_blocks, gpu_cache_blocks,
                                           parse_bytes, profile_step, resolve_device)
 from pdserve.server.decode.engine import DecodeEngine
-from pdserve.server.decode.huge_pages import weights_to_huge_pages
 from pdserve.server.decode.kv_cache import TORCH_DTYPES
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner
-from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
+from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, Linear, buffer_bytes
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import ModelConfig, load_config
 from pdserve.server.model.weights import load_weights
@@ -67,12 +66,10 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
 
 def prepare(model: DecoderModel) -> str:
     """The load-time steps once the weights (and their quantization) are in, where the model runs: on the
-    CPU, bf16/fp16 linears prepacked for oneDNN and the weights on huge pages; nothing on CUDA. Returns
-    what it did, for the start-up log."""
+    CPU, bf16/fp16 linears prepacked for oneDNN; nothing on CUDA. Returns what it did, for the start-up log."""
     model.prepack()
-    if model.embed.device.type != "cpu":
-        return ""
-    return weights_to_huge_pages(model)[1]
+    packed = sum(isinstance(m, Linear) and m.packed for m in model.modules())
+    return f"{packed} matmul weights prepacked for oneDNN (the LM head's among them)" if packed else ""
 
 
 def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeEngine, KvLayout]:
