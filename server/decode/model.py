@@ -74,8 +74,7 @@ class DecoderLayer(nn.Module):
         eps = c.rms_norm_eps
         qkv = self.wqkv(rms_norm(x, self.attn_norm, eps))  # [B, S, (H + 2 Hkv) D]
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        qk = qkv[..., : (H + Hkv) * D].unflatten(-1, (H + Hkv, D))  # [B, S, H + Hkv, D] q's heads, then k's
-        v = qkv[..., (H + Hkv) * D :].unflatten(-1, (Hkv, D))  # [B, S, Hkv, D]
+        qk, v = qkv.unflatten(-1, (H + 2 * Hkv, D)).split([H + Hkv, Hkv], dim=2)  # [B, S, H + Hkv | Hkv, D]
         if self.qk_norm is not None:
             qk = rms_norm(qk, self.qk_norm, eps)
         q, k = rope(qk, cos, sin).split([H, Hkv], dim=2)  # [B, S, H, D], [B, S, Hkv, D]
