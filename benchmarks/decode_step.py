@@ -45,6 +45,7 @@ from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_number, 
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.sampler import greedy
 from pdserve.server.decode.startup import prepare
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config, parse_config
@@ -99,7 +100,7 @@ def step_seconds(model: DecoderModel, cache: PagedKvCache, tables: torch.Tensor,
     for step in range(warmup + steps):
         positions = torch.full((batch,), context - 1 + step, dtype=torch.int64)
         start = time.perf_counter()
-        tokens = model.decode(tokens, positions, tables, positions + 1, cache).argmax(-1)
+        tokens = greedy(model.decode(tokens, positions, tables, positions + 1, cache))  # as the engine samples
         if step >= warmup:
             times.append(time.perf_counter() - start)
     return times
