@@ -13,7 +13,7 @@ async def test_grpcio_with_copies_lands_every_byte_in_place_over_each_stream():
         assert await loopback.seconds(10_007) > 0
     finally:
         await loopback.close()
-    assert loopback._target.tobytes() == loopback._source.tobytes() and loopback._source.any()
+    assert loopback.server.target.tobytes() == loopback.client.source.tobytes() and loopback.client.source.any()
 
 
 async def test_transfer_rows_compare_each_stream_count_against_both_references():
