@@ -1,24 +1,30 @@
-"""The KV handoff at wire speed, in one process: the transfer against raw grpcio, parallel streams,
-and how much of the transfer layer-wise streaming hides behind the prefill.
+"""The KV handoff at wire speed: the transfer against raw grpcio with the receiver in a process of its own,
+parallel streams, and how much of the transfer layer-wise streaming hides behind the prefill.
 
     python -m pdserve.benchmarks.kv_stream [--streams 1,2,4] [--tokens 2048] [--layers 24] [--groups 1,4]
+        [--one-process] [--no-pin]
 
 1. Transfer: a --tokens prompt's bf16 KV at Qwen2.5-0.5B's KV shape (24 layers x 2 kv heads x 64:
    12 KiB a token, 25 MB at 2,048 tokens) through `GrpcKvTransport(num_streams=N)` -> `KvReceiver`
-   -> `PagedKvCache` on 127.0.0.1, beside raw grpcio (`benchmarks.ceilings.GrpcLoopback`: pre-made
-   `bytes`, a server that only counts them) moving the same bytes in messages of the same size over
-   the same number of streams, for each N in --streams; and beside "grpcio + copies", raw grpcio plus
-   the two copies any array transfer through grpcio makes (array -> `bytes` message; received message ->
-   array). All run in this one process and event loop
-   (sender and receiver alike), alternating repetition by repetition (`protocol.schedule`), so the
-   ratio compares runs made moments apart. Bit-exactness is checked.
+   -> `PagedKvCache` on 127.0.0.1, beside raw grpcio (`ceilings.LoopbackClient` -> `LoopbackServer`:
+   pre-made `bytes`, a server that only counts them) moving the same bytes in messages of the same size
+   over the same number of streams, for each N in --streams; and beside "grpcio + copies", raw grpcio
+   plus the two copies any array transfer through grpcio makes (array -> `bytes` message; received
+   message -> array). As deployed, the receiving side of all three (`receiving_side.ReceivingSide`)
+   runs in a process of its own with its own event loop (`receiver_process.ReceiverProcess`), and the
+   two processes are pinned to a core each where two exist (--no-pin: free to run anywhere);
+   --one-process runs both sides in this one process and event loop, as before. The three systems
+   alternate repetition by repetition (`protocol.schedule`), so the ratios compare runs made moments
+   apart. Every repetition's bytes are checked: the receiving process digests the cache (or array)
+   and the sender compares it with the digest of what it sent. CPU s/GB is read per process (every
+   thread): the sender's and the receiver's apart, or the one process's in --one-process mode.
 2. Overlap: a real `PrefillEngine` + `PrefillService` on the Qwen2.5-0.5B shape (random bf16 weights,
    --layers of its 24 layers: compute and KV bytes both scale with the layers, so the fraction does
    not depend much on it) prefills one --tokens prompt and pushes its KV over gRPC (N = the largest
-   --streams) to a KvReceiver writing a PagedKvCache. Measured: prefill compute (the call until the
-   first token) and the time from the first token to "KV complete at the receiver", for
-   --kv-layer-groups 1 (the whole KV leaves after the whole prefill, as before layer-wise streaming)
-   and each G in --groups, in the same run.
+   --streams) to a KvReceiver writing a PagedKvCache, in this one process. Measured: prefill compute
+   (the call until the first token) and the time from the first token to "KV complete at the
+   receiver", for --kv-layer-groups 1 (the whole KV leaves after the whole prefill, as before
+   layer-wise streaming) and each G in --groups, in the same run.
 Transfer figures are median [min-max] over --repeats after a warm-up, with the machine record
 (`protocol.MachineRecord`: load before, during, after); overlap figures are the best of --repeats.
 """
