@@ -195,7 +195,8 @@ class GrpcLoopback:
 
     async def start(self) -> GrpcLoopback:
         await self.server.start()
-        self.client = LoopbackClient(self.server.address, self.message_bytes, self.streams, copies=self.copies)
+        self.client = LoopbackClient(self.server.address, self.message_bytes, self.streams,
+                                     copies=self.copies)
         return self
 
     async def seconds(self, total_bytes: int) -> float:

@@ -96,7 +96,8 @@ async def transfer(num_tokens: int, streams: list[int], repeats: int, chunk_byte
         side = await receiving_side.ReceivingSide(layout, num_tokens, nbytes).start()
     else:
         side = await receiver_process.ReceiverProcess.start(layout, num_tokens, nbytes, receiver_core)
-        where = "" if receiver_core is None else f": receiver on core {receiver_core}, sender on core {sender_core}"
+        where = ("" if receiver_core is None
+                 else f": receiver on core {receiver_core}, sender on core {sender_core}")
         print(f"  receiver process pid {side.process.pid}{where}", file=sys.stderr, flush=True)
     rows = []
     try:
@@ -250,9 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="message size of both the transfer and raw grpcio (default: the transfer's)")
     p.add_argument("--model-dir", type=Path, help="where the random Qwen-shape checkpoint is kept")
     p.add_argument("--one-process", action="store_true",
-                   help="run the receiving side in this process and event loop too (default: a process of its own)")
+                   help="run the receiving side in this process and event loop too "
+                        "(default: a process of its own)")
     p.add_argument("--no-pin", action="store_true",
-                   help="leave both processes free to run on any core (default: one core each where two exist)")
+                   help="leave both processes free to run on any core "
+                        "(default: one core each where two exist)")
     p.add_argument("--skip-overlap", action="store_true")
     p.add_argument("--max-load", type=float, default=2.0, help="refuse to run above this 1-minute load average")
     p.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, marking the result noisy")
@@ -286,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     print("Median [min-max] over the repetitions; transfer / raw is taken repetition by repetition.")
     print()
     two = moved[0].transfer_receiver_cpu_s_per_gb is not None
-    cpu_heads = ("CPU s/GB sender: transfer, raw, + copies | CPU s/GB receiver: transfer, raw, + copies" if two
-                 else "CPU s/GB (both sides): transfer, raw, + copies")
+    cpu_heads = "CPU s/GB (both sides): transfer, raw, + copies"
+    if two:
+        cpu_heads = "CPU s/GB sender: transfer, raw, + copies | CPU s/GB receiver: transfer, raw, + copies"
     print("| streams | transfer GB/s | raw grpcio GB/s | transfer / raw | grpcio + copies GB/s | "
           f"transfer / (grpcio + copies) | transfer / 1-stream transfer | {cpu_heads} |")
     print("| ---: " * (9 if two else 8) + "|")

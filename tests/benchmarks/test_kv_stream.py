@@ -16,7 +16,8 @@ async def test_grpcio_with_copies_lands_every_byte_in_place_over_each_stream():
         assert await loopback.seconds(10_007) > 0
     finally:
         await loopback.close()
-    assert loopback.server.target.tobytes() == loopback.client.source.tobytes() and loopback.client.source.any()
+    source = loopback.client.source
+    assert loopback.server.target.tobytes() == source.tobytes() and source.any()
 
 
 def _check_rows(rows: list[kv_stream.TransferRow], repeats: int, receiver_cpu: bool) -> None:
@@ -24,7 +25,8 @@ def _check_rows(rows: list[kv_stream.TransferRow], repeats: int, receiver_cpu: b
     for r in rows:
         spreads = [r.transfer_gbps, r.raw_gbps, r.ratio, r.copies_gbps, r.copies_ratio,
                    r.transfer_cpu_s_per_gb, r.raw_cpu_s_per_gb, r.copies_cpu_s_per_gb]
-        receiving = [r.transfer_receiver_cpu_s_per_gb, r.raw_receiver_cpu_s_per_gb, r.copies_receiver_cpu_s_per_gb]
+        receiving = [r.transfer_receiver_cpu_s_per_gb, r.raw_receiver_cpu_s_per_gb,
+                     r.copies_receiver_cpu_s_per_gb]
         if receiver_cpu:
             spreads += receiving
         else:
@@ -34,7 +36,8 @@ def _check_rows(rows: list[kv_stream.TransferRow], repeats: int, receiver_cpu: b
 
 
 async def test_transfer_rows_compare_each_stream_count_against_both_references_in_one_process():
-    rows = await kv_stream.transfer(num_tokens=40, streams=[1, 2], repeats=2, chunk_bytes=2**16, one_process=True)
+    rows = await kv_stream.transfer(num_tokens=40, streams=[1, 2], repeats=2, chunk_bytes=2**16,
+                                    one_process=True)
     _check_rows(rows, 2, receiver_cpu=False)
 
 
