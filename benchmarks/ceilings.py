@@ -3,9 +3,10 @@
 - Memory: a large float32 copy. GB/s counts read + write bytes (2 x the array) per second: the rate
   the memory system moves bytes, which a read-only stream (a decode step) can at best match.
 - Matmul: fp32 n x n @ n x n, 2 n^3 flops, in JAX (the prefill tier's framework) and torch (decode's).
-- gRPC loopback: client-streaming calls (one per stream, each on its own connection) on an in-process
-  grpc.aio server on 127.0.0.1 carrying pre-made `bytes` messages (identity serializers, no proto):
-  what grpcio alone moves, to set beside the KV transfer of the same byte count and stream count.
+- gRPC loopback: client-streaming calls (one per stream, each on its own connection) to a grpc.aio
+  server on 127.0.0.1 (in this process, or in a process of its own: `LoopbackServer`,
+  `LoopbackClient`) carrying pre-made `bytes` messages (identity serializers, no proto): what grpcio
+  alone moves, to set beside the KV transfer of the same byte count and stream count.
 
 Every number is the best of a few timed runs after a warm-up: the machine is shared, and the best
 run is the one least disturbed by other processes.
@@ -101,39 +102,49 @@ def _push_into(target: np.ndarray):
     return push
 
 
-class GrpcLoopback:
-    """Raw grpcio on 127.0.0.1, kept open between runs: `streams` client-streaming calls, each on its own
-    channel (TCP connection), carry pre-made `bytes` messages of message_bytes (identity serializers,
-    no proto) to an in-process server that only counts them. Start it inside the event loop the KV
-    transfer uses, so both see the same grpc.aio machinery; `seconds(n)` can then alternate with it.
+class LoopbackServer:
+    """The receiving half of raw grpcio on 127.0.0.1: a grpc.aio server whose Push handler only counts the
+    messages (identity serializers, no proto), or with copies=N copies each received message into its place
+    in an N-byte numpy array (`target`), as a transfer of arrays must. Start it inside the event loop that
+    serves the KV receiver it is set beside, in the same process or another."""
 
-    copies=N adds the two copies any transfer of N bytes of arrays through grpcio must make, and nothing
-    else: each message is copied out of an N-byte numpy array into `bytes` (grpcio sends only `bytes`),
-    and the server copies each received message into its place in another N-byte array. What a KV
-    transport moving N bytes could reach at best. seconds() then carries exactly those N bytes.
-    """
-
-    def __init__(self, message_bytes: int = MAX_CHUNK_BYTES, streams: int = 1, *, copies: int = 0) -> None:
-        self.message_bytes, self.streams = message_bytes, streams
-        self._payload = os.urandom(message_bytes)
-        self._source = np.random.default_rng(0).integers(0, 256, copies, np.uint8) if copies else None
-        self._target = np.zeros(copies, np.uint8) if copies else None
+    def __init__(self, *, copies: int = 0) -> None:
+        self.target = np.zeros(copies, np.uint8) if copies else None
         self._server: grpc.aio.Server | None = None
-        self._channels: list[grpc.aio.Channel] = []
+        self.address = ""
 
-    async def start(self) -> GrpcLoopback:
-        push = _push if self._target is None else _push_into(self._target)
+    async def start(self) -> LoopbackServer:
+        push = _push if self.target is None else _push_into(self.target)
         handler = grpc.method_handlers_generic_handler(
             "pdserve.bench.Loopback", {"Push": grpc.stream_unary_rpc_method_handler(push)}
         )  # no serializers: the handler sees the wire bytes
         self._server = grpc.aio.server(options=CHANNEL_OPTIONS)
         self._server.add_generic_rpc_handlers((handler,))
-        port = self._server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
         await self._server.start()
-        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
-        self._channels = [grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options)
-                          for _ in range(self.streams)]
         return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            await self._server.stop(None)
+
+
+class LoopbackClient:
+    """The sending half of raw grpcio: `streams` client-streaming calls to a LoopbackServer at `address`,
+    each on its own channel (TCP connection), carrying pre-made `bytes` messages of message_bytes.
+
+    copies=N (for a LoopbackServer(copies=N)): each message is copied out of an N-byte numpy array
+    (`source`) into `bytes` (grpcio sends only `bytes`) instead of being pre-made; seconds() then carries
+    exactly those N bytes.
+    """
+
+    def __init__(self, address: str, message_bytes: int = MAX_CHUNK_BYTES, streams: int = 1, *,
+                 copies: int = 0) -> None:
+        self.message_bytes, self.streams = message_bytes, streams
+        self._payload = os.urandom(message_bytes)
+        self.source = np.random.default_rng(0).integers(0, 256, copies, np.uint8) if copies else None
+        options = [*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)]
+        self._channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(streams)]
 
     async def seconds(self, total_bytes: int) -> float:
         """Wall time to carry total_bytes, an even share on each stream."""
@@ -146,9 +157,9 @@ class GrpcLoopback:
         return time.perf_counter() - start
 
     async def _one(self, push, at: int, share: int) -> None:
-        size, source = self.message_bytes, self._source
+        size, source = self.message_bytes, self.source
         if source is not None and at + share > len(source):
-            raise ValueError(f"GrpcLoopback(copies={len(source)}) carries at most {len(source)} bytes, "
+            raise ValueError(f"LoopbackClient(copies={len(source)}) carries at most {len(source)} bytes, "
                              f"not {at + share}")
 
         async def messages():
@@ -166,8 +177,36 @@ class GrpcLoopback:
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
-        if self._server is not None:
-            await self._server.stop(None)
+
+
+class GrpcLoopback:
+    """Raw grpcio on 127.0.0.1 in this process, kept open between runs: a LoopbackServer and a
+    LoopbackClient of `streams` calls. Start it inside the event loop the KV transfer uses, so both see
+    the same grpc.aio machinery; `seconds(n)` can then alternate with it.
+
+    copies=N adds the two copies any transfer of N bytes of arrays through grpcio must make, and nothing
+    else (LoopbackClient, LoopbackServer): what a KV transport moving N bytes could reach at best.
+    """
+
+    def __init__(self, message_bytes: int = MAX_CHUNK_BYTES, streams: int = 1, *, copies: int = 0) -> None:
+        self.message_bytes, self.streams, self.copies = message_bytes, streams, copies
+        self.server = LoopbackServer(copies=copies)
+        self.client: LoopbackClient | None = None
+
+    async def start(self) -> GrpcLoopback:
+        await self.server.start()
+        self.client = LoopbackClient(self.server.address, self.message_bytes, self.streams,
+                                     copies=self.copies)
+        return self
+
+    async def seconds(self, total_bytes: int) -> float:
+        assert self.client is not None, "start() the loopback first"
+        return await self.client.seconds(total_bytes)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+        await self.server.close()
 
 
 async def grpc_loopback_gbps(total_bytes: int, repeats: int, message_bytes: int = MAX_CHUNK_BYTES,

@@ -1,24 +1,30 @@
-"""The KV handoff at wire speed, in one process: the transfer against raw grpcio, parallel streams,
-and how much of the transfer layer-wise streaming hides behind the prefill.
+"""The KV handoff at wire speed: the transfer against raw grpcio with the receiver in a process of its own,
+parallel streams, and how much of the transfer layer-wise streaming hides behind the prefill.
 
     python -m pdserve.benchmarks.kv_stream [--streams 1,2,4] [--tokens 2048] [--layers 24] [--groups 1,4]
+        [--one-process] [--no-pin]
 
 1. Transfer: a --tokens prompt's bf16 KV at Qwen2.5-0.5B's KV shape (24 layers x 2 kv heads x 64:
    12 KiB a token, 25 MB at 2,048 tokens) through `GrpcKvTransport(num_streams=N)` -> `KvReceiver`
-   -> `PagedKvCache` on 127.0.0.1, beside raw grpcio (`benchmarks.ceilings.GrpcLoopback`: pre-made
-   `bytes`, a server that only counts them) moving the same bytes in messages of the same size over
-   the same number of streams, for each N in --streams; and beside "grpcio + copies", raw grpcio plus
-   the two copies any array transfer through grpcio makes (array -> `bytes` message; received message ->
-   array). All run in this one process and event loop
-   (sender and receiver alike), alternating repetition by repetition (`protocol.schedule`), so the
-   ratio compares runs made moments apart. Bit-exactness is checked.
+   -> `PagedKvCache` on 127.0.0.1, beside raw grpcio (`ceilings.LoopbackClient` -> `LoopbackServer`:
+   pre-made `bytes`, a server that only counts them) moving the same bytes in messages of the same size
+   over the same number of streams, for each N in --streams; and beside "grpcio + copies", raw grpcio
+   plus the two copies any array transfer through grpcio makes (array -> `bytes` message; received
+   message -> array). As deployed, the receiving side of all three (`receiving_side.ReceivingSide`)
+   runs in a process of its own with its own event loop (`receiver_process.ReceiverProcess`), and the
+   two processes are pinned to a core each where two exist (--no-pin: free to run anywhere);
+   --one-process runs both sides in this one process and event loop, as before. The three systems
+   alternate repetition by repetition (`protocol.schedule`), so the ratios compare runs made moments
+   apart. Every repetition's bytes are checked: the receiving process digests the cache (or array)
+   and the sender compares it with the digest of what it sent. CPU s/GB is read per process (every
+   thread): the sender's and the receiver's apart, or the one process's in --one-process mode.
 2. Overlap: a real `PrefillEngine` + `PrefillService` on the Qwen2.5-0.5B shape (random bf16 weights,
    --layers of its 24 layers: compute and KV bytes both scale with the layers, so the fraction does
    not depend much on it) prefills one --tokens prompt and pushes its KV over gRPC (N = the largest
-   --streams) to a KvReceiver writing a PagedKvCache. Measured: prefill compute (the call until the
-   first token) and the time from the first token to "KV complete at the receiver", for
-   --kv-layer-groups 1 (the whole KV leaves after the whole prefill, as before layer-wise streaming)
-   and each G in --groups, in the same run.
+   --streams) to a KvReceiver writing a PagedKvCache, in this one process. Measured: prefill compute
+   (the call until the first token) and the time from the first token to "KV complete at the
+   receiver", for --kv-layer-groups 1 (the whole KV leaves after the whole prefill, as before
+   layer-wise streaming) and each G in --groups, in the same run.
 Transfer figures are median [min-max] over --repeats after a warm-up, with the machine record
 (`protocol.MachineRecord`: load before, during, after); overlap figures are the best of --repeats.
 """
@@ -37,8 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.benchmarks import ceilings, kv_push, protocol
+from pdserve.benchmarks import ceilings, kv_push, protocol, receiver_process, receiving_side
 from pdserve.kvcache.codec import MAX_CHUNK_BYTES
+from pdserve.kvcache.layout import KvLayout
 
 
 @dataclass
@@ -51,93 +58,123 @@ class TransferRow:
     ratio: dict
     """transfer / raw grpcio, repetition by repetition (the two ran back to back)."""
     copies_gbps: dict
-    """grpcio plus the two copies any array transfer through it makes (GrpcLoopback(copies=...))."""
+    """grpcio plus the two copies any array transfer through it makes (LoopbackClient/Server(copies=...))."""
     copies_ratio: dict
     """transfer / grpcio + copies, repetition by repetition."""
     transfer_cpu_s_per_gb: dict
-    """CPU seconds of this process (every thread) per GB moved: steadier than wall time on a busy machine."""
+    """CPU seconds per GB moved of the sending process (every thread), both sides in --one-process mode:
+    steadier than wall time on a busy machine."""
     raw_cpu_s_per_gb: dict
     copies_cpu_s_per_gb: dict
+    transfer_receiver_cpu_s_per_gb: dict | None = None
+    """The receiving process's CPU seconds per GB (None in --one-process mode: counted above)."""
+    raw_receiver_cpu_s_per_gb: dict | None = None
+    copies_receiver_cpu_s_per_gb: dict | None = None
 
 
-async def transfer(num_tokens: int, streams: list[int], repeats: int, chunk_bytes: int) -> list[TransferRow]:
-    """pdserve's transfer and raw grpcio on the same bytes, message size and stream count, alternating."""
-    from pdserve.kvcache.layout import KvLayout
-    from pdserve.kvcache.receiver import KvReceiver
-    from pdserve.kvcache.sender import GrpcKvTransport
-    from pdserve.server.decode.kv_cache import PagedKvCache
-
-    import ml_dtypes
-
-    layout = KvLayout(24, 2, 64, 16, "bfloat16")
+def kv_arrays(layout: KvLayout, num_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random k, v [L, T, Hkv, D] in the layout's dtype."""
     shape = (layout.num_layers, num_tokens, layout.num_kv_heads, layout.head_dim)  # [L, T, Hkv, D]
     rng = np.random.default_rng(0)
-    k = rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
-    v = rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16)
+    return tuple(rng.standard_normal(shape, dtype=np.float32).astype(layout.np_dtype) for _ in "kv")
+
+
+async def transfer(num_tokens: int, streams: list[int], repeats: int, chunk_bytes: int, *,
+                   one_process: bool = False, pin: bool = True) -> list[TransferRow]:
+    """pdserve's transfer and raw grpcio on the same bytes, message size and stream count, alternating.
+
+    The receiving side (receiving_side.ReceivingSide) runs in a process of its own
+    (receiver_process.ReceiverProcess), each side pinned to a core of its own when pin and two cores
+    exist; one_process: in this process and event loop. Every repetition's bytes are checked at the
+    receiver (a digest of the cache or array against the one of what was sent).
+    """
+    layout = receiving_side.QWEN_05B_KV
+    k, v = kv_arrays(layout, num_tokens)
     nbytes = k.nbytes + v.nbytes
-    table = list(range(layout.num_blocks(num_tokens)))
-    cache = PagedKvCache(layout, len(table))
-    receiver = KvReceiver(layout, "bench", kv_push.CacheSink(cache, table))
-    server, address = await kv_push.serve_receiver(receiver)
+    sender_core, receiver_core = (None, None) if one_process else receiver_process.core_plan(pin)
+    if one_process:
+        side = await receiving_side.ReceivingSide(layout, num_tokens, nbytes).start()
+    else:
+        side = await receiver_process.ReceiverProcess.start(layout, num_tokens, nbytes, receiver_core)
+        where = ("" if receiver_core is None
+                 else f": receiver on core {receiver_core}, sender on core {sender_core}")
+        print(f"  receiver process pid {side.process.pid}{where}", file=sys.stderr, flush=True)
     rows = []
     try:
-        for n in streams:
-            raw = await ceilings.GrpcLoopback(chunk_bytes, n).start()
-            copies = await ceilings.GrpcLoopback(chunk_bytes, n, copies=nbytes).start()
-            sender = GrpcKvTransport(num_streams=n, max_chunk_bytes=chunk_bytes)
-            sent = 0
-
-            async def push() -> float:
-                nonlocal sent
-                rid, token = f"bench-{n}-{sent}", os.urandom(16)
-                sent += 1
-                done = receiver.expect(rid, 0, token, num_tokens)
-                start = time.perf_counter()
-                await sender.send(address, kv_push.header(rid, token, "bench", layout, num_tokens), layout, k, v, 7)
-                await done.done
-                return time.perf_counter() - start
-
-            runs = {"pdserve": push, "raw grpcio": lambda: raw.seconds(nbytes),
-                    "grpcio + copies": lambda: copies.seconds(nbytes)}
-            seconds: dict[str, list[float]] = {name: [] for name in runs}
-            cpu: dict[str, list[float]] = {name: [] for name in runs}
-            try:
-                for run in runs.values():  # connect and warm up
-                    await run()
-                for _, name in protocol.schedule(list(runs), repeats):
-                    c0 = time.process_time()
-                    seconds[name].append(await runs[name]())
-                    cpu[name].append(time.process_time() - c0)
-            finally:
-                await sender.close()
-                await raw.close()
-                await copies.close()
-            got_k, got_v = cache.read(table, num_tokens)
-            if not (np.array_equal(got_k.float().numpy(), k.astype(np.float32))
-                    and np.array_equal(got_v.float().numpy(), v.astype(np.float32))):
-                raise RuntimeError("the KV in the receiver's cache differs from the KV sent")
-            ours, theirs, copied = seconds["pdserve"], seconds["raw grpcio"], seconds["grpcio + copies"]
-
-            def per_gb(name: str) -> dict | None:
-                return protocol.spread([c / (nbytes / 1e9) for c in cpu[name]])
-
-            row = TransferRow(
-                n,
-                protocol.spread([nbytes / s / 1e9 for s in ours]),
-                protocol.spread([nbytes / s / 1e9 for s in theirs]),
-                protocol.spread([r / p for p, r in zip(ours, theirs)]),
-                protocol.spread([nbytes / s / 1e9 for s in copied]),
-                protocol.spread([r / p for p, r in zip(ours, copied)]),
-                per_gb("pdserve"), per_gb("raw grpcio"), per_gb("grpcio + copies"),
-            )
-            rows.append(row)
-            f = protocol.fmt_spread
-            print(f"  {n} stream(s): transfer {f(row.transfer_gbps)} GB/s, raw grpcio {f(row.raw_gbps)} GB/s, "
-                  f"ratio {f(row.ratio)}; grpcio + copies {f(row.copies_gbps)} GB/s, ratio {f(row.copies_ratio)}",
-                  file=sys.stderr, flush=True)
+        with receiver_process.pinned(sender_core):
+            for n in streams:
+                rows.append(await _transfer_row(side, layout, k, v, n, repeats, chunk_bytes))
     finally:
-        await server.stop(None)
+        await side.close()
     return rows
+
+
+async def _transfer_row(side, layout: KvLayout, k: np.ndarray, v: np.ndarray, n: int, repeats: int,
+                        chunk_bytes: int) -> TransferRow:
+    from pdserve.kvcache.sender import GrpcKvTransport
+
+    PDSERVE, RAW, COPIES = receiving_side.SYSTEMS
+    num_tokens, nbytes = k.shape[1], k.nbytes + v.nbytes
+    raw = ceilings.LoopbackClient(side.addresses[RAW], chunk_bytes, n)
+    copies = ceilings.LoopbackClient(side.addresses[COPIES], chunk_bytes, n, copies=nbytes)
+    sender = GrpcKvTransport(num_streams=n, max_chunk_bytes=chunk_bytes)
+    expected = {PDSERVE: receiving_side.digest(k, v), RAW: None, COPIES: receiving_side.digest(copies.source)}
+
+    async def push(rid: str, token: bytes) -> None:
+        await sender.send(side.addresses[PDSERVE], kv_push.header(rid, token, "bench", layout, num_tokens),
+                          layout, k, v, 7)
+
+    runs = {PDSERVE: push, RAW: lambda rid, token: raw.seconds(nbytes),
+            COPIES: lambda rid, token: copies.seconds(nbytes)}
+    sent = 0
+
+    async def once(name: str) -> tuple[float, float, float]:
+        """(wall s, this process's CPU s, the receiving process's CPU s) of one repetition, checked."""
+        nonlocal sent
+        rid, token = f"bench-{n}-{sent}", os.urandom(16)
+        sent += 1
+        r0 = await side.begin(name, rid, token)
+        c0, start = time.process_time(), time.perf_counter()
+        await runs[name](rid, token)
+        seconds, cpu = time.perf_counter() - start, time.process_time() - c0
+        r1, got = await side.end(name, rid)
+        if got != expected[name]:
+            raise RuntimeError(f"{name}: the bytes at the receiver differ from the bytes sent "
+                               f"(digest {got} != {expected[name]}); the transfer is broken, fix it first")
+        return seconds, cpu, r1 - r0
+
+    measured: dict[str, list[tuple[float, float, float]]] = {name: [] for name in runs}
+    try:
+        for name in runs:  # connect and warm up
+            await once(name)
+        for _, name in protocol.schedule(list(runs), repeats):
+            measured[name].append(await once(name))
+    finally:
+        await sender.close()
+        await raw.close()
+        await copies.close()
+    wall = {name: [m[0] for m in ms] for name, ms in measured.items()}
+
+    def gbps(name: str) -> dict | None:
+        return protocol.spread([nbytes / s / 1e9 for s in wall[name]])
+
+    def per_gb(name: str, index: int) -> dict | None:
+        return protocol.spread([m[index] / (nbytes / 1e9) for m in measured[name]])
+
+    def ratio(reference: str) -> dict | None:
+        return protocol.spread([r / p for p, r in zip(wall[PDSERVE], wall[reference])])
+
+    receiving = side.own_process
+    row = TransferRow(
+        n, gbps(PDSERVE), gbps(RAW), ratio(RAW), gbps(COPIES), ratio(COPIES),
+        per_gb(PDSERVE, 1), per_gb(RAW, 1), per_gb(COPIES, 1),
+        *((per_gb(PDSERVE, 2), per_gb(RAW, 2), per_gb(COPIES, 2)) if receiving else (None, None, None)),
+    )
+    f = protocol.fmt_spread
+    print(f"  {n} stream(s): transfer {f(row.transfer_gbps)} GB/s, raw grpcio {f(row.raw_gbps)} GB/s, "
+          f"ratio {f(row.ratio)}; grpcio + copies {f(row.copies_gbps)} GB/s, ratio {f(row.copies_ratio)}",
+          file=sys.stderr, flush=True)
+    return row
 
 
 class _Context:
@@ -213,6 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-bytes", type=int, default=MAX_CHUNK_BYTES,
                    help="message size of both the transfer and raw grpcio (default: the transfer's)")
     p.add_argument("--model-dir", type=Path, help="where the random Qwen-shape checkpoint is kept")
+    p.add_argument("--one-process", action="store_true",
+                   help="run the receiving side in this process and event loop too "
+                        "(default: a process of its own)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="leave both processes free to run on any core "
+                        "(default: one core each where two exist)")
     p.add_argument("--skip-overlap", action="store_true")
     p.add_argument("--max-load", type=float, default=2.0, help="refuse to run above this 1-minute load average")
     p.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, marking the result noisy")
@@ -228,8 +271,10 @@ def main(argv: list[str] | None = None) -> int:
     protocol.gate(record, args.max_load, args.allow_noisy)
     with protocol.LoadMonitor() as monitor:
         print(f"transfer vs raw grpcio ({args.chunk_bytes}-byte messages, {args.repeats} alternating "
-              "repetitions):", file=sys.stderr, flush=True)
-        moved = uvloop.run(transfer(args.tokens, streams, args.repeats, args.chunk_bytes))
+              f"repetitions, {'one process' if args.one_process else 'sender and receiver processes'}):",
+              file=sys.stderr, flush=True)
+        moved = uvloop.run(transfer(args.tokens, streams, args.repeats, args.chunk_bytes,
+                                    one_process=args.one_process, pin=not args.no_pin))
         hidden = []
         if not args.skip_overlap:
             model_dir = args.model_dir or Path(tempfile.gettempdir()) / f"pdserve-qwen-shape-{args.layers}l"
@@ -243,13 +288,20 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("Median [min-max] over the repetitions; transfer / raw is taken repetition by repetition.")
     print()
+    two = moved[0].transfer_receiver_cpu_s_per_gb is not None
+    cpu_heads = "CPU s/GB (both sides): transfer, raw, + copies"
+    if two:
+        cpu_heads = "CPU s/GB sender: transfer, raw, + copies | CPU s/GB receiver: transfer, raw, + copies"
     print("| streams | transfer GB/s | raw grpcio GB/s | transfer / raw | grpcio + copies GB/s | "
-          "transfer / (grpcio + copies) | transfer / 1-stream transfer | CPU s/GB: transfer, raw, + copies |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          f"transfer / (grpcio + copies) | transfer / 1-stream transfer | {cpu_heads} |")
+    print("| ---: " * (9 if two else 8) + "|")
     for r in moved:
+        cpu = f"{f(r.transfer_cpu_s_per_gb)}, {f(r.raw_cpu_s_per_gb)}, {f(r.copies_cpu_s_per_gb)}"
+        if two:
+            cpu += (f" | {f(r.transfer_receiver_cpu_s_per_gb)}, {f(r.raw_receiver_cpu_s_per_gb)}, "
+                    f"{f(r.copies_receiver_cpu_s_per_gb)}")
         print(f"| {r.streams} | {f(r.transfer_gbps)} | {f(r.raw_gbps)} | **{f(r.ratio)}** | {f(r.copies_gbps)} | "
-              f"{f(r.copies_ratio)} | {r.transfer_gbps['median'] / one:.2f} | {f(r.transfer_cpu_s_per_gb)}, "
-              f"{f(r.raw_cpu_s_per_gb)}, {f(r.copies_cpu_s_per_gb)} |")
+              f"{f(r.copies_ratio)} | {r.transfer_gbps['median'] / one:.2f} | {cpu} |")
     if hidden:
         print()
         print("| layer groups | prefill compute (ms) | first token -> KV complete (ms) | fraction of compute |")
@@ -259,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "chunk_bytes": args.chunk_bytes, "tokens": args.tokens, "machine": record.as_dict(),
+            "one_process": args.one_process, "pinned": not args.no_pin and not args.one_process,
             "transfer": [asdict(r) for r in moved],
             "overlap": [{"layer_groups": g, "compute_s": c, "tail_s": t} for g, c, t in hidden],
         }, indent=2))
