@@ -454,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-secret-file", type=Path,
                    help="the internal links' secret (default: a fresh one, in a private temporary file)")
     p.add_argument("--stall-timeout", type=float, default=10.0,
-                   help="the coordinator migrates a stream whose decode worker sends nothing this long (s)")
+                   help="the coordinator migrates a stream whose decode worker sends nothing this long (s) "
+                        "after its first token")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve this supervisor's /metrics (pdserve_worker_restarts_total) here (0: off)")
     p.set_defaults(func=cmd_up)

@@ -97,7 +97,7 @@ class TierQueue:
                 worker = pick()
                 if worker is not None:
                     return worker
-                if not pool.ready(self.tier):  # type: ignore[arg-type]
+                if not (pool.ready(self.tier) or pool.awaiting_recheck(self.tier)):  # type: ignore[arg-type]
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready {self.tier} worker")
         finally:
             head = self._line[0] is ticket

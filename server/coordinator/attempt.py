@@ -6,7 +6,9 @@
    its own queue is full): that is never the client's failure: D counts as full in this coordinator's view
    until it next reports its load, and the attempt picks again (until the deadline).
 2. Prefill: P answers the first token, yielded at once, and pushes the KV to D itself. No prefill worker
-   alive: D prefills the prompt, and its first event carries the first token.
+   alive: D prefills the prompt, and its first event carries the first token. Until D's first event, D
+   waits on P's KV or computes the prompt: that silence is not D's, so no --stall-timeout runs; the wait
+   ends when P or D goes down (the pool's health checks), when D reports the KV failed, or at the deadline.
 3. Stream: D's events (`tokens`..., then `finished`) as the proto's `SequenceEvent` oneof, from D's Steps
    stream (batched with the other requests on it) or from the call itself (one message per token). A
    reader behind the stream (still writing its previous response) gets the tokens that piled up merged
@@ -147,10 +149,9 @@ class Attempt:
                 metrics.local_prefill_fallbacks.inc()
                 log.info("request %s: no prefill worker alive; decode worker %s prefills it", self.r.req.request_id,
                          self.decode.address)
-                events = await self._next()
             else:
                 yield await self._run_prefill(cached_blocks)
-                events = await self._first_decode_events()
+            events = await self._first_events()
             if self.r.leads:  # D's first event: the prompt's KV is there, its full blocks in D's prefix cache
                 self.r.shared.place(self.decode, self.prefill, len(self.r.req.prompt_ids))
             while True:
@@ -176,6 +177,8 @@ class Attempt:
         queued_at = time.monotonic()
         placement = await self._placement()
         while True:
+            if not service.pool.ready("decode"):  # one marked dead by a call may be back at its health check
+                await service.pool.recheck("decode", min(r.deadline.check(), service.pool.recheck_seconds))
             if not service.pool.ready("decode"):
                 raise r.no_worker_left("decode")
             decode = await service.decode_queue.acquire(service.pool, lambda: self._pick_decode(placement), r.deadline)
@@ -369,35 +372,46 @@ class Attempt:
             first.tokens.logprobs.append(reply.first_token_logprob)
         return first
 
-    async def _first_decode_events(self) -> list[DecodeEvent]:
-        """D's first events after the prefill answered: they mean the KV arrived. Should P die before
-        that, the attempt is lost at once (D would otherwise wait out its lease)."""
+    async def _first_events(self) -> list[DecodeEvent]:
+        """D's first events: the KV arrived from P (after P answered), or D prefilled the prompt itself
+        (no P). Until then D waits on P or computes the prompt, silent: no --stall-timeout runs against it. The wait
+        ends when P or D goes down (its health check failed, or a call found it gone: the attempt is lost at
+        once, rather than D waiting out its lease), when D reports the KV failed (P's failure), or at the
+        deadline."""
         prefill, decode, r = self.prefill, self.decode, self.r
-        read = asyncio.ensure_future(self._next(kv_from=prefill))
-        lost = asyncio.ensure_future(prefill.lost.wait())
+        read = asyncio.ensure_future(self._next(kv_from=prefill, stall=False))
+        lost = {worker: worker.lost for worker in (prefill, decode) if worker is not None}
+        down = [asyncio.ensure_future(event.wait()) for event in lost.values()]
         try:
-            await asyncio.wait({read, lost}, timeout=r.deadline.check(), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({read, *down}, timeout=r.deadline.check(), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            lost.cancel()
+            for waiting in down:
+                waiting.cancel()
             if not read.done():
                 read.cancel()
                 with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError, Lost, RequestFailed):
                     await read
         if read.done() and not read.cancelled():
             return read.result()
-        if lost.done() and not lost.cancelled():
+        if prefill is not None and lost[prefill].is_set():
             raise Lost(prefill, f"prefill worker {prefill.address} died before its KV reached decode worker "
                                 f"{decode.address}")
+        if lost[decode].is_set():
+            raise Lost(decode, f"decode worker {decode.address} went down before its first token "
+                               f"({'waiting for the KV' if prefill else 'prefilling the prompt'})")
         r.deadline.check()
-        raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded waiting for the KV")
+        raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            "deadline exceeded waiting for the KV" if prefill else
+                            f"deadline exceeded while decode worker {decode.address} prefilled the prompt")
 
     # ---- 3. stream --------------------------------------------------------------------
 
-    async def _next(self, kv_from: Worker | None = None) -> list[DecodeEvent]:
+    async def _next(self, kv_from: Worker | None = None, stall: bool = True) -> list[DecodeEvent]:
         """The next `tokens`/`finished` events, merged where they pile up. `kv_from`: the KV has not
-        arrived yet, so a failed transfer is the prefill worker's failure."""
+        arrived yet, so a failed transfer is the prefill worker's failure. `stall`: D's silence is its own
+        (it has sent its first event), so --stall-timeout limits the wait."""
         while True:
-            items = await self._take(waiting_for_kv=kv_from is not None)
+            items = await self._take(stall)
             events: list[DecodeEvent] = []
             for i, item in enumerate(items):
                 if isinstance(item, Exception):
@@ -413,17 +427,13 @@ class Attempt:
             if events:
                 return _merged(events, self.service.max_coalesce)
 
-    async def _take(self, waiting_for_kv: bool = False) -> list[DecodeEvent | Exception]:
-        """The route's next items. A worker silent for --stall-timeout is lost; before its first event it
-        also waits for the KV, which P sends after answering the first token (a long batch's KV may take
-        more than the stall timeout to leave P), so the KV lease is added to the limit there."""
-        stall = self._stall_after()
-        if stall is not None and waiting_for_kv:
-            stall += self.service.lease_seconds
-        if stall is None:
+    async def _take(self, stall: bool = True) -> list[DecodeEvent | Exception]:
+        """The route's next items. `stall`: a worker silent for --stall-timeout is lost (marked failed)."""
+        limit = self._stall_after() if stall else None
+        if limit is None:
             return await self.route.take(None)  # the call's own deadline ends it first
         try:
-            return await self.route.take(stall)
+            return await self.route.take(limit)
         except TimeoutError:
             raise await self._stalled() from None
 

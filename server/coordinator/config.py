@@ -50,7 +50,8 @@ class CoordinatorConfig:
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     stall_timeout: float = 10.0
-    """A decode stream that sends nothing this long is migrated as if its worker had died (`--stall-timeout`)."""
+    """A decode stream that sends nothing this long after its first event is migrated as if its worker had
+    died (`--stall-timeout`); before it, the worker waits on the KV or prefills the prompt itself."""
     max_prompt_bytes: int = 4 * 2**20
     """Text prompts (and chat messages together) longer than this are refused before any work."""
     api_key: str | None = None

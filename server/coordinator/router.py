@@ -8,6 +8,9 @@ round. A worker's state:
 - draining: said so (SIGTERM) in a heartbeat or GetInfo; takes no new work, ever again.
 - dead: GetInfo failed, a call found it unreachable, or heartbeats stopped; takes no traffic until it
   answers again. A registered worker dead for `forget_seconds` is dropped from the pool.
+A worker marked dead by a call (unreachable, or its stream silent for --stall-timeout) rather than by its
+health check is back at the next GetInfo round (or heartbeat) if it answers; until that check, a request
+that finds its tier with no ready worker waits for it (`recheck`) instead of being refused at once.
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ class Worker:
     last_seen: float = 0.0
     """time.monotonic() of the last answer (GetInfo, Register or Heartbeat)."""
     dead_since: float | None = None
+    failed_by_call: bool = False
+    """Marked dead by a call (unreachable, or silent for --stall-timeout), its health not checked since."""
     refused: bool = False
     """It refused a request for lack of room (another coordinator took its blocks first): no room in this
     coordinator's view until its next load report."""
@@ -232,6 +237,7 @@ class WorkerPool:
         worker.reported(info, now)
         worker.last_heartbeat = now
         worker.refused = False
+        worker.failed_by_call = False
         worker.draining = info.draining
         worker.set_ready(True)
         log.info("%s worker %s registered: model %s", info.role, info.address, _describe(info))
@@ -247,6 +253,7 @@ class WorkerPool:
         worker.reported(info, now)
         worker.last_heartbeat = now
         worker.refused = False
+        worker.failed_by_call = False
         if info.draining and not worker.draining:
             log.info("%s worker %s is draining", worker.role, worker.address)
         worker.draining = worker.draining or info.draining
@@ -271,9 +278,31 @@ class WorkerPool:
         return bool(self.ready("decode"))
 
     async def mark_failed(self, worker: Worker, reason: str) -> None:
-        """A call to the worker found it unreachable: route around it until it answers again."""
+        """A call to the worker found it unreachable or silent: route around it until its health check (the
+        next GetInfo round, or heartbeat) finds it answering."""
         if worker.set_ready(False, reason):
+            worker.failed_by_call = True
             await self._notify()
+
+    def awaiting_recheck(self, role: Role) -> bool:
+        """A worker of the tier was marked dead by a call and its health has not been checked since."""
+        return any(w.role == role and w.failed_by_call and not w.draining for w in self.workers.values())
+
+    @property
+    def recheck_seconds(self) -> float:
+        """How long the health check of a worker marked dead by a call may take: two rounds."""
+        return 2 * self.refresh_seconds + self.get_info_timeout
+
+    @property
+    def get_info_timeout(self) -> float:
+        return max(1.0, 2 * self.refresh_seconds)
+
+    async def recheck(self, role: Role, timeout: float) -> None:
+        """Returns once the tier has a ready worker or none awaits its health check (that worker is back,
+        or dead), or after `timeout` seconds."""
+        end = time.monotonic() + timeout
+        while not self.ready(role) and self.awaiting_recheck(role) and (left := end - time.monotonic()) > 0:
+            await self.changed(left)
 
     async def changed(self, timeout: float) -> None:
         """Returns when the pool's state or load changes, or after `timeout` seconds."""
@@ -301,10 +330,12 @@ class WorkerPool:
         assert worker.channel is not None
         stub = worker_pb2_grpc.ControlStub(worker.channel)
         try:
-            info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=max(1.0, 2 * self.refresh_seconds))
+            info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=self.get_info_timeout)
         except grpc.aio.AioRpcError as e:
             worker.set_ready(False, f"GetInfo: {e.code().name} {e.details()}")
             return
+        finally:
+            worker.failed_by_call = False  # its health is checked: what follows says ready or dead
         if info.role and info.role != worker.role:
             if worker.ready or worker.info is None:
                 log.error("worker %s was given as %s but says it is %s", worker.address, worker.role, info.role)

@@ -84,7 +84,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.max_retries = max_retries
         self.prefill_inflight_per_worker = prefill_inflight_per_worker
         self.stall_timeout = stall_timeout
-        """A decode stream silent this long is lost (then migrated) as if its worker had died; None: never."""
+        """A decode stream silent this long after its first event is lost (then migrated) as if its worker
+        had died; None: never."""
         self.ttft_budget = ttft_budget
         self.steps = StepsClients(enabled=decode_streams == "batched")
         """Each decode worker's Steps stream (batched: one message per step for all requests on it)."""

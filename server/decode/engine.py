@@ -137,13 +137,20 @@ class DecodeEngine:
             self._copies.setdefault(request_id, []).append(copied)
 
     async def prefill_locally(self, seq: Sequence) -> int:
-        """The prompt's KV (past its cached prefix) computed here; the first token."""
-        self._busy.add(seq.request_id)
-        try:
-            return await asyncio.to_thread(self._prefill, seq)
-        finally:
-            self._busy.discard(seq.request_id)
-            self._retire_deferred()
+        """The prompt's KV (past its cached prefix) computed here; the first token. Cancelled (the request
+        ended), the thread computing it runs on: its blocks stay busy (an abort frees them) until it ends."""
+        rid = seq.request_id
+        self._busy.add(rid)
+        work = asyncio.ensure_future(asyncio.to_thread(self._prefill, seq))
+        work.add_done_callback(lambda done: self._prefilled(rid, done))
+        return await asyncio.shield(work)
+
+    def _prefilled(self, rid: str, done: asyncio.Future[int]) -> None:
+        """A local prefill's thread ended: a sequence aborted meanwhile is retired now."""
+        if not done.cancelled():
+            done.exception()  # retrieved here too: a cancelled caller no longer awaits it
+        self._busy.discard(rid)
+        self._retire_deferred()
 
     def _prefill(self, seq: Sequence) -> int:
         """The first token; its logprob on seq.logprobs and the prompt's on seq.prompt_logprobs when asked

@@ -2,7 +2,8 @@
 
 FakePrefill answers a scripted first token and "pushes the KV" by telling the FakeDecode registered
 under the target address (checking the transfer token). FakeDecode sends `reserved`, waits for that
-KV under the lease, then sends the scripted token events and `finished` (or hangs until cancelled).
+KV under the lease (or, asked to prefill locally, "computes" the prompt and sends its first token), then
+sends the scripted token events and `finished` (or hangs until cancelled).
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         """Refuse only this many calls, then serve (None: every call while `refuse` is set)."""
         self.queued = 0
         """`queued` events sent before `reserved` and before every token event (a request waiting for blocks)."""
+        self.kv_wait_limit: float | None = None
+        """How long the KV may take to arrive (None: the request's lease); longer stands for a transfer
+        whose chunks keep arriving, each restarting the lease."""
+        self.local_first_token = 0
+        """A local prefill's (DecodeRequest.local_prefill: no prefill worker) first token."""
+        self.local_prefill: asyncio.Event | None = None
+        """A local prefill computes until this is set (None: it ends at once)."""
         self.die_after: int | None = None
         """After this many events the worker dies (its server stops at once)."""
         self.server: grpc.aio.Server | None = None
@@ -104,19 +112,28 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         for i in range(self.queued):
             yield worker_pb2.DecodeResponse(queued=worker_pb2.Queued(position=self.queued - 1 - i))
         yield worker_pb2.DecodeResponse(reserved=worker_pb2.Reserved(num_blocks=2))
-        try:
-            await asyncio.wait_for(self._kv[request.request_id].wait(), request.lease_seconds)
-        except TimeoutError:
-            yield worker_pb2.DecodeResponse(
-                finished=worker_pb2.Finished(
-                    reason=FinishReason.FINISH_REASON_ERROR, message="KV lease expired"
+        first: list[worker_pb2.TokenEvent] = []
+        if request.local_prefill:
+            if self.local_prefill is not None:
+                await self.local_prefill.wait()
+            first.append(worker_pb2.TokenEvent(token_ids=[self.local_first_token]))
+        else:
+            try:
+                limit = self.kv_wait_limit or request.lease_seconds
+                await asyncio.wait_for(self._kv[request.request_id].wait(), limit)
+            except TimeoutError:
+                yield worker_pb2.DecodeResponse(
+                    finished=worker_pb2.Finished(
+                        reason=FinishReason.FINISH_REASON_ERROR, message="KV lease expired"
+                    )
                 )
-            )
-            return
+                return
         stream = self.step_streams.get(request.steps_stream_id)
         if stream is not None:
-            await self._send_on_stream(request, stream)
+            await self._send_on_stream(request, stream, first)
             return
+        for event in first:
+            yield worker_pb2.DecodeResponse(tokens=event)
         for n, ids in enumerate(self.events):
             if n == self.die_after:
                 await self._die()
@@ -141,12 +158,14 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         while True:
             yield await stream.get()
 
-    async def _send_on_stream(self, request, stream: asyncio.Queue) -> None:
-        """Every token event, then `finished`, in one StepBatch (the Decode call then ends OK)."""
+    async def _send_on_stream(self, request, stream: asyncio.Queue,
+                              first: list[worker_pb2.TokenEvent]) -> None:
+        """Every token event (`first`: a local prefill's first token), then `finished`, in one StepBatch
+        (the Decode call then ends OK)."""
         def event(**kw) -> worker_pb2.SequenceEvent:
             return worker_pb2.SequenceEvent(request_id=request.request_id, **kw)
 
-        batch = worker_pb2.StepBatch()
+        batch = worker_pb2.StepBatch(events=[event(tokens=tokens) for tokens in first])
         for ids in self.events:
             logprobs = ([fake_logprob(i, request.sampling.logprobs) for i in ids]
                         if request.sampling.HasField("logprobs") else [])
@@ -177,6 +196,10 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer):
         self.fail: grpc.StatusCode | None = None
         self.hang = False
         """Never answer: the call stays pending until cancelled."""
+        self.push_after: asyncio.Event | None = None
+        """The first token is answered at once, the KV reaches the decode worker once this is set (a KV
+        still leaving the prefill worker); None: at once."""
+        self._pushes: set[asyncio.Task[None]] = set()
         self.decoders: dict[str, FakeDecode] = {}
         """Decode workers by address: where the "KV" goes."""
         self.requests: list[worker_pb2.PrefillRequest] = []
@@ -193,12 +216,22 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer):
                 self.cancelled.set()
                 raise
         target = self.decoders.get(request.target.address)
-        if target is not None:
+        if target is not None and self.push_after is None:
             target.push_kv(request)
+        elif target is not None:
+            push = asyncio.create_task(self._push_later(target, request, self.push_after))
+            self._pushes.add(push)
+            push.add_done_callback(self._pushes.discard)
         response = worker_pb2.PrefillResponse(first_token_id=self.first_token_id, prefill_seconds=0.001)
         if request.sampling.HasField("logprobs"):
             response.first_token_logprob.CopyFrom(fake_logprob(self.first_token_id, request.sampling.logprobs))
         return response
+
+    @staticmethod
+    async def _push_later(target: FakeDecode, request: worker_pb2.PrefillRequest,
+                          after: asyncio.Event) -> None:
+        await after.wait()
+        target.push_kv(request)
 
     def add_to(self, server: grpc.aio.Server) -> None:
         worker_pb2_grpc.add_PrefillServicer_to_server(self, server)
@@ -268,7 +301,7 @@ async def start_fake_pools(model_dir, **config) -> FakePools:
     prefill.decoders[decode_worker.address] = decode
     coordinator = await start(CoordinatorConfig(
         model_dir, port=0, prefill_addresses=[prefill_worker.address],
-        decode_addresses=[decode_worker.address], refresh_seconds=0.1, lease_seconds=5, **config,
+        decode_addresses=[decode_worker.address], **{"refresh_seconds": 0.1, "lease_seconds": 5, **config},
     ))
     for _ in range(100):
         if coordinator.pool.ready("prefill") and coordinator.pool.ready("decode"):

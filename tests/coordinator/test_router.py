@@ -62,6 +62,33 @@ async def test_draining_is_sticky_and_missed_heartbeats_mean_dead():
     await decode.stop()
 
 
+async def test_a_worker_marked_failed_by_a_call_is_back_after_one_health_round_a_dead_one_stays_out():
+    """A call found the worker silent (--stall-timeout) or unreachable: `mark_failed` routes around it.
+    The next GetInfo round readmits the one that answers (from flags, or registered: its heartbeat does
+    too); the one that does not answer stays out, round after round."""
+    alive, gone, joined = [await FakeWorker.start("decode", FakeDecode()) for _ in range(3)]
+    pool = WorkerPool(refresh_seconds=60, heartbeat_timeout=60)  # the rounds are run by hand
+    a, g = pool.add(Worker(alive.address, "decode")), pool.add(Worker(gone.address, "decode"))
+    r = await pool.register(info("decode", joined.address))
+    await pool.refresh()
+    assert pool.ready("decode") == [a, g, r]
+    await gone.stop()
+    for worker in (a, g, r):
+        await pool.mark_failed(worker, "decode worker sent nothing for 10 s (--stall-timeout)")
+    assert pool.ready("decode") == [] and not pool.serving and pool.awaiting_recheck("decode")
+    await pool.refresh()  # one round
+    assert pool.ready("decode") == [a, r] and pool.serving and not pool.awaiting_recheck("decode")
+    for _ in range(3):
+        await pool.refresh()
+    assert pool.ready("decode") == [a, r] and g.state == "dead"
+    await pool.mark_failed(r, "decode worker sent nothing for 10 s (--stall-timeout)")
+    assert await pool.heartbeat(info("decode", joined.address)) is True  # a registered worker's heartbeat
+    assert pool.ready("decode") == [a, r]
+    await pool.close()
+    await alive.stop()
+    await joined.stop()
+
+
 def _worker(address: str, free: int, cap: int = 0, running: int = 0) -> Worker:
     return Worker(address, "decode", info("decode", address, free=free, max_running_requests=cap,
                                           running_requests=running), ready=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -87,6 +88,38 @@ async def test_abort_mid_run_frees_after_the_step(tiny_model):
         await asyncio.sleep(0.005)
     assert _all_back(engine) and seq.block_table == []
     assert seq.finish_reason == gen_pb.FINISH_REASON_ABORT
+    await engine.close()
+
+
+async def test_a_cancelled_local_prefill_holds_its_blocks_until_its_thread_ends(tiny_model, monkeypatch):
+    """The request ends (its Decode call cancelled, then aborted) while its prompt is computed in a thread:
+    the thread runs on writing the blocks, so they are freed only when it ends, never handed on before."""
+    engine = _engine(tiny_model("llama"), num_blocks=13)
+    computing, finish = threading.Event(), threading.Event()
+    prefill = engine._prefill
+
+    def slow_prefill(seq: Sequence) -> int:
+        computing.set()
+        assert finish.wait(10)
+        return prefill(seq)
+
+    monkeypatch.setattr(engine, "_prefill", slow_prefill)
+    seq = engine.add(_request("a", list(range(3, 13)), 4))  # 10 tokens: 3 blocks of 4
+    await seq.admitted
+    held = list(seq.block_table)
+    call = asyncio.create_task(engine.prefill_locally(seq))
+    assert await asyncio.to_thread(computing.wait, 10)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert engine.abort("a")
+    other = engine.add(_request("b", list(range(20, 64)), 4))  # 44 tokens: 11 blocks, 1 more than are free
+    assert held == [0, 1, 2] and not other.admitted.done()  # it waits for a's blocks
+    finish.set()
+    await asyncio.wait_for(other.admitted, 10)  # a's thread ended: its blocks go to b
+    assert len(other.block_table) == 11 and set(held) & set(other.block_table)
+    engine.abort("b")
+    assert _all_back(engine)
     await engine.close()
 
 
