@@ -396,10 +396,11 @@ class PrefillEngine:
         formats = tuple(sorted({(s.job.kv_dtype, s.job.block_size) for s in step}))
         return StepInputs(tokens, packing, context, formats, head_rows, penalties, sampling, next_tokens), offsets
 
-    def dispatch(self, inputs: StepInputs) -> StepOutputs:
+    def dispatch(self, inputs: StepInputs, to_host: bool = True) -> StepOutputs:
         """Dispatches one step's programs, in this order (on every process of a slice): embed, each layer
         group, the head and sampling of the finishing prompts, their prompt logprobs, then each group's KV
-        converted to each wire format: queued behind the sampling, so a first token never waits for KV."""
+        converted to each wire format (queued behind the sampling, so a first token never waits for KV)
+        and, `to_host`, copying to the host as it is ready (a slice's other processes read nothing)."""
         packing = inputs.packing
         x, cos, sin = self._embed(self.params, inputs.tokens, packing.positions)  # [1, T, H], [1, T, D] x2
         kv = []  # (first layer, k, v [l, 1, T, Hkv, D]) of each group, on the device
@@ -416,7 +417,8 @@ class PrefillEngine:
         if inputs.next_tokens is not None:
             prompt_lp = self._prompt_logprobs(self.params, x, inputs.next_tokens)
         valid = packing.segments >= 0  # [1, T]
-        wire = [(start, {f: self._to_wire(k, v, valid, *f) for f in inputs.formats}, k, v) for start, k, v in kv]
+        wire = [(start, {f: self._to_wire(k, v, valid, *f, to_host=to_host) for f in inputs.formats}, k, v)
+                for start, k, v in kv]
         return StepOutputs(logits, first, prompt_lp, wire)
 
     def _run(self, step: list[Segment[PrefillJob]], shape: StepShape, loop: asyncio.AbstractEventLoop) -> None:
@@ -427,12 +429,9 @@ class PrefillEngine:
             if s.job.context is None:
                 s.job.context = self._new_context(s.job)
         out = self.dispatch(inputs) if self.replay is None else self.replay.run(inputs, self.dispatch)
-        for _, wire, k, v in out.kv:  # the copies queue behind the programs, the first token's first
-            for a in (a for arrays in wire.values() for a in arrays if a is not None):
-                a.copy_to_host_async()
-            if keep:
-                k.copy_to_host_async()
-                v.copy_to_host_async()
+        for _, _, k, v in out.kv if keep else ():
+            k.copy_to_host_async()
+            v.copy_to_host_async()
         if out.prompt_logprobs is not None:
             self._take_prompt_logprobs(step, offsets, out.prompt_logprobs)
         finishing = [s for s in step if s.last]
@@ -491,8 +490,9 @@ class PrefillEngine:
         wire = NUMPY_DTYPES[job.kv_dtype]
         return KvTensors(layer_start, token_start, k.astype(wire), v.astype(wire))
 
-    def _to_wire(self, k: jax.Array, v: jax.Array, valid: np.ndarray, dtype: str, block_size: int):
-        """(k, v, k_scales, v_scales) in the wire format, on the device."""
+    def _to_wire(self, k: jax.Array, v: jax.Array, valid: np.ndarray, dtype: str, block_size: int,
+                 to_host: bool = True):
+        """(k, v, k_scales, v_scales) in the wire format, (`to_host`) already copying to the host."""
         if dtype in QUANTIZED:  # on the device, over the real tokens' blocks
             qk, k_scales = self._quantize_kv(k, valid, block_size=block_size, fmt=dtype)
             qv, v_scales = self._quantize_kv(v, valid, block_size=block_size, fmt=dtype)
@@ -500,6 +500,9 @@ class PrefillEngine:
         else:
             same = k.dtype == NUMPY_DTYPES[dtype]
             arrays = (k, v, None, None) if same else (self._cast(k, dtype=dtype), self._cast(v, dtype=dtype), None, None)
+        for a in arrays if to_host else ():
+            if a is not None:
+                a.copy_to_host_async()
         return arrays
 
     @staticmethod

@@ -140,7 +140,7 @@ async def replay_steps(engine: PrefillEngine) -> None:
     process = jax.process_index()
     asyncio.get_running_loop().add_signal_handler(
         signal.SIGTERM, lambda: log.info("prefill slice: SIGTERM; process %d exits when process 0 stops the slice", process))
-    await asyncio.to_thread(follow, lambda inputs: engine.dispatch(inputs).wait(), process, _cluster_secret())
+    await asyncio.to_thread(follow, lambda inputs: engine.dispatch(inputs, to_host=False).wait(), process, _cluster_secret())
 
 
 def _cluster_secret() -> str | None:

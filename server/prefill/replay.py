@@ -144,7 +144,7 @@ class SliceLeader:
         """Reads a follower's hello; keeps the connection and returns None, or says what is wrong."""
         conn.settimeout(10.0)
         try:
-            message = _receive(conn, max_header=MAX_HELLO_BYTES)
+            message = _receive(conn, max_header=MAX_HELLO_BYTES, arrays=False)
         except (OSError, ValueError) as e:
             return f"no valid hello ({e})"
         if message is None or message[0].get("kind") != "hello":
@@ -266,8 +266,10 @@ def _send(conn: socket.socket, header: dict, arrays: dict[str, np.ndarray] | Non
         conn.sendall(a.reshape(-1).view(np.uint8))
 
 
-def _receive(conn: socket.socket, max_header: int = 1 << 20) -> tuple[dict, dict[str, np.ndarray]] | None:
-    """One message (header, arrays); None when the stream ends before one starts."""
+def _receive(conn: socket.socket, max_header: int = 1 << 20, arrays: bool = True
+             ) -> tuple[dict, dict[str, np.ndarray]] | None:
+    """One message (header, arrays); None when the stream ends before one starts. arrays=False: a
+    message that carries arrays is refused before anything is allocated for them."""
     size = _read(conn, 8, at_start=True)
     if size is None:
         return None
@@ -275,14 +277,18 @@ def _receive(conn: socket.socket, max_header: int = 1 << 20) -> tuple[dict, dict
     if length > max_header:
         raise ValueError(f"a replay header of {length} bytes (at most {max_header})")
     header = json.loads(_read(conn, length))
-    arrays = {}
-    for name, dtype, shape in header.pop("arrays"):
+    if not isinstance(header, dict):
+        raise ValueError("a replay header that is not a JSON object")
+    if header.get("arrays") and not arrays:
+        raise ValueError("arrays in a message that has none")
+    out = {}
+    for name, dtype, shape in header.pop("arrays", []):
         if dtype not in DTYPES:
             raise ValueError(f"a replay array {name!r} of dtype {dtype!r}, not one of {', '.join(DTYPES)}")
         a = np.empty(shape, DTYPES[dtype])
         _read_into(conn, a.reshape(-1).view(np.uint8))
-        arrays[name] = a
-    return header, arrays
+        out[name] = a
+    return header, out
 
 
 def _read(conn: socket.socket, n: int, at_start: bool = False) -> bytes | None:
