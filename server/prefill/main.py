@@ -28,6 +28,7 @@ from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
 from pdserve.server.prefill.replay import SliceLeader, coordinator_host, follow
 from pdserve.server.prefill.service import PrefillService
+from pdserve.server.prefill.step_inputs import StepInputs
 from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params, start_distributed
 from pdserve.server.registration import Memberships, join, serve_until_signal
 
@@ -139,8 +140,13 @@ async def replay_steps(engine: PrefillEngine) -> None:
     alone does not stop it: process 0 drains first, and its steps need every process)."""
     process = jax.process_index()
     asyncio.get_running_loop().add_signal_handler(
-        signal.SIGTERM, lambda: log.info("prefill slice: SIGTERM; process %d exits when process 0 stops the slice", process))
-    await asyncio.to_thread(follow, lambda inputs: engine.dispatch(inputs, to_host=False).wait(), process, _cluster_secret())
+        signal.SIGTERM, lambda: log.info("prefill slice: SIGTERM; process %d exits when process 0 stops the slice",
+                                         process))
+
+    def run(inputs: StepInputs) -> None:
+        engine.dispatch(inputs, to_host=False).wait()
+
+    await asyncio.to_thread(follow, run, process, _cluster_secret())
 
 
 def _cluster_secret() -> str | None:

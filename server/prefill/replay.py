@@ -108,7 +108,8 @@ class SliceLeader:
 
     @classmethod
     def listen(cls, num_followers: int, host: str, secret: str | None = None,
-               publish: Callable[[str, str], None] = publish, on_lost: Callable[[str], None] = exit_slice) -> SliceLeader:
+               publish: Callable[[str, str], None] = publish,
+               on_lost: Callable[[str], None] = exit_slice) -> SliceLeader:
         """Listens on a free port of every interface and publishes `host`:port and a fresh token under KEY."""
         if socket.has_dualstack_ipv6():
             listener = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True)
@@ -214,7 +215,8 @@ def follow(run: Callable[[StepInputs], None], process: int, secret: str | None =
     conn.settimeout(None)
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     _send(conn, {"kind": "hello", "process": process, "proof": proof(secret, bytes.fromhex(published["token"]))})
-    log.info("prefill slice: process %d connected to process 0 at %s; replaying its steps", process, published["address"])
+    log.info("prefill slice: process %d connected to process 0 at %s; replaying its steps", process,
+             published["address"])
     steps = 0
     with conn:
         while True:

@@ -47,7 +47,8 @@ def test_a_two_process_slice_serves_greedy_parity_and_stops_with_process_0(tiny_
     try:
         coordinator = procs.coordinator()
         procs.worker("decode", "decode", coordinator)
-        leader, follower = start_slice(procs, coordinator, "--max-prefill-chunk", "64", "--max-num-batched-tokens", "128")
+        leader, follower = start_slice(procs, coordinator, "--max-prefill-chunk", "64",
+                                       "--max-num-batched-tokens", "128")
         # Mixed lengths at once: packed into 128-token steps, the long ones chunk by chunk beside them.
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: generate_ids(coordinator.address, p)[0], prompts))
@@ -55,7 +56,8 @@ def test_a_two_process_slice_serves_greedy_parity_and_stops_with_process_0(tiny_
         # Again: the prefill worker holds their full blocks (host-side, on process 0) and computes the rest.
         hits = counter(leader.metrics(), "pdserve_prefill_prefix_cache_hit_tokens_total")
         assert [generate_ids(coordinator.address, p)[0] for p in LONG_PROMPTS] == expected[-2:]
-        held = sum((len(tok.encode(p).ids) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in LONG_PROMPTS)  # full blocks but the last token's
+        # every full block but the one holding the last token (which computes the first token)
+        held = sum((len(tok.encode(p).ids) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in LONG_PROMPTS)
         assert counter(leader.metrics(), "pdserve_prefill_prefix_cache_hit_tokens_total") - hits == held
         check_penalty_and_prompt_logprobs(coordinator, model_dir, tok.encode(PROMPTS[4]).ids)
 
