@@ -112,7 +112,8 @@ def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
     compile_s = engine.warmup(progress=progress)
     log.info("prefill model %s loaded in %.1f s (tensor parallel %d over %s); weights %.1f MiB (%s, compute %s); "
              "%d batch shapes compiled in %.1f s", model_config.describe(), loaded, tp, jax.default_backend(),
-             param_bytes(params) / 2**20, dtype, compute_dtype(model_config, dtype), len(shapes), compile_s)
+             param_bytes(params) / 2**20, dtype, compute_dtype(model_config, dtype, jax.default_backend()), len(shapes),
+             compile_s)
     if leader is not None:
         leader.accept()
         engine.replay = leader

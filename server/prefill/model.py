@@ -27,10 +27,13 @@ Params = dict
 F32 = jnp.float32
 
 
-def compute_dtype(config: ModelConfig, weight_dtype: str) -> str:
-    """The activations' dtype: the weights' own, or for int8/fp8 weights the checkpoint's (fp32 or bf16)."""
+def compute_dtype(config: ModelConfig, weight_dtype: str, backend: str | None = None) -> str:
+    """The activations' dtype: the weights' own, or for int8/fp8 weights the checkpoint's (fp32 or bf16),
+    which on the CPU `backend` is fp32 for the reason `served_weight_dtype` gives (None: as on an
+    accelerator)."""
     if weight_dtype in WEIGHT_FORMATS:
-        return config.dtype if config.dtype in ("float32", "bfloat16") else "float32"
+        checkpoint = config.dtype if config.dtype in ("float32", "bfloat16") else "float32"
+        return served_weight_dtype("auto", checkpoint, backend or "")
     return weight_dtype
 
 
@@ -50,16 +53,18 @@ def served_weight_dtype(requested: str, checkpoint_dtype: str, backend: str) -> 
     return checkpoint_dtype
 
 
-def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str = "float32") -> Params:
+def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str = "float32",
+                backend: str | None = None) -> Params:
     """Device params from HF-named weights; matmul weights in `dtype`, norm weights in fp32.
 
     dtype int8/fp8: the layers' matmul weights are quantized at load (weight-only, per output channel,
-    see prefill.quant); embeddings, lm_head and biases stay in the compute dtype (`compute_dtype`).
+    see prefill.quant); embeddings, lm_head and biases stay in the compute dtype (`compute_dtype` on
+    `backend`, by default JAX's: fp32 on CPU).
     """
     if dtype not in ("float32", "bfloat16", *WEIGHT_FORMATS):
         raise ValueError(f"prefill dtype {dtype!r} is not supported (float32, bfloat16, int8, fp8)")
     quantized = dtype in WEIGHT_FORMATS
-    dt = jnp.dtype(compute_dtype(config, dtype))
+    dt = jnp.dtype(compute_dtype(config, dtype, backend or jax.default_backend()))
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
 
     def get(name: str) -> np.ndarray:

@@ -25,6 +25,8 @@ class PrefillRates:
         self.buckets = list(buckets)
         self.smoothing = smoothing
         self.tokens_per_second: dict[int, float] = {}
+        self._rates: dict[int, float | None] = {}
+        """`seconds`' rate per bucket asked for, until the next `record` (the replays ask thousands of times)."""
 
     def record(self, bucket: int, tokens: int, seconds: float) -> None:
         if seconds <= 0 or tokens <= 0:
@@ -32,13 +34,16 @@ class PrefillRates:
         rate = tokens / seconds
         old = self.tokens_per_second.get(bucket)
         self.tokens_per_second[bucket] = rate if old is None else old + self.smoothing * (rate - old)
+        self._rates.clear()
 
     def seconds(self, bucket: int, tokens: int) -> float:
         """Expected seconds to prefill `tokens` of a prompt in `bucket` (a padded length) at the measured
         rate (the nearest measured bucket's); 0 while nothing is measured. The scheduler's slack
         (scheduler.py) uses it."""
-        index = min(bisect.bisect_left(self.buckets, bucket), len(self.buckets) - 1)
-        rate = nearest_rate([self.tokens_per_second.get(b, 0.0) for b in self.buckets], index)
+        if bucket not in self._rates:
+            index = min(bisect.bisect_left(self.buckets, bucket), len(self.buckets) - 1)
+            self._rates[bucket] = nearest_rate([self.tokens_per_second.get(b, 0.0) for b in self.buckets], index)
+        rate = self._rates[bucket]
         return tokens / rate if rate and tokens > 0 else 0.0
 
     def report(self, queued_tokens: Mapping[int, int], queued_prompts: Mapping[int, int],

@@ -136,6 +136,10 @@ class _Entry(Generic[J]):
         return self.job.num_tokens - self.job.computed
 
 
+def _queue_order(entry: _Entry) -> tuple[float, int]:
+    return entry.key, entry.seq
+
+
 def _no_rate(bucket: int, tokens: int) -> float:
     return 0.0
 
@@ -244,7 +248,7 @@ class PrefillScheduler(Generic[J]):
         step: list[Segment[J]] = []
         taken: list[_Entry[J]] = []
         context = 0
-        for entry in [*late, *sorted(e for e in self._waiting if id(e) not in late_ids)]:
+        for entry in [*late, *sorted((e for e in self._waiting if id(e) not in late_ids), key=_queue_order)]:
             if len(step) == self.max_batch_size:
                 break
             job = entry.job
@@ -262,8 +266,8 @@ class PrefillScheduler(Generic[J]):
             step.append(segment)
             taken.append(entry)
             context += job.computed
-        for entry in taken:
-            self._waiting.remove(entry)
+        taken_ids = {id(e) for e in taken}
+        self._waiting = [e for e in self._waiting if id(e) not in taken_ids]
         self._running.extend(taken)
         self._step = step
         self._step_ends = now + sum(self.seconds(self.bucket(s.job.num_tokens), s.length) for s in step)
@@ -321,13 +325,14 @@ class PrefillScheduler(Generic[J]):
             max_batch_tokens=self.max_batch_tokens, max_chunk=self.max_chunk, max_context=self.max_context,
             ageing_tokens_per_s=self.ageing_tokens_per_s, seconds=self.seconds, clock=clock)
         running = {id(s.job): s.end for s in self._step}  # where the running step leaves its prompts
-        for entry in [*self._running, *self._waiting]:
+        queued = [*self._running, *self._waiting]
+        for entry in queued:
             computed = running.get(id(entry.job), entry.job.computed)
             if computed < entry.job.num_tokens:
                 copy = _Shadow(entry.job.num_tokens, computed, entry.job.block_size)
                 shadow._queue(_Entry(entry.key, entry.seq, copy, entry.bucket, entry.due))
         probe = _Shadow(num_tokens, 0, block_size)
-        shadow._seq = itertools.count(next(self._seq))  # after every queued prompt, as a real arrival now
+        shadow._seq = itertools.count(max((e.seq for e in queued), default=-1) + 1)  # after them, as an arrival now
         shadow.add(probe)
         waited = max(self._step_ends - now, 0.0) if self._running else 0.0  # the running step's rest
         clock.now = now + waited

@@ -10,7 +10,8 @@ import transformers
 
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
-from pdserve.server.prefill.model import bucket_length, forward_logits, load_params, make_prefill_fn, served_weight_dtype
+from pdserve.server.prefill.model import (bucket_length, compute_dtype, forward_logits, load_params, make_prefill_fn,
+                                          served_weight_dtype)
 
 TOL = 1e-4
 
@@ -118,6 +119,19 @@ def test_served_weight_dtype_upcasts_bf16_only_for_auto_on_cpu():
     assert served_weight_dtype("auto", "float32", "cpu") == "float32"
     assert served_weight_dtype("bfloat16", "bfloat16", "cpu") == "bfloat16"  # asked for: kept
     assert served_weight_dtype("int8", "bfloat16", "cpu") == "int8"
+
+
+def test_quantized_weights_of_a_bf16_checkpoint_compute_in_fp32_only_on_cpu(tiny_model):
+    path = tiny_model("llama", "bfloat16")
+    bf16 = load_config(path)
+    assert bf16.dtype == "bfloat16"
+    for fmt in ("int8", "fp8"):
+        assert compute_dtype(bf16, fmt, "cpu") == "float32"  # XLA:CPU's bf16 dot is the slow path
+        assert compute_dtype(bf16, fmt, "tpu") == "bfloat16"
+        assert compute_dtype(bf16, fmt) == "bfloat16"  # no backend: as on an accelerator
+    assert compute_dtype(bf16, "bfloat16", "cpu") == "bfloat16"  # unquantized: the weights' own, as asked
+    assert load_params(bf16, load_weights(path), "int8", backend="cpu")["embed"].dtype == jnp.float32
+    assert load_params(bf16, load_weights(path), "int8", backend="tpu")["embed"].dtype == jnp.bfloat16
 
 
 def test_served_bf16_checkpoint_on_cpu_computes_in_fp32_and_sends_bf16_kv(tiny_model):
