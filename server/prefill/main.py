@@ -105,7 +105,11 @@ def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
         log.warning("sharding over %d of %d devices: the model's kv heads (%d) do not split over more",
                     tp, jax.device_count(), model_config.num_kv_heads)
     if tp > 1 or jax.process_count() > 1:  # sharded at the edge; the model code is the same
-        params = shard_params(params, make_mesh(tp), model_config)
+        mesh = make_mesh(tp)
+        params = shard_params(params, mesh, model_config)
+        if mesh.is_multi_process:
+            log.info("the mesh holds devices %s of processes %s", [d.id for d in mesh.devices.flat],
+                     [d.process_index for d in mesh.devices.flat])
     loaded = time.perf_counter() - t0
     engine = PrefillEngine(model_config, params, config)
     shapes = engine.shapes()

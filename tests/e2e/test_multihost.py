@@ -1,8 +1,8 @@
-"""A prefill slice of two processes serving one mesh: `pdserve prefill --tensor-parallel-size 2
---coordinator-address 127.0.0.1:P --num-processes 2 --process-id I`, one CPU device each (JAX's gloo
-collectives between them). Process 0 is the worker; process 1 replays its steps (server/prefill/replay.py).
-Greedy tokens equal transformers' for packed, chunked and prefix-cached prompts; process 0's stop ends
-process 1; process 1's death ends process 0, naming it."""
+"""A prefill slice of two processes serving one mesh: `pdserve prefill --coordinator-address
+127.0.0.1:P --num-processes 2 --process-id I` (JAX's gloo collectives between them on CPU). Process 0
+is the worker; process 1 replays its steps (server/prefill/replay.py). Greedy tokens equal
+transformers' for packed, chunked and prefix-cached prompts; process 0's stop ends process 1;
+process 1's death ends process 0, naming it."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from pdserve.server.prefill.prefix_kv import BLOCK_SIZE
 from tests.e2e.procs import Proc, Procs, counter, request
 from tests.e2e.test_parity import LONG_PROMPTS, PROMPTS, generate_ids, hf_greedy
 
-ONE_DEVICE = {"XLA_FLAGS": "--xla_force_host_platform_device_count=1", "JAX_PLATFORMS": "cpu"}
+def devices(n: int) -> dict[str, str]:
+    """The environment of processes with n CPU devices each."""
+    return {"XLA_FLAGS": f"--xla_force_host_platform_device_count={n}", "JAX_PLATFORMS": "cpu"}
 
 
 def start_slice(procs: Procs, coordinator: Proc, *args: str) -> tuple[Proc, Proc]:
@@ -26,8 +28,7 @@ def start_slice(procs: Procs, coordinator: Proc, *args: str) -> tuple[Proc, Proc
     port = free_port()
 
     def flags(i: int) -> list[str]:
-        return ["--tensor-parallel-size", "2", "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2",
-                "--process-id", str(i), *args]
+        return ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), *args]
 
     follower = procs.start("prefill-1", "prefill", *flags(1), metrics=False, wait=False)
     try:
@@ -43,11 +44,11 @@ def test_a_two_process_slice_serves_greedy_parity_and_stops_with_process_0(tiny_
     prompts = PROMPTS + LONG_PROMPTS
     assert max(len(tok.encode(p).ids) for p in prompts) > 2 * 64, "a prompt must take several chunks"
     expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in prompts]
-    procs = Procs(model_dir, tmp_path, env=dict(ONE_DEVICE))
+    procs = Procs(model_dir, tmp_path, env=devices(1))
     try:
         coordinator = procs.coordinator()
         procs.worker("decode", "decode", coordinator)
-        leader, follower = start_slice(procs, coordinator, "--max-prefill-chunk", "64",
+        leader, follower = start_slice(procs, coordinator, "--tensor-parallel-size", "2", "--max-prefill-chunk", "64",
                                        "--max-num-batched-tokens", "128")
         # Mixed lengths at once: packed into 128-token steps, the long ones chunk by chunk beside them.
         with ThreadPoolExecutor(len(prompts)) as pool:
@@ -89,11 +90,15 @@ def check_penalty_and_prompt_logprobs(coordinator: Proc, model_dir, prompt: list
 
 
 def test_a_follower_that_dies_ends_process_0_naming_it(tiny_model, tmp_path):
-    procs = Procs(tiny_model("qwen2"), tmp_path, env=dict(ONE_DEVICE))
+    """Two devices a process, the default size: the model's 2 kv heads split over one device of each."""
+    procs = Procs(tiny_model("qwen2"), tmp_path, env=devices(2))
     try:
         coordinator = procs.coordinator()
         procs.worker("decode", "decode", coordinator)
         leader, follower = start_slice(procs, coordinator, "--max-model-len", "128", "--prefix-cache-bytes", "0")
+        log = leader.log.read_text()
+        assert "sharding over 2 of 4 devices" in log and "(tensor parallel 2 over cpu)" in log
+        assert "] of processes [0, 1]" in log  # the mesh: one of each process's two devices
         ids = list(range(3, 40))
         assert len([t for m in stream(coordinator.address, request(ids, 3), timeout=120) for t in m.token_ids]) == 3
         procs.kill("prefill-1")
