@@ -60,7 +60,10 @@ def test_a_two_process_slice_serves_greedy_parity_and_stops_with_process_0(tiny_
         # every full block but the one holding the last token (which computes the first token)
         held = sum((len(tok.encode(p).ids) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in LONG_PROMPTS)
         assert counter(leader.metrics(), "pdserve_prefill_prefix_cache_hit_tokens_total") - hits == held
+        procs.terminate("prefill-1")  # ignored: process 1 runs until process 0 stops the slice
         check_penalty_and_prompt_logprobs(coordinator, model_dir, tok.encode(PROMPTS[4]).ids)
+        assert follower.popen.poll() is None
+        assert "SIGTERM; process 1 exits when process 0 stops the slice" in follower.log.read_text()
 
         procs.terminate("prefill-0")  # drains, then stops the slice
         assert leader.popen.wait(60) == 0, leader.log.read_text()[-3000:]
