@@ -1,8 +1,10 @@
-"""The replay channel of a prefill slice (replay.py) on its own, in one process: a follower receives
-exactly the steps process 0 sends, stops when told, and either side's loss reaches the other."""
+"""The replay channel of a prefill slice (replay.py) in one process: a follower receives exactly the
+steps process 0 sends, stops when told, and either side's loss reaches the other; an engine that only
+replays the steps computes exactly what process 0's engine computes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -12,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.prefill.model import Packing
 from pdserve.server.prefill.replay import KEY, SliceLeader, follow
 from pdserve.server.prefill.step_inputs import StepInputs
@@ -126,3 +129,52 @@ def test_process_0_gone_without_a_stop_ends_a_follower():
     thread.join(30)
     assert ran == [] and len(lost) == 1
     assert lost[0].startswith("process 0's replay connection closed without a stop")
+
+
+def _host(out) -> list[np.ndarray]:
+    """A step's outputs on the host, in a fixed order."""
+    arrays = [out.first, out.logits, *(out.prompt_logprobs or ())]
+    for _, wire, k, v in out.kv:
+        arrays += [k, v, *(a for f in sorted(wire) for a in wire[f])]
+    return [np.asarray(a) for a in arrays if a is not None]
+
+
+async def test_an_engine_that_only_replays_the_steps_computes_what_process_0_computes(tiny_model):
+    """What each process of a slice relies on: a step's inputs carry everything it reads (earlier
+    chunks' KV, a cached prefix, penalties, prompt-logprob targets, drawn sampling seeds), so a second
+    engine that keeps no state of its own computes the same outputs, bit for bit."""
+    from tests.prefill.test_engine import GREEDY, _engine
+
+    path = tiny_model("qwen2")
+    kw = dict(max_prefill_chunk=32, max_batch_tokens=64, max_model_len=256)
+    leader, follower = _engine(path, **kw), _engine(path, **kw)
+    store, lost_by_leader = Store(), []
+    leader.replay = SliceLeader.listen(1, "127.0.0.1", publish=store.publish, on_lost=lost_by_leader.append)
+    ours, theirs = [], []
+    dispatch = leader.dispatch
+
+    def recorded(inputs: StepInputs, to_host: bool = True):
+        out = dispatch(inputs, to_host)
+        ours.append(_host(out))
+        return out
+
+    leader.dispatch = recorded  # type: ignore[method-assign]
+    thread, _, lost = start_follower(store, run=lambda inputs: theirs.append(_host(follower.dispatch(inputs, False))))
+    leader.replay.accept(timeout=30)
+    penalized = gen_pb.SamplingParams(max_tokens=4, temperature=0.0, repetition_penalty=1.5, min_tokens=2)
+    sampled = gen_pb.SamplingParams(max_tokens=4, temperature=0.9)  # no seed: process 0 draws one
+    with_logprobs = gen_pb.SamplingParams(max_tokens=4, temperature=0.0, logprobs=2, prompt_logprobs=1)
+    prompts = [(list(range(3, 8)), GREEDY, "float32"), (list(range(3, 80)), penalized, "int8"),
+               (list(range(9, 30)), sampled, "bfloat16"), (list(range(40, 90)), with_logprobs, "float32")]
+    await asyncio.gather(*(leader.submit(p, sp, 0, dtype) for p, sp, dtype in prompts))
+    await leader.submit(list(range(3, 80)), GREEDY, 0, "fp8_e4m3")  # its first 64 tokens from the prefix KV
+    assert leader.prefix.hits == 64
+    leader.close()
+    thread.join(30)
+    assert not thread.is_alive() and lost == [] and lost_by_leader == []
+    assert len(theirs) == len(ours) >= 5  # chunks of 32 in steps of 64 tokens
+    for step_ours, step_theirs in zip(ours, theirs):
+        assert len(step_ours) == len(step_theirs)
+        for a, b in zip(step_ours, step_theirs):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(a, b)
