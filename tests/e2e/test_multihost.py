@@ -1,8 +1,8 @@
 """A prefill slice of two processes serving one mesh: `pdserve prefill --coordinator-address
 127.0.0.1:P --num-processes 2 --process-id I` (JAX's gloo collectives between them on CPU). Process 0
 is the worker; process 1 replays its steps (server/prefill/replay.py). Greedy tokens equal
-transformers' for packed, chunked and prefix-cached prompts; process 0's stop ends process 1;
-process 1's death ends process 0, naming it."""
+transformers' for packed, chunked and prefix-cached prompts, and neither process compiles after
+start; process 0's stop ends process 1; process 1's death ends process 0, naming it."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def test_a_two_process_slice_serves_greedy_parity_and_stops_with_process_0(tiny_
     prompts = PROMPTS + LONG_PROMPTS
     assert max(len(tok.encode(p).ids) for p in prompts) > 2 * 64, "a prompt must take several chunks"
     expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in prompts]
-    procs = Procs(model_dir, tmp_path, env=devices(1))
+    procs = Procs(model_dir, tmp_path, env={**devices(1), "JAX_LOG_COMPILES": "1"})
     try:
         coordinator = procs.coordinator()
         procs.worker("decode", "decode", coordinator)
@@ -64,6 +64,10 @@ def test_a_two_process_slice_serves_greedy_parity_and_stops_with_process_0(tiny_
         check_penalty_and_prompt_logprobs(coordinator, model_dir, tok.encode(PROMPTS[4]).ids)
         assert follower.popen.poll() is None
         assert "SIGTERM; process 1 exits when process 0 stops the slice" in follower.log.read_text()
+        for proc, started in ((leader, "they replay every step"), (follower, "replaying its steps")):
+            log = proc.log.read_text()
+            assert "Compiling " in log.split(started)[0]  # JAX logs each compile: all of them at start
+            assert "Compiling " not in log.split(started)[1], f"{proc.name} compiled on the request path"
 
         procs.terminate("prefill-0")  # drains, then stops the slice
         assert leader.popen.wait(60) == 0, leader.log.read_text()[-3000:]
