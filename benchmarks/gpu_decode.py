@@ -45,10 +45,10 @@ def random_model(config, dtype: torch.dtype, device: torch.device):
         for name, buf in model.named_buffers():
             if name == "inv_freq":
                 continue
-            if buf.dim() >= 2:
-                buf.normal_(0.0, 0.02, generator=g)
-            elif "norm" in name:
+            if "norm" in name:  # norm weights, qk_norm's [H + Hkv, D] included
                 buf.fill_(1.0)
+            elif buf.dim() >= 2:
+                buf.normal_(0.0, 0.02, generator=g)
             else:
                 buf.zero_()  # biases
     return model.eval()

@@ -83,6 +83,9 @@ def paged_attention(q: torch.Tensor, cache: PagedKvCache, layer: int, context: P
     k, v = cache.context_blocks(layer, context.block_tables, q.dtype)  # [B, Hkv, T, D] each
     Hkv = k.shape[1]
     G = H // Hkv
+    if S == 1:  # decode: the rows are the G query heads of each kv head, views all along
+        out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k, v, attn_mask=context.bias)  # [B, Hkv, G, D]
+        return out.reshape(B, 1, H, D)
     q = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)  # [B, Hkv, G S, D]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=context.bias)  # [B, Hkv, G S, D]
     return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, H, D)

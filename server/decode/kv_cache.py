@@ -106,6 +106,7 @@ class PagedKvCache:
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
         self.v = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
+        self._k_slots, self._v_slots = (t.flatten(1, 2) for t in (self.k, self.v))  # [L, N bs, Hkv, D] views
         self._copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
         """CUDA: where received KV is copied onto the device (`_write_device`)."""
         self.k_scales: torch.Tensor | None = None  # [L, N, Hkv] float32, quantized dtypes only
@@ -243,13 +244,15 @@ class PagedKvCache:
         slots [B, S]: each row the consecutive positions of one sequence (a forward's new tokens);
         slots [n]: any tokens, each taken as a row of its own. Quantized caches quantize here.
         """
-        rows = slots if slots.ndim == 2 else slots[:, None]  # [B, S]
-        flat = rows.flatten()  # [n]
-        k, v = k.reshape(flat.shape[0], *k.shape[-2:]), v.reshape(flat.shape[0], *v.shape[-2:])  # [n, Hkv, D]
-        if not self.quantized:
-            self.k[layer].flatten(0, 1)[flat] = k.to(self.dtype)
-            self.v[layer].flatten(0, 1)[flat] = v.to(self.dtype)
+        if not self.quantized:  # one index_put each, as the slots come ([B, S] or [n])
+            k, v = k.reshape(*slots.shape, *k.shape[-2:]), v.reshape(*slots.shape, *v.shape[-2:])  # [.., Hkv, D]
+            if k.dtype != self.dtype:
+                k, v = k.to(self.dtype), v.to(self.dtype)
+            self._k_slots[layer, slots] = k
+            self._v_slots[layer, slots] = v
             return
+        rows = slots if slots.ndim == 2 else slots[:, None]  # [B, S]
+        k, v = k.reshape(rows.numel(), *k.shape[-2:]), v.reshape(rows.numel(), *v.shape[-2:])  # [n, Hkv, D]
         self._store_quantized(self.k[layer], self.k_scales[layer], rows, k)
         self._store_quantized(self.v[layer], self.v_scales[layer], rows, v)
 
@@ -289,13 +292,14 @@ class PagedKvCache:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [B, Hkv, M * block_size, D] in dtype of one layer's blocks [B, M]: only those blocks are
         read, and a quantized cache dequantizes only them (in float32, then to dtype)."""
-        k = self.k[layer][block_tables]  # [B, M, bs, Hkv, D]
-        v = self.v[layer][block_tables]
+        k = self.k[layer, block_tables]  # [B, M, bs, Hkv, D]
+        v = self.v[layer, block_tables]
         if self.quantized:
             k = k.float() * self.k_scales[layer][block_tables][:, :, None, :, None]  # scales [B, M, 1, Hkv, 1]
             v = v.float() * self.v_scales[layer][block_tables][:, :, None, :, None]
-        B, M, bs, H, D = k.shape
-        return tuple(t.to(dtype).permute(0, 3, 1, 2, 4).reshape(B, H, M * bs, D) for t in (k, v))
+        if k.dtype != dtype:
+            k, v = k.to(dtype), v.to(dtype)
+        return k.flatten(1, 2).transpose(1, 2), v.flatten(1, 2).transpose(1, 2)  # views [B, Hkv, M bs, D]
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [B, M * block_size, Hkv, D] of one layer for block tables [B, M] (float32 when quantized)."""

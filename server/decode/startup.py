@@ -3,7 +3,8 @@ decode step eager or CUDA-graphed. `benchmarks/gpu.py` starts it the same way (`
 
 1. `--device` resolved (auto: CUDA when torch sees one).
 2. The model built from its config on the device, the checkpoint's tensors loaded, then quantized when
-   --weight-dtype is int8/fp8 (through a kernel for the format where the device has one).
+   --weight-dtype is int8/fp8 (through a kernel for the format where the device has one); on the CPU
+   bf16/fp16 linears prepacked for oneDNN (`prepare`).
 3. The KV layout; the cache's blocks from --kv-cache-tokens, else from memory (`device.py`).
 4. The engine: cache on the device, CUDA graphs captured per batch bucket unless --enforce-eager.
 """
@@ -24,7 +25,7 @@ from pdserve.server.decode.engine import DecodeEngine
 from pdserve.server.decode.kv_cache import TORCH_DTYPES
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner
-from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, buffer_bytes
+from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, Linear, buffer_bytes
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import ModelConfig, load_config
 from pdserve.server.model.weights import load_weights
@@ -55,12 +56,20 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
     quantized = weight_dtype in QUANTIZED_WEIGHTS
     model = build_model(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
                         weight_format=weight_dtype if quantized else None, device=device)
-    model.prepack()  # CPU: bf16/fp16 linears in oneDNN's layout; a no-op on CUDA
-    log.info("decode model %s loaded onto %s in %.1f s; weights %.1f MiB (%s, compute %s)%s",
+    prepared = prepare(model)
+    log.info("decode model %s loaded onto %s in %.1f s; weights %.1f MiB (%s, compute %s)%s%s",
              model_config.describe(), device, time.perf_counter() - t0, buffer_bytes(model) / 2**20, weight_dtype,
-             compute_dtype, f"; {model.weight_kernel}" if quantized else "")
+             compute_dtype, f"; {model.weight_kernel}" if quantized else "", f"; {prepared}" if prepared else "")
     engine, layout = engine_for_model(config, model)
     return model_config, engine, layout
+
+
+def prepare(model: DecoderModel) -> str:
+    """The load-time steps once the weights (and their quantization) are in, where the model runs: on the
+    CPU, bf16/fp16 linears prepacked for oneDNN; nothing on CUDA. Returns what it did, for the start-up log."""
+    model.prepack()
+    packed = sum(isinstance(m, Linear) and m.packed for m in model.modules())
+    return f"{packed} matmul weights prepacked for oneDNN (the LM head's among them)" if packed else ""
 
 
 def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeEngine, KvLayout]:

@@ -57,9 +57,12 @@ def load_weights(model: DecoderModel, tensors: Mapping[str, np.ndarray]) -> None
             rows(layer.wqkv.weight, [f"{n}.weight" for n in attn])
             if layer.wqkv.bias is not None:
                 rows(layer.wqkv.bias, [f"{n}.bias" for n in attn])
-            if layer.q_norm is not None:
-                copy(layer.q_norm, f"{p}self_attn.q_norm.weight")
-                copy(layer.k_norm, f"{p}self_attn.k_norm.weight")
+            if layer.qk_norm is not None:  # [H + Hkv, D]: q_norm for each query head, then k_norm
+                H = config.num_heads
+                copy(layer.qk_norm[0], f"{p}self_attn.q_norm.weight")
+                copy(layer.qk_norm[H], f"{p}self_attn.k_norm.weight")
+                layer.qk_norm[1:H] = layer.qk_norm[0]
+                layer.qk_norm[H + 1 :] = layer.qk_norm[H]
             copy(layer.wo.weight, f"{p}self_attn.o_proj.weight")
             rows(layer.w_gate_up.weight, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
             copy(layer.w_down.weight, f"{p}mlp.down_proj.weight")

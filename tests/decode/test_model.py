@@ -11,7 +11,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.weights import build_model
-from pdserve.server.model.config import load_config
+from pdserve.server.model.config import load_config, parse_config
 from pdserve.server.model.weights import load_weights
 
 TOL = 1e-4
@@ -145,3 +145,23 @@ def test_bfloat16_checkpoint_stays_close_to_hf_bfloat16(tiny_model):
     assert (ours - expected).abs().max() <= 2 * ulp
     # Against fp32 we are as accurate as transformers' own bf16 (measured ratio 0.82-1.07).
     assert (ours - exact).abs().max() <= 1.5 * (expected - exact).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_equals_transformers_rotate_half_bit_for_bit(dtype):
+    """q and k are roped together with a roll and a signed sin: the same bits as HF's rotate_half form."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    from pdserve.server.decode.model import rope, rope_tables
+    from pdserve.server.model.rope import inv_freq
+
+    config = parse_config(dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=128, num_hidden_layers=1, vocab_size=32,
+                               rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=4096))
+    positions = torch.tensor([[0, 1, 517], [3, 2048, 4095]])  # [B, S]
+    x = torch.randn(2, 3, 6, 16, generator=torch.Generator().manual_seed(0)).to(dtype)  # [B, S, H + Hkv, D]
+    cos, sin = rope_tables(positions, torch.from_numpy(inv_freq(config)), dtype)  # [B, S, 1, D]
+    freqs = positions[..., None].float() * torch.from_numpy(inv_freq(config)).float()
+    emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # HF's cos/sin
+    expected = x * emb.cos().to(dtype) + rotate_half(x) * emb.sin().to(dtype)
+    assert torch.equal(rope(x, cos, sin), expected)

@@ -18,6 +18,15 @@ def test_greedy_rows_are_argmax():
     assert torch.equal(out, logits.argmax(-1))
 
 
+def test_greedy_takes_the_first_of_equal_maxima_over_a_large_vocabulary():
+    logits = torch.zeros(3, 151936)
+    logits[0, [7, 9, 151935]] = 2.0
+    logits[1, [151935, 100000]] = 1.0
+    logits[2, 5] = float("nan")  # as argmax: a NaN row picks its NaN
+    out = sample(logits, *_params(3, temperature=0.0), [None] * 3, [0] * 3)
+    assert out.tolist() == [7, 100000, 5]
+
+
 def test_top_k_1_and_tiny_top_p_are_argmax_at_temperature_1():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     for _ in range(20):
