@@ -42,7 +42,8 @@ class PrefillConfig:
     loads the start-up compiles instead of redoing them."""
     coordinator_address: str | None = None
     """Multi-host slices: host:port of process 0's jax.distributed coordinator (or JAX_COORDINATOR_ADDRESS);
-    every host runs this worker with the same flags. Unset: one host."""
+    every host runs this worker with the same flags: process 0 serves, the others replay its steps
+    (replay.py). Unset: one host."""
     num_processes: int | None = None
     """Multi-host slices: processes in the slice (auto-detected on TPU slices when unset)."""
     process_id: int | None = None

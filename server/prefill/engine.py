@@ -16,7 +16,9 @@ Life cycle of a prompt here:
    Each step's speed is measured for the coordinator's expected-wait admission (rates.py).
    `job.started` resolves at the first segment: the prompt's KV stream opens now, and the decode
    worker's lease with it.
-3. In a worker thread the model runs as `kv_layer_groups` jitted layer groups, dispatched back to
+3. In a worker thread the step becomes host arrays (`StepInputs`) and `dispatch` runs them (on a slice
+   of several processes, process 0 sends them to the others first, which run the same: replay.py):
+   `kv_layer_groups` jitted layer groups, dispatched back to
    back, then the head for the prompts whose last segment this is: their first token is sampled on
    the device, from the logits with the prompt's penalties and min_tokens applied; their prompt
    logprobs, when asked, come from every segment's final hidden state. Only then is each group's KV
@@ -55,8 +57,11 @@ from pdserve.server.prefill.model import (Packing, bucket_length, embed, group_s
 from pdserve.server.prefill.prefix_kv import PrefixKv
 from pdserve.server.prefill.quant import quantize_kv_masked
 from pdserve.server.prefill.rates import PrefillRates
-from pdserve.server.prefill.sampler import penalize, sample_jit
+from pdserve.server.prefill.replay import SliceLeader
+from pdserve.server.prefill.sampler import penalize, sample
 from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, aligned, packed_tokens
+from pdserve.server.prefill.sharding import host_readable
+from pdserve.server.prefill.step_inputs import StepInputs
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -120,6 +125,26 @@ class PrefillJob:
 
 
 @dataclass(frozen=True)
+class StepOutputs:
+    """What `dispatch` returns, on the device (replicated over a mesh that spans processes)."""
+
+    logits: jax.Array | None
+    """f32 [R, V] at the finishing prompts' last tokens, before penalties (None: none finishes)."""
+    first: jax.Array | None
+    """int32 [R]: their sampled first tokens."""
+    prompt_logprobs: tuple[jax.Array, jax.Array, jax.Array] | None
+    """chosen [1, T], top ids and logprobs [1, T, top], when a prompt asks for them."""
+    kv: list[tuple[int, dict[tuple[str, int], tuple], jax.Array, jax.Array]]
+    """Each layer group's first layer, its KV in each wire format (k, v, k scales, v scales; scales None
+    unquantized), and its k, v [l, 1, T, Hkv, D] in the compute dtype."""
+
+    def wait(self) -> None:
+        """Returns when every program of the step has run (what a slice's follower waits for)."""
+        jax.block_until_ready([self.logits, self.first, self.prompt_logprobs,
+                               [(k, v, *wire.values()) for _, wire, k, v in self.kv]])
+
+
+@dataclass(frozen=True)
 class StepShape:
     """The static shape of one step: XLA compiles each once."""
 
@@ -169,13 +194,19 @@ class PrefillEngine:
         """Context sizes (all segments' earlier tokens of a step together, at most max_len), growing 4x:
         padded context costs little (attention skips key blocks no query reads), a shape costs a compile."""
         self.dtype = params["embed"].dtype
-        self._embed = jax.jit(partial(embed, config=model_config))
-        self._group = jax.jit(partial(layer_group, config=model_config))
-        self._head = jax.jit(partial(head, config=model_config))
+        self.vocab_size = self.params.get("lm_head", self.params["embed"]).shape[0]
+        out = host_readable(params)  # on a mesh that spans processes: outputs replicated, for process 0 to read
+        self._embed = jax.jit(partial(embed, config=model_config), **out)
+        self._group = jax.jit(partial(layer_group, config=model_config), **out)
+        self._head = jax.jit(partial(head, config=model_config), **out)
+        self._penalize = jax.jit(penalize, **out)
+        self._sample = jax.jit(sample, **out)
         self._prompt_logprobs = jax.jit(partial(prompt_logprobs_head, config=model_config,
-                                                top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)))
-        self._quantize_kv = jax.jit(quantize_kv_masked, static_argnames=("block_size", "fmt"))
-        self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",))
+                                                top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)), **out)
+        self._quantize_kv = jax.jit(quantize_kv_masked, static_argnames=("block_size", "fmt"), **out)
+        self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",), **out)
+        self.replay: SliceLeader | None = None
+        """On process 0 of a slice of several processes: sends each step to the others before running it."""
         self.prefix = PrefixKv(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                head_dim=model_config.head_dim, dtype=np.dtype(self.dtype),
                                budget_bytes=config.prefix_cache_bytes)
@@ -194,6 +225,11 @@ class PrefillEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches = 0
+
+    def close(self) -> None:
+        """On process 0 of a slice: tells the other processes to stop (nothing to do on one process)."""
+        if self.replay is not None:
+            self.replay.stop()
 
     def _bucket(self, n: int) -> int:
         return bucket_length(min(n, self.max_len), self.max_len, self.config.min_bucket)
@@ -344,45 +380,65 @@ class PrefillEngine:
         packing = Packing(positions, segments, context_positions, context_segments)
         return tokens, packing, context, offsets
 
+    def _inputs(self, step: list[Segment[PrefillJob]], shape: StepShape) -> tuple[StepInputs, list[int]]:
+        """The step's device work as host arrays, and each segment's offset in the token buffer."""
+        tokens, packing, context, offsets = self._pack(step, shape)
+        finishing = [(i, s) for i, s in enumerate(step) if s.last]
+        head_rows = penalties = sampling = next_tokens = None
+        if finishing:
+            rows = _pow2(len(finishing))
+            head_rows = np.zeros((rows,), np.int32)
+            head_rows[: len(finishing)] = [offsets[i] + s.length - 1 for i, s in finishing]
+            jobs = [s.job for _, s in finishing]
+            penalties, sampling = self._penalties(jobs, rows), self._sampling(jobs, rows)
+        if any(s.job.sampling.HasField("prompt_logprobs") for s in step):  # this pass's hidden state
+            next_tokens = self._next_tokens(step, offsets, shape)
+        formats = tuple(sorted({(s.job.kv_dtype, s.job.block_size) for s in step}))
+        return StepInputs(tokens, packing, context, formats, head_rows, penalties, sampling, next_tokens), offsets
+
+    def dispatch(self, inputs: StepInputs, to_host: bool = True) -> StepOutputs:
+        """Dispatches one step's programs, in this order (on every process of a slice): embed, each layer
+        group, the head and sampling of the finishing prompts, their prompt logprobs, then each group's KV
+        converted to each wire format (queued behind the sampling, so a first token never waits for KV)
+        and, `to_host`, copying to the host as it is ready (a slice's other processes read nothing)."""
+        packing = inputs.packing
+        x, cos, sin = self._embed(self.params, inputs.tokens, packing.positions)  # [1, T, H], [1, T, D] x2
+        kv = []  # (first layer, k, v [l, 1, T, Hkv, D]) of each group, on the device
+        # The groups are dispatched back to back: XLA runs them while the host goes on.
+        for (start, size), layers in zip(self.groups, self.group_layers):
+            x, k, v = self._group(layers, x, cos, sin, packing, inputs.context[0, start : start + size],
+                                  inputs.context[1, start : start + size])
+            kv.append((start, k, v))
+        logits = first = prompt_lp = None
+        if inputs.head_rows is not None:
+            logits = self._head(self.params, x, inputs.head_rows)  # [R, V]
+            penalized = logits if inputs.penalties is None else self._penalize(logits, *inputs.penalties)
+            first = self._sample(penalized, *inputs.sampling)  # [R]
+        if inputs.next_tokens is not None:
+            prompt_lp = self._prompt_logprobs(self.params, x, inputs.next_tokens)
+        valid = packing.segments >= 0  # [1, T]
+        wire = [(start, {f: self._to_wire(k, v, valid, *f, to_host=to_host) for f in inputs.formats}, k, v)
+                for start, k, v in kv]
+        return StepOutputs(logits, first, prompt_lp, wire)
+
     def _run(self, step: list[Segment[PrefillJob]], shape: StepShape, loop: asyncio.AbstractEventLoop) -> None:
         """Runs one step (in a worker thread), handing each job its KV and, at its last segment, its first token."""
-        tokens, packing, context, offsets = self._pack(step, shape)
+        inputs, offsets = self._inputs(step, shape)
         keep = [s for s in step if not s.last or self.prefix.enabled]  # whose compute-dtype KV the host keeps
         for s in keep:
             if s.job.context is None:
                 s.job.context = self._new_context(s.job)
-        formats = {(s.job.kv_dtype, s.job.block_size) for s in step}
-        valid = packing.segments >= 0  # [1, T]
-
-        x, cos, sin = self._embed(self.params, tokens, packing.positions)  # [1, T, H], [1, T, D] x2
-        kv = []  # (first layer, k, v [l, 1, T, Hkv, D]) of each group, on the device
-        # The groups are dispatched back to back: XLA runs them while we wait below.
-        for (start, size), layers in zip(self.groups, self.group_layers):
-            x, k, v = self._group(layers, x, cos, sin, packing, context[0, start : start + size],
-                                  context[1, start : start + size])
-            kv.append((start, k, v))
-        finishing = [(i, s) for i, s in enumerate(step) if s.last]
-        first = logits = None
-        if finishing:
-            rows = _pow2(len(finishing))
-            index = np.zeros((rows,), np.int32)
-            index[: len(finishing)] = [offsets[i] + s.length - 1 for i, s in finishing]
-            logits = self._head(self.params, x, index)  # [R, V]
-            jobs = [s.job for _, s in finishing]
-            first = self._sample(self._penalized(logits, jobs, rows), jobs, rows)
-        if any(s.job.sampling.HasField("prompt_logprobs") for s in step):  # this pass's hidden state
-            self._prompt_logprobs_of(step, offsets, x, shape)
-        # The KV's conversion and host copies are queued behind the sampling, so the first token
-        # (which needs every layer anyway) is answered before any KV leaves the device.
-        pending = [(start, {f: self._to_wire(k, v, valid, *f) for f in formats}, k, v) for start, k, v in kv]
-        del kv
-        for _, _, k, v in pending if keep else ():
+        out = self.dispatch(inputs) if self.replay is None else self.replay.run(inputs, self.dispatch)
+        for _, _, k, v in out.kv if keep else ():
             k.copy_to_host_async()
             v.copy_to_host_async()
+        if out.prompt_logprobs is not None:
+            self._take_prompt_logprobs(step, offsets, out.prompt_logprobs)
+        finishing = [s for s in step if s.last]
         if finishing:
-            first_ids = np.asarray(first)
-            self._logprobs([s.job for _, s in finishing], logits, first_ids)
-            for r, (_, s) in enumerate(finishing):
+            first_ids = np.asarray(out.first)
+            self._logprobs([s.job for s in finishing], out.logits, first_ids)
+            for r, s in enumerate(finishing):
                 if s.job.prompt_lp is not None:  # the answer to the first token carries them
                     self._finish_prompt_logprobs(s.job)
                 loop.call_soon_threadsafe(_resolve, s.job.first_token, int(first_ids[r]))
@@ -391,7 +447,7 @@ class PrefillEngine:
                 self._put(loop, s.job, self._host_wire(s.job, 0, s.job.sent, s.start))
                 s.job.sent = s.start
 
-        for start, wire, k, v in pending:
+        for start, wire, k, v in out.kv:
             host = {f: tuple(None if a is None else np.asarray(a) for a in arrays) for f, arrays in wire.items()}
             if keep:
                 hk, hv = np.asarray(k), np.asarray(v)  # [l, 1, T, Hkv, D]
@@ -434,8 +490,9 @@ class PrefillEngine:
         wire = NUMPY_DTYPES[job.kv_dtype]
         return KvTensors(layer_start, token_start, k.astype(wire), v.astype(wire))
 
-    def _to_wire(self, k: jax.Array, v: jax.Array, valid: np.ndarray, dtype: str, block_size: int):
-        """(k, v, k_scales, v_scales) in the wire format, already copying to the host."""
+    def _to_wire(self, k: jax.Array, v: jax.Array, valid: np.ndarray, dtype: str, block_size: int,
+                 to_host: bool = True):
+        """(k, v, k_scales, v_scales) in the wire format, (`to_host`) already copying to the host."""
         if dtype in QUANTIZED:  # on the device, over the real tokens' blocks
             qk, k_scales = self._quantize_kv(k, valid, block_size=block_size, fmt=dtype)
             qv, v_scales = self._quantize_kv(v, valid, block_size=block_size, fmt=dtype)
@@ -443,19 +500,24 @@ class PrefillEngine:
         else:
             same = k.dtype == NUMPY_DTYPES[dtype]
             arrays = (k, v, None, None) if same else (self._cast(k, dtype=dtype), self._cast(v, dtype=dtype), None, None)
-        for a in arrays:
+        for a in arrays if to_host else ():
             if a is not None:
                 a.copy_to_host_async()
         return arrays
 
-    def _prompt_logprobs_of(self, step: list[Segment[PrefillJob]], offsets: list[int], x: jax.Array,
-                            shape: StepShape) -> None:
-        """Each asking segment's share of its prompt logprobs: position p predicts token p + 1."""
-        next_tokens = np.zeros((1, shape.tokens), np.int32)  # [1, T]
+    @staticmethod
+    def _next_tokens(step: list[Segment[PrefillJob]], offsets: list[int], shape: StepShape) -> np.ndarray:
+        """int32 [1, T]: the token each position of the buffer predicts (position p: token p + 1)."""
+        next_tokens = np.zeros((1, shape.tokens), np.int32)
         for i, s in enumerate(step):
             ahead = s.job.token_ids[s.start + 1 : s.end + 1]
             next_tokens[0, offsets[i] : offsets[i] + len(ahead)] = ahead
-        chosen, top_ids, top_lps = (np.asarray(a)[0] for a in self._prompt_logprobs(self.params, x, next_tokens))
+        return next_tokens
+
+    @staticmethod
+    def _take_prompt_logprobs(step: list[Segment[PrefillJob]], offsets: list[int], computed: tuple) -> None:
+        """Each asking segment's share of its prompt logprobs, from the step's (chosen, top ids, top logprobs)."""
+        chosen, top_ids, top_lps = (np.asarray(a)[0] for a in computed)
         for i, s in enumerate(step):
             job = s.job
             if not job.sampling.HasField("prompt_logprobs"):
@@ -488,38 +550,39 @@ class PrefillEngine:
                 job.first_logprob = logprobs.from_logits(host_logits[i : i + 1], [int(first_ids[i])],
                                                          job.sampling.logprobs)[0]
 
-    def _penalized(self, logits: jax.Array, jobs: list[PrefillJob], rows: int) -> jax.Array:
-        """The logits with each prompt's penalties and min_tokens applied (the same logits when none asks)."""
+    def _penalties(self, jobs: list[PrefillJob], rows: int) -> tuple[np.ndarray, ...] | None:
+        """`penalize`'s arguments after the logits, for each prompt's penalties and min_tokens (None when
+        none asks: the logits are sampled as they are)."""
         sp = [j.sampling for j in jobs]
-        blocked = np.zeros((rows, logits.shape[-1]), dtype=bool)  # [R, V]
+        blocked = np.zeros((rows, self.vocab_size), dtype=bool)  # [R, V]
         for i, job in enumerate(jobs):
             if job.sample_index < job.sampling.min_tokens:
                 eos = () if job.sampling.ignore_eos else self.model_config.eos_token_ids
-                banned = [t for t in (*eos, *job.sampling.stop_token_ids) if 0 <= t < logits.shape[-1]]
+                banned = [t for t in (*eos, *job.sampling.stop_token_ids) if 0 <= t < self.vocab_size]
                 blocked[i, banned] = True
         repetition = [p.repetition_penalty if p.HasField("repetition_penalty") else 1.0 for p in sp]
         if not (blocked.any() or any(p.presence_penalty or p.frequency_penalty for p in sp)
                 or any(r != 1.0 for r in repetition)):
-            return logits
+            return None
         lengths = _column([j.num_tokens for j in jobs], np.int32, rows)
         tokens = np.zeros((rows, self._bucket(int(lengths.max()))), np.int32)  # [R, S]: the whole prompts
         for i, job in enumerate(jobs):
             tokens[i, : job.num_tokens] = job.token_ids
         lengths[len(jobs):] = 1
-        return penalize(logits, tokens, lengths, _column([j.sample_index for j in jobs], np.int32, rows),
-                        _column([p.presence_penalty for p in sp], np.float32, rows),
-                        _column([p.frequency_penalty for p in sp], np.float32, rows),
-                        np.concatenate([np.asarray(repetition, np.float32),
-                                        np.ones(rows - len(jobs), np.float32)]), blocked)
+        return (tokens, lengths, _column([j.sample_index for j in jobs], np.int32, rows),
+                _column([p.presence_penalty for p in sp], np.float32, rows),
+                _column([p.frequency_penalty for p in sp], np.float32, rows),
+                np.concatenate([np.asarray(repetition, np.float32), np.ones(rows - len(jobs), np.float32)]), blocked)
 
     @staticmethod
-    def _sample(logits: jax.Array, jobs: list[PrefillJob], rows: int) -> jax.Array:
+    def _sampling(jobs: list[PrefillJob], rows: int) -> tuple[np.ndarray, ...]:
+        """`sample`'s columns after the logits: each prompt's sampling parameters (a seed drawn here when
+        it has none), padded to the head's rows."""
         def column(values, dtype):
             return _column(values, dtype, rows)
 
         sp = [j.sampling for j in jobs]
-        return sample_jit(
-            logits,
+        return (
             column([p.temperature for p in sp], np.float32),
             column([p.top_k for p in sp], np.int32),
             column([p.top_p if p.top_p > 0 else 1.0 for p in sp], np.float32),
@@ -576,10 +639,10 @@ class PrefillEngine:
         spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
         column = {t: spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)}
         f32, i32, u32 = column[jnp.float32], column[jnp.int32], column[jnp.uint32]
-        penalized, = _avals(penalize.lower(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
-                                           spec(logits.shape, jnp.bool_)).compile())
+        penalized, = _avals(self._penalize.lower(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
+                                                 spec(logits.shape, jnp.bool_)).compile())
         for aval in {logits, penalized}:
-            sample_jit.lower(aval, f32, i32, f32, u32, i32, f32).compile()
+            self._sample.lower(aval, f32, i32, f32, u32, i32, f32).compile()
 
 
 def _avals(compiled) -> tuple[jax.ShapeDtypeStruct, ...]:

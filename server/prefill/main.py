@@ -1,8 +1,14 @@
-"""Starts one prefill worker process: load the model into JAX, compile, serve."""
+"""Starts one prefill worker process: load the model into JAX, compile, serve.
+
+In a slice of several processes (`--coordinator-address`, README "Prefill on a device mesh"), process 0
+is the worker and every other process replays its steps (replay.py) with no server of its own.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +26,9 @@ from pdserve.server.prefill.engine import PrefillEngine
 from pdserve.server.prefill.model import compute_dtype, load_params, served_weight_dtype
 from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
+from pdserve.server.prefill.replay import SliceLeader, coordinator_host, follow
 from pdserve.server.prefill.service import PrefillService
+from pdserve.server.prefill.step_inputs import StepInputs
 from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params, start_distributed
 from pdserve.server.registration import Memberships, join, serve_until_signal
 
@@ -48,10 +56,12 @@ class PrefillWorker:
             await self.registration.close()
         await self.server.stop(grace)
         await self.service.transport.close()
+        self.service.engine.close()
 
 
-async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> PrefillWorker:
-    engine = load_engine(config)
+async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions(),
+                engine: PrefillEngine | None = None) -> PrefillWorker:
+    engine = engine or load_engine(config)
     server, health, port = serving.new_server(SERVICES, config.port, config.host)
     transport = GrpcKvTransport(num_streams=config.kv_streams, channel_options=serving.CHANNEL_OPTIONS,
                                 credentials=serving.channel_credentials(), interceptors=serving.channel_interceptors())
@@ -77,15 +87,15 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
 
 
 def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
-    """The model loaded (and sharded over the device mesh), every batch shape compiled."""
+    """The model loaded (and sharded over the device mesh), every batch shape compiled. On process 0 of a
+    slice of several processes, once the others have connected, the engine sends them every step."""
     if config.compilation_cache is not None:  # before the first compile
         use_compilation_cache(config.compilation_cache)
+    leader = None
     if start_distributed(config.coordinator_address, config.num_processes, config.process_id):
         log.info("joined a %d-process slice as process %d", jax.process_count(), jax.process_index())
-        if jax.process_count() > 1:  # README: "Prefill on a device mesh"
-            raise SystemExit(f"pdserve prefill: joined a {jax.process_count()}-process slice, but serving a mesh "
-                             "that spans hosts needs every process to replay process 0's batches, which is not "
-                             "written yet; run one worker per host over its own chips (no --coordinator-address)")
+        if jax.process_count() > 1 and jax.process_index() == 0:  # published now: followers look it up when ready
+            leader = SliceLeader.listen(jax.process_count() - 1, coordinator_host(), _cluster_secret())
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
     dtype = served_weight_dtype(config.weight_dtype, model_config.dtype, jax.default_backend())
     t0 = time.perf_counter()
@@ -94,15 +104,23 @@ def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
     if config.tensor_parallel_size is None and tp < jax.device_count():
         log.warning("sharding over %d of %d devices: the model's kv heads (%d) do not split over more",
                     tp, jax.device_count(), model_config.num_kv_heads)
-    if tp > 1:  # sharded at the edge; the model code is the same
-        params = shard_params(params, make_mesh(tp), model_config)
+    if tp > 1 or jax.process_count() > 1:  # sharded at the edge; the model code is the same
+        mesh = make_mesh(tp)
+        params = shard_params(params, mesh, model_config)
+        if mesh.is_multi_process:
+            log.info("the mesh holds devices %s of processes %s", [d.id for d in mesh.devices.flat],
+                     [d.process_index for d in mesh.devices.flat])
     loaded = time.perf_counter() - t0
     engine = PrefillEngine(model_config, params, config)
     shapes = engine.shapes()
     compile_s = engine.warmup(progress=progress)
     log.info("prefill model %s loaded in %.1f s (tensor parallel %d over %s); weights %.1f MiB (%s, compute %s); "
              "%d batch shapes compiled in %.1f s", model_config.describe(), loaded, tp, jax.default_backend(),
-             param_bytes(params) / 2**20, dtype, compute_dtype(model_config, dtype, jax.default_backend()), len(shapes), compile_s)
+             param_bytes(params) / 2**20, dtype, compute_dtype(model_config, dtype, jax.default_backend()), len(shapes),
+             compile_s)
+    if leader is not None:
+        leader.accept()
+        engine.replay = leader
     return engine
 
 
@@ -115,4 +133,27 @@ def use_compilation_cache(directory: Path) -> None:
 
 
 async def serve(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> None:
-    await serve_until_signal(await start(config, options), "prefill", options.drain_seconds)
+    engine = load_engine(config)
+    if jax.process_index() > 0:
+        await replay_steps(engine)
+        return
+    await serve_until_signal(await start(config, options, engine), "prefill", options.drain_seconds)
+
+
+async def replay_steps(engine: PrefillEngine) -> None:
+    """A follower of a slice: no server; runs process 0's steps until process 0 stops the slice (SIGTERM
+    alone does not stop it: process 0 drains first, and its steps need every process)."""
+    process = jax.process_index()
+    asyncio.get_running_loop().add_signal_handler(
+        signal.SIGTERM, lambda: log.info("prefill slice: SIGTERM; process %d exits when process 0 stops the slice",
+                                         process))
+
+    def run(inputs: StepInputs) -> None:
+        engine.dispatch(inputs, to_host=False).wait()
+
+    await asyncio.to_thread(follow, run, process, _cluster_secret())
+
+
+def _cluster_secret() -> str | None:
+    auth = serving.cluster_auth()
+    return auth.secret if auth is not None else None

@@ -7,7 +7,9 @@ The model code is unchanged: jit the same prefill and pass it sharded params; ac
 KV (split over kv heads) follow the params' shardings, and `np.asarray` gathers a batch's KV to the host.
 
 `start_distributed` joins a multi-host slice through `jax.distributed` before the mesh is made, so the
-mesh spans every process's devices (see README, "Prefill on a device mesh").
+mesh spans every process's devices (see README, "Prefill on a device mesh"); the same number of them on
+each process. There process 0 reads the outputs it needs on the host, so the engine's programs return
+them replicated over the mesh (`host_readable`), and every process replays process 0's steps (replay.py).
 """
 
 from __future__ import annotations
@@ -53,27 +55,51 @@ def _unsplittable(config: ModelConfig, tp: int) -> list[str]:
                                             ("intermediate_size", config.intermediate_size)) if n % tp]
 
 
-def default_size(config: ModelConfig, num_devices: int | None = None) -> int:
+def default_size(config: ModelConfig, num_devices: int | None = None, num_processes: int | None = None) -> int:
     """The default --tensor-parallel-size: all devices, or the most of them that split the model's kv
-    heads and intermediate size evenly (a model with 2 kv heads on 8 chips runs on 2)."""
+    heads and intermediate size evenly (a model with 2 kv heads on 8 chips runs on 2); in a slice of
+    several processes, a multiple of their number (each holds a share of the mesh)."""
     n = len(jax.devices()) if num_devices is None else num_devices
-    return max(tp for tp in range(1, n + 1) if not _unsplittable(config, tp))
+    p = jax.process_count() if num_processes is None else num_processes
+    sizes = [tp for tp in range(p, n + 1, p) if not _unsplittable(config, tp)]
+    if not sizes:
+        raise ValueError(f"no mesh of this slice's {n} devices splits the model's kv heads ({config.num_kv_heads}) "
+                         f"over all its {p} processes; run fewer processes (or one worker per host)")
+    return max(sizes)
 
 
 def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D "tp" mesh over the first num_devices devices (all of them by default)."""
-    devices = jax.devices()
+    """A 1-D "tp" mesh over the first num_devices devices (all of them by default); in a slice of
+    several processes, the first num_devices / processes devices of each process, so every process
+    runs its share of each step."""
+    devices, p = jax.devices(), jax.process_count()
     n = len(devices) if num_devices is None else num_devices
     if not 1 <= n <= len(devices):
         raise ValueError(f"a mesh of {n} devices was asked for; {len(devices)} are present")
-    return Mesh(np.array(devices[:n]), (AXIS,))
+    if p == 1:
+        return Mesh(np.array(devices[:n]), (AXIS,))
+    if n % p:
+        raise ValueError(f"--tensor-parallel-size {n} does not split over the slice's {p} processes: every process "
+                         f"holds the same share of the mesh; use a multiple of {p}")
+    per_process = [[d for d in devices if d.process_index == i][: n // p] for i in range(p)]
+    return Mesh(np.array([d for share in per_process for d in share]), (AXIS,))
+
+
+def host_readable(params: Params) -> dict:
+    """jax.jit's keyword arguments for programs whose outputs the host reads: on a mesh that spans
+    processes, the outputs replicated over it (process 0 holds only its own shards otherwise); else none."""
+    sharding = params["embed"].sharding
+    if isinstance(sharding, NamedSharding) and sharding.mesh.is_multi_process:
+        return {"out_shardings": NamedSharding(sharding.mesh, P())}
+    return {}
 
 
 def param_specs(params: Params, mesh: Mesh, config: ModelConfig) -> dict:
     """The PartitionSpec of every param (same tree structure as params)."""
     tp = mesh.shape[AXIS]
     if bad := _unsplittable(config, tp):
-        fits = [n for n in range(1, len(jax.devices()) + 1) if not _unsplittable(config, n)]
+        step = jax.process_count()  # a slice's mesh takes the same share of every process
+        fits = [n for n in range(step, len(jax.devices()) + 1, step) if not _unsplittable(config, n)]
         raise ValueError(f"tensor parallelism {tp} must divide the model's {' and '.join(bad)}: each device "
                          f"holds whole kv heads; use --tensor-parallel-size {' or '.join(map(str, fits))}")
     specs = {name: P() for name in params if name != "layers"}
@@ -88,4 +114,12 @@ def shard_params(params: Params, mesh: Mesh, config: ModelConfig) -> Params:
     specs = param_specs(params, mesh, config)
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=is_spec)
-    return jax.device_put(params, shardings)
+    if not mesh.is_multi_process:
+        return jax.device_put(params, shardings)
+    # Every process loaded the same weights: each places its own shards (device_put would first
+    # compare the whole of every weight across processes).
+    return jax.tree.map(lambda w, s: _from_host(np.asarray(w), s), params, shardings)
+
+
+def _from_host(weight: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    return jax.make_array_from_callback(weight.shape, sharding, lambda index: weight[index])

@@ -12,6 +12,10 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
+
+from pdserve.server.model.config import load_config
+from pdserve.server.prefill.sharding import default_size
 
 SCRIPT = r"""
 import json, sys
@@ -129,3 +133,15 @@ def test_served_engine_shards_over_all_devices_by_default(tiny_model):
     assert sharded["shapes"] == one["shapes"] == [[2, n, 2, 32] for n in (5, 40, 17)] * 2
     for got, want in zip(sharded["k"], one["k"]):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-2, rtol=2e-2)
+
+
+def test_a_slice_of_several_processes_shards_over_a_multiple_of_their_number(tiny_model):
+    """Each process of a slice holds the same share of the mesh: the default size is the largest
+    multiple of the process count that splits the model's 2 kv heads, and none may be refused."""
+    config = load_config(tiny_model("qwen2"))
+    assert (config.num_kv_heads, config.intermediate_size % 2) == (2, 0)
+    assert default_size(config, num_devices=8, num_processes=1) == 2
+    assert default_size(config, num_devices=4, num_processes=2) == 2
+    assert default_size(config, num_devices=2, num_processes=2) == 2
+    with pytest.raises(ValueError, match=r"kv heads \(2\) over all its 3 processes"):
+        default_size(config, num_devices=6, num_processes=3)
