@@ -46,6 +46,7 @@ from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.model import bucket_length, compute_dtype, load_params, make_prefill_fn
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, quantize_kv
+from pdserve.server.cache_dir import cache_dir
 
 Setting = tuple[str, str, str]  # (prefill weights, decode weights, KV dtype)
 BASELINE: Setting = ("float32", "float32", "float32")
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text-len", type=int, default=32, help="tokens scored after each prompt")
     p.add_argument("--greedy-steps", type=int, default=32)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--cache", type=Path, default=Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")))
+    p.add_argument("--cache", type=Path, default=cache_dir())
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     results = {"command": "python -m pdserve.benchmarks.accuracy " + " ".join(argv if argv is not None else sys.argv[1:]),

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from pdserve.server.decode.startup import prepare
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config, parse_config
 from pdserve.server.model.weights import load_weights
+from pdserve.server.cache_dir import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16
@@ -151,8 +151,7 @@ def weight_bytes_read(model: DecoderModel) -> int:
 
 def qwen_bf16() -> tuple:
     """(ModelConfig, numpy weights) of the Qwen2.5-0.5B-shape bf16 checkpoint (made once, ~1 GB)."""
-    cache_dir = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
-    path = make_qwen25_05b_shape(cache_dir / "models" / "qwen2.5-0.5b-shape-random-bfloat16", "bfloat16")
+    path = make_qwen25_05b_shape(cache_dir() / "models" / "qwen2.5-0.5b-shape-random-bfloat16", "bfloat16")
     return load_config(path), load_weights(path)
 
 

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_number, fmt_spread, gate, spread
+from pdserve.server.cache_dir import cache_dir, compile_cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16
@@ -100,7 +101,7 @@ def probe(model: Path, tokens: int, reps: int) -> dict:
     t0 = time.perf_counter()
     config = PrefillConfig(model_dir=model, max_batch_size=1, max_model_len=tokens, max_batch_tokens=tokens,
                            prefix_cache_bytes=0,  # the same prompt repeats: each repetition computes it all
-                           compilation_cache=_compile_cache())
+                           compilation_cache=compile_cache_dir())
     engine = load_engine(config, progress=False)
     start_s = time.perf_counter() - t0
     mc = engine.model_config
@@ -166,7 +167,7 @@ def padding_probe(model: Path, lengths: list[int]) -> dict:
 
     budget = _pow2(sum(aligned(n, BLOCK) for n in lengths))  # room for every prompt in one step
     config = PrefillConfig(model_dir=model, max_batch_size=len(lengths), max_model_len=_pow2(max(lengths)),
-                           max_batch_tokens=budget, prefix_cache_bytes=0, compilation_cache=_compile_cache())
+                           max_batch_tokens=budget, prefix_cache_bytes=0, compilation_cache=compile_cache_dir())
     engine = load_engine(config, progress=False)
     mc = engine.model_config
     rng = np.random.default_rng(3)
@@ -190,10 +191,6 @@ def padding_probe(model: Path, lengths: list[int]) -> dict:
 
 def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def _compile_cache() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "jax-compilation-cache"
 
 
 def run_padding(model: Path, lengths: list[int], core: int, out: Path) -> dict:
@@ -316,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     gate(record, args.max_load, args.allow_noisy)
     run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    cache = cache_dir()
     if args.model is None:
         from pdserve.benchmarks.checkpoint import make_qwen25_05b_shape
 

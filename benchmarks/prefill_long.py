@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from pdserve.server.cache_dir import cache_dir
 
 
 def measure(model_dir: str, length: int, chunk: int) -> dict:
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from pdserve.benchmarks.checkpoint import make_qwen25_05b_shape
 
-    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    cache = cache_dir()
     model = args.model or make_qwen25_05b_shape(
         cache / "models" / f"qwen2.5-0.5b-shape-random-bfloat16-{args.layers}l", num_hidden_layers=args.layers)
     points = []

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import sys
 import time
@@ -40,6 +39,7 @@ from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
 from pdserve.benchmarks.load import LoadSpec
 from pdserve.benchmarks.metrics import prometheus_value, stats
 from pdserve.benchmarks.side_by_side import ROOT, Server, _spawn, _wait, free_port, pools_ready
+from pdserve.server.cache_dir import cache_dir
 
 
 def start(model: Path, out: Path, order: str, budget: float, weight_dtype: str, chunk: int = 0) -> tuple[Server, int]:
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     protocol.gate(record, args.max_load, args.allow_noisy)
     run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    cache = cache_dir()
     model = args.model or make_qwen25_05b_shape(
         cache / "models" / f"qwen2.5-0.5b-shape-random-bfloat16-{args.layers}l", num_hidden_layers=args.layers)
     with protocol.LoadMonitor() as monitor:

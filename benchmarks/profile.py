@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -42,6 +41,7 @@ from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.datasets import synthetic
 from pdserve.benchmarks.load import LoadSpec
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, gate
+from pdserve.server.cache_dir import cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     gate(record, args.max_load, args.allow_noisy)
     out = args.out / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    cache = cache_dir()
     model = args.model or make_qwen25_05b_shape(cache / "models" / f"qwen2.5-0.5b-shape-random-{args.dtype}",
                                                 args.dtype)
     print(f"== starting pdserve on {model.name} (prefill core 0, decode core 1) ...", file=sys.stderr, flush=True)

@@ -53,6 +53,7 @@ from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.clients import GrpcTarget, OpenAITarget, Target
 from pdserve.benchmarks.load import LoadSpec
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_spread, gate, load_average, schedule, spread
+from pdserve.server.cache_dir import cache_dir, compile_cache_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
@@ -247,7 +248,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
                 "--weight-dtype",  # the served default: a bf16 checkpoint computes in fp32 on XLA:CPU (faster there)
                 "auto",
                 "--compilation-cache",  # every batch shape compiles at start: once per machine, not per run
-                str(Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "jax-compilation-cache"),
+                str(compile_cache_dir()),
             ],
             logs[0],
             {0},
@@ -499,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     gate(record, args.max_load, args.allow_noisy)
     run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
-    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    cache = cache_dir()
     model = args.model or make_qwen25_05b_shape(
         cache / "models" / f"qwen2.5-0.5b-shape-random-{args.dtype}", args.dtype
     )

@@ -34,6 +34,7 @@ from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, gate
 from pdserve.server.model.config import ModelConfig, load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
+from pdserve.server.cache_dir import cache_dir
 
 MODELS = ("tiny", "qwen2.5-0.5b")
 _START = time.perf_counter()
@@ -388,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated: {', '.join(MODELS)}")
     parser.add_argument("--json", type=Path, help="also write the results here")
     parser.add_argument("--quick", action="store_true", help="the tiny model only, fewer iterations")
-    default_cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "bench"
+    default_cache = cache_dir() / "bench"
     parser.add_argument("--cache-dir", type=Path, default=default_cache, help="where checkpoints are built")
     parser.add_argument("--max-load", type=float, default=2.0,
                         help="refuse to start when the 1-minute load average is above this (--quick: never)")

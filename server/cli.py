@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
+from pdserve.server.cache_dir import cache_dir
 from pdserve.server.flags import add_flags, config_from_args
 from pdserve.server.vocabulary import (DECODE_ENGINES, KV_DTYPES, LOG_FORMATS, VLLM_DTYPES, VLLM_KV_CACHE_DTYPES,
                                        VLLM_QUANTIZATIONS, WEIGHT_DTYPES, translate)
@@ -32,7 +32,7 @@ def default_model_dir() -> Path:
               f"Python standard library (it writes Python-flavoured text); pass --model DIR to serve a real HF "
               f"checkpoint", file=sys.stderr)
         return EMBEDDED_MODEL
-    cache = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve"))
+    cache = cache_dir()
     out = cache / "models" / f"tiny-{DEFAULT_FAMILY}"
     if not (out / "config.json").exists():
         from pdserve.server.model.tiny import make_tiny_model

@@ -75,9 +75,12 @@ class Worker:
     """Set when the worker stops answering; requests waiting on it give up on it at once."""
 
     def reported(self, info: worker_pb2.WorkerInfo, now: float) -> None:
-        """A load report (GetInfo, Register or Heartbeat) answered at `now`: it counts what was sent before."""
+        """A load report (GetInfo, Register or Heartbeat) answered at `now`: it counts what was sent before,
+        shows the room it has now, and is a health check passed."""
         self.info, self.last_seen = info, now
         self.unreported_lengths.clear()
+        self.refused = False
+        self.failed_by_call = False
 
     @property
     def state(self) -> State:
@@ -236,8 +239,6 @@ class WorkerPool:
         worker.registered = True
         worker.reported(info, now)
         worker.last_heartbeat = now
-        worker.refused = False
-        worker.failed_by_call = False
         worker.draining = info.draining
         worker.set_ready(True)
         log.info("%s worker %s registered: model %s", info.role, info.address, _describe(info))
@@ -252,8 +253,6 @@ class WorkerPool:
         now = time.monotonic()
         worker.reported(info, now)
         worker.last_heartbeat = now
-        worker.refused = False
-        worker.failed_by_call = False
         if info.draining and not worker.draining:
             log.info("%s worker %s is draining", worker.role, worker.address)
         worker.draining = worker.draining or info.draining
@@ -354,7 +353,6 @@ class WorkerPool:
             log.info("%s worker %s is draining", worker.role, worker.address)
         worker.draining = worker.draining or info.draining
         worker.reported(info, now)
-        worker.refused = False
         worker.set_ready(True)
 
     async def _notify(self) -> None:

@@ -55,13 +55,18 @@ def _unsplittable(config: ModelConfig, tp: int) -> list[str]:
                                             ("intermediate_size", config.intermediate_size)) if n % tp]
 
 
+def _fitting_sizes(config: ModelConfig, num_devices: int, num_processes: int) -> list[int]:
+    """The mesh sizes that split the model evenly and take the same share of every process's devices."""
+    return [tp for tp in range(num_processes, num_devices + 1, num_processes) if not _unsplittable(config, tp)]
+
+
 def default_size(config: ModelConfig, num_devices: int | None = None, num_processes: int | None = None) -> int:
     """The default --tensor-parallel-size: all devices, or the most of them that split the model's kv
     heads and intermediate size evenly (a model with 2 kv heads on 8 chips runs on 2); in a slice of
     several processes, a multiple of their number (each holds a share of the mesh)."""
     n = len(jax.devices()) if num_devices is None else num_devices
     p = jax.process_count() if num_processes is None else num_processes
-    sizes = [tp for tp in range(p, n + 1, p) if not _unsplittable(config, tp)]
+    sizes = _fitting_sizes(config, n, p)
     if not sizes:
         raise ValueError(f"no mesh of this slice's {n} devices splits the model's kv heads ({config.num_kv_heads}) "
                          f"over all its {p} processes; run fewer processes (or one worker per host)")
@@ -98,8 +103,7 @@ def param_specs(params: Params, mesh: Mesh, config: ModelConfig) -> dict:
     """The PartitionSpec of every param (same tree structure as params)."""
     tp = mesh.shape[AXIS]
     if bad := _unsplittable(config, tp):
-        step = jax.process_count()  # a slice's mesh takes the same share of every process
-        fits = [n for n in range(step, len(jax.devices()) + 1, step) if not _unsplittable(config, n)]
+        fits = _fitting_sizes(config, len(jax.devices()), jax.process_count())
         raise ValueError(f"tensor parallelism {tp} must divide the model's {' and '.join(bad)}: each device "
                          f"holds whole kv heads; use --tensor-parallel-size {' or '.join(map(str, fits))}")
     specs = {name: P() for name in params if name != "layers"}
