@@ -65,7 +65,7 @@ import itertools
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Generic, Literal, Protocol, TypeVar
 
 PrefillOrder = Literal["fifo", "shortest-first"]
@@ -122,13 +122,14 @@ def packed_tokens(segments: list[Segment]) -> int:
     return sum(aligned(s.length, align) for s in segments)
 
 
-@dataclass(order=True)
+@dataclass(eq=False)
 class _Entry(Generic[J]):
+    """A queued prompt; the queue runs in (key, seq) order (`_queue_order`)."""
     key: float
     seq: int
-    job: J = field(compare=False)
-    bucket: int = field(compare=False)
-    due: float | None = field(compare=False, default=None)
+    job: J
+    bucket: int
+    due: float | None = None
     """When its first token is due (the scheduler's clock); None: never."""
 
     @property
