@@ -39,6 +39,7 @@ class FakeEngine:
         self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
         self.layout = KvLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32")
         self.max_model_len = 1 << 20
+        self.hardware = None  # no machine probed: it computes nothing
         self.token = token
         self.step_s = step_s
         self.sequences: dict[str, Sequence] = {}

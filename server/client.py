@@ -96,7 +96,7 @@ def list_workers(addr: str, tls: TlsConfig | None = None, timeout: float = 10.0,
 def format_status(workers: list[worker_pb2.WorkerStatus]) -> str:
     """One line per worker: role, address, state, load, KV usage."""
     header = f"{'ROLE':<8} {'ADDRESS':<22} {'STATE':<9} {'JOINED':<10} {'INFLIGHT':>8} {'RUNNING':>7} " \
-             f"{'WAITING':>7} {'QUEUED_TOK':>10} {'KV_USED':>13} {'KV_USAGE':>8}"
+             f"{'WAITING':>7} {'QUEUED_TOK':>10} {'KV_USED':>13} {'KV_USAGE':>8} HARDWARE"
     lines = [header]
     for w in workers:
         load = w.info.load
@@ -106,10 +106,18 @@ def format_status(workers: list[worker_pb2.WorkerStatus]) -> str:
         queued = str(load.queued_prefill_tokens) if w.role == "prefill" else "-"
         lines.append(f"{w.role:<8} {w.address:<22} {w.state:<9} {'register' if w.registered else 'flag':<10} "
                      f"{w.inflight:>8} {load.running_requests:>7} {load.waiting_requests:>7} {queued:>10} "
-                     f"{kv:>13} {usage:>8}")
+                     f"{kv:>13} {usage:>8} {_hardware(w.info.hardware)}")
     if not workers:
         lines.append("(no workers)")
     return "\n".join(lines)
+
+
+def _hardware(hw: worker_pb2.Hardware) -> str:
+    """The status line's hardware column: CPU family, device, and the matmul path chosen (`--json`: all)."""
+    if not hw.cpu_family:
+        return "-"  # an older worker
+    chosen = hw.paths.get("matmuls") or hw.paths.get("compute") or ""
+    return f"{hw.cpu_family}{' (capped)' if hw.cpu_cap else ''} {hw.devices}" + (f"; {chosen}" if chosen else "")
 
 
 def run_status(addr: str, as_json: bool = False, tls: TlsConfig | None = None,

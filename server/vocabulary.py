@@ -20,6 +20,8 @@ Role = Literal["coordinator", "prefill", "decode"]
 DecodeStreams = Literal["batched", "per-request"]
 """How decode workers stream to the coordinator: batched (one message per step per connection, the
 workers' Steps stream) or per-request (one message per token per request, the pre-Steps wire)."""
+CpuMatmul = Literal["auto", "onednn", "plain", "float32"]
+"""How bf16/fp16 weights compute on a CPU decode worker (`server/decode/cpu_matmul.py`)."""
 DecodeEngine = Literal["native", "vllm"]
 """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
 
@@ -29,6 +31,7 @@ PREFILL_POLICIES: tuple[str, ...] = get_args(PrefillPolicy)
 DECODE_POLICIES: tuple[str, ...] = get_args(DecodePolicy)
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 DECODE_ENGINES: tuple[str, ...] = get_args(DecodeEngine)
+CPU_MATMULS: tuple[str, ...] = get_args(CpuMatmul)
 DECODE_STREAMS: tuple[str, ...] = get_args(DecodeStreams)
 
 VLLM_DTYPES: dict[str, str] = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16"}

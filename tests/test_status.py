@@ -25,13 +25,21 @@ def test_format_status_one_row_per_worker():
         _status("decode", "10.0.0.3:50053", "dead"),
     ]).splitlines()
     assert rows[0].split() == ["ROLE", "ADDRESS", "STATE", "JOINED", "INFLIGHT", "RUNNING", "WAITING", "QUEUED_TOK",
-                               "KV_USED", "KV_USAGE"]
+                               "KV_USED", "KV_USAGE", "HARDWARE"]
     assert [r.split() for r in rows[1:]] == [
-        ["prefill", "10.0.0.1:50052", "ready", "flag", "1", "2", "0", "512", "-", "-"],
-        ["decode", "10.0.0.2:50053", "draining", "register", "1", "3", "1", "-", "250/1000", "25.0%"],
-        ["decode", "10.0.0.3:50053", "dead", "register", "1", "0", "0", "-", "0/0", "-"],
+        ["prefill", "10.0.0.1:50052", "ready", "flag", "1", "2", "0", "512", "-", "-", "-"],
+        ["decode", "10.0.0.2:50053", "draining", "register", "1", "3", "1", "-", "250/1000", "25.0%", "-"],
+        ["decode", "10.0.0.3:50053", "dead", "register", "1", "0", "0", "-", "0/0", "-", "-"],
     ]
     assert format_status([]).splitlines()[1] == "(no workers)"
+
+
+def test_status_names_each_workers_cpu_family_device_and_matmul_path():
+    status = _status("decode", "10.0.0.2:50053", "ready")
+    status.info.hardware.CopyFrom(pb.Hardware(cpu_family="x86_64/avx2", cpu_cap="avx2", devices="cpu",
+                                              paths={"matmuls": "bf16 weights -> fp32 compute"}))
+    row = format_status([status]).splitlines()[1]
+    assert row.endswith(" x86_64/avx2 (capped) cpu; bf16 weights -> fp32 compute")
 
 
 async def test_status_lists_a_live_coordinator_pool(tiny_model, capsys):
@@ -45,9 +53,9 @@ async def test_status_lists_a_live_coordinator_pool(tiny_model, capsys):
         assert await asyncio.to_thread(run_status, address) == 0
         rows = [r.split() for r in capsys.readouterr().out.splitlines()[1:]]
         assert rows == [
-            ["prefill", prefill.address, "ready", "flag", "0", "0", "0", "0", "-", "-"],
-            ["decode", "127.0.0.1:1", "dead", "flag", "0", "0", "0", "-", "0/0", "-"],
-            ["decode", decode.address, "ready", "flag", "0", "2", "0", "-", "20/80", "25.0%"],
+            ["prefill", prefill.address, "ready", "flag", "0", "0", "0", "0", "-", "-", "-"],
+            ["decode", "127.0.0.1:1", "dead", "flag", "0", "0", "0", "-", "0/0", "-", "-"],
+            ["decode", decode.address, "ready", "flag", "0", "2", "0", "-", "20/80", "25.0%", "-"],
         ]
         assert await asyncio.to_thread(run_status, address, True) == 0
         lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

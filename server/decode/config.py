@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pdserve.server.decode.device import parse_bytes, parse_device
 from pdserve.server.flags import flag
-from pdserve.server.vocabulary import DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, DecodeEngine, KvDtype, WeightDtype
+from pdserve.server.vocabulary import CPU_MATMULS, DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, CpuMatmul, DecodeEngine, KvDtype, WeightDtype
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,10 @@ class DecodeConfig:
     computing in the checkpoint's dtype."""
     kv_dtype: KvDtype = "auto"
     """auto: the model's compute dtype; fp8_e4m3/int8 keep a float32 scale per block per kv head."""
+    cpu_matmul: CpuMatmul = "auto"
+    """On a CPU, how a bf16/fp16 checkpoint's matmuls compute: onednn (prepacked; needs AVX-512 BW/VL/DQ or
+    AVX-NE-convert), plain (torch's default bf16 linear), float32 (weights upcast at load: exact, 2x memory);
+    auto: onednn where the CPU has native bf16, else the fastest of the others measured at start."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
     max_model_len: int | None = None
@@ -70,6 +74,8 @@ class DecodeConfig:
             raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}")
+        if self.cpu_matmul not in CPU_MATMULS:
+            raise ValueError(f"--cpu-matmul must be one of {', '.join(CPU_MATMULS)}, not {self.cpu_matmul!r}")
         if self.engine not in DECODE_ENGINES:
             raise ValueError(f"--engine must be one of {', '.join(DECODE_ENGINES)}, not {self.engine!r}")
         if self.max_running <= 0:

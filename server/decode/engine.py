@@ -26,6 +26,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server import metrics
+from pdserve.server.hardware import Hardware
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
@@ -70,12 +71,11 @@ class DecodeEngine:
         if cuda_graphs:
             max_blocks = layout.num_blocks(self.max_model_len)
             graphs = CudaGraphRunner(model, self.cache, max_running, max_blocks, pad_block=num_blocks)
-            try:
-                graphs.capture()
+            failed = graphs.capture()  # a bucket that cannot be captured runs eagerly, logged and counted
+            if len(failed) < len(graphs.buckets):
                 self.runner = graphs
-            except Exception:  # a step that cannot be captured still runs, eagerly
-                log.exception("capturing the decode step's CUDA graphs failed; decode steps run eagerly "
-                              "(--enforce-eager skips the attempt)")
+        self.hardware: Hardware | None = None
+        """The machine and the kernel paths the worker's start-up chose (`hardware.py`), for its info."""
 
     @property
     def running(self) -> list[Sequence]:

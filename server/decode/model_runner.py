@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from pdserve.server import metrics
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 
@@ -98,26 +99,42 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits [bucket, V] written by its graph
 
-    def capture(self) -> None:
-        """One graph per bucket, the largest first (the others reuse its memory pool); prints progress."""
+    def capture(self) -> list[int]:
+        """One graph per bucket, the largest first (the others reuse its memory pool); prints progress.
+        A bucket whose capture fails is logged as an error and counted (pdserve_cuda_graph_capture_failures),
+        and its batches run eagerly; returns the buckets that failed."""
         t0 = time.perf_counter()
         pool = None
+        failed = []
         for bucket in sorted(self.buckets, reverse=True):
-            args = (*self.inputs.views(bucket), self.cache)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):  # warm-up: kernels compiled, workspaces allocated
-                for _ in range(2):
-                    self.model.decode(args[0], args[1], args[2], args[3], self.cache)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bucket] = self.model.decode(args[0], args[1], args[2], args[3], self.cache)
+            try:
+                graph = self._capture(bucket, pool)
+            except Exception:
+                failed.append(bucket)
+                metrics.cuda_graph_capture_failures.inc()
+                log.exception("capturing the decode step's CUDA graph for batch %d FAILED: its batches run eagerly "
+                              "(slower); --enforce-eager skips CUDA graphs altogether", bucket)
+                torch.cuda.synchronize()
+                continue
             pool = graph.pool()
             self.graphs[bucket] = graph
             log.info("captured the decode step's CUDA graph for batch %d (%.1f s so far)", bucket,
                      time.perf_counter() - t0)
         torch.cuda.synchronize()
+        return failed
+
+    def _capture(self, bucket: int, pool) -> torch.cuda.CUDAGraph:
+        args = (*self.inputs.views(bucket), self.cache)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up: kernels compiled, workspaces allocated
+            for _ in range(2):
+                self.model.decode(args[0], args[1], args[2], args[3], self.cache)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs[bucket] = self.model.decode(args[0], args[1], args[2], args[3], self.cache)
+        return graph
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor) -> torch.Tensor:

@@ -213,5 +213,6 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             max_model_len=engine.max_model_len,
             draining=self.draining,
             kv_address=self.kv_address,
+            hardware=engine.hardware.to_proto() if engine.hardware is not None else None,
         )
 

@@ -3,8 +3,9 @@ decode step eager or CUDA-graphed. `benchmarks/gpu.py` starts it the same way (`
 
 1. `--device` resolved (auto: CUDA when torch sees one).
 2. The model built from its config on the device, the checkpoint's tensors loaded, then quantized when
-   --weight-dtype is int8/fp8 (through a kernel for the format where the device has one); on the CPU
-   bf16/fp16 linears prepacked for oneDNN (`prepare`).
+   --weight-dtype is int8/fp8 (through a kernel for the format where the device has one); on the CPU a
+   bf16/fp16 checkpoint computes as `cpu_matmul` chooses from what the CPU runs (`hardware.py`): prepacked
+   for oneDNN, torch's default linear, or upcast to fp32 (`prepare`). One start-up line names the choice.
 3. The KV layout; the cache's blocks from --kv-cache-tokens, else from memory (`device.py`).
 4. The engine: cache on the device, CUDA graphs captured per batch bucket unless --enforce-eager.
 """
@@ -17,6 +18,8 @@ import time
 import torch
 
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.server import hardware
+from pdserve.server.decode import cpu_matmul
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.cuda_attention import have_triton
 from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_cache_blocks, gpu_cache_blocks,
@@ -34,13 +37,24 @@ log = logging.getLogger("pdserve.decode")
 
 
 def dtypes(config: DecodeConfig, model_config: ModelConfig) -> tuple[str, str, str]:
-    """(weight dtype, compute dtype, KV dtype) the flags and the checkpoint give."""
+    """(weight dtype, compute dtype, KV dtype) the flags and the checkpoint give (before the CPU's choice)."""
     weight_dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
     quantized = weight_dtype in QUANTIZED_WEIGHTS
     compute_dtype = (model_config.dtype if model_config.dtype in TORCH_DTYPES else "float32") if quantized \
         else weight_dtype
     kv_dtype = compute_dtype if config.kv_dtype == "auto" else config.kv_dtype
     return weight_dtype, compute_dtype, kv_dtype
+
+
+def cpu_path(config: DecodeConfig, model_config: ModelConfig, compute_dtype: str, quantized: bool,
+             device: torch.device) -> tuple[str | None, str]:
+    """On the CPU with bf16/fp16 compute: (`cpu_matmul` path, its start-up words); else (None, "")."""
+    dtype = TORCH_DTYPES[compute_dtype]
+    if device.type != "cpu" or dtype not in cpu_matmul.HALF:
+        return None, ""
+    path, why = cpu_matmul.choose(config.cpu_matmul, dtype, hardware.cpu(), hardware.torch_probe(),
+                                  model_config.hidden_size, model_config.intermediate_size, quantized)
+    return path, cpu_matmul.describe(path, dtype, why)
 
 
 def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine, KvLayout]:
@@ -52,21 +66,33 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
     weight_dtype, compute_dtype, _ = dtypes(config, model_config)
     if config.threads:
         torch.set_num_threads(config.threads)
-    t0 = time.perf_counter()
     quantized = weight_dtype in QUANTIZED_WEIGHTS
+    path, matmuls = cpu_path(config, model_config, compute_dtype, quantized, device)
+    if path == "float32":
+        compute_dtype = "float32"
+    paths = {"matmuls": matmuls} if matmuls else {}
+    found = hardware.Hardware(cpu=hardware.cpu(), torch=hardware.torch_probe(), device=str(device), paths=paths)
+    log.info("decode hardware: %s", found.describe())
+    t0 = time.perf_counter()
     model = build_model(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
                         weight_format=weight_dtype if quantized else None, device=device)
-    prepared = prepare(model)
+    prepared = prepare(model, path)
+    if quantized:
+        paths["weights"] = model.weight_kernel
     log.info("decode model %s loaded onto %s in %.1f s; weights %.1f MiB (%s, compute %s)%s%s",
              model_config.describe(), device, time.perf_counter() - t0, buffer_bytes(model) / 2**20, weight_dtype,
              compute_dtype, f"; {model.weight_kernel}" if quantized else "", f"; {prepared}" if prepared else "")
     engine, layout = engine_for_model(config, model)
+    engine.hardware = found
     return model_config, engine, layout
 
 
-def prepare(model: DecoderModel) -> str:
+def prepare(model: DecoderModel, path: str | None = "onednn") -> str:
     """The load-time steps once the weights (and their quantization) are in, where the model runs: on the
-    CPU, bf16/fp16 linears prepacked for oneDNN; nothing on CUDA. Returns what it did, for the start-up log."""
+    CPU with path "onednn", bf16/fp16 linears prepacked for oneDNN; nothing otherwise (CUDA included).
+    Returns what it did, for the start-up log."""
+    if path != "onednn":
+        return ""
     model.prepack()
     packed = sum(isinstance(m, Linear) and m.packed for m in model.modules())
     return f"{packed} matmul weights prepacked for oneDNN (the LM head's among them)" if packed else ""
@@ -76,7 +102,8 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
     """The engine over a model already on its device (steps 3 and 4)."""
     model_config = model.config
     device = model.embed.device
-    _, _, kv_dtype = dtypes(config, model_config)
+    compute_dtype = str(model.dtype).removeprefix("torch.")
+    kv_dtype = compute_dtype if config.kv_dtype == "auto" else config.kv_dtype  # auto: the model's compute dtype
     model.paged_kernel = device.type == "cuda" and have_triton()
     if device.type == "cuda" and not model.paged_kernel:
         log.warning("triton is not installed: decode attention on %s gathers whole block tables (pip install "

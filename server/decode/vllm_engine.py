@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
+from pdserve.server.hardware import Hardware
 from pdserve.server import logprobs
 from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState, admissible
@@ -97,6 +98,8 @@ class VllmEngine:
         max_model_len: 0 takes the model's, capped by what vLLM's cache holds; staging: where received KV
         waits (default: in memory, for one rank)."""
         self.llm = llm_engine
+        self.hardware: Hardware | None = None
+        """The machine and vLLM's version, set by the worker's start-up (`hardware.py`), for its info."""
         self.model = VllmModel(model_config)
         self.layout = layout
         self.max_running = max_running

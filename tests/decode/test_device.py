@@ -120,7 +120,12 @@ def test_a_padded_batch_gives_the_batch_its_own_logits(llama):
     t, p, tb, lens = inputs.views(4)
     replayed = llama.decode(t, p, tb, lens, cache)  # [4, V]
     assert torch.allclose(replayed[:3], eager, atol=1e-5, rtol=0)
-    assert torch.equal(cache.k[:, :12], after_eager[:, :12])  # the sequences' blocks: the same writes
+    # The sequences' blocks get the same writes, up to the last bits a 3-row and a 4-row matmul may round
+    # differently (AVX2's kernels do; AMX's happen not to); what neither step wrote is untouched, bit for bit.
+    torch.testing.assert_close(cache.k[:, :12], after_eager[:, :12], atol=1e-5, rtol=0)
+    untouched = after_eager[:, :12] == before[:, :12]
+    assert torch.equal(cache.k[:, :12][untouched], before[:, :12][untouched])
+    assert not torch.equal(cache.k[:, 12], before[:, 12])  # the pad row wrote into the pad block
 
 
 def test_quantized_weights_on_the_cpu_say_they_save_memory_only(tiny_model):

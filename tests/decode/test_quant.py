@@ -8,6 +8,7 @@ import torch
 
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.quant import QMAX, dequantize, error_bound, quantize
+from pdserve.server import hardware
 from pdserve.server.decode.kv_cache import PagedKvCache
 
 L, HKV, D, BS = 2, 2, 8, 4
@@ -202,6 +203,13 @@ def test_int8_weights_run_the_int8_kernel_like_the_dequantized_matmul(dtype, wid
     assert (got.double() - reference).abs().max().item() <= tol
 
 
+ONEDNN_BF16 = pytest.mark.skipif(
+    not hardware.torch_probe().onednn_bf16,
+    reason=f"oneDNN cannot run bf16 linears on this CPU ({hardware.cpu().describe()}): it needs AVX-512 BW/VL/DQ or "
+           f"AVX-NE-convert; tests/decode/test_cpu_matmul.py checks the fallback chosen here instead")
+
+
+@ONEDNN_BF16
 def test_prepacked_bf16_linear_computes_what_the_plain_one_does():
     g = torch.Generator().manual_seed(4)
     w, bias = torch.randn(48, 64, generator=g), torch.randn(48, generator=g)
@@ -219,6 +227,7 @@ def test_prepacked_bf16_linear_computes_what_the_plain_one_does():
     assert not fp32.packed
 
 
+@ONEDNN_BF16
 def test_a_prepacked_bf16_model_decodes_the_same_tokens(tiny_model):
     path = tiny_model("llama", "bfloat16")
     config, weights = load_config(path), load_weights(path)

@@ -298,7 +298,7 @@ class PrefillBucket(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queued_prompts: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., expected_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len", "draining", "kv_address", "prefill_order", "prefill_deadlines")
+    __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len", "draining", "kv_address", "prefill_order", "prefill_deadlines", "hardware")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +309,7 @@ class WorkerInfo(_message.Message):
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ORDER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DEADLINES_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     fingerprint: ModelFingerprint
@@ -319,7 +320,35 @@ class WorkerInfo(_message.Message):
     kv_address: str
     prefill_order: str
     prefill_deadlines: bool
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_address: _Optional[str] = ..., prefill_order: _Optional[str] = ..., prefill_deadlines: _Optional[bool] = ...) -> None: ...
+    hardware: Hardware
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_address: _Optional[str] = ..., prefill_order: _Optional[str] = ..., prefill_deadlines: _Optional[bool] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ...) -> None: ...
+
+class Hardware(_message.Message):
+    __slots__ = ("cpu_model", "cpu_family", "cpu_features", "cpu_cap", "framework", "devices", "paths", "summary")
+    class PathsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    CPU_MODEL_FIELD_NUMBER: _ClassVar[int]
+    CPU_FAMILY_FIELD_NUMBER: _ClassVar[int]
+    CPU_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    CPU_CAP_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    cpu_model: str
+    cpu_family: str
+    cpu_features: _containers.RepeatedScalarFieldContainer[str]
+    cpu_cap: str
+    framework: str
+    devices: str
+    paths: _containers.ScalarMap[str, str]
+    summary: str
+    def __init__(self, cpu_model: _Optional[str] = ..., cpu_family: _Optional[str] = ..., cpu_features: _Optional[_Iterable[str]] = ..., cpu_cap: _Optional[str] = ..., framework: _Optional[str] = ..., devices: _Optional[str] = ..., paths: _Optional[_Mapping[str, str]] = ..., summary: _Optional[str] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("info",)
