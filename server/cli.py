@@ -174,12 +174,12 @@ def _worker_options(args, kv_port: int | None = None):
                          metrics_port=args.metrics_port, kv_port=kv_port, drain_seconds=args.drain_seconds)
 
 
-def _check_model(model_dir: Path) -> None:
+def _check_model(model_dir: Path, max_model_len: int | None = None) -> None:
     from pdserve.server.model.config import ModelLoadError, load_config
     from pdserve.server.model.weights import checkpoint_files
 
     try:
-        load_config(model_dir)
+        load_config(model_dir).limited_to(max_model_len)
         checkpoint_files(model_dir)
     except ModelLoadError as e:
         raise SystemExit(f"pdserve: cannot serve {model_dir}: {e}")
@@ -203,7 +203,7 @@ def cmd_up(args) -> int:
     except ValueError as e:
         raise SystemExit(f"pdserve up: error: {str(e).replace('--device', '--decode-device')}") from e
     model = _resolve_model(args) or default_model_dir()
-    _check_model(model)
+    _preflight(args, model)
     print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
     http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
     shared = [*(["--served-model-name", *args.served_model_name] if args.served_model_name else []),
@@ -226,6 +226,16 @@ def cmd_up(args) -> int:
             import shutil
 
             shutil.rmtree(secret_dir, ignore_errors=True)
+
+
+def _preflight(args, model: Path) -> None:
+    """Refuses, before any process starts, what would fail one after others had (server/preflight.py)."""
+    from pdserve.server import preflight
+
+    config = preflight.check_model(model, args.max_model_len)
+    if args.prefill_workers:
+        preflight.check_prefill_tier(config, _dtypes(args, "prefill_weight_dtype", None)["prefill_weight_dtype"])
+    preflight.check_decode_tier(args.decode_engine, args.decode_python or sys.executable, args.decode_device)
 
 
 def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], shared: list[str]) -> int:
@@ -303,7 +313,7 @@ def cmd_coordinator(args) -> int:
     from pdserve.server.security import resolve_api_key
 
     model = _resolve_model(args)
-    _check_model(model)
+    _check_model(model, args.max_model_len)
     config = _config(CoordinatorConfig, args, model_dir=model, api_key=resolve_api_key(args.api_key),
                      metrics_port=args.metrics_port)
     _configure_tls(args)
@@ -317,7 +327,7 @@ def cmd_prefill(args) -> int:
     from pdserve.server.prefill.main import serve
 
     model = _resolve_model(args)
-    _check_model(model)
+    _check_model(model, args.max_model_len)
     config = _config(PrefillConfig, args, model_dir=model, **_dtypes(args, kv_flag=None))
     options = _worker_options(args)
     serving.run(lambda: serve(config, options))
@@ -330,7 +340,7 @@ def cmd_decode(args) -> int:
     from pdserve.server.decode.main import serve
 
     model = _resolve_model(args)
-    _check_model(model)
+    _check_model(model, args.max_model_len)
     config = _config(DecodeConfig, args, model_dir=model, **_dtypes(args))
     options = _worker_options(args, kv_port=args.kv_port)
     serving.run(lambda: serve(config, options))

@@ -53,21 +53,35 @@ class ModelConfig:
     """The dtype the checkpoint's weights are stored in."""
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    sliding_window: int | None = None
+    """The window of the checkpoint's sliding-window layers (a query sees the last W positions, itself
+    among them), None when every layer attends to all. pdserve computes full attention, which equals the
+    windowed one while a sequence holds at most W tokens: `limited_to` refuses to serve longer."""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) served with exact full attention."""
+        """Longest sequence (prompt + output) served."""
         return self.max_position_embeddings
 
     def limited_to(self, max_model_len: int | None) -> ModelConfig:
-        """This model served no longer than `max_model_len` (`--max-model-len`); at most its own length."""
-        if max_model_len is None or max_model_len == self.max_model_len:
-            return self
-        if max_model_len > self.max_model_len:
+        """This model served no longer than `max_model_len` (`--max-model-len`; None: its own length), every
+        process's one way to its served length. ModelLoadError past the model's positions, or past its
+        sliding window, which full attention computes exactly only up to its length."""
+        if max_model_len is not None and max_model_len > self.max_model_len:
             raise ModelLoadError(f"--max-model-len {max_model_len} exceeds the model's max_model_len "
                                  f"{self.max_model_len} (max_position_embeddings in config.json)")
-        return replace(self, max_position_embeddings=max_model_len)
+        length = self.max_model_len if max_model_len is None else max_model_len
+        if self.sliding_window is not None and length > self.sliding_window:
+            window = self.sliding_window
+            sets = (f"sets sliding_window {window}" if "sliding_window" in self.raw
+                    else f"leaves out sliding_window, which transformers' Mistral takes as {window}")
+            served = "max_position_embeddings in config.json" if max_model_len is None else "--max-model-len"
+            raise ModelLoadError(
+                f"config.json {sets}: pdserve computes full attention, which equals sliding-window attention "
+                f"only for sequences of at most {window} tokens, and would serve this model to {length} "
+                f"({served}); pass --max-model-len N with N <= {window}")
+        return self if length == self.max_model_len else replace(self, max_position_embeddings=length)
 
     def describe(self) -> str:
         return (
@@ -76,12 +90,21 @@ class ModelConfig:
         )
 
 
+def _refused(setting: str, what: str) -> ModelLoadError:
+    return ModelLoadError(f"config.json sets {setting}: {what}")
+
+
 def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; transformers 4 writes `rope_theta` + `rope_scaling`.
+    # A missing rope_theta is transformers' default_theta, 10000, for all four families.
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
     merged = {**scaling, **params}
+    partial = merged.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise _refused(f"partial_rotary_factor {partial}", "pdserve rotates every dimension of a head "
+                       "(partial rotary embeddings are not implemented)")
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind == "default":
         return RopeConfig(theta=float(theta))
@@ -94,7 +117,61 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
             high_freq_factor=float(merged["high_freq_factor"]),
             original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
         )
-    raise ModelLoadError(f"rope type {kind!r} is not supported (supported: default, llama3)")
+    where = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    key = "rope_type" if "rope_type" in merged else "type"
+    raise _refused(f"{where}.{key} {kind!r}", "pdserve implements the default and llama3 RoPE only "
+                   "(other types change the positions' angles, so would be served wrong)")
+
+
+def _sliding_window(family: Family, raw: dict[str, Any], num_layers: int) -> int | None:
+    """The window of the layers that have one, by transformers' rules for the family; None: no window."""
+    types = raw.get("layer_types")
+    if types is not None:
+        unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
+        if unknown:
+            raise _refused(f"layer_types with {', '.join(map(repr, unknown))} layers",
+                           "pdserve implements full_attention layers only")
+    if family == "mistral":  # every layer; transformers' MistralConfig takes 4096 when the key is absent
+        window = raw.get("sliding_window", 4096)
+        return int(window) if window else None
+    window = raw.get("sliding_window")
+    if family in ("qwen2", "qwen3"):  # use_sliding_window false: no window (Qwen2.5 ships one set, unused)
+        if not raw.get("use_sliding_window", False) or not window:
+            return None
+        if types is not None:
+            windowed = "sliding_attention" in types
+        else:  # layers from max_window_layers on
+            windowed = num_layers > int(raw.get("max_window_layers", 28))
+        return int(window) if windowed else None
+    if types is not None and "sliding_attention" in types:  # llama
+        if not window:
+            raise _refused("layer_types with 'sliding_attention' layers but no sliding_window",
+                           "pdserve implements full_attention layers only")
+        return int(window)
+    return None
+
+
+def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
+    """Refuses what config.json asks of the model that pdserve's models do not compute (so would serve
+    approximately). Fields a family's transformers code ignores (Mistral's and Qwen2's attention_bias, their
+    mlp_bias) are ignored here too."""
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise _refused(f"quantization_config (quant_method {method!r})",
+                       "pdserve does not load pre-quantized checkpoints; serve the unquantized checkpoint "
+                       "and quantize at load with --quantization fp8 or int8")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise _refused(f"hidden_act {act!r}", "pdserve's MLP implements silu (SwiGLU) only")
+    for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(cap) is not None:
+            raise _refused(f"{cap} {raw[cap]}", "pdserve does not implement logit soft-capping")
+    if family in ("llama", "qwen3") and raw.get("attention_bias"):
+        raise _refused("attention_bias true", "pdserve's decode tier does not implement the o_proj bias it "
+                       "brings (q/k/v biases are implemented)")
+    if family == "llama" and raw.get("mlp_bias"):
+        raise _refused("mlp_bias true", "pdserve does not implement biases on the MLP's projections")
 
 
 def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
@@ -117,36 +194,35 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
             f"architecture {archs or raw.get('model_type')!r} is not supported; "
             f"pdserve serves {', '.join(ARCHITECTURES)}"
         )
+    _refuse_unimplemented(family, raw)
     try:
         num_heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
-        max_pos = int(raw.get("max_position_embeddings", 2048))
-        window = raw.get("sliding_window")
-        if family == "mistral" and window and raw.get("use_sliding_window", True):
-            # Full attention is exact only inside the window: serve no longer than it.
-            max_pos = min(max_pos, int(window))
-        dtype = raw.get("torch_dtype") or raw.get("dtype") or "float32"
+        num_layers = int(raw["num_hidden_layers"])
+        dtype_key = "torch_dtype" if raw.get("torch_dtype") else "dtype"
+        dtype = raw.get(dtype_key) or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
-            raise ModelLoadError(f"weight dtype {dtype!r} is not supported (float32, bfloat16, float16)")
+            raise _refused(f"{dtype_key} {dtype!r}", "pdserve serves float32, bfloat16 and float16 weights")
         return ModelConfig(
             family=family,
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope=_rope_from(raw),
-            max_position_embeddings=max_pos,
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or bool(raw.get("attention_bias", False)),
+            qkv_bias=family == "qwen2",
             qk_norm=family == "qwen3",
             dtype=dtype,
             eos_token_ids=_eos_ids(model_dir, raw),
             bos_token_id=raw.get("bos_token_id"),
+            sliding_window=_sliding_window(family, raw, num_layers),
             raw=raw,
         )
     except KeyError as e:

@@ -54,7 +54,9 @@ class Tokenizer:
         path = model_dir / "tokenizer.json"
         if not path.exists():
             raise ModelLoadError(
-                f"{path} is missing: pdserve needs a fast (tokenizers) tokenizer.json beside the weights"
+                f"{path} is missing: pdserve needs a fast (tokenizers) tokenizer.json beside the weights; "
+                f"copy the checkpoint's own, or write one from a slow tokenizer (tokenizer.model) with "
+                f"transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
             )
         try:
             tok = HfTokenizer.from_file(str(path))

@@ -100,3 +100,119 @@ def test_max_model_len_is_the_flag_or_the_models_capped_by_the_cache():
     assert resolve_max_model_len(131072, 4096, capacity=8192) == 4096
     with pytest.raises(ValueError, match="--max-model-len 200000 exceeds the model's max_model_len 131072"):
         resolve_max_model_len(131072, 200000)
+
+
+_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=32, max_position_embeddings=512, vocab_size=64)
+
+
+def _saved(tmp_path, name: str, **kwargs):
+    """config.json as transformers writes it for the family `name` (MistralConfig, ...) with kwargs."""
+    import transformers
+
+    family = name.removesuffix("Config")
+    config = getattr(transformers, name)(**_SHAPE, architectures=[f"{family}ForCausalLM"], **kwargs)
+    config.save_pretrained(tmp_path / family)
+    return tmp_path / family
+
+
+def _edited(tmp_path, tiny_model, family: str, **changes):
+    """The tiny checkpoint's config.json with fields set (None: removed)."""
+    raw = json.loads((tiny_model(family) / "config.json").read_text())
+    raw.update(changes)
+    out = tmp_path / f"{family}-edited"
+    out.mkdir(exist_ok=True)
+    (out / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    return out
+
+
+def test_a_sliding_window_serves_only_as_long_as_full_attention_equals_it(tmp_path):
+    path = _saved(tmp_path, "MistralConfig", sliding_window=24)
+    config = load_config(path)
+    assert config.sliding_window == 24 and config.max_model_len == 512
+    with pytest.raises(ModelLoadError, match=r"config.json sets sliding_window 24: .* would serve this model to 512 "
+                                             r"\(max_position_embeddings in config.json\); pass --max-model-len N "
+                                             r"with N <= 24"):
+        config.limited_to(None)
+    with pytest.raises(ModelLoadError, match=r"to 25 \(--max-model-len\); pass --max-model-len N with N <= 24"):
+        config.limited_to(25)
+    assert config.limited_to(24).max_model_len == 24
+    assert config.limited_to(16).max_model_len == 16
+    assert load_config(_saved(tmp_path, "MistralConfig", sliding_window=None)).limited_to(None).sliding_window is None
+
+
+def test_qwen_windows_follow_use_sliding_window_and_max_window_layers(tmp_path, tiny_model):
+    # Qwen2.5 ships sliding_window set, use_sliding_window false (and no layer_types: transformers 4).
+    qwen25 = load_config(_edited(tmp_path, tiny_model, "qwen2", sliding_window=24, use_sliding_window=False,
+                                 max_window_layers=1, layer_types=None))
+    assert qwen25.sliding_window is None and qwen25.limited_to(None).max_model_len == 512
+    for name in ("Qwen2Config", "Qwen3Config"):
+        # Layers from max_window_layers on are windowed: layer 1 of 2.
+        windowed = load_config(_saved(tmp_path, name, use_sliding_window=True, sliding_window=24, max_window_layers=1))
+        assert windowed.raw["layer_types"] == ["full_attention", "sliding_attention"]
+        with pytest.raises(ModelLoadError, match="sliding_window 24"):
+            windowed.limited_to(None)
+        assert windowed.limited_to(24).max_model_len == 24
+        none = load_config(_saved(tmp_path, name, use_sliding_window=True, sliding_window=24, max_window_layers=2))
+        assert none.sliding_window is None and none.limited_to(None).max_model_len == 512
+    # transformers 4's configs carry no layer_types: max_window_layers decides alone.
+    v4 = load_config(_edited(tmp_path, tiny_model, "qwen2", sliding_window=24, use_sliding_window=True,
+                             max_window_layers=1, layer_types=None))
+    assert v4.sliding_window == 24
+
+
+def test_transformers_sliding_window_equals_full_attention_up_to_its_length():
+    """The premise of serving a windowed model with full attention: a query sees the last W positions, so a
+    sequence of at most W tokens attends to all of them."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MistralConfig(**_SHAPE, sliding_window=8, attn_implementation="eager")
+    windowed = transformers.MistralForCausalLM(config).eval()
+    full = transformers.MistralForCausalLM(transformers.MistralConfig(**_SHAPE, sliding_window=None,
+                                                                      attn_implementation="eager")).eval()
+    full.load_state_dict(windowed.state_dict())
+    ids = torch.randint(0, _SHAPE["vocab_size"], (1, 9))
+    with torch.no_grad():
+        assert torch.equal(windowed(ids[:, :8]).logits, full(ids[:, :8]).logits)
+        assert not torch.allclose(windowed(ids).logits[0, 8], full(ids).logits[0, 8])
+
+
+@pytest.mark.parametrize("family, changes, words", [
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     "rope_parameters.rope_type 'yarn'"),
+    ("mistral", {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}},
+     "rope_scaling.type 'linear'"),
+    ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}},
+     "rope_parameters.rope_type 'dynamic'"),
+    ("qwen2", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ("qwen3", {"layer_types": ["full_attention", "chunked_attention"]}, "layer_types with 'chunked_attention'"),
+    ("llama", {"layer_types": ["sliding_attention", "full_attention"]}, "layer_types with 'sliding_attention'"),
+    ("llama", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping 50.0"),
+    ("qwen2", {"final_logit_softcapping": 30.0}, "final_logit_softcapping 30.0"),
+    ("llama", {"attention_bias": True}, "attention_bias true"),
+    ("qwen3", {"attention_bias": True}, "attention_bias true"),
+    ("llama", {"mlp_bias": True}, "mlp_bias true"),
+    ("mistral", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ("qwen2", {"quantization_config": {"quant_method": "awq", "bits": 4}},
+     r"quantization_config \(quant_method 'awq'\): .* --quantization fp8 or int8"),
+    ("llama", {"dtype": None, "torch_dtype": "float64"}, "torch_dtype 'float64'"),
+])
+def test_what_pdserve_does_not_implement_is_refused_naming_the_field(tmp_path, tiny_model, family, changes, words):
+    with pytest.raises(ModelLoadError, match=f"^config.json sets {words}"):
+        load_config(_edited(tmp_path, tiny_model, family, **changes))
+
+
+def test_fields_the_familys_transformers_code_ignores_are_ignored(tmp_path, tiny_model):
+    import transformers
+
+    # Mistral's and Qwen2's attention modules take no attention_bias / mlp_bias (q/k/v biases: Qwen2 always).
+    mistral = load_config(_edited(tmp_path, tiny_model, "mistral", attention_bias=True, mlp_bias=True))
+    assert not mistral.qkv_bias
+    qwen2 = load_config(_edited(tmp_path, tiny_model, "qwen2", attention_bias=False, hidden_act="swish"))
+    assert qwen2.qkv_bias
+    # No rope_theta at all: transformers' default_theta.
+    path = _edited(tmp_path, tiny_model, "qwen3", rope_parameters=None, rope_theta=None)
+    theirs = transformers.AutoConfig.from_pretrained(path).rope_parameters["rope_theta"]
+    assert load_config(path).rope.theta == theirs == 10000.0

@@ -55,6 +55,9 @@ def test_bad_arguments_get_a_message_not_a_traceback(model, short_secret, tmp_pa
         (("status", "--cluster-secret-file", short_secret), "use at least 16"),
         (("up", "--model", model, "--decode-workers", "0"), "--decode-workers >= 1"),
         (("up", "--model", model, "--stall-timeout", "-1"), "--stall-timeout must be > 0"),
+        (("up", "--model", model, "--decode-python", str(tmp_path / "none")), "--decode-python"),
+        (("up", "--model", model, "--max-model-len", "100000"),
+         "--max-model-len 100000 exceeds the model's max_model_len 512"),
     ]
     for args, words in cases:
         code, stderr = _run(capsys, *args)
