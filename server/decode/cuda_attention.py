@@ -53,7 +53,7 @@ def _kernel():
         stride_qb, stride_qh,
         stride_kn, stride_kt, stride_kh,
         stride_sn,
-        stride_tb,
+        stride_tb, stride_lb,
         stride_ob, stride_oh, stride_os,
         stride_mb, stride_mh,
         sm_scale, tiles_per_split,
@@ -63,7 +63,7 @@ def _kernel():
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
-        ctx = tl.load(LENS + b).to(tl.int32)
+        ctx = tl.load(LENS + b * stride_lb).to(tl.int32)
         heads = kvh * G + tl.arange(0, G_PAD)  # [G_PAD]
         head_ok = tl.arange(0, G_PAD) < G
         d = tl.arange(0, D)
@@ -133,8 +133,8 @@ def paged_decode_attention(
     q: torch.Tensor,  # [B, H, D] the new token's queries (post-RoPE)
     k_cache: torch.Tensor,  # [N, bs, Hkv, D] one layer of the paged cache
     v_cache: torch.Tensor,  # [N, bs, Hkv, D]
-    block_tables: torch.Tensor,  # [B, M] int, on q's device
-    context_lens: torch.Tensor,  # [B] int, tokens each sequence attends to (the new one included), >= 1
+    block_tables: torch.Tensor,  # [B, M] int, on q's device; rows may be strided, columns contiguous
+    context_lens: torch.Tensor,  # [B] int, tokens each sequence attends to (the new one included), >= 1; any stride
     k_scales: torch.Tensor | None = None,  # [N, Hkv] float32 for int8/fp8 caches
     v_scales: torch.Tensor | None = None,
     splits: int | None = None,
@@ -150,6 +150,14 @@ def paged_decode_attention(
                          f"got H={H}, Hkv={Hkv}, D={D}, block size {bs}")
     if not (k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and q.stride(-1) == 1):
         raise ValueError("the paged kernel needs the cache's head dim and q's contiguous, K and V alike")
+    if block_tables.dim() != 2 or block_tables.stride(1) != 1 or context_lens.dim() != 1:
+        # (the CUDA-graph runner hands column views of one [rows, 3 + M] buffer: the lengths are strided, the
+        # kernel reads them through their stride; a table row must be contiguous, as it reads `row + t // BS`)
+        raise ValueError(f"the paged kernel reads block tables [B, M] with contiguous rows and lengths [B]; got "
+                         f"tables of shape {tuple(block_tables.shape)}, strides {block_tables.stride()}, lengths "
+                         f"of shape {tuple(context_lens.shape)}")
+    if k_scales is not None and not (k_scales.stride(-1) == 1 and k_scales.stride() == v_scales.stride()):
+        raise ValueError("the paged kernel needs the scales' head dim contiguous, K's and V's alike")
     quant = k_scales is not None
     tile = max(TILE, bs)
     M = block_tables.shape[1]
@@ -173,7 +181,7 @@ def paged_decode_attention(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_scales.stride(0) if quant else 0,
-        block_tables.stride(0),
+        block_tables.stride(0), context_lens.stride(0),
         *strides,
         1.0 / math.sqrt(D), tiles_per_split,
         G=G, G_PAD=g_pad, D=D, BS=bs, TILE_N=tile,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from typing import Literal
 
 import torch
 
@@ -32,10 +33,17 @@ def bucket_for(batch: int, buckets: tuple[int, ...] = BUCKETS) -> int | None:
     return buckets[i] if i < len(buckets) else None
 
 
+RunnerKind = Literal["graphs", "eager"]
+
+
 class EagerRunner:
     def __init__(self, model: DecoderModel, cache: PagedKvCache):
         self.model = model
         self.cache = cache
+
+    def kind(self, batch: int, width: int = 0) -> RunnerKind:
+        """How a step of `batch` rows with tables `width` blocks wide runs: always eagerly here."""
+        return "eager"
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor) -> torch.Tensor:
@@ -54,8 +62,8 @@ class StepInputs:
         self.host = torch.zeros(rows, 3 + max_blocks, dtype=torch.int64, pin_memory=pinned)  # [R, 3 + M]
         self.device = self.host.to(device) if pinned else self.host.clone()  # [R, 3 + M]
         self._copied = torch.cuda.Event() if pinned else None
-        self.fill(0, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-                  torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        none = torch.zeros(0, dtype=torch.int64)
+        self.fill(rows, none, none, none[:, None], none)  # every row a pad row, before any step (and warm-up)
         self.device.copy_(self.host)
 
     def fill(self, rows: int, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
@@ -80,7 +88,9 @@ class StepInputs:
             self._copied.record()
 
     def views(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(token ids [R], positions [R], block tables [R, M], context lengths [R]) on the device."""
+        """(token ids [R], positions [R], block tables [R, M], context lengths [R]) on the device: column
+        views of the buffer, strided by its row (3 + M); the tables' rows contiguous. The paged kernel reads
+        the lengths through their stride."""
         d = self.device[:rows]
         return d[:, 0], d[:, 1], d[:, 3:], d[:, 2]
 
@@ -114,14 +124,24 @@ class CudaGraphRunner:
                 metrics.cuda_graph_capture_failures.inc()
                 log.exception("capturing the decode step's CUDA graph for batch %d FAILED: its batches run eagerly "
                               "(slower); --enforce-eager skips CUDA graphs altogether", bucket)
-                torch.cuda.synchronize()
+                self._synchronize()
                 continue
             pool = graph.pool()
             self.graphs[bucket] = graph
             log.info("captured the decode step's CUDA graph for batch %d (%.1f s so far)", bucket,
                      time.perf_counter() - t0)
-        torch.cuda.synchronize()
+        self._synchronize()
         return failed
+
+    def _synchronize(self) -> None:
+        if self.cache.device.type == "cuda":
+            torch.cuda.synchronize(self.cache.device)
+
+    def kind(self, batch: int, width: int = 0) -> RunnerKind:
+        """How a step of `batch` rows with tables `width` blocks wide runs: "graphs" when its bucket was
+        captured and the table fits the graphs' width, else "eager"."""
+        bucket = bucket_for(batch, self.buckets)
+        return "graphs" if bucket in self.graphs and width <= self.inputs.max_blocks else "eager"
 
     def _capture(self, bucket: int, pool) -> torch.cuda.CUDAGraph:
         args = (*self.inputs.views(bucket), self.cache)
@@ -140,9 +160,9 @@ class CudaGraphRunner:
                context_lens: torch.Tensor) -> torch.Tensor:
         """As `EagerRunner.decode`; the logits are a view of the bucket's output, valid until the next step."""
         B, width = block_tables.shape
-        bucket = bucket_for(B, self.buckets)
-        if bucket is None or bucket not in self.graphs or width > self.inputs.max_blocks:
+        if self.kind(B, width) == "eager":
             return self.eager.decode(token_ids, positions, block_tables, context_lens)
+        bucket = bucket_for(B, self.buckets)
         self.inputs.fill(bucket, token_ids, positions, block_tables, context_lens)
         self.inputs.upload(bucket)
         self.graphs[bucket].replay()

@@ -16,6 +16,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.attention import PagedContext, paged_attention
 from pdserve.server.decode.cuda_attention import have_triton, num_splits, paged_decode_attention
 from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 
 needs_triton = pytest.mark.skipif(not have_triton(), reason="triton is not installed here (pip install triton); "
                                   "the GPU run of benchmarks/gpu.py checks the kernel on CUDA")
@@ -123,3 +124,96 @@ def test_model_decode_through_the_kernel_matches_the_reference(llama, kv_dtype, 
             llama.paged_kernel = False
         logits[kernel] = torch.stack(steps)  # [3, B, V]
     assert (logits[True] - logits[False]).abs().max().item() < tol
+
+
+@needs_triton
+def test_kernel_reads_strided_lengths_and_table_rows():
+    """The CUDA-graph runner's inputs are column views of one [rows, 3 + M] buffer (`StepInputs.views`): the
+    lengths a column of stride 3 + M, the tables' rows strided too. The kernel reads them through their strides:
+    the same result as contiguous copies, bit for bit."""
+    cache = _filled_cache("float32")
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 4, 32, generator=g)
+    buffer = torch.zeros(3, 3 + 10, dtype=torch.int64)  # [R, 3 + M] as StepInputs holds it
+    buffer[:, 3:] = torch.randperm(40, generator=g)[:30].view(3, 10)
+    buffer[:, 2] = torch.tensor([1, 17, 40])
+    tables, lens = buffer[:, 3:], buffer[:, 2]
+    assert lens.stride() == (13,) and tables.stride() == (13, 1)
+    got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, splits=2)
+    expected = paged_decode_attention(q, cache.k[0], cache.v[0], tables.contiguous(), lens.contiguous(), splits=2)
+    assert torch.equal(got, expected)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        paged_decode_attention(q, cache.k[0], cache.v[0], tables.t().contiguous().t(), lens)
+
+
+class _Replayed:
+    """Stands in for a captured CUDA graph on the CPU: replaying reruns the captured call on the same persistent
+    input buffers (`StepInputs.device`) into the same output buffer."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def replay(self) -> None:
+        with torch.inference_mode():  # the output buffer was made under it, by the model's decode
+            self.step()
+
+    def pool(self) -> None:
+        return None
+
+
+class _InterpretedGraphRunner(CudaGraphRunner):
+    """`CudaGraphRunner` with each bucket's graph a `_Replayed` call: what runs is the runner's own input path
+    (StepInputs filled, padded, uploaded; its views into the model) through the paged kernel, interpreted."""
+
+    def _capture(self, bucket: int, pool) -> _Replayed:
+        views = self.inputs.views(bucket)
+        for _ in range(2):  # the warm-up the real capture runs, on the rows as they are before any step
+            self.model.decode(*views, self.cache)
+        self.outputs[bucket] = self.model.decode(*views, self.cache)
+        return _Replayed(lambda: self.outputs[bucket].copy_(self.model.decode(*views, self.cache)))
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype", ["float32", "int8", "fp8_e4m3"])
+def test_graph_runner_input_path_through_the_kernel_matches_eager(llama, kv_dtype):
+    """What CUDA graphs replay on the GPU, on the CPU: 3 sequences in bucket 4 (a pad row), tables as wide as
+    the graphs' (6 blocks, the pad block past each context), lengths a strided column, `paged_kernel` on;
+    3 steps give the logits eager steps give (kernel and reference path), and the capture's warm-up on
+    pad rows wrote only into the pad block, no NaN."""
+    c = llama.config
+    granularity = "block_head" if kv_dtype != "float32" else "none"
+    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype, granularity)
+    prompts = [list(range(3, 12)), list(range(40, 45)), list(range(7, 20))]
+    tables = [[0, 1, 2, 14], [5, 6, 15], [8, 9, 10, 11, 13]]  # room for the 3 steps
+    pad = 16
+    positions = torch.tensor([len(p) for p in prompts])
+    width = max(map(len, tables))
+    padded = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])  # as the engine pads (own blocks)
+    logits = {}
+    for path in ("graphs", "eager kernel", "eager reference"):
+        cache = PagedKvCache(layout, pad + 1)
+        for ids, table in zip(prompts, tables):
+            llama.prefill(torch.tensor(ids), table, cache)
+        llama.paged_kernel = path != "eager reference"
+        try:
+            if path == "graphs":
+                before = cache.k.clone(), cache.v.clone()
+                runner = _InterpretedGraphRunner(llama, cache, max_batch=4, max_blocks=6, pad_block=pad)
+                assert runner.capture() == [] and runner.buckets == (1, 2, 4)
+                assert runner.kind(3, width) == "graphs" and runner.kind(3, 7) == "eager"
+                # the warm-up (pad rows: token 0 at position 0 of the pad block, context 1) wrote the pad block only
+                for held, now in zip(before, (cache.k, cache.v)):
+                    assert torch.equal(held[:, :pad].float(), now[:, :pad].float())
+                    assert not now[:, pad].float().isnan().any()
+                if cache.k_scales is not None:
+                    assert not cache.k_scales.isnan().any() and not cache.v_scales.isnan().any()
+                decode = runner.decode
+            else:
+                decode = EagerRunner(llama, cache).decode
+            steps = [decode(torch.tensor([100 + s, 7, 50]), positions + s, padded, positions + s + 1).clone()
+                     for s in range(3)]
+        finally:
+            llama.paged_kernel = False
+        logits[path] = torch.stack(steps)  # [3, B, V]
+    assert (logits["graphs"] - logits["eager kernel"]).abs().max().item() < 1e-5
+    assert (logits["graphs"] - logits["eager reference"]).abs().max().item() < 1e-4
