@@ -259,6 +259,7 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
                    *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
                      if args.gpu_memory_utilization is not None else []),
                    "--device", args.decode_device, "--kv-cache-memory", args.kv_cache_memory,
+                   "--cpu-matmul", args.cpu_matmul,
                    *(["--enforce-eager"] if args.enforce_eager else []),
                    # vLLM's CPU attention takes blocks of 32 tokens (and CUDA backends multiples of 16).
                    *(["--engine", "vllm", "--block-size", "32"] if args.decode_engine == "vllm" else [])]
@@ -445,7 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                if f not in ("served_model_name", "max_model_len", "chat_template",
                                                              "ttft_budget")))
     add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig)
-                                          if f not in ("gpu_memory_utilization", "enforce_eager", "kv_cache_memory")))
+                                          if f not in ("gpu_memory_utilization", "enforce_eager", "kv_cache_memory",
+                                                        "cpu_matmul")))
     p.add_argument("--decode-device", default="auto",
                    help="decode workers' device (their --device): auto (CUDA when torch sees one), cpu, cuda, cuda:N")
     add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig)
@@ -536,6 +538,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pdserve.server.hardware import apply_cpu_cap
+
+    try:  # before torch or JAX starts: oneDNN, ATen and XLA see the CPU pdserve chooses kernels for
+        apply_cpu_cap()
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":

@@ -3,7 +3,8 @@
 1. `cpu()`: the CPU's instruction sets from /proc/cpuinfo (x86-64: AVX2, AVX-512 F/BW/VL/DQ, AVX512-bf16,
    AVX512-fp16, AVX-NE-convert, AMX; aarch64: NEON (asimd), SVE, bf16, i8mm), capped by `PDSERVE_CPU_ISA`.
 2. `apply_cpu_cap()`, first thing in every pdserve process: a cap (`PDSERVE_CPU_ISA=avx2|avx512|avx512_bf16|amx`)
-   is handed on to oneDNN (`ONEDNN_MAX_CPU_ISA`), ATen (`ATEN_CPU_CAPABILITY`) and XLA (`--xla_cpu_max_isa`),
+   is handed on to oneDNN (`ONEDNN_MAX_CPU_ISA`), ATen (`ATEN_CPU_CAPABILITY`), MKL (`MKL_ENABLE_INSTRUCTIONS`)
+   and XLA (`--xla_cpu_max_isa`),
    so the kernels under pdserve see the machine pdserve chose for: a machine with AVX-512 or AMX runs as
    an AVX2-only one would, and every fallback is testable anywhere.
 3. `torch_probe()` (decode tier) and `jax_probe()` (prefill tier): what the frameworks will run here: ATen's
@@ -30,13 +31,15 @@ X86_LEVELS = ("avx2", "avx512", "avx512_bf16", "amx")
 _ABOVE: dict[str, frozenset[str]] = {
     # what each level adds to the one before it (the features a cap at the level below removes)
     "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd", "avx512_vnni", "avx512ifma",
-                         "avx512vbmi", "avx512_vbmi2", "avx512_bitalg", "avx512_vpopcntdq", "avx512_vp2intersect"}),
+                         "avx512vbmi", "avx512_vbmi2", "avx512_bitalg", "avx512_vpopcntdq", "avx512_vp2intersect",
+                         "avx_vnni"}),
     "avx512_bf16": frozenset({"avx512_bf16"}),
     "amx": frozenset({"amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "avx512_fp16", "avx_ne_convert",
                       "avx_vnni_int8", "avx_vnni_int16"}),
 }
 _CAP_FOR_ONEDNN = {"avx2": "AVX2", "avx512": "AVX512_CORE", "avx512_bf16": "AVX512_CORE_BF16", "amx": "AVX512_CORE_AMX"}
 _CAP_FOR_ATEN = {"avx2": "avx2", "avx512": "avx512", "avx512_bf16": "avx512", "amx": "avx512"}
+_CAP_FOR_MKL = {"avx2": "AVX2", "avx512": "AVX512", "avx512_bf16": "AVX512", "amx": "AVX512_E4"}
 _CAP_FOR_XLA = {"avx2": "AVX2", "avx512": "AVX512", "avx512_bf16": "AVX512_BF16", "amx": "AMX"}
 KEY_FEATURES = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
                 "avx512_fp16", "avx_ne_convert", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "amx_fp16",
@@ -138,6 +141,7 @@ def apply_cpu_cap(environ: dict[str, str] | None = None) -> str | None:
     read_cpu(cpuinfo="", cap=cap)  # validates the cap's name for this architecture
     env.setdefault("ONEDNN_MAX_CPU_ISA", _CAP_FOR_ONEDNN[cap])
     env.setdefault("ATEN_CPU_CAPABILITY", _CAP_FOR_ATEN[cap])
+    env.setdefault("MKL_ENABLE_INSTRUCTIONS", _CAP_FOR_MKL[cap])  # torch's fp32 gemm
     xla = env.get("XLA_FLAGS", "")
     if "--xla_cpu_max_isa" not in xla:
         env["XLA_FLAGS"] = f"{xla} --xla_cpu_max_isa={_CAP_FOR_XLA[cap]}".strip()
@@ -152,6 +156,8 @@ class TorchCaps:
     onednn_bf16: bool
     """oneDNN prepacks and runs a bf16 linear here (tried, and checked against fp32)."""
     onednn_fp16: bool
+    onednn_fp32: bool = False
+    """oneDNN prepacks and runs an fp32 linear here."""
     cuda: tuple[tuple[str, tuple[int, int]], ...] = ()
     """(name, compute capability) of each CUDA device torch sees."""
     triton: bool = False
@@ -192,7 +198,7 @@ def torch_probe() -> TorchCaps:
     cuda = tuple((torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)))
                  for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
     return TorchCaps(version=torch.__version__, aten_cpu=torch.backends.cpu.get_cpu_capability(),
-                     onednn_bf16=onednn_bf16, onednn_fp16=onednn_fp16, cuda=cuda,  # type: ignore[arg-type]
+                     onednn_bf16=onednn_bf16, onednn_fp16=onednn_fp16, onednn_fp32=_onednn_runs(torch.float32), cuda=cuda,  # type: ignore[arg-type]
                      triton=importlib.util.find_spec("triton") is not None)
 
 
@@ -230,7 +236,8 @@ class Hardware:
         parts = [f"cpu {self.cpu.describe()}"] + ([f"device {self.devices()}"] if self.device != "cpu" else [])
         if self.torch is not None:
             t = self.torch
-            parts.append(f"torch {t.version} (ATen {t.aten_cpu}, oneDNN bf16 {'yes' if t.onednn_bf16 else 'no'}"
+            parts.append(f"torch {t.version} (ATen {t.aten_cpu}, oneDNN bf16 {'yes' if t.onednn_bf16 else 'no'}, "
+                         f"fp32 {'yes' if t.onednn_fp32 else 'no'}"
                          + "".join(f", {name} sm_{a}{b}" for name, (a, b) in t.cuda)
                          + (f", triton {'yes' if t.triton else 'no'}" if t.cuda else "") + ")")
         if self.jax is not None:

@@ -136,6 +136,9 @@ prefill_queued_seconds = _pd(Gauge, "prefill_queued_seconds",
                              "Seconds of prefill work queued, at the measured rate per length bucket")
 prefill_padding_share = _pd(Gauge, "prefill_padding_share",
                             "Share of the prefill steps' token slots that held padding, since start (0 to 1)")
+prefill_compiles_pending = _pd(Gauge, "prefill_compiles_pending",
+                               "Start-up programs (step shapes, samplers) the prefill worker has still to compile "
+                               "while it serves; 0 once every shape is compiled")
 
 # ---- outcomes (counters) ---------------------------------------------------------
 request_success = _pd(Counter, "request_success", "Requests that finished, by finish reason", ("finished_reason",),
@@ -170,6 +173,8 @@ admission_rejections = _pd(Counter, "admission_rejections", "Requests refused be
 expected_wait_rejections = _pd(Counter, "expected_wait_rejections",
                                "Requests refused because their expected prefill wait exceeded the deadline or TTFT budget")
 stalled_streams = _pd(Counter, "stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
+cuda_graph_capture_failures = _pd(Counter, "cuda_graph_capture_failures",
+                                  "Decode batch buckets whose CUDA graph failed to capture (those batches run eagerly)")
 decode_refusals = _pd(Counter, "decode_refusals", "Decode workers refusing a request for lack of room (another replica took the blocks); picked again")
 
 

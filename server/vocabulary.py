@@ -20,8 +20,8 @@ Role = Literal["coordinator", "prefill", "decode"]
 DecodeStreams = Literal["batched", "per-request"]
 """How decode workers stream to the coordinator: batched (one message per step per connection, the
 workers' Steps stream) or per-request (one message per token per request, the pre-Steps wire)."""
-CpuMatmul = Literal["auto", "onednn", "plain", "float32"]
-"""How bf16/fp16 weights compute on a CPU decode worker (`server/decode/cpu_matmul.py`)."""
+CpuMatmul = Literal["auto", "onednn", "plain", "float32", "float32-onednn"]
+"""How a checkpoint's matmuls compute on a CPU decode worker (`server/decode/cpu_matmul.py`)."""
 DecodeEngine = Literal["native", "vllm"]
 """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
 

@@ -43,9 +43,10 @@ class DecodeConfig:
     kv_dtype: KvDtype = "auto"
     """auto: the model's compute dtype; fp8_e4m3/int8 keep a float32 scale per block per kv head."""
     cpu_matmul: CpuMatmul = "auto"
-    """On a CPU, how a bf16/fp16 checkpoint's matmuls compute: onednn (prepacked; needs AVX-512 BW/VL/DQ or
-    AVX-NE-convert), plain (torch's default bf16 linear), float32 (weights upcast at load: exact, 2x memory);
-    auto: onednn where the CPU has native bf16, else the fastest of the others measured at start."""
+    """On a CPU, how the checkpoint's matmuls compute: onednn (its dtype, prepacked for oneDNN; bf16 needs
+    AVX-512 BW/VL/DQ or AVX-NE-convert), plain (its dtype, torch's default linear), float32 or float32-onednn
+    (a bf16/fp16 checkpoint upcast at load: exact, 2x memory); auto: bf16 onednn where the CPU has native
+    bf16, else the fastest of those that run, measured at start."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
     max_model_len: int | None = None

@@ -79,12 +79,13 @@ class Linear(nn.Module):
         self.scale = nn.Buffer(scale)  # [out, 1] float32
         self.kernel = kernel
 
-    def prepack(self) -> None:
-        """On CPU, bf16/fp16 weights reordered once into oneDNN's blocked layout (in place of the plain
-        ones, so memory does not double); a no-op on other devices and for other formats."""
+    def prepack(self, float32: bool = False) -> None:
+        """On CPU, bf16/fp16 (and with `float32`, fp32) weights reordered once into oneDNN's blocked layout
+        (in place of the plain ones, so memory does not double); a no-op on other devices and formats."""
         if self.packed or self.weight.device.type != "cpu" or self.scale is not None:
             return
-        if self.weight.dtype in (torch.bfloat16, torch.float16) and torch.backends.mkldnn.is_available():
+        dtypes = (torch.bfloat16, torch.float16) + ((torch.float32,) if float32 else ())
+        if self.weight.dtype in dtypes and torch.backends.mkldnn.is_available():
             self.weight = nn.Buffer(torch.ops.mkldnn._reorder_linear_weight(self.weight, None))
             self.packed = True
 

@@ -48,10 +48,10 @@ def dtypes(config: DecodeConfig, model_config: ModelConfig) -> tuple[str, str, s
 
 def cpu_path(config: DecodeConfig, model_config: ModelConfig, compute_dtype: str, quantized: bool,
              device: torch.device) -> tuple[str | None, str]:
-    """On the CPU with bf16/fp16 compute: (`cpu_matmul` path, its start-up words); else (None, "")."""
-    dtype = TORCH_DTYPES[compute_dtype]
-    if device.type != "cpu" or dtype not in cpu_matmul.HALF:
+    """On the CPU: (`cpu_matmul` path, its start-up words); elsewhere (None, "")."""
+    if device.type != "cpu":
         return None, ""
+    dtype = TORCH_DTYPES[compute_dtype]
     path, why = cpu_matmul.choose(config.cpu_matmul, dtype, hardware.cpu(), hardware.torch_probe(),
                                   model_config.hidden_size, model_config.intermediate_size, quantized)
     return path, cpu_matmul.describe(path, dtype, why)
@@ -68,7 +68,7 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
         torch.set_num_threads(config.threads)
     quantized = weight_dtype in QUANTIZED_WEIGHTS
     path, matmuls = cpu_path(config, model_config, compute_dtype, quantized, device)
-    if path == "float32":
+    if path in cpu_matmul.UPCAST:
         compute_dtype = "float32"
     paths = {"matmuls": matmuls} if matmuls else {}
     found = hardware.Hardware(cpu=hardware.cpu(), torch=hardware.torch_probe(), device=str(device), paths=paths)
@@ -89,11 +89,11 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
 
 def prepare(model: DecoderModel, path: str | None = "onednn") -> str:
     """The load-time steps once the weights (and their quantization) are in, where the model runs: on the
-    CPU with path "onednn", bf16/fp16 linears prepacked for oneDNN; nothing otherwise (CUDA included).
-    Returns what it did, for the start-up log."""
-    if path != "onednn":
+    CPU with a prepacked path (`cpu_matmul.PACKED`), the linears prepacked for oneDNN; nothing otherwise
+    (CUDA included). Returns what it did, for the start-up log."""
+    if path not in cpu_matmul.PACKED:
         return ""
-    model.prepack()
+    model.prepack(float32=True)
     packed = sum(isinstance(m, Linear) and m.packed for m in model.modules())
     return f"{packed} matmul weights prepacked for oneDNN (the LM head's among them)" if packed else ""
 

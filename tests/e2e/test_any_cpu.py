@@ -30,7 +30,7 @@ def test_a_bf16_checkpoint_serves_on_an_avx2_cpu_with_transformers_tokens(tiny_m
         assert [ids for ids, _ in got] == expected
         decode, prefill = worker_info(state["decode"][0]).hardware, worker_info(state["prefill"][0]).hardware
         assert decode.cpu_family == prefill.cpu_family == "x86_64/avx2" and decode.cpu_cap == "avx2"
-        assert decode.paths["matmuls"].startswith("bf16 weights -> fp32 compute (upcast at load, exact)")
+        assert decode.paths["matmuls"].startswith("bf16 weights -> fp32 compute (upcast at load, exact), torch's")
         assert decode.framework.startswith("torch ") and prefill.framework.startswith("jax ")
         assert prefill.paths["compute"] == "float32 matmuls on XLA:CPU"
         pairs = wait_all_blocks_free(state["decode"])
@@ -46,4 +46,5 @@ def test_auto_on_an_avx2_cpu_picks_a_path_that_runs_and_serves(tiny_model, tmp_p
                                                                ignore_eos=True), timeout=120))
         assert sum(len(m.token_ids) for m in msgs) == 8 and msgs[-1].finish_reason == 2
         matmuls = worker_info(state["decode"][0]).hardware.paths["matmuls"]
-        assert "no native bf16 on this CPU; fastest measured" in matmuls and "oneDNN" not in matmuls
+        assert "no native bf16 on this CPU; fastest measured" in matmuls
+        assert "bf16 compute, prepacked for oneDNN" not in matmuls  # what raises at start on such a CPU
