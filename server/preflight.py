@@ -86,6 +86,12 @@ def check_decode_tier(engine: DecodeEngine, python: str, device: str = "auto") -
         install = "pip install -e ." if missing == ["pdserve"] else "pip install 'pdserve[decode]'"
         raise PreflightError(f"the decode workers' python {python} cannot import {' and '.join(missing)}: "
                              f"{install} there, or pass --decode-python with one that can")
+    if engine == "vllm":  # importable; its kernels for this CPU may still not run (or die by SIGILL)
+        from pdserve.server.decode.vllm_probe import vllm_problem
+
+        problem = vllm_problem(python)
+        if problem is not None:
+            raise PreflightError(f"--decode-engine vllm: {problem}")
     if device.startswith("cuda"):
         ok, out = _probe([python, "-c", _TORCH_DEVICE, device], timeout=120.0)
         if not ok:

@@ -86,6 +86,15 @@ def test_a_decode_python_with_vllm_passes():
     check_decode_tier("vllm", str(VLLM_PYTHON))
 
 
+def test_a_vllm_whose_kernels_this_cpu_cannot_execute_is_refused_before_anything_starts(tmp_path):
+    fake = tmp_path / "python"  # imports everything; vLLM's kernels die as a build for missing instructions does
+    fake.write_text('#!/bin/sh\ncase "$2" in *import_kernels*) kill -ILL $$;; esac\necho ""\n')
+    fake.chmod(0o755)
+    with pytest.raises(PreflightError, match=r"^--decode-engine vllm: vLLM's kernels use instructions this CPU lacks "
+                                             r"\(.*\): illegal instruction.*--decode-engine native"):
+        check_decode_tier("vllm", str(fake))
+
+
 def test_a_decode_python_that_does_not_run_or_lacks_pdserve_is_refused(tmp_path):
     with pytest.raises(PreflightError, match=f"^--decode-python {tmp_path}/none does not run: "):
         check_decode_tier("native", str(tmp_path / "none"))
