@@ -174,7 +174,8 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     values = jnp.concatenate([context_v.astype(v.dtype), v], axis=1)
     key_pos = jnp.concatenate([packing.context_positions, packing.positions], axis=1)  # [B, C + S]
     key_seg = jnp.concatenate([packing.context_segments, packing.segments], axis=1)
-    out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg)  # [B, S, Hq, D]
+    out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg,
+                    own_keys_from=context_k.shape[1])  # [B, S, Hq, D]
     attn = _mm("bsnd,ndh->bsh", out, w("wo"))  # [B, S, H]
     x = x + (attn + p["bo"] if "bo" in p else attn)
     h = _rms_norm(x, p["mlp_norm"], eps)
