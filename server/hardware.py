@@ -158,6 +158,8 @@ class TorchCaps:
     onednn_fp16: bool
     onednn_fp32: bool = False
     """oneDNN prepacks and runs an fp32 linear here."""
+    int8_cpu: bool = False
+    """torch's weight-only int8 kernel (`_weight_int8pack_mm`) runs on this CPU (tried, checked)."""
     cuda: tuple[tuple[str, tuple[int, int]], ...] = ()
     """(name, compute capability) of each CUDA device torch sees."""
     triton: bool = False
@@ -166,6 +168,21 @@ class TorchCaps:
     def fp8_matmul(self) -> bool:
         """A CUDA device of compute capability 8.9+ (Ada, Hopper, Blackwell): torch._scaled_mm's fp8."""
         return any(cc >= (8, 9) for _, cc in self.cuda)
+
+
+def _int8_runs() -> bool:
+    """Whether torch's weight-only int8 CPU kernel runs here and agrees with the dequantized matmul."""
+    import torch
+
+    try:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randint(-127, 128, (32, 64), generator=g, dtype=torch.int8)
+        scale, x = torch.rand(32, generator=g) / 64, torch.randn(3, 64, generator=g)
+        y = torch._weight_int8pack_mm(x, q, scale)
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+    want = x @ (q.float() * scale[:, None]).t()
+    return bool(((y - want).abs().max() <= 1e-3 * want.abs().max() + 1e-4).item())
 
 
 def _onednn_runs(dtype) -> bool:
@@ -198,7 +215,7 @@ def torch_probe() -> TorchCaps:
     cuda = tuple((torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i)))
                  for i in range(torch.cuda.device_count())) if torch.cuda.is_available() else ()
     return TorchCaps(version=torch.__version__, aten_cpu=torch.backends.cpu.get_cpu_capability(),
-                     onednn_bf16=onednn_bf16, onednn_fp16=onednn_fp16, onednn_fp32=_onednn_runs(torch.float32), cuda=cuda,  # type: ignore[arg-type]
+                     onednn_bf16=onednn_bf16, onednn_fp16=onednn_fp16, onednn_fp32=_onednn_runs(torch.float32), int8_cpu=_int8_runs(), cuda=cuda,  # type: ignore[arg-type]
                      triton=importlib.util.find_spec("triton") is not None)
 
 

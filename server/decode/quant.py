@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kvcache.quant import QMAX
+from pdserve.server import hardware
 from pdserve.server.decode import cuda_linear
 from pdserve.server.decode.cuda_linear import Kernel
 
@@ -58,6 +59,8 @@ class Linear(nn.Module):
         """A matmul reading the quantized weight itself (`cuda_linear`), where the device has one."""
         self.packed = False
         """weight holds oneDNN's blocked layout (`prepack`): only `_linear_pointwise` can read it."""
+        self.cpu_int8 = False
+        """int8 weights run torch's weight-only int8 CPU kernel (set by `quantize` where it runs)."""
 
     @classmethod
     def of(cls, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> Linear:
@@ -101,7 +104,7 @@ class Linear(nn.Module):
             return self.kernel(x, self.weight, self.scale, self.bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-        if self.weight.dtype == torch.int8 and x.device.type == "cpu" and x.shape[-1] % 32 == 0:
+        if self.cpu_int8 and x.device.type == "cpu" and x.shape[-1] % 32 == 0:
             # (torch 2.13's bf16 kernel reads out of bounds when the input width is not a multiple of 16)
             y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).contiguous(), self.weight,
                                           self.scale[:, 0].to(x.dtype))  # [N, out]
@@ -117,12 +120,14 @@ def quantize(model: nn.Module, fmt: WeightFormat) -> str:
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     device = linears[0].weight.device if linears else torch.device("cpu")
     kernel = cuda_linear.pick(fmt, linears[0].dtype, device) if linears else None
+    cpu_int8 = fmt == "int8" and device.type == "cpu" and hardware.torch_probe().int8_cpu
     for module in linears:
         module.quantize_(fmt, kernel)
+        module.cpu_int8 = cpu_int8
     model.weight_format = fmt
     if kernel is not None:
         model.weight_kernel = f"{fmt} weights through {kernel.__name__}"
-    elif fmt == "int8" and device.type == "cpu":
+    elif cpu_int8:
         model.weight_kernel = "int8 weights through torch's weight-only int8 kernel on cpu (input widths of 32k)"
     else:
         model.weight_kernel = f"{fmt} weights dequantized per matmul on {device.type}: the format saves memory only"
