@@ -24,6 +24,13 @@ from pdserve.kvcache.sender import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F
 
 RETRY_AFTER_MS = 500
 """The hint (ms) a refusal for lack of room carries (`retry-after-ms`), from a worker or the coordinator."""
+RETRY_HINT = "retry-after-ms"
+"""The metadata key of that hint (a worker's initial metadata, the coordinator's trailing metadata)."""
+
+
+def retry_hint(ms: int = RETRY_AFTER_MS) -> tuple[tuple[str, str]]:
+    """The metadata of a refusal the client may retry after `ms` milliseconds."""
+    return ((RETRY_HINT, str(ms)),)
 
 log = logging.getLogger("pdserve")
 

@@ -13,7 +13,7 @@ from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 from pdserve.server.coordinator import kserve
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.coordinator.http_server import HttpServer
-from pdserve.server.coordinator.openai_api import serve_http
+from pdserve.server.coordinator.openai.app import serve_http
 from pdserve.server.coordinator.registry import SERVICE_NAME as REGISTRY_SERVICE
 from pdserve.server.coordinator.registry import RegistryService
 from pdserve.server.coordinator.router import Worker, WorkerPool

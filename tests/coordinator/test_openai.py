@@ -16,7 +16,11 @@ import pytest
 from pdserve.v1 import generation_pb2
 from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
 from pdserve.server.coordinator.main import Coordinator
-from pdserve.server.coordinator.openai_api import ChatRequest, CompletionRequest, Front, Handler, _sse, create_app
+from pdserve.server.coordinator.openai.app import create_app
+from pdserve.server.coordinator.openai.front import Front
+from pdserve.server.coordinator.openai.handler import Handler
+from pdserve.server.coordinator.openai.protocol import ChatRequest, CompletionRequest
+from pdserve.server.coordinator.openai.sse import sse_event
 from pdserve.server.model.tokenizer import Tokenizer
 from tests.coordinator.fakes import FakeDecode, FakePrefill, start_fake_pools, wait_for
 
@@ -491,7 +495,7 @@ def test_a_text_only_chunk_from_its_template_is_the_bytes_json_dumps_gives(kind,
     for index in range(body.n):
         template = handler.text_chunk(index)
         for text in TEXTS:
-            expected = _sse(handler.body([handler.choice(text, None, index=index)], None, True))
+            expected = sse_event(handler.body([handler.choice(text, None, index=index)], None, True))
             assert template.render(text) == expected
             chunk = json.loads(expected[len(b"data: "):])
             assert chunk["choices"][0]["index"] == index

@@ -1,0 +1,54 @@
+"""What the OpenAI endpoints need from the coordinator, and the names it serves the model under."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from tokenizers import Tokenizer as HfTokenizer
+
+from pdserve.server.coordinator.chat_template import ChatTemplate
+from pdserve.server.coordinator.openai.errors import ApiError
+from pdserve.server.coordinator.service import GenerationService
+
+
+@dataclass
+class Front:
+    """What the endpoints need from the coordinator."""
+
+    generation: GenerationService
+    model_name: str
+    aliases: tuple[str, ...]
+    """Other names a request may give `model` (the checkpoint path, as vLLM names it)."""
+    max_model_len: int
+    chat: ChatTemplate | None
+    ready: Callable[[], bool]
+    api_key: str | None = None
+    timeout: float | None = None
+    created: int = 0
+    encoder: HfTokenizer | None = None
+    """For /tokenize without special tokens (vLLM's extension); None: the endpoint answers 501."""
+    max_body_bytes: int = 16 * 2**20
+    """Larger request bodies get 413 before they are read."""
+    max_prompt_bytes: int = 4 * 2**20
+    """Larger prompts (and chat messages together) get 413 before they are tokenized or rendered."""
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text, as logprobs name it."""
+        return _token_text(self.generation.tokenizer, token_id)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name and model not in self.aliases:
+            raise ApiError(
+                404,
+                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+
+@lru_cache(maxsize=65536)
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
