@@ -69,7 +69,8 @@ class GrpcTarget(Target):
     async def send(self, request: BenchRequest, out: RequestOutput) -> None:
         import grpc
 
-        from pdserve.server.client import FINISH_NAMES, build_request
+        from pdserve.server.client import build_request
+        from pdserve.server.finish import FINISH_NAMES
 
         req = build_request(
             prompt=request.prompt_text,

@@ -87,7 +87,7 @@ class LoadSampler:
 
 
 async def _send(stub, request, out: Outcome) -> None:
-    from pdserve.server.client import FINISH_NAMES
+    from pdserve.server.finish import FINISH_NAMES
 
     sent = time.perf_counter()
     async for msg in stub.Generate(request, timeout=600):

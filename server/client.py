@@ -10,14 +10,8 @@ import grpc
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pdserve.server.finish import FINISH_NAMES
 from pdserve.server.security import TlsConfig
-
-FINISH_NAMES = {
-    gen_pb.FINISH_REASON_STOP: "stop",
-    gen_pb.FINISH_REASON_LENGTH: "length",
-    gen_pb.FINISH_REASON_ABORT: "abort",
-    gen_pb.FINISH_REASON_ERROR: "error",
-}
 
 
 def build_request(*, prompt: str | None = None, token_ids: list[int] | None = None, max_tokens: int | None = None,

@@ -9,7 +9,7 @@ import pytest
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.coordinator.registry import RegistryService
-from pdserve.server.coordinator.router import WorkerPool
+from pdserve.server.coordinator.worker_pool import WorkerPool
 from pdserve.server.registration import Memberships, coordinator_names, resolve
 from pdserve.server.serving import new_server
 

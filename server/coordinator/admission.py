@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.server import metrics
-from pdserve.server.serving import RETRY_AFTER_MS
+from pdserve.server.serving import RETRY_AFTER_MS, retry_hint
 
 if TYPE_CHECKING:
-    from pdserve.server.coordinator.router import Worker, WorkerPool
+    from pdserve.server.coordinator.worker_pool import Worker, WorkerPool
 
 
 
@@ -83,7 +83,7 @@ class TierQueue:
             raise RequestFailed(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the {self.tier} queue is full ({self.max_size} waiting); you may retry after {RETRY_AFTER_MS} ms",
-                (("retry-after-ms", str(RETRY_AFTER_MS)),),
+                retry_hint(),
             )
         ticket = object()
         self._line.append(ticket)

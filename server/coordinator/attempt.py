@@ -33,7 +33,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -41,20 +40,19 @@ from pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.server import metrics
 from pdserve.server.coordinator.admission import Deadline, RequestFailed
 from pdserve.server.coordinator.prefill_estimate import admit, ttft_budget_of
-from pdserve.server.coordinator.router import Worker
+from pdserve.server.coordinator.router import Router
 from pdserve.server.coordinator.shared_prompt import Placement, SharedPrompt
-from pdserve.server.coordinator.steps import DecodeEvent, Route, StepsClient, StreamBroken
+from pdserve.server.coordinator.steps_stream import DecodeEvent, Route, StepsClient, StepsClients, StreamBroken
 from pdserve.server.coordinator.validate import ValidRequest
-
-if TYPE_CHECKING:
-    from pdserve.server.coordinator.service import GenerationService
+from pdserve.server.coordinator.worker_pool import Worker
+from pdserve.server.serving import RETRY_HINT
 
 log = logging.getLogger("pdserve.coordinator")
 
 FinishReason = generation_pb2.FinishReason
 TRANSFER_TOKEN_BYTES = 16
 _WORKER_GONE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)
-_FORWARDED_METADATA = ("retry-after-ms",)
+_FORWARDED_METADATA = (RETRY_HINT,)
 """A refusing worker's hints that reach the client (as trailing metadata)."""
 
 
@@ -128,10 +126,30 @@ class RequestState:
         return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready {role} worker")
 
 
+@dataclass(frozen=True)
+class AttemptConfig:
+    """The coordinator's settings an attempt runs under."""
+
+    lease_seconds: float
+    """How long a decode worker holds the request's blocks waiting for its KV."""
+    vocab_size: int
+    """Token ids a worker answers must lie in [0, vocab_size)."""
+    stall_timeout: float | None = None
+    """A decode stream silent this long after its first event is lost (then migrated) as if its worker
+    had died; None: never."""
+    ttft_budget: float = 0.0
+    """A new request whose expected prefill wait exceeds this is refused (prefill_estimate.py); 0: the deadline."""
+    max_coalesce: int = 64
+    """A stream behind its decode worker gets the tokens that piled up, up to this many, in one response."""
+
+
 class Attempt:
-    def __init__(self, service: GenerationService, r: RequestState):
-        self.service = service
+    def __init__(self, r: RequestState, router: Router, config: AttemptConfig, steps: StepsClients):
         self.r = r
+        self.router = router
+        self.config = config
+        self.steps_clients = steps
+        """Each decode worker's Steps stream (batched: one message per step for all requests on it)."""
         self.prompt = [*r.req.prompt_ids, *r.outputs]
         self.decode: Worker | None = None
         self.prefill: Worker | None = None
@@ -173,27 +191,24 @@ class Attempt:
     async def _reserve(self) -> int:
         """Holds blocks on a decode worker (picking again while workers refuse for room); returns the
         prompt blocks it had cached."""
-        service, r = self.service, self.r
+        router, r = self.router, self.r
         queued_at = time.monotonic()
         placement = await self._placement()
         while True:
-            if not service.pool.ready("decode"):  # one marked dead by a call may be back at its health check
-                await service.pool.recheck("decode", min(r.deadline.check(), service.pool.recheck_seconds))
-            if not service.pool.ready("decode"):
+            if not await router.has_ready("decode", r.deadline):  # one marked dead by a call may be back
                 raise r.no_worker_left("decode")
-            decode = await service.decode_queue.acquire(service.pool, lambda: self._pick_decode(placement), r.deadline)
+            decode = await router.decode(len(self.prompt), self.prompt, r.deadline, placement)
             self._hold(decode, placement)
-            if self.prefill is None and service.pool.ready("prefill"):
-                self.prefill = await service.prefill_queue.acquire(
-                    service.pool, lambda: self._pick_prefill(placement), r.deadline)
-                if r.attempt == 0:  # a retry or migration is never refused: it already holds the client
-                    admit(self.prefill, len(self.prompt), r.deadline, service.ttft_budget)
+            if self.prefill is None:
+                self.prefill = await router.prefill(r.deadline, placement)
+                if self.prefill is not None and r.attempt == 0:  # a retry or migration is never refused
+                    admit(self.prefill, len(self.prompt), r.deadline, self.config.ttft_budget)
             try:
                 cached = await self._open_decode()
             except _Full as full:
                 metrics.decode_refusals.inc()
                 log.info("request %s: %s; picking again", r.req.request_id, full)
-                decode.refused = True  # until its next load report
+                router.refused(decode)
                 self._release()
                 continue
             if r.attempt == 0:
@@ -210,29 +225,19 @@ class Attempt:
             return None
         return await r.shared.placement(r.deadline) if r.attempt == 0 else r.shared.placed()
 
-    def _pick_decode(self, placement: Placement | None) -> Worker | None:
-        """The leader's decode worker when it has room for what is this choice's own, else by the policy."""
-        if placement is not None and placement.takes(len(self.prompt)):
-            return placement.decode
-        return self.service.pool.pick_decode(len(self.prompt), self.prompt)
-
     def _hold(self, decode: Worker, placement: Placement | None = None) -> None:
-        """Counted at pick time, so requests routed before the next load report see the worker taken."""
+        """The decode worker holds the prompt's blocks but the leader's shared ones, counted from the pick."""
         self.decode = decode
-        decode.inflight += 1
         shared = placement.shared_blocks if placement is not None and decode is placement.decode else 0
         self._reserved_blocks = decode.blocks_for(len(self.prompt)) - shared
-        decode.reserved_blocks += self._reserved_blocks
-        metrics.num_requests_running.inc()
+        self.router.hold_decode(decode, self._reserved_blocks)
 
     def _release(self) -> None:
         """Gives the decode worker back: its counts, the route, the call (cancelled: D frees the blocks)."""
         decode, self.decode = self.decode, None
         if decode is None:
             return
-        metrics.num_requests_running.dec()
-        decode.inflight -= 1
-        decode.reserved_blocks -= self._reserved_blocks
+        self.router.release_decode(decode, self._reserved_blocks)
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
@@ -244,21 +249,12 @@ class Attempt:
         self.call = None
         self.route.close()
         self.route = Route()
-        self.service.pool.poke()
-
-    def _pick_prefill(self, placement: Placement | None = None) -> Worker | None:
-        """The prefill worker that computed the leader's prompt (its prefix KV holds it) when it has a slot,
-        else by the policy."""
-        room = [w for w in self.service.pool.ready("prefill") if w.inflight < self.service.prefill_inflight_per_worker]
-        if placement is not None and placement.prefill in room:
-            return placement.prefill
-        return self.service.pool.prefill_policy(room)
 
     async def _open_decode(self) -> int:
-        service, r, decode = self.service, self.r, self.decode
+        r, decode = self.r, self.decode
         assert decode is not None and decode.channel is not None
         self.transfer_token = secrets.token_bytes(TRANSFER_TOKEN_BYTES)
-        self.steps = await service.steps.for_worker(decode)
+        self.steps = await self.steps_clients.for_worker(decode)
         if self.steps is not None:
             self.route = self.steps.route(r.worker_id)  # before the call: no event can come first
         self.call = worker_pb2_grpc.DecodeStub(decode.channel).Decode(
@@ -268,7 +264,7 @@ class Attempt:
                 prompt_token_ids=self.prompt,
                 sampling=r.sampling,
                 transfer_token=self.transfer_token,
-                lease_seconds=service.lease_seconds,  # the call's deadline also frees the blocks
+                lease_seconds=self.config.lease_seconds,  # the call's deadline also frees the blocks
                 num_output_tokens=len(r.outputs),
                 local_prefill=self.prefill is None,
                 steps_stream_id=self.steps.stream_id if self.steps is not None else "",
@@ -326,7 +322,7 @@ class Attempt:
 
     async def _run_prefill(self, cached_blocks: int) -> worker_pb2.SequenceEvent:
         """The first token; the prefill worker then pushes the KV to the decode worker itself."""
-        service, r, prefill, decode = self.service, self.r, self.prefill, self.decode
+        r, prefill, decode = self.r, self.prefill, self.decode
         assert prefill is not None and prefill.channel is not None and decode is not None and decode.info is not None
         call = worker_pb2_grpc.PrefillStub(prefill.channel).Prefill(
             worker_pb2.PrefillRequest(
@@ -338,32 +334,25 @@ class Attempt:
                                            cached_blocks=cached_blocks),
                 transfer_token=self.transfer_token,
                 sample_index=len(r.outputs),
-                ttft_budget_seconds=ttft_budget_of(r.deadline, service.ttft_budget),
+                ttft_budget_seconds=ttft_budget_of(r.deadline, self.config.ttft_budget),
                 arrived_seconds_ago=r.deadline.seconds - r.deadline.remaining(),
             ),
             timeout=r.deadline.check(),
         )
-        prefill.inflight += 1
-        prefill.pending_tokens += len(self.prompt)
-        prefill.pending_lengths.append(len(self.prompt))
-        prefill.unreported_lengths.append(len(self.prompt))
         sent = time.monotonic()
-        try:
-            reply = await call
-            metrics.prefill_wait.observe(time.monotonic() - sent)
-        except grpc.aio.AioRpcError as e:
-            raise await self._refused(prefill, e) from e
-        finally:
-            prefill.inflight -= 1
-            prefill.pending_tokens -= len(self.prompt)
-            prefill.pending_lengths.remove(len(self.prompt))
-            if len(self.prompt) in prefill.unreported_lengths:  # answered before the next report
-                prefill.unreported_lengths.remove(len(self.prompt))
-            if not call.done():
-                call.cancel()
-        if not 0 <= reply.first_token_id < service.limits.vocab_size:
+        with self.router.prefilling(prefill, len(self.prompt)):
+            try:
+                reply = await call
+                metrics.prefill_wait.observe(time.monotonic() - sent)
+            except grpc.aio.AioRpcError as e:
+                raise await self._refused(prefill, e) from e
+            finally:
+                if not call.done():
+                    call.cancel()
+        vocab = self.config.vocab_size
+        if not 0 <= reply.first_token_id < vocab:
             raise Lost(prefill, f"prefill worker {prefill.address} answered token id {reply.first_token_id}, "
-                                f"outside the vocabulary [0, {service.limits.vocab_size})")
+                                f"outside the vocabulary [0, {vocab})")
         if r.sampling.HasField("prompt_logprobs"):
             r.prompt_logprobs = list(reply.prompt_logprobs)
         first = worker_pb2.SequenceEvent(request_id=r.worker_id, tokens=worker_pb2.TokenEvent(
@@ -425,7 +414,7 @@ class Attempt:
                 self._check(item, kind)
                 events.append(item)
             if events:
-                return _merged(events, self.service.max_coalesce)
+                return _merged(events, self.config.max_coalesce)
 
     async def _take(self, stall: bool = True) -> list[DecodeEvent | Exception]:
         """The route's next items. `stall`: a worker silent for --stall-timeout is lost (marked failed)."""
@@ -438,7 +427,7 @@ class Attempt:
             raise await self._stalled() from None
 
     def _stall_after(self) -> float | None:
-        stall = self.service.stall_timeout
+        stall = self.config.stall_timeout
         return None if stall is None or self.r.deadline.check() <= stall else stall
 
     async def _stalling(self, read):
@@ -450,14 +439,14 @@ class Attempt:
     async def _stalled(self) -> Lost:
         decode = self.decode
         metrics.stalled_streams.inc()
-        message = f"decode worker {decode.address} sent nothing for {self.service.stall_timeout:g} s (--stall-timeout)"
-        await self.service.pool.mark_failed(decode, message)
+        message = f"decode worker {decode.address} sent nothing for {self.config.stall_timeout:g} s (--stall-timeout)"
+        await self.router.mark_failed(decode, message)
         return Lost(decode, message)
 
     def _check(self, event: DecodeEvent, kind: str | None) -> None:
         decode = self.decode
         if kind == "tokens":
-            vocab, ids = self.service.limits.vocab_size, event.tokens.token_ids
+            vocab, ids = self.config.vocab_size, event.tokens.token_ids
             if ids and (min(ids) < 0 or max(ids) >= vocab):
                 raise Lost(decode, f"decode worker {decode.address} sent a token id outside the vocabulary [0, {vocab})")
         elif kind == "finished":
@@ -475,7 +464,7 @@ class Attempt:
             return Lost(decode, f"decode worker {decode.address} ended the stream without finishing the request")
         if isinstance(e, StreamBroken):
             if e.code == grpc.StatusCode.UNAVAILABLE:  # the worker is gone: route around it at once
-                await self.service.pool.mark_failed(decode, str(e))
+                await self.router.mark_failed(decode, str(e))
             return Lost(decode, str(e))
         assert isinstance(e, grpc.aio.AioRpcError)
         if kv_from is not None and e.code() in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -503,7 +492,7 @@ class Attempt:
 
     async def _gone(self, worker: Worker, e: grpc.aio.AioRpcError) -> Lost:
         if e.code() == grpc.StatusCode.UNAVAILABLE:
-            await self.service.pool.mark_failed(worker, e.details() or "")
+            await self.router.mark_failed(worker, e.details() or "")
         return Lost(worker, f"{worker.role} worker {worker.address} failed: {e.code().name}: {e.details()}")
 
 

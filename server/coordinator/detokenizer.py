@@ -7,9 +7,6 @@ from typing import Protocol
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers.decoders import DecodeStream
 
-REPLACEMENT = "\ufffd"
-"""What a decoder yields for bytes that are not (yet) a whole UTF-8 character."""
-
 PROMPT_CONTEXT = 5
 """Prompt tokens decoded in front of the output, so the first output piece gets its spacing right."""
 

@@ -43,17 +43,12 @@ from pdserve.v1 import generation_pb2
 from pdserve.server import metrics
 from pdserve.server.coordinator.service import GenerationService, RequestFailed
 from pdserve.server.coordinator.validate import InvalidRequest
+from pdserve.server.finish import finish_name
 
 log = logging.getLogger("pdserve.coordinator.kserve")
 
 SERVICE_NAME = service_pb2.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 MODEL_VERSION = "1"
-FinishReason = generation_pb2.FinishReason
-FINISH_NAMES = {
-    FinishReason.FINISH_REASON_STOP: "stop",
-    FinishReason.FINISH_REASON_LENGTH: "length",
-    FinishReason.FINISH_REASON_ABORT: "abort",
-}
 INPUTS = {  # name: (datatype, model-config type)
     "text_input": ("BYTES", model_config_pb2.TYPE_STRING),
     "stream": ("BOOL", model_config_pb2.TYPE_BOOL),
@@ -416,7 +411,7 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
                 if r.finish_reason:
                     out = Output(
                         r.text,
-                        FINISH_NAMES.get(r.finish_reason, "stop"),
+                        finish_name(r.finish_reason),
                         r.usage.prompt_tokens,
                         r.usage.completion_tokens,
                         logprobs,

@@ -16,9 +16,10 @@ from pdserve.server.coordinator.http_server import HttpServer
 from pdserve.server.coordinator.openai.app import serve_http
 from pdserve.server.coordinator.registry import SERVICE_NAME as REGISTRY_SERVICE
 from pdserve.server.coordinator.registry import RegistryService
-from pdserve.server.coordinator.router import Worker, WorkerPool
+from pdserve.server.coordinator.router import Router
 from pdserve.server.coordinator.service import GenerationService
 from pdserve.server.coordinator.validate import Limits
+from pdserve.server.coordinator.worker_pool import Worker, WorkerPool
 from pdserve.server.model.config import load_config, resolve_max_model_len
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.server import metrics
@@ -74,8 +75,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
         )
         await set_serving(health_servicer, [SERVICE_NAME], serving)
 
-    pool = WorkerPool(config.refresh_seconds, on_change, heartbeat_timeout=config.heartbeat_timeout,
-                      prefill_policy=config.prefill_policy, decode_policy=config.decode_policy)
+    pool = WorkerPool(config.refresh_seconds, on_change, heartbeat_timeout=config.heartbeat_timeout)
     for address in config.prefill_addresses:
         pool.add(Worker(address, "prefill"))
     for address in config.decode_addresses:
@@ -83,8 +83,10 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     max_model_len = resolve_max_model_len(model.max_model_len, config.max_model_len or 0)
     limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size,
                     max_prompt_bytes=config.max_prompt_bytes, max_token_bytes=tokenizer.max_token_bytes())
-    service = GenerationService(tokenizer, limits, pool, config.lease_seconds,
-                                default_timeout=config.default_timeout, max_queue=config.max_queue,
+    router = Router(pool, prefill_policy=config.prefill_policy, decode_policy=config.decode_policy,
+                    max_queue=config.max_queue)
+    service = GenerationService(tokenizer, limits, router, config.lease_seconds,
+                                default_timeout=config.default_timeout,
                                 max_migrations=config.max_migrations, stall_timeout=config.stall_timeout,
                                 ttft_budget=config.ttft_budget, decode_streams=config.decode_streams,
                                 max_coalesce=config.max_coalesce)

@@ -12,15 +12,12 @@ import hashlib
 import math
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from pdserve.kvcache.prefix_cache import block_hashes
 
 if TYPE_CHECKING:
-    from pdserve.server.coordinator.router import Worker
-
-PrefillPolicyName = Literal["least-queued"]
-DecodePolicyName = Literal["prefix-aware", "most-free-blocks", "power-of-two"]
+    from pdserve.server.coordinator.worker_pool import Worker
 
 PrefillPolicy = Callable[[list["Worker"]], "Worker | None"]
 DecodePolicy = Callable[..., "Worker | None"]

@@ -34,9 +34,10 @@ import grpc
 from pdserve.server import metrics
 from pdserve.server.coordinator.admission import Deadline, RequestFailed
 from pdserve.server.prefill.rates import bucket_of, seconds_of
+from pdserve.server.serving import retry_hint
 
 if TYPE_CHECKING:
-    from pdserve.server.coordinator.router import Worker
+    from pdserve.server.coordinator.worker_pool import Worker
 
 
 def expected_wait(worker: Worker, num_tokens: int) -> float | None:
@@ -101,5 +102,5 @@ def admit(worker: Worker, num_tokens: int, deadline: Deadline, ttft_budget: floa
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         f"expected prefill wait {wait:.3g} s (the work prefill worker {worker.address} runs first, at its "
         f"measured rates) exceeds the {left:.3g} s left {what}; you may retry after {retry_ms} ms",
-        (("retry-after-ms", str(retry_ms)),),
+        retry_hint(retry_ms),
     )

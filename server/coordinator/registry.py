@@ -8,7 +8,7 @@ import grpc
 
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server.coordinator.router import RegistrationRefused, WorkerPool
+from pdserve.server.coordinator.worker_pool import RegistrationRefused, WorkerPool
 from pdserve.server.security import ROLE_URI_PREFIX, peer_roles
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Registry"].full_name

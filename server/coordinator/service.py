@@ -2,14 +2,14 @@
 
 1. Validate and tokenize (`validate.py`); the workers get every sampling default explicitly. One
    deadline (the client's, or `default_timeout`) bounds everything after this.
-2. Admission (`admission.py`): a decode worker D with room (by the decode policy), else wait in the
-   decode queue; a prefill worker P (least queued), else wait in the prefill queue. No prefill worker
-   alive: D prefills the prompt itself (a fallback, counted).
+2. Routing (`router.py`): a decode worker D with room (by the decode policy), else wait in the
+   decode queue (`admission.py`); a prefill worker P (least queued), else wait in the prefill queue.
+   No prefill worker alive: D prefills the prompt itself (a fallback, counted).
 3-5. One `Attempt` (attempt.py) does reserve -> prefill -> stream: `D.Decode`'s `reserved` means D
    holds blocks under a lease (D refusing for room is picked again, never the client's failure; another
    refusal goes to the client as it is); `P.Prefill` returns the first token at once, before the KV
    reaches D; then D's events: `tokens` (the ids after the first), `finished`. D sends them on its
-   Steps stream, one message per decode step for every request of this coordinator (steps.py), or
+   Steps stream, one message per decode step for every request of this coordinator (steps_stream.py), or
    per request. Here the ids are detokenized incrementally and cut at the first stop string (then the
    attempt is closed, which cancels D's call and frees its blocks). The last message carries
    finish_reason and usage.
@@ -35,13 +35,14 @@ import grpc
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.server import logs, metrics
-from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQueue
+from pdserve.server.coordinator.admission import Deadline, RequestFailed
+from pdserve.server.coordinator.attempt import Attempt, AttemptConfig, Lost, RequestState
 from pdserve.server.coordinator.detokenizer import Completion
-from pdserve.server.coordinator.attempt import Attempt, Lost, RequestState
-from pdserve.server.coordinator.router import WorkerPool
+from pdserve.server.coordinator.router import Router
 from pdserve.server.coordinator.shared_prompt import SharedPrompt
-from pdserve.server.coordinator.steps import StepsClients
+from pdserve.server.coordinator.steps_stream import StepsClients
 from pdserve.server.coordinator.validate import InvalidRequest, Limits, ValidRequest, validate
+from pdserve.server.finish import finish_name, finish_reason, stop_token_id
 from pdserve.server.model.tokenizer import Tokenizer
 
 log = logging.getLogger("pdserve.coordinator")
@@ -49,11 +50,6 @@ log = logging.getLogger("pdserve.coordinator")
 __all__ = ["GenerationService", "InvalidRequest", "RequestFailed"]
 
 FinishReason = generation_pb2.FinishReason
-FINISH_NAMES = {
-    FinishReason.FINISH_REASON_STOP: "stop",
-    FinishReason.FINISH_REASON_LENGTH: "length",
-    FinishReason.FINISH_REASON_ABORT: "abort",
-}
 LONG_TEXT_CHARS = 16_384
 """Text prompts longer than this are tokenized off the event loop."""
 
@@ -62,14 +58,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self,
         tokenizer: Tokenizer,
         limits: Limits,
-        pool: WorkerPool,
+        router: Router,
         lease_seconds: float,
         *,
         default_timeout: float = 600.0,
-        max_queue: int = 256,
         max_migrations: int = 2,
         max_retries: int = 3,
-        prefill_inflight_per_worker: int = 64,
         stall_timeout: float | None = None,
         ttft_budget: float = 0.0,
         decode_streams: str = "batched",
@@ -77,22 +71,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     ):
         self.tokenizer = tokenizer
         self.limits = limits
-        self.pool = pool
-        self.lease_seconds = lease_seconds
+        self.router = router
         self.default_timeout = default_timeout
         self.max_migrations = max_migrations
         self.max_retries = max_retries
-        self.prefill_inflight_per_worker = prefill_inflight_per_worker
-        self.stall_timeout = stall_timeout
-        """A decode stream silent this long after its first event is lost (then migrated) as if its worker
-        had died; None: never."""
-        self.ttft_budget = ttft_budget
+        self.attempt_config = AttemptConfig(lease_seconds, limits.vocab_size, stall_timeout=stall_timeout,
+                                            ttft_budget=ttft_budget, max_coalesce=max_coalesce)
         self.steps = StepsClients(enabled=decode_streams == "batched")
         """Each decode worker's Steps stream (batched: one message per step for all requests on it)."""
-        self.max_coalesce = max_coalesce
-        """A stream behind its decode worker gets the tokens that piled up, up to this many, in one response."""
-        self.decode_queue = TierQueue("decode", max_queue)
-        self.prefill_queue = TierQueue("prefill", max_queue)
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
 
     async def Generate(
@@ -158,18 +144,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             while True:
                 reason = self._already_finished(r)
                 if reason is not None:
-                    outcome = FINISH_NAMES[reason]
+                    outcome = finish_name(reason)
                     yield self._with_stop_reason(
                         _response(req, completion, [], completion.finish(), reason, r.take_prompt_logprobs()),
                         r, completion)
                     return
                 try:
-                    async with contextlib.aclosing(Attempt(self, r).events()) as events:
+                    async with contextlib.aclosing(self._attempt(r).events()) as events:
                         async for event in events:
                             if event.WhichOneof("event") == "finished":
                                 text = completion.finish()
                                 reason = FinishReason.FINISH_REASON_STOP if completion.stopped else event.finished.reason
-                                outcome = FINISH_NAMES.get(reason, "stop")
+                                outcome = finish_name(reason)
                                 yield self._with_stop_reason(
                                     _response(req, completion, [], text, reason, r.take_prompt_logprobs()), r, completion)
                                 return
@@ -225,24 +211,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """vLLM's stop_reason on a stopped request: the stop string, or the stop token id (not for EOS)."""
         if out.finish_reason != FinishReason.FINISH_REASON_STOP:
             return out
-        s = r.req.sampling
         if completion.matcher.matched is not None:
             out.stop_string = completion.matcher.matched
-        elif r.outputs and r.outputs[-1] in s.stop_token_ids and (s.ignore_eos or r.outputs[-1] not in self.eos_ids):
-            out.stop_token_id = r.outputs[-1]
+        elif r.outputs and (token := stop_token_id(r.outputs[-1], r.req.sampling, self.eos_ids)) is not None:
+            out.stop_token_id = token
         return out
 
     def _already_finished(self, r: RequestState) -> int | None:
         """After a migration: the outputs already sent may have ended the request."""
         if not r.outputs:
             return None
-        s = r.req.sampling
-        last = r.outputs[-1]
-        if (last in self.eos_ids and not s.ignore_eos) or last in s.stop_token_ids:
-            return FinishReason.FINISH_REASON_STOP
-        if len(r.outputs) >= s.max_tokens or len(r.req.prompt_ids) + len(r.outputs) >= self.limits.max_model_len:
-            return FinishReason.FINISH_REASON_LENGTH
-        return None
+        reason = finish_reason(r.outputs[-1], len(r.outputs), len(r.req.prompt_ids) + len(r.outputs),
+                               r.req.sampling, self.eos_ids, self.limits.max_model_len)
+        return None if reason == FinishReason.FINISH_REASON_UNSPECIFIED else reason
+
+    def _attempt(self, r: RequestState) -> Attempt:
+        return Attempt(r, self.router, self.attempt_config, self.steps)
 
     def _count_recovery(self, r: RequestState, lost: Lost) -> None:
         """Raises RequestFailed once the request has used up its retries or migrations."""

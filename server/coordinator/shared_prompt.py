@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdserve.server.coordinator.admission import Deadline
-    from pdserve.server.coordinator.router import Worker
+    from pdserve.server.coordinator.worker_pool import Worker
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server.finish import finish_reason
 
 
 class SeqState(enum.Enum):
@@ -72,13 +73,9 @@ class Sequence:
         return sorted(eos | set(self.sampling.stop_token_ids))
 
     def check_stop(self, token: int) -> int:
-        """The finish reason after appending `token`, or UNSPECIFIED to go on."""
-        s = self.sampling
-        if (token in self.eos_ids and not s.ignore_eos) or token in s.stop_token_ids:
-            return gen_pb.FINISH_REASON_STOP
-        if self.sample_index >= s.max_tokens or self.num_tokens >= self.max_model_len:
-            return gen_pb.FINISH_REASON_LENGTH
-        return gen_pb.FINISH_REASON_UNSPECIFIED
+        """The finish reason after appending `token`, or UNSPECIFIED to go on (server/finish.py)."""
+        return finish_reason(token, self.sample_index, self.num_tokens, self.sampling, self.eos_ids,
+                             self.max_model_len)
 
     def append(self, token: int) -> None:
         self.output_ids.append(token)

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.decode")
 
-RETRY_AFTER_MS = str(serving.RETRY_AFTER_MS)
 QUEUED_EVERY_S = 1.0
 """While a request waits for blocks (queued, or preempted), a `queued` event this often: the worker is alive."""
 
@@ -78,7 +77,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         try:
             seq = engine.add(request)
         except QueueFull as e:
-            await context.send_initial_metadata((("retry-after-ms", RETRY_AFTER_MS),))
+            await context.send_initial_metadata(serving.retry_hint())
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; you may retry")
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

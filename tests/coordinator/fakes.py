@@ -22,6 +22,17 @@ LAYOUT = worker_pb2.KvLayout(
 )
 
 
+def worker_info(role: str, address: str, digest: str = "abc", free: int = 100, layout=LAYOUT,
+                **load) -> worker_pb2.WorkerInfo:
+    """A worker's GetInfo / Register report (prefill workers have no KV layout)."""
+    return worker_pb2.WorkerInfo(
+        role=role, address=address,
+        fingerprint=worker_pb2.ModelFingerprint(digest=digest, description="tiny llama"),
+        kv_layout=layout if role == "decode" else None,
+        load=worker_pb2.WorkerLoad(free_kv_blocks=free, total_kv_blocks=100, **load),
+    )
+
+
 def fake_logprob(token_id: int, num_top: int) -> generation_pb2.TokenLogprob:
     """What the fakes return when asked for logprobs: token i has logprob -i/100 and is the most likely."""
     return generation_pb2.TokenLogprob(token_id=token_id, logprob=-token_id / 100,

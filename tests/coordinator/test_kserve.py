@@ -226,7 +226,7 @@ async def test_a_bad_request_on_a_stream_gets_an_error_response_and_the_stream_g
 
 async def test_admission_rejection_keeps_its_status(cluster, client):
     cluster.decode.refuse = grpc.StatusCode.RESOURCE_EXHAUSTED  # the worker is full: the request would queue,
-    cluster.coordinator.service.decode_queue.max_size = 0  # but the coordinator's queue takes none
+    cluster.coordinator.service.router.decode_queue.max_size = 0  # but the coordinator's queue takes none
     with pytest.raises(InferenceServerException) as e:
         await client.infer(MODEL, inputs("x"))
     assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"

@@ -275,7 +275,7 @@ async def test_n_choices_are_n_generations_with_seeds_in_turn(cluster):
 
 async def test_admission_rejection_is_429_with_retry_after(cluster, client):
     cluster.decode.refuse = grpc.StatusCode.RESOURCE_EXHAUSTED  # the worker is full: the request would queue,
-    cluster.coordinator.service.decode_queue.max_size = 0  # but the coordinator's queue takes none
+    cluster.coordinator.service.router.decode_queue.max_size = 0  # but the coordinator's queue takes none
     for stream in (False, True):
         r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": stream})
         assert r.status_code == 429

@@ -12,7 +12,7 @@ import pytest
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2
 from pdserve.server import metrics
 from pdserve.server.coordinator.prefill_estimate import expected_wait
-from pdserve.server.coordinator.router import Worker
+from pdserve.server.coordinator.worker_pool import Worker
 from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.scheduler import PrefillScheduler
 from tests.coordinator.fakes import start_fake_pools

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from pdserve.v1 import worker_pb2
-from pdserve.server.coordinator.steps import Route
+from pdserve.server.coordinator.steps_stream import Route
 
 
 def tokens(*ids: int) -> worker_pb2.SequenceEvent:

@@ -1,4 +1,4 @@
-"""The live pool on its own: registration and its refusals, heartbeats, draining, policies, the tier queue."""
+"""Picking: the policies, and the tier queue requests wait in for a worker with room."""
 
 from __future__ import annotations
 
@@ -8,85 +8,11 @@ import random
 import grpc
 import pytest
 
-from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQueue
 from pdserve.server.coordinator.policies import LARGE_POOL, most_free_blocks, power_of_two, prefix_aware, route_key
-from pdserve.server.coordinator.router import RegistrationRefused, Worker, WorkerPool
-from tests.coordinator.fakes import LAYOUT, FakeDecode, FakeWorker
-
-
-def info(role: str, address: str, digest: str = "abc", free: int = 100, layout=LAYOUT, **load) -> pb.WorkerInfo:
-    return pb.WorkerInfo(
-        role=role, address=address, fingerprint=pb.ModelFingerprint(digest=digest, description="tiny llama"),
-        kv_layout=layout if role == "decode" else None,
-        load=pb.WorkerLoad(free_kv_blocks=free, total_kv_blocks=100, **load),
-    )
-
-
-async def test_register_refuses_another_model_or_kv_layout_naming_both():
-    pool = WorkerPool(heartbeat_timeout=5)
-    await pool.register(info("decode", "d:1"))
-    await pool.register(info("prefill", "p:1"))
-    with pytest.raises(RegistrationRefused) as e:
-        await pool.register(info("decode", "d:2", digest="zzz"))
-    assert str(e.value) == (
-        "decode worker d:2 serves model zzz (tiny llama) but the pool serves abc (tiny llama) (decode worker d:1): "
-        "every worker must serve the same checkpoint"
-    )
-    other = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=32, dtype="float32")
-    with pytest.raises(RegistrationRefused) as e:
-        await pool.register(info("decode", "d:3", layout=other))
-    assert "block_size=32" in str(e.value) and "block_size=16" in str(e.value) and "d:1" in str(e.value)
-    assert sorted(pool.workers) == ["d:1", "p:1"]
-    assert [w.state for w in pool.workers.values()] == ["ready", "ready"]
-    await pool.close()
-
-
-async def test_draining_is_sticky_and_missed_heartbeats_mean_dead():
-    decode = await FakeWorker.start("decode", FakeDecode())
-    pool = WorkerPool(refresh_seconds=0.05, heartbeat_timeout=0.3)
-    worker = await pool.register(info("decode", decode.address))
-    assert pool.pick_decode() is worker and pool.serving
-    draining = info("decode", decode.address)
-    draining.draining = True
-    assert await pool.heartbeat(draining) is True
-    assert worker.state == "draining" and pool.pick_decode() is None and not pool.serving
-    await pool.refresh()  # GetInfo still answers (not draining): the worker stays draining
-    assert worker.state == "draining"
-    lost = worker.lost
-    await asyncio.sleep(0.35)
-    await pool.refresh()  # no heartbeat for longer than the timeout
-    assert worker.state == "dead" and lost.is_set()
-    assert await pool.heartbeat(info("decode", "unknown:1")) is False  # unknown: register again
-    await pool.close()
-    await decode.stop()
-
-
-async def test_a_worker_marked_failed_by_a_call_is_back_after_one_health_round_a_dead_one_stays_out():
-    """A call found the worker silent (--stall-timeout) or unreachable: `mark_failed` routes around it.
-    The next GetInfo round readmits the one that answers (from flags, or registered: its heartbeat does
-    too); the one that does not answer stays out, round after round."""
-    alive, gone, joined = [await FakeWorker.start("decode", FakeDecode()) for _ in range(3)]
-    pool = WorkerPool(refresh_seconds=60, heartbeat_timeout=60)  # the rounds are run by hand
-    a, g = pool.add(Worker(alive.address, "decode")), pool.add(Worker(gone.address, "decode"))
-    r = await pool.register(info("decode", joined.address))
-    await pool.refresh()
-    assert pool.ready("decode") == [a, g, r]
-    await gone.stop()
-    for worker in (a, g, r):
-        await pool.mark_failed(worker, "decode worker sent nothing for 10 s (--stall-timeout)")
-    assert pool.ready("decode") == [] and not pool.serving and pool.awaiting_recheck("decode")
-    await pool.refresh()  # one round
-    assert pool.ready("decode") == [a, r] and pool.serving and not pool.awaiting_recheck("decode")
-    for _ in range(3):
-        await pool.refresh()
-    assert pool.ready("decode") == [a, r] and g.state == "dead"
-    await pool.mark_failed(r, "decode worker sent nothing for 10 s (--stall-timeout)")
-    assert await pool.heartbeat(info("decode", joined.address)) is True  # a registered worker's heartbeat
-    assert pool.ready("decode") == [a, r]
-    await pool.close()
-    await alive.stop()
-    await joined.stop()
+from pdserve.server.coordinator.router import Router
+from pdserve.server.coordinator.worker_pool import Worker, WorkerPool
+from tests.coordinator.fakes import worker_info as info
 
 
 def _worker(address: str, free: int, cap: int = 0, running: int = 0) -> Worker:
@@ -113,9 +39,10 @@ def test_decode_policies_skip_workers_at_their_cap_or_without_room():
 
 async def test_tier_queue_waits_for_room_then_refuses_past_its_size():
     pool = WorkerPool()
+    router = Router(pool)
     worker = pool.add(_worker("d:1", free=0))
     queue = TierQueue("decode", max_size=1)
-    pick = lambda: pool.pick_decode(16)  # noqa: E731
+    pick = lambda: router.pick_decode(16)  # noqa: E731
     waiting = asyncio.create_task(queue.acquire(pool, pick, Deadline.after(5)))
     await asyncio.sleep(0.05)
     assert queue.waiting == 1
@@ -163,12 +90,13 @@ def test_prefix_aware_routes_a_shared_prefix_to_one_worker_until_it_carries_too_
 
 async def test_tier_queue_serves_waiters_in_arrival_order():
     pool = WorkerPool()
+    router = Router(pool)
     worker = pool.add(_worker("d:1", free=0))
     queue = TierQueue("decode", max_size=4)
     order = []
 
     async def wait(name: str, tokens: int) -> None:
-        await queue.acquire(pool, lambda: pool.pick_decode(tokens), Deadline.after(5))
+        await queue.acquire(pool, lambda: router.pick_decode(tokens), Deadline.after(5))
         order.append(name)
 
     big = asyncio.create_task(wait("big", 16 * 8))

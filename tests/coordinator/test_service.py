@@ -422,13 +422,15 @@ async def test_serve_logs_its_address_and_stops_when_cancelled(model_dir, caplog
 
 async def test_routing_prefers_free_blocks_then_idle_decode_and_least_queued_prefill():
     from pdserve.v1 import worker_pb2
-    from pdserve.server.coordinator.router import Worker, WorkerPool
+    from pdserve.server.coordinator.router import Router
+    from pdserve.server.coordinator.worker_pool import Worker, WorkerPool
 
     def info(role: str, free: int = 0, queued: int = 0) -> worker_pb2.WorkerInfo:
         load = worker_pb2.WorkerLoad(free_kv_blocks=free, total_kv_blocks=100, queued_prefill_tokens=queued)
         return worker_pb2.WorkerInfo(role=role, kv_layout=LAYOUT, load=load)
 
     pool = WorkerPool()
+    router = Router(pool)
     d1 = pool.add(Worker("d:1", "decode", info("decode", free=10), inflight=0, ready=True))
     d2 = pool.add(Worker("d:2", "decode", info("decode", free=50), inflight=3, ready=True))
     d3 = pool.add(Worker("d:3", "decode", info("decode", free=50), inflight=1, ready=True))
@@ -437,37 +439,37 @@ async def test_routing_prefers_free_blocks_then_idle_decode_and_least_queued_pre
     p2 = pool.add(Worker("p:2", "prefill", info("prefill", queued=7), inflight=2, ready=True))
     p3 = pool.add(Worker("p:3", "prefill", info("prefill", queued=7), inflight=1, ready=True))
     def pick_prefill() -> Worker | None:  # as the service picks (after its in-flight cap)
-        return pool.prefill_policy(pool.ready("prefill"))
+        return router.prefill_policy(pool.ready("prefill"))
 
-    assert (pool.pick_decode(), pick_prefill()) == (d3, p3)
+    assert (router.pick_decode(), pick_prefill()) == (d3, p3)
     d3.ready, p3.ready = False, False
-    assert (pool.pick_decode(), pick_prefill()) == (d2, p2)
+    assert (router.pick_decode(), pick_prefill()) == (d2, p2)
     d2.info.load.free_kv_blocks = 5
-    assert pool.pick_decode() is d1
+    assert router.pick_decode() is d1
     # blocks this coordinator reserved since the last GetInfo count as taken
     d2.info.load.free_kv_blocks = 50
     d2.reserved_blocks = 60  # more than GetInfo saw in use (50)
-    assert d2.free_kv_blocks() == 40 and pool.pick_decode() is d2
+    assert d2.free_kv_blocks() == 40 and router.pick_decode() is d2
     d2.reserved_blocks = 95
-    assert d2.free_kv_blocks() == 5 and pool.pick_decode() is d1
+    assert d2.free_kv_blocks() == 5 and router.pick_decode() is d1
     p2.pending_tokens = 20
     assert p2.queued_prefill_tokens() == 20 and pick_prefill() is p2  # p1 still queues 100
     p2.ready, p1.ready = False, False
     assert pick_prefill() is None
     assert pool.serving  # decode workers prefill locally when no prefill worker is alive
     d1.ready, d2.ready = False, False
-    assert pool.pick_decode() is None and not pool.serving
+    assert router.pick_decode() is None and not pool.serving
     await pool.close()
 
 
 async def test_a_decode_pick_is_counted_while_the_request_waits_for_a_prefill_slot(cluster: Cluster):
     coordinator = cluster.coordinator
-    coordinator.service.prefill_inflight_per_worker = 0  # every prefill worker is full: the request waits
+    coordinator.service.router.prefill_inflight_per_worker = 0  # every prefill worker is full: the request waits
     call = cluster.stub.Generate(request("import os", max_tokens=100), timeout=5)
     read = asyncio.ensure_future(call.read())
     decode = coordinator.pool.workers[cluster.decode_worker.address]
     for _ in range(200):
-        if coordinator.service.prefill_queue.waiting:
+        if coordinator.service.router.prefill_queue.waiting:
             break
         await asyncio.sleep(0.01)
     # counted at pick time, before any decode call: one prompt block, not prompt + max_tokens
