@@ -87,7 +87,7 @@ def check_decode_tier(engine: DecodeEngine, python: str, device: str = "auto") -
         raise PreflightError(f"the decode workers' python {python} cannot import {' and '.join(missing)}: "
                              f"{install} there, or pass --decode-python with one that can")
     if engine == "vllm":  # importable; its kernels for this CPU may still not run (or die by SIGILL)
-        from pdserve.server.decode.vllm_probe import vllm_problem
+        from pdserve.server.decode.vllm.probe import vllm_problem
 
         problem = vllm_problem(python)
         if problem is not None:

@@ -17,7 +17,7 @@ def require_vllm_python() -> None:
         if os.environ.get("PDSERVE_REQUIRE_VLLM"):
             raise RuntimeError(f"{VLLM_PYTHON} is missing: run `make vllm-venv` (make test does)")
         pytest.skip("no .venv-vllm (make vllm-venv); make test runs these", allow_module_level=True)
-    from pdserve.server.decode.vllm_probe import vllm_problem
+    from pdserve.server.decode.vllm.probe import vllm_problem
 
     problem = vllm_problem(str(VLLM_PYTHON))
     if problem is not None:

@@ -52,7 +52,7 @@ class DecodeWorker:
 
 def build_engine(config: DecodeConfig):
     if config.engine == "vllm":
-        from pdserve.server.decode.vllm_worker import build_vllm_engine
+        from pdserve.server.decode.vllm.worker import build_vllm_engine
 
         return build_vllm_engine(config)
     return build_native_engine(config)

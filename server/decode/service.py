@@ -19,10 +19,10 @@ from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import logs, metrics, request_checks, serving
 from pdserve.server.decode.engine import DecodeEngine, QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState
-from pdserve.server.decode.steps import StepSink, StepStream
+from pdserve.server.decode.steps_stream import StepSink, StepStream
 
 if TYPE_CHECKING:
-    from pdserve.server.decode.vllm_engine import VllmEngine
+    from pdserve.server.decode.vllm.engine import VllmEngine
 
 log = logging.getLogger("pdserve.decode")
 

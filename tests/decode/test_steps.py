@@ -13,7 +13,7 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.service import DecodeService
-from pdserve.server.decode.steps import StepSink, StepStream
+from pdserve.server.decode.steps_stream import StepSink, StepStream
 from pdserve.server.serving import new_server
 from tests.decode.test_engine import _engine, _greedy, _hf_greedy
 

@@ -1,6 +1,6 @@
 """Builds the vLLM decode engine (`pdserve decode --engine vllm`): vLLM's engine core in this process,
 pdserve's connector, and with --tensor-parallel-size T > 1 vLLM's multiprocess executor running the model
-in T rank processes (which read the received KV from shared memory: `vllm_staging`).
+in T rank processes (which read the received KV from shared memory: `staging.py`).
 
 Runs in an environment with vLLM installed (`make vllm-venv`: .venv-vllm); the native engine's process
 never imports vllm. On vLLM's CPU backend each rank binds its OpenMP threads to the cores
@@ -19,14 +19,14 @@ from pathlib import Path
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.sequence import Sequence
-from pdserve.server.decode.vllm_engine import VllmEngine
-from pdserve.server.decode.vllm_staging import KvStaging
+from pdserve.server.decode.vllm.engine import VllmEngine
+from pdserve.server.decode.vllm.staging import KvStaging
 from pdserve.server.model.config import ModelConfig, load_config, resolve_max_model_len
 
 log = logging.getLogger("pdserve.decode.vllm")
 
 CONNECTOR = "PdserveConnector"
-CONNECTOR_MODULE = "pdserve.server.decode.vllm_connector"
+CONNECTOR_MODULE = "pdserve.server.decode.vllm.connector"
 
 
 def check_supported(config: DecodeConfig) -> None:
@@ -101,7 +101,7 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     from vllm.platforms import current_platform
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    from pdserve.server.decode import vllm_connector
+    from pdserve.server.decode.vllm import connector as vllm_connector
 
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
     dtype = model_config.dtype if config.kv_dtype == "auto" else config.kv_dtype

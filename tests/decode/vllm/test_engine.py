@@ -12,9 +12,9 @@ from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState
-from pdserve.server.decode.vllm_engine import RESERVED, VllmEngine
-from pdserve.server.decode.vllm_staging import KvStaging, Staged, StagedKv
-from pdserve.server.decode.vllm_worker import check_supported, cpu_threads_bind
+from pdserve.server.decode.vllm.engine import RESERVED, VllmEngine
+from pdserve.server.decode.vllm.staging import KvStaging, Staged, StagedKv
+from pdserve.server.decode.vllm.worker import check_supported, cpu_threads_bind
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb

@@ -5,7 +5,7 @@ K|V side by side per token, the CPU backend K rows then V rows per block and hea
 tiling). Rather than assume one, `PagedKvWriter` hands each piece to the layer's
 `impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`, the call vLLM itself makes for the
 tokens it computes, so a piece lands exactly where that backend's attention reads it.
-With tensor parallelism each rank writes its own slice of kv heads (`vllm_staging.kv_head_range`).
+With tensor parallelism each rank writes its own slice of kv heads (`staging.kv_head_range`).
 Token t of a request lives in block `block_ids[t // B]` at offset `t % B`: slot `block * B + offset`.
 """
 

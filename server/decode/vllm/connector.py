@@ -1,13 +1,13 @@
 """pdserve's KV connector for vLLM v1: the prompt KV a pdserve prefill worker pushed, loaded into vLLM's blocks.
 
 Loaded by vLLM from `kv_transfer_config` (kv_connector="PdserveConnector",
-kv_connector_module_path="pdserve.server.decode.vllm_connector", kv_role="kv_consumer"): its scheduler
-side in the decode worker's own process (`vllm_engine`), where pdserve's receiver checked and staged the
+kv_connector_module_path="pdserve.server.decode.vllm.connector", kv_role="kv_consumer"): its scheduler
+side in the decode worker's own process (`engine.py`), where pdserve's receiver checked and staged the
 KV; its worker side in every rank that runs the model (the same process with --tensor-parallel-size 1,
 vLLM's T rank processes with T > 1).
 
 Life of one request through the connector:
-1. The engine seals the request's stage (`vllm_staging`) into `STAGED[vllm_id]` and adds the request
+1. The engine seals the request's stage (`staging.py`) into `STAGED[vllm_id]` and adds the request
    (prompt + first token) with `kv_transfer_params={PARAMS_KEY: vllm_id}`.
 2. Scheduler side: `get_num_new_matched_tokens` says every prompt token but the first token is loadable,
    synchronously; `update_state_after_alloc` takes the stage with the block ids vLLM gave the prompt;
@@ -42,8 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from pdserve.server import metrics
-from pdserve.server.decode.vllm_kv_writer import PagedKvWriter
-from pdserve.server.decode.vllm_staging import PendingReads, Staged
+from pdserve.server.decode.vllm.kv_writer import PagedKvWriter
+from pdserve.server.decode.vllm.staging import PendingReads, Staged
 
 log = logging.getLogger("pdserve.decode.vllm")
 

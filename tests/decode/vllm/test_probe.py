@@ -1,4 +1,4 @@
-"""server/decode/vllm_probe.py: whether an interpreter runs vLLM's kernels here, and if not, why."""
+"""server/decode/vllm/probe.py: whether an interpreter runs vLLM's kernels here, and if not, why."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from pdserve.server.decode.vllm_probe import vllm_problem
+from pdserve.server.decode.vllm.probe import vllm_problem
 from tests.vllm_python import VLLM_PYTHON
 
 

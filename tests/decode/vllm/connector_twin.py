@@ -1,6 +1,6 @@
 """pdserve's vLLM connector with two tensor-parallel ranks, in one process: run with .venv-vllm's python.
 
-Not a pytest module (.venv-vllm has no pytest): `test_vllm_connector.py` runs it and reads its last line.
+Not a pytest module (.venv-vllm has no pytest): `test_connector.py` runs it and reads its last line.
 It drives the connector's real scheduler side and two real worker sides (rank 0 and 1 of 2) the way
 vLLM does each step: schedule -> build_connector_meta -> (pickled to each rank) start_load_kv ->
 build_connector_worker_meta -> KVOutputAggregator over the ranks -> update_connector_output. The
@@ -25,9 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
 from pdserve.kvcache.codec import KvPiece
-from pdserve.server.decode import vllm_connector
-from pdserve.server.decode.vllm_connector import PARAMS_KEY, STAGED, PdserveConnector
-from pdserve.server.decode.vllm_staging import KvStaging
+from pdserve.server.decode.vllm import connector as vllm_connector
+from pdserve.server.decode.vllm.connector import PARAMS_KEY, STAGED, PdserveConnector
+from pdserve.server.decode.vllm.staging import KvStaging
 
 LAYERS, HEADS, HEAD_DIM, BLOCK, SLOTS, WORLD = 2, 2, 4, 4, 64, 2
 

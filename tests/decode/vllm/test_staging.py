@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pdserve.kvcache.codec import KvPiece
-from pdserve.server.decode.vllm_staging import (
+from pdserve.server.decode.vllm.staging import (
     DIR_PREFIX,
     KvStaging,
     LocalKv,

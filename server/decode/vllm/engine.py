@@ -5,9 +5,9 @@ Life cycle of a request here:
    still waiting for its KV, hold its prompt (`seq.admitted` resolves); otherwise QueueFull (vLLM keeps
    its own queue of running requests; pdserve keeps none in front of it).
 2. The PushKv stream's pieces are staged (`write`), checked by pdserve's receiver: in host memory, or
-   with --tensor-parallel-size > 1 in a shared-memory file every rank reads (`vllm_staging`).
+   with --tensor-parallel-size > 1 in a shared-memory file every rank reads (`staging.py`).
 3. `start(seq, first_token)` hands vLLM a request whose prompt is the prompt plus the first token, with
-   `kv_transfer_params` naming it. vLLM's scheduler asks the connector (`vllm_connector`), which says the
+   `kv_transfer_params` naming it. vLLM's scheduler asks the connector (`connector.py`), which says the
    prompt's KV is loadable; vLLM takes blocks for it, and the connector's worker side writes the staged
    pieces into them before the step that computes the first token's KV and samples the second.
    With no prefill worker alive, `prefill_locally` hands vLLM the bare prompt and returns its first token.
@@ -36,7 +36,7 @@ from pdserve.server.hardware import Hardware
 from pdserve.server import logprobs
 from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState, admissible
-from pdserve.server.decode.vllm_staging import KvStaging, Stage, Staged
+from pdserve.server.decode.vllm.staging import KvStaging, Stage, Staged
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
