@@ -3,12 +3,13 @@
 The stop rule, checked by a decode worker after each token and by the coordinator after a migration
 (the outputs already sent may have ended the request): the token is EOS (unless `ignore_eos`) or one
 of `stop_token_ids` -> stop; else the outputs reached `max_tokens`, or the sequence `max_model_len`
--> length. Stop strings end text, not ids: the coordinator cuts them (coordinator/detokenizer.py).
+-> length. Until `min_tokens` outputs are out, the ids that would stop it are not sampled
+(`blocked_ids`). Stop strings end text, not ids: the coordinator cuts them (coordinator/detokenizer.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterable
 
 from pdserve.v1 import generation_pb2 as gen_pb
 
@@ -40,6 +41,15 @@ def finish_reason(token: int, num_outputs: int, num_tokens: int, sampling: gen_p
     if num_outputs >= sampling.max_tokens or num_tokens >= max_model_len:
         return gen_pb.FINISH_REASON_LENGTH
     return gen_pb.FINISH_REASON_UNSPECIFIED
+
+
+def blocked_ids(sampling: gen_pb.SamplingParams, eos_ids: Iterable[int], num_outputs: int) -> list[int]:
+    """The ids the next token may not be while fewer than min_tokens of the request's outputs are out
+    (`num_outputs` so far): the stop token ids and, unless ignore_eos, EOS (vLLM's min_tokens)."""
+    if num_outputs >= sampling.min_tokens:
+        return []
+    eos = set() if sampling.ignore_eos else set(eos_ids)
+    return sorted(eos | set(sampling.stop_token_ids))
 
 
 def stop_token_id(token: int, sampling: gen_pb.SamplingParams, eos_ids: Container[int]) -> int | None:

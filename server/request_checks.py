@@ -11,11 +11,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pdserve.server.logprobs import MAX_LOGPROBS
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server import sampling_rules
 
-MIN_TEMPERATURE = 1e-5
-"""Below this (and above 0) logits / temperature overflows float32; 0 means greedy."""
 MAX_REQUEST_ID_CHARS = 512
 MAX_TRANSFER_TOKEN_BYTES = 64
 MAX_LEASE_SECONDS = 120.0
@@ -33,31 +31,8 @@ def ids_problem(field: str, ids: Sequence[int], vocab_size: int) -> str | None:
 
 
 def sampling_problem(p: gen_pb.SamplingParams, vocab_size: int) -> str | None:
-    """The sampling values a step can use: finite, in range (the same rules as the coordinator's)."""
-    if p.max_tokens <= 0:
-        return f"sampling.max_tokens must be >= 1, got {p.max_tokens}"
-    if not math.isfinite(p.temperature) or p.temperature < 0 or 0 < p.temperature < MIN_TEMPERATURE:
-        return f"sampling.temperature must be 0 (greedy) or a finite value >= {MIN_TEMPERATURE}, got {p.temperature}"
-    if not (math.isfinite(p.top_p) and 0 <= p.top_p <= 1):
-        return f"sampling.top_p must lie in [0, 1], got {p.top_p}"
-    if p.top_k < 0:
-        return f"sampling.top_k must be >= 0 (0 turns it off), got {p.top_k}"
-    for i in p.stop_token_ids:
-        if not 0 <= i < vocab_size:
-            return f"sampling.stop_token_ids: id {i} lies outside the vocabulary [0, {vocab_size})"
-    for name in ("presence_penalty", "frequency_penalty"):
-        if not (math.isfinite(getattr(p, name)) and -2 <= getattr(p, name) <= 2):
-            return f"sampling.{name} must lie in [-2, 2], got {getattr(p, name)}"
-    if p.HasField("repetition_penalty") and not (math.isfinite(p.repetition_penalty) and p.repetition_penalty > 0):
-        return f"sampling.repetition_penalty must be > 0 (1 is off), got {p.repetition_penalty}"
-    if not (math.isfinite(p.min_p) and 0 <= p.min_p <= 1):
-        return f"sampling.min_p must lie in [0, 1], got {p.min_p}"
-    if p.min_tokens > p.max_tokens:
-        return f"sampling.min_tokens {p.min_tokens} exceeds sampling.max_tokens {p.max_tokens}"
-    for name in ("logprobs", "prompt_logprobs"):
-        if getattr(p, name) > MAX_LOGPROBS:
-            return f"sampling.{name} must lie in [0, {MAX_LOGPROBS}], got {getattr(p, name)}"
-    return None
+    """The sampling values a step can use: the coordinator's rule (server/sampling_rules.py)."""
+    return sampling_rules.sampling_problem(p, vocab_size, prefix="sampling.")
 
 
 def identity_problem(request_id: str, transfer_token: bytes) -> str | None:

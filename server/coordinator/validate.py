@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.server.logprobs import MAX_LOGPROBS
 from pdserve.v1 import generation_pb2
-from pdserve.server.request_checks import MIN_TEMPERATURE
+from pdserve.server.sampling_rules import sampling_problem, with_defaults
 
-DEFAULT_MAX_TOKENS = 16
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_TOP_P = 1.0
-DEFAULT_TOP_K = 0
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 1024
 """Each stop string's UTF-8 length."""
@@ -56,20 +50,12 @@ class ValidRequest:
 
 
 def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> generation_pb2.SamplingParams:
-    max_tokens = given.max_tokens if given.HasField("max_tokens") else DEFAULT_MAX_TOKENS
-    temperature = given.temperature if given.HasField("temperature") else DEFAULT_TEMPERATURE
-    top_p = given.top_p if given.HasField("top_p") else DEFAULT_TOP_P
-    top_k = given.top_k if given.HasField("top_k") else DEFAULT_TOP_K
-    if max_tokens <= 0:
-        raise InvalidRequest(f"max_tokens must be >= 1, got {max_tokens}")
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise InvalidRequest(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if 0 < temperature < MIN_TEMPERATURE:  # logits / temperature would overflow
-        raise InvalidRequest(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise InvalidRequest(f"top_p must lie in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0 (0 turns it off), got {top_k}")
+    """Every default filled in and every value in bounds (server/sampling_rules.py, the workers' rule too);
+    the stop strings, which only the coordinator reads, within their count and size."""
+    sampling = with_defaults(given)
+    problem = sampling_problem(sampling, limits.vocab_size)
+    if problem:
+        raise InvalidRequest(problem)
     if len(given.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop holds {len(given.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
     if any(not s for s in given.stop):
@@ -77,48 +63,6 @@ def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> g
     for s in given.stop:
         if len(s) * 4 > MAX_STOP_BYTES and len(s.encode()) > MAX_STOP_BYTES:
             raise TooLarge(f"stop: a stop string of {len(s.encode())} bytes; the limit is {MAX_STOP_BYTES} bytes")
-    for i in given.stop_token_ids:
-        if not 0 <= i < limits.vocab_size:
-            raise InvalidRequest(f"stop_token_ids: id {i} lies outside [0, {limits.vocab_size})")
-    sampling = generation_pb2.SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        stop=given.stop,
-        stop_token_ids=given.stop_token_ids,
-        ignore_eos=given.ignore_eos,
-    )
-    if given.HasField("seed"):
-        sampling.seed = given.seed
-    presence = given.presence_penalty if given.HasField("presence_penalty") else 0.0
-    frequency = given.frequency_penalty if given.HasField("frequency_penalty") else 0.0
-    repetition = given.repetition_penalty if given.HasField("repetition_penalty") else 1.0
-    min_p = given.min_p if given.HasField("min_p") else 0.0
-    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
-        if not -2 <= value <= 2:
-            raise InvalidRequest(f"{name} must lie in [-2, 2], got {value}")
-    if not (repetition > 0 and math.isfinite(repetition)):
-        raise InvalidRequest(f"repetition_penalty must be > 0 (1 is off), got {repetition}")
-    if not 0 <= min_p <= 1:
-        raise InvalidRequest(f"min_p must lie in [0, 1] (0 is off), got {min_p}")
-    if given.min_tokens > max_tokens:
-        raise InvalidRequest(f"min_tokens {given.min_tokens} exceeds max_tokens {max_tokens}")
-    if presence:
-        sampling.presence_penalty = presence
-    if frequency:
-        sampling.frequency_penalty = frequency
-    if repetition != 1.0:
-        sampling.repetition_penalty = repetition
-    if min_p:
-        sampling.min_p = min_p
-    if given.min_tokens:
-        sampling.min_tokens = given.min_tokens
-    for name in ("logprobs", "prompt_logprobs"):
-        if given.HasField(name):
-            if getattr(given, name) > MAX_LOGPROBS:
-                raise InvalidRequest(f"{name} must lie in [0, {MAX_LOGPROBS}], got {getattr(given, name)}")
-            setattr(sampling, name, getattr(given, name))
     return sampling
 
 

@@ -7,7 +7,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pdserve.v1 import generation_pb2 as gen_pb
-from pdserve.server.finish import finish_reason
+from pdserve.server.finish import blocked_ids, finish_reason
 
 
 class SeqState(enum.Enum):
@@ -67,10 +67,7 @@ class Sequence:
     def blocked_ids(self) -> list[int]:
         """Ids the next token may not be while fewer than min_tokens are out: the stop ids and, unless
         ignore_eos, EOS (vLLM's min_tokens)."""
-        if self.sample_index >= self.sampling.min_tokens:
-            return []
-        eos = set() if self.sampling.ignore_eos else self.eos_ids
-        return sorted(eos | set(self.sampling.stop_token_ids))
+        return blocked_ids(self.sampling, self.eos_ids, self.sample_index)
 
     def check_stop(self, token: int) -> int:
         """The finish reason after appending `token`, or UNSPECIFIED to go on (server/finish.py)."""
