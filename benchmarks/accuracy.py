@@ -85,8 +85,7 @@ class Pipeline:
         dtype = TORCH_DTYPES[compute_dtype(config, decode_weights)]
         self.decoder = build_model(config, weights, dtype, weight_format=decode_weights if quantized else None)
         del weights
-        self.layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size, kv_dtype,
-                               "block_head" if kv_dtype in QUANTIZED else "none")
+        self.layout = KvLayout.of(config.num_layers, config.num_kv_heads, config.head_dim, block_size, kv_dtype)
         self.max_len = 1 << (config.max_model_len - 1).bit_length()
 
     def prefill(self, prompts: np.ndarray, table_blocks: int) -> tuple[torch.Tensor, PagedKvCache, torch.Tensor]:

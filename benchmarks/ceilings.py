@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from pdserve.kvcache.codec import MAX_CHUNK_BYTES
-from pdserve.kvcache.sender import CHANNEL_OPTIONS
+from pdserve.kvcache.grpc_sender import CHANNEL_OPTIONS
 
 GB = 1e9
 _LOOPBACK_METHOD = "/pdserve.bench.Loopback/Push"

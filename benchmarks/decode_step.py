@@ -41,7 +41,7 @@ import torch
 
 from pdserve.benchmarks.checkpoint import QWEN25_05B, make_qwen25_05b_shape
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_number, gate, load_average
-from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.kvcache.layout import KvLayout
 from pdserve.server import hardware
 from pdserve.server.decode import cpu_matmul
 from pdserve.server.decode.kv_cache import PagedKvCache
@@ -89,8 +89,7 @@ def random_qwen_shape(layers: int, vocab: int, seed: int = 0) -> tuple:
 
 
 def _layout(config, kv_dtype: str) -> KvLayout:
-    return KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, kv_dtype,
-                    "block_head" if kv_dtype in QUANTIZED else "none")
+    return KvLayout.of(config.num_layers, config.num_kv_heads, config.head_dim, BLOCK_SIZE, kv_dtype)
 
 
 def step_seconds(model: DecoderModel, cache: PagedKvCache, tables: torch.Tensor, context: int, steps: int,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import grpc
 
+from pdserve.kvcache.grpc_receiver import add_receiver_to_server
+from pdserve.kvcache.grpc_sender import CHANNEL_OPTIONS
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.receiver import KvReceiver, add_receiver_to_server
-from pdserve.kvcache.sender import CHANNEL_OPTIONS
+from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import worker_pb2 as pb
 
 

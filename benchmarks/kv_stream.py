@@ -111,7 +111,7 @@ async def transfer(num_tokens: int, streams: list[int], repeats: int, chunk_byte
 
 async def _transfer_row(side, layout: KvLayout, k: np.ndarray, v: np.ndarray, n: int, repeats: int,
                         chunk_bytes: int) -> TransferRow:
-    from pdserve.kvcache.sender import GrpcKvTransport
+    from pdserve.kvcache.grpc_sender import GrpcKvTransport
 
     PDSERVE, RAW, COPIES = receiving_side.SYSTEMS
     num_tokens, nbytes = k.shape[1], k.nbytes + v.nbytes
@@ -187,7 +187,7 @@ async def overlap(model_dir: Path, num_tokens: int, groups: list[int], streams: 
     """[(layer groups, prefill compute s, first token -> KV complete s)] on the same prompt."""
     from pdserve.kvcache.layout import KvLayout
     from pdserve.kvcache.receiver import KvReceiver
-    from pdserve.kvcache.sender import GrpcKvTransport
+    from pdserve.kvcache.grpc_sender import GrpcKvTransport
     from pdserve.v1 import generation_pb2 as gen_pb
     from pdserve.v1 import worker_pb2 as pb
     from pdserve.server.decode.kv_cache import PagedKvCache

@@ -259,7 +259,7 @@ async def _transfer(layout, digest: str, num_tokens: int, repeats: int) -> tuple
     """(KV transfer seconds, raw grpcio loopback GB/s of the same bytes, bytes) in one event loop."""
     from pdserve.benchmarks import kv_push
     from pdserve.kvcache.receiver import KvReceiver
-    from pdserve.kvcache.sender import GrpcKvTransport
+    from pdserve.kvcache.grpc_sender import GrpcKvTransport
     from pdserve.server.decode.kv_cache import PagedKvCache
 
     rng = np.random.default_rng(0)

@@ -81,14 +81,6 @@ def plan_tensors(layout: KvLayout, kv: KvTensors, max_chunk_bytes: int = MAX_CHU
     return list(iter_pieces(layout, end, max_chunk_bytes, (kv.layer_start, kv.num_layers), first))
 
 
-def encode_piece(layout: KvLayout, kv: KvTensors, piece: Piece) -> pb.KvChunk:
-    """One piece of kv (plan_tensors' output), written straight from kv's arrays into the KvChunk."""
-    l0, lc, t0, tc = piece
-    g0 = l0 - kv.layer_start
-    return next(_encode(layout, iter([(g0, lc, t0 - kv.token_start, tc)]), kv.k, kv.v, kv.k_scales, kv.v_scales,
-                        kv.layer_start, kv.token_start))
-
-
 def encode_chunks(
     layout: KvLayout,
     k: np.ndarray,

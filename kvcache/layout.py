@@ -41,8 +41,18 @@ class KvLayout:
             raise ValueError(f"kv dtype {self.dtype!r} is not one of {', '.join(NUMPY_DTYPES)}")
         if min(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size) <= 0:
             raise ValueError(f"every KV layout dimension must be positive: {self}")
-        if (self.dtype in QUANTIZED) != (self.scale_granularity != "none"):
+        if self.scale_granularity != self.scales_for(self.dtype):
             raise ValueError(f"kv dtype {self.dtype} needs scale granularity block_head, others none")
+
+    @classmethod
+    def of(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: KvDtype) -> KvLayout:
+        """The layout of a cache of `dtype`, with the scales that dtype carries."""
+        return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, cls.scales_for(dtype))
+
+    @staticmethod
+    def scales_for(dtype: str) -> ScaleGranularity:
+        """Quantized dtypes carry a float32 scale per block per kv head; the others none."""
+        return "block_head" if dtype in QUANTIZED else "none"
 
     @property
     def np_dtype(self) -> np.dtype:

@@ -1,8 +1,9 @@
 """The in-memory KV transport: senders feed KvReceivers of this process directly, no sockets.
 
-The chunks go through the receiver's own PushKv state machine (handshake, token, coverage, lease),
-with a small stand-in for the gRPC servicer context; refusals reach the sender as the same
-grpc.aio.AioRpcError the gRPC transport raises. Used by tests and benchmarks.
+Each stream's chunks go through the receiver's state machine (handshake, token, coverage, lease)
+serialized and parsed as the gRPC transport carries them; a Refusal reaches the sender as the same
+grpc.aio.AioRpcError the gRPC transport raises, with the status code the servicer
+(kvcache.grpc_receiver) answers. Used by tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -12,43 +13,35 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.kvcache.codec import MAX_CHUNK_BYTES
+from pdserve.kvcache.grpc_receiver import status_code
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.receiver import KvReceiver
-from pdserve.kvcache.transfer import KvSender, KvTransport, Stream, StreamSender, refusal, stream_header
+from pdserve.kvcache.receiver import KvReceiver, Refusal
+from pdserve.kvcache.sender import KvSender, KvTransport, Stream, StreamSender, refusal, stream_header
 from pdserve.kvcache.wire import decode_chunk, encode_chunk
 from pdserve.v1 import worker_pb2 as pb
-
-
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class _Context:
-    """What KvReceiver uses of a grpc.aio.ServicerContext."""
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
-        raise _Aborted(code, details)
 
 
 class LocalStream(Stream):
     def __init__(self, receiver: KvReceiver, layout: KvLayout, header: pb.KvHeader) -> None:
         self._receiver = receiver
-        self._context = _Context()
         super().__init__(layout, header)
 
     async def call(self, chunks: AsyncIterator[pb.KvChunk]) -> pb.PushKvResponse:
         try:
-            return await self._receiver.PushKv(_copies(chunks), self._context)
-        except _Aborted as e:
-            raise refusal(e.code, e.details) from None
+            return await self._receiver.receive(_copies(chunks))
+        except Refusal as refused:
+            raise _as_sent(refused) from None
 
 
 async def _copies(chunks: AsyncIterator[pb.KvChunk | bytes]) -> AsyncIterator:
     """Each chunk serialized and parsed as the gRPC transport does (its own bytes, not the sender's arrays)."""
     async for chunk in chunks:
         yield decode_chunk(encode_chunk(chunk))
+
+
+def _as_sent(refused: Refusal) -> grpc.aio.AioRpcError:
+    """The receiver's refusal as the sender sees it over gRPC."""
+    return refusal(status_code(refused.status), refused.message)
 
 
 class LocalKvTransport(KvTransport):
@@ -67,8 +60,8 @@ class LocalKvTransport(KvTransport):
         n = self.num_streams
         headers = [stream_header(header, layout, i, n) for i in range(n)]
         try:
-            await receiver.BeginKv(headers[0], _Context())
-        except _Aborted as e:
-            raise refusal(e.code, e.details) from None
+            receiver.begin(headers[0])
+        except Refusal as refused:
+            raise _as_sent(refused) from None
         streams: list[Stream] = [LocalStream(receiver, layout, h) for h in headers]
         return StreamSender(layout, streams, self.max_chunk_bytes, header.cached_blocks * layout.block_size)

@@ -1,11 +1,12 @@
-"""The decode side of the KV transfer: one state machine per request behind KvTransfer.PushKv.
+"""The decode side of the KV transfer: one state machine per request, fed by a transport's streams.
 
 Life of a transfer:
 1. The decode worker reserves blocks and calls `expect(id, attempt, token, num_tokens)`: WAITING.
    No lease clock runs yet: the prompt may still queue in the prefill tier.
-2. The prefill worker begins the request: BeginKv(header), then its PushKv streams (1..N), each
-   opening with the header. Strangers are refused without touching the transfer: unknown id, an
-   attempt other than the expected one, a missing or wrong token, a stream index already open.
+2. The prefill worker begins the request: `begin(header)` (BeginKv), then its streams (1..N) each
+   `receive(chunks)` (PushKv), each opening with the header. Strangers are refused without touching
+   the transfer: unknown id, an attempt other than the expected one, a missing or wrong token, a
+   stream index already open.
 3. The authenticated header passes the handshake (protocol version, model fingerprint, layout,
    length, stream count): TRANSFERRING. The lease (`Transfer.wait`) starts at the first accepted
    header and restarts with every chunk.
@@ -18,7 +19,11 @@ Life of a transfer:
    worker: FAILED, every stream of the transfer is cut, and `done` raises TransferError.
 `cancel()` or a newer attempt's `expect()` makes it CANCELLED; running streams are cut off at once
 (ABORTED) and never write again; `settle(id)` waits for a write already running in its thread.
-Call every method from the event loop that serves PushKv.
+Call every method from the event loop the transport runs on.
+
+A refusal is a `Refusal`: words naming both sides and the fix, and a `Status`. The gRPC servicer
+(kvcache.grpc_receiver) answers it with the status code of that name; the in-memory transport
+(kvcache.local) hands it to its sender as the same error. This module knows no gRPC.
 """
 
 from __future__ import annotations
@@ -30,20 +35,20 @@ import contextlib
 import enum
 import hmac
 import time
+from collections.abc import AsyncIterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import grpc
 import numpy as np
 
 from pdserve.kvcache.codec import KvPiece, decode_blocks
 from pdserve.kvcache.layout import HandshakeError, KvLayout, check_handshake
-from pdserve.kvcache.transfer import PROTOCOL_VERSION
-from pdserve.kvcache.wire import decode_chunk
+from pdserve.kvcache.wire import PROTOCOL_VERSION
 from pdserve.v1 import worker_pb2 as pb
-from pdserve.v1 import worker_pb2_grpc
 
-Code = grpc.StatusCode
+if TYPE_CHECKING:
+    from grpc import StatusCode
+
 WRITE_THREADS = 4
 """Threads writing received pieces into the cache (numpy/torch copies release the GIL)."""
 WRITES_IN_FLIGHT = 4
@@ -63,12 +68,54 @@ class TransferState(enum.Enum):
     CANCELLED = "cancelled"
 
 
-class TransferError(Exception):
-    """Why a transfer failed; `code` is the status its stream was refused with."""
+class Status(enum.Enum):
+    """How a refusal is answered, named as the gRPC status code it maps to (kvcache.grpc_receiver)."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    INVALID_ARGUMENT = "invalid_argument"
+    """A malformed header, piece or stream."""
+    NOT_FOUND = "not_found"
+    """No transfer of that request id, or of that attempt, is expected here."""
+    ALREADY_EXISTS = "already_exists"
+    """The stream (or BeginKv) was sent twice."""
+    PERMISSION_DENIED = "permission_denied"
+    """A missing or wrong transfer token."""
+    FAILED_PRECONDITION = "failed_precondition"
+    """Another protocol version, model or KV layout."""
+    ABORTED = "aborted"
+    """The attempt is stale or was cancelled here, or the prefill worker gave it up."""
+    CANCELLED = "cancelled"
+    """The stream's call was cancelled before KvEnd."""
+    INTERNAL = "internal"
+    """The cache could not store a piece, or the receiver failed."""
+
+
+class Refusal(Exception):
+    """Why the receiver turned a header or a stream away, in words naming both sides and the fix.
+
+    fails: the transfer this refusal fails (FAILED, its other streams cut); None when the sender is a
+    stranger to the transfer (unknown id, other attempt, wrong token), which is then left as it was.
+    """
+
+    def __init__(self, status: Status, message: str, fails: Transfer | None = None) -> None:
         super().__init__(message)
-        self.code = code
+        self.status = status
+        self.message = message
+        self.fails = fails
+
+
+class TransferError(Exception):
+    """Why a transfer failed: the status and words of the refusal that failed it."""
+
+    def __init__(self, status: Status, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    @property
+    def code(self) -> StatusCode:
+        """The gRPC status code the transfer's stream was refused with, for callers that report it."""
+        from pdserve.kvcache.grpc_receiver import status_code  # gRPC only where asked for
+
+        return status_code(self.status)
 
 
 def _new_future() -> asyncio.Future[int]:
@@ -137,14 +184,6 @@ class Transfer:
         self.last_activity = time.monotonic()
 
 
-class _Refusal(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, fails: Transfer | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.fails = fails
-
-
 @dataclass(eq=False)
 class _Stream:
     """An authenticated PushKv call now feeding a transfer."""
@@ -153,19 +192,19 @@ class _Stream:
     task: asyncio.Task
     index: int
     reading: bool = False
-    cut: tuple[grpc.StatusCode, str] | None = None
+    cut: tuple[Status, str] | None = None
     writes: collections.deque = field(default_factory=collections.deque)
     """(future, piece bytes, where) of the pieces submitted to the pool and not yet checked, oldest first."""
 
-    def cut_off(self, code: grpc.StatusCode, message: str) -> None:
+    def cut_off(self, status: Status, message: str) -> None:
         """Stops the stream before it writes again; wakes it if it waits for the next chunk."""
         if self.cut is None:
-            self.cut = (code, message)
+            self.cut = (status, message)
             if self.reading:
                 self.task.cancel()
 
 
-class KvReceiver(worker_pb2_grpc.KvTransferServicer):
+class KvReceiver:
     def __init__(self, layout: KvLayout, fingerprint: str, sink: KvSink, *, write_threads: int = WRITE_THREADS):
         self.layout = layout
         self.fingerprint = fingerprint
@@ -222,50 +261,46 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         if running:
             await asyncio.wait([asyncio.wrap_future(f) for f in list(running)])
 
-    async def BeginKv(self, request: pb.KvHeader, context: grpc.aio.ServicerContext) -> pb.BeginKvResponse:
-        """The prefill worker begins the request: checks the header and starts the lease."""
+    def begin(self, header: pb.KvHeader) -> Transfer:
+        """The prefill worker begins the request (BeginKv): checks the header and starts the lease."""
         try:
-            transfer = self._accept(request)
-        except _Refusal as refusal:
-            if refusal.fails is not None:
-                self._fail(refusal.fails, refusal.code, refusal.message)
-            await context.abort(refusal.code, refusal.message)
+            transfer = self._accept(header)
+        except Refusal as refusal:
+            self._fail_by(refusal)
+            raise
         if transfer.state is not TransferState.WAITING:
-            await context.abort(
-                Code.ALREADY_EXISTS,
-                f"request {request.request_id!r} attempt {request.attempt} already has a running stream; "
-                "send each attempt once",
-            )
-        self._start(transfer, request)
-        return pb.BeginKvResponse()
+            raise _sent_twice(transfer)
+        self._start(transfer, header)
+        return transfer
 
-    async def PushKv(self, request_iterator, context: grpc.aio.ServicerContext) -> pb.PushKvResponse:
-        chunks = aiter(request_iterator)
+    async def receive(self, chunks: AsyncIterable[pb.KvChunk]) -> pb.PushKvResponse:
+        """One stream of a transfer (a PushKv call): its header, pieces and KvEnd; the answer once the
+        transfer is DONE. Raises Refusal; one after the header is accepted fails the whole transfer."""
+        chunks = aiter(chunks)
         stream: _Stream | None = None
         try:
             first = await anext(chunks, None)
             if first is None or first.WhichOneof("part") != "header":
                 got = "nothing" if first is None else (first.WhichOneof("part") or "an empty KvChunk")
-                raise _Refusal(
-                    Code.INVALID_ARGUMENT, f"a PushKv stream must start with a KvHeader, got {got}"
+                raise Refusal(
+                    Status.INVALID_ARGUMENT, f"a PushKv stream must start with a KvHeader, got {got}"
                 )
             stream = self._admit(first.header)
             await self._receive(stream, chunks)
             return await self._settled(stream)
-        except _Refusal as refusal:
-            if refusal.fails is not None:
-                self._fail(refusal.fails, refusal.code, refusal.message)
-            await context.abort(refusal.code, refusal.message)
+        except Refusal as refusal:
+            self._fail_by(refusal)
+            raise
         except asyncio.CancelledError:
             if stream is not None and stream.cut is not None:  # cut off by cancel() or a newer attempt
                 stream.task.uncancel()
-                await context.abort(*stream.cut)
+                raise Refusal(*stream.cut) from None
             if stream is not None:
-                self._fail(stream.transfer, Code.CANCELLED, "the PushKv call was cancelled before KvEnd")
+                self._fail(stream.transfer, Status.CANCELLED, "the PushKv call was cancelled before KvEnd")
             raise
         except Exception as e:  # a bug here must not leave the decode worker waiting forever
             if stream is not None:
-                self._fail(stream.transfer, Code.INTERNAL, f"the decode worker failed receiving KV: {e!r}")
+                self._fail(stream.transfer, Status.INTERNAL, f"the decode worker failed receiving KV: {e!r}")
             raise
         finally:
             if stream is not None:
@@ -284,23 +319,19 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         finally:
             stream.reading = False
         if stream.cut is not None:
-            raise _Refusal(*stream.cut)
+            raise Refusal(*stream.cut)
         if transfer.done.cancelled():
-            raise _Refusal(Code.ABORTED, f"request {transfer.request_id!r} was cancelled on the decode worker")
+            raise Refusal(Status.ABORTED, f"request {transfer.request_id!r} was cancelled on the decode worker")
         error = transfer.done.exception()
         if isinstance(error, TransferError):
-            raise _Refusal(error.code, str(error))
+            raise Refusal(error.status, str(error))
         return self._response(transfer)
 
     def _admit(self, header: pb.KvHeader) -> _Stream:
         transfer = self._accept(header)
         index = header.stream_index
         if index in transfer.stream_indexes:
-            raise _Refusal(
-                Code.ALREADY_EXISTS,
-                f"request {transfer.request_id!r} attempt {transfer.attempt} already has a running "
-                "stream; send each attempt once",
-            )
+            raise _sent_twice(transfer)
         self._start(transfer, header)
         transfer.stream_indexes.add(index)
         stream = _Stream(transfer, asyncio.current_task(), index)  # type: ignore[arg-type]
@@ -312,38 +343,38 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         request_id, attempt = header.request_id, header.attempt
         transfer = self._transfers.get(request_id)
         if transfer is None:
-            raise _Refusal(
-                Code.NOT_FOUND,
+            raise Refusal(
+                Status.NOT_FOUND,
                 f"no KV transfer is expected for request {request_id!r} on this "
                 "decode worker (finished, cancelled, timed out or never registered)",
             )
         if attempt < transfer.attempt:
-            raise _Refusal(
-                Code.ABORTED,
+            raise Refusal(
+                Status.ABORTED,
                 f"request {request_id!r} attempt {attempt} is stale: the decode worker "
                 f"expects attempt {transfer.attempt}; stop sending it",
             )
         if attempt > transfer.attempt:
-            raise _Refusal(
-                Code.NOT_FOUND,
+            raise Refusal(
+                Status.NOT_FOUND,
                 f"request {request_id!r} attempt {attempt} is not expected: the decode "
                 f"worker expects attempt {transfer.attempt}",
             )
         if not header.transfer_token:
-            raise _Refusal(
-                Code.PERMISSION_DENIED,
+            raise Refusal(
+                Status.PERMISSION_DENIED,
                 f"request {request_id!r}: the header carries no transfer token; "
                 "send the token the coordinator issued",
             )
         if not hmac.compare_digest(header.transfer_token, transfer.token):
-            raise _Refusal(
-                Code.PERMISSION_DENIED,
+            raise Refusal(
+                Status.PERMISSION_DENIED,
                 f"request {request_id!r}: wrong transfer token; send the token "
                 "the coordinator issued for this attempt",
             )
         if header.protocol_version != PROTOCOL_VERSION:
-            raise _Refusal(
-                Code.FAILED_PRECONDITION,
+            raise Refusal(
+                Status.FAILED_PRECONDITION,
                 f"KV protocol version mismatch: the prefill worker speaks version {header.protocol_version}"
                 f"{' (unversioned)' if not header.protocol_version else ''}, this decode worker "
                 f"{PROTOCOL_VERSION}; run the same pdserve release on both tiers",
@@ -352,18 +383,18 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         try:
             theirs = KvLayout.from_proto(header.layout)
         except ValueError as e:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT, f"the header's KV layout is invalid: {e}", transfer
+            raise Refusal(
+                Status.INVALID_ARGUMENT, f"the header's KV layout is invalid: {e}", transfer
             ) from None
         try:
             check_handshake(
                 self.layout, self.fingerprint, theirs, header.fingerprint.digest, peer="prefill worker"
             )
         except HandshakeError as e:
-            raise _Refusal(Code.FAILED_PRECONDITION, str(e), transfer) from None
+            raise Refusal(Status.FAILED_PRECONDITION, str(e), transfer) from None
         if header.num_tokens != transfer.num_tokens:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT,
+            raise Refusal(
+                Status.INVALID_ARGUMENT,
                 f"request {request_id!r}: the header says {header.num_tokens} "
                 f"tokens, the decode worker expects {transfer.num_tokens}; "
                 "send the prompt's true length",
@@ -371,21 +402,21 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
             )
         num_streams = header.num_streams or 1
         if header.stream_index >= num_streams:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT,
+            raise Refusal(
+                Status.INVALID_ARGUMENT,
                 f"stream index {header.stream_index} is outside the {num_streams} streams",
                 transfer,
             )
         if transfer.num_streams and num_streams != transfer.num_streams:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT,
+            raise Refusal(
+                Status.INVALID_ARGUMENT,
                 f"request {request_id!r}: a stream announces {num_streams} streams, an earlier header "
                 f"{transfer.num_streams}",
                 transfer,
             )
         if header.cached_blocks != transfer.cached_blocks:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT,
+            raise Refusal(
+                Status.INVALID_ARGUMENT,
                 f"request {request_id!r}: the header skips {header.cached_blocks} cached blocks, the decode "
                 f"worker holds {transfer.cached_blocks}; send every block after the ones it holds",
                 transfer,
@@ -413,9 +444,9 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         """
         try:
             await self._read(stream, chunks)
-        except _Refusal as refusal:
-            if refusal.code is not Code.ABORTED:
-                with contextlib.suppress(_Refusal):
+        except Refusal as refusal:
+            if refusal.status is not Status.ABORTED:
+                with contextlib.suppress(Refusal):
                     await self._drain(stream, 0)
             raise
 
@@ -429,14 +460,14 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
             finally:
                 stream.reading = False
             if stream.cut is not None:
-                raise _Refusal(*stream.cut)
+                raise Refusal(*stream.cut)
             if chunk is None:
                 break
             transfer.touch()
             part = chunk.WhichOneof("part")
             if first_token_id is not None:
-                raise _Refusal(
-                    Code.INVALID_ARGUMENT,
+                raise Refusal(
+                    Status.INVALID_ARGUMENT,
                     f"{part or 'an empty KvChunk'} after KvEnd; KvEnd is last",
                     transfer,
                 )
@@ -447,21 +478,21 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                 await self._drain(stream, 0)  # KvEnd counts once every piece of the stream is in the cache
                 self._end(stream, first_token_id)
             elif part == "abort":
-                raise _Refusal(
-                    Code.ABORTED,
+                raise Refusal(
+                    Status.ABORTED,
                     f"the prefill worker gave up request {transfer.request_id!r} attempt {transfer.attempt}: "
                     f"{chunk.abort.reason}",
                     transfer,
                 )
             elif part == "header":
-                raise _Refusal(
-                    Code.INVALID_ARGUMENT, "a second KvHeader; one stream carries one transfer", transfer
+                raise Refusal(
+                    Status.INVALID_ARGUMENT, "a second KvHeader; one stream carries one transfer", transfer
                 )
             else:
-                raise _Refusal(Code.INVALID_ARGUMENT, "an empty KvChunk", transfer)
+                raise Refusal(Status.INVALID_ARGUMENT, "an empty KvChunk", transfer)
         if first_token_id is None:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT,
+            raise Refusal(
+                Status.INVALID_ARGUMENT,
                 f"request {transfer.request_id!r}: the stream ended before KvEnd "
                 "(the prefill worker closed or cancelled it)",
                 transfer,
@@ -470,8 +501,8 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
     def _end(self, stream: _Stream, first_token_id: int) -> None:
         transfer = stream.transfer
         if transfer.first_token_id is not None and transfer.first_token_id != first_token_id:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT,
+            raise Refusal(
+                Status.INVALID_ARGUMENT,
                 f"request {transfer.request_id!r}: stream {stream.index} ends with first token {first_token_id}, "
                 f"an earlier stream with {transfer.first_token_id}",
                 transfer,
@@ -486,24 +517,24 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
         try:
             piece = decode_blocks(self.layout, msg)
         except ValueError as e:
-            raise _Refusal(Code.INVALID_ARGUMENT, str(e), transfer) from None
+            raise Refusal(Status.INVALID_ARGUMENT, str(e), transfer) from None
         token_end = msg.token_start + msg.token_count
         where = f"piece layers {msg.layer_start}+{msg.layer_count} tokens {msg.token_start}+{msg.token_count}"
         if token_end > transfer.num_tokens:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT,
+            raise Refusal(
+                Status.INVALID_ARGUMENT,
                 f"{where} ends past the prompt's {transfer.num_tokens} tokens",
                 transfer,
             )
         if msg.token_count % bs and token_end != transfer.num_tokens:
-            raise _Refusal(
-                Code.INVALID_ARGUMENT, f"{where} ends inside a block; only the last piece may", transfer
+            raise Refusal(
+                Status.INVALID_ARGUMENT, f"{where} ends inside a block; only the last piece may", transfer
             )
         assert transfer.covered is not None
         cells = transfer.covered[msg.layer_start : msg.layer_start + msg.layer_count,
                                  msg.token_start // bs : -(-token_end // bs)]  # fmt: skip
         if cells.any():
-            raise _Refusal(Code.INVALID_ARGUMENT, f"{where} overlaps KV already received", transfer)
+            raise Refusal(Status.INVALID_ARGUMENT, f"{where} overlaps KV already received", transfer)
         cells[...] = True  # now: another stream's overlapping piece is refused while this one is written
         running = self._pool.submit(self._write_unless_cut, stream, piece)
         writes = self._writes.setdefault(transfer.request_id, set())
@@ -528,8 +559,8 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
                     await asyncio.wrap_future(running)
                 running.result()
             except Exception as e:  # the decode tier's cache refused the piece
-                raise _Refusal(
-                    Code.INTERNAL, f"the decode worker could not store {where}: {e!r}", transfer
+                raise Refusal(
+                    Status.INTERNAL, f"the decode worker could not store {where}: {e!r}", transfer
                 ) from e
             stream.writes.popleft()
             transfer.bytes_received += nbytes
@@ -549,8 +580,8 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
             bs = self.layout.block_size
             layer, block = int(missing_layers[0]), int(missing_blocks[0])
             last_token = min((block + 1) * bs, transfer.num_tokens) - 1
-            raise _Refusal(
-                Code.INVALID_ARGUMENT,
+            raise Refusal(
+                Status.INVALID_ARGUMENT,
                 f"request {transfer.request_id!r}: KvEnd before all KV arrived: {len(missing_layers)} of "
                 f"{transfer.covered.size} (layer, block) cells missing, the first at layer {layer} tokens "
                 f"{block * bs}..{last_token}; send every layer of every token before KvEnd",
@@ -569,22 +600,26 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
     def _response(transfer: Transfer) -> pb.PushKvResponse:
         return pb.PushKvResponse(tokens_received=transfer.num_tokens, bytes_received=transfer.bytes_received)
 
-    def _fail(self, transfer: Transfer, code: grpc.StatusCode, message: str) -> None:
+    def _fail_by(self, refusal: Refusal) -> None:
+        if refusal.fails is not None:
+            self._fail(refusal.fails, refusal.status, refusal.message)
+
+    def _fail(self, transfer: Transfer, status: Status, message: str) -> None:
         if self._transfers.get(transfer.request_id) is not transfer:
             return  # already superseded or cancelled
         for stream in self._streams.get(transfer.request_id, []):
             if stream.transfer is transfer and stream.task is not asyncio.current_task():
-                stream.cut_off(code, message)
+                stream.cut_off(status, message)
         self._forget(transfer)
         transfer.state = TransferState.FAILED
         transfer.finished_at = time.monotonic()
         if not transfer.done.done():
-            transfer.done.set_exception(TransferError(code, message))
+            transfer.done.set_exception(TransferError(status, message))
 
     def _cancel(self, transfer: Transfer, reason: str) -> None:
         for stream in self._streams.get(transfer.request_id, []):
             if stream.transfer is transfer:
-                stream.cut_off(Code.ABORTED, reason)
+                stream.cut_off(Status.ABORTED, reason)
         self._forget(transfer)
         transfer.state = TransferState.CANCELLED
         transfer.finished_at = time.monotonic()
@@ -602,19 +637,9 @@ class KvReceiver(worker_pb2_grpc.KvTransferServicer):
             self._streams.pop(stream.transfer.request_id, None)
 
 
-def add_receiver_to_server(receiver: KvReceiver, server: grpc.aio.Server) -> None:
-    """Serves the receiver as pdserve.v1.KvTransfer, reading KV pieces as views on the received bytes
-    (kvcache.wire) instead of through the generated parser."""
-    handlers = {
-        "BeginKv": grpc.unary_unary_rpc_method_handler(
-            receiver.BeginKv,
-            request_deserializer=pb.KvHeader.FromString,
-            response_serializer=pb.BeginKvResponse.SerializeToString,
-        ),
-        "PushKv": grpc.stream_unary_rpc_method_handler(
-            receiver.PushKv,
-            request_deserializer=decode_chunk,
-            response_serializer=pb.PushKvResponse.SerializeToString,
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.KvTransfer", handlers),))
+def _sent_twice(transfer: Transfer) -> Refusal:
+    return Refusal(
+        Status.ALREADY_EXISTS,
+        f"request {transfer.request_id!r} attempt {transfer.attempt} already has a running stream; "
+        "send each attempt once",
+    )

@@ -23,6 +23,8 @@ from pdserve.kvcache.codec import Piece
 from pdserve.kvcache.tensors import KvTensors
 from pdserve.v1 import worker_pb2 as pb
 
+PROTOCOL_VERSION = 2
+"""The KvHeader's protocol_version this code speaks. 2: BeginKv, layer groups over parallel streams."""
 _BLOCKS = 2  # KvChunk.blocks
 _LEN, _VARINT = 2, 0
 

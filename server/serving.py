@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pdserve.server.security import ClusterAuth, ClusterAuthInterceptor, TlsConfig, cluster_secret_interceptors
 
-from pdserve.kvcache.sender import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401  (one definition, re-exported)
+from pdserve.kvcache.grpc_sender import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401  (one definition, re-exported)
 
 RETRY_AFTER_MS = 500
 """The hint (ms) a refusal for lack of room carries (`retry-after-ms`), from a worker or the coordinator."""

@@ -11,7 +11,7 @@ from typing import Literal, get_args
 
 WeightDtype = Literal["auto", "float32", "bfloat16", "int8", "fp8"]
 """auto: the checkpoint's; int8/fp8: weight-only, one scale per output channel, quantized at load."""
-KvDtype = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"]
+KvDtypeChoice = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8"]
 """The decode tier's KV cache (and so the wire's); auto: the model's compute dtype."""
 PrefillPolicy = Literal["least-queued"]
 DecodePolicy = Literal["prefix-aware", "most-free-blocks", "power-of-two"]
@@ -26,7 +26,7 @@ DecodeEngine = Literal["native", "vllm"]
 """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
 
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
-KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
+KV_DTYPES: tuple[str, ...] = get_args(KvDtypeChoice)
 PREFILL_POLICIES: tuple[str, ...] = get_args(PrefillPolicy)
 DECODE_POLICIES: tuple[str, ...] = get_args(DecodePolicy)
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pdserve.server.decode.device import parse_bytes, parse_device
 from pdserve.server.flags import flag
-from pdserve.server.vocabulary import CPU_MATMULS, DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, CpuMatmul, DecodeEngine, KvDtype, WeightDtype
+from pdserve.server.vocabulary import CPU_MATMULS, DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, CpuMatmul, DecodeEngine, KvDtypeChoice, WeightDtype
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class DecodeConfig:
     weight_dtype: WeightDtype = "auto"
     """auto: the dtype the checkpoint is stored in; int8/fp8: weight-only, per-output-channel scales,
     computing in the checkpoint's dtype."""
-    kv_dtype: KvDtype = "auto"
+    kv_dtype: KvDtypeChoice = "auto"
     """auto: the model's compute dtype; fp8_e4m3/int8 keep a float32 scale per block per kv head."""
     cpu_matmul: CpuMatmul = "auto"
     """On a CPU, how the checkpoint's matmuls compute: onednn (its dtype, prepacked for oneDNN; bf16 needs

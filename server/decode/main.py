@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.kvcache.receiver import KvReceiver, add_receiver_to_server
+from pdserve.kvcache.grpc_receiver import add_receiver_to_server
+from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
 from pdserve.server.decode.config import DecodeConfig

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.kvcache.layout import KvLayout
 from pdserve.server import hardware
 from pdserve.server.decode import cpu_matmul
 from pdserve.server.decode.config import DecodeConfig
@@ -108,13 +108,12 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
     if device.type == "cuda" and not model.paged_kernel:
         log.warning("triton is not installed: decode attention on %s gathers whole block tables (pip install "
                     "triton for the paged kernel)", device)
-    layout = KvLayout(
+    layout = KvLayout.of(
         num_layers=model_config.num_layers,
         num_kv_heads=model_config.num_kv_heads,
         head_dim=model_config.head_dim,
         block_size=config.block_size,
         dtype=kv_dtype,
-        scale_granularity="block_head" if kv_dtype in QUANTIZED else "none",
     )
     cuda_graphs = device.type == "cuda" and not config.enforce_eager
     num_blocks, sized_by = cache_blocks(config, model, layout, device, cuda_graphs)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import jax
 
-from pdserve.kvcache.sender import GrpcKvTransport
+from pdserve.kvcache.grpc_sender import GrpcKvTransport
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
 from pdserve.server.model.config import load_config

@@ -21,8 +21,8 @@ import time
 import grpc
 
 from pdserve.kvcache.codec import kv_bytes
-from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.transfer import KvSender, KvTransport
+from pdserve.kvcache.layout import NUMPY_DTYPES, KvLayout
+from pdserve.kvcache.sender import KvSender, KvTransport
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.hardware import Hardware
@@ -33,8 +33,7 @@ from pdserve.server.prefill.push_budget import PushBudget
 
 log = logging.getLogger("pdserve.prefill")
 
-WIRE_FORMATS = {"float32": "none", "bfloat16": "none", "float16": "none", "fp8_e4m3": "block_head",
-                "int8": "block_head"}
+WIRE_FORMATS = {dtype: KvLayout.scales_for(dtype) for dtype in NUMPY_DTYPES}
 """The KV dtypes this prefill worker can send, with the scale granularity each carries."""
 WIRE_DTYPES = tuple(WIRE_FORMATS)
 _TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.CANCELLED)

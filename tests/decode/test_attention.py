@@ -24,7 +24,7 @@ def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[in
 @pytest.mark.parametrize("dtype", ["float32", "int8"])
 def test_decode_reads_only_the_context_and_matches_dense_attention(dtype):
     """Rows of 3, 9 and 6 tokens, each with a 7-block reservation whose unused blocks hold huge values."""
-    cache = PagedKvCache(KvLayout(L, HKV, D, BS, dtype, "block_head" if dtype == "int8" else "none"), 24)
+    cache = PagedKvCache(KvLayout.of(L, HKV, D, BS, dtype), 24)
     g = torch.Generator().manual_seed(0)
     tables = [[20, 3, 7, 9, 11, 13, 15], [1, 5, 2, 8, 10, 12, 14], [6, 0, 4, 16, 17, 18, 19]]
     lengths = [3, 9, 6]

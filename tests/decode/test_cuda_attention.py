@@ -41,8 +41,7 @@ def _reference(q, cache: PagedKvCache, tables: torch.Tensor, lens: torch.Tensor)
 
 
 def _filled_cache(dtype: str, num_blocks: int = 40, block_size: int = 4) -> PagedKvCache:
-    quantized = dtype in ("int8", "fp8_e4m3")
-    cache = PagedKvCache(KvLayout(1, 2, 32, block_size, dtype, "block_head" if quantized else "none"), num_blocks)
+    cache = PagedKvCache(KvLayout.of(1, 2, 32, block_size, dtype), num_blocks)
     g = torch.Generator().manual_seed(1)
     k = torch.randn(num_blocks * block_size, 2, 32, generator=g)
     v = torch.randn(num_blocks * block_size, 2, 32, generator=g)
@@ -104,8 +103,7 @@ def test_model_decode_through_the_kernel_matches_the_reference(llama, kv_dtype, 
     """The model's decode step with `paged_kernel` (what runs on CUDA, block tables as wide as a CUDA graph's)
     against the reference path, fp32 and int8 KV."""
     c = llama.config
-    granularity = "block_head" if kv_dtype == "int8" else "none"
-    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype, granularity)
+    layout = KvLayout.of(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype)
     prompts = [list(range(3, 12)), list(range(40, 45))]
     tables = torch.tensor([[0, 1, 2, 3, 12, 12], [5, 6, 12, 12, 12, 12]])  # padded with the pad block 12
     logits = {}
@@ -181,8 +179,7 @@ def test_graph_runner_input_path_through_the_kernel_matches_eager(llama, kv_dtyp
     3 steps give the logits eager steps give (kernel and reference path), and the capture's warm-up on
     pad rows wrote only into the pad block, no NaN."""
     c = llama.config
-    granularity = "block_head" if kv_dtype != "float32" else "none"
-    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype, granularity)
+    layout = KvLayout.of(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype)
     prompts = [list(range(3, 12)), list(range(40, 45)), list(range(7, 20))]
     tables = [[0, 1, 2, 14], [5, 6, 15], [8, 9, 10, 11, 13]]  # room for the 3 steps
     pad = 16

@@ -111,7 +111,7 @@ def test_kv_capacity_doubles_with_fp8_and_int8_for_a_fixed_budget():
     """Qwen2.5-0.5B's KV shape (24 layers, 2 kv heads, head dim 64), blocks of 16, a 1 GiB budget."""
     per_block, tokens = {}, {}
     for dtype in ("float32", "bfloat16", "fp8_e4m3", "int8"):
-        lay = KvLayout(24, 2, 64, 16, dtype, "block_head" if dtype in ("fp8_e4m3", "int8") else "none")
+        lay = KvLayout.of(24, 2, 64, 16, dtype)
         per_block[dtype] = PagedKvCache.bytes_per_block(lay)
         tokens[dtype] = PagedKvCache.num_blocks_for_budget(lay, 2**30) * 16
     # scales: 4 bytes x (k, v) x 24 layers x 2 heads = 384 bytes a block (24 a token at bs 16)
@@ -157,8 +157,7 @@ def llama(tiny_model):
 
 def _prefill_logits(model: DecoderModel, kv_dtype: str) -> torch.Tensor:
     c = model.config
-    granularity = "block_head" if kv_dtype in ("int8", "fp8_e4m3") else "none"
-    cache = PagedKvCache(KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype, granularity), 8)
+    cache = PagedKvCache(KvLayout.of(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype), 8)
     prompt = torch.arange(3, 22)  # 19 tokens: the model stores and reads them through the cache
     return model.prefill(prompt, [6, 1, 3, 0, 7], cache)  # [19, V]
 

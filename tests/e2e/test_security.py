@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.transfer import PROTOCOL_VERSION
+from pdserve.kvcache.wire import PROTOCOL_VERSION
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc

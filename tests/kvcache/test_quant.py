@@ -10,7 +10,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.quant import QMAX, block_scales, dequantize, error_bound, quantize
 from pdserve.v1 import worker_pb2 as pb
 
-from .test_transfer import TOKEN, Harness
+from .test_receiver import TOKEN, Harness
 
 
 def kv(shape=(3, 21, 2, 16), seed=0) -> np.ndarray:
@@ -100,8 +100,7 @@ async def test_quantized_kv_takes_half_of_bf16_and_a_quarter_of_fp32_on_the_wire
     tokens = 160  # 10 blocks of 16
     got = {}
     for dtype in ("float32", "bfloat16", "fp8_e4m3", "int8"):
-        granularity = "block_head" if dtype in ("fp8_e4m3", "int8") else "none"
-        got[dtype] = await push(KvLayout(**WIRE, dtype=dtype, scale_granularity=granularity), tokens)
+        got[dtype] = await push(KvLayout.of(**WIRE, dtype=dtype), tokens)
     kv_bytes_fp32 = 2 * 4 * 2 * 32 * 4 * tokens  # (k, v) x L x Hkv x D x 4 bytes x T = 327680
     scale_bytes = 4 * 2 * 4 * 2 * 10  # float32 x (k, v) x L x Hkv x blocks = 640: 4 bytes a token at bs 16
     assert got == {

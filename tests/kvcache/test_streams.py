@@ -9,22 +9,17 @@ import grpc
 import numpy as np
 import pytest
 
+from pdserve.kvcache.grpc_receiver import add_receiver_to_server
+from pdserve.kvcache.grpc_sender import GrpcKvTransport
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.local import LocalKvTransport
-from pdserve.kvcache.receiver import (
-    WRITES_IN_FLIGHT,
-    KvReceiver,
-    TransferError,
-    TransferState,
-    add_receiver_to_server,
-)
-from pdserve.kvcache.sender import GrpcKvTransport
+from pdserve.kvcache.receiver import WRITES_IN_FLIGHT, KvReceiver, TransferError, TransferState
+from pdserve.kvcache.sender import KvPoll
 from pdserve.kvcache.tensors import KvTensors
-from pdserve.kvcache.transfer import KvPoll
 from pdserve.v1 import worker_pb2 as pb
 
 from .test_codec import random_kv
-from .test_transfer import (
+from .test_receiver import (
     FINGERPRINT,
     LAYOUT,
     NUM_TOKENS,

@@ -14,7 +14,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.sender import GrpcKvTransport
+from pdserve.kvcache.grpc_sender import GrpcKvTransport
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc
 from pdserve.v1 import worker_pb2 as pb

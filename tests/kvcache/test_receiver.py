@@ -5,19 +5,21 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import re
+import subprocess
+import sys
 import threading
 
 import grpc
 import numpy as np
 import pytest
 
-import pdserve.kvcache.transfer as kv_transfer
+import pdserve.kvcache.sender as kv_sender
 from pdserve.kvcache.codec import MAX_CHUNK_BYTES, KvPiece, encode_chunks
-from pdserve.kvcache.wire import encode_piece_bytes
+from pdserve.kvcache.grpc_receiver import add_receiver_to_server
+from pdserve.kvcache.grpc_sender import GrpcKvTransport
 from pdserve.kvcache.layout import KvLayout
-from pdserve.kvcache.receiver import KvReceiver, Transfer, TransferError, TransferState, add_receiver_to_server
-from pdserve.kvcache.sender import GrpcKvTransport
-from pdserve.kvcache.transfer import PROTOCOL_VERSION
+from pdserve.kvcache.receiver import KvReceiver, Refusal, Status, Transfer, TransferError, TransferState
+from pdserve.kvcache.wire import PROTOCOL_VERSION, encode_piece_bytes
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 
@@ -190,7 +192,7 @@ async def test_a_big_push_streams_lazily_over_one_cached_channel(harnesses, monk
         encoded.append(1)
         return encode_piece_bytes(*args, **kwargs)
 
-    monkeypatch.setattr(kv_transfer, "encode_piece_bytes", counting_encode)
+    monkeypatch.setattr(kv_sender, "encode_piece_bytes", counting_encode)
     layout = KvLayout(4, 8, 128, 16, "float32")  # a block of all layers: 512 KiB
     harness = await harnesses(layout, max_chunk_bytes=2**20 + 64)  # two blocks (1 MiB) per message
     encoded_at_writes: list[int] = []
@@ -537,3 +539,26 @@ async def test_a_failed_transfer_drops_the_writes_still_queued(h):
     assert len(sink.writes) == 1  # the running write landed; the two queued behind it wrote nothing
     with pytest.raises(TransferError, match="device lost"):
         await transfer.done
+
+
+def test_the_state_machine_imports_no_grpc():
+    code = "import sys, pdserve.kvcache.receiver; print(sorted(m for m in sys.modules if m.split('.')[0] == 'grpc'))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+async def test_the_state_machine_alone_refuses_a_stranger_and_fails_on_a_mismatch():
+    receiver = KvReceiver(LAYOUT, FINGERPRINT, RecordingSink())
+    transfer = receiver.expect("r1", 0, TOKEN, NUM_TOKENS)
+    with pytest.raises(Refusal) as stranger:
+        receiver.begin(make_header(request_id="r1", attempt=0, transfer_token=b"guess", num_tokens=NUM_TOKENS))
+    assert (stranger.value.status, stranger.value.fails, transfer.state) == (
+        Status.PERMISSION_DENIED, None, TransferState.WAITING)
+    with pytest.raises(Refusal) as mismatch:
+        receiver.begin(make_header(request_id="r1", attempt=0, transfer_token=TOKEN, num_tokens=NUM_TOKENS - 1))
+    assert (mismatch.value.status, mismatch.value.fails, transfer.state) == (
+        Status.INVALID_ARGUMENT, transfer, TransferState.FAILED)
+    assert str(mismatch.value) == ("request 'r1': the header says 9 tokens, the decode worker expects 10; "
+                                   "send the prompt's true length")
+    with pytest.raises(TransferError) as failure:
+        await transfer.done
+    assert (failure.value.status, failure.value.code) == (Status.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT)
