@@ -23,6 +23,9 @@ class Check:
     passed: bool
     detail: str
     error: float | None = None
+    group: str = ""
+    """What it vouches for ("kernel", "graphs", "eager", "kv", "fp8", "int8", "handoff", "served"): a row
+    of `benchmarks/gpu.py` with a target needs its groups' checks passed to read met or MISSED."""
 
 
 def _reference_attention(q, cache, layer: int, tables, lens):
@@ -38,7 +41,7 @@ def _reference_attention(q, cache, layer: int, tables, lens):
 def kernel_checks(device: torch.device, kv_dtypes: tuple[str, ...], large: bool) -> list[Check]:
     """The Triton kernel against the reference for each KV dtype, auto splits and one split; large: Llama-3-8B's
     heads (32 query / 8 kv, 128 dims, blocks of 16) and contexts up to 4000 tokens."""
-    from pdserve.kvcache.layout import KvLayout
+    from pdserve.kvcache.layout import QUANTIZED, KvLayout
     from pdserve.server.decode.cuda_attention import paged_decode_attention
     from pdserve.server.decode.kv_cache import PagedKvCache
 
@@ -48,7 +51,7 @@ def kernel_checks(device: torch.device, kv_dtypes: tuple[str, ...], large: bool)
     for kv_dtype in kv_dtypes:
         q_dtype = torch.float32 if kv_dtype in ("float32",) or device.type == "cpu" else torch.bfloat16
         tol = 1e-4 if q_dtype == torch.float32 else 2e-2
-        layout = KvLayout.of(1, Hkv, D, bs, kv_dtype)
+        layout = KvLayout(1, Hkv, D, bs, kv_dtype, "block_head" if kv_dtype in QUANTIZED else "none")
         cache = PagedKvCache(layout, num_blocks, device=device)
         g = torch.Generator(device="cpu").manual_seed(0)
         n = num_blocks * bs
@@ -67,9 +70,9 @@ def kernel_checks(device: torch.device, kv_dtypes: tuple[str, ...], large: bool)
             try:
                 got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, ctx, *scales, splits=splits).float()
                 err = (got - expected).abs().max().item()
-                checks.append(Check(name, err < tol, f"max abs error {err:.2e} (tolerance {tol:g})", err))
+                checks.append(Check(name, err < tol, f"max abs error {err:.2e} (tolerance {tol:g})", err, "kernel"))
             except Exception as e:  # noqa: BLE001 - reported, the run goes on
-                checks.append(Check(name, False, f"raised {e!r}"))
+                checks.append(Check(name, False, f"raised {e!r}", group="kernel"))
     return checks
 
 
@@ -126,6 +129,7 @@ def parity_checks(device: torch.device, cpu_kernel: bool) -> list[Check]:
         expected = _hf_greedy(path, prompts, n)
         modes = [("CUDA graphs", False), ("eager", True)] if device.type == "cuda" else [("eager", True)]
         for label, eager in modes:
+            group = "eager" if eager else "graphs"
             config = DecodeConfig(model_dir=path, device=str(device), kv_cache_tokens=1024, block_size=4,
                                   max_running=8, enforce_eager=eager)
             name = f"greedy tokens = transformers' ({device.type}, {label}, 3 requests batched)"
@@ -134,13 +138,15 @@ def parity_checks(device: torch.device, cpu_kernel: bool) -> list[Check]:
                 if cpu_kernel and device.type == "cpu":
                     engine.model.paged_kernel = True
                     name += ", paged kernel (interpreter)"
-                runner = type(engine.runner).__name__
+                runner = engine.runner
                 got = asyncio.run(_engine_greedy(engine, prompts, n))
-                graphed = eager or runner == "CudaGraphRunner"  # a failed capture falls back to eager steps
-                checks.append(Check(name, got == expected and graphed,
-                                    f"{runner}: got {got}, transformers {expected}"))
+                steps = dict(runner.steps)  # a bucket whose capture failed runs eagerly: the steps say which ran
+                took = steps["eager"] == 0 if not eager else steps["graphs"] == 0
+                checks.append(Check(name, got == expected and took,
+                                    f"{type(runner).__name__}, steps {steps}: got {got}, transformers {expected}",
+                                    group=group))
             except Exception as e:  # noqa: BLE001
-                checks.append(Check(name, False, f"raised {e!r}"))
+                checks.append(Check(name, False, f"raised {e!r}", group=group))
         if device.type == "cuda" or cpu_kernel:
             checks += _kernel_in_model(path, device)
     return checks
@@ -157,7 +163,8 @@ def _kernel_in_model(path: Path, device: torch.device) -> list[Check]:
     c = model.config
     checks = []
     for kv_dtype in ("float32", "int8"):
-        layout = KvLayout.of(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype)
+        layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype,
+                          "block_head" if kv_dtype == "int8" else "none")
         tables = torch.tensor([[0, 1, 2, 3, 12, 12], [5, 6, 12, 12, 12, 12]])
         logits = {}
         for kernel in (False, True):
@@ -171,7 +178,7 @@ def _kernel_in_model(path: Path, device: torch.device) -> list[Check]:
         model.paged_kernel = False
         err = (logits[True] - logits[False]).abs().max().item()
         checks.append(Check(f"model decode, paged kernel vs reference ({kv_dtype} KV, 3 steps)", err < 1e-3,
-                            f"max abs logit error {err:.2e}", err))
+                            f"max abs logit error {err:.2e}", err, "kernel"))
     return checks
 
 
@@ -198,20 +205,49 @@ def received_kv_check(device: torch.device) -> Check:
     same = np.array_equal(got_k.float().cpu().numpy(), k.astype(np.float32)) and \
         np.array_equal(got_v.float().cpu().numpy(), v.astype(np.float32))
     how = "pinned staging, non-blocking copy, event" if copied is not None else "CPU memcpy"
-    return Check("received KV written bit-exactly (100 tokens, 7 scattered blocks)", same, how)
+    return Check("received KV written bit-exactly (100 tokens, 7 scattered blocks)", same, how, group="kv")
 
 
 def weight_kernel_checks(device: torch.device) -> list[Check]:
-    """How int8/fp8 weights compute here, as `quant.quantize` decides it at load (informational: a format
-    without a kernel saves memory only, which is not a failure)."""
+    """How int8/fp8 weights compute here, as `quant.quantize` decides it at load, and (where a kernel reads
+    them) its output against x @ dequantized(w).T; on CUDA with triton, the fp8 activation-quantizing kernel's
+    bytes against the torch ops'. A format without a kernel saves memory only: reported, not a failure."""
     from torch import nn
 
+    from pdserve.server.decode import cuda_linear
+    from pdserve.server.decode.cuda_attention import have_triton
     from pdserve.server.decode.quant import Linear, quantize
 
     out = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(4, 4096, generator=g).to(device, torch.bfloat16)
     for fmt in ("fp8", "int8"):
-        holder = nn.Module()
-        holder.linear = Linear(128, 64, False, torch.bfloat16, device)
-        holder.linear.weight.normal_()
-        out.append(Check(f"{fmt} weights' matmul on {device.type}", True, quantize(holder, fmt)))
+        name = f"{fmt} weights' matmul on {device.type}"
+        try:
+            holder = nn.Module()
+            holder.linear = Linear(4096, 1024, False, torch.bfloat16, device)
+            holder.linear.weight.normal_(0.0, 0.02)
+            how = quantize(holder, fmt)
+            if holder.linear.kernel is None:
+                out.append(Check(name, True, how, group=fmt))
+                continue
+            with torch.no_grad():
+                got = holder.linear(x).float()
+                expected = x.float() @ holder.linear.dequantized().float().t()
+            err = ((got - expected).abs().max() / expected.abs().max()).item()
+            out.append(Check(name, err < 0.05, f"{how}: max error {err:.2e} of the largest output (tolerance 0.05)",
+                             err, fmt))
+        except Exception as e:  # noqa: BLE001
+            out.append(Check(name, False, f"raised {e!r}", group=fmt))
+    if device.type == "cuda" and have_triton():
+        name = "fp8 activations quantized by the Triton kernel: the torch ops' scales and bytes"
+        try:
+            rows = (torch.randn(7, 14336, generator=g) * 3).to(device, torch.bfloat16)
+            q, scale = cuda_linear.quantize_rows(rows)
+            want_q, want_scale = cuda_linear.quantize_rows_torch(rows)
+            same = torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+            out.append(Check(name, same, "equal" if same else
+                             f"{(q.view(torch.uint8) != want_q.view(torch.uint8)).sum().item()} bytes differ", group="fp8"))
+        except Exception as e:  # noqa: BLE001
+            out.append(Check(name, False, f"raised {e!r}", group="fp8"))
     return out

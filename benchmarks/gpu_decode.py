@@ -29,6 +29,8 @@ class Point:
     weight_bytes: int
     kv_bytes: float  # per step, mean over the timed steps
     ingest_gbps: float  # received KV through engine.write onto the device (pinned staging included)
+    runner: str = "eager"
+    """How the point's steps ran: "graphs" (every one replayed a CUDA graph), "eager", or "mixed (G graphs, E eager)"."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -128,6 +130,7 @@ async def run_point(engine, batch: int, context: int, warmup: int, steps: int, k
     if engine.cache.device.type == "cuda":
         torch.cuda.synchronize()
     ingest_s = time.perf_counter() - t0
+    before = dict(engine.runner.steps)
     for s in seqs:
         engine.start(s, 1)
     times = []
@@ -137,11 +140,13 @@ async def run_point(engine, batch: int, context: int, warmup: int, steps: int, k
         while await s.events.get() is not None:
             pass
     step_s = (times[warmup + steps - 1] - times[warmup - 1]) / steps
+    graphs, eager = (engine.runner.steps[k] - before[k] for k in ("graphs", "eager"))
+    runner = "graphs" if not eager else "eager" if not graphs else f"mixed ({graphs} graphs, {eager} eager)"
     layout = engine.layout
     kv_bytes = np.mean([batch * (context + 1 + warmup + s) * layout.bytes_per_token for s in range(steps)])
     point = Point(batch, context, step_s, weight_bytes(engine.model), float(kv_bytes),
-                  2 * k.nbytes * batch / ingest_s / 1e9)
-    log(f"decode B={batch} ctx={context}: {step_s * 1e3:.2f} ms/step, {point.tokens_per_s:.1f} tok/s; "
+                  2 * k.nbytes * batch / ingest_s / 1e9, runner)
+    log(f"decode B={batch} ctx={context}: {step_s * 1e3:.2f} ms/step, {point.tokens_per_s:.1f} tok/s ({runner}); "
         f"KV in at {point.ingest_gbps:.1f} GB/s")
     return point
 

@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 H200_BF16_DENSE_TFLOPS = 989.0
@@ -108,8 +109,9 @@ def _matmul_tflops(tokens: int, hidden: int, inter: int, reps: int = 5) -> float
 
 
 def run(out_dir: str | Path, *, dry_run: bool = False, lengths: tuple[int, ...] | None = None, reps: int = 3,
-        progress: bool = True) -> dict:
-    """Measures and writes <out_dir>/gpu_prefill.json (+ .md); returns the result (see the module docstring)."""
+        progress: bool = True, on_row: Callable[[dict], None] | None = None) -> dict:
+    """Measures and writes <out_dir>/gpu_prefill.json (+ .md); returns the result (see the module docstring).
+    on_row: called with each length's row as soon as it is measured, shortest first."""
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if dry_run:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -151,7 +153,7 @@ def run(out_dir: str | Path, *, dry_run: bool = False, lengths: tuple[int, ...] 
 
     async def measure() -> list[dict]:  # one event loop: the engine's loop task lives on it
         rows = []
-        for n in lengths:
+        for n in sorted(lengths):
             matmul = _matmul_tflops(n, config.hidden_size, config.intermediate_size)
             prompt = [(7 * i + 3) % config.vocab_size for i in range(n)]
             times = [await first_token(prompt) for _ in range(reps + 1)][1:]  # the first one untimed
@@ -160,6 +162,8 @@ def run(out_dir: str | Path, *, dry_run: bool = False, lengths: tuple[int, ...] 
             rows.append({"tokens": n, "ttft_s": times, "ttft_median_s": seconds, "prefill_tflops": tflops,
                          "matmul_tflops": matmul, "mfu_vs_matmul": tflops / matmul,
                          "mfu_vs_h200_peak": tflops / H200_BF16_DENSE_TFLOPS})
+            if on_row is not None:
+                on_row(rows[-1])
             if progress:
                 print(f"gpu_prefill: {n} tokens: {tflops:.1f} TFLOP/s, matmul {matmul:.1f} TFLOP/s "
                       f"(MFU {tflops / matmul:.2f} of it), TTFT {seconds * 1000:.1f} ms", file=sys.stderr, flush=True)

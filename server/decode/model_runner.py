@@ -40,6 +40,8 @@ class EagerRunner:
     def __init__(self, model: DecoderModel, cache: PagedKvCache):
         self.model = model
         self.cache = cache
+        self.steps: dict[RunnerKind, int] = {"graphs": 0, "eager": 0}
+        """Decode steps run so far, by how they ran (what a benchmark's rows name)."""
 
     def kind(self, batch: int, width: int = 0) -> RunnerKind:
         """How a step of `batch` rows with tables `width` blocks wide runs: always eagerly here."""
@@ -48,6 +50,7 @@ class EagerRunner:
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor) -> torch.Tensor:
         """Logits f32 [B, V] for token_ids, positions, context_lens [B] and block_tables [B, M] (host tensors)."""
+        self.steps["eager"] += 1
         return self.model.decode(token_ids, positions, block_tables, context_lens, self.cache)
 
 
@@ -107,6 +110,9 @@ class CudaGraphRunner:
         self.buckets = tuple(b for b in buckets if b <= top)
         self.inputs = StepInputs(top, max_blocks, pad_block, cache.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.steps: dict[RunnerKind, int] = {"graphs": 0, "eager": 0}
+        """Decode steps run so far, by how they ran: replayed from a graph, or eagerly (no bucket, too wide,
+        or its capture failed)."""
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> logits [bucket, V] written by its graph
 
     def capture(self) -> list[int]:
@@ -160,7 +166,9 @@ class CudaGraphRunner:
                context_lens: torch.Tensor) -> torch.Tensor:
         """As `EagerRunner.decode`; the logits are a view of the bucket's output, valid until the next step."""
         B, width = block_tables.shape
-        if self.kind(B, width) == "eager":
+        kind = self.kind(B, width)
+        self.steps[kind] += 1
+        if kind == "eager":
             return self.eager.decode(token_ids, positions, block_tables, context_lens)
         bucket = bucket_for(B, self.buckets)
         self.inputs.fill(bucket, token_ids, positions, block_tables, context_lens)
