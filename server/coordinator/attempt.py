@@ -32,18 +32,18 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
 from pdserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from pdserve.server import metrics
-from pdserve.server.coordinator.admission import Deadline, RequestFailed
+from pdserve.server.coordinator.admission import RequestFailed
 from pdserve.server.coordinator.prefill_estimate import admit, ttft_budget_of
+from pdserve.server.coordinator.request_state import RequestState
 from pdserve.server.coordinator.router import Router
-from pdserve.server.coordinator.shared_prompt import Placement, SharedPrompt
+from pdserve.server.coordinator.shared_prompt import Placement
 from pdserve.server.coordinator.steps_stream import DecodeEvent, Route, StepsClient, StepsClients, StreamBroken
-from pdserve.server.coordinator.validate import ValidRequest
 from pdserve.server.coordinator.worker_pool import Worker
 from pdserve.server.serving import RETRY_HINT
 
@@ -71,59 +71,6 @@ class _Full(Exception):
 
 class _EndedEarly(Exception):
     """A per-request Decode call ended without `finished`."""
-
-
-@dataclass
-class RequestState:
-    """One client request across its attempts."""
-
-    req: ValidRequest
-    deadline: Deadline
-    worker_request_id: str
-    outputs: list[int] = field(default_factory=list)
-    """Every token id sent on to the client so far (a migration continues after them)."""
-    attempt: int = 0
-    retries: int = 0
-    migrations: int = 0
-    last_failure: str = ""
-    """Why the previous attempt was lost."""
-    prompt_logprobs: list[generation_pb2.TokenLogprob] | None = None
-    """From the prefill (when asked for); None until it answered, [] once sent on."""
-    shared: SharedPrompt | None = None
-    """A choice of a request with n > 1: how the choices share the prompt's KV."""
-    choice: int = 0
-    """Which choice this is (0 leads: it places the prompt's KV; the others follow it)."""
-
-    @property
-    def leads(self) -> bool:
-        return self.shared is not None and self.choice == 0
-
-    @property
-    def sampling(self) -> generation_pb2.SamplingParams:
-        """What the workers get: the prompt's logprobs only until they have arrived."""
-        s = self.req.sampling
-        if self.prompt_logprobs is None or not s.HasField("prompt_logprobs"):
-            return s
-        without = generation_pb2.SamplingParams()
-        without.CopyFrom(s)
-        without.ClearField("prompt_logprobs")
-        return without
-
-    def take_prompt_logprobs(self) -> list[generation_pb2.TokenLogprob]:
-        """The prompt's logprobs for the next message to the client: once."""
-        out = self.prompt_logprobs or []
-        if self.prompt_logprobs is not None:
-            self.prompt_logprobs = []
-        return out
-
-    @property
-    def worker_id(self) -> str:
-        return self.worker_request_id if self.attempt == 0 else f"{self.worker_request_id}.a{self.attempt}"
-
-    def no_worker_left(self, role: str) -> RequestFailed:
-        if self.last_failure:
-            return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"{self.last_failure}; no ready {role} worker to continue on")
-        return RequestFailed(grpc.StatusCode.UNAVAILABLE, f"no ready {role} worker")
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,9 @@ import grpc
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.server import logs, metrics
 from pdserve.server.coordinator.admission import Deadline, RequestFailed
-from pdserve.server.coordinator.attempt import Attempt, AttemptConfig, Lost, RequestState
+from pdserve.server.coordinator.attempt import Attempt, AttemptConfig, Lost
 from pdserve.server.coordinator.detokenizer import Completion
+from pdserve.server.coordinator.request_state import RequestState
 from pdserve.server.coordinator.router import Router
 from pdserve.server.coordinator.shared_prompt import SharedPrompt
 from pdserve.server.coordinator.steps_stream import StepsClients
