@@ -3,7 +3,7 @@
 fp8 on CUDA devices of compute capability 8.9+ (Ada, Hopper): `torch._scaled_mm` with the activations
 quantized per row on the fly (W8A8 with row-wise scales, as vLLM's fp8 does), so the weights stream at
 one byte each. The activations' absmax, scale and fp8 cast are one Triton kernel (`quantize_rows`: a
-program per row) where triton is installed, else ~6 small torch kernels (`fp8_scaled_mm`); at batch 1 a
+program per row) where triton is installed, else ~6 small torch kernels (`fp8_scaled_mm_torch`); at batch 1 a
 step's ~225 linears make those launches most of what fp8 saves in weight traffic. int8:
 `torch._weight_int8pack_mm` (weight-only) where torch has it for the device. Each is tried once on a
 small input at load; where none runs, `pick` returns None and the weights are dequantized per matmul:
@@ -81,15 +81,23 @@ def _fp8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.T
     return out.reshape(*x.shape[:-1], q.shape[0])
 
 
+@functools.cache
+def _have_triton() -> bool:
+    from pdserve.server.decode.cuda_attention import have_triton
+
+    return have_triton()
+
+
 def fp8_scaled_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8 fp8, the activations quantized by torch ops."""
+    """W8A8 fp8, the activations quantized by one Triton kernel (`quantize_rows`); by torch ops where triton is
+    not installed."""
+    return _fp8_mm(x, q, scale, bias, quantize_rows if _have_triton() else quantize_rows_torch)
+
+
+def fp8_scaled_mm_torch(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                        ) -> torch.Tensor:
+    """W8A8 fp8, the activations quantized by torch ops (`quantize_rows_torch`): where the Triton kernel fails."""
     return _fp8_mm(x, q, scale, bias, quantize_rows_torch)
-
-
-def fp8_scaled_mm_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
-                         ) -> torch.Tensor:
-    """W8A8 fp8, the activations quantized by one Triton kernel (`quantize_rows`)."""
-    return _fp8_mm(x, q, scale, bias, quantize_rows)
 
 
 def int8_pack_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -123,10 +131,7 @@ def pick(fmt: str, dtype: torch.dtype, device: torch.device) -> Kernel | None:
     if fmt == "fp8":
         if torch.cuda.get_device_capability(device) < (8, 9) or dtype == torch.float32:
             return None
-        from pdserve.server.decode.cuda_attention import have_triton
-
-        kernels = (fp8_scaled_mm_triton, fp8_scaled_mm) if have_triton() else (fp8_scaled_mm,)
-        return next((k for k in kernels if _runs(k, fmt, dtype, device)), None)
+        return next((k for k in (fp8_scaled_mm, fp8_scaled_mm_torch) if _runs(k, fmt, dtype, device)), None)
     if fmt == "int8":
         return int8_pack_mm if _runs(int8_pack_mm, fmt, dtype, device) else None
     return None
