@@ -392,7 +392,7 @@ async def _handoff(config, plan: Plan, device, out: StageResult) -> None:
     from pdserve.benchmarks.gpu_decode import random_kv
     from pdserve.kvcache.layout import KvLayout
     from pdserve.kvcache.receiver import KvReceiver
-    from pdserve.kvcache.sender import GrpcKvTransport
+    from pdserve.kvcache.grpc_sender import GrpcKvTransport
     from pdserve.server.decode.kv_cache import PagedKvCache
 
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype="bfloat16")

@@ -93,11 +93,22 @@ def _dist(wheel: Path) -> tuple[str, str]:
     return re.sub(r"[-_.]+", "-", name).lower(), version
 
 
+def runs_here(wheel: Path) -> bool:
+    """Whether this interpreter can import the wheel: pure Python, or built for this CPython (cpXY), or for
+    its stable ABI (cpXY-abi3, XY at most this one's)."""
+    python, abi = wheel.name[:-4].split("-")[-3:-1]
+    here = sys.version_info[0] * 100 + sys.version_info[1]
+    built = [int(t[2:3]) * 100 + int(t[3:]) for t in python.split(".") if re.fullmatch(r"cp\d{2,3}", t)]
+    if not built:
+        return True  # py3 / py2.py3
+    return any(b == here or (abi == "abi3" and b <= here) for b in built)
+
+
 def unpack(wheel_dir: Path, target: Path) -> list[str]:
-    """Every wheel in wheel_dir unpacked into target as pip --target lays it out (a `.data/purelib|platlib`
-    folder's contents at the top, its scripts and headers left out) -> ["name==version", ...]. Two versions
-    of one distribution are refused."""
-    wheels = sorted(Path(wheel_dir).glob("*.whl"))
+    """Every wheel in wheel_dir this interpreter can import (`runs_here`: a cp312 wheel is left out under 3.11)
+    unpacked into target as pip --target lays it out (a `.data/purelib|platlib` folder's contents at the top,
+    its scripts and headers left out) -> ["name==version", ...]. Two versions of one distribution are refused."""
+    wheels = sorted(w for w in Path(wheel_dir).glob("*.whl") if runs_here(w))
     seen: dict[str, str] = {}
     for wheel in wheels:
         name, version = _dist(wheel)

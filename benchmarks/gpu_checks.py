@@ -41,7 +41,7 @@ def _reference_attention(q, cache, layer: int, tables, lens):
 def kernel_checks(device: torch.device, kv_dtypes: tuple[str, ...], large: bool) -> list[Check]:
     """The Triton kernel against the reference for each KV dtype, auto splits and one split; large: Llama-3-8B's
     heads (32 query / 8 kv, 128 dims, blocks of 16) and contexts up to 4000 tokens."""
-    from pdserve.kvcache.layout import QUANTIZED, KvLayout
+    from pdserve.kvcache.layout import KvLayout
     from pdserve.server.decode.cuda_attention import paged_decode_attention
     from pdserve.server.decode.kv_cache import PagedKvCache
 
@@ -51,7 +51,7 @@ def kernel_checks(device: torch.device, kv_dtypes: tuple[str, ...], large: bool)
     for kv_dtype in kv_dtypes:
         q_dtype = torch.float32 if kv_dtype in ("float32",) or device.type == "cpu" else torch.bfloat16
         tol = 1e-4 if q_dtype == torch.float32 else 2e-2
-        layout = KvLayout(1, Hkv, D, bs, kv_dtype, "block_head" if kv_dtype in QUANTIZED else "none")
+        layout = KvLayout.of(1, Hkv, D, bs, kv_dtype)
         cache = PagedKvCache(layout, num_blocks, device=device)
         g = torch.Generator(device="cpu").manual_seed(0)
         n = num_blocks * bs
@@ -163,8 +163,7 @@ def _kernel_in_model(path: Path, device: torch.device) -> list[Check]:
     c = model.config
     checks = []
     for kv_dtype in ("float32", "int8"):
-        layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype,
-                          "block_head" if kv_dtype == "int8" else "none")
+        layout = KvLayout.of(c.num_layers, c.num_kv_heads, c.head_dim, 4, kv_dtype)
         tables = torch.tensor([[0, 1, 2, 3, 12, 12], [5, 6, 12, 12, 12, 12]])
         logits = {}
         for kernel in (False, True):

@@ -47,6 +47,18 @@ def test_wheels_unpack_as_pip_target_lays_them_out(tmp_path):
         gpu_boot.unpack(tmp_path / "whl", tmp_path / "site2")
 
 
+def test_only_wheels_this_interpreter_imports_are_unpacked(tmp_path):
+    here = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    assert gpu_boot.runs_here(Path(f"grpcio-1.85.3-{here}-{here}-manylinux2014_x86_64.whl"))
+    assert not gpu_boot.runs_here(Path("grpcio-1.85.3-cp39-cp39-manylinux2014_x86_64.whl"))
+    assert gpu_boot.runs_here(Path("protobuf-7.36.2-cp310-abi3-manylinux2014_x86_64.whl"))  # stable ABI, 3.10+
+    assert not gpu_boot.runs_here(Path("protobuf-7.36.2-cp399-abi3-manylinux2014_x86_64.whl"))
+    assert gpu_boot.runs_here(Path("fastapi-0.165.0-py3-none-any.whl"))
+    _probe_wheel(tmp_path / "whl")
+    (tmp_path / "whl/native-1.0-cp39-cp39-manylinux2014_x86_64.whl").write_bytes(b"not for this python")
+    assert gpu_boot.unpack(tmp_path / "whl", tmp_path / "site") == ["pdserve-probe-carried==1.0"]
+
+
 def test_the_carried_wheels_pin_what_the_generated_stubs_need():
     import re
 
