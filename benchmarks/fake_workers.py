@@ -15,15 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-from types import SimpleNamespace
 
 import grpc
 
+from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
-from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.decode.engine_api import Engine
+from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink
 from pdserve.server.decode.service import DecodeService
 from pdserve.server.serving import new_server
 
@@ -32,14 +32,13 @@ BACKLOG_STEPS = 16
 """The engine steps again only while no stream holds more than this many steps not yet sent."""
 
 
-class FakeEngine:
-    """The decode engine API DecodeService calls (add, start, abort, position, load, prefill_locally)."""
+class FakeEngine(Engine):
+    """A decode engine (`engine_api.Engine`) that computes nothing: every step, `token` for every sequence."""
 
     def __init__(self, vocab_size: int, token: int, step_s: float):
-        self.model = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab_size))
+        self.vocab_size = vocab_size
         self.layout = KvLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float32")
         self.max_model_len = 1 << 20
-        self.hardware = None  # no machine probed: it computes nothing
         self.token = token
         self.step_s = step_s
         self.sequences: dict[str, Sequence] = {}
@@ -48,9 +47,18 @@ class FakeEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
-    def add(self, request: pb.DecodeRequest) -> Sequence:
+    @property
+    def num_free_blocks(self) -> int:
+        return 1 << 20
+
+    @property
+    def num_total_blocks(self) -> int:
+        return 1 << 20
+
+    def add(self, request: pb.DecodeRequest, sink: TokenSink | None = None) -> Sequence:
         seq = Sequence(request.request_id, list(request.prompt_token_ids), request.sampling, frozenset(),
-                       self.max_model_len, block_table=[0], num_prior_outputs=request.num_output_tokens)
+                       self.max_model_len, block_table=[0], num_prior_outputs=request.num_output_tokens,
+                       events=asyncio.Queue() if sink is None else sink)
         seq.state = SeqState.WAITING_KV
         seq.admitted.set_result(None)
         self.sequences[seq.request_id] = seq
@@ -58,6 +66,9 @@ class FakeEngine:
 
     def position(self, seq: Sequence) -> int:
         return 0
+
+    def write(self, request_id: str, piece: KvPiece) -> None:
+        """No KV moves: the fake prefill worker hands the first token over in this process."""
 
     async def prefill_locally(self, seq: Sequence) -> int:
         return self.token
@@ -76,20 +87,19 @@ class FakeEngine:
         if self._task is None:
             self._task = asyncio.create_task(self._loop())
 
-    def abort(self, request_id: str, reason: int = gen_pb.FINISH_REASON_ABORT) -> bool:
-        seq = self.sequences.pop(request_id, None)
-        if seq is None:
-            return False
-        if seq.state is not SeqState.FINISHED:
-            seq.finish(reason)
-            seq.events.put_nowait(None)
+    def _free(self, seq: Sequence) -> None:
         with contextlib.suppress(ValueError):
             self.running.remove(seq)
-        return True
 
     def load(self) -> pb.WorkerLoad:
         return pb.WorkerLoad(running_requests=len(self.running), free_kv_blocks=1 << 20, total_kv_blocks=1 << 20,
                              max_waiting_requests=1 << 16)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
     def _backlog(self) -> int:
         """The most steps any stream holds that gRPC has not taken yet."""
@@ -98,7 +108,7 @@ class FakeEngine:
             events = seq.events
             if isinstance(events, asyncio.Queue):
                 most = max(most, events.qsize())
-            else:  # a StepSink: its tokens waiting in the stream's pending batch, one per step
+            else:  # a StepRelay: its tokens waiting in the stream's pending batch, one per step
                 most = max(most, events.pending_tokens())
         return most
 

@@ -1,7 +1,7 @@
 """The decode loop: continuous batching over the paged KV cache, with a request API.
 
 Life cycle of a request here:
-1. `add(request)` makes a Sequence and queues it; the scheduler admits it, in arrival order, once the
+1. `add(request, sink)` makes a Sequence and queues it; the scheduler admits it, in arrival order, once the
    blocks for its prompt fit (cached prefix blocks reused): `seq.admitted` resolves.
 2. Its prompt's KV arrives through the receiver, which writes it into those blocks (`write`), or the
    worker computes it itself (`prefill_locally`).
@@ -26,14 +26,14 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server import metrics
-from pdserve.server.hardware import Hardware
+from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 from pdserve.server import logprobs
 from pdserve.server.decode.sampler import apply_penalties, sample, token_logprobs
 from pdserve.server.decode.scheduler import QueueFull, Scheduler
-from pdserve.server.decode.sequence import Sequence, SeqState, admissible
+from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink, admissible
 from pdserve.server.model.config import resolve_max_model_len
 
 log = logging.getLogger("pdserve.decode")
@@ -41,13 +41,14 @@ log = logging.getLogger("pdserve.decode")
 __all__ = ["DecodeEngine", "QueueFull"]
 
 
-class DecodeEngine:
+class DecodeEngine(Engine):
     def __init__(self, model: DecoderModel, layout: KvLayout, num_blocks: int, max_running: int, *,
                  max_queue: int = 256, enable_prefix_caching: bool = True, eos_ids: frozenset[int] = frozenset(),
                  max_model_len: int = 0, cuda_graphs: bool = False):
         """max_model_len: 0 takes the model's, capped by what the cache holds. The cache lives on the model's
         device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad)."""
         self.model = model
+        self.vocab_size = model.config.vocab_size
         self.layout = layout
         self.scheduler = Scheduler(num_blocks, layout.block_size, max_running, max_queue, enable_prefix_caching)
         self.pool = self.scheduler.pool
@@ -74,8 +75,6 @@ class DecodeEngine:
             failed = graphs.capture()  # a bucket that cannot be captured runs eagerly, logged and counted
             if len(failed) < len(graphs.buckets):
                 self.runner = graphs
-        self.hardware: Hardware | None = None
-        """The machine and the kernel paths the worker's start-up chose (`hardware.py`), for its info."""
 
     @property
     def running(self) -> list[Sequence]:
@@ -84,6 +83,10 @@ class DecodeEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.scheduler.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_total
 
     def position(self, seq: Sequence) -> int:
         """The sequence's place in the waiting queue (0: next, or not waiting)."""
@@ -103,27 +106,19 @@ class DecodeEngine:
 
     # ---- requests ---------------------------------------------------------------
 
-    def add(self, request: pb.DecodeRequest) -> Sequence:
+    def add(self, request: pb.DecodeRequest, sink: TokenSink | None = None) -> Sequence:
         """Queues the request; raises ValueError (bad or too long) or QueueFull."""
         rid, prompt = admissible(request, self.sequences, self.max_model_len)
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
-                       num_prior_outputs=request.num_output_tokens)
+                       num_prior_outputs=request.num_output_tokens,
+                       events=asyncio.Queue() if sink is None else sink)
         admitted = self.scheduler.add(seq)
         self.sequences[rid] = seq
         self._admitted(admitted)
         return seq
 
-    def abort(self, request_id: str, reason: int = gen_pb.FINISH_REASON_ABORT) -> bool:
-        seq = self.sequences.get(request_id)
-        if seq is None:
-            return False
-        if seq.state is not SeqState.FINISHED:
-            seq.finish(reason)
-            seq.events.put_nowait(None)
-        if not seq.admitted.done():
-            seq.admitted.set_result(None)  # a waiter wakes to find it finished
+    def _free(self, seq: Sequence) -> None:
         self._retire(seq)
-        return True
 
     # ---- the KV sink ------------------------------------------------------------
 

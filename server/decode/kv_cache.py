@@ -15,8 +15,6 @@ in float32.
 
 from __future__ import annotations
 
-import warnings
-
 import numpy as np
 import torch
 
@@ -51,16 +49,6 @@ def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
         array = array.copy()
     np_int, torch_int = _SAME_SIZE_INT[array.dtype.itemsize]
     return torch.from_numpy(array.view(np_int)).view(torch_int).view(dtype)
-
-
-def _borrow(array: np.ndarray) -> torch.Tensor:
-    """A tensor over the array's memory without a copy, even when it is read-only (it is only read)."""
-    if array.flags.writeable or not array.flags.c_contiguous:
-        return numpy_to_torch(array)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # torch warns on read-only memory; we never write it
-        np_int, torch_int = _SAME_SIZE_INT[array.dtype.itemsize]
-        return torch.from_numpy(array.view(np_int)).view(torch_int).view(_FROM_NUMPY[array.dtype.name])
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:

@@ -13,7 +13,7 @@ from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
 from pdserve.server.decode.config import DecodeConfig
-from pdserve.server.decode.engine import DecodeEngine
+from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.service import DecodeService
 from pdserve.server.decode.startup import build_native_engine
 from pdserve.server.model.fingerprint import fingerprint
@@ -28,7 +28,7 @@ SERVICES = ["pdserve.v1.Decode", "pdserve.v1.KvTransfer", "pdserve.v1.Control"]
 class DecodeWorker:
     server: object
     service: DecodeService
-    engine: DecodeEngine
+    engine: Engine
     port: int
     health: object = None
     kv_server: object = None
@@ -84,7 +84,7 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         await kv_server.start()
     await serving.set_serving(health, SERVICES, True)
     metrics.identify(config.model_name, "decode", model_config.max_model_len)
-    metrics.watch_kv_blocks(lambda: engine.num_free_blocks, lambda: engine.pool.num_total)
+    metrics.watch_kv_blocks(lambda: engine.num_free_blocks, lambda: engine.num_total_blocks)
     metrics.num_requests_running.set_function(lambda: len(engine.running))
     metrics.num_requests_waiting.set_function(lambda: len(engine.sequences) - len(engine.running))
     metrics.serve_metrics(options.metrics_port, config.host)

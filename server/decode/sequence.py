@@ -5,9 +5,18 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.finish import blocked_ids, finish_reason
+
+
+class TokenSink(Protocol):
+    """Where an engine puts one sequence's output, in order: lists of new token ids (their logprobs wait
+    on `seq.logprobs`), then None once it has finished (`seq.finish_reason` says why). An asyncio.Queue
+    is one."""
+
+    def put_nowait(self, ids: list[int] | None, /) -> None: ...
 
 
 class SeqState(enum.Enum):
@@ -39,8 +48,8 @@ class Sequence:
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """Resolves when the sequence holds its blocks (first admission only)."""
     finish_reason: int = gen_pb.FINISH_REASON_UNSPECIFIED
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    """Lists of new token ids, then None when finished."""
+    events: TokenSink = field(default_factory=asyncio.Queue)
+    """Where its output goes (the engine's `add` is given it): new token ids, then None when finished."""
     logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
     """For the ids in `events` not yet sent, in order, when sampling.logprobs is set."""
     prompt_logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)

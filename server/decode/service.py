@@ -1,14 +1,13 @@
 """The decode worker's gRPC face: Decode (stream), Abort, KV push, worker info.
 
-It serves either engine through the same request API (`add`, `abort`, `prefill_locally`, `start`, `load`):
-the native `DecodeEngine` or the vLLM adapter `VllmEngine`."""
+It serves any engine through the decode engine contract (`engine_api.Engine`): the native `DecodeEngine`,
+the vLLM adapter `VllmEngine`, the benchmarks' fake."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -17,12 +16,10 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import logs, metrics, request_checks, serving
-from pdserve.server.decode.engine import DecodeEngine, QueueFull
+from pdserve.server.decode.engine_api import Engine
+from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState
-from pdserve.server.decode.steps_stream import StepSink, StepStream
-
-if TYPE_CHECKING:
-    from pdserve.server.decode.vllm.engine import VllmEngine
+from pdserve.server.decode.steps_stream import StepRelay, StepSink, StepStream
 
 log = logging.getLogger("pdserve.decode")
 
@@ -31,7 +28,7 @@ QUEUED_EVERY_S = 1.0
 
 
 class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServicer):
-    def __init__(self, engine: DecodeEngine | VllmEngine, receiver: KvReceiver, *, fingerprint: str, description: str,
+    def __init__(self, engine: Engine, receiver: KvReceiver, *, fingerprint: str, description: str,
                  address: str = "", kv_address: str = ""):
         self.engine = engine
         self.receiver = receiver
@@ -41,7 +38,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         self.kv_address = kv_address
         self.draining = False
         """SIGTERM: new Decode calls are refused (UNAVAILABLE), in-flight ones finish."""
-        self.vocab_size = engine.model.config.vocab_size
+        self.vocab_size = engine.vocab_size
         self.step_streams: dict[str, StepStream] = {}
         """Open Steps streams by id: one per coordinator connection."""
 
@@ -74,8 +71,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         problem = self._request_problem(request) or self._stream_problem(request.steps_stream_id)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        # its output: for this call, or (on a Steps stream) in a relay until it rides the stream
+        relay = StepRelay() if request.steps_stream_id else None
+        events: asyncio.Queue[list[int] | None] = asyncio.Queue()
         try:
-            seq = engine.add(request)
+            seq = engine.add(request, events if relay is None else relay)
         except QueueFull as e:
             await context.send_initial_metadata(serving.retry_hint())
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; you may retry")
@@ -123,8 +123,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                                         f"outside the vocabulary [0, {self.vocab_size})")
                 metrics.kv_transfer_bytes.inc(transfer.bytes_received)
                 metrics.kv_transfer_seconds.observe(transfer.seconds)
-            sink = self._ride(request.steps_stream_id, seq, first_event if request.local_prefill else None)
-            if sink is not None:
+            if relay is not None:
+                sink = self._ride(request.steps_stream_id, seq, relay, first_event)
                 await self._ride_until_finished(engine, seq, sink, first_token, context)
                 return
             if request.local_prefill:
@@ -132,7 +132,7 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             engine.start(seq, first_token)
             while True:
                 try:
-                    ids = await asyncio.wait_for(seq.events.get(), QUEUED_EVERY_S)
+                    ids = await asyncio.wait_for(events.get(), QUEUED_EVERY_S)
                 except TimeoutError:
                     if seq.state is SeqState.WAITING:  # preempted: it waits for blocks again
                         yield pb.DecodeResponse(queued=pb.Queued(position=engine.position(seq)))
@@ -163,24 +163,21 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             del self.step_streams[request.stream_id]
             stream.close(lambda rid: self.engine.abort(rid, gen_pb.FINISH_REASON_ABORT))
 
-    def _ride(self, stream_id: str, seq: Sequence, first: pb.TokenEvent | None) -> StepSink | None:
-        """The request's events from now on go to the Steps stream `stream_id` (None: on this call).
-        `first`: a local prefill's first token, sent ahead of what the engine has put meanwhile."""
-        if not stream_id:
-            return None
+    def _ride(self, stream_id: str, seq: Sequence, relay: StepRelay, first: pb.TokenEvent | None) -> StepSink:
+        """The request's events from now on go to the Steps stream `stream_id`. `first`: a local prefill's
+        first token, sent ahead of what the engine has put meanwhile."""
         stream = self.step_streams.get(stream_id)
         if stream is None:  # it closed since the call came in
             stream = StepStream(stream_id)
             stream.closed = True
-        waiting, sink = seq.events, StepSink(stream, seq)
-        seq.events = sink  # type: ignore[assignment]  # the engines put into it as into the queue
+        sink = StepSink(stream, seq)
         if first is not None:
             sink.send(tokens=first)
-        while not waiting.empty():  # vLLM's tokens after a local prefill's first; an abort's end
-            sink.put_nowait(waiting.get_nowait())
+        relay.ride(sink)  # vLLM's tokens after a local prefill's first; an abort's end
         return sink
 
-    async def _ride_until_finished(self, engine, seq: Sequence, sink: StepSink, first_token: int, context) -> None:
+    async def _ride_until_finished(self, engine: Engine, seq: Sequence, sink: StepSink, first_token: int,
+                                   context) -> None:
         """Starts the sequence; its events go to the stream. The call ends (OK) once `finished` is out;
         UNAVAILABLE if the stream closes first."""
         engine.start(seq, first_token)

@@ -2,9 +2,10 @@
 
 Life cycle:
 1. A coordinator opens `Steps(stream_id)` once per connection; the worker answers an empty batch (open).
-2. A `Decode` call naming that stream gets its `reserved` as before; then its sequence's events go to
-   the stream through a `StepSink` put in place of `seq.events`: the engines keep calling
-   `seq.events.put_nowait(ids | None)` exactly as for a per-request stream.
+2. A `Decode` call naming that stream adds its request with a `StepRelay` for its sink and gets its
+   `reserved` as before; once the request's KV is in place the relay hands what the engine put meanwhile,
+   and everything after, to a `StepSink` on the stream: the engines call `put_nowait(ids | None)` on
+   every sink alike.
 3. Every event lands in the stream's pending batch; the stream sends what is pending the next time the
    event loop runs it (and gRPC takes it: the coordinator's stream window is small). An engine step puts
    the tokens of all its sequences in one go, so one step makes one message; a coordinator slower than
@@ -55,8 +56,37 @@ class StepStream:
             abort(rid)
 
 
+class StepRelay:
+    """The sink of a request that will ride a Steps stream: what the engine puts before it rides (vLLM's
+    tokens after a local prefill's first; an abort's end) waits here, then goes, with all that follows,
+    to its StepSink."""
+
+    def __init__(self) -> None:
+        self._held: list[list[int] | None] = []
+        self.sink: StepSink | None = None
+
+    def put_nowait(self, ids: list[int] | None) -> None:
+        if self.sink is None:
+            self._held.append(ids)
+        else:
+            self.sink.put_nowait(ids)
+
+    def ride(self, sink: StepSink) -> None:
+        """From now on the request's output goes to `sink`, what waited here first."""
+        self.sink = sink
+        held, self._held = self._held, []
+        for ids in held:
+            sink.put_nowait(ids)
+
+    def pending_tokens(self) -> int:
+        """Its tokens not yet taken by gRPC: those held here, or those in the stream's pending batch."""
+        if self.sink is None:
+            return sum(len(ids) for ids in self._held if ids is not None)
+        return self.sink.pending_tokens()
+
+
 class StepSink:
-    """Stands in for `seq.events` of a request riding a StepStream: what the engine puts becomes events."""
+    """The sink of a request riding a StepStream: what the engine puts becomes events."""
 
     def __init__(self, stream: StepStream, seq: Sequence):
         self.stream = stream

@@ -1,7 +1,7 @@
-"""vLLM's engine as a pdserve decode engine: the native engine's request API, so one DecodeService serves both.
+"""vLLM's engine as a pdserve decode engine (`engine_api.Engine`): one DecodeService serves it and the native.
 
 Life cycle of a request here:
-1. `add(request)` admits it at once when vLLM's free blocks, less the blocks promised to every request
+1. `add(request, sink)` admits it at once when vLLM's free blocks, less the blocks promised to every request
    still waiting for its KV, hold its prompt (`seq.admitted` resolves); otherwise QueueFull (vLLM keeps
    its own queue of running requests; pdserve keeps none in front of it).
 2. The PushKv stream's pieces are staged (`write`), checked by pdserve's receiver: in host memory, or
@@ -32,10 +32,10 @@ from dataclasses import dataclass, field
 
 from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.layout import KvLayout
-from pdserve.server.hardware import Hardware
 from pdserve.server import logprobs
+from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.scheduler import QueueFull
-from pdserve.server.decode.sequence import Sequence, SeqState, admissible
+from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink, admissible
 from pdserve.server.decode.vllm.staging import KvStaging, Stage, Staged
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.v1 import generation_pb2 as gen_pb
@@ -61,13 +61,6 @@ class VllmBlocks:
         return max(0, self._num_free() - self._waiting())
 
 
-@dataclass(frozen=True)
-class VllmModel:
-    """What the worker's service reads of the model (`engine.model.config`); vLLM holds the weights."""
-
-    config: ModelConfig
-
-
 @dataclass
 class _Add:
     vllm_id: str
@@ -87,7 +80,7 @@ class _Stop:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     def __init__(self, llm_engine, model_config: ModelConfig, layout: KvLayout, max_running: int,
                  num_free_blocks: Callable[[], int], num_total_blocks: int,
                  sampling_params: Callable[[Sequence, int], object], staged: dict[str, Staged],
@@ -98,9 +91,7 @@ class VllmEngine:
         max_model_len: 0 takes the model's, capped by what vLLM's cache holds; staging: where received KV
         waits (default: in memory, for one rank)."""
         self.llm = llm_engine
-        self.hardware: Hardware | None = None
-        """The machine and vLLM's version, set by the worker's start-up (`hardware.py`), for its info."""
-        self.model = VllmModel(model_config)
+        self.vocab_size = model_config.vocab_size
         self.layout = layout
         self.max_running = max_running
         self.eos_ids = eos_ids
@@ -129,6 +120,10 @@ class VllmEngine:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_total
+
     def _waiting_blocks(self) -> int:
         return sum(len(s.block_table) for s in self.sequences.values() if s.state is SeqState.WAITING_KV)
 
@@ -144,7 +139,7 @@ class VllmEngine:
 
     # ---- requests ---------------------------------------------------------------
 
-    def add(self, request: pb.DecodeRequest) -> Sequence:
+    def add(self, request: pb.DecodeRequest, sink: TokenSink | None = None) -> Sequence:
         """Admits the request now, its prompt's blocks promised; raises ValueError (bad or too long) or
         QueueFull (the running cap, or vLLM's free blocks less those promised, cannot take it)."""
         rid, prompt = admissible(request, self.sequences, self.max_model_len)
@@ -155,28 +150,22 @@ class VllmEngine:
         if need > free:
             raise QueueFull(f"KV cache full: {need} blocks needed, {free} of {self.pool.num_total} free")
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
-                       block_table=[RESERVED] * need, num_prior_outputs=request.num_output_tokens)
+                       block_table=[RESERVED] * need, num_prior_outputs=request.num_output_tokens,
+                       events=asyncio.Queue() if sink is None else sink)
         seq.state = SeqState.WAITING_KV
         seq.admitted.set_result(None)
         self.sequences[rid] = seq
         self._staged[rid] = self._staging.new(rid)
         return seq
 
-    def abort(self, request_id: str, reason: int = gen_pb.FINISH_REASON_ABORT) -> bool:
-        """Ends the request (its stream sees `finished`) and frees what it holds here and in vLLM."""
-        seq = self.sequences.pop(request_id, None)
-        if seq is None:
-            return False
-        if seq.state is not SeqState.FINISHED:
-            seq.finish(reason)
-            seq.events.put_nowait(None)
-        first = self._first.pop(request_id, None)
+    def _free(self, seq: Sequence) -> None:
+        """What it holds here and in vLLM: a local prefill's wait, its stage, the vLLM request."""
+        first = self._first.pop(seq.request_id, None)
         if first is not None and not first.done():
             first.cancel()
-        self._discard_stage(request_id)
+        self._discard_stage(seq.request_id)
         self._stop_in_vllm(seq)
         seq.block_table = []
-        return True
 
     # ---- the KV sink ------------------------------------------------------------
 
