@@ -8,7 +8,9 @@ the systems alternate over `--reps` repetitions (each rotating the order), and e
 ratio is the median over repetitions with its [min-max].
 
 1. Makes (once) a random-weight checkpoint of Qwen2.5-0.5B's shape (benchmarks/checkpoint.py).
-2. For each repetition, for each system in turn: starts it, warms it up, runs every scenario, stops it.
+2. For each repetition, for each system in turn: starts it (recording the seconds until it is ready and,
+   for pdserve, until its prefill worker has compiled every shape: it serves before, while the rarer
+   shapes compile), warms it up, runs every scenario, stops it.
    - `steady`: a closed loop of --concurrency requests (--input-len prompt ids, --output-len tokens);
    - `bursts`: --concurrency long decodes (32-token prompts, --decode-len tokens) while prompts of
      --burst-len tokens (max_tokens 1) arrive as a Poisson process at --burst-rate/s;
@@ -42,6 +44,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -74,6 +77,7 @@ class Server:
     make_target: object  # () -> Target
     logs: list[Path]
     facts: object = None  # () -> dict: what the system says of itself after the run (vllm-pd: KV loaded)
+    compile_watch: CompileWatch | None = None  # pdserve: when its prefill worker had compiled every shape
 
     def died(self) -> str | None:
         """Which of its processes exited while it should have been serving, with its log's last error."""
@@ -84,6 +88,8 @@ class Server:
         return None
 
     def stop(self) -> None:
+        if self.compile_watch is not None:
+            self.compile_watch.stop()
         for p in reversed(self.procs):
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
@@ -118,6 +124,42 @@ def _wait(ready, procs: list[subprocess.Popen], logs: list[Path], timeout: float
             tail = "\n".join(f"--- {log}\n{log.read_text()[-3000:]}" for log in (dead or logs))
             raise RuntimeError(f"{what} did not start:\n{tail}")
         time.sleep(1.0)
+
+
+class CompileWatch:
+    """Reads a pdserve prefill worker's `pdserve_prefill_compiles_pending` (its --metrics-port) every
+    half second from when it serves until it reads 0: the worker serves while its rarer shapes compile."""
+
+    def __init__(self, metrics_url: str, period: float = 0.5):
+        self.url, self.period = metrics_url, period
+        self.done_at: float | None = None
+        """time.monotonic() when it first read 0."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="compile-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.period):
+            if pending_compiles(self.url) == 0:
+                self.done_at = time.monotonic()
+                return
+
+
+def pending_compiles(metrics_url: str) -> float | None:
+    """`pdserve_prefill_compiles_pending` at `metrics_url` (None: not served or not there)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=2).read().decode()
+    except OSError:
+        return None
+    for family in text_string_to_metric_families(text):
+        if family.name == "pdserve_prefill_compiles_pending":
+            return sum(sample.value for sample in family.samples)
+    return None
 
 
 def _http_ready(url: str):
@@ -230,7 +272,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
     # vLLM's decode worker runs in vLLM's venv (pdserve installed there) with blocks of 32 (its CPU attention)
     decode_py = [str(VLLM.parent / "python"), "-m", "pdserve.server.cli"] if decode_engine == "vllm" else py
     decode_engine_args = ["--engine", "vllm", "--block-size", "32"] if decode_engine == "vllm" else []
-    pp, dp, cp = free_port(), free_port(), free_port()
+    pp, dp, cp, mp = free_port(), free_port(), free_port(), free_port()
     host = "127.0.0.1"
     logs = [out / "pdserve-prefill.log", out / "pdserve-decode.log", out / "pdserve-coordinator.log"]
     env = {"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")}
@@ -247,8 +289,10 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
                 host,
                 "--weight-dtype",  # the served default: a bf16 checkpoint computes in fp32 on XLA:CPU (faster there)
                 "auto",
-                "--compilation-cache",  # every batch shape compiles at start: once per machine, not per run
+                "--compilation-cache",  # the machine's (the default): a shape compiles once per machine, not per run
                 str(compile_cache_dir()),
+                "--metrics-port",  # when it has compiled every shape (it serves before: CompileWatch)
+                str(mp),
             ],
             logs[0],
             {0},
@@ -307,6 +351,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
     except BaseException:
         server.stop()
         raise
+    server.compile_watch = CompileWatch(f"http://{host}:{mp}/metrics")
     return server
 
 
@@ -377,11 +422,22 @@ async def _run(target: Target, args, out: Path, per_core: bool) -> dict:
     return docs
 
 
+def startup(t0: float, ready_s: float, compiled_at: float | None) -> dict:
+    """Seconds from the start of the system's first process until it served (the harness's readiness:
+    pdserve's coordinator with a ready prefill and decode worker, vLLM's /v1/models), and until pdserve's
+    prefill had compiled every shape (its rarer ones compile while it serves; None: not pdserve, or not
+    within the run)."""
+    return {"ready_s": round(ready_s, 1),
+            "all_compiled_s": None if compiled_at is None else round(compiled_at - t0, 1)}
+
+
 def _cfg(args) -> dict:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
 
 
 ROWS = [  # (label, scenario, path in the summary)
+    ("ready after (s)", "startup", ("ready_s",)),
+    ("prefill: every shape compiled after (s)", "startup", ("all_compiled_s",)),
     ("output throughput (tok/s)", "steady", ("output_throughput",)),
     ("request throughput (req/s)", "steady", ("request_throughput",)),
     ("SLO attainment", "steady", ("slo_attainment",)),
@@ -522,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
                 failures[system] = str(e).splitlines()[0] + f" (logs: {out})"
                 print(f"== {system} could not run: {failures[system]}", file=sys.stderr, flush=True)
                 continue
-            print(f"== {system}: ready in {time.monotonic() - t0:.0f} s; running", file=sys.stderr, flush=True)
+            ready_s = time.monotonic() - t0
+            print(f"== {system}: ready in {ready_s:.0f} s; running", file=sys.stderr, flush=True)
             try:
 
                 async def go():
@@ -538,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
                     failures[system] = f"repetition {rep}: {died} (logs: {out})"
                     print(f"== {system} failed: {failures[system]}", file=sys.stderr, flush=True)
                     continue
+                watch = server.compile_watch
+                result["startup"] = startup(t0, ready_s, watch.done_at if watch is not None else None)
                 results[system].append(result)
                 if server.facts is not None:
                     result["facts"] = server.facts()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.server.flags import flag
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder
+from pdserve.server.prefill.warmup import COMPILE_BEFORE_SERVING, CompileBeforeServing
 from pdserve.server.vocabulary import WEIGHT_DTYPES, WeightDtype
 
 
@@ -37,9 +38,15 @@ class PrefillConfig:
     tensor_parallel_size: int | None = None
     """Devices the prefill model is sharded over (vLLM's flag): kv heads and MLP split Megatron-style
     (sharding.py). Default: all the backend's devices, or the most of them that divide the model's kv heads."""
-    compilation_cache: Path | None = None
-    """JAX's persistent compilation cache in this directory: a restart (or a pod sharing the volume)
-    loads the start-up compiles instead of redoing them."""
+    compilation_cache: str | Path = "auto"
+    """JAX's persistent compilation cache, in which a restart (or a pod sharing the volume) finds the
+    start-up compiles instead of redoing them: auto: $JAX_COMPILATION_CACHE_DIR when set, else the
+    machine's ($PDSERVE_CACHE/jax-compilation-cache, ~/.cache/pdserve by default); a directory; none: off."""
+    compile_before_serving: CompileBeforeServing = "common"
+    """What compiles before the worker serves: common: the step shapes of prompts without context and
+    sampling without penalties, the rest (chunked prompts' later chunks, cached prefixes' suffixes,
+    penalties) while it serves, on one low-priority thread (a request that needs one first compiles it);
+    all: every shape (a slice of several processes always does)."""
     coordinator_address: str | None = None
     """Multi-host slices: host:port of process 0's jax.distributed coordinator (or JAX_COORDINATOR_ADDRESS);
     every host runs this worker with the same flags: process 0 serves, the others replay its steps
@@ -71,6 +78,9 @@ class PrefillConfig:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
+        if self.compile_before_serving not in COMPILE_BEFORE_SERVING:
+            raise ValueError(f"--compile-before-serving must be one of {', '.join(COMPILE_BEFORE_SERVING)}, "
+                             f"not {self.compile_before_serving!r}")
         if self.prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"--prefill-order must be one of {', '.join(PREFILL_ORDERS)}, not {self.prefill_order!r}")
         if not self.prefill_ageing > 0:

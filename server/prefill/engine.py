@@ -12,7 +12,8 @@ Life cycle of a prompt here:
    longer than --max-prefill-chunk, or than what is left of the budget, runs over several steps
    (chunked prefill); a segment's context, the KV of its prompt's earlier tokens, goes beside the
    buffer (its own static bucket), and attention (attention.py) reads it. Every (tokens, context)
-   shape is one of `shapes()`, all of which `warmup` compiled at start, so nothing compiles here.
+   shape is one of `shapes()`, compiled at start (`warmup`; a serving worker compiles the rarer ones while
+   it serves, and a step whose shape is still waiting compiles it first: warmup.py).
    Each step's speed is measured for the coordinator's expected-wait admission (rates.py).
    `job.started` resolves at the first segment: the prompt's KV stream opens now, and the decode
    worker's lease with it.
@@ -62,6 +63,7 @@ from pdserve.server.prefill.sampler import penalize, sample
 from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, aligned, packed_tokens
 from pdserve.server.prefill.sharding import host_readable
 from pdserve.server.prefill.step_inputs import StepInputs
+from pdserve.server.prefill.warmup import Warmup, cores
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -207,6 +209,9 @@ class PrefillEngine:
         self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",), **out)
         self.replay: SliceLeader | None = None
         """On process 0 of a slice of several processes: sends each step to the others before running it."""
+        self.compiling: Warmup | None = None
+        """The start-up compiles still going on while the worker serves (warmup.py); a step makes sure of
+        its own programs first."""
         self.prefix = PrefixKv(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                head_dim=model_config.head_dim, dtype=np.dtype(self.dtype),
                                budget_bytes=config.prefix_cache_bytes)
@@ -424,6 +429,8 @@ class PrefillEngine:
     def _run(self, step: list[Segment[PrefillJob]], shape: StepShape, loop: asyncio.AbstractEventLoop) -> None:
         """Runs one step (in a worker thread), handing each job its KV and, at its last segment, its first token."""
         inputs, offsets = self._inputs(step, shape)
+        if self.compiling is not None:
+            self.compiling.ensure_step(shape, inputs)
         keep = [s for s in step if not s.last or self.prefix.enabled]  # whose compute-dtype KV the host keeps
         for s in keep:
             if s.job.context is None:
@@ -593,23 +600,10 @@ class PrefillEngine:
 
     def warmup(self, progress: bool = False, shapes: list[StepShape] | None = None) -> float:
         """Compiles (ahead of time: nothing runs) every program `_run` dispatches, for every shape of
-        `shapes()` (or the given ones), so no request pays for a compile. Returns the seconds it took."""
-        import os
-        from concurrent.futures import ThreadPoolExecutor, as_completed
-
-        from tqdm import tqdm
-
-        t0 = time.perf_counter()
-        shapes = self.shapes() if shapes is None else shapes
-        logits = self._compile_step(shapes[0])  # first: the samplers take the head's output as it comes
-        jobs = [(self._compile_step, (shape,)) for shape in shapes[1:]]
-        jobs += [(self._compile_sampling, (aval, n)) for aval in logits for n in self.rates.buckets]
-        with ThreadPoolExecutor(min(len(jobs), os.cpu_count() or 1), thread_name_prefix="compile") as pool:
-            done = [pool.submit(fn, *args) for fn, args in jobs]  # XLA compiles outside the GIL
-            for future in tqdm(as_completed(done), total=len(done), desc="compiling prefill shapes", unit="program",
-                               disable=not progress):
-                future.result()
-        return time.perf_counter() - t0
+        `shapes()` (or the given ones), so no request pays for a compile. Returns the seconds it took.
+        (A worker that serves compiles the common ones first and the rest while it serves: warmup.py.)"""
+        plan = Warmup(self, shapes)
+        return plan.compile(plan.jobs, threads=cores(), progress=progress)
 
     def _compile_step(self, shape: StepShape) -> list[jax.ShapeDtypeStruct]:
         """The programs of one step shape: embed, each layer group's size, the KV's cast to the
@@ -633,16 +627,21 @@ class PrefillEngine:
         self._prompt_logprobs.lower(self.params, x, ints).compile()
         return logits  # [R, V] at each row count R
 
-    def _compile_sampling(self, logits: jax.ShapeDtypeStruct, length: int) -> None:
-        """Sampling at the head's logits' rows (as the head returns them, or penalized), and the
-        penalties over prompts padded to `length`."""
+    def _compile_sample(self, logits: jax.ShapeDtypeStruct) -> None:
+        """Sampling of the logits as the head returns them (no penalties)."""
         spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
-        column = {t: spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32)}
-        f32, i32, u32 = column[jnp.float32], column[jnp.int32], column[jnp.uint32]
+        f32, i32, u32 = (spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32))
+        self._sample.lower(logits, f32, i32, f32, u32, i32, f32).compile()
+
+    def _compile_penalized(self, logits: jax.ShapeDtypeStruct, length: int) -> None:
+        """The penalties over prompts padded to `length` at the head's logits' rows, and sampling of
+        what they return."""
+        spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
+        f32, i32 = spec((rows,), jnp.float32), spec((rows,), jnp.int32)
         penalized, = _avals(self._penalize.lower(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
                                                  spec(logits.shape, jnp.bool_)).compile())
-        for aval in {logits, penalized}:
-            self._sample.lower(aval, f32, i32, f32, u32, i32, f32).compile()
+        if penalized != logits:  # else `_compile_sample`'s
+            self._compile_sample(penalized)
 
 
 def _avals(compiled) -> tuple[jax.ShapeDtypeStruct, ...]:

@@ -18,6 +18,7 @@ import jax
 from pdserve.kvcache.grpc_sender import GrpcKvTransport
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
+from pdserve.server.cache_dir import compile_cache_dir
 from pdserve.server.model.config import load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
@@ -30,6 +31,7 @@ from pdserve.server.prefill.replay import SliceLeader, coordinator_host, follow
 from pdserve.server.prefill.service import PrefillService
 from pdserve.server.prefill.step_inputs import StepInputs
 from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params, start_distributed
+from pdserve.server.prefill.warmup import Warmup, cores
 from pdserve.server.registration import Memberships, join, serve_until_signal
 
 log = logging.getLogger("pdserve.prefill")
@@ -56,6 +58,8 @@ class PrefillWorker:
             await self.registration.close()
         await self.server.stop(grace)
         await self.service.transport.close()
+        if self.service.engine.compiling is not None:
+            await asyncio.to_thread(self.service.engine.compiling.stop)
         self.service.engine.close()
 
 
@@ -77,6 +81,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     metrics.prefill_queued_tokens.set_function(lambda: engine.queued_tokens)
     metrics.prefill_queued_seconds.set_function(lambda: queued_seconds(engine.load(waits=False)))
     metrics.prefill_padding_share.set_function(lambda: engine.padding_share)
+    metrics.prefill_compiles_pending.set_function(lambda: engine.compiling.pending if engine.compiling else 0)
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("prefill worker listening on %s:%d", config.host, port)
@@ -86,11 +91,12 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     return worker
 
 
-def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
-    """The model loaded (and sharded over the device mesh), every batch shape compiled. On process 0 of a
-    slice of several processes, once the others have connected, the engine sends them every step."""
-    if config.compilation_cache is not None:  # before the first compile
-        use_compilation_cache(config.compilation_cache)
+def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = False) -> PrefillEngine:
+    """The model loaded (and sharded over the device mesh), every batch shape compiled; `serving`: only
+    those --compile-before-serving names, the rest compiling in the background (warmup.py) while the
+    worker serves. On process 0 of a slice of several processes, once the others have connected, the
+    engine sends them every step."""
+    use_compilation_cache(config.compilation_cache)  # before the first compile
     leader = None
     if start_distributed(config.coordinator_address, config.num_processes, config.process_id):
         log.info("joined a %d-process slice as process %d", jax.process_count(), jax.process_index())
@@ -112,32 +118,67 @@ def load_engine(config: PrefillConfig, progress: bool = True) -> PrefillEngine:
                      [d.process_index for d in mesh.devices.flat])
     loaded = time.perf_counter() - t0
     engine = PrefillEngine(model_config, params, config)
-    shapes = engine.shapes()
-    compile_s = engine.warmup(progress=progress)
+    warmup = Warmup(engine)
+    before = config.compile_before_serving if serving else "all"
+    if before != "all" and jax.process_count() > 1:  # every process must dispatch the same programs in order
+        log.info("a slice of several processes compiles every shape before it serves (--compile-before-serving %s "
+                 "applies to one process)", before)
+        before = "all"
+    first = warmup.first(before)
+    compile_s = warmup.compile(first, threads=cores(), progress=progress)
     log.info("prefill model %s loaded in %.1f s (tensor parallel %d over %s); weights %.1f MiB (%s, compute %s); "
-             "%d batch shapes compiled in %.1f s", model_config.describe(), loaded, tp, jax.default_backend(),
-             param_bytes(params) / 2**20, dtype, compute_dtype(model_config, dtype, jax.default_backend()), len(shapes),
-             compile_s)
+             "%d of %d start-up programs (%d batch shapes) compiled in %.1f s%s", model_config.describe(), loaded, tp,
+             jax.default_backend(), param_bytes(params) / 2**20, dtype,
+             compute_dtype(model_config, dtype, jax.default_backend()), len(first), len(warmup.jobs),
+             len(engine.shapes()), compile_s,
+             "" if warmup.finished.is_set() else "; the others compile while it serves, on one low-priority thread")
+    if not warmup.finished.is_set():
+        engine.compiling = warmup
+        warmup.start(threads=1)
     if leader is not None:
         leader.accept()
         engine.replay = leader
     return engine
 
 
-def use_compilation_cache(directory: Path) -> None:
-    """JAX's persistent compilation cache in `directory`, caching every compile (however quick)."""
-    directory.mkdir(parents=True, exist_ok=True)
+def compilation_cache_dir(setting: str | Path) -> Path | None:
+    """--compilation-cache's directory: auto: $JAX_COMPILATION_CACHE_DIR (jax_compilation_cache_dir) when
+    set, else the machine's (cache_dir.py); none: None."""
+    if str(setting) == "none":
+        return None
+    if str(setting) == "auto":
+        return Path(jax.config.jax_compilation_cache_dir or compile_cache_dir())
+    return Path(setting)
+
+
+def use_compilation_cache(setting: str | Path) -> None:
+    """JAX's persistent compilation cache in --compilation-cache's directory, caching every compile
+    (however quick or small: XLA:CPU's programs are both), or none."""
+    directory = compilation_cache_dir(setting)
+    if directory is None:
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        log.warning("no compilation cache (--compilation-cache): %s; every start compiles cold", e)
+        return
     jax.config.update("jax_compilation_cache_dir", str(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no minimum size, and no override
+    log.info("compilation cache: %s", directory)
 
 
 async def serve(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> None:
-    engine = load_engine(config)
+    t0 = time.perf_counter()
+    engine = load_engine(config, serving=True)
     if jax.process_index() > 0:
         await replay_steps(engine)
         return
-    await serve_until_signal(await start(config, options, engine), "prefill", options.drain_seconds)
+    worker = await start(config, options, engine)
+    log.info("prefill worker ready %.1f s after it began loading the model%s", time.perf_counter() - t0,
+             "" if engine.compiling is None else f"; {engine.compiling.pending} start-up programs left to compile")
+    await serve_until_signal(worker, "prefill", options.drain_seconds)
 
 
 async def replay_steps(engine: PrefillEngine) -> None:
