@@ -54,7 +54,7 @@ class EagerRunner:
         return self.model.decode(token_ids, positions, block_tables, context_lens, self.cache)
 
 
-class StepInputs:
+class GraphInputs:
     """The decode step's inputs as one int64 buffer [rows, 3 + max_blocks], pinned on the host when the
     device is CUDA, mirrored on the device: columns token id, position, context length, block table."""
 
@@ -108,7 +108,7 @@ class CudaGraphRunner:
         self.eager = EagerRunner(model, cache)
         top = bucket_for(max_batch, buckets) or buckets[-1]
         self.buckets = tuple(b for b in buckets if b <= top)
-        self.inputs = StepInputs(top, max_blocks, pad_block, cache.device)
+        self.inputs = GraphInputs(top, max_blocks, pad_block, cache.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.steps: dict[RunnerKind, int] = {"graphs": 0, "eager": 0}
         """Decode steps run so far, by how they ran: replayed from a graph, or eagerly (no bucket, too wide,

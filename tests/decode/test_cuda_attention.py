@@ -126,13 +126,13 @@ def test_model_decode_through_the_kernel_matches_the_reference(llama, kv_dtype, 
 
 @needs_triton
 def test_kernel_reads_strided_lengths_and_table_rows():
-    """The CUDA-graph runner's inputs are column views of one [rows, 3 + M] buffer (`StepInputs.views`): the
+    """The CUDA-graph runner's inputs are column views of one [rows, 3 + M] buffer (`GraphInputs.views`): the
     lengths a column of stride 3 + M, the tables' rows strided too. The kernel reads them through their strides:
     the same result as contiguous copies, bit for bit."""
     cache = _filled_cache("float32")
     g = torch.Generator().manual_seed(4)
     q = torch.randn(3, 4, 32, generator=g)
-    buffer = torch.zeros(3, 3 + 10, dtype=torch.int64)  # [R, 3 + M] as StepInputs holds it
+    buffer = torch.zeros(3, 3 + 10, dtype=torch.int64)  # [R, 3 + M] as GraphInputs holds it
     buffer[:, 3:] = torch.randperm(40, generator=g)[:30].view(3, 10)
     buffer[:, 2] = torch.tensor([1, 17, 40])
     tables, lens = buffer[:, 3:], buffer[:, 2]
@@ -146,7 +146,7 @@ def test_kernel_reads_strided_lengths_and_table_rows():
 
 class _Replayed:
     """Stands in for a captured CUDA graph on the CPU: replaying reruns the captured call on the same persistent
-    input buffers (`StepInputs.device`) into the same output buffer."""
+    input buffers (`GraphInputs.device`) into the same output buffer."""
 
     def __init__(self, step):
         self.step = step
@@ -161,7 +161,7 @@ class _Replayed:
 
 class _InterpretedGraphRunner(CudaGraphRunner):
     """`CudaGraphRunner` with each bucket's graph a `_Replayed` call: what runs is the runner's own input path
-    (StepInputs filled, padded, uploaded; its views into the model) through the paged kernel, interpreted."""
+    (GraphInputs filled, padded, uploaded; its views into the model) through the paged kernel, interpreted."""
 
     def _capture(self, bucket: int, pool) -> _Replayed:
         views = self.inputs.views(bucket)

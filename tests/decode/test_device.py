@@ -18,7 +18,7 @@ from pdserve.server.decode.device import (cpu_cache_blocks, gpu_cache_blocks, pa
                                           resolve_device)
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.startup import build_native_engine as build_engine
-from pdserve.server.decode.model_runner import BUCKETS, CudaGraphRunner, EagerRunner, StepInputs, bucket_for
+from pdserve.server.decode.model_runner import BUCKETS, CudaGraphRunner, EagerRunner, GraphInputs, bucket_for
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
@@ -77,7 +77,7 @@ def test_buckets_pad_to_the_next_power_of_two():
 
 
 def test_step_inputs_pad_rows_into_the_pad_block():
-    inputs = StepInputs(rows=4, max_blocks=5, pad_block=99, device=torch.device("cpu"))
+    inputs = GraphInputs(rows=4, max_blocks=5, pad_block=99, device=torch.device("cpu"))
     inputs.fill(4, torch.tensor([11, 12, 13]), torch.tensor([20, 3, 40]), torch.tensor([[1, 2], [3, 3], [5, 6]]),
                 torch.tensor([21, 4, 41]))
     inputs.upload(4)
@@ -114,7 +114,7 @@ def test_a_padded_batch_gives_the_batch_its_own_logits(llama):
     eager = llama.decode(tokens, positions, padded, positions + 1, cache)  # [3, V]
     after_eager = cache.k.clone()
     cache.k.copy_(before)
-    inputs = StepInputs(rows=4, max_blocks=5, pad_block=12, device=torch.device("cpu"))
+    inputs = GraphInputs(rows=4, max_blocks=5, pad_block=12, device=torch.device("cpu"))
     inputs.fill(4, tokens, positions, padded, positions + 1)
     inputs.upload(4)
     t, p, tb, lens = inputs.views(4)
