@@ -26,6 +26,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server import metrics
+from pdserve.server.sampling_rules import repetition_penalty_of, top_p_of
 from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
@@ -268,7 +269,7 @@ class DecodeEngine(Engine):
             penalized(logits, batch),
             torch.tensor([p.temperature for p in sp], dtype=torch.float32),
             torch.tensor([p.top_k for p in sp], dtype=torch.int64),
-            torch.tensor([p.top_p for p in sp], dtype=torch.float32),
+            torch.tensor([top_p_of(p) for p in sp], dtype=torch.float32),
             [p.seed if p.HasField("seed") else None for p in sp],
             [s.sample_index for s in batch],
             torch.tensor([p.min_p for p in sp], dtype=torch.float32) if any(p.min_p for p in sp) else None,
@@ -337,7 +338,7 @@ def penalized(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
     return apply_penalties(
         logits, list(prompts), list(outputs),
         [p.presence_penalty for p in sp], [p.frequency_penalty for p in sp],
-        [p.repetition_penalty if p.HasField("repetition_penalty") else 1.0 for p in sp],
+        [repetition_penalty_of(p) for p in sp],
         [s.blocked_ids() for s in batch],
     )
 
@@ -345,4 +346,4 @@ def penalized(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
 def _shapes_logits(seq: Sequence) -> bool:
     p = seq.sampling
     return bool(p.presence_penalty or p.frequency_penalty or seq.blocked_ids()
-                or (p.HasField("repetition_penalty") and p.repetition_penalty != 1.0))
+                or repetition_penalty_of(p) != 1.0)

@@ -186,3 +186,15 @@ async def test_waiters_queue_in_order_until_blocks_free(tiny_model):
         engine.abort(s.request_id)
     assert _all_back(engine)
     await engine.close()
+
+
+async def test_an_unset_top_p_samples_the_whole_distribution_not_its_top_token():
+    """A direct caller's SamplingParams without top_p means top_p 1 (as on the prefill tier and vLLM),
+    never 0, which would keep only the most likely token."""
+    logits = torch.zeros(2, 50)
+    logits[:, 0] = 0.5  # the most likely token, but only slightly
+    seqs = [Sequence(f"r{i}", [1], gen_pb.SamplingParams(temperature=1.0), frozenset(), 64) for i in range(2)]
+    picked = set()
+    for _ in range(40):  # 80 draws from 50 near-equal tokens: top-1 would give one
+        picked.update(DecodeEngine._sample(logits.clone(), seqs).tolist())
+    assert len(picked) > 10

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
+from pdserve.server.sampling_rules import repetition_penalty_of, top_p_of
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.vllm.engine import VllmEngine
@@ -55,13 +56,13 @@ def sampling_params(seq: Sequence, num_prompt_tokens: int):
     return SamplingParams(
         max_tokens=max(1, p.max_tokens - seq.sample_index),
         temperature=p.temperature,
-        top_p=p.top_p if p.HasField("top_p") and p.top_p > 0 else 1.0,
+        top_p=top_p_of(p),
         top_k=p.top_k,
         seed=p.seed if p.HasField("seed") else None,
         min_p=p.min_p,
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
-        repetition_penalty=p.repetition_penalty if p.HasField("repetition_penalty") else 1.0,
+        repetition_penalty=repetition_penalty_of(p),
         min_tokens=max(0, p.min_tokens - seq.sample_index),
         logprobs=p.logprobs if p.HasField("logprobs") else None,
         ignore_eos=True,
