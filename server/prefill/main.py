@@ -17,7 +17,7 @@ import jax
 
 from pdserve.kvcache.grpc_sender import GrpcKvTransport
 from pdserve.v1 import worker_pb2_grpc
-from pdserve.server import metrics, serving
+from pdserve.server import hardware, metrics, serving
 from pdserve.server.cache_dir import compile_cache_dir
 from pdserve.server.model.config import load_config
 from pdserve.server.model.fingerprint import fingerprint
@@ -70,9 +70,13 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     transport = GrpcKvTransport(num_streams=config.kv_streams, channel_options=serving.CHANNEL_OPTIONS,
                                 credentials=serving.channel_credentials(), interceptors=serving.channel_interceptors())
     model_config = engine.model_config
+    found = hardware.Hardware(cpu=hardware.cpu(), jax=hardware.jax_probe(), device=jax.default_backend(),
+                              paths={"compute": f"{compute_dtype(model_config, str(engine.dtype), jax.default_backend())} "
+                                                f"matmuls on XLA:{jax.default_backend().upper()}"})
+    log.info("prefill hardware: %s", found.describe())
     service = PrefillService(engine, transport, model_config,
                              fingerprint=fingerprint(config.model_dir, model_config),
-                             address=options.advertise_address or f"{config.host}:{port}")
+                             address=options.advertise_address or f"{config.host}:{port}", hardware=found)
     worker_pb2_grpc.add_PrefillServicer_to_server(service, server)
     worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     await server.start()
