@@ -1,6 +1,7 @@
-"""Which worker of a tier takes the next request: pluggable policies, named in the config.
+"""Which worker of a tier takes the next request: pluggable policies, named in the config
+(vocabulary.PrefillPolicy / DecodePolicy), each picked by a function here (PREFILL_PICKERS / DECODE_PICKERS).
 
-A policy is a function of the routable workers (and, for decode, the tokens the request's KV holds
+A picker is a function of the routable workers (and, for decode, the tokens the request's KV holds
 and its prompt) that returns one of them, or None when none can take the request now. A decode worker
 takes a request when its prompt's blocks are free and it is under its running cap; failing that, one
 with room in its own waiting queue takes it (it admits in arrival order as blocks free up).
@@ -18,9 +19,11 @@ from pdserve.kvcache.prefix_cache import block_hashes
 
 if TYPE_CHECKING:
     from pdserve.server.coordinator.worker_pool import Worker
+    from pdserve.server.vocabulary import DecodePolicy, PrefillPolicy
 
-PrefillPolicy = Callable[[list["Worker"]], "Worker | None"]
-DecodePolicy = Callable[..., "Worker | None"]
+PickPrefill = Callable[[list["Worker"]], "Worker | None"]
+"""(workers) -> a worker or None."""
+PickDecode = Callable[..., "Worker | None"]
 """(workers, tokens, *, prompt=None) -> a worker or None."""
 
 
@@ -106,7 +109,7 @@ def prefix_aware(workers: list[Worker], tokens: int, rng: random.Random = random
     return most_free_blocks(workers, tokens, rng, prompt=prompt)
 
 
-PREFILL_POLICIES: dict[str, PrefillPolicy] = {"least-queued": least_queued}
-DECODE_POLICIES: dict[str, DecodePolicy] = {
+PREFILL_PICKERS: dict[PrefillPolicy, PickPrefill] = {"least-queued": least_queued}
+DECODE_PICKERS: dict[DecodePolicy, PickDecode] = {
     "prefix-aware": prefix_aware, "most-free-blocks": most_free_blocks, "power-of-two": power_of_two,
 }

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 from pdserve.server import metrics
 from pdserve.server.coordinator.admission import Deadline, TierQueue
-from pdserve.server.coordinator.policies import DECODE_POLICIES, PREFILL_POLICIES
+from pdserve.server.coordinator.policies import DECODE_PICKERS, PREFILL_PICKERS
 from pdserve.server.coordinator.shared_prompt import Placement
 from pdserve.server.coordinator.worker_pool import Role, Worker, WorkerPool
 
@@ -33,8 +33,8 @@ class Router:
         prefill_inflight_per_worker: int = 64,
     ):
         self.pool = pool
-        self.prefill_policy = PREFILL_POLICIES[prefill_policy]
-        self.decode_policy = DECODE_POLICIES[decode_policy]
+        self.prefill_policy = PREFILL_PICKERS[prefill_policy]
+        self.decode_policy = DECODE_PICKERS[decode_policy]
         self.prefill_inflight_per_worker = prefill_inflight_per_worker
         """A prefill worker with this many calls from this coordinator in flight takes no more for now."""
         self.decode_queue = TierQueue("decode", max_queue)

@@ -9,9 +9,11 @@ import grpc
 import pytest
 
 from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQueue
-from pdserve.server.coordinator.policies import LARGE_POOL, most_free_blocks, power_of_two, prefix_aware, route_key
+from pdserve.server.coordinator.policies import (DECODE_PICKERS, LARGE_POOL, PREFILL_PICKERS, most_free_blocks,
+                                                 power_of_two, prefix_aware, route_key)
 from pdserve.server.coordinator.router import Router
 from pdserve.server.coordinator.worker_pool import Worker, WorkerPool
+from pdserve.server.vocabulary import DECODE_POLICIES, PREFILL_POLICIES
 from tests.coordinator.fakes import worker_info as info
 
 
@@ -35,6 +37,10 @@ def test_decode_policies_skip_workers_at_their_cap_or_without_room():
     large = [_worker(f"w{i}", free=10 + i) for i in range(LARGE_POOL)]
     picks = {most_free_blocks(large, 16, random.Random(seed)).address for seed in range(40)}
     assert "w0" not in picks and len(picks) > 2  # a large pool: power of two choices, no herd
+
+
+def test_every_policy_the_config_takes_has_its_picker():
+    assert tuple(PREFILL_PICKERS) == PREFILL_POLICIES and tuple(DECODE_PICKERS) == DECODE_POLICIES
 
 
 async def test_tier_queue_waits_for_room_then_refuses_past_its_size():
