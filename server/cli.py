@@ -1,4 +1,5 @@
-"""The `pdserve` command: one subcommand per process role, plus `up`, `generate` and helpers."""
+"""The `pdserve` command: one subcommand per process role, plus `up`, `generate`, helpers, and those other
+packages add (COMMANDS: `pdserve bench`, the load generator)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,17 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.server.cache_dir import cache_dir
-from pdserve.server.flags import add_flags, config_from_args
-from pdserve.server.vocabulary import (DECODE_ENGINES, KV_DTYPES, LOG_FORMATS, VLLM_DTYPES, VLLM_KV_CACHE_DTYPES,
-                                       VLLM_QUANTIZATIONS, WEIGHT_DTYPES, translate)
+from pdserve.server.flags import add_flags, config_from_args, config_to_argv
+from pdserve.server.vocabulary import LOG_FORMATS, VLLM_DTYPES, VLLM_KV_CACHE_DTYPES, VLLM_QUANTIZATIONS, translate
+
+if TYPE_CHECKING:
+    from pdserve.server.coordinator.config import CoordinatorConfig
+    from pdserve.server.decode.config import DecodeConfig
+    from pdserve.server.model.config import ModelConfig
+    from pdserve.server.prefill.config import PrefillConfig
 
 DEFAULT_FAMILY = "llama"
 
@@ -185,32 +192,33 @@ def _check_model(model_dir: Path, max_model_len: int | None = None) -> None:
         raise SystemExit(f"pdserve: cannot serve {model_dir}: {e}")
 
 
+UP_SHARED = ("served_model_name", "max_model_len")
+"""`pdserve up`'s flags that every tier takes."""
+UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout")
+UP_PREFILL = ("tensor_parallel_size", "max_batch_tokens", "max_prefill_chunk", "prefix_cache_bytes", "kv_streams",
+              "prefill_order", "compilation_cache", "compile_before_serving")
+UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager")
+"""Beside these, up takes --prefill-weight-dtype, --decode-weight-dtype, --decode-device and --decode-engine:
+the workers' --weight-dtype, --device and --engine, prefixed by their tier (add_flags' prefix)."""
+VLLM_BLOCK_SIZE = 32
+"""The decode workers' block size under --decode-engine vllm: vLLM's CPU attention takes blocks of 32 tokens
+(and its CUDA backends multiples of 16)."""
+
+
 def cmd_up(args) -> int:
-    from pdserve.server import launcher
+    from pdserve.server import launcher, preflight
 
     if args.coordinators < 1:
         raise SystemExit(f"pdserve up: error: --coordinators must be >= 1, got {args.coordinators}")
     if args.prefill_workers < 0 or args.decode_workers < 1:
         raise SystemExit(f"pdserve up: error: --prefill-workers must be >= 0 and --decode-workers >= 1, got "
                          f"{args.prefill_workers} and {args.decode_workers}")
-    if not args.stall_timeout > 0:
-        raise SystemExit(f"pdserve up: error: --stall-timeout must be > 0, got {args.stall_timeout}")
-    try:
-        from pdserve.server.decode.device import parse_bytes, parse_device
-
-        parse_device(args.decode_device)
-        parse_bytes(args.kv_cache_memory, "--kv-cache-memory")
-    except ValueError as e:
-        raise SystemExit(f"pdserve up: error: {str(e).replace('--device', '--decode-device')}") from e
     model = _resolve_model(args) or default_model_dir()
-    _preflight(args, model)
-    print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
+    served = preflight.check_model(model, args.max_model_len)  # first: the other refusals assume a model
     http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
-    shared = [*(["--served-model-name", *args.served_model_name] if args.served_model_name else []),
-              *(["--max-model-len", str(args.max_model_len)] if args.max_model_len else [])]
-    coordinator_args = [*shared, *(["--http-port", str(http_port)] if http_port is not None else []),
-                        *(["--chat-template", args.chat_template] if args.chat_template else []),
-                        "--stall-timeout", str(args.stall_timeout), "--ttft-budget", str(args.ttft_budget)]
+    coordinator, prefill, decode = _tier_configs(args, model, http_port)
+    _preflight(args, served, prefill, decode)
+    print(f"starting {args.prefill_workers} prefill and {args.decode_workers} decode workers ...", file=sys.stderr)
     secret_dir = None
     if args.cluster_secret_file is None:  # one fresh secret for this cluster's internal links
         import tempfile
@@ -220,7 +228,7 @@ def cmd_up(args) -> int:
         secret_dir = Path(tempfile.mkdtemp(prefix="pdserve-up-"))
         args.cluster_secret_file = write_cluster_secret(secret_dir / "cluster-secret")
     try:
-        return _up(args, model, http_port, coordinator_args, shared)
+        return _up(args, coordinator, prefill, decode)
     finally:
         if secret_dir is not None:
             import shutil
@@ -228,46 +236,56 @@ def cmd_up(args) -> int:
             shutil.rmtree(secret_dir, ignore_errors=True)
 
 
-def _preflight(args, model: Path) -> None:
-    """Refuses, before any process starts, what would fail one after others had (server/preflight.py)."""
+def _tier_configs(args, model: Path,
+                  http_port: int | None) -> tuple[CoordinatorConfig, PrefillConfig, DecodeConfig]:
+    """The coordinator's, the prefill workers' and the decode workers' configs from `pdserve up`'s flags: what
+    up takes for the tier, its defaults for the rest (the port and host are the launcher's, per process).
+    A setting a tier refuses is refused here, before anything starts, in up's spelling."""
+    from pdserve.server.coordinator.config import CoordinatorConfig
+    from pdserve.server.decode.config import DecodeConfig
+    from pdserve.server.prefill.config import PrefillConfig
+
+    prefill_weights = _dtypes(args, "prefill_weight_dtype", None)["prefill_weight_dtype"]
+    decode_dtypes = _dtypes(args, "decode_weight_dtype", "kv_dtype")
+    vllm = {"block_size": VLLM_BLOCK_SIZE} if args.decode_engine == "vllm" else {}
+    try:
+        return (
+            config_from_args(CoordinatorConfig, args, only=UP_SHARED + UP_COORDINATOR, model_dir=model,
+                             http_port=http_port),
+            config_from_args(PrefillConfig, args, only=UP_SHARED + UP_PREFILL, model_dir=model,
+                             weight_dtype=prefill_weights),
+            config_from_args(DecodeConfig, args, only=UP_SHARED + UP_DECODE, model_dir=model,
+                             weight_dtype=decode_dtypes["decode_weight_dtype"], kv_dtype=decode_dtypes["kv_dtype"],
+                             device=args.decode_device, engine=args.decode_engine, **vllm),
+        )
+    except ValueError as e:
+        raise ValueError(str(e).replace("--device", "--decode-device")) from e
+
+
+def _preflight(args, served: ModelConfig, prefill: PrefillConfig, decode: DecodeConfig) -> None:
+    """Refuses, before any process starts, what would fail one after others had (server/preflight.py): the
+    tiers' frameworks, dtypes and devices, for the model `preflight.check_model` passed."""
     from pdserve.server import preflight
 
-    config = preflight.check_model(model, args.max_model_len)
     if args.prefill_workers:
-        preflight.check_prefill_tier(config, _dtypes(args, "prefill_weight_dtype", None)["prefill_weight_dtype"])
-    preflight.check_decode_tier(args.decode_engine, args.decode_python or sys.executable, args.decode_device)
+        preflight.check_prefill_tier(served, prefill.weight_dtype)
+    preflight.check_decode_tier(decode.engine, args.decode_python or sys.executable, decode.device)
 
 
-def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], shared: list[str]) -> int:
+def _up(args, coordinator: CoordinatorConfig, prefill: PrefillConfig, decode: DecodeConfig) -> int:
     from pdserve.server import launcher
 
     if args.metrics_port:
         from pdserve.server import metrics
 
-        metrics.identify(args.served_model_name[0] if args.served_model_name else model.resolve().name, "supervisor")
+        metrics.identify(coordinator.model_name, "supervisor")
         metrics.serve_metrics(args.metrics_port, args.host)
-    prefill = _dtypes(args, "prefill_weight_dtype", None)
-    decode = _dtypes(args, "decode_weight_dtype", "kv_dtype")
-    prefill_args = [*shared, "--weight-dtype", prefill["prefill_weight_dtype"],
-                    *(["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size else []),
-                    *(["--compilation-cache", str(args.compilation_cache)] if args.compilation_cache else []),
-                    "--kv-streams", str(args.kv_streams), "--prefill-order", args.prefill_order,
-                    "--max-num-batched-tokens", str(args.max_batch_tokens), "--prefix-cache-bytes", str(args.prefix_cache_bytes),
-                    *(["--max-prefill-chunk", str(args.max_prefill_chunk)] if args.max_prefill_chunk else [])]
-    decode_args = [*shared, "--weight-dtype", decode["decode_weight_dtype"], "--kv-dtype", decode["kv_dtype"],
-                   *(["--max-running", str(args.max_running)] if args.max_running else []),
-                   *(["--gpu-memory-utilization", str(args.gpu_memory_utilization)]
-                     if args.gpu_memory_utilization is not None else []),
-                   "--device", args.decode_device, "--kv-cache-memory", args.kv_cache_memory,
-                   "--cpu-matmul", args.cpu_matmul,
-                   *(["--enforce-eager"] if args.enforce_eager else []),
-                   # vLLM's CPU attention takes blocks of 32 tokens (and CUDA backends multiples of 16).
-                   *(["--engine", "vllm", "--block-size", "32"] if args.decode_engine == "vllm" else [])]
     try:
-        cluster = launcher.launch(model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-                                  port=args.port, host=args.host, coordinator_args=coordinator_args,
+        cluster = launcher.launch(coordinator.model_dir, prefill_workers=args.prefill_workers,
+                                  decode_workers=args.decode_workers, port=args.port, host=args.host,
+                                  coordinator_args=config_to_argv(coordinator),
                                   common_args=["--cluster-secret-file", str(args.cluster_secret_file)],
-                                  prefill_args=prefill_args, decode_args=decode_args,
+                                  prefill_args=config_to_argv(prefill), decode_args=config_to_argv(decode),
                                   decode_python=args.decode_python or sys.executable,
                                   coordinators=args.coordinators)
     except (RuntimeError, TimeoutError) as e:
@@ -282,8 +300,8 @@ def _up(args, model: Path, http_port: int | None, coordinator_args: list[str], s
               flush=True)
     print(f"pdserve listening on {state['coordinator']} (prefill: {', '.join(state['prefill'])}; "
           f"decode: {', '.join(state['decode'])})", flush=True)
-    if http_port is not None:
-        print(f"OpenAI-compatible HTTP on http://{args.host}:{http_port}/v1", flush=True)
+    if coordinator.http_port is not None:
+        print(f"OpenAI-compatible HTTP on http://{args.host}:{coordinator.http_port}/v1", flush=True)
     print(f"try: pdserve generate --addr {state['coordinator']} --prompt 'def main():'", flush=True)
     import signal
     import time
@@ -407,18 +425,25 @@ def cmd_demo(args) -> int:
     return code
 
 
-def cmd_bench(args) -> int:
-    """The load generator parses its own flags: the server's processes never import benchmarks/."""
-    from pdserve.benchmarks.bench import build_parser as bench_parser
-    from pdserve.benchmarks.bench import run_cli
-
-    return run_cli(bench_parser().parse_args(args.bench_args))
+COMMANDS = "pdserve.commands"
+"""The entry-point group of the subcommands other packages give `pdserve`, each a `main(argv) -> int` that
+parses its own flags, imported only when it runs (pyproject.toml: `pdserve bench`, the load generator in
+benchmarks/): the server's processes never import them."""
 
 
-def _field_names(cls) -> list[str]:
-    import dataclasses
+def _added_commands(taken: set[str]) -> list:
+    """The COMMANDS entry points, one per name, none shadowing pdserve's own."""
+    from importlib.metadata import entry_points
 
-    return [f.name for f in dataclasses.fields(cls)]
+    added: dict = {}
+    for ep in entry_points(group=COMMANDS):
+        if ep.name not in taken:
+            added.setdefault(ep.name, ep)
+    return list(added.values())
+
+
+def cmd_added(args) -> int:
+    return args.entry_point.load()(args.rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -437,39 +462,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="coordinator processes sharing the port (SO_REUSEPORT), each routing over every worker")
     _server_args(p, 50051)
     p.add_argument("--state-file", type=Path, help="write the processes' addresses here as JSON")
-    p.add_argument("--http-port", type=int, help="serve the OpenAI-compatible HTTP API on this port (0: a free one)")
-    p.add_argument("--prefill-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="prefill workers' weights")
-    p.add_argument("--decode-weight-dtype", choices=WEIGHT_DTYPES, default="auto", help="decode workers' weights")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help="decode workers' KV cache (and the wire)")
-    _vllm_dtype_args(p)
-    add_flags(p, CoordinatorConfig, skip=tuple(f for f in _field_names(CoordinatorConfig)
-                                               if f not in ("served_model_name", "max_model_len", "chat_template",
-                                                             "ttft_budget")))
-    add_flags(p, DecodeConfig, skip=tuple(f for f in _field_names(DecodeConfig)
-                                          if f not in ("gpu_memory_utilization", "enforce_eager", "kv_cache_memory",
-                                                        "cpu_matmul")))
-    p.add_argument("--decode-device", default="auto",
-                   help="decode workers' device (their --device): auto (CUDA when torch sees one), cpu, cuda, cuda:N")
-    add_flags(p, PrefillConfig, skip=tuple(f for f in _field_names(PrefillConfig)
-                                           if f not in ("kv_streams", "prefill_order", "compilation_cache", "max_batch_tokens",
-                                                        "max_prefill_chunk", "prefix_cache_bytes")))
-    p.add_argument("--tensor-parallel-size", type=int,
-                   help="prefill workers shard the model over this many devices (default: all of them); "
-                        "each decode worker runs on one device (`pdserve decode --engine vllm "
-                        "--tensor-parallel-size N` spans N)")
-    p.add_argument("--max-running", "--max-num-seqs", dest="max_running", type=int,
-                   help="each decode worker's running-request cap (default: the decode worker's)")
-    p.add_argument("--decode-engine", choices=DECODE_ENGINES, default="native",
-                   help="decode workers' engine: pdserve's torch engine or vLLM's (through pdserve's KV connector)")
-    p.add_argument("--decode-python", help="the python that runs decode workers (default: this one); for "
-                                           "--decode-engine vllm one with vLLM installed, e.g. .venv-vllm/bin/python")
     p.add_argument("--cluster-secret-file", type=Path,
                    help="the internal links' secret (default: a fresh one, in a private temporary file)")
-    p.add_argument("--stall-timeout", type=float, default=10.0,
-                   help="the coordinator migrates a stream whose decode worker sends nothing this long (s) "
-                        "after its first token")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve this supervisor's /metrics (pdserve_worker_restarts_total) here (0: off)")
+    _vllm_dtype_args(p)
+    g = p.add_argument_group("every tier")
+    add_flags(g, CoordinatorConfig, only=UP_SHARED)
+    g = p.add_argument_group("the coordinator (its flags)")
+    add_flags(g, CoordinatorConfig, only=UP_COORDINATOR)
+    g = p.add_argument_group("the prefill workers (their flags)")
+    add_flags(g, PrefillConfig, only=("weight_dtype",), prefix="prefill")
+    add_flags(g, PrefillConfig, only=UP_PREFILL)
+    g = p.add_argument_group("the decode workers (their flags)",
+                             f"each runs on one device (`pdserve decode --engine vllm --tensor-parallel-size N` spans "
+                             f"N); under --decode-engine vllm in blocks of {VLLM_BLOCK_SIZE} tokens")
+    add_flags(g, DecodeConfig, only=("weight_dtype", "device", "engine"), prefix="decode")
+    g.add_argument("--decode-python", help="the python that runs decode workers (default: this one); for "
+                                           "--decode-engine vllm one with vLLM installed, e.g. .venv-vllm/bin/python")
+    add_flags(g, DecodeConfig, only=UP_DECODE)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("coordinator", help="run the coordinator (public API)")
@@ -530,10 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("bench", help="load-test a pdserve (gRPC) or OpenAI-compatible server "
-                                     "(`pdserve bench --help`: its flags)", add_help=False,
-                       description="Load generator: see benchmarks/bench.py and benchmarks/README.md")
-    p.set_defaults(func=cmd_bench)  # its flags go to benchmarks/bench.py's own parser (see main)
+    for ep in _added_commands(set(sub.choices)):
+        p = sub.add_parser(ep.name, add_help=False, help=f"{ep.value} (`pdserve {ep.name} --help`: its flags)")
+        p.set_defaults(func=cmd_added, entry_point=ep)  # its flags go to its own parser (see main)
     return parser
 
 
@@ -547,8 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command == "bench":
-        args.bench_args = rest
+    if hasattr(args, "entry_point"):
+        args.rest = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     _setup_logging(getattr(args, "log_format", "text"))

@@ -10,7 +10,7 @@ import pytest
 from pdserve.server import cli
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.decode.config import DecodeConfig
-from pdserve.server.flags import field_docs
+from pdserve.server.flags import config_to_argv, field_docs
 from pdserve.server.prefill.config import PrefillConfig
 
 
@@ -99,3 +99,98 @@ def test_help_and_defaults_come_from_the_dataclass():
                 assert actions[f.name].help.startswith(docs[f.name]), (role, f.name)
             if f.name != "port" and f.default is not dataclasses.MISSING:
                 assert actions[f.name].default == f.default, (role, f.name)
+
+
+def _parsed(role: str, cls, argv: list[str]):
+    """The config the tier's own command builds from argv (as cmd_coordinator/cmd_prefill/cmd_decode do)."""
+    args = _parse(role, *argv)
+    dtypes = {} if cls is CoordinatorConfig else cli._dtypes(args, kv_flag="kv_dtype" if cls is DecodeConfig else None)
+    return cli._config(cls, args, model_dir=cli._resolve_model(args), **dtypes)
+
+
+def _worker_port(role: str) -> int:
+    return _parse(role, "--model", "m").port
+
+
+def test_a_config_written_as_flags_parses_back_to_itself(tiny_model):
+    model = tiny_model("llama")
+    configs = [
+        ("coordinator", CoordinatorConfig(model_dir=model)),
+        ("coordinator", CoordinatorConfig(
+            model_dir=model, port=7, prefill_addresses=["a:1", "b:2"], decode_addresses=["c:3"],
+            decode_policy="power-of-two", http_port=0, served_model_name=("tiny", "alias"), max_model_len=256,
+            chat_template="{{ messages[0].content }}", ttft_budget=1.5, reuse_port=True,
+            api_key="-starts-with-a-dash", stall_timeout=0.25)),
+        ("prefill", PrefillConfig(model_dir=model)),
+        ("prefill", PrefillConfig(
+            model_dir=model, port=0, weight_dtype="int8", max_batch_tokens=128, max_prefill_chunk=64,
+            prefix_cache_bytes=0, compilation_cache="none", compile_before_serving="all", tensor_parallel_size=2,
+            prefill_order="fifo", prefill_ageing=0.5)),
+        ("decode", DecodeConfig(model_dir=model)),
+        ("decode", DecodeConfig(
+            model_dir=model, block_size=32, device="cpu", kv_cache_memory="1GiB", enforce_eager=True,
+            enable_prefix_caching=False, weight_dtype="fp8", kv_dtype="fp8_e4m3", max_running=3, cpu_matmul="float32",
+            gpu_memory_utilization=0.5, engine="vllm", tensor_parallel_size=2)),
+    ]
+    for role, config in configs:
+        argv = config_to_argv(config, defaults={"port": _worker_port(role)})
+        assert _parsed(role, type(config), ["--model", str(model), *argv]) == config, (role, argv)
+    assert config_to_argv(DecodeConfig(model_dir=model)) == []
+    assert config_to_argv(DecodeConfig(model_dir=model, enable_prefix_caching=False, max_running=3),
+                          only=("enable_prefix_caching",)) == ["--no-enable-prefix-caching"]
+    assert config_to_argv(CoordinatorConfig(model_dir=model, api_key="-k")) == ["--api-key=-k"]
+
+
+def test_a_value_no_flag_spells_is_refused():
+    @dataclasses.dataclass
+    class Settings:
+        names: tuple[str, ...] = ("a",)
+        limit: int | None = 4
+
+    assert config_to_argv(Settings(names=("b", "c"), limit=5)) == ["--names", "b", "c", "--limit", "5"]
+    with pytest.raises(ValueError, match=r"--limit: None has no spelling on the command line \(its default is 4\)"):
+        config_to_argv(Settings(limit=None))
+    with pytest.raises(ValueError, match=r"--names: \(\) has no spelling"):
+        config_to_argv(Settings(names=()))
+
+
+UP_COMMAND_LINES = [
+    [],
+    ["--served-model-name", "tiny", "alias", "--max-model-len", "256", "--http-port", "8123", "--chat-template", "x",
+     "--stall-timeout", "5", "--ttft-budget", "2"],
+    ["--dtype", "float32", "--kv-cache-dtype", "fp8", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5",
+     "--tensor-parallel-size", "2", "--enforce-eager", "--compile-before-serving", "all"],
+    ["--quantization", "int8", "--prefill-weight-dtype", "fp8", "--kv-dtype", "int8", "--cpu-matmul", "float32",
+     "--compilation-cache", "none", "--kv-streams", "2", "--prefill-order", "fifo", "--max-num-batched-tokens", "128",
+     "--max-prefill-chunk", "64", "--prefix-cache-bytes", "0", "--kv-cache-memory", "1GiB", "--decode-device", "cpu"],
+    ["--decode-engine", "vllm", "--decode-weight-dtype", "bfloat16"],
+]
+
+
+@pytest.mark.parametrize("up_argv", UP_COMMAND_LINES, ids=lambda argv: " ".join(argv[:2]) or "defaults")
+def test_pdserve_up_hands_each_tier_the_config_it_built(tiny_model, up_argv):
+    """The argv `pdserve up` starts each tier with parses, by that tier's own command, to the config up built."""
+    model = tiny_model("llama")
+    args = _parse("up", "--model", str(model), *up_argv)
+    tiers = cli._tier_configs(args, cli._resolve_model(args), args.http_port)
+    for role, config in zip(("coordinator", "prefill", "decode"), tiers):
+        argv = ["--model", str(model), *config_to_argv(config), "--port", "0"]  # the launcher's port
+        assert _parsed(role, type(config), argv) == dataclasses.replace(config, port=0), (role, argv)
+    coordinator, prefill, decode = tiers
+    if "--decode-engine" in up_argv:
+        assert (decode.engine, decode.block_size, decode.weight_dtype) == ("vllm", cli.VLLM_BLOCK_SIZE, "bfloat16")
+    if "--quantization" in up_argv:  # vLLM's spelling quantizes both tiers, over --prefill-weight-dtype
+        assert (prefill.weight_dtype, decode.weight_dtype) == ("int8", "int8")
+        assert (decode.kv_dtype, decode.device) == ("int8", "cpu")
+    if "--dtype" in up_argv:
+        assert (prefill.tensor_parallel_size, decode.tensor_parallel_size, decode.max_running) == (2, 1, 8)
+        assert (decode.kv_dtype, prefill.compile_before_serving) == ("fp8_e4m3", "all")
+    if "--served-model-name" in up_argv:
+        assert all(t.served_model_name == ("tiny", "alias") and t.max_model_len == 256 for t in tiers)
+        assert (coordinator.http_port, coordinator.stall_timeout, coordinator.ttft_budget) == (8123, 5.0, 2.0)
+
+
+def test_pdserve_up_refuses_what_a_tier_would_in_its_own_spelling(tiny_model):
+    args = _parse("up", "--model", str(tiny_model("llama")), "--decode-device", "tpu")
+    with pytest.raises(ValueError, match="--decode-device takes auto, cpu, cuda or cuda:N, not 'tpu'"):
+        cli._tier_configs(args, cli._resolve_model(args), None)

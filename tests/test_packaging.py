@@ -85,3 +85,30 @@ def test_vllm_extra_leaves_torch_to_vllm():
     names = {Requirement(r).name for r in extras["vllm"]}
     assert names == {"vllm"}
     assert "torch" not in " ".join(extras["vllm"])
+
+
+def test_the_server_never_imports_the_benchmarks():
+    """`pdserve bench` is an entry point (pyproject.toml `pdserve.commands`) that the CLI loads only when it runs:
+    no module of the server names the benchmarks, and building the CLI imports none of them."""
+    import ast
+
+    for path in (ROOT / "server").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("pdserve.benchmarks") for n in names), path
+    entry = _pyproject()["project"]["entry-points"]["pdserve.commands"]
+    assert entry == {"bench": "pdserve.benchmarks.bench:main"}
+    code = ("import sys; from pdserve.server import cli; cli.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.startswith('pdserve.benchmarks')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_pdserve_bench_runs_the_load_generator():
+    """This install registers the entry point (a stale one: `pip install -e .` again) and `pdserve bench`
+    hands its flags to the load generator's own parser."""
+    out = subprocess.run([sys.executable, "-m", "pdserve.server.cli", "bench", "--help"], capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: pdserve bench") and "--request-rate" in out.stdout
