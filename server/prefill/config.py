@@ -45,8 +45,8 @@ class PrefillConfig:
     compile_before_serving: CompileBeforeServing = "common"
     """What compiles before the worker serves: common: the step shapes of prompts without context and
     sampling without penalties, the rest (chunked prompts' later chunks, cached prefixes' suffixes,
-    penalties) while it serves, on one low-priority thread (a request that needs one first compiles it);
-    all: every shape (a slice of several processes always does)."""
+    penalties) while it serves, on one thread while no prompt waits (a request that needs one first
+    compiles it); all: every shape (a slice of several processes always does)."""
     coordinator_address: str | None = None
     """Multi-host slices: host:port of process 0's jax.distributed coordinator (or JAX_COORDINATOR_ADDRESS);
     every host runs this worker with the same flags: process 0 serves, the others replay its steps

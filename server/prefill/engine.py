@@ -326,6 +326,10 @@ class PrefillEngine:
         loop = asyncio.get_running_loop()
         while True:
             step = self.scheduler.next_step()
+            if self.compiling is not None and step:  # the start-up compiles left run only while no prompt waits
+                self.compiling.pause()
+            elif self.compiling is not None:
+                self.compiling.resume()
             if not step:
                 self._wakeup.clear()
                 await self._wakeup.wait()

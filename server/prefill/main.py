@@ -135,7 +135,7 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
              jax.default_backend(), param_bytes(params) / 2**20, dtype,
              compute_dtype(model_config, dtype, jax.default_backend()), len(first), len(warmup.jobs),
              len(engine.shapes()), compile_s,
-             "" if warmup.finished.is_set() else "; the others compile while it serves, on one low-priority thread")
+             "" if warmup.finished.is_set() else "; the others compile while it serves, when no prompt waits")
     if not warmup.finished.is_set():
         engine.compiling = warmup
         warmup.start(threads=1)

@@ -9,9 +9,13 @@ the rarer ones in the background while it serves.
 2. `compile(jobs, threads)` compiles a set on that many threads (XLA compiles outside the GIL) and
    returns when it is done: `PrefillEngine.warmup` compiles all of them so; a worker that serves
    compiles `first(--compile-before-serving)` so, then
-3. `start(threads=1)` compiles the rest on background threads at a low CPU priority (nice 10), so a
-   step (normal priority) on the same core gets ~90% of it; `finished` is set, the log says so and
-   `pdserve_prefill_compiles_pending` reads 0 when the last is done.
+3. `start(threads=1)` compiles the rest on a background thread, only while no prompt waits: the
+   engine's loop calls `pause` when it takes a step and `resume` when its queue is empty, and the
+   background takes its next job only when resumed (a step waits for at most the compile in flight;
+   under a load that never lets up, the rest compile when a step first needs them, 4.). (A lower CPU
+   priority would not do it: XLA compiles on threads of its own, which keep the priority they had.)
+   `finished` is set, the log says so and `pdserve_prefill_compiles_pending` reads 0 when the last is
+   done.
 4. A step whose shape (or penalized sampling) is still waiting compiles it on the step's own thread
    (`ensure_step`); one that a background thread is compiling waits for that compile: no program
    compiles twice, and a request never queues behind the background's order. Jobs depend on nothing
@@ -77,6 +81,9 @@ class Warmup:
         self._lock = threading.Lock()
         self._stopping = False
         self._all_done = False
+        self._idle = threading.Event()
+        """Set while no prompt waits for a step: the background compiles only then."""
+        self._idle.set()
         self._threads: list[threading.Thread] = []
         self.finished = threading.Event()
         """Set when every job is done."""
@@ -145,7 +152,7 @@ class Warmup:
         return time.perf_counter() - t0
 
     def start(self, threads: int = 1) -> None:
-        """Compiles what is left in the background, on `threads` threads at a low CPU priority."""
+        """Compiles what is left in the background, on `threads` threads, while the engine is not paused."""
         if self.finished.is_set():
             return
         self._threads = [threading.Thread(target=self._background, name=f"compile-background-{i}", daemon=True)
@@ -154,15 +161,23 @@ class Warmup:
             t.start()
         atexit.register(self.stop)  # the interpreter exits after the compile in flight, not after all of them
 
+    def pause(self) -> None:
+        """A step is about to run: the background takes no new job until `resume`."""
+        self._idle.clear()
+
+    def resume(self) -> None:
+        """No prompt waits: the background goes on."""
+        self._idle.set()
+
     def stop(self) -> None:
         """Stops the background after the compiles in flight (a stopping worker needs no more)."""
         self._stopping = True
+        self._idle.set()
         for t in self._threads:
             t.join()
 
     def _background(self) -> None:
-        _low_priority()
-        while not self._stopping and (job := self._take(self.jobs)) is not None:
+        while self._idle.wait() and not self._stopping and (job := self._take(self.jobs)) is not None:
             self._run(job)
 
     def _take(self, jobs: list[CompileJob]) -> CompileJob | None:
@@ -194,15 +209,3 @@ class Warmup:
                          len(self.jobs), time.perf_counter() - self.created)
                 self.finished.set()
 
-
-BACKGROUND_NICE = 10
-"""CFS weights 110 against a step's 1024: the step keeps ~90% of a shared core, and the background still
-moves on a machine busy with other work (at 19, 15 against 1024, it would all but stop)."""
-
-
-def _low_priority() -> None:
-    """This thread (and the threads it starts) at BACKGROUND_NICE, on Linux where a thread has its own."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
-    except (AttributeError, OSError):  # not Linux: the background takes its share
-        pass

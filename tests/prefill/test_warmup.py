@@ -129,6 +129,20 @@ def test_a_failed_background_compile_is_logged_and_the_rest_go_on(caplog):
         failing.compile(failing.jobs, threads=1)
 
 
+def test_the_background_takes_no_job_while_steps_run():
+    engine = FakeEngine(SHAPES)
+    warmup = Warmup(engine)
+    warmup.compile(warmup.first("common"), threads=1)
+    warmup.pause()  # the engine took a step
+    warmup.start()
+    time.sleep(0.3)
+    assert len(engine.calls) == 4 and warmup.pending == 6
+    warmup.ensure(StepShape(16, 256))  # the step's own shape: compiled on its thread
+    assert len(engine.calls) == 5
+    warmup.resume()  # the queue is empty
+    assert warmup.finished.wait(10) and len(engine.calls) == 10
+
+
 def test_stop_ends_the_background_after_the_compile_in_flight():
     engine = FakeEngine(SHAPES)
     warmup = Warmup(engine)
