@@ -23,9 +23,12 @@ PNG = b"\x89PNG\r\n\x1a\n"
 @pytest.fixture(scope="module")
 def cluster(tiny_model, tmp_path_factory):
     # Two coordinator processes share the public port (SO_REUSEPORT): the load below spreads over both.
+    # One response per token, which the ITL count below relies on: per-request decode streams (a batched
+    # Steps stream joins the steps a slower coordinator has not read yet) and --max-coalesce 1 (adaptive
+    # coalescing merges the tokens of a client stream that falls behind); both did under the full suite.
     with pdserve_up(
         tiny_model("llama"), tmp_path_factory.mktemp("bench-up"), prefill_workers=1, decode_workers=1,
-        extra_args=["--coordinators", "2"],
+        extra_args=["--coordinators", "2", "--decode-streams", "per-request", "--max-coalesce", "1"],
     ) as state:
         assert state["coordinators"] == 2 and len([n for n in state["pids"] if n.startswith("coordinator")]) == 2
         yield state
