@@ -75,6 +75,18 @@ def _padded_to_blocks(q, k, v, q_pos, q_seg, k_pos, k_seg, bq: int, bk: int):
     return q, k, v, q_pos, q_seg, k_pos, k_seg
 
 
+def _blocked(q, k, v, q_pos, q_seg, k_pos, k_seg, bq: int, bk: int, hkv: int):
+    """The padded inputs cut into query and key blocks, block index first: q [nq, B, Hkv, G, bq, D],
+    k and v [nk, B, Hkv, bk, D], positions and segments [nq, B, bq] and [nk, B, bk]."""
+    b, s, hq, d = q.shape
+    nq, nk, g = s // bq, k.shape[1] // bk, hq // hkv
+    qb = q.reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)
+    kb, vb = (x.reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4) for x in (k, v))
+    qpb, qsb = (x.reshape(b, nq, bq).transpose(1, 0, 2) for x in (q_pos, q_seg))
+    kpb, ksb = (x.reshape(b, nk, bk).transpose(1, 0, 2) for x in (k_pos, k_seg))
+    return qb, kb, vb, qpb, qsb, kpb, ksb
+
+
 def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 256, block_k: int = 256):
     """`reference_attention`'s result with online softmax over key blocks (exact within fp32 rounding)."""
     b, s, hq, d = q.shape
@@ -83,11 +95,7 @@ def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 2
     bq, bk = min(block_q, s), min(block_k, k.shape[1])
     q, k, v, q_pos, q_seg, k_pos, k_seg = _padded_to_blocks(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk)
     nq, nk = q.shape[1] // bq, k.shape[1] // bk
-    qb = q.reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, Hkv, G, bq, D]
-    kb = k.reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)  # [nk, B, Hkv, bk, D]
-    vb = v.reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)  # [nk, B, Hkv, bk, D]
-    qpb, qsb = q_pos.reshape(b, nq, bq).transpose(1, 0, 2), q_seg.reshape(b, nq, bq).transpose(1, 0, 2)  # [nq, B, bq]
-    kpb, ksb = k_pos.reshape(b, nk, bk).transpose(1, 0, 2), k_seg.reshape(b, nk, bk).transpose(1, 0, 2)  # [nk, B, bk]
+    qb, kb, vb, qpb, qsb, kpb, ksb = _blocked(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk, hkv)
     scale = d**-0.5
 
     def one_query_block(args):
@@ -162,11 +170,7 @@ def scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, own_keys_from: i
     nc = pads[0][0].shape[1] // bk if own_keys_from is not None else nk
     qi_of, kj_of = block_schedule(nq, bq, nc, nk - nc, bk) if own_keys_from is not None else \
         block_schedule(nq, bq, nk, 0, bk)
-    qb = q.reshape(b, nq, bq, hkv, g, d).transpose(1, 0, 3, 4, 2, 5)  # [nq, B, Hkv, G, bq, D]
-    kb = k.reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)  # [nk, B, Hkv, bk, D]
-    vb = v.reshape(b, nk, bk, hkv, d).transpose(1, 0, 3, 2, 4)  # [nk, B, Hkv, bk, D]
-    qpb, qsb = q_pos.reshape(b, nq, bq).transpose(1, 0, 2), q_seg.reshape(b, nq, bq).transpose(1, 0, 2)  # [nq, B, bq]
-    kpb, ksb = k_pos.reshape(b, nk, bk).transpose(1, 0, 2), k_seg.reshape(b, nk, bk).transpose(1, 0, 2)  # [nk, B, bk]
+    qb, kb, vb, qpb, qsb, kpb, ksb = _blocked(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk, hkv)
     scale = d**-0.5
 
     def step(carry, pair):
