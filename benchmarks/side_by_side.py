@@ -422,6 +422,19 @@ async def _run(target: Target, args, out: Path, per_core: bool) -> dict:
     return docs
 
 
+def wait_for_compiles(watch: CompileWatch | None, seconds: float, system: str) -> None:
+    """Before the load: until pdserve's prefill has compiled every shape (a shape compiling on demand, or the
+    background compile sharing the core, would be timed as prefill), at most `seconds` (then said)."""
+    if watch is None or seconds <= 0:
+        return
+    deadline = time.monotonic() + seconds
+    while watch.done_at is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if watch.done_at is None:
+        print(f"== {system}: its prefill still compiles after --compile-wait {seconds:.0f} s; measuring anyway "
+              f"(its prefill figures include compiles)", file=sys.stderr, flush=True)
+
+
 def startup(t0: float, ready_s: float, compiled_at: float | None) -> dict:
     """Seconds from the start of the system's first process until it served (the harness's readiness:
     pdserve's coordinator with a ready prefill and decode worker, vLLM's /v1/models), and until pdserve's
@@ -534,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slo-ttft-ms", type=float, default=10000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=1000.0)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--compile-wait", type=float, default=600.0,
+                   help="seconds to wait, once pdserve serves, for its prefill to compile every shape before the "
+                        "load starts (0: start at once; the rarer shapes then compile during the run)")
     p.add_argument("--pdserve-front", choices=["http", "grpc"], default="http",
                    help="drive pdserve through its OpenAI HTTP front (as vLLM) or its gRPC Generate")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "side_by_side")
@@ -580,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             ready_s = time.monotonic() - t0
             print(f"== {system}: ready in {ready_s:.0f} s; running", file=sys.stderr, flush=True)
+            wait_for_compiles(server.compile_watch, args.compile_wait, system)
             try:
 
                 async def go():
