@@ -123,7 +123,7 @@ def _fill(cache: PagedKvCache, blocks: int) -> None:
 def bench_reservation(args) -> list[dict]:
     config, weights = random_qwen_shape(args.reservation_layers, args.reservation_vocab)
     model = build_model(config, weights, dtype=torch.float32)
-    prepare(model)
+    prepare(model, "plain")  # fp32 through torch's default linear: the reservation ratio, not the kernel
     rows = []
     batch, context = args.batch, args.context
     for kv_dtype in ("float32", "int8"):

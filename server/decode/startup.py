@@ -36,14 +36,14 @@ from pdserve.server.model.weights import load_weights
 log = logging.getLogger("pdserve.decode")
 
 
-def dtypes(config: DecodeConfig, model_config: ModelConfig) -> tuple[str, str, str]:
-    """(weight dtype, compute dtype, KV dtype) the flags and the checkpoint give (before the CPU's choice)."""
+def dtypes(config: DecodeConfig, model_config: ModelConfig) -> tuple[str, str]:
+    """(weight dtype, compute dtype) the flags and the checkpoint give, before the CPU's choice (the KV
+    dtype follows the compute dtype the model ends up with: `engine_for_model`)."""
     weight_dtype = model_config.dtype if config.weight_dtype == "auto" else config.weight_dtype
     quantized = weight_dtype in QUANTIZED_WEIGHTS
     compute_dtype = (model_config.dtype if model_config.dtype in TORCH_DTYPES else "float32") if quantized \
         else weight_dtype
-    kv_dtype = compute_dtype if config.kv_dtype == "auto" else config.kv_dtype
-    return weight_dtype, compute_dtype, kv_dtype
+    return weight_dtype, compute_dtype
 
 
 def cpu_path(config: DecodeConfig, model_config: ModelConfig, compute_dtype: str, quantized: bool,
@@ -63,7 +63,7 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
     if config.gpu_memory_utilization is not None and device.type != "cuda":
         log.warning("--gpu-memory-utilization %s does not apply: this decode worker computes on the CPU; its KV "
                     "cache is sized by --kv-cache-tokens or --kv-cache-memory", config.gpu_memory_utilization)
-    weight_dtype, compute_dtype, _ = dtypes(config, model_config)
+    weight_dtype, compute_dtype = dtypes(config, model_config)
     if config.threads:
         torch.set_num_threads(config.threads)
     quantized = weight_dtype in QUANTIZED_WEIGHTS
@@ -87,7 +87,7 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
     return model_config, engine, layout
 
 
-def prepare(model: DecoderModel, path: str | None = "onednn") -> str:
+def prepare(model: DecoderModel, path: str | None) -> str:
     """The load-time steps once the weights (and their quantization) are in, where the model runs: on the
     CPU with a prepacked path (`cpu_matmul.PACKED`), the linears prepacked for oneDNN; nothing otherwise
     (CUDA included). Returns what it did, for the start-up log."""
