@@ -4,92 +4,89 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tokenizers import Tokenizer as HfTokenizer
-from tokenizers.decoders import DecodeStream
-
 PROMPT_CONTEXT = 5
 """Prompt tokens decoded in front of the output, so the first output piece gets its spacing right."""
 
+MAX_HELD = 16
+"""Ids held back at most. An incomplete UTF-8 character at the tail has at most 3 bytes, so ids are held
+only while the tokens around it cut characters apart; past this many (a model chaining such tokens) the
+oldest go out as they decode alone, so the window, and each step's decode, stays short."""
 
-MAX_CHAR_TOKENS = 3
-"""An incomplete UTF-8 character at the tail has at most 3 bytes, so it lies in the last 3 tokens."""
+REPLACEMENT = "\ufffd"
 
 
 class Decoder(Protocol):
-    """The model's tokenizer (`Tokenizer`): `hf` is its `tokenizers.Tokenizer`."""
-
-    hf: HfTokenizer
+    """The model's tokenizer (`Tokenizer`)."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:
-    """Output ids to text deltas through `tokenizers`' DecodeStream, never splitting a multi-byte character.
+    """Output ids to text deltas, never splitting a multi-byte character.
 
-    DecodeStream holds back ids whose bytes do not yet make a whole character, decoding only a short
-    window each step. What it lacks is added here: ids that can never complete a character (invalid
-    bytes) are let go as U+FFFD once more than MAX_CHAR_TOKENS wait, and `flush` gives what is held
-    at the end of the output.
+    The text given out is a function of the ids alone, not of how they arrive (one per event, or a step's
+    merged events): ids go through one at a time. After each, the text of context + held ids is decoded;
+    its last character, if U+FFFD, may be an incomplete character that later bytes complete, so only what
+    comes before it is sure. The longest run of held ids whose own text is a prefix of that sure text is
+    given out and joins the context (its last PROMPT_CONTEXT to 2 * PROMPT_CONTEXT ids, for the spacing of what follows). So
+    the pieces joined equal the decode of the whole output, invalid bytes included (as U+FFFD, at once
+    when they can no longer become a character), and `flush` gives what is held at the end.
     """
 
     def __init__(self, tokenizer: Decoder, prompt_ids: list[int]):
         self.tokenizer = tokenizer
         self.context = list(prompt_ids[-PROMPT_CONTEXT:])
-        """The last ids whose text is out (prompt ids at first), for the spacing of what follows."""
+        """The last ids whose text is out (prompt ids at first)."""
+        self.context_text = self._decode(self.context)
         self.held: list[int] = []
-        """Ids DecodeStream holds back: their text is not out yet."""
-        self.stream = DecodeStream(self.context, skip_special_tokens=True)
+        """Ids whose text is not out yet."""
 
     def push(self, ids: list[int]) -> str:
-        """Takes new output ids; returns the text they complete (possibly ""). Several ids (a step's merged
-        events) go through DecodeStream in one call; should their tail be an incomplete character, they
-        go again one by one (a fresh stream from the context), so each is held exactly as alone."""
-        if len(ids) > 1:
-            chunk = self.stream.step(self.tokenizer.hf, list(ids))
-            if chunk is not None:
-                self.context = (self.context + self.held + list(ids))[-PROMPT_CONTEXT:]
-                self.held = []
-                return chunk
-            again, self.held = [*self.held, *ids], []
-            self.stream = DecodeStream(self.context, skip_special_tokens=True)
-            return self._push_each(again)
-        return self._push_each(ids)
-
-    def _push_each(self, ids: list[int]) -> str:
-        pieces = []
-        for i in ids:
-            chunk = self.stream.step(self.tokenizer.hf, i)
-            if chunk is None:
-                self.held.append(i)
-                if len(self.held) > MAX_CHAR_TOKENS:
-                    pieces.append(self._let_go(len(self.held) - MAX_CHAR_TOKENS))
-            else:
-                self.context = (self.context + self.held + [i])[-PROMPT_CONTEXT:]
-                self.held = []
-                pieces.append(chunk)
-        return "".join(pieces)
+        """Takes new output ids; returns the text they complete (possibly "")."""
+        return "".join(self._push_one(i) for i in ids)
 
     def flush(self) -> str:
         """At the end of the output: whatever is held back (an incomplete character decodes as U+FFFD)."""
-        text, self.held = self._text(self.held), []
-        return text
+        return self._give_out(len(self.held), self._decode(self.context + self.held))
 
-    def _text(self, ids: list[int]) -> str:
-        """The text `ids` add after the context."""
-        if not ids:
-            return ""
-        before = self.tokenizer.decode(self.context)
-        return self.tokenizer.decode(self.context + ids)[len(before) :]
+    def _push_one(self, token: int) -> str:
+        self.held.append(token)
+        text = self._decode(self.context + self.held)
+        if not text.endswith(REPLACEMENT):
+            return self._give_out(len(self.held), text)
+        sure = text[:-1]
+        for n in range(len(self.held) - 1, 0, -1):
+            part = self._decode(self.context + self.held[:n])
+            if sure.startswith(part) and len(part) >= len(self.context_text):
+                return self._give_out(n, part)
+        if len(self.held) > MAX_HELD:
+            n = len(self.held) - MAX_HELD
+            return self._give_out(n, self._decode(self.context + self.held[:n]))
+        return ""
 
-    def _let_go(self, n: int) -> str:
-        """The first n held ids hold bytes that never become a character: out they go, and a fresh
-        stream takes the rest."""
-        gone, rest = self.held[:n], self.held[n:]
-        text = self._text(gone)
-        self.context = (self.context + gone)[-PROMPT_CONTEXT:]
-        self.held = []
-        self.stream = DecodeStream(self.context, skip_special_tokens=True)
-        return text + self.push(rest)
+    def _give_out(self, n: int, text: str) -> str:
+        """The first n held ids, whose text with the context is `text`, go out and join the context."""
+        piece = text[_common_prefix(self.context_text, text):]
+        self.context, self.held, self.context_text = self.context + self.held[:n], self.held[n:], text
+        if len(self.context) > 2 * PROMPT_CONTEXT:  # the window is cut back now and then, not every id
+            self.context = self.context[-PROMPT_CONTEXT:]
+            self.context_text = self._decode(self.context)
+        return piece
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+
+
+def _common_prefix(a: str, b: str) -> int:
+    """len(a) when b begins with a (as it does but for a window that cut a character at its start)."""
+    if b.startswith(a):
+        return len(a)
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class StopStringMatcher:
