@@ -33,7 +33,8 @@ def measure(model_dir: str, length: int, chunk: int) -> dict:
     from pdserve.server.model.config import load_config
     from pdserve.server.model.weights import load_weights
     from pdserve.server.prefill.config import PrefillConfig
-    from pdserve.server.prefill.engine import PrefillEngine, StepShape
+    from pdserve.server.prefill.engine import PrefillEngine
+    from pdserve.server.prefill.step_packing import StepShape
     from pdserve.server.prefill.model import load_params
 
     config = load_config(model_dir)

@@ -17,7 +17,8 @@ Life cycle of a prompt here:
    Each step's speed is measured for the coordinator's expected-wait admission (rates.py).
    `job.started` resolves at the first segment: the prompt's KV stream opens now, and the decode
    worker's lease with it.
-3. In a worker thread the step becomes host arrays (`StepInputs`) and `dispatch` runs them (on a slice
+3. In a worker thread the step becomes host arrays (`StepInputs`, packed by step_packing.py) and the
+   model runner's `dispatch` runs them (model_runner.py; on a slice
    of several processes, process 0 sends them to the others first, which run the same: replay.py):
    `kv_layer_groups` jitted layer groups, dispatched back to
    back, then the head for the prompts whose last segment this is: their first token is sampled on
@@ -37,13 +38,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from pdserve.kvcache import quant as host_quant
@@ -53,16 +51,14 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server import logprobs, metrics
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
-from pdserve.server.prefill.model import (Packing, bucket_length, embed, group_sizes, head, layer_group,
-                                          prompt_logprobs_head, split_layers)
+from pdserve.server.prefill.model import bucket_length, group_sizes
+from pdserve.server.prefill.model_runner import ModelRunner, StepOutputs
 from pdserve.server.prefill.prefix_kv import PrefixKv
-from pdserve.server.prefill.quant import quantize_kv_masked
 from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.replay import SliceLeader
-from pdserve.server.prefill.sampler import penalize, sample
-from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, aligned, packed_tokens
-from pdserve.server.prefill.sharding import host_readable
+from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, packed_tokens
 from pdserve.server.prefill.step_inputs import StepInputs
+from pdserve.server.prefill.step_packing import StepShape, pow2, step_inputs
 from pdserve.server.prefill.warmup import Warmup, cores
 
 log = logging.getLogger("pdserve.prefill")
@@ -126,40 +122,6 @@ class PrefillJob:
         return self.dropped
 
 
-@dataclass(frozen=True)
-class StepOutputs:
-    """What `dispatch` returns, on the device (replicated over a mesh that spans processes)."""
-
-    logits: jax.Array | None
-    """f32 [R, V] at the finishing prompts' last tokens, before penalties (None: none finishes)."""
-    first: jax.Array | None
-    """int32 [R]: their sampled first tokens."""
-    prompt_logprobs: tuple[jax.Array, jax.Array, jax.Array] | None
-    """chosen [1, T], top ids and logprobs [1, T, top], when a prompt asks for them."""
-    kv: list[tuple[int, dict[tuple[str, int], tuple], jax.Array, jax.Array]]
-    """Each layer group's first layer, its KV in each wire format (k, v, k scales, v scales; scales None
-    unquantized), and its k, v [l, 1, T, Hkv, D] in the compute dtype."""
-
-    def wait(self) -> None:
-        """Returns when every program of the step has run (what a slice's follower waits for)."""
-        jax.block_until_ready([self.logits, self.first, self.prompt_logprobs,
-                               [(k, v, *wire.values()) for _, wire, k, v in self.kv]])
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The static shape of one step: XLA compiles each once."""
-
-    tokens: int
-    """The packed buffer's token slots (a token bucket)."""
-    context: int
-    """Context slots (a context bucket; 0 when no segment has earlier tokens)."""
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 CONTEXT_BUCKET = 256
 """The smallest context bucket."""
 
@@ -179,14 +141,11 @@ class PrefillEngine:
         self.model_config = model_config
         self.config = config
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0)
-        self.max_len = _pow2(self.max_model_len)
-        self.groups = group_sizes(model_config.num_layers, config.kv_layer_groups)
-        """(first layer, layers) of each group the prefill runs and ships as one."""
-        self.group_layers = split_layers(params["layers"], self.groups)
-        """Each group's own weight stack; the engine keeps no stack of all layers beside them."""
-        self.params = {name: value for name, value in params.items() if name != "layers"}
-        """embed, final_norm, [lm_head]."""
-        largest = min(config.max_batch_tokens, _pow2(config.max_batch_size) * self.max_len)  # what steps can fill
+        self.max_len = pow2(self.max_model_len)
+        self.runner = ModelRunner(model_config, params, group_sizes(model_config.num_layers, config.kv_layer_groups),
+                                  config.max_batch_size)
+        """The device programs (model_runner.py)."""
+        largest = min(config.max_batch_tokens, pow2(config.max_batch_size) * self.max_len)  # what steps can fill
         self.token_buckets = _buckets(min(config.min_bucket, largest), largest)
         """The packed buffer's sizes, powers of two: few and static, so every one is compiled at start."""
         chunked = min(config.max_prefill_chunk or config.max_batch_tokens, config.max_batch_tokens) < self.max_model_len
@@ -195,18 +154,8 @@ class PrefillEngine:
             self.context_buckets += _buckets(min(CONTEXT_BUCKET, self.max_len), self.max_len, growth=4)
         """Context sizes (all segments' earlier tokens of a step together, at most max_len), growing 4x:
         padded context costs little (attention skips key blocks no query reads), a shape costs a compile."""
-        self.dtype = params["embed"].dtype
-        self.vocab_size = self.params.get("lm_head", self.params["embed"]).shape[0]
-        out = host_readable(params)  # on a mesh that spans processes: outputs replicated, for process 0 to read
-        self._embed = jax.jit(partial(embed, config=model_config), **out)
-        self._group = jax.jit(partial(layer_group, config=model_config), **out)
-        self._head = jax.jit(partial(head, config=model_config), **out)
-        self._penalize = jax.jit(penalize, **out)
-        self._sample = jax.jit(sample, **out)
-        self._prompt_logprobs = jax.jit(partial(prompt_logprobs_head, config=model_config,
-                                                top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)), **out)
-        self._quantize_kv = jax.jit(quantize_kv_masked, static_argnames=("block_size", "fmt"), **out)
-        self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",), **out)
+        self.dtype = self.runner.dtype
+        self.vocab_size = self.runner.vocab_size
         self.replay: SliceLeader | None = None
         """On process 0 of a slice of several processes: sends each step to the others before running it."""
         self.compiling: Warmup | None = None
@@ -363,76 +312,13 @@ class PrefillEngine:
             job.first_token.set_exception(error)
         job.kv.put_nowait(error)
 
-    def _pack(self, step: list[Segment[PrefillJob]], shape: StepShape):
-        """Host arrays of the step: tokens, Packing, context k and v [L, 1, C, Hkv, D], segment offsets."""
-        c = self.model_config
-        align = max(s.job.block_size for s in step)
-        tokens = np.zeros((1, shape.tokens), np.int32)  # [1, T]
-        positions = np.zeros((1, shape.tokens), np.int32)
-        segments = np.full((1, shape.tokens), -1, np.int32)
-        context = np.zeros((2, c.num_layers, 1, shape.context, c.num_kv_heads, c.head_dim), np.dtype(self.dtype))
-        context_positions = np.zeros((1, shape.context), np.int32)  # [1, C]
-        context_segments = np.full((1, shape.context), -2, np.int32)
-        offsets: list[int] = []
-        at, ctx_at = 0, 0
-        for i, s in enumerate(step):
-            offsets.append(at)
-            tokens[0, at : at + s.length] = s.job.token_ids[s.start : s.end]
-            positions[0, at : at + s.length] = np.arange(s.start, s.end)
-            segments[0, at : at + s.length] = i
-            at += aligned(s.length, align)
-            if s.start:
-                context[:, :, 0, ctx_at : ctx_at + s.start] = s.job.context[:, :, : s.start]
-                context_positions[0, ctx_at : ctx_at + s.start] = np.arange(s.start)
-                context_segments[0, ctx_at : ctx_at + s.start] = i
-                ctx_at += s.start
-        packing = Packing(positions, segments, context_positions, context_segments)
-        return tokens, packing, context, offsets
-
-    def _inputs(self, step: list[Segment[PrefillJob]], shape: StepShape) -> tuple[StepInputs, list[int]]:
-        """The step's device work as host arrays, and each segment's offset in the token buffer."""
-        tokens, packing, context, offsets = self._pack(step, shape)
-        finishing = [(i, s) for i, s in enumerate(step) if s.last]
-        head_rows = penalties = sampling = next_tokens = None
-        if finishing:
-            rows = _pow2(len(finishing))
-            head_rows = np.zeros((rows,), np.int32)
-            head_rows[: len(finishing)] = [offsets[i] + s.length - 1 for i, s in finishing]
-            jobs = [s.job for _, s in finishing]
-            penalties, sampling = self._penalties(jobs, rows), self._sampling(jobs, rows)
-        if any(s.job.sampling.HasField("prompt_logprobs") for s in step):  # this pass's hidden state
-            next_tokens = self._next_tokens(step, offsets, shape)
-        formats = tuple(sorted({(s.job.kv_dtype, s.job.block_size) for s in step}))
-        return StepInputs(tokens, packing, context, formats, head_rows, penalties, sampling, next_tokens), offsets
-
     def dispatch(self, inputs: StepInputs, to_host: bool = True) -> StepOutputs:
-        """Dispatches one step's programs, in this order (on every process of a slice): embed, each layer
-        group, the head and sampling of the finishing prompts, their prompt logprobs, then each group's KV
-        converted to each wire format (queued behind the sampling, so a first token never waits for KV)
-        and, `to_host`, copying to the host as it is ready (a slice's other processes read nothing)."""
-        packing = inputs.packing
-        x, cos, sin = self._embed(self.params, inputs.tokens, packing.positions)  # [1, T, H], [1, T, D] x2
-        kv = []  # (first layer, k, v [l, 1, T, Hkv, D]) of each group, on the device
-        # The groups are dispatched back to back: XLA runs them while the host goes on.
-        for (start, size), layers in zip(self.groups, self.group_layers):
-            x, k, v = self._group(layers, x, cos, sin, packing, inputs.context[0, start : start + size],
-                                  inputs.context[1, start : start + size])
-            kv.append((start, k, v))
-        logits = first = prompt_lp = None
-        if inputs.head_rows is not None:
-            logits = self._head(self.params, x, inputs.head_rows)  # [R, V]
-            penalized = logits if inputs.penalties is None else self._penalize(logits, *inputs.penalties)
-            first = self._sample(penalized, *inputs.sampling)  # [R]
-        if inputs.next_tokens is not None:
-            prompt_lp = self._prompt_logprobs(self.params, x, inputs.next_tokens)
-        valid = packing.segments >= 0  # [1, T]
-        wire = [(start, {f: self._to_wire(k, v, valid, *f, to_host=to_host) for f in inputs.formats}, k, v)
-                for start, k, v in kv]
-        return StepOutputs(logits, first, prompt_lp, wire)
+        """Runs one step's programs (model_runner.py); a slice's other processes run it on the same inputs."""
+        return self.runner.dispatch(inputs, to_host)
 
     def _run(self, step: list[Segment[PrefillJob]], shape: StepShape, loop: asyncio.AbstractEventLoop) -> None:
         """Runs one step (in a worker thread), handing each job its KV and, at its last segment, its first token."""
-        inputs, offsets = self._inputs(step, shape)
+        inputs, offsets = step_inputs(step, shape, self.model_config, self.dtype, self.vocab_size, self._bucket)
         if self.compiling is not None:
             self.compiling.ensure_step(shape, inputs)
         keep = [s for s in step if not s.last or self.prefix.enabled]  # whose compute-dtype KV the host keeps
@@ -501,30 +387,6 @@ class PrefillEngine:
         wire = NUMPY_DTYPES[job.kv_dtype]
         return KvTensors(layer_start, token_start, k.astype(wire), v.astype(wire))
 
-    def _to_wire(self, k: jax.Array, v: jax.Array, valid: np.ndarray, dtype: str, block_size: int,
-                 to_host: bool = True):
-        """(k, v, k_scales, v_scales) in the wire format, (`to_host`) already copying to the host."""
-        if dtype in QUANTIZED:  # on the device, over the real tokens' blocks
-            qk, k_scales = self._quantize_kv(k, valid, block_size=block_size, fmt=dtype)
-            qv, v_scales = self._quantize_kv(v, valid, block_size=block_size, fmt=dtype)
-            arrays = (qk, qv, k_scales, v_scales)
-        else:
-            same = k.dtype == NUMPY_DTYPES[dtype]
-            arrays = (k, v, None, None) if same else (self._cast(k, dtype=dtype), self._cast(v, dtype=dtype), None, None)
-        for a in arrays if to_host else ():
-            if a is not None:
-                a.copy_to_host_async()
-        return arrays
-
-    @staticmethod
-    def _next_tokens(step: list[Segment[PrefillJob]], offsets: list[int], shape: StepShape) -> np.ndarray:
-        """int32 [1, T]: the token each position of the buffer predicts (position p: token p + 1)."""
-        next_tokens = np.zeros((1, shape.tokens), np.int32)
-        for i, s in enumerate(step):
-            ahead = s.job.token_ids[s.start + 1 : s.end + 1]
-            next_tokens[0, offsets[i] : offsets[i] + len(ahead)] = ahead
-        return next_tokens
-
     @staticmethod
     def _take_prompt_logprobs(step: list[Segment[PrefillJob]], offsets: list[int], computed: tuple) -> None:
         """Each asking segment's share of its prompt logprobs, from the step's (chosen, top ids, top logprobs)."""
@@ -561,107 +423,12 @@ class PrefillEngine:
                 job.first_logprob = logprobs.from_logits(host_logits[i : i + 1], [int(first_ids[i])],
                                                          job.sampling.logprobs)[0]
 
-    def _penalties(self, jobs: list[PrefillJob], rows: int) -> tuple[np.ndarray, ...] | None:
-        """`penalize`'s arguments after the logits, for each prompt's penalties and min_tokens (None when
-        none asks: the logits are sampled as they are)."""
-        sp = [j.sampling for j in jobs]
-        blocked = np.zeros((rows, self.vocab_size), dtype=bool)  # [R, V]
-        for i, job in enumerate(jobs):
-            if job.sample_index < job.sampling.min_tokens:
-                eos = () if job.sampling.ignore_eos else self.model_config.eos_token_ids
-                banned = [t for t in (*eos, *job.sampling.stop_token_ids) if 0 <= t < self.vocab_size]
-                blocked[i, banned] = True
-        repetition = [p.repetition_penalty if p.HasField("repetition_penalty") else 1.0 for p in sp]
-        if not (blocked.any() or any(p.presence_penalty or p.frequency_penalty for p in sp)
-                or any(r != 1.0 for r in repetition)):
-            return None
-        lengths = _column([j.num_tokens for j in jobs], np.int32, rows)
-        tokens = np.zeros((rows, self._bucket(int(lengths.max()))), np.int32)  # [R, S]: the whole prompts
-        for i, job in enumerate(jobs):
-            tokens[i, : job.num_tokens] = job.token_ids
-        lengths[len(jobs):] = 1
-        return (tokens, lengths, _column([j.sample_index for j in jobs], np.int32, rows),
-                _column([p.presence_penalty for p in sp], np.float32, rows),
-                _column([p.frequency_penalty for p in sp], np.float32, rows),
-                np.concatenate([np.asarray(repetition, np.float32), np.ones(rows - len(jobs), np.float32)]), blocked)
-
-    @staticmethod
-    def _sampling(jobs: list[PrefillJob], rows: int) -> tuple[np.ndarray, ...]:
-        """`sample`'s columns after the logits: each prompt's sampling parameters (a seed drawn here when
-        it has none), padded to the head's rows."""
-        def column(values, dtype):
-            return _column(values, dtype, rows)
-
-        sp = [j.sampling for j in jobs]
-        return (
-            column([p.temperature for p in sp], np.float32),
-            column([p.top_k for p in sp], np.int32),
-            column([p.top_p if p.top_p > 0 else 1.0 for p in sp], np.float32),
-            column([(p.seed if p.HasField("seed") else secrets.randbits(32)) % 2**32 for p in sp], np.uint32),
-            column([j.sample_index for j in jobs], np.int32),
-            column([p.min_p for p in sp], np.float32),
-        )
-
     def warmup(self, progress: bool = False, shapes: list[StepShape] | None = None) -> float:
         """Compiles (ahead of time: nothing runs) every program `_run` dispatches, for every shape of
         `shapes()` (or the given ones), so no request pays for a compile. Returns the seconds it took.
         (A worker that serves compiles the common ones first and the rest while it serves: warmup.py.)"""
         plan = Warmup(self, shapes)
         return plan.compile(plan.jobs, threads=cores(), progress=progress)
-
-    def _compile_step(self, shape: StepShape) -> list[jax.ShapeDtypeStruct]:
-        """The programs of one step shape: embed, each layer group's size, the KV's cast to the
-        unquantized wire dtypes, the head at every row count, and the prompt logprobs."""
-        c, spec = self.model_config, jax.ShapeDtypeStruct
-        ints = spec((1, shape.tokens), jnp.int32)
-        ctx = spec((1, shape.context), jnp.int32)
-        packing = Packing(ints, ints, ctx, ctx)
-        x, cos, sin = _avals(self._embed.lower(self.params, ints, ints).compile())
-        casts = {d for d in ("float32", "bfloat16") if jnp.dtype(d) != x.dtype}
-        done = set()  # (size, x's sharding): the groups' programs differ only in these
-        for (_, size), layers in zip(self.groups, self.group_layers):  # each group's x comes from the one before
-            if (size, x.sharding) not in done:
-                done.add((size, x.sharding))
-                context = spec((size, 1, shape.context, c.num_kv_heads, c.head_dim), self.dtype)
-                x, k, _ = _avals(self._group.lower(layers, x, cos, sin, packing, context, context).compile())
-                for dtype in casts:
-                    self._cast.lower(k, dtype=dtype).compile()
-        logits = [_avals(self._head.lower(self.params, x, spec((r,), jnp.int32)).compile())[0]
-                  for r in (1 << i for i in range(_pow2(self.config.max_batch_size).bit_length()))]
-        self._prompt_logprobs.lower(self.params, x, ints).compile()
-        return logits  # [R, V] at each row count R
-
-    def _compile_sample(self, logits: jax.ShapeDtypeStruct) -> None:
-        """Sampling of the logits as the head returns them (no penalties)."""
-        spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
-        f32, i32, u32 = (spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32))
-        self._sample.lower(logits, f32, i32, f32, u32, i32, f32).compile()
-
-    def _compile_penalized(self, logits: jax.ShapeDtypeStruct, length: int) -> None:
-        """The penalties over prompts padded to `length` at the head's logits' rows, and sampling of
-        what they return."""
-        spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
-        f32, i32 = spec((rows,), jnp.float32), spec((rows,), jnp.int32)
-        penalized, = _avals(self._penalize.lower(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
-                                                 spec(logits.shape, jnp.bool_)).compile())
-        if penalized != logits:  # else `_compile_sample`'s
-            self._compile_sample(penalized)
-
-
-def _avals(compiled) -> tuple[jax.ShapeDtypeStruct, ...]:
-    """What a compiled program returns, as the next program's arguments: sharded as it returns them
-    over a mesh; on one device uncommitted, as arrays made from numpy (and so its outputs) are."""
-    return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding if
-                                      isinstance(o.sharding, jax.sharding.NamedSharding) else None)
-                 for o in jax.tree.leaves(compiled.out_info))
-
-
-def _column(values: list, dtype, rows: int) -> np.ndarray:
-    """values padded with zeros to the batch's rows."""
-    out = np.zeros((rows,), dtype=dtype)
-    out[: len(values)] = values
-    return out
-
 
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():

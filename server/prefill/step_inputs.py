@@ -1,6 +1,7 @@
-"""One prefill step's device work as host arrays: what `PrefillEngine.dispatch` runs.
+"""One prefill step's device work as host arrays: what `ModelRunner.dispatch` runs.
 
-The engine packs a step (engine.py `_inputs`) into this value, then dispatches its programs. On a
+The engine packs a step (step_packing.py `step_inputs`) into this value, then dispatches its programs
+(model_runner.py). On a
 slice of several processes, process 0 sends the same value to every other process first (replay.py),
 and each runs `dispatch` on it too: the same programs, with the same global shapes, in the same order.
 It holds everything a step's programs read, so the other processes keep no state of their own.

@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import jax
 
-    from pdserve.server.prefill.engine import PrefillEngine, StepShape
+    from pdserve.server.prefill.engine import PrefillEngine
+    from pdserve.server.prefill.step_packing import StepShape
     from pdserve.server.prefill.step_inputs import StepInputs
 
 log = logging.getLogger("pdserve.prefill")
@@ -72,10 +73,10 @@ class Warmup:
         self._first_shape = min(shapes, key=lambda s: (s.context, s.tokens))
         rows = [1 << i for i in range((engine.config.max_batch_size - 1).bit_length() + 1)]  # up to a power of two
         steps = sorted(shapes, key=lambda s: (s.context, s.tokens))
-        self.jobs = [CompileJob(s, lambda s=s: engine._compile_step(s), s.context == 0) for s in steps]
-        self.jobs += [CompileJob(("sample", r), lambda i=i: engine._compile_sample(self._logits()[i]), True)
+        self.jobs = [CompileJob(s, lambda s=s: engine.runner.compile_step(s), s.context == 0) for s in steps]
+        self.jobs += [CompileJob(("sample", r), lambda i=i: engine.runner.compile_sample(self._logits()[i]), True)
                       for i, r in enumerate(rows)]
-        self.jobs += [CompileJob(("penalized", r, n), lambda i=i, n=n: engine._compile_penalized(self._logits()[i], n),
+        self.jobs += [CompileJob(("penalized", r, n), lambda i=i, n=n: engine.runner.compile_penalized(self._logits()[i], n),
                                  False) for n in engine.rates.buckets for i, r in enumerate(rows)]
         self._by_key = {j.key: j for j in self.jobs}
         self._lock = threading.Lock()

@@ -145,7 +145,7 @@ def test_served_bf16_checkpoint_on_cpu_computes_in_fp32_and_sends_bf16_kv(tiny_m
 
     path = tiny_model("llama", "bfloat16")
     engine = load_engine(PrefillConfig(model_dir=path, max_batch_size=1, max_model_len=64), progress=False)
-    wq = engine.group_layers[0]["wq"]
+    wq = engine.runner.group_layers[0]["wq"]
     assert wq.dtype == jnp.float32
     bf16 = load_params(load_config(path), load_weights(path), dtype="bfloat16")["layers"]["wq"]
     np.testing.assert_array_equal(np.asarray(wq), np.asarray(bf16[: wq.shape[0]], np.float32))

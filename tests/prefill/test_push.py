@@ -96,7 +96,7 @@ async def test_kv_leaves_layer_group_by_group_and_equals_the_whole_prefill(tiny_
     path = tiny_model("llama")
     sink = Sink()
     rig = Rig(path, sink, kv_layer_groups=2)
-    assert rig.engine.groups == [(0, 1), (1, 1)]
+    assert rig.engine.runner.groups == [(0, 1), (1, 1)]
     want = await rig.engine.submit(PROMPT, GREEDY, 0, "float32", 4)
     transfer = rig.receiver.expect("r1", 0, TOKEN, len(PROMPT))
     first = await rig.prefill("r1", PROMPT)
@@ -135,14 +135,14 @@ async def test_a_prefill_that_dies_after_k_of_n_groups_aborts_and_the_retry_does
     sink = Sink()
     rig = Rig(path, sink, kv_layer_groups=2)
     want = await rig.engine.submit(PROMPT, GREEDY, 0, "float32", 4)
-    to_wire, calls = rig.engine._to_wire, []
+    to_wire, calls = rig.engine.runner.to_wire, []
 
     def dying(*args, **kwargs):  # the first run's second group never reaches the host
         calls.append(1)
         arrays = to_wire(*args, **kwargs)
         return (DeviceLost(), *arrays[1:]) if len(calls) == 2 else arrays
 
-    rig.engine._to_wire = dying
+    rig.engine.runner.to_wire = dying
     old = rig.receiver.expect("r1", 0, TOKEN, len(PROMPT))
     assert await rig.prefill("r1", PROMPT) == want.first_token  # the first token is out before the last group
     with pytest.raises(TransferError) as failure:

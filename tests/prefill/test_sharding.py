@@ -108,7 +108,7 @@ report = {}
 for name, tp in (("default", None), ("one", 1)):
     engine = load_engine(PrefillConfig(model_dir=path, tensor_parallel_size=tp, max_batch_size=2, max_model_len=64),
                          progress=False)
-    wq = engine.group_layers[0]["wq"]
+    wq = engine.runner.group_layers[0]["wq"]
     before = len(events)
     results = asyncio.run(run(engine))
     report[name] = {"devices": len(wq.sharding.device_set), "compiles": len(events) - before,

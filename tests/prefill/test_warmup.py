@@ -27,7 +27,8 @@ from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill import main
 from pdserve.server.prefill.config import PrefillConfig
-from pdserve.server.prefill.engine import PrefillEngine, StepShape
+from pdserve.server.prefill.engine import PrefillEngine
+from pdserve.server.prefill.step_packing import StepShape
 from pdserve.server.prefill.model import load_params
 from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.warmup import Warmup
@@ -35,8 +36,8 @@ from tests.prefill.test_compiles import compiles
 
 
 class FakeEngine:
-    """The four things Warmup reads of an engine; each compile is recorded (key, thread) and waits
-    while its key is held."""
+    """What Warmup reads of an engine (its runner's compiles are its own here); each compile is
+    recorded (key, thread) and waits while its key is held."""
 
     def __init__(self, shapes: list[StepShape], max_batch_size: int = 2, lengths: tuple[int, ...] = (16, 32)):
         self.config = PrefillConfig(model_dir=Path("unused"), max_batch_size=max_batch_size)
@@ -46,6 +47,7 @@ class FakeEngine:
         self.held: dict[object, threading.Event] = {}
         self.entered: dict[object, threading.Event] = {}
         self.failing: set[object] = set()
+        self.runner = self
 
     def shapes(self) -> list[StepShape]:
         return self._shapes
@@ -64,13 +66,13 @@ class FakeEngine:
             raise RuntimeError(f"compiling {key} failed")
         return result
 
-    def _compile_step(self, shape):
+    def compile_step(self, shape):
         return self._compile(shape, [f"logits[{r}]" for r in (1, 2)])
 
-    def _compile_sample(self, logits):
+    def compile_sample(self, logits):
         return self._compile(("sample", logits))
 
-    def _compile_penalized(self, logits, length):
+    def compile_penalized(self, logits, length):
         return self._compile(("penalized", logits, length))
 
 

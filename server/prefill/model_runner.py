@@ -1,0 +1,155 @@
+"""The prefill's device programs: jitted once per engine, dispatched per step, compiled ahead of time.
+
+`ModelRunner` owns what runs on the device (embed, each layer group, the head, penalties and sampling,
+prompt logprobs, the KV's conversion to each wire format) and nothing of the queue: the engine
+(engine.py) packs a step into `StepInputs` (step_packing.py) and hands it to `dispatch`, which every
+process of a slice runs on the same inputs (replay.py). `compile_*` lower and compile the same
+programs for a shape without running them (warmup.py decides which and when).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
+from pdserve.server import logprobs
+from pdserve.server.model.config import ModelConfig
+from pdserve.server.prefill.model import Packing, embed, head, layer_group, prompt_logprobs_head, split_layers
+from pdserve.server.prefill.quant import quantize_kv_masked
+from pdserve.server.prefill.sampler import penalize, sample
+from pdserve.server.prefill.sharding import host_readable
+from pdserve.server.prefill.step_inputs import StepInputs
+from pdserve.server.prefill.step_packing import StepShape, pow2
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What `ModelRunner.dispatch` returns, on the device (replicated over a mesh that spans processes)."""
+
+    logits: jax.Array | None
+    """f32 [R, V] at the finishing prompts' last tokens, before penalties (None: none finishes)."""
+    first: jax.Array | None
+    """int32 [R]: their sampled first tokens."""
+    prompt_logprobs: tuple[jax.Array, jax.Array, jax.Array] | None
+    """chosen [1, T], top ids and logprobs [1, T, top], when a prompt asks for them."""
+    kv: list[tuple[int, dict[tuple[str, int], tuple], jax.Array, jax.Array]]
+    """Each layer group's first layer, its KV in each wire format (k, v, k scales, v scales; scales None
+    unquantized), and its k, v [l, 1, T, Hkv, D] in the compute dtype."""
+
+    def wait(self) -> None:
+        """Returns when every program of the step has run (what a slice's follower waits for)."""
+        jax.block_until_ready([self.logits, self.first, self.prompt_logprobs,
+                               [(k, v, *wire.values()) for _, wire, k, v in self.kv]])
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, params, groups: list[tuple[int, int]], max_batch_size: int):
+        self.model_config = model_config
+        self.groups = groups
+        """(first layer, layers) of each group the prefill runs and ships as one."""
+        self.group_layers = split_layers(params["layers"], groups)
+        """Each group's own weight stack; no stack of all layers is kept beside them."""
+        self.params = {name: value for name, value in params.items() if name != "layers"}
+        """embed, final_norm, [lm_head]."""
+        self.max_batch_size = max_batch_size
+        self.dtype = params["embed"].dtype
+        self.vocab_size = self.params.get("lm_head", self.params["embed"]).shape[0]
+        out = host_readable(params)  # on a mesh that spans processes: outputs replicated, for process 0 to read
+        self._embed = jax.jit(partial(embed, config=model_config), **out)
+        self._group = jax.jit(partial(layer_group, config=model_config), **out)
+        self._head = jax.jit(partial(head, config=model_config), **out)
+        self._penalize = jax.jit(penalize, **out)
+        self._sample = jax.jit(sample, **out)
+        self._prompt_logprobs = jax.jit(partial(prompt_logprobs_head, config=model_config,
+                                                top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)), **out)
+        self._quantize_kv = jax.jit(quantize_kv_masked, static_argnames=("block_size", "fmt"), **out)
+        self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",), **out)
+
+    def dispatch(self, inputs: StepInputs, to_host: bool = True) -> StepOutputs:
+        """Dispatches one step's programs, in this order (on every process of a slice): embed, each layer
+        group, the head and sampling of the finishing prompts, their prompt logprobs, then each group's KV
+        converted to each wire format (queued behind the sampling, so a first token never waits for KV)
+        and, `to_host`, copying to the host as it is ready (a slice's other processes read nothing)."""
+        packing = inputs.packing
+        x, cos, sin = self._embed(self.params, inputs.tokens, packing.positions)  # [1, T, H], [1, T, D] x2
+        kv = []  # (first layer, k, v [l, 1, T, Hkv, D]) of each group, on the device
+        # The groups are dispatched back to back: XLA runs them while the host goes on.
+        for (start, size), layers in zip(self.groups, self.group_layers):
+            x, k, v = self._group(layers, x, cos, sin, packing, inputs.context[0, start : start + size],
+                                  inputs.context[1, start : start + size])
+            kv.append((start, k, v))
+        logits = first = prompt_lp = None
+        if inputs.head_rows is not None:
+            logits = self._head(self.params, x, inputs.head_rows)  # [R, V]
+            penalized = logits if inputs.penalties is None else self._penalize(logits, *inputs.penalties)
+            first = self._sample(penalized, *inputs.sampling)  # [R]
+        if inputs.next_tokens is not None:
+            prompt_lp = self._prompt_logprobs(self.params, x, inputs.next_tokens)
+        valid = packing.segments >= 0  # [1, T]
+        wire = [(start, {f: self.to_wire(k, v, valid, *f, to_host=to_host) for f in inputs.formats}, k, v)
+                for start, k, v in kv]
+        return StepOutputs(logits, first, prompt_lp, wire)
+
+    def to_wire(self, k: jax.Array, v: jax.Array, valid, dtype: str, block_size: int, to_host: bool = True):
+        """(k, v, k_scales, v_scales) in the wire format, (`to_host`) already copying to the host."""
+        if dtype in QUANTIZED:  # on the device, over the real tokens' blocks
+            qk, k_scales = self._quantize_kv(k, valid, block_size=block_size, fmt=dtype)
+            qv, v_scales = self._quantize_kv(v, valid, block_size=block_size, fmt=dtype)
+            arrays = (qk, qv, k_scales, v_scales)
+        else:
+            same = k.dtype == NUMPY_DTYPES[dtype]
+            arrays = (k, v, None, None) if same else (self._cast(k, dtype=dtype), self._cast(v, dtype=dtype), None, None)
+        for a in arrays if to_host else ():
+            if a is not None:
+                a.copy_to_host_async()
+        return arrays
+
+    def compile_step(self, shape: StepShape) -> list[jax.ShapeDtypeStruct]:
+        """The programs of one step shape: embed, each layer group's size, the KV's cast to the
+        unquantized wire dtypes, the head at every row count, and the prompt logprobs."""
+        c, spec = self.model_config, jax.ShapeDtypeStruct
+        ints = spec((1, shape.tokens), jnp.int32)
+        ctx = spec((1, shape.context), jnp.int32)
+        packing = Packing(ints, ints, ctx, ctx)
+        x, cos, sin = _avals(self._embed.lower(self.params, ints, ints).compile())
+        casts = {d for d in ("float32", "bfloat16") if jnp.dtype(d) != x.dtype}
+        done = set()  # (size, x's sharding): the groups' programs differ only in these
+        for (_, size), layers in zip(self.groups, self.group_layers):  # each group's x comes from the one before
+            if (size, x.sharding) not in done:
+                done.add((size, x.sharding))
+                context = spec((size, 1, shape.context, c.num_kv_heads, c.head_dim), self.dtype)
+                x, k, _ = _avals(self._group.lower(layers, x, cos, sin, packing, context, context).compile())
+                for dtype in casts:
+                    self._cast.lower(k, dtype=dtype).compile()
+        logits = [_avals(self._head.lower(self.params, x, spec((r,), jnp.int32)).compile())[0]
+                  for r in (1 << i for i in range(pow2(self.max_batch_size).bit_length()))]
+        self._prompt_logprobs.lower(self.params, x, ints).compile()
+        return logits  # [R, V] at each row count R
+
+    def compile_sample(self, logits: jax.ShapeDtypeStruct) -> None:
+        """Sampling of the logits as the head returns them (no penalties)."""
+        spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
+        f32, i32, u32 = (spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32))
+        self._sample.lower(logits, f32, i32, f32, u32, i32, f32).compile()
+
+    def compile_penalized(self, logits: jax.ShapeDtypeStruct, length: int) -> None:
+        """The penalties over prompts padded to `length` at the head's logits' rows, and sampling of
+        what they return."""
+        spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
+        f32, i32 = spec((rows,), jnp.float32), spec((rows,), jnp.int32)
+        penalized, = _avals(self._penalize.lower(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
+                                                 spec(logits.shape, jnp.bool_)).compile())
+        if penalized != logits:  # else `compile_sample`'s
+            self.compile_sample(penalized)
+
+
+def _avals(compiled) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """What a compiled program returns, as the next program's arguments: sharded as it returns them
+    over a mesh; on one device uncommitted, as arrays made from numpy (and so its outputs) are."""
+    return tuple(jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=o.sharding if
+                                      isinstance(o.sharding, jax.sharding.NamedSharding) else None)
+                 for o in jax.tree.leaves(compiled.out_info))
