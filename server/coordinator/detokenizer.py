@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 PROMPT_CONTEXT = 5
@@ -28,9 +29,10 @@ class IncrementalDetokenizer:
     merged events): ids go through one at a time. After each, the text of context + held ids is decoded;
     its last character, if U+FFFD, may be an incomplete character that later bytes complete, so only what
     comes before it is sure. The longest run of held ids whose own text is a prefix of that sure text is
-    given out and joins the context (its last PROMPT_CONTEXT to 2 * PROMPT_CONTEXT ids, for the spacing of what follows). So
-    the pieces joined equal the decode of the whole output, invalid bytes included (as U+FFFD, at once
-    when they can no longer become a character), and `flush` gives what is held at the end.
+    given out and joins the context (its last PROMPT_CONTEXT to 2 * PROMPT_CONTEXT ids, for the spacing
+    of what follows). So the pieces joined equal the decode of the whole output, invalid bytes included
+    (as U+FFFD, at once when they can no longer become a character), and `flush` gives what is held at
+    the end.
     """
 
     def __init__(self, tokenizer: Decoder, prompt_ids: list[int]):
@@ -78,15 +80,9 @@ class IncrementalDetokenizer:
 
 
 def _common_prefix(a: str, b: str) -> int:
-    """len(a) when b begins with a (as it does but for a window that cut a character at its start)."""
-    if b.startswith(a):
-        return len(a)
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    """len(a) when b begins with a, as it does but where the context's text ended in an incomplete
+    character (a prompt given as ids) that the output's first bytes complete."""
+    return len(a) if b.startswith(a) else len(os.path.commonprefix([a, b]))
 
 
 class StopStringMatcher:

@@ -89,7 +89,7 @@ class Tokenizer:
 
     @property
     def hf(self) -> HfTokenizer:
-        """The `tokenizers.Tokenizer` itself (for DecodeStream)."""
+        """The `tokenizers.Tokenizer` itself."""
         return self._tok
 
     @property

@@ -76,7 +76,8 @@ class Warmup:
         self.jobs = [CompileJob(s, lambda s=s: engine.runner.compile_step(s), s.context == 0) for s in steps]
         self.jobs += [CompileJob(("sample", r), lambda i=i: engine.runner.compile_sample(self._logits()[i]), True)
                       for i, r in enumerate(rows)]
-        self.jobs += [CompileJob(("penalized", r, n), lambda i=i, n=n: engine.runner.compile_penalized(self._logits()[i], n),
+        runner = engine.runner
+        self.jobs += [CompileJob(("penalized", r, n), lambda i=i, n=n: runner.compile_penalized(self._logits()[i], n),
                                  False) for n in engine.rates.buckets for i, r in enumerate(rows)]
         self._by_key = {j.key: j for j in self.jobs}
         self._lock = threading.Lock()
