@@ -113,13 +113,15 @@ def _observe_each(histogram: Any, amount: float, count: int) -> None:
 
 
 def _pd(cls: type, name: str, doc: str, labels: tuple[str, ...] = (), *, vllm: str | None = None,
-        vllm_buckets: tuple[float, ...] | None = None, **kw: Any) -> Series:
-    """pdserve_<name>, and vllm:<vllm> with the same meaning when given."""
+        vllm_buckets: tuple[float, ...] | None = None, vllm_old: str | None = None, **kw: Any) -> Series:
+    """pdserve_<name>, and vllm:<vllm> with the same meaning when given; vllm:<vllm_old> too, the older name
+    vLLM gave the same series (published dashboards still query it)."""
     families = [_declare(cls, f"pdserve_{name}", doc, labels, **kw)]
-    if vllm is not None:
-        if vllm_buckets is not None:
-            kw = {**kw, "buckets": vllm_buckets}
-        families.append(_declare(cls, f"vllm:{vllm}", doc, labels, **kw))
+    if vllm_buckets is not None:
+        kw = {**kw, "buckets": vllm_buckets}
+    for vllm_name in (vllm, vllm_old):
+        if vllm_name is not None:
+            families.append(_declare(cls, f"vllm:{vllm_name}", doc, labels, **kw))
     return Series(*families)
 
 
@@ -128,7 +130,8 @@ num_requests_running = _pd(Gauge, "num_requests_running", "Requests running (dec
                            vllm="num_requests_running")
 num_requests_waiting = _pd(Gauge, "num_requests_waiting", "Requests waiting (in a queue, or for their KV)",
                            vllm="num_requests_waiting")
-kv_cache_usage_perc = _pd(Gauge, "kv_cache_usage_perc", "KV cache usage: 0 is empty, 1 is full", vllm="kv_cache_usage_perc")
+kv_cache_usage_perc = _pd(Gauge, "kv_cache_usage_perc", "KV cache usage: 0 is empty, 1 is full", vllm="kv_cache_usage_perc",
+                          vllm_old="gpu_cache_usage_perc")
 kv_blocks_used = _pd(Gauge, "kv_blocks_used", "KV cache blocks in use")
 kv_blocks_total = _pd(Gauge, "kv_blocks_total", "KV cache blocks in all")
 prefill_queued_tokens = _pd(Gauge, "prefill_queued_tokens", "Prompt tokens waiting to be prefilled")
@@ -195,13 +198,30 @@ _LAZY = {id(f) for f in worker_restarts.families}
 time_to_first_token = _pd(Histogram, "time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
                           vllm="time_to_first_token_seconds", vllm_buckets=VLLM_TTFT_BUCKETS)
 inter_token_latency = _pd(Histogram, "inter_token_latency_seconds", "Time between output tokens",
-                          buckets=TOKEN_LATENCY_BUCKETS, vllm="inter_token_latency_seconds", vllm_buckets=VLLM_ITL_BUCKETS)
+                          buckets=TOKEN_LATENCY_BUCKETS, vllm="inter_token_latency_seconds", vllm_buckets=VLLM_ITL_BUCKETS,
+                          vllm_old="time_per_output_token_seconds")
 e2e_request_latency = _pd(Histogram, "e2e_request_latency_seconds", "Request latency, arrival to last token",
                           buckets=LATENCY_BUCKETS, vllm="e2e_request_latency_seconds",
                           vllm_buckets=VLLM_REQUEST_LATENCY_BUCKETS)
 request_queue_time = _pd(Histogram, "request_queue_time_seconds", "Time a request waited in a queue",
                          buckets=LATENCY_BUCKETS, vllm="request_queue_time_seconds",
                          vllm_buckets=VLLM_REQUEST_LATENCY_BUCKETS)
+# A request's phases, as vLLM splits them: scheduled is when it left the coordinator's queue with its workers
+# picked (its first attempt); prefill runs to the first token, decode from there to the last.
+request_prefill_time = _pd(Histogram, "request_prefill_time_seconds", "A request's prefill phase: scheduled to first token",
+                           buckets=LATENCY_BUCKETS, vllm="request_prefill_time_seconds",
+                           vllm_buckets=VLLM_REQUEST_LATENCY_BUCKETS)
+request_decode_time = _pd(Histogram, "request_decode_time_seconds", "A request's decode phase: first token to last",
+                          buckets=LATENCY_BUCKETS, vllm="request_decode_time_seconds",
+                          vllm_buckets=VLLM_REQUEST_LATENCY_BUCKETS)
+request_inference_time = _pd(Histogram, "request_inference_time_seconds", "A request's prefill and decode: scheduled to last token",
+                             buckets=LATENCY_BUCKETS, vllm="request_inference_time_seconds",
+                             vllm_buckets=VLLM_REQUEST_LATENCY_BUCKETS)
+request_time_per_output_token = _pd(Histogram, "request_time_per_output_token_seconds",
+                                    "A request's mean time per output token after the first (its decode phase over its "
+                                    "output tokens less one); requests of one token observe nothing",
+                                    buckets=TOKEN_LATENCY_BUCKETS, vllm="request_time_per_output_token_seconds",
+                                    vllm_buckets=VLLM_ITL_BUCKETS)
 prefill_expected_wait = _pd(Histogram, "prefill_expected_wait_seconds",
                             "An admitted request's expected prefill wait at admission: the work its prefill worker runs first, then its own",
                             buckets=LATENCY_BUCKETS)

@@ -24,7 +24,7 @@ def test_observe_each_adds_what_count_observe_calls_add(amount, count):
     assert _samples(once) == _samples(each)
 
 
-def test_a_series_observes_each_on_pdserves_and_vllms_family():
+def test_a_series_observes_each_on_pdserves_and_vllms_families():
     def read() -> dict[tuple[str, str], float]:
         """Summed over label sets: the series' cached child may carry the identity an earlier test set."""
         out: dict[tuple[str, str], float] = {}
@@ -47,4 +47,7 @@ def test_a_series_observes_each_on_pdserves_and_vllms_family():
         ("vllm:inter_token_latency_seconds_bucket", "0.05"): 4.0,
         ("vllm:inter_token_latency_seconds_count", ""): 4.0,
         ("vllm:inter_token_latency_seconds_sum", ""): 0.125,
+        ("vllm:time_per_output_token_seconds_bucket", "0.05"): 4.0,  # vLLM's older name, the same buckets
+        ("vllm:time_per_output_token_seconds_count", ""): 4.0,
+        ("vllm:time_per_output_token_seconds_sum", ""): 0.125,
     }

@@ -159,7 +159,8 @@ class Attempt:
                 self._release()
                 continue
             if r.attempt == 0:
-                metrics.request_queue_time.observe(time.monotonic() - queued_at)
+                r.scheduled_at = time.monotonic()
+                metrics.request_queue_time.observe(r.scheduled_at - queued_at)
                 if r.shared is not None and not r.leads:
                     shared = placement is not None and decode is placement.decode
                     metrics.shared_prompt_choices.labels("shared" if shared else "own").inc()

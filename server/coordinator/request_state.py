@@ -33,6 +33,8 @@ class RequestState:
     """A choice of a request with n > 1: how the choices share the prompt's KV."""
     choice: int = 0
     """Which choice this is (0 leads: it places the prompt's KV; the others follow it)."""
+    scheduled_at: float | None = None
+    """time.monotonic() when the first attempt left the queue with its workers picked (vLLM's scheduled)."""
 
     @property
     def leads(self) -> bool:

@@ -139,6 +139,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                          f"{req.request_id}.{secrets.token_hex(4)}", shared=shared, choice=choice)
         completion = Completion(self.tokenizer, req.prompt_ids, list(req.sampling.stop), req.sampling.min_tokens)
         metrics.prompt_tokens.inc(len(req.prompt_ids))
+        first_token_at: float | None = None
         last_token_at: float | None = None
         outcome = "abort"  # a client cancel ends the generator without either of the others
         try:
@@ -164,6 +165,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                             now = time.monotonic()
                             new = list(value.token_ids)
                             if last_token_at is None:
+                                first_token_at = now
                                 metrics.time_to_first_token.observe(now - arrived)
                             elif new:  # merged tokens: each the gap's share after the one before
                                 metrics.inter_token_latency.observe_each((now - last_token_at) / len(new), len(new))
@@ -206,6 +208,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 metrics.request_prompt_tokens.observe(len(req.prompt_ids))
                 metrics.request_generation_tokens.observe(completion.num_tokens)
                 metrics.request_params_max_tokens.observe(req.sampling.max_tokens)
+                if first_token_at is not None and last_token_at is not None:
+                    _observe_phases(arrived if r.scheduled_at is None else r.scheduled_at, first_token_at, last_token_at, completion.num_tokens)
 
     def _with_stop_reason(self, out: generation_pb2.GenerateResponse, r: RequestState, completion: Completion
                           ) -> generation_pb2.GenerateResponse:
@@ -269,3 +273,13 @@ def _response(
         out.usage.prompt_tokens = len(req.prompt_ids)
         out.usage.completion_tokens = completion.num_tokens
     return out
+
+
+def _observe_phases(scheduled: float, first_token: float, last_token: float, num_tokens: int) -> None:
+    """A finished request's phases (vLLM's prefill, decode and inference times, and its time per output token)."""
+    decode = last_token - first_token
+    metrics.request_prefill_time.observe(first_token - scheduled)
+    metrics.request_decode_time.observe(decode)
+    metrics.request_inference_time.observe(last_token - scheduled)
+    if num_tokens > 1:
+        metrics.request_time_per_output_token.observe(decode / (num_tokens - 1))

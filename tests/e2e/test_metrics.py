@@ -49,6 +49,18 @@ def test_every_agreed_metric_is_exported_with_real_values(cluster):
     assert c["pdserve_time_to_first_token_seconds_count"] == 2
     assert c["pdserve_inter_token_latency_seconds_count"] == 16
     assert c["pdserve_e2e_request_latency_seconds_count"] == 2
+    # the phases: prefill (scheduled to first token) within the TTFT, decode the sum of the token gaps
+    phases = ("request_prefill_time", "request_decode_time", "request_inference_time", "request_time_per_output_token")
+    assert [c[f"pdserve_{p}_seconds_count"] for p in phases] == [2, 2, 2, 2]
+    assert 0 < c["pdserve_request_prefill_time_seconds_sum"] <= c["pdserve_time_to_first_token_seconds_sum"]
+    assert c["pdserve_request_decode_time_seconds_sum"] == pytest.approx(c["pdserve_inter_token_latency_seconds_sum"])
+    assert c["pdserve_request_inference_time_seconds_sum"] == pytest.approx(
+        c["pdserve_request_prefill_time_seconds_sum"] + c["pdserve_request_decode_time_seconds_sum"])
+    assert c["pdserve_request_time_per_output_token_seconds_sum"] == pytest.approx(
+        c["pdserve_request_decode_time_seconds_sum"] / 8)
+    old_tpot = [line for line in coordinator.metrics_text().splitlines()  # the older name of the token gaps
+                if line.startswith("vllm:time_per_output_token_seconds_count")]
+    assert [float(line.rsplit(" ", 1)[1]) for line in old_tpot] == [16.0]
     assert c["pdserve_local_prefill_fallbacks_total"] == 2 and d["pdserve_local_prefill_fallbacks_total"] == 2
     free, total = blocks(d0)
     assert d["pdserve_kv_blocks_total"] == total == 256
@@ -112,6 +124,9 @@ VLLM_TYPES = {
     "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram", "vllm:request_generation_tokens": "histogram",
     "vllm:request_params_max_tokens": "histogram",
+    "vllm:request_prefill_time_seconds": "histogram", "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram", "vllm:request_time_per_output_token_seconds": "histogram",
+    "vllm:time_per_output_token_seconds": "histogram", "vllm:gpu_cache_usage_perc": "gauge",
 }
 """vLLM's names and types (vllm/v1/metrics/loggers.py), as a Grafana dashboard for vLLM reads them."""
 VLLM_BUCKETS = {
@@ -121,7 +136,11 @@ VLLM_BUCKETS = {
                                          7.5, 10.0, 20.0, 40.0, 80.0],
     "vllm:e2e_request_latency_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                                          60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
-    "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500],  # 1-2-5 up to max_model_len (512 here)
+    "vllm:request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500],
+    "vllm:request_prefill_time_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                                          60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
+    "vllm:request_time_per_output_token_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                                                   1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0],  # 1-2-5 up to max_model_len (512 here)
 }
 
 
