@@ -9,6 +9,7 @@ from typing import Any
 from pdserve.v1 import generation_pb2
 from pdserve.server.coordinator.openai.errors import ApiError
 from pdserve.server.coordinator.openai.protocol import ChatRequest, CompletionRequest, SamplingFields
+from pdserve.server.coordinator.openai.structured import structured_output
 from pdserve.server.model.tokenizer import Tokenizer
 
 MAX_N = 16
@@ -76,11 +77,6 @@ def refuse_unsupported(req: SamplingFields) -> None:
         checks += [
             ("top_logprobs", req.top_logprobs is not None and not req.logprobs, "top_logprobs needs logprobs: true"),
             ("tools", bool(req.tools), "tools are not supported"),
-            (
-                "response_format",
-                (req.response_format or {"type": "text"}).get("type") != "text",
-                'only response_format {"type": "text"} is supported',
-            ),
         ]
     for param, bad, message in checks:
         if bad:
@@ -93,6 +89,9 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> generation_p
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
     )
+    structured = structured_output(req.response_format, req.structured_outputs)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured)
     for name, value in (
         ("max_tokens", max_tokens),
         ("temperature", req.temperature),
