@@ -174,7 +174,8 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from e
 
-    def encode(self, messages: list[Any], template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    def encode(self, messages: list[Any], template_kwargs: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """The rendered prompt and its token ids (no special tokens added: the template has them)."""
-        text = self.render(messages, template_kwargs=template_kwargs)
+        text = self.render(messages, template_kwargs=template_kwargs, tools=tools)
         return text, self._encoder.encode(text, add_special_tokens=False).ids

@@ -1,6 +1,7 @@
-"""Structured output end to end: `pdserve up` (a JAX prefill worker samples the first token, a torch decode
-worker the rest) and the unmodified openai SDK, on a random-weight model sampled at temperature 1. Every
-answer parses and satisfies its constraint, streaming and not; `chat.completions.parse` returns the object."""
+"""Structured output and tool calls end to end: `pdserve up` (a JAX prefill worker samples the first token, a
+torch decode worker the rest) and the unmodified openai SDK, on a random-weight model sampled at temperature 1.
+Every answer parses and satisfies its constraint, streaming and not; `chat.completions.parse` returns the
+object; tool_choice "required" and a named function answer calls whose arguments fit the function's schema."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def cluster(tiny_model, tmp_path_factory):
     model_dir = tiny_model("llama")
     http_port = free_port()
     with pdserve_up(model_dir, tmp_path_factory.mktemp("up"), prefill_workers=1, decode_workers=1,
-                    extra_args=["--http-port", str(http_port)]) as state:
+                    extra_args=["--http-port", str(http_port), "--enable-auto-tool-choice",
+                                "--tool-call-parser", "hermes"]) as state:
         state["http"] = f"http://127.0.0.1:{http_port}"
         state["model"] = model_dir.name
         yield state
@@ -128,3 +130,90 @@ def test_a_bad_schema_is_a_400_naming_the_field(cluster, sdk):
     with pytest.raises(openai.BadRequestError) as e:
         sdk.completions.create(model=cluster["model"], prompt="x", extra_body={"structured_outputs": {"regex": "(a"}})
     assert e.value.body["param"] == "structured_outputs.regex" and "unclosed group" in e.value.body["message"]
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "pattern": "^[A-Z]{3}$"}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+
+
+def _check_call(call) -> None:
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    if call.function.name == "get_weather":
+        assert set(args) == {"city", "days"} and args["city"] in ("Paris", "Oslo", "Lima") and 1 <= args["days"] <= 7
+    else:
+        assert call.function.name == "get_time" and re.fullmatch("[A-Z]{3}", args["zone"]), args
+
+
+def _tool_answer(sdk, cluster, stream: bool, seed: int, **kw):
+    """(tool calls, finish_reason) of one chat answer; streamed deltas reassembled by index, as SDKs do."""
+    out = sdk.chat.completions.create(model=cluster["model"], messages=MESSAGES, temperature=1.0, seed=seed,
+                                      max_tokens=300, tools=TOOLS, stream=stream, **kw)
+    if not stream:
+        return out.choices[0].message.tool_calls, out.choices[0].finish_reason
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in out:
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            for d in choice.delta.tool_calls or ():
+                c = calls.setdefault(d.index, {"id": "", "type": "function", "name": "", "arguments": ""})
+                c["id"] += d.id or ""
+                c["name"] += d.function.name or ""
+                c["arguments"] += d.function.arguments or ""
+    from openai.types.chat import ChatCompletionMessageToolCall
+    return [ChatCompletionMessageToolCall(id=c["id"], type="function",
+                                          function={"name": c["name"], "arguments": c["arguments"]})
+            for _, c in sorted(calls.items())], finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_required_tool_calls_fit_their_functions(cluster, sdk, stream):
+    for seed in SEEDS:
+        calls, finish = _tool_answer(sdk, cluster, stream, seed, tool_choice="required")
+        assert finish == "tool_calls" and calls
+        for call in calls:
+            _check_call(call)
+    calls, _ = _tool_answer(sdk, cluster, stream, 9, tool_choice="required", parallel_tool_calls=False)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_named_function_is_called_with_fitting_arguments(cluster, sdk, stream):
+    for seed in SEEDS:
+        calls, finish = _tool_answer(sdk, cluster, stream, seed,
+                                     tool_choice={"type": "function", "function": {"name": "get_time"}})
+        assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
+        _check_call(calls[0])
+
+
+def test_auto_parses_hermes_calls_out_of_the_text(cluster, sdk):
+    """A random model writes no call of its own: a regex holds it to one hermes call, which auto parses out."""
+    hermes = r'<tool_call>\n\{"name": "get_time", "arguments": \{"zone": "[A-Z]{3}"\}\}\n</tool_call>'
+    for stream in (False, True):
+        calls, finish = _tool_answer(sdk, cluster, stream, 1, tool_choice="auto",
+                                     extra_body={"structured_outputs": {"regex": hermes}})
+        assert finish == "tool_calls" and [c.function.name for c in calls] == ["get_time"]
+        _check_call(calls[0])
+    text, finish = _chat(sdk, cluster, False, 2, tools=TOOLS, extra_body={"structured_outputs": {"regex": "[a-z]{4}"}})
+    assert finish == "stop" and re.fullmatch("[a-z]{4}", text)
+
+
+def test_tool_refusals_name_the_field(cluster, sdk):
+    cases = [
+        (dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+        (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+              tool_choice="required"), "tools[0].function.parameters"),
+        (dict(tool_choice="required"), "tool_choice"),
+        (dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            sdk.chat.completions.create(model=cluster["model"], messages=MESSAGES, **kwargs)
+        assert e.value.body["param"] == param, e.value.body
