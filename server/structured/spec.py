@@ -30,10 +30,11 @@ def kind_of(spec: gen_pb.StructuredOutput) -> str | None:
     return spec.WhichOneof("kind")
 
 
-def grammar_of(spec: gen_pb.StructuredOutput, field: str = "structured") -> str:
-    """The llguidance grammar text of a set spec; SpecError naming `field.<kind>` when it cannot be built."""
+def grammar_of(spec: gen_pb.StructuredOutput, field: str = "structured", where: str | None = None) -> str:
+    """The llguidance grammar text of a set spec; SpecError naming `where` (default `field.<kind>`) when it
+    cannot be built."""
     kind = kind_of(spec)
-    where = f"{field}.{kind}"
+    where = where or f"{field}.{kind}"
     text = "" if kind in (None, "json_object", "choice") else getattr(spec, kind)
     if len(text) * 4 > MAX_SPEC_BYTES and len(text.encode()) > MAX_SPEC_BYTES:
         raise SpecError(f"{where}: {len(text.encode())} bytes; the limit is {MAX_SPEC_BYTES} bytes")
@@ -65,14 +66,16 @@ def grammar_of(spec: gen_pb.StructuredOutput, field: str = "structured") -> str:
     raise SpecError(f"{field}: no kind is set")
 
 
-def spec_problem(spec: gen_pb.StructuredOutput, field: str = "structured") -> str | None:
-    """Why the spec cannot be enforced (a sentence starting with the field's name), or None; no tokenizer."""
+def spec_problem(spec: gen_pb.StructuredOutput, field: str = "structured", where: str | None = None) -> str | None:
+    """Why the spec cannot be enforced (a sentence starting with `where`, by default `field.<kind>`), or None;
+    no tokenizer needed."""
+    where = where or f"{field}.{kind_of(spec)}"
     try:
-        grammar = grammar_of(spec, field)
+        grammar = grammar_of(spec, field, where)
     except SpecError as e:
         return str(e)
     error = llguidance.LLMatcher.validate_grammar(grammar)
-    return f"{field}.{kind_of(spec)}: {one_line(error)}" if error else None
+    return f"{where}: {one_line(error)}" if error else None
 
 
 def one_line(error: str, limit: int = 400) -> str:
