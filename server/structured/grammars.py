@@ -59,6 +59,13 @@ class Grammars:
                                                          eos_token=list(self.eos_ids) or None)
             return self._tokenizer
 
+    def warm(self) -> threading.Thread:
+        """Builds the LLTokenizer in a daemon thread (a second or more for a 150k vocabulary), so the first
+        structured request does not wait for it; returns the thread."""
+        thread = threading.Thread(target=lambda: self.tokenizer, daemon=True, name="grammars-tokenizer")
+        thread.start()
+        return thread
+
     def key(self, grammar: str) -> str:
         """The cache key: a hash of the grammar and the tokenizer."""
         return hashlib.sha256(f"{self.digest}\0{grammar}".encode()).hexdigest()

@@ -95,3 +95,9 @@ def test_a_bad_spec_is_refused_naming_the_field():
 
 def test_no_spec_no_constraint():
     assert grammars().constraint(gen_pb.StructuredOutput()) is None
+
+
+def test_warm_builds_the_tokenizer_off_the_caller():
+    g = grammars()
+    g.warm().join(30)
+    assert g._tokenizer is not None and g._num_tokens == 10
