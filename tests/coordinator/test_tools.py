@@ -89,3 +89,16 @@ def test_auto_tool_choice_needs_a_parser(tmp_path):
         CoordinatorConfig(model_dir=tmp_path, enable_auto_tool_choice=True)
     with pytest.raises(ValueError, match="--tool-call-parser must be one of hermes, llama3_json, mistral"):
         CoordinatorConfig(model_dir=tmp_path, tool_call_parser="pythonic")
+
+
+def test_a_conversation_with_calls_renders_their_arguments_as_objects(tiny_model):
+    path = tiny_model("llama")
+    template = ChatTemplate(
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.function.name }} {{ c.function.arguments.a }}]{% endfor %};"
+        "{% endfor %}", HfTokenizer.from_file(str(path / "tokenizer.json")), {})
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 7}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    assert template.render(messages, add_generation_prompt=False) == "user:hi;assistant:[f 7];tool:42;"
