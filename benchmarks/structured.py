@@ -64,6 +64,35 @@ def compile_times(model_dir: Path, vocab_size: int, eos: tuple[int, ...]) -> dic
     return {"tokenizer_s": t1 - t0, "compile_cold_s": t2 - t1, "compile_cached_s": t3 - t2, "constraint_s": t4 - t3}
 
 
+def mask_cost(grammars, vocab_size: int, steps: int = 20) -> dict[str, float]:
+    """Milliseconds per decode step for STREAMS constrained rows, alone (no model, so no machine noise from
+    the forward pass): the host filling their masks, and the batch's masked fill on the logits."""
+    import numpy as np
+    import torch
+
+    from pdserve.v1 import generation_pb2 as gen_pb
+    from pdserve.server.decode.sampler import apply_bitmask
+    from pdserve.server.structured.bitmask import allowed_ids, unconstrained
+
+    spec = gen_pb.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    rows = [grammars.constraint(spec) for _ in range(STREAMS)]
+    rng = np.random.default_rng(0)
+    logits = torch.randn(STREAMS, vocab_size)
+    fill_s = apply_s = 0.0
+    for _ in range(steps):
+        masks = unconstrained(STREAMS, vocab_size)
+        t0 = time.perf_counter()
+        for row, c in zip(masks, rows):
+            c.fill(row)
+        t1 = time.perf_counter()
+        apply_bitmask(logits, torch.from_numpy(masks))
+        t2 = time.perf_counter()
+        fill_s, apply_s = fill_s + t1 - t0, apply_s + t2 - t1
+        for row, c in zip(masks, rows):  # a random allowed token: the next step's state
+            c.advance(int(rng.choice(allowed_ids(row, vocab_size))))
+    return {"fill_ms": fill_s / steps * 1000, "apply_ms": apply_s / steps * 1000}
+
+
 async def phase(engine, constrained: bool, tokens: int, rep: int) -> list[float]:
     """Every inter-token gap (seconds) of STREAMS streams decoding together."""
     from pdserve.v1 import generation_pb2 as gen_pb
@@ -117,6 +146,7 @@ async def run(args) -> dict:
     config = load_config(model_dir)
     eos = tuple(config.eos_token_ids)
     compiles = compile_times(model_dir, config.vocab_size, eos)
+    masks = mask_cost(Grammars.for_model(model_dir, config.vocab_size, eos), config.vocab_size)
     torch.set_num_threads(args.threads)
     model = build_model(config, load_weights(model_dir))
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype="float32")
@@ -133,7 +163,7 @@ async def run(args) -> dict:
     record.finish(monitor)
     ratio = [c / f for c, f in zip(itl["constrained"], itl["free"])]
     return {"machine": record.as_dict(), "layers": args.layers, "tokens": args.tokens, "streams": STREAMS,
-            "compile": compiles, "itl_ms": {k: spread(v) for k, v in itl.items()}, "itl_ms_reps": itl,
+            "compile": compiles, "mask_ms_per_step": masks, "itl_ms": {k: spread(v) for k, v in itl.items()}, "itl_ms_reps": itl,
             "overhead": spread([r - 1 for r in ratio]), "markdown_machine": record.markdown()}
 
 
@@ -156,6 +186,9 @@ def main() -> None:
     print(f"grammar: tokenizer {c['tokenizer_s'] * 1000:.0f} ms (once per worker), compile cold "
           f"{c['compile_cold_s'] * 1000:.1f} ms, cached {c['compile_cached_s'] * 1e6:.0f} us, a sequence's copy "
           f"{c['constraint_s'] * 1e6:.0f} us")
+    m = result["mask_ms_per_step"]
+    print(f"masks per step for {STREAMS} constrained rows: host fill {m['fill_ms']:.2f} ms, masked fill "
+          f"{m['apply_ms']:.2f} ms")
     print(f"ITL ms (mean over a phase's gaps; median [min-max] of {args.reps} reps): free "
           f"{itl['free']['median']:.1f} [{itl['free']['min']:.1f}-{itl['free']['max']:.1f}], constrained "
           f"{itl['constrained']['median']:.1f} [{itl['constrained']['min']:.1f}-{itl['constrained']['max']:.1f}]; "

@@ -30,3 +30,13 @@ async def test_both_phases_run_every_stream_to_the_budget(tiny_model):
         assert len(gaps) >= STREAMS and all(g > 0 for g in gaps)
     assert json.loads(json.dumps(SCHEMA))["properties"]["users"]["minItems"] == 1000
     await engine.close()
+
+
+def test_mask_cost_is_measured(tiny_model):
+    from pdserve.benchmarks.structured import mask_cost
+
+    path = tiny_model("qwen2")
+    config = load_config(path)
+    cost = mask_cost(Grammars.for_model(path, config.vocab_size, tuple(config.eos_token_ids)), config.vocab_size,
+                     steps=3)
+    assert set(cost) == {"fill_ms", "apply_ms"} and all(v > 0 for v in cost.values())
