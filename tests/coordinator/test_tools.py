@@ -102,3 +102,57 @@ def test_a_conversation_with_calls_renders_their_arguments_as_objects(tiny_model
                     {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 7}'}}]},
                 {"role": "tool", "tool_call_id": "c1", "content": "42"}]
     assert template.render(messages, add_generation_prompt=False) == "user:hi;assistant:[f 7];tool:42;"
+
+
+def test_content_streams_up_to_where_a_call_can_begin():
+    from pdserve.server.coordinator.openai.tool_parsers import content_so_far
+
+    assert content_so_far("hermes", "Let me check.") == 13
+    assert content_so_far("hermes", "Let me check.<tool") == 13  # "<tool" may begin "<tool_call>"
+    assert content_so_far("hermes", "Let me <b>") == 10
+    assert content_so_far("hermes", 'ok<tool_call>{"name"') == 2
+    assert content_so_far("mistral", "Sure[TOOL") == 4
+    assert content_so_far("llama3_json", ' {"name"') == 0  # a bare JSON call
+    assert content_so_far("llama3_json", "Hello") == 5
+    plan = tool_plan(TOOLS, "required", None, False, None)
+    assert plan.streamable("[{") == 0
+
+
+async def test_auto_streams_the_content_then_the_calls_and_answers_them_whole(tiny_model):
+    import openai
+
+    from tests.coordinator.fakes import start_fake_pools
+
+    path = tiny_model("llama")
+    pools = await start_fake_pools(path, http_port=0, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    try:
+        tok = HfTokenizer.from_file(str(path / "tokenizer.json"))
+        text = 'Checking. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+        ids = tok.encode(text, add_special_tokens=False).ids
+        sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{pools.coordinator.http.port}/v1", api_key="x",
+                                 max_retries=0)
+        for stream in (False, True):
+            pools.prefill.first_token_id = ids[0]
+            pools.decode.events = [[i] for i in ids[1:]]
+            pools.decode.finish = generation_pb2.FINISH_REASON_STOP
+            out = await sdk.chat.completions.create(model=path.name, messages=[{"role": "user", "content": "x"}],
+                                                    tools=TOOLS, stream=stream)
+            if not stream:
+                message = out.choices[0].message
+                assert out.choices[0].finish_reason == "tool_calls" and message.content == "Checking. "
+                assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("f", '{"a": 1}')]
+                continue
+            content, calls, finish = [], [], None
+            async for chunk in out:
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        assert not calls  # content comes first
+                        content.append(choice.delta.content)
+                    calls += choice.delta.tool_calls or []
+                    finish = choice.finish_reason or finish
+            assert "".join(content) == "Checking. " and len(content) > 1  # streamed, not in one piece
+            assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [(0, "f", '{"a": 1}')]
+            assert calls[0].id.startswith("chatcmpl-tool-") and finish == "tool_calls"
+        await sdk.close()
+    finally:
+        await pools.stop()

@@ -1,9 +1,9 @@
 """One endpoint's request: run its choices through the shared request path, shape OpenAI's answer.
 
 Without `stream` one JSON body once every choice finished; with it server-sent events, the choices'
-chunks interleaved as they arrive, ending in `data: [DONE]`. A chat with tool calls to answer (tools.py)
-sends its content and its `tool_calls` (with ids, each call whole in one delta) when the choice finishes,
-then finish_reason `tool_calls`. An error after streaming began arrives as
+chunks interleaved as they arrive, ending in `data: [DONE]`. A chat that may answer with tool calls
+(tools.py) streams the content before any call can begin ("auto"), then, when the choice finishes, the
+rest of its content and its `tool_calls` (with ids, each call whole in one delta), finish_reason `tool_calls`. An error after streaming began arrives as
 an SSE event `{"error": ...}` before `[DONE]`. A client that disconnects cancels its request: the
 streams are closed, which cancels the worker calls.
 """
@@ -181,10 +181,12 @@ class Handler:
             return {"role": "assistant", "content": text}, finish_reason
         return {"role": "assistant", "content": content, "tool_calls": [tool_call(c) for c in calls]}, "tool_calls"
 
-    def tool_chunks(self, outcome: Outcome, index: int) -> list[dict[str, Any]]:
-        """A streamed chat's last chunks when it may call tools: its content, its calls, its finish."""
+    def tool_chunks(self, outcome: Outcome, index: int, sent: int) -> list[dict[str, Any]]:
+        """A streamed chat's last chunks when it may call tools: the content not yet sent (`sent` characters
+        were), its calls, its finish."""
         message, finish = self.tool_message(outcome.text, outcome.finish_reason)
-        deltas = [{"content": message["content"]}] if message["content"] else []
+        rest = (message["content"] or "")[sent:]
+        deltas = [{"content": rest}] if rest else []
         if "tool_calls" in message:
             deltas.append({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]})
         chunks = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
@@ -279,6 +281,7 @@ class Handler:
                     yield sse_event(self.body([self.choice(None, None, first=True, index=i)], None, True))
             is_first = [self.kind == "completion"] * n  # a chat's first chunk (the role) went above
             templates = [self.text_chunk(i) for i in range(n)] if self.plain else None
+            sent = [0] * n  # content characters each choice streamed while it may still call tools
             running = n
             while running:
                 i, response = pending.popleft() if pending else await choices.next()
@@ -293,8 +296,16 @@ class Handler:
                 outcome = outcomes[i]
                 outcome.add(response)
                 if self.tools is not None:  # the calls are parsed from the whole text
-                    for chunk in self.tool_chunks(outcome, i) if response.finish_reason else ():
-                        yield sse_event(chunk)
+                    if response.finish_reason:
+                        for chunk in self.tool_chunks(outcome, i, sent[i]):
+                            yield sse_event(chunk)
+                        continue
+                    text = outcome.text
+                    ready = self.tools.streamable(text)
+                    if ready > sent[i]:
+                        yield sse_event(self.body([{"index": i, "delta": {"content": text[sent[i]:ready]},
+                                                    "logprobs": None, "finish_reason": None}], None, True))
+                        sent[i] = ready
                     continue
                 if templates is not None and response.text and not response.finish_reason and not is_first[i]:
                     yield templates[i].render(response.text)

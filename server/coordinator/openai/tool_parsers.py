@@ -79,6 +79,26 @@ def mistral(text: str) -> tuple[str | None, list[Call]]:
     return _content(before), calls  # type: ignore[return-value]
 
 
+MARKERS = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
+"""Where each format's calls begin: text before it is content, and may stream as it comes."""
+
+
+def content_so_far(parser: str, text: str) -> int:
+    """How many leading characters of a still-growing `text` are content whatever follows: up to the
+    parser's marker, or to a tail that may be its beginning (llama3_json: none while the text may be a bare
+    JSON call)."""
+    if parser == "llama3_json" and text.lstrip()[:1] in ("", "{"):
+        return 0
+    marker = MARKERS[parser]
+    at = text.find(marker)
+    if at >= 0:
+        return at
+    for keep in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-keep:]):
+            return len(text) - keep
+    return len(text)
+
+
 PARSERS: dict[str, Callable[[str], tuple[str | None, list[Call]]]] = {
     "hermes": hermes, "llama3_json": llama3_json, "mistral": mistral,
 }

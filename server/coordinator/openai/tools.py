@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pdserve.v1 import generation_pb2
 from pdserve.server.coordinator.openai.errors import ApiError
-from pdserve.server.coordinator.openai.tool_parsers import PARSERS, Call
+from pdserve.server.coordinator.openai.tool_parsers import PARSERS, Call, content_so_far
 from pdserve.server.structured.spec import spec_problem
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -58,6 +58,14 @@ class ToolPlan:
         if self.mode == "auto" and self.parser is not None:
             return PARSERS[self.parser](text)
         return text, []
+
+
+    def streamable(self, text: str) -> int:
+        """How many leading characters of a growing answer can stream as content now (auto: those before
+        any call can begin; required and named answers are calls only)."""
+        if self.mode == "auto" and self.parser is not None:
+            return content_so_far(self.parser, text)
+        return len(text) if self.mode == "none" else 0
 
 
 def required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[str, Any]:
