@@ -109,15 +109,21 @@ _BITS = {}
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits f32 [B, V] with the tokens each row's packed mask int32 [B, ceil(V / 32)] leaves out at -inf
-    (bit i of word w: token 32w + i), the whole batch in one masked fill; an all-ones row is unchanged."""
-    device = logits.device
-    shifts = _BITS.get(device)
-    if shifts is None:
-        shifts = _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
-    words = bitmask.to(device, non_blocking=True)  # [B, W]
-    allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, : logits.shape[-1]]  # [B, V]
-    return logits.masked_fill(~allowed, float("-inf"))
+    """logits f32 [B, V] with the tokens each row's packed mask int32 [B, ceil(V / 32)] (on the host) leaves
+    out at -inf (bit i of word w: token 32w + i), the whole batch in one select; an all-ones row is unchanged.
+    On the CPU the bits are unpacked by numpy (one pass in C); on a device, the packed words go over and
+    are unpacked there."""
+    device, vocab = logits.device, logits.shape[-1]
+    if device.type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [B, 32W]
+        allowed = torch.from_numpy(np.ascontiguousarray(bits[:, :vocab]).view(np.bool_))  # [B, V]
+    else:
+        shifts = _BITS.get(device)
+        if shifts is None:
+            shifts = _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
+        words = bitmask.to(device, non_blocking=True)  # [B, W]
+        allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [B, V]
+    return torch.where(allowed, logits, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
