@@ -101,3 +101,27 @@ def test_warm_builds_the_tokenizer_off_the_caller():
     g = grammars()
     g.warm().join(30)
     assert g._tokenizer is not None and g._num_tokens == 10
+
+
+def test_a_structural_tag_holds_the_text_after_its_trigger_to_its_schema(tiny_model):
+    import json
+
+    from pdserve.server.model.config import load_config
+    from pdserve.server.model.tokenizer import Tokenizer
+    from pdserve.server.structured.grammars import Grammars
+
+    path = tiny_model("llama")
+    config = load_config(path)
+    tok = Tokenizer.from_dir(path)
+    g = Grammars.for_model(path, config.vocab_size, tuple(config.eos_token_ids))
+    tag = {"structures": [{"begin": "<f=a>", "schema": {"type": "object", "properties": {"n": {"type": "integer"}},
+                                                        "required": ["n"], "additionalProperties": False},
+                           "end": "</f>"}], "triggers": ["<f="]}
+    c = g.constraint(gen_pb.StructuredOutput(structural_tag=json.dumps(tag)))
+    row = unconstrained(1, config.vocab_size)[0]
+    c.fill(row)
+    assert len(allowed_ids(row, config.vocab_size)) > config.vocab_size // 2  # free text before the trigger
+    c.replay(tok.encode("hi <f=a>"))
+    c.fill(row)
+    texts = {tok.decode([i]) for i in allowed_ids(row, config.vocab_size)}
+    assert texts and all('{"n":'.startswith(t) for t in texts), texts  # the schema's object, compact
