@@ -79,3 +79,31 @@ async def test_the_engines_first_token_obeys_the_grammar_beside_free_prompts(tin
     assert [r.first_token for r in results[1:4]] == [tok.encode("{")[0]] * 3
     for r in results[4:]:
         assert re.fullmatch("[a-c]+", tok.decode([r.first_token])), tok.decode([r.first_token])
+
+
+async def test_the_service_replays_a_migrations_outputs_and_refuses_what_cannot_be_enforced():
+    from types import SimpleNamespace
+
+    import pytest
+
+    from pdserve.v1 import worker_pb2 as pb
+    from pdserve.server.prefill.service import PrefillService
+    from pdserve.server.structured.spec import SpecError
+
+    def request(spec, ids, n):
+        return pb.PrefillRequest(token_ids=ids, sample_index=n, sampling=gen_pb.SamplingParams(structured=spec))
+
+    service = SimpleNamespace(engine=SimpleNamespace(grammars=grammars()))
+    spec = gen_pb.StructuredOutput(regex="(ab)+x")
+    constraint = await PrefillService._constraint(service, request(spec, [9, 9, 3, 1], 2))  # outputs "ab", "a"
+    row = unconstrained(1, WIDTH)[0]
+    constraint.fill(row)
+    assert allowed_ids(row, WIDTH) == [2]
+    assert await PrefillService._constraint(service, request(gen_pb.StructuredOutput(), [9], 0)) is None
+    with pytest.raises(ValueError, match="do not fit the grammar"):
+        await PrefillService._constraint(service, request(spec, [9, 9], 1))
+    with pytest.raises(SpecError, match=r"^sampling\.structured\.regex: "):
+        await PrefillService._constraint(service, request(gen_pb.StructuredOutput(regex="(a"), [9], 0))
+    bare = SimpleNamespace(engine=SimpleNamespace(grammars=None))
+    with pytest.raises(ValueError, match="^sampling.structured: this prefill worker has no tokenizer"):
+        await PrefillService._constraint(bare, request(spec, [9], 0))
