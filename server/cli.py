@@ -194,7 +194,8 @@ def _check_model(model_dir: Path, max_model_len: int | None = None) -> None:
 
 UP_SHARED = ("served_model_name", "max_model_len")
 """`pdserve up`'s flags that every tier takes."""
-UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", "max_coalesce", "decode_streams")
+UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", "max_coalesce", "decode_streams",
+                  "enable_auto_tool_choice", "tool_call_parser")
 UP_PREFILL = ("tensor_parallel_size", "max_batch_tokens", "max_prefill_chunk", "prefix_cache_bytes", "kv_streams",
               "prefill_order", "compilation_cache", "compile_before_serving")
 UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager")

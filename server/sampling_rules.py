@@ -30,7 +30,8 @@ MIN_TEMPERATURE = 1e-5
 
 def with_defaults(given: gen_pb.SamplingParams) -> gen_pb.SamplingParams:
     """What the workers get: max_tokens, temperature, top_p and top_k always set; a penalty, min_p or
-    min_tokens only when it is on; seed and the logprobs fields only when the client set them."""
+    min_tokens only when it is on; seed and the logprobs fields only when the client set them; the
+    structured output as given (checked by structured/spec.py)."""
     sampling = gen_pb.SamplingParams(
         max_tokens=given.max_tokens if given.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=given.temperature if given.HasField("temperature") else DEFAULT_TEMPERATURE,
@@ -40,6 +41,8 @@ def with_defaults(given: gen_pb.SamplingParams) -> gen_pb.SamplingParams:
         stop_token_ids=given.stop_token_ids,
         ignore_eos=given.ignore_eos,
     )
+    if given.HasField("structured"):
+        sampling.structured.CopyFrom(given.structured)
     for name in ("seed", "logprobs", "prompt_logprobs"):
         if given.HasField(name):
             setattr(sampling, name, getattr(given, name))

@@ -24,6 +24,8 @@ CpuMatmul = Literal["auto", "onednn", "plain", "float32", "float32-onednn"]
 """How a checkpoint's matmuls compute on a CPU decode worker (`server/decode/cpu_matmul.py`)."""
 DecodeEngine = Literal["native", "vllm"]
 """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
+ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
+"""How a model writes tool calls in its text (vLLM's --tool-call-parser names; coordinator/openai/tool_parsers.py)."""
 
 WEIGHT_DTYPES: tuple[str, ...] = get_args(WeightDtype)
 KV_DTYPES: tuple[str, ...] = get_args(KvDtypeChoice)
@@ -33,6 +35,7 @@ LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 DECODE_ENGINES: tuple[str, ...] = get_args(DecodeEngine)
 CPU_MATMULS: tuple[str, ...] = get_args(CpuMatmul)
 DECODE_STREAMS: tuple[str, ...] = get_args(DecodeStreams)
+TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 
 VLLM_DTYPES: dict[str, str] = {"auto": "auto", "float32": "float32", "float": "float32", "bfloat16": "bfloat16"}
 """vLLM's `--dtype` values pdserve serves, as its weight dtype (`half`/`float16` weights are not served)."""

@@ -34,3 +34,9 @@ def test_a_worker_reads_an_unset_top_p_and_repetition_penalty_as_off_but_needs_m
     assert request_checks.sampling_problem(gen_pb.SamplingParams(), 10) == "sampling.max_tokens must be >= 1, got 0"
     assert (request_checks.sampling_problem(gen_pb.SamplingParams(max_tokens=2, min_tokens=3), 10)
             == "sampling.min_tokens 3 exceeds sampling.max_tokens 2")
+
+
+def test_the_structured_output_goes_to_the_workers_as_given():
+    spec = gen_pb.StructuredOutput(regex="[ab]+")
+    assert with_defaults(gen_pb.SamplingParams(structured=spec)).structured == spec
+    assert not with_defaults(gen_pb.SamplingParams()).HasField("structured")

@@ -93,8 +93,28 @@ def _template_or_file(value: str) -> str:
     return value
 
 
+def _tool_calls(calls: Any) -> Any:
+    """An assistant message's tool calls as templates read them: each call's `arguments`, which OpenAI sends
+    as JSON text, as the object it holds (as vLLM passes them; templates `tojson` or iterate it)."""
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                arguments = json.loads(fn["arguments"])
+            except json.JSONDecodeError:
+                arguments = None
+            if isinstance(arguments, dict):
+                call = {**call, "function": {**fn, "arguments": arguments}}
+        out.append(call)
+    return out
+
+
 def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
-    """OpenAI messages to what templates expect: `content` a string (text parts joined)."""
+    """OpenAI messages to what templates expect: `content` a string (text parts joined), tool calls'
+    arguments objects."""
     if not messages:
         raise ChatTemplateError("messages must hold at least one message")
     out = []
@@ -126,6 +146,8 @@ def normalize_messages(messages: list[Any]) -> list[dict[str, Any]]:
         reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        if "tool_calls" in message:
+            message = {**message, "tool_calls": _tool_calls(message["tool_calls"])}
         out.append({**message, "content": content})
     return out
 
@@ -174,7 +196,8 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"the chat template cannot render these messages: {e}") from e
 
-    def encode(self, messages: list[Any], template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    def encode(self, messages: list[Any], template_kwargs: dict[str, Any] | None = None,
+               tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """The rendered prompt and its token ids (no special tokens added: the template has them)."""
-        text = self.render(messages, template_kwargs=template_kwargs)
+        text = self.render(messages, template_kwargs=template_kwargs, tools=tools)
         return text, self._encoder.encode(text, add_special_tokens=False).ids

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.server.flags import flag
-from pdserve.server.vocabulary import (DECODE_POLICIES, DECODE_STREAMS, PREFILL_POLICIES, DecodePolicy,
-                                       DecodeStreams, PrefillPolicy)
+from pdserve.server.vocabulary import (DECODE_POLICIES, DECODE_STREAMS, PREFILL_POLICIES, TOOL_CALL_PARSERS,
+                                       DecodePolicy, DecodeStreams, PrefillPolicy, ToolCallParser)
 
 
 def _check_address(address: str, flag: str) -> None:
@@ -67,6 +67,10 @@ class CoordinatorConfig:
     """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
     chat_template: str | None = None
     """A Jinja chat template, or a file holding one, used instead of the model's (vLLM's flag)."""
+    enable_auto_tool_choice: bool = False
+    """Serve `tool_choice: "auto"`: calls parsed out of the model's text by --tool-call-parser (vLLM's flag)."""
+    tool_call_parser: ToolCallParser | None = None
+    """The format the model writes its tool calls in (vLLM's flag): hermes (Qwen, Hermes), llama3_json, mistral."""
     registry_port: int | None = None
     """Serve the worker Registry only on this internal port (`--registry-port`; 0 picks one); None: on `port`."""
     decode_streams: DecodeStreams = "batched"
@@ -131,6 +135,12 @@ class CoordinatorConfig:
             raise ValueError(f"--decode-policy must be one of {', '.join(DECODE_POLICIES)}, got {self.decode_policy!r}")
         if self.decode_streams not in DECODE_STREAMS:
             raise ValueError(f"--decode-streams must be one of {', '.join(DECODE_STREAMS)}, got {self.decode_streams!r}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the format the model writes "
+                             f"its calls in: {', '.join(TOOL_CALL_PARSERS)})")
         if self.max_coalesce < 1:
             raise ValueError(f"--max-coalesce must be >= 1 token, got {self.max_coalesce}")
         self.served_model_name = tuple(self.served_model_name)

@@ -5,7 +5,9 @@ Dynamo's KServe frontend), and run through `GenerationService.stream` like every
 
 - inputs: `text_input` BYTES [1] (the prompt), optional `stream` BOOL [1], `sampling_parameters`
   BYTES [1] (a JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-  ignore_eos, logprobs, presence/frequency/repetition_penalty, min_p, min_tokens), `exclude_input_in_output` BOOL [1]; the same sampling keys may come as request
+  ignore_eos, logprobs, presence/frequency/repetition_penalty, min_p, min_tokens, and vLLM's
+  `structured_outputs` {json | json_object | regex | choice | grammar | structural_tag}, enforced token by
+  token), `exclude_input_in_output` BOOL [1]; the same sampling keys may come as request
   parameters (the JSON input wins). Triton's vLLM backend's `return_finish_reason`,
   `return_cumulative_logprob`, `return_logprobs`, `return_num_input_tokens`, `return_num_output_tokens`
   BOOL [1] choose the outputs beside `text_output`.
@@ -41,6 +43,8 @@ from tritonclient.utils import deserialize_bytes_tensor, serialize_byte_tensor
 
 from pdserve.v1 import generation_pb2
 from pdserve.server import metrics
+from pdserve.server.coordinator.openai.errors import ApiError
+from pdserve.server.coordinator.openai.structured import structured_output
 from pdserve.server.coordinator.service import GenerationService, RequestFailed
 from pdserve.server.coordinator.validate import InvalidRequest
 from pdserve.server.finish import finish_name
@@ -188,6 +192,19 @@ def sampling_from(params: dict[str, Any], strict: bool) -> generation_pb2.Sampli
     """vLLM-style sampling keys to SamplingParams; `strict` refuses unknown keys (the JSON input)."""
     sampling = generation_pb2.SamplingParams()
     for key, value in params.items():
+        if key == "structured_outputs":
+            if isinstance(value, str):  # a request parameter holds it as JSON text
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as e:
+                    raise BadInput(f"structured_outputs: not valid JSON ({e})") from e
+            if not isinstance(value, dict):
+                raise BadInput("structured_outputs: a JSON object, e.g. {\"regex\": \"[a-z]+\"}")
+            try:
+                sampling.structured.CopyFrom(structured_output(None, value))
+            except ApiError as e:
+                raise BadInput(e.message) from e
+            continue
         if key in NEUTRAL_KEYS:
             if value != NEUTRAL_KEYS[key]:
                 raise BadInput(f"sampling parameter {key}={value!r} is not supported")

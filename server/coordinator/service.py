@@ -120,7 +120,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidRequest:
         try:
-            if len(request.text) > LONG_TEXT_CHARS:
+            if len(request.text) > LONG_TEXT_CHARS or request.sampling.structured.WhichOneof("kind"):
                 return await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
             return validate(request, self.tokenizer, self.limits)
         except InvalidRequest:

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from pdserve.v1 import generation_pb2
 from pdserve.server.sampling_rules import sampling_problem, with_defaults
+from pdserve.server.structured.spec import spec_problem
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 1024
@@ -56,6 +57,10 @@ def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> g
     problem = sampling_problem(sampling, limits.vocab_size)
     if problem:
         raise InvalidRequest(problem)
+    if sampling.structured.WhichOneof("kind"):  # the grammar's syntax and keywords; the workers compile it
+        problem = spec_problem(sampling.structured, "structured")
+        if problem:
+            raise InvalidRequest(problem)
     if len(given.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop holds {len(given.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
     if any(not s for s in given.stop):

@@ -8,8 +8,9 @@ Life cycle of a request here:
 3. `start` puts the sequence, with the first token (sampled by prefill), into the running set.
 4. Each step: admit, schedule (a block on demand for every sequence crossing a block boundary,
    preempting the most recently admitted when none is free), run (re-prefilling resumed sequences
-   first), sample (penalties and min_tokens first, logprobs of the raw logits beside), postprocess
-   (stream, retire the finished).
+   first), sample (penalties and min_tokens first, then the structured-output masks of the constrained
+   sequences, one masked fill for the batch, none when no sequence is constrained; logprobs of the raw
+   logits beside), postprocess (stream, advance each grammar, retire the finished).
 5. A finished or aborted sequence's blocks go back (full ones stay in the prefix cache), after the
    step or local prefill that may still be using them.
 """
@@ -32,10 +33,13 @@ from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 from pdserve.server import logprobs
-from pdserve.server.decode.sampler import apply_penalties, sample, token_logprobs
+from pdserve.server.decode.sampler import apply_bitmask, apply_penalties, sample, token_logprobs
 from pdserve.server.decode.scheduler import QueueFull, Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink, admissible
 from pdserve.server.model.config import resolve_max_model_len
+from pdserve.server.structured.bitmask import unconstrained
+from pdserve.server.structured.grammars import Grammars
+from pdserve.server.structured.spec import SpecError
 
 log = logging.getLogger("pdserve.decode")
 
@@ -45,10 +49,12 @@ __all__ = ["DecodeEngine", "QueueFull"]
 class DecodeEngine(Engine):
     def __init__(self, model: DecoderModel, layout: KvLayout, num_blocks: int, max_running: int, *,
                  max_queue: int = 256, enable_prefix_caching: bool = True, eos_ids: frozenset[int] = frozenset(),
-                 max_model_len: int = 0, cuda_graphs: bool = False):
+                 max_model_len: int = 0, cuda_graphs: bool = False, grammars: Grammars | None = None):
         """max_model_len: 0 takes the model's, capped by what the cache holds. The cache lives on the model's
-        device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad)."""
+        device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad);
+        grammars: the model's structured-output grammars (None: structured requests are refused)."""
         self.model = model
+        self.grammars = grammars
         self.vocab_size = model.config.vocab_size
         self.layout = layout
         self.scheduler = Scheduler(num_blocks, layout.block_size, max_running, max_queue, enable_prefix_caching)
@@ -112,11 +118,27 @@ class DecodeEngine(Engine):
         rid, prompt = admissible(request, self.sequences, self.max_model_len)
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
                        num_prior_outputs=request.num_output_tokens,
-                       events=asyncio.Queue() if sink is None else sink)
+                       events=asyncio.Queue() if sink is None else sink,
+                       constraint=self._constraint(request))
         admitted = self.scheduler.add(seq)
         self.sequences[rid] = seq
         self._admitted(admitted)
         return seq
+
+    def _constraint(self, request: pb.DecodeRequest):
+        """The request's matcher, with the outputs before a migration replayed; ValueError if it cannot be."""
+        spec = request.sampling.structured
+        if not spec.WhichOneof("kind"):
+            return None
+        if self.grammars is None:
+            raise ValueError("sampling.structured: this decode worker has no tokenizer to compile grammars with")
+        try:
+            constraint = self.grammars.constraint(spec)
+        except SpecError as e:
+            raise ValueError(str(e)) from e
+        n = request.num_output_tokens
+        constraint.replay(request.prompt_token_ids[len(request.prompt_token_ids) - n:] if n else [])
+        return constraint
 
     def _free(self, seq: Sequence) -> None:
         self._retire(seq)
@@ -265,8 +287,10 @@ class DecodeEngine(Engine):
     @staticmethod
     def _sample(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
         sp = [s.sampling for s in batch]
+        shaped = penalized(logits, batch)
+        masks = bitmasks(batch, logits.shape[-1])
         return sample(
-            penalized(logits, batch),
+            shaped if masks is None else apply_bitmask(shaped, masks),
             torch.tensor([p.temperature for p in sp], dtype=torch.float32),
             torch.tensor([p.top_k for p in sp], dtype=torch.int64),
             torch.tensor([top_p_of(p) for p in sp], dtype=torch.float32),
@@ -327,6 +351,18 @@ def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, sp: list) -> list:
     chosen, top_ids, top_lps = (t.cpu() for t in token_logprobs(logits, next_ids, top))
     return [None if w is None else logprobs.token_logprob(t, c, ids.tolist(), lps.tolist(), w)
             for w, t, c, ids, lps in zip(wanted, next_ids.tolist(), chosen.tolist(), top_ids, top_lps)]
+
+
+def bitmasks(batch: list[Sequence], vocab_size: int) -> torch.Tensor | None:
+    """int32 [B, ceil(V / 32)]: each constrained sequence's next-token mask, all ones for the others; None
+    when no sequence in the batch is constrained (sampling skips the mask)."""
+    if all(s.constraint is None for s in batch):
+        return None
+    masks = unconstrained(len(batch), vocab_size)
+    for row, s in zip(masks, batch):
+        if s.constraint is not None:
+            s.constraint.fill(row)
+    return torch.from_numpy(masks)
 
 
 def penalized(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:

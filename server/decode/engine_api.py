@@ -18,6 +18,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.hardware import Hardware
+from pdserve.server.structured.grammars import Grammars
 from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink
 
 __all__ = ["Engine", "TokenSink"]
@@ -33,6 +34,8 @@ class Engine(ABC):
     layout: KvLayout
     """The KV cache's layout: the handshake every KV stream is checked against."""
     hardware: Hardware | None = None
+    grammars: Grammars | None = None
+    """Compiles and caches the structured-output grammars of this model (None: structured requests refused)."""
     """The machine and the kernel paths the worker's start-up chose (`hardware.py`), for its info."""
     sequences: dict[str, Sequence]
     """The requests here, by id, until they end."""

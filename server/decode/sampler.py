@@ -1,5 +1,6 @@
 """Batched sampling: greedy, temperature, top-k, top-p and min-p per row, reproducible per (seed, token
-index); penalties and min_tokens shape the logits first (`apply_penalties`), as vLLM does.
+index); penalties and min_tokens shape the logits first (`apply_penalties`), as vLLM does, then the
+structured-output mask (`apply_bitmask`), when a row of the batch has one.
 
 Each row draws one uniform number and picks by inverse CDF. Rows without top-k/top-p (temperature,
 min-p) walk the vocabulary in id order: no sort. Rows with them sort their logits once (together) and
@@ -101,6 +102,28 @@ def _draw_ranked(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     kept = (probs > 0).sum(dim=-1, keepdim=True)  # [R, 1] the kept tokens are a prefix of the order
     pick = torch.minimum(torch.searchsorted(cdf, target, right=True), kept - 1)  # [R, 1]
     return order.gather(1, pick)[:, 0]
+
+
+_BITS = {}
+"""Per device: int32 [32], bit i's value (the unpacking's shifts)."""
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits f32 [B, V] with the tokens each row's packed mask int32 [B, ceil(V / 32)] (on the host) leaves
+    out at -inf (bit i of word w: token 32w + i), the whole batch in one select; an all-ones row is unchanged.
+    On the CPU the bits are unpacked by numpy (one pass in C); on a device, the packed words go over and
+    are unpacked there."""
+    device, vocab = logits.device, logits.shape[-1]
+    if device.type == "cpu":
+        bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")  # [B, 32W]
+        allowed = torch.from_numpy(np.ascontiguousarray(bits[:, :vocab]).view(np.bool_))  # [B, V]
+    else:
+        shifts = _BITS.get(device)
+        if shifts is None:
+            shifts = _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
+        words = bitmask.to(device, non_blocking=True)  # [B, W]
+        allowed = ((words[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab]  # [B, V]
+    return torch.where(allowed, logits, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_top: int

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.finish import blocked_ids, finish_reason
+from pdserve.server.structured.constraint import Constraint
 
 
 class TokenSink(Protocol):
@@ -54,6 +55,8 @@ class Sequence:
     """For the ids in `events` not yet sent, in order, when sampling.logprobs is set."""
     prompt_logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
     """A local prefill's prompt logprobs when sampling.prompt_logprobs is set (one per token after the first)."""
+    constraint: Constraint | None = None
+    """sampling.structured's matcher, advanced by every output (those before a migration replayed into it)."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -84,8 +87,14 @@ class Sequence:
                              self.max_model_len)
 
     def append(self, token: int) -> None:
+        """Takes an output; the stop rule, then the grammar (complete: stop; refusing it: error), may end it."""
         self.output_ids.append(token)
         reason = self.check_stop(token)
+        if self.constraint is not None and reason != gen_pb.FINISH_REASON_STOP:
+            if not self.constraint.advance(token):
+                reason = gen_pb.FINISH_REASON_ERROR
+            elif self.constraint.done:
+                reason = gen_pb.FINISH_REASON_STOP
         if reason != gen_pb.FINISH_REASON_UNSPECIFIED:
             self.finish(reason)
 

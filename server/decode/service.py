@@ -20,6 +20,7 @@ from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState
 from pdserve.server.decode.steps_stream import StepRelay, StepSink, StepStream
+from pdserve.server.structured.spec import SpecError
 
 log = logging.getLogger("pdserve.decode")
 
@@ -74,6 +75,11 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         # its output: for this call, or (on a Steps stream) in a relay until it rides the stream
         relay = StepRelay() if request.steps_stream_id else None
         events: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        if request.sampling.structured.WhichOneof("kind") and engine.grammars is not None:
+            try:  # compiled off the loop, in bounded time; `add` takes it from the cache
+                await engine.grammars.prepare(request.sampling.structured)
+            except SpecError as e:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         try:
             seq = engine.add(request, events if relay is None else relay)
         except QueueFull as e:

@@ -32,6 +32,7 @@ from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, Linear, buffer_bytes
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import ModelConfig, load_config
 from pdserve.server.model.weights import load_weights
+from pdserve.server.structured.grammars import Grammars
 
 log = logging.getLogger("pdserve.decode")
 
@@ -121,7 +122,10 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
     engine = DecodeEngine(model, layout, num_blocks, config.max_running, max_queue=config.max_queue,
                           enable_prefix_caching=config.enable_prefix_caching,
                           eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
-                          cuda_graphs=cuda_graphs)
+                          cuda_graphs=cuda_graphs,
+                          grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
+                                                      tuple(model_config.eos_token_ids)))
+    engine.grammars.warm()
     log.info("decode KV cache on %s: %d blocks x %d tokens = %d tokens (%s, %.1f MiB incl. scales; %s); %s",
              device, num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype,
              engine.cache.nbytes / 2**20, sized_by,

@@ -60,6 +60,8 @@ from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, packed_t
 from pdserve.server.prefill.step_inputs import StepInputs
 from pdserve.server.prefill.step_packing import StepShape, pow2, step_inputs
 from pdserve.server.prefill.warmup import Warmup, cores
+from pdserve.server.structured.constraint import Constraint
+from pdserve.server.structured.grammars import Grammars
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -104,6 +106,8 @@ class PrefillJob:
     the prefix KV; None while neither needs it."""
     prompt_lp: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     """When prompt logprobs are asked: chosen [T], top ids and logprobs [T, top], filled segment by segment."""
+    constraint: Constraint | None = None
+    """sampling.structured's matcher after the outputs so far (a migration's): the first token's mask."""
 
     def cancel(self) -> None:
         """Drops the job if it is still queued; a running step finishes without it."""
@@ -137,8 +141,10 @@ def _buckets(smallest: int, largest: int, growth: int = 2) -> list[int]:
 
 
 class PrefillEngine:
-    def __init__(self, model_config: ModelConfig, params, config: PrefillConfig):
+    def __init__(self, model_config: ModelConfig, params, config: PrefillConfig, grammars: Grammars | None = None):
+        """grammars: the model's structured-output grammars (None: structured requests are refused)."""
         self.model_config = model_config
+        self.grammars = grammars
         self.config = config
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0)
         self.max_len = pow2(self.max_model_len)
@@ -216,15 +222,17 @@ class PrefillEngine:
         return self.rates.report(self.scheduler.queued_by_bucket, self.scheduler.prompts_by_bucket, wait)
 
     def enqueue(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
-                kv_dtype: str, block_size: int = 16, due: float | None = None) -> PrefillJob:
+                kv_dtype: str, block_size: int = 16, due: float | None = None,
+                constraint: Constraint | None = None) -> PrefillJob:
         """Queues a prompt; its first token and KV arrive on the job. block_size: the target cache's,
         over which fp8_e4m3/int8 scales are computed (a power of two). due: when its first token is due
-        (time.monotonic(); the TTFT budget it was admitted under), None: never urgent (scheduler.py)."""
+        (time.monotonic(); the TTFT budget it was admitted under), None: never urgent (scheduler.py).
+        constraint: the request's grammar state (Grammars.constraint, outputs so far replayed)."""
         if not 0 < len(token_ids) <= self.max_model_len:  # no bucket fits: it would stop the loop
             raise ValueError(f"a prompt of {len(token_ids)} tokens; this worker takes 1 to {self.max_model_len}")
         if block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"KV block size {block_size} is not a power of two")
-        job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size)
+        job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size, constraint=constraint)
         if not sampling.HasField("prompt_logprobs"):  # those need every position's hidden state
             hit = self.prefix.lookup(token_ids, multiple_of=block_size)
             if hit is not None:
@@ -243,9 +251,9 @@ class PrefillEngine:
         return np.zeros((2, c.num_layers, job.num_tokens, c.num_kv_heads, c.head_dim), np.dtype(self.dtype))
 
     async def submit(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
-                     kv_dtype: str, block_size: int = 16) -> PrefillResult:
+                     kv_dtype: str, block_size: int = 16, constraint: Constraint | None = None) -> PrefillResult:
         """The whole result at once: the first token and the KV of all layers."""
-        job = self.enqueue(token_ids, sampling, sample_index, kv_dtype, block_size)
+        job = self.enqueue(token_ids, sampling, sample_index, kv_dtype, block_size, constraint=constraint)
         try:
             first = await job.first_token
             pieces: list[KvTensors] = []

@@ -33,6 +33,7 @@ from pdserve.server.prefill.step_inputs import StepInputs
 from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params, start_distributed
 from pdserve.server.prefill.warmup import Warmup, cores
 from pdserve.server.registration import Memberships, join, serve_until_signal
+from pdserve.server.structured.grammars import Grammars
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -121,7 +122,10 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
             log.info("the mesh holds devices %s of processes %s", [d.id for d in mesh.devices.flat],
                      [d.process_index for d in mesh.devices.flat])
     loaded = time.perf_counter() - t0
-    engine = PrefillEngine(model_config, params, config)
+    grammars = Grammars.for_model(config.model_dir, params.get("lm_head", params["embed"]).shape[0],
+                                  tuple(model_config.eos_token_ids))
+    engine = PrefillEngine(model_config, params, config, grammars=grammars)
+    grammars.warm()
     warmup = Warmup(engine)
     before = config.compile_before_serving if serving else "all"
     if before != "all" and jax.process_count() > 1:  # every process must dispatch the same programs in order

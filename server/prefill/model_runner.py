@@ -134,7 +134,8 @@ class ModelRunner:
         """Sampling of the logits as the head returns them (no penalties)."""
         spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
         f32, i32, u32 = (spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32))
-        self._sample.lower(logits, f32, i32, f32, u32, i32, f32).compile()
+        masks = spec((rows, (logits.shape[1] + 31) // 32), jnp.int32)
+        self._sample.lower(logits, f32, i32, f32, u32, i32, f32, masks).compile()
 
     def compile_penalized(self, logits: jax.ShapeDtypeStruct, length: int) -> None:
         """The penalties over prompts padded to `length` at the head's logits' rows, and sampling of

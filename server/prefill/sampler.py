@@ -1,8 +1,9 @@
 """Batched sampling of one token per row, on device: greedy, temperature, top-k, top-p, min-p, seeded;
 `penalize` applies vLLM's penalties and min_tokens to the logits first.
 
-Order (as in vLLM): penalties on the raw logits, temperature, then min-p and top-k, then top-p over
-the renormalised rest. Row r draws with key fold_in(key(seed[r]), index[r]), so a (seed, index) pair
+Order (as in vLLM): penalties on the raw logits, the structured-output mask (a packed int32 row per
+prompt, all ones when it has none: data, not a shape, so no request compiles anything), temperature, then
+min-p and top-k, then top-p over the renormalised rest. Row r draws with key fold_in(key(seed[r]), index[r]), so a (seed, index) pair
 always yields the same token, whatever the batch around it.
 """
 
@@ -12,9 +13,16 @@ import jax
 import jax.numpy as jnp
 
 
-def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index, min_p) -> jax.Array:
-    """logits f32[V] and scalar settings -> int32 token."""
+def _allowed(bitmask: jax.Array, vocab: int) -> jax.Array:
+    """int32[W] packed (bit i of word w: token 32w + i) -> bool[vocab]."""
+    bits = (bitmask[:, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [W, 32]
+    return bits.reshape(-1)[:vocab] > 0
+
+
+def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index, min_p, bitmask) -> jax.Array:
+    """logits f32[V], scalar settings and bitmask int32[W] -> int32 token."""
     vocab = logits.shape[-1]
+    logits = jnp.where(_allowed(bitmask, vocab), logits, -jnp.inf)
     scaled = logits / jnp.maximum(temperature, 1e-6)
     order = jnp.argsort(-scaled)  # [V] token ids, most likely first (stable)
     ranked = scaled[order]  # [V]
@@ -30,9 +38,11 @@ def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index, min_p
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
 
 
-def sample(logits, temperature, top_k, top_p, seed, index, min_p=None) -> jax.Array:
+def sample(logits, temperature, top_k, top_p, seed, index, min_p=None, bitmask=None) -> jax.Array:
     """logits f32[B, V]; temperature f32[B] (0: greedy); top_k int32[B] (0: off); top_p f32[B] in (0, 1];
-    seed uint32[B]; index int32[B] (which output token this is); min_p f32[B] (0: off) -> int32[B]."""
+    seed uint32[B]; index int32[B] (which output token this is); min_p f32[B] (0: off); bitmask int32[B,
+    ceil(V / 32)] (the allowed tokens, packed; -1: all) -> int32[B]."""
+    words = (logits.shape[-1] + 31) // 32
     return jax.vmap(_sample_row)(
         logits.astype(jnp.float32),
         jnp.asarray(temperature, jnp.float32),
@@ -41,6 +51,7 @@ def sample(logits, temperature, top_k, top_p, seed, index, min_p=None) -> jax.Ar
         jnp.asarray(seed, jnp.uint32),
         jnp.asarray(index, jnp.int32),
         jnp.zeros(logits.shape[0], jnp.float32) if min_p is None else jnp.asarray(min_p, jnp.float32),
+        jnp.full((logits.shape[0], words), -1, jnp.int32) if bitmask is None else jnp.asarray(bitmask, jnp.int32),
     )
 
 

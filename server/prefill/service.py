@@ -30,6 +30,8 @@ from pdserve.server import logs, metrics, request_checks
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.engine import PrefillEngine, PrefillJob
 from pdserve.server.prefill.push_budget import PushBudget
+from pdserve.server.structured.constraint import Constraint
+from pdserve.server.structured.spec import SpecError
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -75,6 +77,21 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         self.active = 0
         """Prefill calls being served now."""
 
+    async def _constraint(self, request: pb.PrefillRequest) -> Constraint | None:
+        """The request's grammar, compiled off the loop in bounded time, after the outputs so far (the last
+        sample_index tokens, a migration's); SpecError or ValueError when it cannot be enforced."""
+        spec = request.sampling.structured
+        if not spec.WhichOneof("kind"):
+            return None
+        grammars = self.engine.grammars
+        if grammars is None:
+            raise ValueError("sampling.structured: this prefill worker has no tokenizer to compile grammars with")
+        await grammars.prepare(spec)
+        constraint = grammars.constraint(spec)
+        n = request.sample_index
+        constraint.replay(request.token_ids[len(request.token_ids) - n:] if n else [])
+        return constraint
+
     def _check_target(self, layout: KvLayout) -> str | None:
         c = self.model_config
         ours = (c.num_layers, c.num_kv_heads, c.head_dim)
@@ -117,6 +134,10 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         problem = self._request_problem(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        try:
+            constraint = await self._constraint(request)
+        except (SpecError, ValueError) as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         nbytes = kv_bytes(layout, len(ids))
         too_big = self.budget.too_big(nbytes)
         if too_big:
@@ -131,7 +152,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         try:
             await self.budget.acquire(nbytes, len(ids))
             job = self.engine.enqueue(ids, request.sampling, request.sample_index, layout.dtype, layout.block_size,
-                                      due=ttft_due(request, received))
+                                      due=ttft_due(request, received), constraint=constraint)
             opened = asyncio.get_running_loop().create_future()
             task = asyncio.create_task(self._push(request.target.address, header, layout, job, opened, nbytes))
             self.pushes.add(task)

@@ -4,8 +4,9 @@ it, the finishing prompts' head rows and their sampling columns.
 The engine (engine.py) takes a step's segments from the scheduler and its `StepShape`; `step_inputs`
 packs them end to end into the shape's buffer (each segment on a block boundary, its earlier tokens'
 KV in the context) and gives each segment's offset in it. What a prompt asks of its first token
-(temperature, top-k/p, min-p, seed, penalties, min_tokens) becomes columns over the head's rows, a
-power of two, by the same rules the decode tier applies (sampling_rules.py, finish.py).
+(temperature, top-k/p, min-p, seed, penalties, min_tokens, its grammar's first mask) becomes columns over
+the head's rows, a power of two, by the same rules the decode tier applies (sampling_rules.py, finish.py,
+structured/).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pdserve.server.prefill.model import Packing
 from pdserve.server.prefill.scheduler import Segment, aligned
 from pdserve.server.prefill.step_inputs import StepInputs
 from pdserve.server.sampling_rules import repetition_penalty_of, top_p_of
+from pdserve.server.structured.bitmask import unconstrained
+from pdserve.server.structured.constraint import Constraint
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Job(Protocol):
     kv_dtype: str
     block_size: int
     context: np.ndarray | None
+    constraint: Constraint | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -68,7 +72,7 @@ def step_inputs(step: list[Segment[Job]], shape: StepShape, model_config: ModelC
         head_rows[: len(finishing)] = [offsets[i] + s.length - 1 for i, s in finishing]
         jobs = [s.job for _, s in finishing]
         penalties = penalty_columns(jobs, rows, vocab_size, model_config.eos_token_ids, bucket)
-        sampling = sampling_columns(jobs, rows)
+        sampling = sampling_columns(jobs, rows, vocab_size)
     if any(s.job.sampling.HasField("prompt_logprobs") for s in step):  # this pass's hidden state
         ahead = next_tokens(step, offsets, shape)
     formats = tuple(sorted({(s.job.kv_dtype, s.job.block_size) for s in step}))
@@ -135,10 +139,15 @@ def penalty_columns(jobs: Sequence[Job], rows: int, vocab_size: int, eos_ids: Se
             np.concatenate([np.asarray(repetition, np.float32), np.ones(rows - len(jobs), np.float32)]), blocked)
 
 
-def sampling_columns(jobs: Sequence[Job], rows: int) -> tuple[np.ndarray, ...]:
+def sampling_columns(jobs: Sequence[Job], rows: int, vocab_size: int) -> tuple[np.ndarray, ...]:
     """`sampler.sample`'s columns after the logits: each prompt's sampling parameters (a seed drawn here
-    when it has none), padded to the head's rows."""
+    when it has none) and its grammar's mask of the next token (all ones without one), padded to the
+    head's rows."""
     sp = [j.sampling for j in jobs]
+    masks = unconstrained(rows, vocab_size)  # [R, ceil(V / 32)]
+    for row, job in zip(masks, jobs):
+        if job.constraint is not None:
+            job.constraint.fill(row)
     return (
         column([p.temperature for p in sp], np.float32, rows),
         column([p.top_k for p in sp], np.int32, rows),
@@ -146,6 +155,7 @@ def sampling_columns(jobs: Sequence[Job], rows: int) -> tuple[np.ndarray, ...]:
         column([(p.seed if p.HasField("seed") else secrets.randbits(32)) % 2**32 for p in sp], np.uint32, rows),
         column([j.sample_index for j in jobs], np.int32, rows),
         column([p.min_p for p in sp], np.float32, rows),
+        masks,
     )
 
 

@@ -301,3 +301,20 @@ async def test_triton_vllm_backend_return_inputs_choose_the_outputs(cluster, cli
                                 + _returns(finish_reason=False, num_output_tokens=False))
     assert {o.name for o in result.get_response().outputs} == {"text_output"}
     assert not cluster.decode.requests[-1].sampling.HasField("logprobs")  # none asked for, none computed
+
+
+async def test_structured_outputs_reach_the_workers_and_a_bad_spec_is_invalid_argument(cluster, client):
+    cluster.script([5, 6])
+    await client.infer(MODEL, inputs("x", sampling={"max_tokens": 2, "structured_outputs": {"choice": ["a", "b"]}}))
+    want = generation_pb2.StructuredOutput(choice=generation_pb2.Choices(choices=["a", "b"]))
+    assert cluster.decode.requests[-1].sampling.structured == want
+    assert cluster.prefill.requests[-1].sampling.structured == want
+    await client.infer(MODEL, inputs("x"), parameters={"max_tokens": 2, "structured_outputs": '{"regex": "[ab]+"}'})
+    assert cluster.decode.requests[-1].sampling.structured == generation_pb2.StructuredOutput(regex="[ab]+")
+    sent = len(cluster.decode.requests)
+    for sampling, words in [({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex: "),
+                            ({"structured_outputs": ["a"]}, "structured_outputs: a JSON object")]:
+        with pytest.raises(InferenceServerException) as e:
+            await client.infer(MODEL, inputs("x", sampling=sampling))
+        assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and words in e.value.message(), e.value.message()
+    assert len(cluster.decode.requests) == sent

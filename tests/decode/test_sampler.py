@@ -1,6 +1,6 @@
 import torch
 
-from pdserve.server.decode.sampler import sample
+from pdserve.server.decode.sampler import greedy, sample
 
 
 def _params(b: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
@@ -111,3 +111,22 @@ def test_a_seeded_row_without_filters_draws_the_same_beside_rows_that_sort():
                        [11], [2])
         assert alone[0] == mixed[row]
     assert mixed[2] in logits[2].topk(5).indices
+
+
+def test_apply_bitmask_keeps_exactly_the_allowed_ids_and_leaves_free_rows_alone():
+    import numpy as np
+
+    from pdserve.server.decode.sampler import apply_bitmask
+    from pdserve.server.structured.bitmask import unconstrained
+
+    masks = unconstrained(2, 40)  # [2, 2] words
+    masks[1] = 0
+    masks[1, 0] = np.uint32((1 << 3) | (1 << 31)).view(np.int32)
+    masks[1, 1] = 1 << 7  # token 39
+    logits = torch.arange(80, dtype=torch.float32).reshape(2, 40)
+    out = apply_bitmask(logits, torch.from_numpy(masks))
+    assert torch.equal(out[0], logits[0])
+    assert torch.isfinite(out[1]).nonzero()[:, 0].tolist() == [3, 31, 39]
+    assert greedy(out).tolist() == [39, 39]
+    assert sample(out, torch.tensor([0.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1.0, 1.0]), [None, 1], [0, 0]
+                  )[1].item() in (3, 31, 39)

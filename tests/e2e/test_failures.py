@@ -6,8 +6,13 @@ workers by flag, with --max-migrations 0, so one kill shows both sides of the li
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import pytest
+
+from pdserve.server.model.tokenizer import Tokenizer
+from pdserve.v1 import generation_pb2 as gen_pb
 
 from tests.e2e.procs import Procs, Stream, blocks, counter, generate, list_workers, request, wait_blocks_free, wait_until
 
@@ -95,6 +100,37 @@ def test_kill_decode_mid_stream_migrates_with_exact_tokens_or_fails_past_the_lim
     assert generate(b.address, request(PROMPTS[1], 20)) == reference[1][:20]
     assert wait_blocks_free([survivor]) == [blocks(survivor)] and blocks(survivor)[0] == blocks(survivor)[1]
     wait_until(lambda: {w.address: w.state for w in list_workers(a)}[p[victim].address] == "dead", "victim dead")
+
+
+def test_kill_decode_mid_answer_keeps_each_migrated_answer_in_its_grammar(cluster):
+    """After the kill above: a fresh decode worker d2 beside the survivor; d2 dies mid-answer and its
+    constrained streams (temperature 1) are re-prefilled with prompt + outputs, the grammar replayed."""
+    p = cluster.procs
+    a = p["coord-a"]
+    d2 = cluster.worker("d2", "decode", a)
+    tok = Tokenizer.from_dir(cluster.model_dir)
+    pattern = "[a-z]{300}"
+    streams = [Stream(a.address, gen_pb.GenerateRequest(
+        token_ids=gen_pb.TokenIds(ids=prompt), sampling=gen_pb.SamplingParams(
+            max_tokens=LONG, temperature=1.0, seed=i, structured=gen_pb.StructuredOutput(regex=pattern))))
+        for i, prompt in enumerate(PROMPTS)]
+    migrated = counter(a.metrics(), "pdserve_migrations_total")
+
+    def mid_answer_on_d2() -> bool:
+        started = all(s.tokens or not s.is_alive() for s in streams)
+        return started and any(w.inflight for w in list_workers(a) if w.address == d2.address)
+
+    wait_until(mid_answer_on_d2, "constrained streams mid-answer on d2", every=0.005)
+    cluster.kill("d2")
+    for s in streams:
+        s.join(120)
+    assert [s.error for s in streams] == [None] * len(PROMPTS)
+    assert counter(a.metrics(), "pdserve_migrations_total") > migrated
+    for s in streams:
+        assert s.finish_reason == gen_pb.FINISH_REASON_STOP
+        assert re.fullmatch(pattern, tok.decode(s.tokens)), tok.decode(s.tokens)
+    assert wait_blocks_free([p["survivor"]]) == [blocks(p["survivor"])]
+    wait_until(lambda: {w.address: w.state for w in list_workers(a)}[d2.address] == "dead", "d2 dead")
 
 
 def test_kill_prefill_during_transfer_completes_elsewhere_and_leaks_no_block(cluster):

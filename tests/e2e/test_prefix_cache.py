@@ -8,12 +8,16 @@ choice's partial last block; every block comes back (free + cached = total).
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import httpx
 import pytest
 import torch
 
 from pdserve.server.launcher import free_port
+from pdserve.server.model.tokenizer import Tokenizer
+from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc
 from tests.e2e.procs import Procs, Stream, counter, generate, request, wait_blocks_free
 
@@ -77,6 +81,27 @@ def test_sequences_preempted_on_a_small_cache_resume_with_transformers_tokens(cl
     assert counter(d0.metrics(), "pdserve_num_preemptions_total") > preempted
     for p, s in zip(prompts, streams):
         assert s.tokens == hf_greedy(cluster.model_dir, p, 120)
+    free, total = wait_blocks_free([d0])[0]
+    assert free == total
+
+
+def test_constrained_sequences_preempted_on_a_small_cache_keep_their_grammar(cluster):
+    coordinator, d0 = cluster.procs["coordinator"], cluster.procs["d0"]
+    tok = Tokenizer.from_dir(cluster.model_dir)
+    pattern = "[a-z]{110}"  # each sequence 40 + up to 110 tokens: three cannot fit 12 blocks together
+    prompts = [[(17 * i + k) % 500 + 3 for i in range(40)] for k in range(3)]
+    preempted = counter(d0.metrics(), "pdserve_num_preemptions_total")
+    streams = [Stream(coordinator.address, gen_pb.GenerateRequest(
+        token_ids=gen_pb.TokenIds(ids=p), sampling=gen_pb.SamplingParams(
+            max_tokens=120, temperature=1.0, seed=k, structured=gen_pb.StructuredOutput(regex=pattern))))
+        for k, p in enumerate(prompts)]
+    for s in streams:
+        s.join(300)
+    assert [s.error for s in streams] == [None] * 3
+    assert counter(d0.metrics(), "pdserve_num_preemptions_total") > preempted
+    for s in streams:
+        assert s.finish_reason == gen_pb.FINISH_REASON_STOP
+        assert re.fullmatch(pattern, tok.decode(s.tokens)), tok.decode(s.tokens)
     free, total = wait_blocks_free([d0])[0]
     assert free == total
 

@@ -1,5 +1,5 @@
-"""After `warmup`, a load of mixed prompt lengths and sampling options compiles nothing, packed,
-chunked or from a cached prefix.
+"""After `warmup`, a load of mixed prompt lengths and sampling options (structured output's first-token
+masks among them) compiles nothing, packed, chunked or from a cached prefix.
 
 Compilations are counted from JAX's own monitoring events: every jit cache miss traces a jaxpr
 (`/jax/core/compile/jaxpr_trace_duration`) and every XLA compile reports its duration
@@ -20,6 +20,7 @@ from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
 from pdserve.server.prefill.model import load_params
+from pdserve.server.structured.grammars import Grammars
 
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration", "/jax/core/compile/backend_compile_duration")
 _seen: list[str] = []
@@ -55,13 +56,17 @@ async def test_a_mixed_load_compiles_nothing_after_warmup(tiny_model):
     assert [(s.tokens, s.context) for s in shapes] == [(t, c) for c in (0, 128) for t in (16, 32, 64, 128, 256, 512)]
     engine.warmup()
 
+    grammars = Grammars.for_model(path, model_config.vocab_size, tuple(model_config.eos_token_ids))
+    spec = gen_pb.StructuredOutput(json_object=True)
+    grammars.compiled(spec)
     before = compiles()
     rng = np.random.default_rng(0)
     lengths = [1, 5, 16, 17, 31, 40, 63, 64, 65, 100, 128, 3, 90, 22, 8, 127]
     wire = ["float32", "bfloat16"]
     for wave in range(2):  # concurrent prompts of mixed lengths: batches of 1, 2 and 4 rows
         results = await asyncio.gather(*(
-            engine.submit(rng.integers(3, 500, n).tolist(), _sampling(i + wave), 0, wire[i % 2])
+            engine.submit(rng.integers(3, 500, n).tolist(), _sampling(i + wave), 0, wire[i % 2],
+                          constraint=grammars.constraint(spec) if i % 3 == wave else None)
             for i, n in enumerate(lengths)))
         assert [r.k.shape[1] for r in results] == lengths
     alone = [await engine.submit(list(range(3, 3 + n)), _sampling(0), 0, "float32") for n in (2, 33, 128)]

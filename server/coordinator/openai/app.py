@@ -31,6 +31,7 @@ from pdserve.server import metrics, serving
 from pdserve.server.coordinator import http_server
 from pdserve.server.coordinator.body_limit import BodyLimit, BodyTooLarge, error_body
 from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
+from pdserve.server.coordinator.openai.tools import tool_plan
 from pdserve.server.coordinator.openai.convert import (check_messages_size, check_prompt_size, chat_request,
                                                        completion_request, refuse_unsupported)
 from pdserve.server.coordinator.openai.errors import ApiError, internal_error, validation_message
@@ -161,14 +162,18 @@ def create_app(front: Front) -> FastAPI:
                 code="no_chat_template",
             )
         check_messages_size(body.messages, front.max_prompt_bytes)
+        plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, front.enable_auto_tool_choice,
+                         front.tool_call_parser)
         try:
-            _, ids = await asyncio.to_thread(front.chat.encode, body.messages, body.chat_template_kwargs)
+            _, ids = await asyncio.to_thread(front.chat.encode, body.messages, body.chat_template_kwargs,
+                                             plan.tools if plan else None)
         except ChatTemplateError as e:
             raise ApiError(
                 400, str(e) if str(e).startswith("messages") else f"messages: {e}", param="messages"
             ) from e
-        generate = chat_request(body, ids, front.max_model_len)
-        handler = Handler(front, "chat", body, f"chatcmpl-{secrets.token_hex(12)}")
+        generate = chat_request(body, ids, front.max_model_len, plan)
+        handler = Handler(front, "chat", body, f"chatcmpl-{secrets.token_hex(12)}",
+                          tools=plan if plan and plan.mode != "none" else None)
         generate.request_id = handler.id
         return await handler.run(request, generate)
 
@@ -196,6 +201,8 @@ async def serve_http(
         encoder=encoder,
         max_body_bytes=2 * getattr(config, "max_prompt_bytes", 4 * 2**20) + 2**20,
         max_prompt_bytes=getattr(config, "max_prompt_bytes", 4 * 2**20),
+        enable_auto_tool_choice=getattr(config, "enable_auto_tool_choice", False),
+        tool_call_parser=getattr(config, "tool_call_parser", None),
     )
     app = BodyLimit(create_app(front), front.max_body_bytes)
     server = await http_server.start(app, config.host, config.http_port, tls=serving.tls_config(),

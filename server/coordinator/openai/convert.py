@@ -9,6 +9,8 @@ from typing import Any
 from pdserve.v1 import generation_pb2
 from pdserve.server.coordinator.openai.errors import ApiError
 from pdserve.server.coordinator.openai.protocol import ChatRequest, CompletionRequest, SamplingFields
+from pdserve.server.coordinator.openai.structured import structured_output
+from pdserve.server.coordinator.openai.tools import ToolPlan
 from pdserve.server.model.tokenizer import Tokenizer
 
 MAX_N = 16
@@ -47,12 +49,20 @@ def completion_request(body: CompletionRequest, tokenizer: Tokenizer) -> tuple[g
     return generate, echo
 
 
-def chat_request(body: ChatRequest, prompt_ids: list[int], max_model_len: int) -> generation_pb2.GenerateRequest:
-    """The request for a /v1/chat/completions body whose messages rendered to `prompt_ids`."""
+def chat_request(body: ChatRequest, prompt_ids: list[int], max_model_len: int,
+                 tools: ToolPlan | None = None) -> generation_pb2.GenerateRequest:
+    """The request for a /v1/chat/completions body whose messages rendered to `prompt_ids`; `tools`: its
+    tool plan, whose grammar (`required`, a named function) holds the output."""
     max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     if max_tokens is None:
         max_tokens = max(1, max_model_len - len(prompt_ids))
     generate = generation_pb2.GenerateRequest(sampling=sampling_params(body, max_tokens))
+    calls = tools.structured() if tools is not None else None
+    if calls is not None:
+        if generate.sampling.HasField("structured"):
+            raise ApiError(400, f"tool_choice: {tools.mode} tool calls have their own grammar; drop response_format "
+                                "and structured_outputs", param="tool_choice")
+        generate.sampling.structured.CopyFrom(calls)
     generate.token_ids.ids.extend(prompt_ids)
     return generate
 
@@ -75,12 +85,6 @@ def refuse_unsupported(req: SamplingFields) -> None:
     if isinstance(req, ChatRequest):
         checks += [
             ("top_logprobs", req.top_logprobs is not None and not req.logprobs, "top_logprobs needs logprobs: true"),
-            ("tools", bool(req.tools), "tools are not supported"),
-            (
-                "response_format",
-                (req.response_format or {"type": "text"}).get("type") != "text",
-                'only response_format {"type": "text"} is supported',
-            ),
         ]
     for param, bad, message in checks:
         if bad:
@@ -93,6 +97,9 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> generation_p
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
     )
+    structured = structured_output(req.response_format, req.structured_outputs)
+    if structured is not None:
+        sampling.structured.CopyFrom(structured)
     for name, value in (
         ("max_tokens", max_tokens),
         ("temperature", req.temperature),

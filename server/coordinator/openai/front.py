@@ -34,6 +34,9 @@ class Front:
     """Larger request bodies get 413 before they are read."""
     max_prompt_bytes: int = 4 * 2**20
     """Larger prompts (and chat messages together) get 413 before they are tokenized or rendered."""
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    """tool_choice "auto": the format calls are parsed from (tool_parsers.py); None: "auto" is refused."""
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs name it."""

@@ -1,7 +1,9 @@
 """One endpoint's request: run its choices through the shared request path, shape OpenAI's answer.
 
 Without `stream` one JSON body once every choice finished; with it server-sent events, the choices'
-chunks interleaved as they arrive, ending in `data: [DONE]`. An error after streaming began arrives as
+chunks interleaved as they arrive, ending in `data: [DONE]`. A chat that may answer with tool calls
+(tools.py) streams the content before any call can begin ("auto"), then, when the choice finishes, the
+rest of its content and its `tool_calls` (with ids, each call whole in one delta), finish_reason `tool_calls`. An error after streaming began arrives as
 an SSE event `{"error": ...}` before `[DONE]`. A client that disconnects cancels its request: the
 streams are closed, which cancels the worker calls.
 """
@@ -28,6 +30,7 @@ from pdserve.server.coordinator.openai.front import Front
 from pdserve.server.coordinator.openai.logprobs import CompletionLogprobs, chat_logprobs
 from pdserve.server.coordinator.openai.protocol import SamplingFields
 from pdserve.server.coordinator.openai.sse import TEXT_MARK, TextChunk, sse_event
+from pdserve.server.coordinator.openai.tools import ToolPlan, tool_call
 from pdserve.server.coordinator.shared_prompt import SharedPrompt
 from pdserve.server.finish import finish_name
 
@@ -117,8 +120,10 @@ class Handler:
     """
 
     def __init__(self, front: Front, kind: Kind, req: SamplingFields, request_id: str,
-                 echo: Echo | None = None):
+                 echo: Echo | None = None, tools: ToolPlan | None = None):
         self.front = front
+        self.tools = tools
+        """A chat whose answer may hold tool calls (not "none"): they are parsed from each choice's whole text."""
         self.kind = kind
         self.req = req
         self.id = request_id
@@ -157,13 +162,37 @@ class Handler:
                 delta["content"] = text
             return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                     "stop_reason": stop_reason}
+        message: dict[str, Any] = {"role": "assistant", "content": text or ""}
+        if self.tools is not None:
+            message, finish_reason = self.tool_message(text or "", finish_reason)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text or ""},
+            "message": message,
             "logprobs": logprobs,
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
+
+    def tool_message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A finished chat's message with its tool calls parsed out (finish_reason tool_calls), or its text
+        as content when it holds none (or was cut short)."""
+        content, calls = self.tools.calls(text) if finish_reason == "stop" else (text, [])
+        if not calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": [tool_call(c) for c in calls]}, "tool_calls"
+
+    def tool_chunks(self, outcome: Outcome, index: int, sent: int) -> list[dict[str, Any]]:
+        """A streamed chat's last chunks when it may call tools: the content not yet sent (`sent` characters
+        were), its calls, its finish."""
+        message, finish = self.tool_message(outcome.text, outcome.finish_reason)
+        rest = (message["content"] or "")[sent:]
+        deltas = [{"content": rest}] if rest else []
+        if "tool_calls" in message:
+            deltas.append({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]})
+        chunks = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        chunks.append({"index": index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                       "stop_reason": outcome.stop_reason})
+        return [self.body([c], None, True) for c in chunks]
 
     def body(
         self, choices: list[dict[str, Any]], usage: dict[str, int] | None, chunk: bool
@@ -252,6 +281,7 @@ class Handler:
                     yield sse_event(self.body([self.choice(None, None, first=True, index=i)], None, True))
             is_first = [self.kind == "completion"] * n  # a chat's first chunk (the role) went above
             templates = [self.text_chunk(i) for i in range(n)] if self.plain else None
+            sent = [0] * n  # content characters each choice streamed while it may still call tools
             running = n
             while running:
                 i, response = pending.popleft() if pending else await choices.next()
@@ -265,6 +295,18 @@ class Handler:
                     return
                 outcome = outcomes[i]
                 outcome.add(response)
+                if self.tools is not None:  # the calls are parsed from the whole text
+                    if response.finish_reason:
+                        for chunk in self.tool_chunks(outcome, i, sent[i]):
+                            yield sse_event(chunk)
+                        continue
+                    text = outcome.text
+                    ready = self.tools.streamable(text)
+                    if ready > sent[i]:
+                        yield sse_event(self.body([{"index": i, "delta": {"content": text[sent[i]:ready]},
+                                                    "logprobs": None, "finish_reason": None}], None, True))
+                        sent[i] = ready
+                    continue
                 if templates is not None and response.text and not response.finish_reason and not is_first[i]:
                     yield templates[i].render(response.text)
                 elif response.text or response.finish_reason or response.logprobs or is_first[i]:

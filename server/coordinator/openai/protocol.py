@@ -39,6 +39,10 @@ class SamplingFields(BaseModel):
     best_of: int | None = None
     user: str | None = None
     """OpenAI's end-user id: accepted, not used."""
+    response_format: dict[str, Any] | None = None
+    """OpenAI's: text, json_object or json_schema (vLLM takes it on completions too)."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's: one of json, json_object, regex, choice, grammar, structural_tag (openai/structured.py)."""
 
 
 class CompletionRequest(SamplingFields):
@@ -66,6 +70,7 @@ class ChatRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (vLLM's extension), e.g. {"enable_thinking": false}."""

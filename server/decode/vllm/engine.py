@@ -143,6 +143,10 @@ class VllmEngine(Engine):
         """Admits the request now, its prompt's blocks promised; raises ValueError (bad or too long) or
         QueueFull (the running cap, or vLLM's free blocks less those promised, cannot take it)."""
         rid, prompt = admissible(request, self.sequences, self.max_model_len)
+        if request.sampling.structured.WhichOneof("kind"):
+            raise ValueError("sampling.structured: --engine vllm does not enforce structured output yet (vLLM's "
+                             "grammar would start after the tokens the prefill tier sampled); serve it with "
+                             "--engine native")
         if len(self.sequences) >= self.max_running:
             raise QueueFull(f"decode worker runs its maximum of {self.max_running} requests")
         need = self.layout.num_blocks(len(prompt))  # blocks on demand: the prompt's, as the coordinator counts

@@ -1,0 +1,99 @@
+"""OpenAI's `response_format` and vLLM's `structured_outputs` as the StructuredOutput the tiers enforce.
+
+response_format: {"type": "text"} (free), {"type": "json_object"}, {"type": "json_schema", "json_schema":
+{"name", "schema", "strict", "description"}} and vLLM's {"type": "structural_tag", ...}. structured_outputs
+(vLLM's extra parameter, on chat and completions): exactly one of json (a schema, as an object or JSON text),
+json_object, regex, choice, grammar (EBNF or Lark), structural_tag. Each refusal is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pdserve.v1 import generation_pb2
+from pdserve.server.coordinator.openai.errors import ApiError
+from pdserve.server.structured.spec import spec_problem
+
+StructuredOutput = generation_pb2.StructuredOutput
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+"""structured_outputs' constraints, one of which a request may set."""
+OPTIONS = ("disable_fallback", "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
+"""vLLM's structured_outputs options pdserve accepts: JSON is compact and exact here already (no fallback, no
+whitespace), so only their values that agree with that are taken."""
+
+
+def structured_output(response_format: dict[str, Any] | None,
+                      structured_outputs: dict[str, Any] | None) -> StructuredOutput | None:
+    """The request's constraint (None: free text), checked; ApiError 400 naming the field otherwise."""
+    spec, where = None, None
+    if response_format is not None:
+        spec = _response_format(response_format)
+        where = f"response_format.{response_format.get('type')}"
+        where += ".schema" if where == "response_format.json_schema" else ""
+    if structured_outputs is not None:
+        if spec is not None:
+            raise ApiError(400, "structured_outputs: set it or response_format, not both", param="structured_outputs")
+        spec = _structured_outputs(structured_outputs)
+        where = "structured_outputs." + next(k for k in KINDS if structured_outputs.get(k) not in (None, False))
+    if spec is None:
+        return None
+    problem = spec_problem(spec, where=where)
+    if problem:
+        raise ApiError(400, problem, param=where)
+    return spec
+
+
+def _response_format(rf: dict[str, Any]) -> StructuredOutput | None:
+    kind = rf.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or "schema" not in js and "json_schema" not in js:
+            raise ApiError(400, 'response_format.json_schema: needs {"name", "schema"}',
+                           param="response_format.json_schema")
+        schema = js.get("schema", js.get("json_schema"))
+        if not isinstance(schema, (dict, bool)):
+            raise ApiError(400, "response_format.json_schema.schema: a JSON schema is an object",
+                           param="response_format.json_schema.schema")
+        return StructuredOutput(json_schema=json.dumps(schema))
+    if kind == "structural_tag":
+        return StructuredOutput(structural_tag=json.dumps({k: v for k, v in rf.items() if k != "type"}))
+    raise ApiError(400, f"response_format.type: {kind!r}; one of text, json_object, json_schema, structural_tag",
+                   param="response_format.type")
+
+
+def _structured_outputs(so: dict[str, Any]) -> StructuredOutput:
+    for name, value in so.items():
+        if name not in KINDS + OPTIONS:
+            raise ApiError(400, f"structured_outputs.{name}: unknown; one of {', '.join(KINDS)}",
+                           param=f"structured_outputs.{name}")
+        if name in ("disable_additional_properties", "whitespace_pattern") and value not in (None, False):
+            raise ApiError(400, f"structured_outputs.{name}: not supported", param=f"structured_outputs.{name}")
+    given = [k for k in KINDS if so.get(k) not in (None, False)]
+    if len(given) != 1:
+        raise ApiError(400, f"structured_outputs: set exactly one of {', '.join(KINDS)}; got "
+                            f"{', '.join(given) or 'none'}", param="structured_outputs")
+    kind = given[0]
+    value = so[kind]
+    field = f"structured_outputs.{kind}"
+    if kind == "json":
+        if isinstance(value, str):
+            return StructuredOutput(json_schema=value)
+        if not isinstance(value, dict):
+            raise ApiError(400, f"{field}: a JSON schema (an object or its JSON text)", param=field)
+        return StructuredOutput(json_schema=json.dumps(value))
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise ApiError(400, f"{field}: a list of strings", param=field)
+        return StructuredOutput(choice=generation_pb2.Choices(choices=value))
+    if kind == "structural_tag":
+        return StructuredOutput(structural_tag=value if isinstance(value, str) else json.dumps(value))
+    if not isinstance(value, str):
+        raise ApiError(400, f"{field}: a string", param=field)
+    return StructuredOutput(**{kind: value})
