@@ -118,6 +118,8 @@ class SimResult:
     busy_seconds: dict[str, float]
     preemptions: int
     prefill_tokens: int
+    kv_usage: float = 0.0
+    """Mean KV-cache usage of the decode workers over the load reports."""
 
     def summary(self, slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> dict:
         """`pdserve bench`'s summary keys (metrics.summarize), plus the simulator's own under "sim"."""
@@ -129,6 +131,7 @@ class SimResult:
             "utilisation": {name: busy / d for name, busy in self.busy_seconds.items()},
             "preemptions": self.preemptions,
             "prefill_computed_tokens": self.prefill_tokens,
+            "kv_usage_mean": self.kv_usage,
         }
         return s
 
@@ -151,6 +154,8 @@ class SimCluster:
         self.decode_line: deque[Flight] = deque()
         self.prefill_line: deque[Flight] = deque()
         self.kv_wire_bytes = 0
+        self.kv_usage: list[float] = []
+        """Each load report's KV usage of each decode worker (what the decode HPA reads)."""
         self.open = 0
         self.arrivals_left = 0
         for i in range(spec.prefill_workers):
@@ -193,7 +198,11 @@ class SimCluster:
 
     def _report(self) -> None:
         for worker in self.pool.workers.values():
-            worker.reported(self._info(worker), self.clock.now)
+            info = self._info(worker)
+            worker.reported(info, self.clock.now)
+            if worker.role == "decode":
+                load = info.load
+                self.kv_usage.append(1 - load.free_kv_blocks / load.total_kv_blocks)
         self._pump()
         if self.open or self.arrivals_left:
             self.clock.after(self.spec.coordinator.refresh_seconds, self._report)
@@ -218,7 +227,8 @@ class SimCluster:
         preemptions = sum(s.decode.scheduler.num_preemptions for s in self.sims.values() if hasattr(s, "decode"))
         prefilled = sum(s.prefill.computed_tokens for s in self.sims.values() if hasattr(s, "prefill"))
         return SimResult(outputs, end - start, self.kv_wire_bytes,
-                         {name: s.busy.seconds for name, s in self.sims.items()}, preemptions, prefilled)
+                         {name: s.busy.seconds for name, s in self.sims.items()}, preemptions, prefilled,
+                         sum(self.kv_usage) / len(self.kv_usage) if self.kv_usage else 0.0)
 
     def _arrive(self, req: SimRequest, out: RequestOutput, rid: str) -> None:
         self.arrivals_left -= 1

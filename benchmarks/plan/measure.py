@@ -4,11 +4,13 @@
 
 It starts a 1 prefill + 1 decode cluster (`pdserve up`'s launcher; each worker on its own share of the
 cores) and sends requests through the coordinator's gRPC API, timed at the client as `pdserve bench` does:
-1. Prefill: one prompt at a time at several lengths, 2 output tokens: TTFT(L) = overhead + step(L)
+1. Prefill: one prompt at a time at several lengths, 2 output tokens, while `background_streams` other
+   requests decode (the decode worker and the coordinator busy, as under load; their CPU is what the
+   prefill worker contends with on a shared machine): TTFT(L) = overhead + step(L)
    fits `fixed + per_token x padded + per_pair x L^2`; bursts of short prompts sent at once (the first
    runs alone, the rest pack into the next step) split the intercept into the step's fixed seconds and
    the client-visible overhead that occupies no worker.
-2. Decode: B requests at once at two context lengths: the median gap between tokens while all B decode
+2. Decode: B requests at once (B up to the decode worker's --max-running, 64) at two context lengths: the median gap between tokens while all B decode
    is one step at batch B; fits `fixed + per_seq x B + per_context_token x sum of contexts`.
 3. KV handoff: the second token's wait past the first, less a decode step, is the handoff's fixed time;
    its bytes/s is the in-process KvSender -> gRPC -> KvReceiver -> PagedKvCache transfer of
@@ -31,6 +33,9 @@ from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost
 from pdserve.benchmarks.plan.workers import bucket_length
 
 _START = time.perf_counter()
+PREFILL_ARGS = ["--compile-before-serving", "all"]
+"""Every prefill program compiled before the worker serves: a compile while it serves (the default
+`common` compiles the rest between requests) would land in the measured times."""
 
 
 def log(message: str) -> None:
@@ -42,17 +47,19 @@ class ProfilePlan:
     prefill_lengths: tuple[int, ...] = (16, 64, 128, 256, 448)
     repeats: int = 5
     burst: int = 5
-    decode_batches: tuple[int, ...] = (1, 4, 16)
+    decode_batches: tuple[int, ...] = (1, 8, 32, 64)
     decode_contexts: tuple[int, ...] = (32, 320)
     decode_tokens: int = 48
+    background_streams: int = 8
+    """Requests decoding while the prefill rows are measured (0: an idle cluster)."""
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.burst < 2 or self.decode_tokens < 8:
             raise ValueError("repeats >= 1, burst >= 2 and decode_tokens >= 8")
 
 
-QUICK = ProfilePlan(prefill_lengths=(16, 128, 448), repeats=2, decode_batches=(1, 8), decode_contexts=(32, 320),
-                    decode_tokens=16)
+QUICK = ProfilePlan(prefill_lengths=(16, 128, 448), repeats=2, decode_batches=(1, 16, 64), decode_contexts=(32, 320),
+                    decode_tokens=16, background_streams=8)
 
 
 async def _send(target, requests) -> list:
@@ -73,6 +80,18 @@ def _synthetic(n: int, prompt_len: int, output_len: int, vocab: int, seed: int):
     return synthetic(n, input_len=prompt_len, output_len=output_len, vocab_size=vocab, seed=seed)
 
 
+async def _background(target, vocab: int, streams: int, output_len: int, stop: asyncio.Event) -> None:
+    """`streams` requests decoding at all times until `stop`: the decode tier and the coordinator busy, as
+    under load, while the prefill rows are measured (their CPU is the prefill worker's contention)."""
+    from pdserve.benchmarks.clients import RequestOutput
+
+    seed = 5000
+    while not stop.is_set():
+        reqs = _synthetic(streams, 16, output_len, vocab, seed)
+        seed += 1
+        await asyncio.gather(*(target.send(r, RequestOutput(group="background", prompt_len=16)) for r in reqs))
+
+
 async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: int, bar) -> dict:
     from pdserve.benchmarks.clients import GrpcTarget
 
@@ -80,19 +99,27 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
     rows: dict = {"prefill": [], "burst": [], "decode": []}
     try:
         await _send(target, _synthetic(4, 16, 2, vocab, 99))  # connections, the first steps
-        for n in plan.prefill_lengths:
-            reqs = _synthetic(plan.repeats + 1, n, 2, vocab, n)
-            for i, req in enumerate(reqs):  # one at a time; the first warms the bucket up
-                (o,) = await _send(target, [req])
-                if i:
-                    rows["prefill"].append({"tokens": n, "ttft_s": o.ttft, "second_s": o.chunk_times[1] - o.sent})
+        stop = asyncio.Event()
+        background = asyncio.create_task(_background(target, vocab, plan.background_streams, max_len - 32, stop))
+        try:
+            await asyncio.sleep(0.5)
+            for n in plan.prefill_lengths:
+                reqs = _synthetic(plan.repeats + 1, n, 2, vocab, n)
+                for i, req in enumerate(reqs):  # one at a time; the first warms the bucket up
+                    (o,) = await _send(target, [req])
+                    if i:
+                        rows["prefill"].append({"tokens": n, "ttft_s": o.ttft, "second_s": o.chunk_times[1] - o.sent})
+                bar.update(1)
+            for r in range(plan.repeats + 1):
+                outs = await _send(target, _synthetic(plan.burst, 16, 1, vocab, 1000 + r))
+                ttfts = sorted(o.ttft for o in outs)
+                if r:
+                    rows["burst"].append({"prompts": plan.burst, "tokens": 16, "first_s": ttfts[0],
+                                          "last_s": ttfts[-1]})
             bar.update(1)
-        for r in range(plan.repeats + 1):
-            outs = await _send(target, _synthetic(plan.burst, 16, 1, vocab, 1000 + r))
-            ttfts = sorted(o.ttft for o in outs)
-            if r:
-                rows["burst"].append({"prompts": plan.burst, "tokens": 16, "first_s": ttfts[0], "last_s": ttfts[-1]})
-        bar.update(1)
+        finally:
+            stop.set()
+            await background
         for context in plan.decode_contexts:
             for batch in plan.decode_batches:
                 prompt = min(context, max_len - plan.decode_tokens - 1)
@@ -223,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(model)
     max_len = min(config.max_model_len, 1 << 30)
     log(f"starting 1 prefill + 1 decode worker on {model} (compiles first: a minute or two)")
-    cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1")
+    cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
+                              prefill_args=PREFILL_ARGS)
     try:
         statuses = {w.role: w.info for w in list_workers(cluster.coordinator.address)}
         decode = statuses["decode"]
@@ -233,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"measuring: {steps} groups of requests (KV {layout.describe()}, cache {kv_cache_tokens} tokens)")
         lengths = tuple(n for n in plan.prefill_lengths if n < max_len - 2)
         plan = ProfilePlan(lengths, plan.repeats, plan.burst, plan.decode_batches, plan.decode_contexts,
-                           plan.decode_tokens)
+                           plan.decode_tokens, plan.background_streams)
         with tqdm(total=steps, desc="plan profile", unit="group", file=sys.stderr) as bar:
             rows = asyncio.run(measure_served(cluster.coordinator.address, config.vocab_size, plan, max_len, bar))
     finally:
@@ -246,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
                           kv_bytes_per_token=layout.bytes_per_token, kv_cache_tokens=kv_cache_tokens,
                           transfer_bytes_per_s=bw, max_len=1 << (max_len - 1).bit_length())
     profile.notes["peak"] = peak
+    profile.notes["kind"] = "cpu"
     profile.notes["model_shape"] = _shape(config)
     profile.save(args.out)
     p, d, h = profile.prefill, profile.decode, profile.handoff

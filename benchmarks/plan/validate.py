@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.benchmarks.plan.measure import PREFILL_ARGS
 from pdserve.benchmarks.plan.profile import Profile
 
 SHAPES = {"short": (64, 32), "long": (384, 32)}
@@ -154,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         plan += [(name, shape, round(f * sat, 2)) for f in RATE_FACTORS]
     log(f"starting 1 prefill + 1 decode worker ({profile.hardware}); then {len(plan)} bench runs of "
         f"{args.duration:g} s each")
-    cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1")
+    cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
+                              prefill_args=PREFILL_ARGS)
     rows = []
     try:
         for i, (name, shape, rate) in enumerate(plan, 1):
