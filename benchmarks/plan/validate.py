@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -89,14 +90,30 @@ def measure(address: str, argv: list[str], out: Path) -> dict:
     return asyncio.run(bench._main(args))["summary"]
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each process so far (/proc/PID/stat; 0 where unreadable)."""
+    import os
+
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            out[name] = 0.0
+    return out
+
+
 def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas else float("inf")
 
 
 def table(rows: list[dict]) -> str:
     lines = ["| shape | rate (req/s) | TTFT p50 pred / meas (ms) | err | TTFT p99 pred / meas (ms) | err | "
-             "TPOT p50 pred / meas (ms) | err | completed pred / meas |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "TPOT p50 pred / meas (ms) | err | completed pred / meas | cores used: coordinator / prefill / decode | "
+             "load avg |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         p, m = r["predicted"], r["measured"]
         cells = []
@@ -104,8 +121,11 @@ def table(rows: list[dict]) -> str:
             pv, mv = p[key].get(stat, float("nan")), m[key].get(stat, float("nan"))
             e = _err(pv, mv)
             cells += [f"{pv:.1f} / {mv:.1f}", f"{100 * e:+.0f}%{'' if abs(e) <= TOLERANCE else ' ✗'}"]
+        cores = r.get("cores", {})
+        used = " / ".join(f"{cores.get(k, 0.0):.2f}" for k in ("coordinator", "prefill-0", "decode-0"))
         lines.append(f"| {r['shape']} ({r['input_len']} in, {r['output_len']} out) | {r['rate']:.2f} | "
-                     + " | ".join(cells) + f" | {p['completed']} / {m['completed']} |")
+                     + " | ".join(cells) + f" | {p['completed']} / {m['completed']} | {used} | "
+                     f"{r.get('load_avg', float('nan')):.1f} |")
     within = sum(abs(_err(r["predicted"][k].get(s, 0), r["measured"][k].get(s, 0))) <= TOLERANCE
                  for r in rows for k, s in (("ttft_ms", "median"), ("ttft_ms", "p99"), ("tpot_ms", "median")))
     lines.append("")
@@ -162,11 +182,16 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, shape, rate) in enumerate(plan, 1):
             wl = workload_argv(*shape, rate, args.duration, args.seed)
             log(f"[{i}/{len(plan)}] {name} at {rate} req/s: pdserve bench {' '.join(wl)}")
+            pids = cluster.describe()["pids"]
+            before, t0 = cpu_seconds(pids), time.perf_counter()
             measured = measure(cluster.coordinator.address, ["--no-progress", *wl], args.out / f"{name}-{rate}")
+            after, wall = cpu_seconds(pids), time.perf_counter() - t0
+            cores = {k: (after[k] - before[k]) / wall for k in pids}
             predicted = predict(args.profile, wl, max_len)
             rows.append({"shape": name, "input_len": shape[0], "output_len": shape[1], "rate": rate,
                          "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed", "sim")},
-                         "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed")}})
+                         "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed")},
+                         "cores": cores, "load_avg": os.getloadavg()[0]})
     finally:
         cluster.stop()
     args.out.mkdir(parents=True, exist_ok=True)
