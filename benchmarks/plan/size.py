@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", type=Path, help="a trace file instead of the distributions")
     s.add_argument("--json", action="store_true")
     s.add_argument("--overlay", type=Path, help="write a kustomize overlay for the cheapest plan meeting the SLOs")
+    s.add_argument("--overlay-pairing", choices=["tpu+gpu", "gpu+gpu", "colocated-gpu", "colocated-tpu"],
+                   help="the overlay's plan: the cheapest of this pairing instead")
+    s.add_argument("--plans", type=Path, help="the plans of an earlier `--json` run instead of a search")
     add_cluster_flags(p)
     return p
 
@@ -314,21 +317,35 @@ def best_per_pairing(plans: list[Plan], top: int) -> list[Plan]:
     return sorted(out, key=lambda p: (not p.meets, p.dollars_per_mtok))
 
 
+def load_plans(path: Path) -> list[Plan]:
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the plans {path}: {e}; write them with `pdserve plan size ... --json > FILE`") from None
+    names = set(Plan.__dataclass_fields__)
+    return [Plan(**{k: v for k, v in row.items() if k in names}) for row in rows]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    plans, search = run(args)
-    shown = best_per_pairing(plans, args.top)
+    if args.plans:
+        shown = load_plans(args.plans)
+        slo = Slo(args.slo_ttft_ms or 0.0, args.slo_tpot_ms or 0.0, args.attainment, args.slo_itl_ms)
+    else:
+        plans, search = run(args)
+        shown = best_per_pairing(plans, args.top)
+        slo = search.slo
     if args.json:
         print(json.dumps([{**asdict(p), "chips": p.chips, "ratio": p.ratio} for p in shown], indent=2))
     else:
         print(format_plans(shown))
-    meeting = [p for p in shown if p.meets]
+    meeting = [p for p in shown if p.meets and (args.overlay_pairing in (None, p.pairing))]
     if args.overlay:
         if not meeting:
             raise ValueError("no plan meets the SLOs: no overlay written; raise --max-workers or relax the SLOs")
         from pdserve.benchmarks.plan.overlay import write_overlay
 
-        write_overlay(args.overlay, meeting[0], search.slo)
+        write_overlay(args.overlay, meeting[0], slo)
         print(f"overlay for the cheapest plan: {args.overlay} (kubectl kustomize {args.overlay})", file=sys.stderr)
     return 0 if meeting else 1
 
