@@ -16,7 +16,7 @@ Every worker runs one step at a time; the next starts when the last ends and the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from pdserve.benchmarks.plan.clock import VirtualClock
