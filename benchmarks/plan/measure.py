@@ -225,9 +225,24 @@ def _transfer_bytes_per_s(layout) -> float:
     return nbytes / seconds
 
 
+def refit(profile: Profile, max_len: int) -> Profile:
+    """The profile its own measured rows give under this module's fit (after a change to the fit)."""
+    notes = profile.notes
+    if "rows" not in notes:
+        raise ValueError(f"the profile of {profile.hardware} holds no measured rows to fit again")
+    new = fit_profile(notes["rows"], hardware=profile.hardware, model=profile.model,
+                      kv_bytes_per_token=profile.handoff.kv_bytes_per_token, kv_cache_tokens=profile.kv_cache_tokens,
+                      transfer_bytes_per_s=profile.handoff.bytes_per_s, max_len=max_len)
+    kept = {k: v for k, v in notes.items() if k not in new.notes}
+    return Profile(**{**new.__dict__, "notes": {**new.notes, **kept, "measured_at": notes.get("measured_at"),
+                                                "refit_at": new.notes["measured_at"], "max_len": max_len}})
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve plan profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--refit", type=Path, help="fit this profile's stored rows again (no measuring) into --out")
+    p.add_argument("--max-len", type=int, help="with --refit: the served max model length (default: the file's)")
     p.add_argument("--model", type=Path, help="checkpoint (default: pdserve's embedded tiny model)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/plan/profile-cpu.json"))
     p.add_argument("--quick", action="store_true", help="fewer rows (about a minute less)")
@@ -245,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     from pdserve.server.model.config import load_config
 
     args = build_parser().parse_args(argv)
+    if args.refit:
+        old = Profile.load(args.refit)
+        max_len = args.max_len or old.notes.get("max_len")
+        if not max_len:
+            raise ValueError(f"{args.refit} does not say its max model length: give --max-len")
+        refit(old, max_len).save(args.out)
+        print(f"profile: {args.out} (refit from {args.refit})")
+        return 0
     plan = QUICK if args.quick else ProfilePlan()
     model = args.model or default_model_dir()
     config = load_config(model)
@@ -273,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = fit_profile(rows, hardware=args.hardware or _cpu_name(), model=model.name,
                           kv_bytes_per_token=layout.bytes_per_token, kv_cache_tokens=kv_cache_tokens,
                           transfer_bytes_per_s=bw, max_len=1 << (max_len - 1).bit_length())
+    profile.notes["max_len"] = 1 << (max_len - 1).bit_length()
     profile.notes["peak"] = peak
     profile.notes["kind"] = "cpu"
     profile.notes["model_shape"] = _shape(config)

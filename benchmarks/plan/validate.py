@@ -142,6 +142,25 @@ def write_readme(path: Path, text: str) -> None:
     path.write_text(f"{head}{MARK}\n{text}\n{END}{tail}")
 
 
+def _predict_again(args, profile: Profile, max_len: int) -> int:
+    path = args.out / "validation.json"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path}: {e}; run `pdserve plan validate` first") from None
+    for row in doc["rows"]:
+        wl = workload_argv(row["input_len"], row["output_len"], row["rate"], args.duration, args.seed)
+        predicted = predict(args.profile, wl, max_len)
+        row["predicted"] = {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed", "sim")}
+    doc["profile"] = profile.to_json()
+    path.write_text(json.dumps(doc, indent=2))
+    text = table(doc["rows"])
+    print(text)
+    if args.readme:
+        write_readme(args.readme, text)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve plan validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -152,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/plan-validation"))
     p.add_argument("--readme", type=Path, help="put the table into this README between the markers")
+    p.add_argument("--predict-only", action="store_true",
+                   help="no runs: predict the rows of --out's validation.json again with --profile (a changed fit)")
     return p
 
 
@@ -168,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         profile_cmd.main(["--out", str(args.profile), *(["--model", str(model)] if args.model else [])])
     profile = Profile.load(args.profile)
     max_len = load_config(model).max_model_len
+    if args.predict_only:
+        return _predict_again(args, profile, max_len)
     plan = []
     for name, shape in SHAPES.items():
         sat = saturation(args.profile, shape, args.duration, args.seed, max_len)
