@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-profile", type=Path, help="the prefill tier's, when it runs on other hardware")
     s.add_argument("--trace", type=Path, help="a trace file instead of the distributions (workload.py)")
     s.add_argument("--json", action="store_true", help="print the summary as JSON (bench's keys)")
+    s.add_argument("--baseline", action="store_true",
+                   help="also simulate colocated serving on as many workers (of --profile's hardware): the "
+                        "baseline the split must beat (under `baseline_colocated`)")
     add_cluster_flags(p)
     return p
 
@@ -94,6 +97,14 @@ def run(args) -> dict:
     summary["cluster"] = {"prefill_workers": spec.prefill_workers, "decode_workers": spec.decode_workers,
                           "colocated": spec.colocated, "prefill_hardware": prefill.hardware,
                           "decode_hardware": decode.hardware}
+    if getattr(args, "baseline", False) and not spec.colocated:
+        workers = spec.prefill_workers + spec.decode_workers
+        colocated = cluster_spec(args, max(r.prompt_len + r.output_len for r in requests), colocated=True,
+                                 decode_workers=workers)
+        base = simulate(requests, colocated, decode).summary(args.slo_ttft_ms, args.slo_tpot_ms)
+        base["cluster"] = {"prefill_workers": 0, "decode_workers": workers, "colocated": True,
+                           "decode_hardware": decode.hardware}
+        summary["baseline_colocated"] = base
     return summary
 
 
@@ -109,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         sim = summary["sim"]
         print("utilisation: " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in sim["utilisation"].items())
               + f"   KV on the wire: {sim['kv_wire_bytes_per_s'] / 1e6:.2f} MB/s   preemptions: {sim['preemptions']}")
+        if "baseline_colocated" in summary:
+            base = summary["baseline_colocated"]
+            print(format_summary(base, f"colocated baseline, {base['cluster']['decode_workers']} workers"))
     return 0
 
 
