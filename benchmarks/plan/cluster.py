@@ -16,8 +16,7 @@ workers.py around the tiers' schedulers. One request's life, as coordinator/atte
 5. The last token: D retires it, the coordinator releases D, the lines' heads pick again.
 Colocated: no prefill tier; each worker prefills the prompts it holds blocks for (workers.py).
 
-Not simulated (named in benchmarks/README.md): the prefill tier's host prefix cache (prefix_kv.py),
-retries and migrations, deadlines of requests already admitted, RPC time other than `ttft_overhead_s`.
+Not simulated (named in README.md): retries and migrations, deadlines of requests already admitted, RPC time other than `ttft_overhead_s`.
 """
 
 from __future__ import annotations
@@ -315,7 +314,8 @@ class SimCluster:
             sim = self.sims[f.prefill.address]
             f.prefilling = self.router.prefilling(f.prefill, n)
             f.prefilling.__enter__()
-            job = SimPrefillJob(n, self.spec.decode.block_size, f)
+            job = SimPrefillJob(n, self.spec.decode.block_size, f, token_ids=f.req.prompt_ids)
+            sim.prefill.lookup(job)
         sim.prefill.scheduler.add(job, due)
         sim.kick()
 

@@ -2,7 +2,8 @@
 
 - `PrefillWorker`: server/prefill/scheduler.py `PrefillScheduler` (packing, chunking, fifo or
   shortest-first, TTFT-budget due times) with server/prefill/rates.py `PrefillRates` measured from the
-  simulated steps, as `PrefillEngine._loop` does: next_step, run (the profile's step time), finish.
+  simulated steps, as `PrefillEngine._loop` does: next_step, run (the profile's step time), finish; and
+  the host prefix KV of server/prefill/prefix_kv.py `PrefixKv` (a prompt starts after its cached prefix).
 - `DecodeWorker`: server/decode/scheduler.py `Scheduler` (FIFO admission by blocks, blocks on demand,
   preemption, prefix caching over kvcache/block_pool.py and prefix_cache.py) over real
   server/decode/sequence.py `Sequence`s, as `DecodeEngine._loop` does: admit, schedule, step, postprocess
@@ -16,6 +17,8 @@ Every worker runs one step at a time; the next starts when the last ends and the
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import numpy as np
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,6 +26,7 @@ from pdserve.benchmarks.plan.clock import VirtualClock
 from pdserve.benchmarks.plan.profile import Profile
 from pdserve.server.decode.scheduler import Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.prefill.prefix_kv import BLOCK_SIZE, PrefixKv
 from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder, PrefillScheduler, Segment, packed_tokens
 from pdserve.v1 import generation_pb2 as gen_pb
@@ -52,8 +56,12 @@ class PrefillSpec:
     ageing_tokens_per_s: float = 32.0
     min_bucket: int = 16
     max_model_len: int = 2048
+    prefix_cache_bytes: int = 1 << 30
+    """--prefix-cache-bytes: the host prefix KV (prefix_kv.py) the worker keeps; 0: none."""
 
     def __post_init__(self) -> None:
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
         if self.order not in PREFILL_ORDERS:
             raise ValueError(f"prefill order must be one of {', '.join(PREFILL_ORDERS)}, not {self.order!r}")
         for name in ("max_batch_size", "max_batch_tokens", "min_bucket", "max_model_len"):
@@ -89,6 +97,7 @@ class SimPrefillJob:
     block_size: int
     owner: object
     computed: int = 0
+    token_ids: tuple[int, ...] = ()
 
     def cancelled(self) -> bool:
         return False
@@ -103,6 +112,10 @@ def new_sequence(request_id: str, prompt: tuple[int, ...], output_len: int, max_
     sampling = gen_pb.SamplingParams(max_tokens=output_len, ignore_eos=True)
     return Sequence(request_id, list(prompt), sampling, frozenset(), max_model_len, admitted=None, events=_Sink())
 
+
+MAX_PREFIX_BLOCKS = 1 << 20
+"""The simulated host prefix KV holds at most this many blocks (16M tokens; a profile without KV bytes:
+none)."""
 
 OUTPUT_TOKEN = 1
 """The id every simulated output token gets (only its count and its blocks matter)."""
@@ -166,6 +179,23 @@ class PrefillPart:
             max_batch_tokens=spec.max_batch_tokens, max_chunk=spec.max_chunk, max_context=self.max_len,
             ageing_tokens_per_s=spec.ageing_tokens_per_s, seconds=self.rates.seconds, clock=clock)
         self.computed_tokens = 0
+        # The real PrefixKv (its lookup and store, over the real PrefixCache), on one-byte stand-in blocks:
+        # as many blocks as the byte budget holds of this model's KV, none of its bytes.
+        kv = profile.handoff.kv_bytes_per_token
+        blocks = min(spec.prefix_cache_bytes // (BLOCK_SIZE * kv), MAX_PREFIX_BLOCKS) if kv else 0
+        self.prefix = PrefixKv(num_layers=1, num_kv_heads=1, head_dim=1, dtype=np.int8,
+                               budget_bytes=blocks * 2 * BLOCK_SIZE)
+
+    def lookup(self, job: SimPrefillJob) -> None:
+        """A new prompt's cached prefix: its first segment starts after it (PrefillEngine.enqueue)."""
+        hit = self.prefix.lookup(list(job.token_ids), multiple_of=job.block_size)
+        if hit is not None:
+            job.computed = hit[0].shape[1]
+
+    def store(self, job: SimPrefillJob) -> None:
+        if self.prefix.enabled:
+            n = len(job.token_ids)
+            self.prefix.store(list(job.token_ids), np.zeros((1, n, 1, 1), np.int8), np.zeros((1, n, 1, 1), np.int8))
 
     def bucket(self, n: int) -> int:
         return bucket_length(min(n, self.max_len), self.max_len, self.spec.min_bucket)
@@ -189,6 +219,7 @@ class PrefillPart:
         self.scheduler.finish(step)
         for s in step:
             if s.last:
+                self.store(s.job)
                 self.on_first_token(s.job)
 
 

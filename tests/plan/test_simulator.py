@@ -138,3 +138,17 @@ def test_same_inputs_same_results():
     p = profile(prefill=PrefillCost(0.001, 1e-4), decode=DecodeCost(0.002, 1e-4, 1e-7))
     a, b = simulate(work, ClusterSpec(), p).summary(), simulate(work, ClusterSpec(), p).summary()
     assert a["ttft_ms"] == b["ttft_ms"] and a["completed"] == 50
+
+
+def test_the_prefill_tiers_prefix_kv_skips_a_cached_prefix():
+    """Two prompts of 40 tokens sharing their first 32 (two blocks): the second starts after them (the
+    engine always computes at least the last token), so it prefills 8 tokens. Cost 1/64 s per padded token
+    (buckets of 16 up): r0 40 -> 64 padded = 1 s; r1, arriving at 2 s, 8 -> 16 padded = 0.25 s. Without the
+    cache (--prefix-cache-bytes 0) r1 takes 1 s too."""
+    shared = tuple(range(10, 42))
+    work = [SimRequest(0.0, shared + tuple(range(100, 108)), 1), SimRequest(2.0, shared + tuple(range(200, 208)), 1)]
+    p = profile(prefill=PrefillCost(0.0, 1 / 64), handoff=HandoffCost(0.0, 1e30, 16))
+    on = simulate(work, ClusterSpec(), p)
+    assert ttfts(on) == [1.0, 0.25] and on.prefill_tokens == 48
+    off = simulate(work, ClusterSpec(prefill=PrefillSpec(prefix_cache_bytes=0)), p)
+    assert ttfts(off) == [1.0, 1.0] and off.prefill_tokens == 80
