@@ -38,6 +38,9 @@ class PrefixCache:
         self._by_hash: dict[bytes, int] = {}
         self._lru: OrderedDict[int, bytes] = OrderedDict()
         """Every cached block id -> its hash, least recently used first."""
+        self._evictable = 0
+        """Cached blocks no sequence holds (ref count 1: the cache's own), kept as references change: the
+        decode scheduler asks for it before every block it hands out."""
 
     @property
     def num_cached(self) -> int:
@@ -47,7 +50,7 @@ class PrefixCache:
     @property
     def num_evictable(self) -> int:
         """Cached blocks no sequence holds."""
-        return sum(1 for b in self._lru if self.pool.ref_count(b) == 1)
+        return self._evictable
 
     @property
     def num_available(self) -> int:
@@ -64,6 +67,7 @@ class PrefixCache:
             if block_id is None:
                 break
             hits.append(block_id)
+        self._evictable -= sum(1 for b in hits if self.pool.ref_count(b) == 1)
         self.pool.incref(hits)
         for block_id in hits:
             self._lru.move_to_end(block_id)
@@ -82,7 +86,9 @@ class PrefixCache:
 
     def free(self, block_ids: list[int]) -> None:
         """Drops a sequence's references; its cached blocks become the most recently used."""
+        before = {b: self.pool.ref_count(b) for b in block_ids if b in self._lru}
         self.pool.free(block_ids)
+        self._evictable += sum((self.pool.ref_count(b) == 1) - (held == 1) for b, held in before.items())
         for block_id in block_ids:
             if block_id in self._lru:
                 self._lru.move_to_end(block_id)
@@ -98,10 +104,16 @@ class PrefixCache:
 
     def evict(self, n: int) -> list[int]:
         """Returns n evictable blocks to the pool, least recently used first; the ids evicted."""
-        victims = [b for b in self._lru if self.pool.ref_count(b) == 1][:n]
+        victims = []
+        for block_id in self._lru:
+            if len(victims) == n:
+                break
+            if self.pool.ref_count(block_id) == 1:
+                victims.append(block_id)
         for block_id in victims:
             del self._by_hash[self._lru.pop(block_id)]
         self.pool.free(victims)
+        self._evictable -= len(victims)
         return victims
 
     def clear(self) -> None:

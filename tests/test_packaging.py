@@ -98,7 +98,7 @@ def test_the_server_never_imports_the_benchmarks():
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.startswith("pdserve.benchmarks") for n in names), path
     entry = _pyproject()["project"]["entry-points"]["pdserve.commands"]
-    assert entry == {"bench": "pdserve.benchmarks.bench:main"}
+    assert entry == {"bench": "pdserve.benchmarks.bench:main", "plan": "pdserve.benchmarks.plan.cli:main"}
     code = ("import sys; from pdserve.server import cli; cli.build_parser(); "
             "print(sorted(m for m in sys.modules if m.startswith('pdserve.benchmarks')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

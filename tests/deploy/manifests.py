@@ -21,6 +21,7 @@ KUSTOMIZATIONS = {
     "base": DEPLOY / "base",
     "cpu": DEPLOY / "overlays" / "cpu",
     "gke": DEPLOY / "overlays" / "gke",
+    "plan-example": DEPLOY / "overlays" / "plan-example",  # written by `pdserve plan size` (README)
 }
 POD_IP = "10.8.0.17"
 POD_NAME = "pdserve-decode-7d9f8c6b5-x2x9q"

@@ -77,3 +77,42 @@ def test_disabled_caches_nothing():
     cache.register(table, block_hashes([1] * 8, 4))
     cache.free(table)
     assert cache.lookup(block_hashes([1] * 8, 4)) == [] and pool.num_free == 4
+
+
+def test_num_evictable_follows_every_operation():
+    """The evictable count is kept as references change (the decode scheduler reads it per block): after
+    every step of a seeded random mix of lookups, registrations, frees, allocations and evictions it equals
+    the count of cached blocks whose only reference is the cache's."""
+    import random
+
+    from pdserve.kvcache.block_pool import BlockPool, OutOfBlocks
+    from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes
+
+    rng = random.Random(7)
+    pool = BlockPool(24)
+    cache = PrefixCache(pool)
+    held: list[list[int]] = []
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.35:
+            tokens = [rng.randrange(3) for _ in range(rng.randrange(1, 5) * 4)]  # few values: shared prefixes
+            hashes = block_hashes(tokens, 4)
+            hits = cache.lookup(hashes)
+            try:
+                fresh = cache.allocate(len(hashes) - len(hits))
+            except OutOfBlocks:
+                cache.free(hits)
+                continue
+            blocks = hits + fresh
+            cache.register(blocks, hashes)
+            held.append(blocks)
+        elif op < 0.7 and held:
+            cache.free(held.pop(rng.randrange(len(held))))
+        elif op < 0.8:
+            cache.evict(rng.randrange(3))
+        elif op < 0.85:
+            cache.clear()
+        assert cache.num_evictable == sum(1 for b in cache._lru if pool.ref_count(b) == 1)
+    for blocks in held:
+        cache.free(blocks)
+    assert cache.num_evictable == cache.num_cached

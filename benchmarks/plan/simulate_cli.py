@@ -1,0 +1,130 @@
+"""`pdserve plan simulate`: one simulated cluster on one workload, bench's summary out.
+
+    pdserve plan simulate --profile profile.json --prefill-workers 1 --decode-workers 1 \
+        --input-len 256 --output-len 64 --request-rate 4 --duration 60 --json
+    pdserve plan simulate --profile profile.json --colocated --decode-workers 2 --trace trace.jsonl
+
+The workload flags are `pdserve bench`'s (its parser's own), so the same flags give the same requests at
+the same times; `--json` prints the summary with bench's `results.json` keys (`ttft_ms`, `tpot_ms`,
+`itl_ms` with `median`/`p99`, `goodput`, ...) and the simulator's own figures under `sim`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from pdserve.benchmarks.plan.cluster import ClusterSpec, CoordinatorSpec, simulate
+from pdserve.benchmarks.plan.profile import Profile
+from pdserve.benchmarks.plan.workers import DecodeSpec, PrefillSpec
+from pdserve.benchmarks.plan.workload import from_args, read_trace
+from pdserve.server.prefill.scheduler import PREFILL_ORDERS
+
+
+def add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("cluster (pdserve up's flags)")
+    c.add_argument("--prefill-workers", type=int, default=1)
+    c.add_argument("--decode-workers", type=int, default=1, help="(with --colocated: colocated workers)")
+    c.add_argument("--colocated", action="store_true", help="no prefill tier: each worker prefills and decodes")
+    c.add_argument("--max-batch-tokens", "--max-num-batched-tokens", type=int, default=PrefillSpec.max_batch_tokens)
+    c.add_argument("--max-batch-size", type=int, default=PrefillSpec.max_batch_size)
+    c.add_argument("--max-prefill-chunk", type=int, default=None)
+    c.add_argument("--prefill-order", choices=PREFILL_ORDERS, default=PrefillSpec.order)
+    c.add_argument("--max-running", "--max-num-seqs", type=int, default=DecodeSpec.max_running)
+    c.add_argument("--block-size", type=int, default=DecodeSpec.block_size)
+    c.add_argument("--kv-cache-tokens", type=int, default=None, help="default: the profile's")
+    c.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the longest prompt + output of the workload, as a power of two")
+    c.add_argument("--ttft-budget", type=float, default=0.0)
+    c.add_argument("--decode-policy", choices=["prefix-aware", "most-free-blocks", "power-of-two"],
+                   default=CoordinatorSpec.decode_policy)
+
+
+def cluster_spec(args, max_len: int, colocated: bool | None = None, prefill_workers: int | None = None,
+                 decode_workers: int | None = None) -> ClusterSpec:
+    colocated = args.colocated if colocated is None else colocated
+    max_model_len = args.max_model_len or 1 << (max_len - 1).bit_length()
+    return ClusterSpec(
+        prefill_workers=0 if colocated else (args.prefill_workers if prefill_workers is None else prefill_workers),
+        decode_workers=args.decode_workers if decode_workers is None else decode_workers,
+        colocated=colocated,
+        prefill=PrefillSpec(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
+                            max_chunk=args.max_prefill_chunk, order=args.prefill_order, max_model_len=max_model_len),
+        decode=DecodeSpec(block_size=args.block_size, max_running=args.max_running,
+                          kv_cache_tokens=args.kv_cache_tokens, max_model_len=max_model_len),
+        coordinator=CoordinatorSpec(decode_policy=args.decode_policy, ttft_budget=args.ttft_budget,
+                                    timeout=args.timeout or CoordinatorSpec.timeout))
+
+
+def workload(args):
+    if getattr(args, "trace", None):
+        return read_trace(args.trace, vocab_size=args.vocab_size or 500, seed=args.seed)
+    if args.concurrency:
+        raise ValueError("--concurrency (a closed loop) is not simulated; give --request-rate")
+    return from_args(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pdserve.benchmarks.bench import build_parser as bench_parser
+
+    p = argparse.ArgumentParser(prog="pdserve plan simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench_parser(p)  # the workload flags, exactly bench's (--timeout: the requests' deadline)
+    p.set_defaults(request_rate=None)
+    s = p.add_argument_group("simulation")
+    s.add_argument("--profile", type=Path, required=True, help="a profile file (`pdserve plan profile`)")
+    s.add_argument("--prefill-profile", type=Path, help="the prefill tier's, when it runs on other hardware")
+    s.add_argument("--trace", type=Path, help="a trace file instead of the distributions (workload.py)")
+    s.add_argument("--json", action="store_true", help="print the summary as JSON (bench's keys)")
+    s.add_argument("--baseline", action="store_true",
+                   help="also simulate colocated serving on as many workers (of --profile's hardware): the "
+                        "baseline the split must beat (under `baseline_colocated`)")
+    add_cluster_flags(p)
+    return p
+
+
+def run(args) -> dict:
+    if args.request_rate is None and not args.trace:
+        raise ValueError("give --request-rate (requests/s) or --trace")
+    decode = Profile.load(args.profile)
+    prefill = Profile.load(args.prefill_profile) if args.prefill_profile else decode
+    requests = workload(args)
+    spec = cluster_spec(args, max(r.prompt_len + r.output_len for r in requests))
+    result = simulate(requests, spec, prefill, decode)
+    summary = result.summary(args.slo_ttft_ms, args.slo_tpot_ms)
+    summary["cluster"] = {"prefill_workers": spec.prefill_workers, "decode_workers": spec.decode_workers,
+                          "colocated": spec.colocated, "prefill_hardware": prefill.hardware,
+                          "decode_hardware": decode.hardware}
+    if getattr(args, "baseline", False) and not spec.colocated:
+        workers = spec.prefill_workers + spec.decode_workers
+        colocated = cluster_spec(args, max(r.prompt_len + r.output_len for r in requests), colocated=True,
+                                 decode_workers=workers)
+        base = simulate(requests, colocated, decode).summary(args.slo_ttft_ms, args.slo_tpot_ms)
+        base["cluster"] = {"prefill_workers": 0, "decode_workers": workers, "colocated": True,
+                           "decode_hardware": decode.hardware}
+        summary["baseline_colocated"] = base
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pdserve.benchmarks.bench import format_summary
+
+    args = build_parser().parse_args(argv)
+    summary = run(args)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(format_summary(summary, "simulated"))
+        sim = summary["sim"]
+        print("utilisation: " + "  ".join(f"{k} {100 * v:.0f}%" for k, v in sim["utilisation"].items())
+              + f"   KV on the wire: {sim['kv_wire_bytes_per_s'] / 1e6:.2f} MB/s   preemptions: {sim['preemptions']}")
+        if "baseline_colocated" in summary:
+            base = summary["baseline_colocated"]
+            print(format_summary(base, f"colocated baseline, {base['cluster']['decode_workers']} workers"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,351 @@
+"""Simulated workers: the real schedulers on the virtual clock, each step's time from a tier profile.
+
+- `PrefillWorker`: server/prefill/scheduler.py `PrefillScheduler` (packing, chunking, fifo or
+  shortest-first, TTFT-budget due times) with server/prefill/rates.py `PrefillRates` measured from the
+  simulated steps, as `PrefillEngine._loop` does: next_step, run (the profile's step time), finish; and
+  the host prefix KV of server/prefill/prefix_kv.py `PrefixKv` (a prompt starts after its cached prefix).
+- `DecodeWorker`: server/decode/scheduler.py `Scheduler` (FIFO admission by blocks, blocks on demand,
+  preemption, prefix caching over kvcache/block_pool.py and prefix_cache.py) over real
+  server/decode/sequence.py `Sequence`s, as `DecodeEngine._loop` does: admit, schedule, step, postprocess
+  (the real stop rule: `Sequence.append`).
+- `ColocatedWorker`: both schedulers on one device; each step runs the prefill scheduler's next step and
+  the decode batch together (chunked prefill beside decode, vLLM's colocated mode), costing the sum.
+
+Every worker runs one step at a time; the next starts when the last ends and there is work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from dataclasses import dataclass
+from typing import Literal
+
+from pdserve.benchmarks.plan.clock import VirtualClock
+from pdserve.benchmarks.plan.profile import Profile
+from pdserve.server.decode.scheduler import Scheduler
+from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.prefill.prefix_kv import BLOCK_SIZE, PrefixKv
+from pdserve.server.prefill.rates import PrefillRates
+from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder, PrefillScheduler, Segment, packed_tokens
+from pdserve.v1 import generation_pb2 as gen_pb
+
+Role = Literal["prefill", "decode", "colocated"]
+
+
+def pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def bucket_length(n: int, max_len: int, min_bucket: int = 16) -> int:
+    """server/prefill/model.py `bucket_length` (that module imports jax; tests/plan checks they agree)."""
+    if not 1 <= n <= max_len:
+        raise ValueError(f"prompt length {n} is outside [1, {max_len}]")
+    return min(max(min_bucket, 1 << (n - 1).bit_length()), max_len)
+
+
+@dataclass(frozen=True)
+class PrefillSpec:
+    """A prefill worker's scheduling flags (server/prefill/config.py's defaults)."""
+
+    max_batch_size: int = 8
+    max_batch_tokens: int = 8192
+    max_chunk: int | None = None
+    order: PrefillOrder = "shortest-first"
+    ageing_tokens_per_s: float = 32.0
+    min_bucket: int = 16
+    max_model_len: int = 2048
+    prefix_cache_bytes: int = 1 << 30
+    """--prefix-cache-bytes: the host prefix KV (prefix_kv.py) the worker keeps; 0: none."""
+
+    def __post_init__(self) -> None:
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be >= 0, got {self.prefix_cache_bytes}")
+        if self.order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill order must be one of {', '.join(PREFILL_ORDERS)}, not {self.order!r}")
+        for name in ("max_batch_size", "max_batch_tokens", "min_bucket", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """A decode worker's scheduling flags (server/decode/config.py's defaults); the cache size is the
+    profile's `kv_cache_tokens` unless given here."""
+
+    block_size: int = 16
+    max_running: int = 64
+    max_queue: int = 256
+    enable_prefix_caching: bool = True
+    kv_cache_tokens: int | None = None
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_running", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+
+
+@dataclass(eq=False)
+class SimPrefillJob:
+    """A prompt on a prefill worker (the scheduler's `Schedulable`)."""
+
+    num_tokens: int
+    block_size: int
+    owner: object
+    computed: int = 0
+    token_ids: tuple[int, ...] = ()
+
+    def cancelled(self) -> bool:
+        return False
+
+
+class _Sink:
+    def put_nowait(self, ids: list[int] | None, /) -> None:
+        pass
+
+
+def new_sequence(request_id: str, prompt: tuple[int, ...], output_len: int, max_model_len: int) -> Sequence:
+    sampling = gen_pb.SamplingParams(max_tokens=output_len, ignore_eos=True)
+    return Sequence(request_id, list(prompt), sampling, frozenset(), max_model_len, admitted=None, events=_Sink())
+
+
+MAX_PREFIX_BLOCKS = 1 << 20
+"""The simulated host prefix KV holds at most this many blocks (16M tokens; a profile without KV bytes:
+none)."""
+
+OUTPUT_TOKEN = 1
+"""The id every simulated output token gets (only its count and its blocks matter)."""
+
+
+@dataclass
+class Busy:
+    seconds: float = 0.0
+    steps: int = 0
+
+
+class _Stepper:
+    """One step at a time on the clock: `_take` picks the next step's work and its seconds (None: idle),
+    `_complete` applies it when it ends."""
+
+    def __init__(self, name: str, clock: VirtualClock, profile: Profile) -> None:
+        self.name = name
+        self.clock = clock
+        self.profile = profile
+        self.running = False
+        self.busy = Busy()
+
+    def kick(self) -> None:
+        if self.running:
+            return
+        taken = self._take()
+        if taken is None:
+            return
+        work, seconds = taken
+        self.running = True
+        self.busy.seconds += seconds
+        self.busy.steps += 1
+        self.clock.after(seconds, lambda: self._end(work))
+
+    def _end(self, work) -> None:
+        self._complete(work)  # still running: a kick from a callback inside waits for the kick below
+        self.running = False
+        self.kick()
+
+    def _take(self):
+        raise NotImplementedError
+
+    def _complete(self, work) -> None:
+        raise NotImplementedError
+
+
+class PrefillPart:
+    """The prefill side of a worker: its scheduler and measured rates."""
+
+    def __init__(self, spec: PrefillSpec, clock: VirtualClock, profile: Profile,
+                 on_first_token: Callable[[SimPrefillJob], None]) -> None:
+        self.spec = spec
+        self.profile = profile
+        self.on_first_token = on_first_token
+        self.max_len = pow2(spec.max_model_len)
+        largest = min(spec.max_batch_tokens, pow2(spec.max_batch_size) * self.max_len)
+        self.token_buckets = _buckets(min(spec.min_bucket, largest), largest)
+        self.rates = PrefillRates(sorted({self.bucket(1 << i) for i in range(self.max_len.bit_length())}))
+        self.scheduler: PrefillScheduler[SimPrefillJob] = PrefillScheduler(
+            spec.order, bucket=self.bucket, max_batch_size=spec.max_batch_size,
+            max_batch_tokens=spec.max_batch_tokens, max_chunk=spec.max_chunk, max_context=self.max_len,
+            ageing_tokens_per_s=spec.ageing_tokens_per_s, seconds=self.rates.seconds, clock=clock)
+        self.computed_tokens = 0
+        # The real PrefixKv (its lookup and store, over the real PrefixCache), on one-byte stand-in blocks:
+        # as many blocks as the byte budget holds of this model's KV, none of its bytes.
+        kv = profile.handoff.kv_bytes_per_token
+        blocks = min(spec.prefix_cache_bytes // (BLOCK_SIZE * kv), MAX_PREFIX_BLOCKS) if kv else 0
+        self.prefix = PrefixKv(num_layers=1, num_kv_heads=1, head_dim=1, dtype=np.int8,
+                               budget_bytes=blocks * 2 * BLOCK_SIZE)
+
+    def lookup(self, job: SimPrefillJob) -> None:
+        """A new prompt's cached prefix: its first segment starts after it (PrefillEngine.enqueue)."""
+        hit = self.prefix.lookup(list(job.token_ids), multiple_of=job.block_size)
+        if hit is not None:
+            job.computed = hit[0].shape[1]
+
+    def store(self, job: SimPrefillJob) -> None:
+        if self.prefix.enabled:
+            n = len(job.token_ids)
+            self.prefix.store(list(job.token_ids), np.zeros((1, n, 1, 1), np.int8), np.zeros((1, n, 1, 1), np.int8))
+
+    def bucket(self, n: int) -> int:
+        return bucket_length(min(n, self.max_len), self.max_len, self.spec.min_bucket)
+
+    def step_seconds(self, step: list[Segment[SimPrefillJob]]) -> float:
+        packed = packed_tokens(step)
+        padded = next((b for b in self.token_buckets if b >= packed), packed)
+        pairs = sum(s.length * (s.start + s.length) for s in step)
+        return self.profile.prefill.step_seconds(padded, pairs)
+
+    def take(self) -> tuple[list[Segment[SimPrefillJob]], float] | None:
+        step = self.scheduler.next_step()
+        return (step, self.step_seconds(step)) if step else None
+
+    def complete(self, step: list[Segment[SimPrefillJob]], seconds: float) -> None:
+        for s in step:
+            s.job.computed = s.end
+        tokens = sum(s.length for s in step)
+        self.computed_tokens += tokens
+        self.rates.record(self.bucket(max(s.job.num_tokens for s in step)), tokens, seconds)
+        self.scheduler.finish(step)
+        for s in step:
+            if s.last:
+                self.store(s.job)
+                self.on_first_token(s.job)
+
+
+def _buckets(smallest: int, largest: int) -> list[int]:
+    """server/prefill/engine.py `_buckets` (growth 2): the packed buffer's sizes."""
+    out, b = [], smallest
+    while b < largest:
+        out.append(b)
+        b *= 2
+    return [*out, largest]
+
+
+class DecodePart:
+    """The decode side of a worker: its scheduler over real Sequences."""
+
+    def __init__(self, spec: DecodeSpec, profile: Profile, on_admitted: Callable[[Sequence], None],
+                 on_token: Callable[[Sequence], None], on_finished: Callable[[Sequence], None]) -> None:
+        self.spec = spec
+        self.profile = profile
+        tokens = spec.kv_cache_tokens or profile.kv_cache_tokens
+        self.scheduler = Scheduler(max(tokens // spec.block_size, 1), spec.block_size, spec.max_running,
+                                   spec.max_queue, spec.enable_prefix_caching)
+        self.on_admitted = on_admitted
+        self.on_token = on_token
+        self.on_finished = on_finished
+
+    def add(self, seq: Sequence) -> None:
+        """Raises QueueFull as the engine's `add` does."""
+        self._admitted(self.scheduler.add(seq))
+
+    def admit(self) -> None:
+        self._admitted(self.scheduler.admit())
+
+    def _admitted(self, seqs: list[Sequence]) -> None:
+        """First admissions wait for their KV; a preempted sequence readmitted just runs on."""
+        for seq in seqs:
+            if seq.state is SeqState.WAITING_KV:
+                self.on_admitted(seq)
+
+    def start(self, seq: Sequence) -> None:
+        """The KV is in place: the first token joins (DecodeEngine.start)."""
+        if seq.state is not SeqState.WAITING_KV:
+            return
+        self.scheduler.start(seq)
+        seq.append(OUTPUT_TOKEN)
+        if seq.state is SeqState.FINISHED:
+            self.retire(seq)
+
+    def retire(self, seq: Sequence) -> None:
+        self.scheduler.retire(seq)
+        self.on_finished(seq)
+        self.admit()
+
+    def take(self) -> tuple[list[Sequence], float] | None:
+        self.admit()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return None
+        resumed = sum(s.num_tokens - 1 - s.resume_from for s in batch
+                      if s.resume_from is not None and s.resume_from < s.num_tokens - 1)
+        context = sum(s.num_tokens for s in batch)
+        return batch, self.profile.decode.step_seconds(len(batch), context, resumed)
+
+    def complete(self, batch: list[Sequence]) -> None:
+        for seq in batch:
+            if seq.state is not SeqState.RUNNING:
+                continue  # preempted by a later sequence's block in the same schedule
+            self.scheduler.finished_step(seq)
+            seq.append(OUTPUT_TOKEN)
+            self.on_token(seq)
+            if seq.state is SeqState.FINISHED:
+                self.retire(seq)
+
+
+class PrefillWorker(_Stepper):
+    role: Role = "prefill"
+
+    def __init__(self, name: str, clock: VirtualClock, profile: Profile, spec: PrefillSpec,
+                 on_first_token: Callable[[SimPrefillJob], None]) -> None:
+        super().__init__(name, clock, profile)
+        self.prefill = PrefillPart(spec, clock, profile, on_first_token)
+
+    def _take(self):
+        taken = self.prefill.take()
+        return None if taken is None else ((taken[0], taken[1]), taken[1])
+
+    def _complete(self, work) -> None:
+        self.prefill.complete(*work)
+
+
+class DecodeWorker(_Stepper):
+    role: Role = "decode"
+
+    def __init__(self, name: str, clock: VirtualClock, profile: Profile, spec: DecodeSpec,
+                 on_admitted, on_token, on_finished) -> None:
+        super().__init__(name, clock, profile)
+        self.decode = DecodePart(spec, profile, on_admitted, on_token, on_finished)
+
+    def _take(self):
+        return self.decode.take()
+
+    def _complete(self, work) -> None:
+        self.decode.complete(work)
+
+
+class ColocatedWorker(_Stepper):
+    role: Role = "colocated"
+
+    def __init__(self, name: str, clock: VirtualClock, profile: Profile, prefill_spec: PrefillSpec,
+                 decode_spec: DecodeSpec, on_first_token, on_admitted, on_token, on_finished) -> None:
+        super().__init__(name, clock, profile)
+        self.prefill = PrefillPart(prefill_spec, clock, profile, on_first_token)
+        self.decode = DecodePart(decode_spec, profile, on_admitted, on_token, on_finished)
+
+    def _take(self):
+        decoding = self.decode.take()  # the batch first: a sequence whose prefill ends now joins the next step
+        prefilling = self.prefill.take()
+        if decoding is None and prefilling is None:
+            return None
+        seconds = (decoding[1] if decoding else 0.0) + (prefilling[1] if prefilling else 0.0)
+        return (decoding, prefilling), seconds
+
+    def _complete(self, work) -> None:
+        decoding, prefilling = work
+        if decoding is not None:
+            self.decode.complete(decoding[0])
+        if prefilling is not None:
+            self.prefill.complete(*prefilling)
+
