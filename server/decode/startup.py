@@ -121,7 +121,7 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
     engine = DecodeEngine(model, layout, num_blocks, config.max_running, max_queue=config.max_queue,
                           enable_prefix_caching=config.enable_prefix_caching,
                           eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
-                          cuda_graphs=cuda_graphs)
+                          cuda_graphs=cuda_graphs, speculative=config.speculative)
     log.info("decode KV cache on %s: %d blocks x %d tokens = %d tokens (%s, %.1f MiB incl. scales; %s); %s",
              device, num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype,
              engine.cache.nbytes / 2**20, sized_by,

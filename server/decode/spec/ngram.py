@@ -1,0 +1,31 @@
+"""The n-gram proposer (vLLM's `ngram`, prompt lookup decoding): the sequence's last n tokens looked up in
+its earlier tokens (prompt and outputs), longest n first; the tokens that followed their latest earlier
+occurrence are the proposal. No model, no state: a function of the tokens so far."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+class NgramProposer:
+    def __init__(self, k: int, min_n: int, max_n: int):
+        self.k = k
+        self.min_n = min_n
+        self.max_n = max_n
+
+    def propose(self, token_ids: list[int], k: int | None = None) -> list[int]:
+        """Up to k (default: the proposer's) tokens to follow `token_ids`; [] when no suffix n-gram recurs."""
+        k = self.k if k is None else k
+        if k <= 0 or len(token_ids) < self.min_n + 1:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)  # [L]
+        L = len(tokens)
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
+            suffix = tokens[L - n :]  # [n]
+            windows = sliding_window_view(tokens[: L - 1], n)  # [L - n, n]: starts 0 .. L - n - 1
+            starts = np.flatnonzero((windows == suffix).all(axis=1))
+            if len(starts):
+                start = int(starts[-1]) + n  # the latest occurrence; at least one token follows it
+                return tokens[start : start + k].tolist()
+        return []
