@@ -9,7 +9,7 @@ speculation pays; where it is compute-bound the cost grows with c and the cap sh
 
 A bucket's first step verifies the full k, its next a plain step (both measured); a (bucket, c + 1) not
 measured yet is taken to cost what c = 0 does (so it gets tried, and measured); every `explore_every`-th
-step of a bucket verifies the full k and the one halfway between is plain, so the estimates follow the
+step of a bucket verifies the full k and the one halfway between is plain; a larger cap must promise 2% more, so the estimates follow the
 workload and the machine.
 vLLM's `disable_by_batch_size` turns speculation off for batches at least that large.
 """
@@ -24,8 +24,10 @@ def bucket(batch: int) -> int:
 
 class SpecPolicy:
     def __init__(self, k: int, disable_by_batch_size: int | None = None, explore_every: int = 32,
-                 smoothing: float = 0.2):
+                 smoothing: float = 0.2, margin: float = 0.02):
+        """margin: a larger cap is taken only for at least this much more expected tokens per second."""
         self.k = k
+        self.margin = margin
         self.disable_by_batch_size = disable_by_batch_size
         self.explore_every = explore_every
         self.smoothing = smoothing
@@ -49,12 +51,20 @@ class SpecPolicy:
             return 0  # the plain step's cost, measured (again)
         best, best_rate = 0, 0.0
         for c in range(self.k + 1):
-            seconds = self.cost.get((b, c + 1), base)
+            seconds = self._cost(b, c + 1)
             expected = batch + sum(self._expected(min(c, n)) for n in proposal_lens)
             rate = expected / max(seconds, 1e-9)
-            if rate > best_rate * (1 + 1e-9):
+            if rate > best_rate * (1 + self.margin):
                 best, best_rate = c, rate
         return best
+
+    def _cost(self, b: int, positions: int) -> float:
+        """The measured cost, or for positions not measured yet the dearest measured with fewer (a step never
+        costs less with more positions): optimistic, so it gets tried."""
+        seconds = self.cost.get((b, positions))
+        if seconds is None:
+            seconds = max(v for (bb, s), v in self.cost.items() if bb == b and s < positions)
+        return seconds
 
     def _expected(self, n: int) -> float:
         """Expected accepted tokens of n proposals."""
