@@ -127,6 +127,12 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
              engine.cache.nbytes / 2**20, sized_by,
              f"CUDA graphs for batches {', '.join(map(str, engine.runner.buckets))} captured in "
              f"{time.perf_counter() - t0:.1f} s" if isinstance(engine.runner, CudaGraphRunner) else "eager steps")
+    if config.speculative is not None:
+        spec = config.speculative
+        log.info("speculative decoding: %s, up to %d proposed tokens a step (n-grams of %d..%d), verified in one step "
+                 "(the reference attention path: the paged kernel takes one query a row); cap from measured step "
+                 "costs%s", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                 f", off at batch >= {spec.disable_by_batch_size}" if spec.disable_by_batch_size else "")
     return engine, layout
 
 
