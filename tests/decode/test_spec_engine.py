@@ -246,3 +246,22 @@ async def test_unseeded_sampling_with_speculation_keeps_the_distribution(tiny_mo
     assert len(tokens) <= 6
     table = [[c.get(t, 0) for t in tokens] for c in counts]
     assert chi2_contingency(table).pvalue > 0.001, table
+
+
+async def test_preempted_speculating_sequences_resume_without_losing_or_repeating_a_token(tiny_model):
+    """As test_engine's preemption test, with speculation on: lookahead blocks come only from free ones, so
+    they never preempt; the blocks the sequences need do, and each resumes with speculation's tokens = off's."""
+    path = tiny_model("qwen2")
+    prompts = [[5, 6, 7, 8, 9], [20, 21, 22], [30, 31, 32, 33, 34, 35]]
+    results = []
+    for k in (None, 3):
+        engine = _engine(path, num_blocks=6, k=k, enable_prefix_caching=False)
+        seqs = [await _admit(engine, f"p{i}", p, _greedy(16)) for i, p in enumerate(prompts)]
+        outs = await asyncio.gather(*(_drain(s) for s in seqs))
+        assert engine.scheduler.num_preemptions >= 2
+        results.append([[s.output_ids[0], *o] for s, o in zip(seqs, outs)])
+        assert all(s.output_ids == r for s, r in zip(seqs, results[-1]))
+        assert _all_back(engine)
+        await engine.close()
+    assert results[0] == results[1]
+    assert engine.speculator.num_drafts > 0
