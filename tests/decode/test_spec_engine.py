@@ -265,3 +265,25 @@ async def test_preempted_speculating_sequences_resume_without_losing_or_repeatin
         await engine.close()
     assert results[0] == results[1]
     assert engine.speculator.num_drafts > 0
+
+
+@pytest.mark.parametrize("shaped", [False, True], ids=["drawn-at-once", "drawn-in-order"])
+async def test_seeded_sampling_with_speculation_equals_it_off_on_either_acceptance_path(tiny_model, shaped):
+    """Without penalties or pending min_tokens every position is drawn in one sampler call; with them, position by
+    position: both give the tokens and logprobs of speculation off."""
+    path = tiny_model("mistral")
+    prompt = [31, 32, 33, 31, 32]
+    extra = {"presence_penalty": 0.4, "min_tokens": 6} if shaped else {}
+    sampling = gen_pb.SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=7, logprobs=2, ignore_eos=True,
+                                     **extra)
+    off = _engine(path)
+    ref = await _admit(off, "r", prompt, sampling)
+    want = [ref.output_ids[0], *await _drain(ref)]
+    await off.close()
+    on = _engine(path, k=4)
+    _oracle(on, prompt, want, wrong_every=2)
+    seq = await _admit(on, "r", prompt, sampling)
+    assert [seq.output_ids[0], *await _drain(seq)] == want
+    assert [lp.token_id for lp in seq.logprobs] == [lp.token_id for lp in ref.logprobs]
+    assert on.speculator.num_accepted > 0
+    await on.close()

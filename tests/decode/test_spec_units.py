@@ -33,14 +33,17 @@ def test_a_bad_config_is_refused_naming_the_key(text, words):
         parse_speculative_config(text)
 
 
-def test_ngram_takes_the_longest_suffix_match_at_its_latest_occurrence():
+def test_ngram_takes_the_longest_suffix_match_at_its_latest_occurrence_with_k_tokens_after_it():
     p = NgramProposer(k=3, min_n=1, max_n=3)
     assert p.propose([1, 2, 3, 4, 1, 2, 3]) == [4, 1, 2]
     assert p.propose([1, 2, 3, 9, 8, 2, 3, 7, 2, 3]) == [7, 2, 3]  # [2, 3] twice: the latest
     assert p.propose([5, 1, 2, 6, 7, 9, 2]) == [6, 7, 9]  # only a 1-gram recurs
     assert p.propose([1, 2, 3, 4, 5]) == []
     assert p.propose([1, 2, 1], k=0) == [] and p.propose([7]) == []
-    assert p.propose([4, 4, 4, 4]) == [4]  # the latest earlier [4, 4, 4] is followed by one token
+    assert p.propose([4, 4, 4, 4]) == [4]  # the only earlier [4, 4, 4] is followed by one token
+    assert p.propose([4, 4, 4, 4, 4, 4, 4]) == [4, 4, 4]  # a loop: not the latest occurrence (one token after it)
+    assert p.propose([1, 2, 8, 9, 1, 2, 7]) == [] and p.propose([1, 2, 8, 9, 3, 1, 2]) == [8, 9, 3]
+    assert p.propose([1, 2, 8, 1, 2, 9, 9, 1, 2]) == [9, 9, 1]  # the latest with 3 after it
     assert NgramProposer(k=2, min_n=2, max_n=2).propose([5, 1, 2, 6, 7, 9, 2]) == []
 
 

@@ -1,6 +1,7 @@
 """The n-gram proposer (vLLM's `ngram`, prompt lookup decoding): the sequence's last n tokens looked up in
 its earlier tokens (prompt and outputs), longest n first; the tokens that followed their latest earlier
-occurrence are the proposal. No model, no state: a function of the tokens so far."""
+occurrence with k tokens after it (else their earliest, which has the most) are the proposal: in a loop the
+latest occurrence ends just before the suffix, so recency alone would propose one token. No model, no state: a function of the tokens so far."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class NgramProposer:
             windows = sliding_window_view(tokens[: L - 1], n)  # [L - n, n]: starts 0 .. L - n - 1
             starts = np.flatnonzero((windows == suffix).all(axis=1))
             if len(starts):
-                start = int(starts[-1]) + n  # the latest occurrence; at least one token follows it
+                full = starts[L - (starts + n) >= k]  # occurrences followed by k tokens
+                start = int(full[-1] if len(full) else starts[0]) + n
                 return tokens[start : start + k].tolist()
         return []

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from pdserve.server import metrics
+from pdserve.server.sampling_rules import repetition_penalty_of
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.scheduler import Scheduler
@@ -92,11 +93,38 @@ class Speculator:
                               dtype=torch.int64)  # [B, M]
         logits = self.model.verify(tokens, positions, tables, context_lens, self.cache, pad, self.pad_slot)  # [B, S, V]
 
+        if all(_plain(s) for s in batch):
+            out, lps = self._accept_at_once(batch, proposals, logits)
+        else:
+            out, lps = self._accept_in_order(batch, proposals, logits)
+        self._count(proposals, out)
+        return out, lps
+
+    def _accept_at_once(self, batch: list[Sequence], proposals: list[list[int]], logits: torch.Tensor
+                        ) -> tuple[list[list[int]], list[list]]:
+        """No penalty or min_tokens shapes any position's logits: what the sampler draws at a position depends on
+        the request and the token index alone, so all B x S positions are drawn in one call."""
+        B, S, V = logits.shape
+        flat = logits.reshape(B * S, V)  # [B S, V]
+        views = [Lookahead(s, [0] * j) for s in batch for j in range(S)]  # only their sample_index is read
+        picked = self.sample(flat, views)  # [B S]
+        rows = picked.view(B, S).tolist()
+        row_lps = self.logprobs(flat, picked, [v.sampling for v in views])
+        out, lps = [], []
+        for i, p in enumerate(proposals):
+            n = accepted(p, rows[i]) + 1
+            out.append(rows[i][:n])
+            lps.append(row_lps[i * S : i * S + n])
+        return out, lps
+
+    def _accept_in_order(self, batch: list[Sequence], proposals: list[list[int]], logits: torch.Tensor
+                         ) -> tuple[list[list[int]], list[list]]:
+        """Position by position, each drawn with the penalties and min_tokens of the tokens accepted before it."""
         views = [Lookahead(s) for s in batch]
         out: list[list[int]] = [[] for _ in batch]
         lps: list[list] = [[] for _ in batch]
-        alive = list(range(B))
-        for j in range(S):
+        alive = list(range(len(batch)))
+        for j in range(logits.shape[1]):
             rows = torch.tensor(alive)
             at = logits[rows.to(logits.device), j]  # [R, V]
             picked = self.sample(at, [views[i] for i in alive])  # [R]
@@ -111,7 +139,6 @@ class Speculator:
             alive = still
             if not alive:
                 break
-        self._count(proposals, out)
         return out, lps
 
     def _count(self, proposals: list[list[int]], out: list[list[int]]) -> None:
@@ -147,6 +174,13 @@ class Speculator:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+def _plain(seq: Sequence) -> bool:
+    """No penalty, and min_tokens already met: nothing about the tokens before a position shapes its logits."""
+    p = seq.sampling
+    return not (p.presence_penalty or p.frequency_penalty or repetition_penalty_of(p) != 1.0
+                or seq.sample_index < p.min_tokens)
 
 
 def room(seq: Sequence, k: int) -> int:
