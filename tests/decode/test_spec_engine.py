@@ -287,3 +287,19 @@ async def test_seeded_sampling_with_speculation_equals_it_off_on_either_acceptan
     assert [lp.token_id for lp in seq.logprobs] == [lp.token_id for lp in ref.logprobs]
     assert on.speculator.num_accepted > 0
     await on.close()
+
+
+async def test_disable_by_batch_size_turns_speculation_off_for_big_batches(tiny_model):
+    path = tiny_model("qwen3")
+    model = _model(path)
+    c = model.config
+    layout = KvLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size=4, dtype="float32")
+    engine = DecodeEngine(model, layout, num_blocks=32, max_running=8,
+                          speculative=SpeculativeConfig("ngram", 3, 1, 3, disable_by_batch_size=2))
+    _manual(engine)
+    asked = _script(engine, [[5, 6]])
+    a = await _admit(engine, "a", [7, 8, 9], _greedy(8))
+    assert _one_step(engine) == [[5, 6]]  # one sequence: it speculates
+    b = await _admit(engine, "b", [7, 8, 9], _greedy(8))
+    assert _one_step(engine) == [[], []] and asked == [3]  # two: off, nothing even looked up
+    assert a.state is b.state is SeqState.RUNNING
