@@ -80,3 +80,42 @@ def test_the_policy_explores_the_full_k_and_the_plain_step_now_and_then():
     policy.observe_step(1, 3, 1.0)  # speculation looks ruinous
     caps = [policy.cap(1, [2]) for _ in range(8)]
     assert caps == [0, 0, 0, 2, 0, 0, 0, 2]
+
+
+def _brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    L = len(tokens)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        ends = [e for e in range(n - 1, L - 1) if tokens[e - n + 1 : e + 1] == tokens[L - n :]]
+        if ends:
+            full = [e for e in ends if L - (e + 1) >= k]
+            start = (full[-1] if full else ends[0]) + 1
+            return tokens[start : start + k]
+    return []
+
+
+def test_ngram_agrees_with_a_brute_force_search_on_random_sequences():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(500):
+        tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        k, lo = rng.randrange(1, 5), rng.randrange(1, 4)
+        hi = rng.randrange(lo, 5)
+        assert NgramProposer(k, lo, hi).propose(tokens) == _brute_force(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+def test_the_lookup_is_skipped_while_speculation_is_measured_not_to_pay_and_explored_on_schedule():
+    policy = SpecPolicy(k=2, explore_every=4)
+    assert policy.worth_looking(1)  # nothing measured
+    policy.observe_step(1, 1, 0.01)
+    policy.observe_step(1, 2, 0.5)
+    policy.observe_step(1, 3, 1.0)
+    looks = []
+    for _ in range(8):
+        looks.append(policy.worth_looking(1))
+        if looks[-1]:
+            policy.cap(1, [2])
+        else:
+            policy.skipped(1)
+    assert looks == [False, True, False, True] * 2  # the plain re-measure (2nd) and the full-k try (4th)
+    assert not SpecPolicy(k=2, disable_by_batch_size=3).worth_looking(3)

@@ -6,7 +6,6 @@ latest occurrence ends just before the suffix, so recency alone would propose on
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -22,12 +21,18 @@ class NgramProposer:
             return []
         tokens = np.asarray(token_ids, dtype=np.int64)  # [L]
         L = len(tokens)
-        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            suffix = tokens[L - n :]  # [n]
-            windows = sliding_window_view(tokens[: L - 1], n)  # [L - n, n]: starts 0 .. L - n - 1
-            starts = np.flatnonzero((windows == suffix).all(axis=1))
-            if len(starts):
-                full = starts[L - (starts + n) >= k]  # occurrences followed by k tokens
-                start = int(full[-1] if len(full) else starts[0]) + n
-                return tokens[start : start + k].tolist()
-        return []
+        ends = np.flatnonzero(tokens[: L - 1] == tokens[L - 1])  # earlier positions holding the last token
+        found = None
+        for n in range(1, min(self.max_n, L - 1) + 1):
+            if n > 1:  # the matches of the (n - 1)-gram that extend to the n-gram
+                ends = ends[ends >= n - 1]
+                ends = ends[tokens[ends - (n - 1)] == tokens[L - n]]
+            if not len(ends):
+                break
+            if n >= self.min_n:
+                found = ends
+        if found is None:
+            return []
+        full = found[L - (found + 1) >= k]  # occurrences followed by k tokens
+        start = int(full[-1] if len(full) else found[0]) + 1
+        return tokens[start : start + k].tolist()

@@ -58,6 +58,19 @@ class SpecPolicy:
                 best, best_rate = c, rate
         return best
 
+    def worth_looking(self, batch: int) -> bool:
+        """Whether proposals could change this step's cap (even if every sequence had k): when not, the engine
+        skips the lookup. The step count `cap` keeps is not advanced."""
+        if self.disable_by_batch_size and batch >= self.disable_by_batch_size:
+            return False
+        b = bucket(batch)
+        n = self._steps.get(b, 0) + 1
+        if (b, 1) not in self.cost or n % self.explore_every in (0, self.explore_every // 2):
+            return True
+        base = self.cost[(b, 1)]
+        return any((batch + batch * self._expected(c)) / max(self._cost(b, c + 1), 1e-9)
+                   > batch / max(base, 1e-9) * (1 + self.margin) for c in range(1, self.k + 1))
+
     def _cost(self, b: int, positions: int) -> float:
         """The measured cost, or for positions not measured yet the dearest measured with fewer (a step never
         costs less with more positions): optimistic, so it gets tried."""
@@ -73,6 +86,12 @@ class SpecPolicy:
             p *= self.accept_rate[j]
             total += p
         return total
+
+    def skipped(self, batch: int) -> None:
+        """A step whose lookup `worth_looking` skipped: it counts towards the next exploration."""
+        if not (self.disable_by_batch_size and batch >= self.disable_by_batch_size):
+            b = bucket(batch)
+            self._steps[b] = self._steps.get(b, 0) + 1
 
     def observe_step(self, batch: int, positions: int, seconds: float) -> None:
         key = (bucket(batch), positions)

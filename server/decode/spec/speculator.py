@@ -58,9 +58,9 @@ class Speculator:
 
     def propose(self, batch: list[Sequence]) -> list[list[int]]:
         """Each sequence's proposal for this step (maybe []), its lookahead blocks held."""
-        limit = self.config.disable_by_batch_size
-        if limit and len(batch) >= limit:
-            return [[] for _ in batch]  # vLLM's disable_by_batch_size: not even looked up
+        if not self.policy.worth_looking(len(batch)):
+            self.policy.skipped(len(batch))
+            return [[] for _ in batch]  # not even looked up (disable_by_batch_size, or measured not to pay)
         proposals = [self.proposer.propose(s.token_ids, room(s, self.config.num_speculative_tokens)) for s in batch]
         cap = self.policy.cap(len(batch), [len(p) for p in proposals])
         return [self._reserve(s, p[:cap]) for s, p in zip(batch, proposals)]
