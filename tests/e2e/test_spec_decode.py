@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from tokenizers import Tokenizer
 
+from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.client import build_request, stream
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
 from tests.e2e.procs import Procs, Stream, blocks, counter, generate, list_workers, request, wait_blocks_free, wait_until
@@ -40,8 +41,26 @@ def test_greedy_with_ngram_speculation_through_pdserve_up_equals_transformers(fa
             got = list(pool.map(lambda p: _ids(state["coordinator"], p), PROMPTS))
         for prompt, want, ids in zip(PROMPTS, expected, got):
             assert ids == want, f"{family}: prompt {prompt!r}"
+        _stop_rules_hold(state["coordinator"], PROMPTS[1])
         pairs = wait_all_blocks_free(state["decode"])
         assert all(free == total for free, total in pairs), pairs
+
+
+def _stop_rules_hold(addr: str, prompt: str) -> None:
+    """A stop string and a stop id end the stream where they would without speculation (the accepted tokens
+    of one step arrive together; the coordinator cuts the text, the worker the ids)."""
+    kw = dict(prompt=prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+    msgs = list(stream(addr, build_request(**kw), timeout=120))
+    full, ids = "".join(m.text for m in msgs), [t for m in msgs for t in m.token_ids]
+    stop = full[5:8]
+    assert len(full) > 8 and stop
+    msgs = list(stream(addr, build_request(**kw, stop=[stop]), timeout=120))
+    assert "".join(m.text for m in msgs) == full[: full.index(stop)]
+    assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_STOP
+    stop_id = ids[6]
+    msgs = list(stream(addr, build_request(**kw, stop_token_ids=[stop_id]), timeout=120))
+    assert [t for m in msgs for t in m.token_ids] == ids[: ids.index(stop_id) + 1]
+    assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_STOP
 
 
 def test_a_speculating_decode_worker_counts_its_drafts_and_gives_transformers_tokens(tiny_model, tmp_path):
