@@ -8,7 +8,8 @@ request added at once, its prompt prefilled locally, then decoded in the continu
 Decode tokens/s counts the tokens after each request's first one (prefill's), over the time from the last
 first token to the last token; beside it, the same tokens per CPU second of this process (torch on one
 thread): on a shared machine the wall clock also counts the time other processes held the core, so the CPU
-figure is the steadier one. Each is the best of --repeats runs, off and on interleaved. Speculation: '{"method": "ngram", "num_speculative_tokens": K,
+figure is the steadier one. Each is the best of --repeats runs, off and on interleaved.
+Speculation: '{"method": "ngram", "num_speculative_tokens": K,
 "prompt_lookup_min": 1, "prompt_lookup_max": 3}', its cap per step from the measured step costs.
 
 Workloads:
@@ -167,14 +168,16 @@ def main(argv: list[str] | None = None) -> int:
             same = cell["off"]["outputs"] == cell["ngram"]["outputs"]
             cpu = {name: max(r["tokens_per_cpu_s"] for r in runs[name]) for name in runs}
             row = {"workload": workload, "model": model_dir.name, "batch": batch,
-                   "off_tok_cpu_s": cpu["off"], "ngram_tok_cpu_s": cpu["ngram"], "cpu_speedup": cpu["ngram"] / cpu["off"],
+                   "off_tok_cpu_s": cpu["off"], "ngram_tok_cpu_s": cpu["ngram"],
+                   "cpu_speedup": cpu["ngram"] / cpu["off"],
                    "off_tok_s": cell["off"]["tokens_per_s"], "ngram_tok_s": cell["ngram"]["tokens_per_s"],
                    "speedup": cell["ngram"]["tokens_per_s"] / cell["off"]["tokens_per_s"],
                    "acceptance": cell["ngram"]["acceptance"], "drafts": cell["ngram"]["drafts"],
                    "off_steps": cell["off"]["steps"], "ngram_steps": cell["ngram"]["steps"], "identical_tokens": same}
             rows.append(row)
-            print(f"{workload:15s} batch {batch:3d}: off {row['off_tok_s']:8.1f} tok/s  ngram {row['ngram_tok_s']:8.1f} "
-                  f"tok/s  x{row['speedup']:.2f} (per CPU second x{row['cpu_speedup']:.2f})  acceptance {row['acceptance']:.2f} ({row['drafts']} drafts)  steps "
+            print(f"{workload:15s} batch {batch:3d}: off {row['off_tok_s']:8.1f} tok/s  ngram "
+                  f"{row['ngram_tok_s']:8.1f} tok/s  x{row['speedup']:.2f} (per CPU second x{row['cpu_speedup']:.2f})  "
+                  f"acceptance {row['acceptance']:.2f} ({row['drafts']} drafts)  steps "
                   f"{row['off_steps']} -> {row['ngram_steps']}  identical tokens: {same}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

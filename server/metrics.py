@@ -181,7 +181,8 @@ spec_decode_num_drafts = _pd(Counter, "spec_decode_num_drafts",
 spec_decode_num_draft_tokens = _pd(Counter, "spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed",
                                    vllm="spec_decode_num_draft_tokens")
 spec_decode_num_accepted_tokens = _pd(Counter, "spec_decode_num_accepted_tokens",
-                                      "Speculative decoding: proposed tokens accepted", vllm="spec_decode_num_accepted_tokens")
+                                      "Speculative decoding: proposed tokens accepted",
+                                      vllm="spec_decode_num_accepted_tokens")
 spec_decode_num_accepted_tokens_per_pos = _pd(Counter, "spec_decode_num_accepted_tokens_per_pos",
                                               "Speculative decoding: proposed tokens accepted, by their position in "
                                               "the proposal (0: the first)", ("position",),

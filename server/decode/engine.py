@@ -269,7 +269,8 @@ class DecodeEngine(Engine):
         )  # [B, M]
         logits = self.runner.decode(last, positions, tables, positions + 1)  # [B, V]
         next_ids = self._sample(logits, batch)
-        return [[t] for t in next_ids.tolist()], [[lp] for lp in _logprobs(logits, next_ids, [s.sampling for s in batch])]
+        lps = _logprobs(logits, next_ids, [s.sampling for s in batch])
+        return [[t] for t in next_ids.tolist()], [[lp] for lp in lps]
 
     def _wait_for_copies(self, batch: list[Sequence]) -> None:
         """The device's compute stream waits (on the device, not the host) for the batch's KV copies alone."""
@@ -317,7 +318,8 @@ class DecodeEngine(Engine):
             if tokens is None or tokens[i] is None:
                 seq.finish(gen_pb.FINISH_REASON_ERROR)
             else:
-                lps = token_lps[i] if token_lps is not None and token_lps[i] is not None else [None] * len(tokens[i])
+                lps = token_lps[i] if token_lps is not None and token_lps[i] is not None \
+                    else [None] * len(tokens[i])
                 emitted = []
                 for token, lp in zip(tokens[i], lps):
                     if lp is not None:

@@ -198,6 +198,6 @@ class DecoderModel(nn.Module):
         no sequence reads; their logits mean nothing."""
         context = self._context(positions, block_tables, context_lens, cache)
         if pad_slots is not None:
-            context = dataclasses.replace(context, slots=context.slots.masked_fill(pad_slots.to(context.slots.device),
-                                                                                   pad_slot))
+            slots = context.slots.masked_fill(pad_slots.to(context.slots.device), pad_slot)  # [B, S]
+            context = dataclasses.replace(context, slots=slots)
         return self._forward(token_ids.to(self.embed.device), context, cache)

@@ -12,7 +12,8 @@ from tokenizers import Tokenizer
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.client import build_request, stream
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
-from tests.e2e.procs import Procs, Stream, blocks, counter, generate, list_workers, request, wait_blocks_free, wait_until
+from tests.e2e.procs import (Procs, Stream, blocks, counter, generate, list_workers, request, wait_blocks_free,
+                             wait_until)
 from tests.e2e.test_parity import hf_greedy
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
@@ -73,7 +74,8 @@ def test_a_speculating_decode_worker_counts_its_drafts_and_gives_transformers_to
         for prompt in prompts:
             assert generate(coordinator.address, request(prompt, MAX_TOKENS)) == hf_greedy(model_dir, prompt)
         d = d0.metrics()  # pdserve_* samples, without model_name and role
-        drafts, proposed = counter(d, "pdserve_spec_decode_num_drafts_total"), counter(d, "pdserve_spec_decode_num_draft_tokens_total")
+        drafts = counter(d, "pdserve_spec_decode_num_drafts_total")
+        proposed = counter(d, "pdserve_spec_decode_num_draft_tokens_total")
         accepted = counter(d, "pdserve_spec_decode_num_accepted_tokens_total")
         per_pos = counter(d, "pdserve_spec_decode_num_accepted_tokens_per_pos_total")
         assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed and per_pos == accepted
@@ -108,7 +110,8 @@ def test_a_speculating_decode_worker_killed_mid_stream_migrates_with_exact_token
         reqs = [request(p, 200) for p in prompts]
         reference = [generate(a.address, r, timeout=120) for r in reqs]
         streams = [Stream(a.address, r) for r in reqs]
-        wait_until(lambda: all(len(s.tokens) > 20 or not s.is_alive() for s in streams), "streams under way", every=0.005)
+        wait_until(lambda: all(len(s.tokens) > 20 or not s.is_alive() for s in streams), "streams under way",
+                   every=0.005)
         inflight = {w.address: w.inflight for w in list_workers(a) if w.role == "decode"}
         victim = max(("d0", "d1"), key=lambda n: inflight[procs.procs[n].address])
         at_kill = [len(s.tokens) for s in streams]

@@ -1,7 +1,8 @@
 """The n-gram proposer (vLLM's `ngram`, prompt lookup decoding): the sequence's last n tokens looked up in
 its earlier tokens (prompt and outputs), longest n first; the tokens that followed their latest earlier
 occurrence with k tokens after it (else their earliest, which has the most) are the proposal: in a loop the
-latest occurrence ends just before the suffix, so recency alone would propose one token. No model, no state: a function of the tokens so far."""
+latest occurrence ends just before the suffix, so recency alone would propose one token. No model, no
+state: a function of the tokens so far."""
 
 from __future__ import annotations
 

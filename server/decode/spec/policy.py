@@ -9,7 +9,8 @@ speculation pays; where it is compute-bound the cost grows with c and the cap sh
 
 A bucket's first step verifies the full k, its next a plain step (both measured); a (bucket, c + 1) not
 measured yet is taken to cost what c = 0 does (so it gets tried, and measured); every `explore_every`-th
-step of a bucket verifies the full k and the one halfway between is plain; a larger cap must promise 2% more, so the estimates follow the
+step of a bucket verifies the full k and the one halfway between is plain (a larger cap must promise 2%
+more), so the estimates follow the
 workload and the machine.
 vLLM's `disable_by_batch_size` turns speculation off for batches at least that large.
 """
