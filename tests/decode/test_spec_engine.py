@@ -303,3 +303,40 @@ async def test_disable_by_batch_size_turns_speculation_off_for_big_batches(tiny_
     b = await _admit(engine, "b", [7, 8, 9], _greedy(8))
     assert _one_step(engine) == [[], []] and asked == [3]  # two: off, nothing even looked up
     assert a.state is b.state is SeqState.RUNNING
+
+
+async def test_ragged_proposals_in_one_batch_cross_block_boundaries_and_change_no_token(tiny_model):
+    """Five sequences verify proposals of different lengths (0 to 5, some wrong) in the same steps, so rows are
+    padded (their pad entries writing the pad block) and lookahead slots cross block boundaries: every sequence's
+    tokens are those of speculation off."""
+    import random
+
+    path = tiny_model("mistral")
+    prompts = [[(11 * i + 7 * j) % 500 + 3 for j in range(3 + 5 * i)] for i in range(5)]
+    off = _engine(path, num_blocks=64)
+    refs = {}
+    for i, p in enumerate(prompts):
+        seq = await _admit(off, f"r{i}", p, _greedy(20))
+        refs[tuple(p)] = [seq.output_ids[0], *await _drain(seq)]
+    await off.close()
+    on = _engine(path, num_blocks=64, k=5)
+    _manual(on)
+    rng = random.Random(3)
+    lengths = []
+
+    def propose(token_ids: list[int], k: int | None = None) -> list[int]:
+        prompt = next(p for p in prompts if token_ids[: len(p)] == p and len(token_ids) > len(p))
+        done = len(token_ids) - len(prompt)
+        p = refs[tuple(prompt)][done : done + rng.randrange(0, (k or 0) + 1)]
+        if p and rng.random() < 0.4:
+            p[rng.randrange(len(p))] += 1
+        lengths.append(len(p))
+        return p
+
+    on.speculator.proposer.propose = propose
+    seqs = [await _admit(on, f"r{i}", p, _greedy(20)) for i, p in enumerate(prompts)]
+    while any(s.state is SeqState.RUNNING for s in seqs):
+        _one_step(on)
+    assert [s.output_ids for s in seqs] == [refs[tuple(p)] for p in prompts]
+    assert len(set(lengths)) >= 4 and on.speculator.num_accepted > 0
+    assert on.sequences == {} and _all_back(on)
