@@ -198,7 +198,8 @@ UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", 
                   "enable_auto_tool_choice", "tool_call_parser")
 UP_PREFILL = ("tensor_parallel_size", "max_batch_tokens", "max_prefill_chunk", "prefix_cache_bytes", "kv_streams",
               "prefill_order", "compilation_cache", "compile_before_serving")
-UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager")
+UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager",
+             "speculative_config")
 """Beside these, up takes --prefill-weight-dtype, --decode-weight-dtype, --decode-device and --decode-engine:
 the workers' --weight-dtype, --device and --engine, prefixed by their tier (add_flags' prefix)."""
 VLLM_BLOCK_SIZE = 32

@@ -178,6 +178,18 @@ expected_wait_rejections = _pd(Counter, "expected_wait_rejections",
 stalled_streams = _pd(Counter, "stalled_streams", "Decode streams that sent nothing for --stall-timeout and migrated")
 cuda_graph_capture_failures = _pd(Counter, "cuda_graph_capture_failures",
                                   "Decode batch buckets whose CUDA graph failed to capture (those batches run eagerly)")
+spec_decode_num_drafts = _pd(Counter, "spec_decode_num_drafts",
+                             "Speculative decoding: sequences that verified a proposal, one per step each",
+                             vllm="spec_decode_num_drafts")
+spec_decode_num_draft_tokens = _pd(Counter, "spec_decode_num_draft_tokens", "Speculative decoding: tokens proposed",
+                                   vllm="spec_decode_num_draft_tokens")
+spec_decode_num_accepted_tokens = _pd(Counter, "spec_decode_num_accepted_tokens",
+                                      "Speculative decoding: proposed tokens accepted",
+                                      vllm="spec_decode_num_accepted_tokens")
+spec_decode_num_accepted_tokens_per_pos = _pd(Counter, "spec_decode_num_accepted_tokens_per_pos",
+                                              "Speculative decoding: proposed tokens accepted, by their position in "
+                                              "the proposal (0: the first)", ("position",),
+                                              vllm="spec_decode_num_accepted_tokens_per_pos")
 decode_refusals = _pd(Counter, "decode_refusals", "Decode workers refusing a request for lack of room (another replica took the blocks); picked again")
 
 

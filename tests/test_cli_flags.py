@@ -64,6 +64,11 @@ def test_vllm_spellings_map_onto_pdserve_settings(tiny_model):
     (["prefill", "--quantization", "awq"], "--quantization 'awq' is not served"),
     (["decode", "--tensor-parallel-size", "2"], "the native decode engine runs on one device"),
     (["decode", "--gpu-memory-utilization", "1.5"], "must lie in (0, 1]"),
+    (["decode", "--speculative-config", '{"method": "eagle"}'], "method must be one of ngram, draft_model"),
+    (["decode", "--speculative-config", '{"method": "draft_model", "model": "x"}'], "is not built"),
+    (["decode", "--speculative-config", '{"method": "ngram", "acceptance_method": "x"}'],
+     "does not take acceptance_method"),
+    (["decode", "--engine", "vllm", "--speculative-config", '{"method": "ngram"}'], "--engine native only"),
 ])
 def test_what_pdserve_cannot_serve_is_refused_naming_the_flag(tiny_model, argv, words):
     args = _parse(*argv, str(tiny_model("llama")))
@@ -164,6 +169,7 @@ UP_COMMAND_LINES = [
      "--compilation-cache", "none", "--kv-streams", "2", "--prefill-order", "fifo", "--max-num-batched-tokens", "128",
      "--max-prefill-chunk", "64", "--prefix-cache-bytes", "0", "--kv-cache-memory", "1GiB", "--decode-device", "cpu"],
     ["--decode-engine", "vllm", "--decode-weight-dtype", "bfloat16"],
+    ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'],
 ]
 
 
@@ -185,6 +191,9 @@ def test_pdserve_up_hands_each_tier_the_config_it_built(tiny_model, up_argv):
     if "--dtype" in up_argv:
         assert (prefill.tensor_parallel_size, decode.tensor_parallel_size, decode.max_running) == (2, 1, 8)
         assert (decode.kv_dtype, prefill.compile_before_serving) == ("fp8_e4m3", "all")
+    if "--speculative-config" in up_argv:
+        assert decode.speculative is not None and (decode.speculative.num_speculative_tokens,
+                                                   decode.speculative.prompt_lookup_max) == (4, 3)
     if "--served-model-name" in up_argv:
         assert all(t.served_model_name == ("tiny", "alias") and t.max_model_len == 256 for t in tiers)
         assert (coordinator.http_port, coordinator.stall_timeout, coordinator.ttft_budget) == (8123, 5.0, 2.0)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.server.decode.device import parse_bytes, parse_device
+from pdserve.server.decode.spec.config import SpeculativeConfig, parse_speculative_config
 from pdserve.server.flags import flag
 from pdserve.server.vocabulary import CPU_MATMULS, DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, CpuMatmul, DecodeEngine, KvDtypeChoice, WeightDtype
 
@@ -60,6 +61,9 @@ class DecodeConfig:
     On the CPU it does not apply (logged at start)."""
     served_model_name: tuple[str, ...] = ()
     """The model's names (vLLM's flag); the first labels the metrics. Default: the checkpoint directory's name."""
+    speculative_config: str | None = None
+    """vLLM's flag: speculative decoding as a JSON object, e.g. '{"method": "ngram", "num_speculative_tokens":
+    3, "prompt_lookup_max": 3}' (keys: server/decode/spec/config.py). Default: off."""
     engine: DecodeEngine = "native"
     """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector (needs vLLM
     installed: pdserve[vllm], or make vllm-venv)."""
@@ -92,6 +96,9 @@ class DecodeConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+        if parse_speculative_config(self.speculative_config) is not None and self.engine != "native":
+            raise ValueError("--speculative-config is built for --engine native only so far (vLLM's own "
+                             "speculation through --engine vllm is not wired yet)")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
 
@@ -99,6 +106,10 @@ class DecodeConfig:
     def num_blocks(self) -> int | None:
         """The cache's blocks when --kv-cache-tokens gives them; None: sized from memory at start."""
         return None if self.kv_cache_tokens is None else -(-self.kv_cache_tokens // self.block_size)
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return parse_speculative_config(self.speculative_config)
 
     @property
     def model_name(self) -> str:

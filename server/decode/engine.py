@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import torch
 
@@ -36,6 +37,8 @@ from pdserve.server import logprobs
 from pdserve.server.decode.sampler import apply_bitmask, apply_penalties, sample, token_logprobs
 from pdserve.server.decode.scheduler import QueueFull, Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink, admissible
+from pdserve.server.decode.spec.config import SpeculativeConfig
+from pdserve.server.decode.spec.speculator import Speculator
 from pdserve.server.model.config import resolve_max_model_len
 from pdserve.server.structured.bitmask import unconstrained
 from pdserve.server.structured.grammars import Grammars
@@ -49,10 +52,12 @@ __all__ = ["DecodeEngine", "QueueFull"]
 class DecodeEngine(Engine):
     def __init__(self, model: DecoderModel, layout: KvLayout, num_blocks: int, max_running: int, *,
                  max_queue: int = 256, enable_prefix_caching: bool = True, eos_ids: frozenset[int] = frozenset(),
-                 max_model_len: int = 0, cuda_graphs: bool = False, grammars: Grammars | None = None):
+                 max_model_len: int = 0, cuda_graphs: bool = False, grammars: Grammars | None = None,
+                 speculative: SpeculativeConfig | None = None):
         """max_model_len: 0 takes the model's, capped by what the cache holds. The cache lives on the model's
         device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad);
-        grammars: the model's structured-output grammars (None: structured requests are refused)."""
+        grammars: the model's structured-output grammars (None: structured requests are refused);
+        speculative: verify proposed tokens in each step (`spec/speculator.py`; the pad block too)."""
         self.model = model
         self.grammars = grammars
         self.vocab_size = model.config.vocab_size
@@ -60,7 +65,7 @@ class DecodeEngine(Engine):
         self.scheduler = Scheduler(num_blocks, layout.block_size, max_running, max_queue, enable_prefix_caching)
         self.pool = self.scheduler.pool
         device = model.embed.device
-        self.cache = PagedKvCache(layout, num_blocks + (1 if cuda_graphs else 0), device=device)
+        self.cache = PagedKvCache(layout, num_blocks + (1 if cuda_graphs or speculative else 0), device=device)
         self.max_running = max_running
         self.eos_ids = eos_ids
         self.max_model_len = resolve_max_model_len(model.config.max_model_len, max_model_len,
@@ -76,6 +81,9 @@ class DecodeEngine(Engine):
         """Request id -> the CUDA events that follow its KV chunks' copies onto the device, until its first step
         (a list: a request's KV streams may write concurrently)."""
         self.runner: EagerRunner | CudaGraphRunner = EagerRunner(model, self.cache)
+        self.speculator = None if speculative is None else Speculator(
+            speculative, model, self.cache, self.scheduler, pad_block=num_blocks, sample=self._sample,
+            logprobs=_logprobs)
         if cuda_graphs:
             max_blocks = layout.num_blocks(self.max_model_len)
             graphs = CudaGraphRunner(model, self.cache, max_running, max_blocks, pad_block=num_blocks)
@@ -247,10 +255,12 @@ class DecodeEngine(Engine):
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
+            proposals = self.speculator.propose(batch) if self.speculator else None
             ids = {s.request_id for s in batch}
             self._busy |= ids
+            started = time.perf_counter()
             try:
-                tokens, token_lps = await asyncio.to_thread(self._step, batch)
+                tokens, token_lps = await asyncio.to_thread(self._step, batch, proposals)
             except Exception:
                 log.exception("decode step of %d requests failed; running them one by one", len(batch))
                 tokens, token_lps = await asyncio.to_thread(self._step_each, batch)
@@ -258,15 +268,21 @@ class DecodeEngine(Engine):
                 self._busy -= ids
                 self._retire_deferred()
             self.steps += 1
+            if self.speculator:
+                self.speculator.observe_step(batch, proposals, time.perf_counter() - started)
             self._postprocess(batch, tokens, token_lps)
 
-    def _step(self, batch: list[Sequence]) -> tuple[list[int], list]:
-        """One token for every sequence in the batch (runs in a worker thread)."""
+    def _step(self, batch: list[Sequence], proposals: list[list[int]] | None = None
+              ) -> tuple[list[list[int]], list[list]]:
+        """The tokens every sequence in the batch emits, and their logprobs (runs in a worker thread): one
+        each, or with proposals, those the speculator's verify step accepts and the one after."""
         self._wait_for_copies(batch)
         for s in batch:
             if s.resume_from is not None and s.resume_from < s.num_tokens - 1:  # preempted, readmitted
                 ids = torch.tensor(s.token_ids[s.resume_from : s.num_tokens - 1], dtype=torch.int64)
                 self.model.prefill(ids, s.block_table, self.cache, start_pos=s.resume_from)
+        if proposals and any(proposals):
+            return self.speculator.verify(batch, proposals)
         last = torch.tensor([s.token_ids[-1] for s in batch], dtype=torch.int64)  # [B]
         positions = torch.tensor([s.num_tokens - 1 for s in batch], dtype=torch.int64)  # [B]
         width = max(len(s.block_table) for s in batch)
@@ -276,7 +292,8 @@ class DecodeEngine(Engine):
         )  # [B, M]
         logits = self.runner.decode(last, positions, tables, positions + 1)  # [B, V]
         next_ids = self._sample(logits, batch)
-        return next_ids.tolist(), _logprobs(logits, next_ids, [s.sampling for s in batch])
+        lps = _logprobs(logits, next_ids, [s.sampling for s in batch])
+        return [[t] for t in next_ids.tolist()], [[lp] for lp in lps]
 
     def _wait_for_copies(self, batch: list[Sequence]) -> None:
         """The device's compute stream waits (on the device, not the host) for the batch's KV copies alone."""
@@ -299,10 +316,10 @@ class DecodeEngine(Engine):
             torch.tensor([p.min_p for p in sp], dtype=torch.float32) if any(p.min_p for p in sp) else None,
         )
 
-    def _step_each(self, batch: list[Sequence]) -> tuple[list[int | None], list]:
+    def _step_each(self, batch: list[Sequence]) -> tuple[list[list[int] | None], list]:
         """After a failed batched step: each sequence alone, so only those that fail alone fail (None).
         Rewriting a slot the failed step may have written puts the same values there."""
-        tokens: list[int | None] = []
+        tokens: list[list[int] | None] = []
         token_lps: list = []
         for seq in batch:
             try:
@@ -316,19 +333,30 @@ class DecodeEngine(Engine):
                 token_lps.append(None)
         return tokens, token_lps
 
-    def _postprocess(self, batch: list[Sequence], tokens: list[int | None] | None, token_lps: list | None = None
-                     ) -> None:
+    def _postprocess(self, batch: list[Sequence], tokens: list[list[int] | None] | None,
+                     token_lps: list[list] | None = None) -> None:
+        """Each sequence's emitted tokens appended in order, the stop rule checked on each (a token after
+        the one that finished it is dropped), then streamed."""
         for i, seq in enumerate(batch):
             if seq.state is not SeqState.RUNNING:
                 continue  # aborted or released while the step ran
             if tokens is None or tokens[i] is None:
                 seq.finish(gen_pb.FINISH_REASON_ERROR)
             else:
-                if token_lps is not None and token_lps[i] is not None:
-                    seq.logprobs.append(token_lps[i])
-                self.scheduler.finished_step(seq)
-                seq.append(tokens[i])
-                seq.events.put_nowait([tokens[i]])
+                lps = token_lps[i] if token_lps is not None and token_lps[i] is not None \
+                    else [None] * len(tokens[i])
+                emitted = []
+                for token, lp in zip(tokens[i], lps):
+                    if lp is not None:
+                        seq.logprobs.append(lp)
+                    self.scheduler.finished_step(seq)
+                    seq.append(token)
+                    emitted.append(token)
+                    if seq.state is SeqState.FINISHED:
+                        break
+                if self.speculator and seq.state is SeqState.RUNNING:
+                    self.speculator.release(seq)
+                seq.events.put_nowait(emitted)
             if seq.state is SeqState.FINISHED:
                 seq.events.put_nowait(None)
                 self._retire(seq, keep_kv=seq.finish_reason != gen_pb.FINISH_REASON_ERROR)

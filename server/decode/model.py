@@ -7,6 +7,8 @@ the same way. Numerics follow transformers: RMSNorm in fp32, RoPE cos/sin from f
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,3 +180,24 @@ class DecoderModel(nn.Module):
         """
         context = self._context(positions[:, None], block_tables, context_lens, cache)
         return self._forward(token_ids.to(self.embed.device)[:, None], context, cache)[:, 0]
+
+    @torch.inference_mode()
+    def verify(
+        self,
+        token_ids: torch.Tensor,  # [B, S]
+        positions: torch.Tensor,  # [B, S]
+        block_tables: torch.Tensor,  # [B, M]
+        context_lens: torch.Tensor,  # [B]
+        cache: PagedKvCache,
+        pad_slots: torch.Tensor | None = None,  # [B, S] bool
+        pad_slot: int = 0,
+    ) -> torch.Tensor:
+        """Logits f32 [B, S, V] of S new tokens per sequence (speculative decoding's verify step: the last
+        token and the proposals after it), causal over the new positions, attending context_lens [B]. Entries
+        marked in `pad_slots` (rows with fewer new tokens) write their K/V at the cache slot `pad_slot`, which
+        no sequence reads; their logits mean nothing."""
+        context = self._context(positions, block_tables, context_lens, cache)
+        if pad_slots is not None:
+            slots = context.slots.masked_fill(pad_slots.to(context.slots.device), pad_slot)  # [B, S]
+            context = dataclasses.replace(context, slots=slots)
+        return self._forward(token_ids.to(self.embed.device), context, cache)

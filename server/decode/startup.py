@@ -122,7 +122,7 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
     engine = DecodeEngine(model, layout, num_blocks, config.max_running, max_queue=config.max_queue,
                           enable_prefix_caching=config.enable_prefix_caching,
                           eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
-                          cuda_graphs=cuda_graphs,
+                          cuda_graphs=cuda_graphs, speculative=config.speculative,
                           grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
                                                       tuple(model_config.eos_token_ids)))
     engine.grammars.warm()
@@ -131,6 +131,12 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
              engine.cache.nbytes / 2**20, sized_by,
              f"CUDA graphs for batches {', '.join(map(str, engine.runner.buckets))} captured in "
              f"{time.perf_counter() - t0:.1f} s" if isinstance(engine.runner, CudaGraphRunner) else "eager steps")
+    if config.speculative is not None:
+        spec = config.speculative
+        log.info("speculative decoding: %s, up to %d proposed tokens a step (n-grams of %d..%d), verified in one step "
+                 "(the reference attention path: the paged kernel takes one query a row); cap from measured step "
+                 "costs%s", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+                 f", off at batch >= {spec.disable_by_batch_size}" if spec.disable_by_batch_size else "")
     return engine, layout
 
 
@@ -146,6 +152,7 @@ def cache_blocks(config: DecodeConfig, model: DecoderModel, layout: KvLayout, de
         return blocks, f"--kv-cache-memory {config.kv_cache_memory}, at most --max-running x --max-model-len"
     utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     peak, other, total = profile_step(model, layout, config.max_running, max_model_len, device)
-    blocks = gpu_cache_blocks(total, utilization, peak, other, layout, reserved_blocks=1 if cuda_graphs else 0)
+    pad = 1 if cuda_graphs or config.speculative else 0  # the pad block CUDA graphs' and verify steps' pad rows write
+    blocks = gpu_cache_blocks(total, utilization, peak, other, layout, reserved_blocks=pad)
     return blocks, (f"--gpu-memory-utilization {utilization} of {total / 2**30:.1f} GiB; weights + a step at batch "
                     f"{config.max_running} peaked at {peak / 2**30:.2f} GiB, other memory {other / 2**30:.2f} GiB")

@@ -42,3 +42,12 @@ def test_the_tiers_sit_side_by_side():
     titles = [p["title"] for p in json.loads(DASHBOARD.read_text())["panels"]]
     assert {"Time to first token", "Inter-token latency", "Decode KV cache usage",
             "KV transfer GB/s (received by decode)", "Migrations and prefill retries"} <= set(titles)
+
+
+def test_the_speculative_acceptance_rate_is_accepted_over_proposed_tokens():
+    panels = {p["title"]: p for p in json.loads(DASHBOARD.read_text())["panels"]}
+    expr = panels["Speculative decoding acceptance rate"]["targets"][0]["expr"]
+    accepted, proposed = expr.split(" / ")
+    assert "vllm:spec_decode_num_accepted_tokens_total" in accepted and "vllm:spec_decode_num_draft_tokens_total" in proposed
+    assert "vllm:spec_decode_num_accepted_tokens_per_pos_total" in \
+        panels["Speculative decoding acceptance by position"]["targets"][0]["expr"]

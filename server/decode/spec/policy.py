@@ -1,0 +1,106 @@
+"""How many proposed tokens a step verifies, batch-aware, from the step costs measured on this worker.
+
+A step of B sequences with up to c proposals each costs cost(B, c + 1) seconds (measured: a moving average
+per (batch bucket 1, 2, 4, ..., c + 1), never a constant guessed here) and emits B + the expected accepted
+proposals, E = sum over sequences of sum_{j <= c_i} a_1 ... a_j, a_j the measured rate at which the j-th
+proposal is accepted once the ones before it were. Each step takes the cap c in 0..k with the most expected
+tokens per second. Where the step is bandwidth-bound (small batches) cost(B, k + 1) ~ cost(B, 1) and
+speculation pays; where it is compute-bound the cost grows with c and the cap shrinks to 0.
+
+A bucket's first step verifies the full k, its next a plain step (both measured); a (bucket, c + 1) not
+measured yet is taken to cost what c = 0 does (so it gets tried, and measured); every `explore_every`-th
+step of a bucket verifies the full k and the one halfway between is plain (a larger cap must promise 2%
+more), so the estimates follow the
+workload and the machine.
+vLLM's `disable_by_batch_size` turns speculation off for batches at least that large.
+"""
+
+from __future__ import annotations
+
+
+def bucket(batch: int) -> int:
+    """The power of two holding the batch (1, 2, 4, ...)."""
+    return 1 << max(0, batch - 1).bit_length()
+
+
+class SpecPolicy:
+    def __init__(self, k: int, disable_by_batch_size: int | None = None, explore_every: int = 32,
+                 smoothing: float = 0.2, margin: float = 0.02):
+        """margin: a larger cap is taken only for at least this much more expected tokens per second."""
+        self.k = k
+        self.margin = margin
+        self.disable_by_batch_size = disable_by_batch_size
+        self.explore_every = explore_every
+        self.smoothing = smoothing
+        self.cost: dict[tuple[int, int], float] = {}
+        """(batch bucket, query positions per sequence) -> a moving average of the step's seconds."""
+        self.accept_rate = [0.5] * k
+        """a_j for j = 1..k (index j - 1): P(the j-th proposal is accepted | the ones before it were)."""
+        self._steps: dict[int, int] = {}
+
+    def cap(self, batch: int, proposal_lens: list[int]) -> int:
+        """The most proposals a sequence verifies this step (0: a plain one-token step)."""
+        if not any(proposal_lens) or (self.disable_by_batch_size and batch >= self.disable_by_batch_size):
+            return 0
+        b = bucket(batch)
+        n = self._steps[b] = self._steps.get(b, 0) + 1
+        measured = [key for key in self.cost if key[0] == b]
+        if not measured or n % self.explore_every == 0:
+            return self.k
+        base = self.cost.get((b, 1))
+        if base is None or n % self.explore_every == self.explore_every // 2:
+            return 0  # the plain step's cost, measured (again)
+        best, best_rate = 0, 0.0
+        for c in range(self.k + 1):
+            seconds = self._cost(b, c + 1)
+            expected = batch + sum(self._expected(min(c, n)) for n in proposal_lens)
+            rate = expected / max(seconds, 1e-9)
+            if rate > best_rate * (1 + self.margin):
+                best, best_rate = c, rate
+        return best
+
+    def worth_looking(self, batch: int) -> bool:
+        """Whether proposals could change this step's cap (even if every sequence had k): when not, the engine
+        skips the lookup. The step count `cap` keeps is not advanced."""
+        if self.disable_by_batch_size and batch >= self.disable_by_batch_size:
+            return False
+        b = bucket(batch)
+        n = self._steps.get(b, 0) + 1
+        if (b, 1) not in self.cost or n % self.explore_every in (0, self.explore_every // 2):
+            return True
+        base = self.cost[(b, 1)]
+        return any((batch + batch * self._expected(c)) / max(self._cost(b, c + 1), 1e-9)
+                   > batch / max(base, 1e-9) * (1 + self.margin) for c in range(1, self.k + 1))
+
+    def _cost(self, b: int, positions: int) -> float:
+        """The measured cost, or for positions not measured yet the dearest measured with fewer (a step never
+        costs less with more positions): optimistic, so it gets tried."""
+        seconds = self.cost.get((b, positions))
+        if seconds is None:
+            seconds = max(v for (bb, s), v in self.cost.items() if bb == b and s < positions)
+        return seconds
+
+    def _expected(self, n: int) -> float:
+        """Expected accepted tokens of n proposals."""
+        total, p = 0.0, 1.0
+        for j in range(n):
+            p *= self.accept_rate[j]
+            total += p
+        return total
+
+    def skipped(self, batch: int) -> None:
+        """A step whose lookup `worth_looking` skipped: it counts towards the next exploration."""
+        if not (self.disable_by_batch_size and batch >= self.disable_by_batch_size):
+            b = bucket(batch)
+            self._steps[b] = self._steps.get(b, 0) + 1
+
+    def observe_step(self, batch: int, positions: int, seconds: float) -> None:
+        key = (bucket(batch), positions)
+        old = self.cost.get(key)
+        self.cost[key] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def observe_acceptance(self, proposed: int, accepted: int) -> None:
+        """One sequence's verify: `accepted` of its `proposed` tokens (a common prefix) were taken."""
+        for j in range(min(proposed, accepted + 1)):  # positions reached: 1..accepted+1 (the last one rejected)
+            hit = 1.0 if j < accepted else 0.0
+            self.accept_rate[j] += self.smoothing * (hit - self.accept_rate[j])

@@ -1,0 +1,35 @@
+"""Which proposed tokens a verify step accepts: exact for greedy, and for sampling the target's own law.
+
+For one sequence with proposals d_1..d_k verified in one step, the step gives the target's logits at k + 1
+positions: position j's (j = 0..k) are those after the tokens so far and d_1..d_j. Walk j = 0, 1, ...:
+
+    t_j = the token the sampler draws at position j, exactly as a one-token step would draw it there
+          (penalties and min_tokens over the outputs so far plus t_0..t_{j-1}, the request's temperature,
+          top-k, top-p, min-p, and, for a seeded request, the uniform number of (seed, token index));
+    emit t_j; go on to j + 1 only while t_j == d_{j+1} (d_{j+1} accepted) and j < k.
+
+The step emits t_0..t_m, m the number of accepted proposals (0..k): at least one token, at most k + 1.
+
+Why this is exact. Greedy: t_j is the argmax a one-token step would take, and each position attends
+exactly the tokens a one-token step would have (the accepted ones equal the t's), so the output is the
+same token for token. Sampling: an n-gram proposal is a point mass q = δ_x (x = d_{j+1}). Speculative
+sampling (Leviathan et al. 2023; Chen et al. 2023) accepts x with probability min(1, p(x) / q(x)) = p(x),
+p the target's distribution at that position (after temperature and filters), and on rejection draws
+from norm(max(0, p - q)), which for q = δ_x is p with x removed and renormalised: p(y) / (1 - p(x)), y ≠ x.
+Drawing t ~ p by the sampler's inverse CDF from one uniform u and accepting iff t == x is that very
+rule: P(accept) = P(t = x) = p(x), and given a rejection, t is distributed as p conditioned on t ≠ x.
+So every emitted token has the target's distribution given the tokens before it, and, since t_j is drawn
+from the same uniform number of (seed, token index) as without speculation, a seeded request gives the
+same tokens with speculation on or off, on any worker and batch (what migration relies on).
+(A draft model's proposal is not a point mass; it needs the general rule, not built yet.)
+"""
+
+from __future__ import annotations
+
+
+def accepted(drafts: list[int], sampled: list[int]) -> int:
+    """How many of `drafts` the sampled tokens t_0.. accept: the length of their common prefix."""
+    m = 0
+    while m < len(drafts) and m < len(sampled) and sampled[m] == drafts[m]:
+        m += 1
+    return m

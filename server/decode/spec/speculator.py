@@ -1,0 +1,196 @@
+"""Speculative decoding in the native decode engine: propose, reserve the lookahead, verify, accept.
+
+Each step, for the batch the scheduler gave (every sequence already holding a block for its next token):
+1. `propose`: each sequence's n-gram proposal (at most k tokens, fewer where max_tokens or max_model_len
+   is near); the step's cap from measured costs (`policy.py`); the blocks for the lookahead slots taken on
+   demand from the free pool (never by preempting or evicting: a proposal that does not fit is shortened).
+2. `verify` (the step's thread): one forward of k_i + 1 query positions per sequence (the last token, then
+   its proposals; shorter rows padded, their pad entries writing a pad block no sequence reads), causal over
+   the new positions; then the tokens the sampler draws at each position, accepted while they equal the
+   proposals (`rejection.py`: exact for greedy, the target's distribution for sampling, seeded draws per
+   token index as without speculation).
+3. After the engine appended the accepted tokens (the stop rule checked on each, in order): `release`
+   gives back the blocks that held only rejected slots. A rejected token's KV is never read: every later
+   step writes a position before it attends it, and attends only its context's positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pdserve.server import metrics
+from pdserve.server.sampling_rules import repetition_penalty_of
+from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.scheduler import Scheduler
+from pdserve.server.decode.sequence import Sequence
+from pdserve.server.decode.spec.config import SpeculativeConfig
+from pdserve.server.decode.spec.lookahead import Lookahead
+from pdserve.server.decode.spec.ngram import NgramProposer
+from pdserve.server.decode.spec.policy import SpecPolicy
+from pdserve.server.decode.spec.rejection import accepted
+
+SampleFn = Callable[[torch.Tensor, list], torch.Tensor]
+"""(logits [R, V], sequences or Lookaheads) -> token ids [R]: the engine's sampler."""
+LogprobsFn = Callable[[torch.Tensor, torch.Tensor, list], list]
+"""(logits [R, V], token ids [R], sampling params) -> a TokenLogprob or None per row."""
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, model: DecoderModel, cache: PagedKvCache, scheduler: Scheduler,
+                 pad_block: int, sample: SampleFn, logprobs: LogprobsFn):
+        self.config = config
+        self.model = model
+        self.cache = cache
+        self.scheduler = scheduler
+        self.pad_slot = pad_block * cache.block_size
+        self.sample = sample
+        self.logprobs = logprobs
+        k = config.num_speculative_tokens
+        self.proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.policy = SpecPolicy(k, config.disable_by_batch_size)
+        self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
+        self.accepted_per_pos = [0] * k
+
+    # ---- 1. on the event loop, before the step ----------------------------------
+
+    def propose(self, batch: list[Sequence]) -> list[list[int]]:
+        """Each sequence's proposal for this step (maybe []), its lookahead blocks held."""
+        if not self.policy.worth_looking(len(batch)):
+            self.policy.skipped(len(batch))
+            return [[] for _ in batch]  # not even looked up (disable_by_batch_size, or measured not to pay)
+        # A constrained sequence is not proposed for: its grammar's state would have to follow each proposed token
+        # (and roll back the rejected ones); it samples its one token per step under its mask, beside the others.
+        proposals = [[] if s.constraint is not None
+                     else self.proposer.propose(s.token_ids, room(s, self.config.num_speculative_tokens))
+                     for s in batch]
+        cap = self.policy.cap(len(batch), [len(p) for p in proposals])
+        return [self._reserve(s, p[:cap]) for s, p in zip(batch, proposals)]
+
+    def _reserve(self, seq: Sequence, proposal: list[int]) -> list[int]:
+        """The proposal as far as free blocks hold its slots (the sequence takes those blocks)."""
+        if not proposal:
+            return proposal
+        scheduler = self.scheduler
+        short = scheduler.blocks_for(seq.num_tokens + len(proposal)) - len(seq.block_table)
+        take = min(short, scheduler.pool.num_free)
+        if take > 0:
+            seq.block_table.extend(scheduler.cache.allocate(take))
+        return proposal[: len(seq.block_table) * scheduler.block_size - seq.num_tokens]
+
+    # ---- 2. in the step's thread ---------------------------------------------------
+
+    def verify(self, batch: list[Sequence], proposals: list[list[int]]) -> tuple[list[list[int]], list[list]]:
+        """The tokens each sequence emits (1 to len(proposal) + 1) and their logprobs (None where not asked)."""
+        B, S = len(batch), 1 + max(len(p) for p in proposals)
+        tokens = torch.zeros(B, S, dtype=torch.int64)  # [B, S]
+        positions = torch.zeros(B, S, dtype=torch.int64)  # [B, S]
+        pad = torch.zeros(B, S, dtype=torch.bool)  # [B, S]
+        steps = torch.arange(S)  # [S]
+        for i, (s, p) in enumerate(zip(batch, proposals)):
+            n = len(p)
+            tokens[i, : n + 1] = torch.tensor([s.token_ids[-1], *p], dtype=torch.int64)
+            positions[i] = s.num_tokens - 1 + steps.clamp(max=n)  # pad entries repeat the last position
+            pad[i, n + 1 :] = True
+        context_lens = torch.tensor([s.num_tokens + len(p) for s, p in zip(batch, proposals)])  # [B]
+        width = max(len(s.block_table) for s in batch)
+        tables = torch.tensor([s.block_table + [s.block_table[0]] * (width - len(s.block_table)) for s in batch],
+                              dtype=torch.int64)  # [B, M]
+        logits = self.model.verify(tokens, positions, tables, context_lens, self.cache, pad, self.pad_slot)  # [B, S, V]
+
+        if all(_plain(s) for s in batch):
+            out, lps = self._accept_at_once(batch, proposals, logits)
+        else:
+            out, lps = self._accept_in_order(batch, proposals, logits)
+        self._count(proposals, out)
+        return out, lps
+
+    def _accept_at_once(self, batch: list[Sequence], proposals: list[list[int]], logits: torch.Tensor
+                        ) -> tuple[list[list[int]], list[list]]:
+        """No penalty or min_tokens shapes any position's logits: what the sampler draws at a position depends on
+        the request and the token index alone, so all B x S positions are drawn in one call."""
+        B, S, V = logits.shape
+        flat = logits.reshape(B * S, V)  # [B S, V]
+        views = [Lookahead(s, [0] * j) for s in batch for j in range(S)]  # only their sample_index is read
+        picked = self.sample(flat, views)  # [B S]
+        rows = picked.view(B, S).tolist()
+        row_lps = self.logprobs(flat, picked, [v.sampling for v in views])
+        out, lps = [], []
+        for i, p in enumerate(proposals):
+            n = accepted(p, rows[i]) + 1
+            out.append(rows[i][:n])
+            lps.append(row_lps[i * S : i * S + n])
+        return out, lps
+
+    def _accept_in_order(self, batch: list[Sequence], proposals: list[list[int]], logits: torch.Tensor
+                         ) -> tuple[list[list[int]], list[list]]:
+        """Position by position, each drawn with the penalties and min_tokens of the tokens accepted before it."""
+        views = [Lookahead(s) for s in batch]
+        out: list[list[int]] = [[] for _ in batch]
+        lps: list[list] = [[] for _ in batch]
+        alive = list(range(len(batch)))
+        for j in range(logits.shape[1]):
+            rows = torch.tensor(alive)
+            at = logits[rows.to(logits.device), j]  # [R, V]
+            picked = self.sample(at, [views[i] for i in alive])  # [R]
+            row_lps = self.logprobs(at, picked, [batch[i].sampling for i in alive])
+            still = []
+            for i, t, lp in zip(alive, picked.tolist(), row_lps):
+                out[i].append(t)
+                lps[i].append(lp)
+                views[i].ahead.append(t)
+                if j < len(proposals[i]) and t == proposals[i][j]:
+                    still.append(i)
+            alive = still
+            if not alive:
+                break
+        return out, lps
+
+    def _count(self, proposals: list[list[int]], out: list[list[int]]) -> None:
+        for p, emitted in zip(proposals, out):
+            if not p:
+                continue
+            m = accepted(p, emitted)
+            self.num_drafts += 1
+            self.num_draft_tokens += len(p)
+            self.num_accepted += m
+            metrics.spec_decode_num_drafts.inc()
+            metrics.spec_decode_num_draft_tokens.inc(len(p))
+            metrics.spec_decode_num_accepted_tokens.inc(m)
+            for j in range(m):
+                self.accepted_per_pos[j] += 1
+                metrics.spec_decode_num_accepted_tokens_per_pos.labels(str(j)).inc()
+            self.policy.observe_acceptance(len(p), m)
+
+    # ---- 3. after the step -----------------------------------------------------------
+
+    def observe_step(self, batch: list[Sequence], proposals: list[list[int]] | None, seconds: float) -> None:
+        positions = 1 + max((len(p) for p in proposals or ()), default=0)
+        self.policy.observe_step(len(batch), positions, seconds)
+
+    def release(self, seq: Sequence) -> None:
+        """Blocks past the one the sequence's next token needs go back (they held only rejected slots)."""
+        keep = self.scheduler.blocks_for(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            extra = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.scheduler.cache.free(extra)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+def _plain(seq: Sequence) -> bool:
+    """No penalty, and min_tokens already met: nothing about the tokens before a position shapes its logits."""
+    p = seq.sampling
+    return not (p.presence_penalty or p.frequency_penalty or repetition_penalty_of(p) != 1.0
+                or seq.sample_index < p.min_tokens)
+
+
+def room(seq: Sequence, k: int) -> int:
+    """The most proposals worth verifying: a step emits up to k + 1 tokens, within max_tokens and max_model_len."""
+    left = min(seq.sampling.max_tokens - seq.sample_index, seq.max_model_len - seq.num_tokens)
+    return max(0, min(k, left - 1))
