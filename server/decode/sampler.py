@@ -4,9 +4,9 @@ structured-output mask (`apply_bitmask`), when a row of the batch has one.
 
 Each row draws one uniform number and picks by inverse CDF. Rows without top-k/top-p (temperature,
 min-p) walk the vocabulary in id order: no sort. Rows with them sort their logits once (together) and
-walk that order. Seeded rows take the number from a CPU generator seeded from (seed, index), and a
-row's path depends only on its own parameters, so a seeded request gives the same tokens on any
-worker, device and batch, which a migrated request needs.
+walk that order. Seeded rows take the number of `server/seeded.py` for (seed, index), the one the
+prefill tier's sampler draws too, and a row's path depends only on its own parameters, so a seeded
+request gives the same tokens on any worker, tier, device and batch, which a migrated request needs.
 """
 
 from __future__ import annotations
@@ -14,11 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-
-def _seeded_uniform(seed: int, index: int) -> float:
-    state = np.random.SeedSequence([seed & (2**64 - 1), index]).generate_state(1, np.uint64)[0]
-    generator = torch.Generator().manual_seed(int(state))
-    return torch.rand((), generator=generator).item()
+from pdserve.server import seeded
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
@@ -55,7 +51,7 @@ def sample(
     uniform = torch.rand(B)  # fresh randomness for unseeded rows
     for row, (seed, index) in enumerate(zip(seeds, indices)):
         if seed is not None:
-            uniform[row] = _seeded_uniform(seed, index)
+            uniform[row] = seeded.uniform(seed, index)
     ranked = ((top_k > 0) & (top_k < V)) | (top_p < 1.0)  # [B] rows whose filters need the order
     sampled = greedy_ids.clone()
     for rows, draw in ((~ranked & ~is_greedy, _draw_in_vocab_order), (ranked & ~is_greedy, _draw_ranked)):

@@ -3,8 +3,9 @@
 
 Order (as in vLLM): penalties on the raw logits, the structured-output mask (a packed int32 row per
 prompt, all ones when it has none: data, not a shape, so no request compiles anything), temperature, then
-min-p and top-k, then top-p over the renormalised rest. Row r draws with key fold_in(key(seed[r]), index[r]), so a (seed, index) pair
-always yields the same token, whatever the batch around it.
+min-p and top-k, then top-p over the renormalised rest. Row r draws the uniform number of `server/seeded.py`
+for (seed[r], index[r]) and picks by the inverse CDF in the decode tier's order (`decode/sampler.py`), so a
+(seed, index) pair yields the same token whatever the batch around it, and whichever tier samples it.
 """
 
 from __future__ import annotations
@@ -19,28 +20,55 @@ def _allowed(bitmask: jax.Array, vocab: int) -> jax.Array:
     return bits.reshape(-1)[:vocab] > 0
 
 
+def _mix(x: jax.Array) -> jax.Array:
+    """lowbias32 on uint32 (wrapping), as `server/seeded.py` computes it on the host."""
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _uniform(seed, index) -> jax.Array:
+    """`server/seeded.uniform` of (folded seed uint32, index): f32 in [0, 1)."""
+    bits = _mix(_mix(seed) ^ index.astype(jnp.uint32)) >> 8
+    return bits.astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
 def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index, min_p, bitmask) -> jax.Array:
-    """logits f32[V], scalar settings and bitmask int32[W] -> int32 token."""
+    """logits f32[V], scalar settings and bitmask int32[W] -> int32 token: the decode tier's draw
+    (`decode/sampler.py`) for the same logits, settings and (seed, index)."""
     vocab = logits.shape[-1]
     logits = jnp.where(_allowed(bitmask, vocab), logits, -jnp.inf)
     scaled = logits / jnp.maximum(temperature, 1e-6)
-    order = jnp.argsort(-scaled)  # [V] token ids, most likely first (stable)
+    u = _uniform(seed, index)
+    log_min_p = jnp.log(jnp.maximum(min_p, 1e-30))  # p_i < min_p x p_0 <=> l_i < l_0 + log(min_p)
+    # Without top-k/top-p: the inverse CDF over the vocabulary in id order.
+    plain = jnp.where((min_p > 0) & (scaled < jnp.max(scaled) + log_min_p), -jnp.inf, scaled)
+    probs = jax.nn.softmax(plain)  # [V]
+    cdf = jnp.cumsum(probs)
+    last_kept = jnp.max(jnp.where(probs > 0, jnp.arange(vocab), 0))  # if rounding overshoots
+    in_vocab_order = jnp.minimum(jnp.searchsorted(cdf, u * cdf[-1], side="right"), last_kept)
+    # With them: top-k, min-p, then top-p over the logits sorted once (stable), the inverse CDF in that order.
+    order = jnp.argsort(-scaled, stable=True)  # [V] token ids, most likely first
     ranked = scaled[order]  # [V]
     rank = jnp.arange(vocab)
-    ranked = jnp.where(rank < jnp.where(top_k > 0, top_k, vocab), ranked, -jnp.inf)
-    floor = ranked[0] + jnp.log(jnp.maximum(min_p, 1e-30))  # p_i < min_p x p_0 <=> l_i < l_0 + log(min_p)
-    ranked = jnp.where((min_p > 0) & (ranked < floor), -jnp.inf, ranked)
+    ranked = jnp.where(rank < jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab), ranked, -jnp.inf)
+    ranked = jnp.where((min_p > 0) & (ranked < ranked[0] + log_min_p), -jnp.inf, ranked)
     probs = jax.nn.softmax(ranked)  # [V]
     before = jnp.cumsum(probs) - probs  # probability mass ranked strictly above each token
-    ranked = jnp.where((before < top_p) | (rank == 0), ranked, -jnp.inf)
-    key = jax.random.fold_in(jax.random.key(seed), index)
-    drawn = order[jax.random.categorical(key, ranked)]
+    probs = jnp.where(before > top_p, 0.0, probs)
+    cdf = jnp.cumsum(probs)
+    kept = jnp.sum(probs > 0)  # the kept tokens are a prefix of the order
+    in_rank_order = order[jnp.minimum(jnp.searchsorted(cdf, u * cdf[-1], side="right"), kept - 1)]
+    ranked_row = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+    drawn = jnp.where(ranked_row, in_rank_order, in_vocab_order)
     return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
 
 
 def sample(logits, temperature, top_k, top_p, seed, index, min_p=None, bitmask=None) -> jax.Array:
     """logits f32[B, V]; temperature f32[B] (0: greedy); top_k int32[B] (0: off); top_p f32[B] in (0, 1];
-    seed uint32[B]; index int32[B] (which output token this is); min_p f32[B] (0: off); bitmask int32[B,
+    seed uint32[B] (`seeded.fold` of the request's); index int32[B] (which output token this is); min_p f32[B] (0: off); bitmask int32[B,
     ceil(V / 32)] (the allowed tokens, packed; -1: all) -> int32[B]."""
     words = (logits.shape[-1] + 31) // 32
     return jax.vmap(_sample_row)(

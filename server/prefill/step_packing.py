@@ -19,6 +19,7 @@ from typing import Protocol
 import numpy as np
 
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server import seeded
 from pdserve.server.finish import blocked_ids
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.model import Packing
@@ -152,7 +153,7 @@ def sampling_columns(jobs: Sequence[Job], rows: int, vocab_size: int) -> tuple[n
         column([p.temperature for p in sp], np.float32, rows),
         column([p.top_k for p in sp], np.int32, rows),
         column([top_p_of(p) for p in sp], np.float32, rows),
-        column([(p.seed if p.HasField("seed") else secrets.randbits(32)) % 2**32 for p in sp], np.uint32, rows),
+        column([seeded.fold(p.seed) if p.HasField("seed") else secrets.randbits(32) for p in sp], np.uint32, rows),
         column([j.sample_index for j in jobs], np.int32, rows),
         column([p.min_p for p in sp], np.float32, rows),
         masks,

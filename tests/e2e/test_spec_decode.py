@@ -94,10 +94,10 @@ def test_a_speculating_decode_worker_counts_its_drafts_and_gives_transformers_to
 
 
 def test_a_speculating_decode_worker_killed_mid_stream_migrates_with_exact_tokens(tiny_model, tmp_path):
-    """Greedy streams on speculating decode workers; one worker is killed mid-stream: the migrated streams
-    continue on the other (prompt + tokens so far prefilled again) with exactly the tokens of an undisturbed run.
-    (Seeded sampled streams are left out: with speculation off too, a migrated seeded stream differs from an
-    undisturbed one from the token at the migration on, which this test found; see the issue 30 report.)"""
+    """Greedy and seeded sampled streams on speculating decode workers; one worker is killed mid-stream: the
+    migrated streams continue on the other (prompt + tokens so far prefilled again; the token after them drawn
+    by the prefill tier with the decode tier's draw, `server/seeded.py`) with exactly the tokens of an
+    undisturbed run."""
     procs = Procs(tiny_model("llama"), tmp_path)
     try:
         a = procs.coordinator("coord")
@@ -108,6 +108,8 @@ def test_a_speculating_decode_worker_killed_mid_stream_migrates_with_exact_token
         wait_until(lambda: [w.state for w in list_workers(a)] == ["ready"] * 3, "3 workers ready")
         prompts = [[(7 * i + 5 * j) % 500 + 3 for j in range(12 + 3 * i)] for i in range(4)]
         reqs = [request(p, 200) for p in prompts]
+        for i in (0, 2):  # seeded sampled beside greedy
+            reqs[i].sampling.temperature, reqs[i].sampling.seed = 1.0, 1000 + i
         reference = [generate(a.address, r, timeout=120) for r in reqs]
         streams = [Stream(a.address, r) for r in reqs]
         wait_until(lambda: all(len(s.tokens) > 20 or not s.is_alive() for s in streams), "streams under way",
