@@ -7,7 +7,9 @@ block table, dequantized in registers when the cache is int8/fp8), and keeps an 
 split the program writes the output; with several (flash-decoding, for few sequences and long
 contexts) each writes its partial max, sum and weighted values, and a second kernel merges them.
 The number of splits depends only on the batch and the table's width, never on the lengths, so a step
-holds no host synchronisation and replays inside a CUDA graph.
+holds no host synchronisation and replays inside a CUDA graph. With a sliding window W the programs walk
+only the tiles from the one holding position context_len - W on (the splits share those out), and mask
+the keys before it.
 
 On the CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1) in the tests.
 """
@@ -56,7 +58,7 @@ def _kernel():
         stride_tb, stride_lb,
         stride_ob, stride_oh, stride_os,
         stride_mb, stride_mh,
-        sm_scale, tiles_per_split,
+        sm_scale, tiles_per_split, window,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE_N: tl.constexpr,
         QUANT: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
     ):
@@ -71,11 +73,12 @@ def _kernel():
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        first = split * tiles_per_split
+        oldest = tl.maximum(ctx - window, 0)  # the first key the query sees (window: 2^30 when none)
+        first = oldest // TILE_N + split * tiles_per_split
         last = tl.minimum(first + tiles_per_split, tl.cdiv(ctx, TILE_N))
         for tile in range(first, last):
             t = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] token positions
-            live = t < ctx
+            live = (t < ctx) & (t >= oldest)
             block = tl.load(TABLES + b * stride_tb + t // BS, mask=live, other=0)  # [TILE_N]
             base = block.to(tl.int64) * stride_kn + (t % BS) * stride_kt + kvh * stride_kh  # [TILE_N]
             k = tl.load(K + base[:, None] + d[None, :], mask=live[:, None], other=0.0)  # [TILE_N, D]
@@ -138,8 +141,10 @@ def paged_decode_attention(
     k_scales: torch.Tensor | None = None,  # [N, Hkv] float32 for int8/fp8 caches
     v_scales: torch.Tensor | None = None,
     splits: int | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """softmax(q K^T / sqrt(D)) V over each sequence's first context_lens tokens -> [B, H, D] in q's dtype."""
+    """softmax(q K^T / sqrt(D)) V over each sequence's first context_lens tokens -> [B, H, D] in q's dtype;
+    with a sliding window (0: none), over only the last `window` of them."""
     import triton
 
     B, H, D = q.shape
@@ -161,8 +166,11 @@ def paged_decode_attention(
     quant = k_scales is not None
     tile = max(TILE, bs)
     M = block_tables.shape[1]
-    splits = splits or num_splits(B, Hkv, M, bs)
-    tiles_per_split = -(-(-(-M * bs // tile)) // splits)
+    tiles = -(-M * bs // tile)
+    if window:  # the last `window` tokens lie in at most this many tiles
+        tiles = min(tiles, -(-(window - 1) // tile) + 1)
+    splits = splits or num_splits(B, Hkv, tiles * tile // bs, bs)
+    tiles_per_split = -(-tiles // splits)
     g_pad = max(16, triton.next_power_of_2(G))
     scales = k_scales if quant else q  # any pointer when unused
     partial = splits > 1
@@ -183,7 +191,7 @@ def paged_decode_attention(
         k_scales.stride(0) if quant else 0,
         block_tables.stride(0), context_lens.stride(0),
         *strides,
-        1.0 / math.sqrt(D), tiles_per_split,
+        1.0 / math.sqrt(D), tiles_per_split, window or 2**30,
         G=G, G_PAD=g_pad, D=D, BS=bs, TILE_N=tile,
         QUANT=quant, IEEE=q.dtype == torch.float32, PARTIAL=partial,
     )
@@ -200,7 +208,9 @@ def decode_attention(
     layer: int,
     block_tables: torch.Tensor,  # [B, M]
     context_lens: torch.Tensor,  # [B]
+    window: int = 0,
 ) -> torch.Tensor:
-    """One layer's paged decode attention over the cache -> [B, H, D]."""
+    """One layer's paged decode attention over the cache (a windowed layer's: over its window) -> [B, H, D]."""
     scales = (None, None) if cache.k_scales is None else (cache.k_scales[layer], cache.v_scales[layer])
-    return paged_decode_attention(q, cache.k[layer], cache.v[layer], block_tables, context_lens, *scales)
+    return paged_decode_attention(q, cache.k[layer], cache.v[layer], block_tables, context_lens, *scales,
+                                  window=window)

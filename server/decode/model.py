@@ -1,4 +1,5 @@
 """The decoder-only transformer (llama, mistral, qwen2, qwen3) in plain torch, over a paged KV cache.
+A layer with a sliding window attends through its context's `local` view (only the window's blocks).
 
 Every forward writes the new tokens' K (post-RoPE, HF rotate_half convention) and V into the cache,
 then attends over the cache, so prompt KV computed here and KV received from the prefill tier are read
@@ -48,6 +49,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.config = config
         self.index = index
+        self.window = config.window(index)
         H, Hkv, D, d, inter = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size, \
             config.intermediate_size
         norm = lambda n: nn.Buffer(torch.empty(n, dtype=dtype, device=device))  # noqa: E731
@@ -80,7 +82,8 @@ class DecoderLayer(nn.Module):
         q, k = rope(qk, cos, sin).split([H, Hkv], dim=2)  # [B, S, H, D], [B, S, Hkv, D]
 
         cache.store(self.index, context.slots, k, v)
-        out = paged_attention(q, cache, self.index, context)  # [B, S, H, D]
+        view = context if self.window is None else context.local  # a windowed layer reads only its window
+        out = paged_attention(q, cache, self.index, view)  # [B, S, H, D]
         x = x + self.wo(out.reshape(B, S, -1))
 
         gate_up = self.w_gate_up(rms_norm(x, self.mlp_norm, eps))  # [B, S, 2 I]
@@ -146,7 +149,8 @@ class DecoderModel(nn.Module):
         c = self.config
         return PagedContext.build(positions, block_tables, context_lens, cache.block_size, self.embed.device,
                                   self.dtype, groups=c.num_heads // c.num_kv_heads,
-                                  paged_kernel=self.paged_kernel and positions.shape[1] == 1)
+                                  paged_kernel=self.paged_kernel and positions.shape[1] == 1,
+                                  window=c.sliding_window if c.layer_windows else None)
 
     @torch.inference_mode()
     def prefill(

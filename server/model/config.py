@@ -54,9 +54,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
-    """The window of the checkpoint's sliding-window layers (a query sees the last W positions, itself
-    among them), None when every layer attends to all. pdserve computes full attention, which equals the
-    windowed one while a sequence holds at most W tokens: `limited_to` refuses to serve longer."""
+    """The window of the checkpoint's sliding-window layers (a query at position p sees keys at positions
+    p - W < j <= p, itself among them), None when every layer attends to all."""
+    layer_windows: tuple[int | None, ...] = ()
+    """Each layer's window (None: full attention), by transformers' rules for the family; () when no layer
+    has one."""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -64,23 +66,22 @@ class ModelConfig:
         """Longest sequence (prompt + output) served."""
         return self.max_position_embeddings
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s window (None: it attends to every earlier position)."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def all_windowed(self) -> bool:
+        """Every layer has a window: KV older than the widest window is never read again."""
+        return bool(self.layer_windows) and all(w is not None for w in self.layer_windows)
+
     def limited_to(self, max_model_len: int | None) -> ModelConfig:
         """This model served no longer than `max_model_len` (`--max-model-len`; None: its own length), every
-        process's one way to its served length. ModelLoadError past the model's positions, or past its
-        sliding window, which full attention computes exactly only up to its length."""
+        process's one way to its served length. ModelLoadError past the model's positions."""
         if max_model_len is not None and max_model_len > self.max_model_len:
             raise ModelLoadError(f"--max-model-len {max_model_len} exceeds the model's max_model_len "
                                  f"{self.max_model_len} (max_position_embeddings in config.json)")
         length = self.max_model_len if max_model_len is None else max_model_len
-        if self.sliding_window is not None and length > self.sliding_window:
-            window = self.sliding_window
-            sets = (f"sets sliding_window {window}" if "sliding_window" in self.raw
-                    else f"leaves out sliding_window, which transformers' Mistral takes as {window}")
-            served = "max_position_embeddings in config.json" if max_model_len is None else "--max-model-len"
-            raise ModelLoadError(
-                f"config.json {sets}: pdserve computes full attention, which equals sliding-window attention "
-                f"only for sequences of at most {window} tokens, and would serve this model to {length} "
-                f"({served}); pass --max-model-len N with N <= {window}")
         return self if length == self.max_model_len else replace(self, max_position_embeddings=length)
 
     def describe(self) -> str:
@@ -123,32 +124,35 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
                    "(other types change the positions' angles, so would be served wrong)")
 
 
-def _sliding_window(family: Family, raw: dict[str, Any], num_layers: int) -> int | None:
-    """The window of the layers that have one, by transformers' rules for the family; None: no window."""
+def _layer_windows(family: Family, raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window, by transformers' rules for the family; () when no layer has one."""
     types = raw.get("layer_types")
     if types is not None:
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown:
             raise _refused(f"layer_types with {', '.join(map(repr, unknown))} layers",
-                           "pdserve implements full_attention layers only")
+                           "pdserve implements full_attention and sliding_attention layers only")
+        if len(types) != num_layers:
+            raise _refused(f"layer_types of {len(types)} layers", f"the model has {num_layers} layers")
     if family == "mistral":  # every layer; transformers' MistralConfig takes 4096 when the key is absent
         window = raw.get("sliding_window", 4096)
-        return int(window) if window else None
+        return (int(window),) * num_layers if window else ()
     window = raw.get("sliding_window")
     if family in ("qwen2", "qwen3"):  # use_sliding_window false: no window (Qwen2.5 ships one set, unused)
         if not raw.get("use_sliding_window", False) or not window:
-            return None
-        if types is not None:
-            windowed = "sliding_attention" in types
-        else:  # layers from max_window_layers on
-            windowed = num_layers > int(raw.get("max_window_layers", 28))
-        return int(window) if windowed else None
-    if types is not None and "sliding_attention" in types:  # llama
-        if not window:
-            raise _refused("layer_types with 'sliding_attention' layers but no sliding_window",
-                           "pdserve implements full_attention layers only")
-        return int(window)
-    return None
+            return ()
+        if types is None:  # transformers 4: the layers from max_window_layers on
+            first = int(raw.get("max_window_layers", 28))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if types is None or "sliding_attention" not in types:
+        return ()
+    if family == "llama":
+        raise _refused("layer_types with 'sliding_attention' layers", "transformers' Llama computes full attention "
+                       "in every layer whatever layer_types says; a windowed model is another architecture")
+    if not window:
+        raise _refused("layer_types with 'sliding_attention' layers but no sliding_window",
+                       "a sliding_attention layer needs the window's length")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
@@ -200,6 +204,7 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         num_layers = int(raw["num_hidden_layers"])
+        windows = _layer_windows(family, raw, num_layers)
         dtype_key = "torch_dtype" if raw.get("torch_dtype") else "dtype"
         dtype = raw.get(dtype_key) or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -222,7 +227,8 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
             dtype=dtype,
             eos_token_ids=_eos_ids(model_dir, raw),
             bos_token_id=raw.get("bos_token_id"),
-            sliding_window=_sliding_window(family, raw, num_layers),
+            sliding_window=next((w for w in windows if w is not None), None),
+            layer_windows=windows,
             raw=raw,
         )
     except KeyError as e:

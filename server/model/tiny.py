@@ -10,7 +10,11 @@ import sysconfig
 from pathlib import Path
 from typing import Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "mistral-windowed"]
+"""The checkpoints made here: one per served family, and "mistral-windowed", a Mistral whose every layer has
+a sliding window of WINDOW tokens (prompts longer than it are a few words)."""
+
+WINDOW = 24
 
 EOS = "<|endoftext|>"
 BOS = "<|begin_of_text|>"
@@ -82,11 +86,13 @@ def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int):
         return transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_parameters=rope)
     if family == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None, rope_theta=10000.0)
+    if family == "mistral-windowed":
+        return transformers.MistralConfig(**common, sliding_window=WINDOW, rope_theta=10000.0)
     if family == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
     if family == "qwen3":
         return transformers.Qwen3Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
-    raise ValueError(f"unknown family {family!r}; choose llama, mistral, qwen2 or qwen3")
+    raise ValueError(f"unknown family {family!r}; choose one of {', '.join(Family.__args__)}")
 
 
 def make_tiny_model(

@@ -18,11 +18,12 @@ import numpy as np
 
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
-from pdserve.server.prefill.attention import attention
+from pdserve.server.prefill.attention import NO_WINDOW, attention
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
 
 Params = dict
-"""A pytree of jax arrays: embed, final_norm, [lm_head], layers (each stacked over L)."""
+"""A pytree of jax arrays: embed, final_norm, [lm_head], layers (each stacked over L; with `window` int32 [L],
+each layer's sliding window, NO_WINDOW for a global layer, when the model has windowed layers)."""
 
 F32 = jnp.float32
 
@@ -107,6 +108,8 @@ def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str 
         for name in ("bq", "bk", "bv", "bo"):
             if name in layers:
                 layers[name] = layers[name].astype(dt)
+    if config.layer_windows:
+        layers["window"] = np.array([w or NO_WINDOW for w in config.layer_windows], np.int32)  # [L]
     params: Params = {
         "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype=dt),  # [V, H]
         "final_norm": jnp.asarray(get("model.norm.weight"), dtype=F32),  # [H]
@@ -174,7 +177,7 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     values = jnp.concatenate([context_v.astype(v.dtype), v], axis=1)
     key_pos = jnp.concatenate([packing.context_positions, packing.positions], axis=1)  # [B, C + S]
     key_seg = jnp.concatenate([packing.context_segments, packing.segments], axis=1)
-    out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg,
+    out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg, p.get("window"),
                     own_keys_from=context_k.shape[1])  # [B, S, Hq, D]
     attn = _mm("bsnd,ndh->bsh", out, w("wo"))  # [B, S, H]
     x = x + (attn + p["bo"] if "bo" in p else attn)

@@ -126,19 +126,15 @@ def _edited(tmp_path, tiny_model, family: str, **changes):
     return out
 
 
-def test_a_sliding_window_serves_only_as_long_as_full_attention_equals_it(tmp_path):
+def test_a_sliding_window_is_served_to_the_model_length_with_every_layer_windowed(tmp_path):
     path = _saved(tmp_path, "MistralConfig", sliding_window=24)
     config = load_config(path)
-    assert config.sliding_window == 24 and config.max_model_len == 512
-    with pytest.raises(ModelLoadError, match=r"config.json sets sliding_window 24: .* would serve this model to 512 "
-                                             r"\(max_position_embeddings in config.json\); pass --max-model-len N "
-                                             r"with N <= 24"):
-        config.limited_to(None)
-    with pytest.raises(ModelLoadError, match=r"to 25 \(--max-model-len\); pass --max-model-len N with N <= 24"):
-        config.limited_to(25)
-    assert config.limited_to(24).max_model_len == 24
+    assert config.sliding_window == 24 and config.layer_windows == (24, 24) and config.all_windowed
+    assert config.limited_to(None).max_model_len == 512
     assert config.limited_to(16).max_model_len == 16
-    assert load_config(_saved(tmp_path, "MistralConfig", sliding_window=None)).limited_to(None).sliding_window is None
+    plain = load_config(_saved(tmp_path, "MistralConfig", sliding_window=None)).limited_to(None)
+    assert plain.sliding_window is None and plain.layer_windows == () and not plain.all_windowed
+    assert plain.window(0) is None
 
 
 def test_qwen_windows_follow_use_sliding_window_and_max_window_layers(tmp_path, tiny_model):
@@ -150,33 +146,14 @@ def test_qwen_windows_follow_use_sliding_window_and_max_window_layers(tmp_path, 
         # Layers from max_window_layers on are windowed: layer 1 of 2.
         windowed = load_config(_saved(tmp_path, name, use_sliding_window=True, sliding_window=24, max_window_layers=1))
         assert windowed.raw["layer_types"] == ["full_attention", "sliding_attention"]
-        with pytest.raises(ModelLoadError, match="sliding_window 24"):
-            windowed.limited_to(None)
-        assert windowed.limited_to(24).max_model_len == 24
+        assert windowed.layer_windows == (None, 24) and not windowed.all_windowed
+        assert windowed.window(0) is None and windowed.window(1) == 24
         none = load_config(_saved(tmp_path, name, use_sliding_window=True, sliding_window=24, max_window_layers=2))
         assert none.sliding_window is None and none.limited_to(None).max_model_len == 512
     # transformers 4's configs carry no layer_types: max_window_layers decides alone.
     v4 = load_config(_edited(tmp_path, tiny_model, "qwen2", sliding_window=24, use_sliding_window=True,
                              max_window_layers=1, layer_types=None))
-    assert v4.sliding_window == 24
-
-
-def test_transformers_sliding_window_equals_full_attention_up_to_its_length():
-    """The premise of serving a windowed model with full attention: a query sees the last W positions, so a
-    sequence of at most W tokens attends to all of them."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.MistralConfig(**_SHAPE, sliding_window=8, attn_implementation="eager")
-    windowed = transformers.MistralForCausalLM(config).eval()
-    full = transformers.MistralForCausalLM(transformers.MistralConfig(**_SHAPE, sliding_window=None,
-                                                                      attn_implementation="eager")).eval()
-    full.load_state_dict(windowed.state_dict())
-    ids = torch.randint(0, _SHAPE["vocab_size"], (1, 9))
-    with torch.no_grad():
-        assert torch.equal(windowed(ids[:, :8]).logits, full(ids[:, :8]).logits)
-        assert not torch.allclose(windowed(ids).logits[0, 8], full(ids).logits[0, 8])
+    assert v4.sliding_window == 24 and v4.layer_windows == (None, 24)
 
 
 @pytest.mark.parametrize("family, changes, words", [
