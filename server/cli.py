@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from pdserve.server.prefill.config import PrefillConfig
 
 DEFAULT_FAMILY = "llama"
-TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mistral-windowed")
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3", "mixtral",
+                 "qwen3_moe")
 """make-tiny-model's --family choices (server/model/tiny.py `Family`)."""
 
 

@@ -113,9 +113,11 @@ def _window_blocks(block_tables: torch.Tensor, positions: torch.Tensor, window: 
     return tables, keys
 
 
-def paged_attention(q: torch.Tensor, cache: PagedKvCache, layer: int, context: PagedContext) -> torch.Tensor:
-    """softmax(q K^T / sqrt(D)) V over the context's blocks of one layer; q [B, S, H, D] -> [B, S, H, D].
-    A windowed layer passes its context's `local` view.
+def paged_attention(q: torch.Tensor, cache: PagedKvCache, layer: int, context: PagedContext,
+                    scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """softmax(q K^T scale) V over the context's blocks of one layer; q [B, S, H, D] -> [B, S, H, D].
+    A windowed layer passes its context's `local` view. scale None: D ** -0.5; softcap: the scores capped to
+    cap * tanh(s / cap) before the mask (Gemma 2).
 
     Grouped-query heads share their K/V without repeating them: q is viewed as [B, Hkv, G * S, D].
     """
@@ -123,14 +125,29 @@ def paged_attention(q: torch.Tensor, cache: PagedKvCache, layer: int, context: P
         from pdserve.server.decode.cuda_attention import decode_attention
 
         return decode_attention(q[:, 0], cache, layer, context.block_tables, context.context_lens,
-                                context.window)[:, None]
+                                context.window, scale, softcap)[:, None]
     B, S, H, D = q.shape
     k, v = cache.context_blocks(layer, context.block_tables, q.dtype)  # [B, Hkv, T, D] each
     Hkv = k.shape[1]
     G = H // Hkv
+    attend = F.scaled_dot_product_attention if softcap is None else _softcapped
     if S == 1:  # decode: the rows are the G query heads of each kv head, views all along
-        out = F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k, v, attn_mask=context.bias)  # [B, Hkv, G, D]
+        out = attend(q.view(B, Hkv, G, D), k, v, attn_mask=context.bias, scale=scale, **_cap(softcap))  # [B, Hkv, G, D]
         return out.reshape(B, 1, H, D)
     q = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)  # [B, Hkv, G S, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=context.bias)  # [B, Hkv, G S, D]
+    out = attend(q, k, v, attn_mask=context.bias, scale=scale, **_cap(softcap))  # [B, Hkv, G S, D]
     return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, H, D)
+
+
+def _cap(softcap: float | None) -> dict:
+    return {} if softcap is None else {"softcap": softcap}
+
+
+def _softcapped(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor, scale: float | None,
+                softcap: float) -> torch.Tensor:
+    """scaled_dot_product_attention with the scores soft-capped (which SDPA does not do): q [B, N, R, D],
+    k, v [B, N, T, D], attn_mask [B, 1, R | 1, T] -> [B, N, R, D]; scores and softmax in fp32."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, N, R, T]
+    scores = softcap * torch.tanh(scores / softcap) + attn_mask.float()
+    return torch.matmul(scores.softmax(-1).to(v.dtype), v)

@@ -58,9 +58,9 @@ def _kernel():
         stride_tb, stride_lb,
         stride_ob, stride_oh, stride_os,
         stride_mb, stride_mh,
-        sm_scale, tiles_per_split, window,
+        sm_scale, tiles_per_split, window, softcap,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE_N: tl.constexpr,
-        QUANT: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
+        QUANT: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -95,7 +95,10 @@ def _kernel():
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G_PAD, TILE_N] f32
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(live[None, :], s * sm_scale, float("-inf"))
+            s = s * sm_scale
+            if SOFTCAP:  # cap * tanh(s / cap), tanh from exp: 1 - 2 / (e^2x + 1)
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+            s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])  # [G_PAD, TILE_N]
@@ -142,9 +145,12 @@ def paged_decode_attention(
     v_scales: torch.Tensor | None = None,
     splits: int | None = None,
     window: int = 0,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q K^T / sqrt(D)) V over each sequence's first context_lens tokens -> [B, H, D] in q's dtype;
-    with a sliding window (0: none), over only the last `window` of them."""
+    """softmax(q K^T scale) V over each sequence's first context_lens tokens -> [B, H, D] in q's dtype;
+    with a sliding window (0: none), over only the last `window` of them. scale None: D ** -0.5; softcap:
+    the scores capped to cap * tanh(s / cap) (Gemma 2)."""
     import triton
 
     B, H, D = q.shape
@@ -191,9 +197,9 @@ def paged_decode_attention(
         k_scales.stride(0) if quant else 0,
         block_tables.stride(0), context_lens.stride(0),
         *strides,
-        1.0 / math.sqrt(D), tiles_per_split, window or 2**30,
+        1.0 / math.sqrt(D) if scale is None else scale, tiles_per_split, window or 2**30, softcap or 1.0,
         G=G, G_PAD=g_pad, D=D, BS=bs, TILE_N=tile,
-        QUANT=quant, IEEE=q.dtype == torch.float32, PARTIAL=partial,
+        QUANT=quant, IEEE=q.dtype == torch.float32, PARTIAL=partial, SOFTCAP=softcap is not None,
     )
     if not partial:
         return out
@@ -209,8 +215,10 @@ def decode_attention(
     block_tables: torch.Tensor,  # [B, M]
     context_lens: torch.Tensor,  # [B]
     window: int = 0,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One layer's paged decode attention over the cache (a windowed layer's: over its window) -> [B, H, D]."""
     scales = (None, None) if cache.k_scales is None else (cache.k_scales[layer], cache.v_scales[layer])
     return paged_decode_attention(q, cache.k[layer], cache.v[layer], block_tables, context_lens, *scales,
-                                  window=window)
+                                  window=window, scale=scale, softcap=softcap)

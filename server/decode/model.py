@@ -1,4 +1,5 @@
-"""The decoder-only transformer (llama, mistral, qwen2, qwen3) in plain torch, over a paged KV cache.
+"""The decoder-only transformer (llama, mistral, qwen2, qwen3, gemma2, gemma3) in plain torch, over a paged
+KV cache.
 A layer with a sliding window attends through its context's `local` view (only the window's blocks).
 
 Every forward writes the new tokens' K (post-RoPE, HF rotate_half convention) and V into the cache,
@@ -62,6 +63,10 @@ class DecoderLayer(nn.Module):
         self.w_down = Linear(inter, d, False, dtype, device)  # [d, I]
         self.attn_norm = norm(d)  # [d]
         self.mlp_norm = norm(d)  # [d]
+        self.attn_post_norm = norm(d) if config.sandwich_norms else None  # [d] Gemma: on the attention's output
+        self.mlp_post_norm = norm(d) if config.sandwich_norms else None  # [d] Gemma: on the MLP's output
+        self.local_rope = config.local_rope is not None and self.window is not None
+        """It reads the model's second RoPE table (Gemma 3's local layers)."""
 
     def forward(
         self,
@@ -83,12 +88,15 @@ class DecoderLayer(nn.Module):
 
         cache.store(self.index, context.slots, k, v)
         view = context if self.window is None else context.local  # a windowed layer reads only its window
-        out = paged_attention(q, cache, self.index, view)  # [B, S, H, D]
-        x = x + self.wo(out.reshape(B, S, -1))
+        out = paged_attention(q, cache, self.index, view, c.scale, c.attn_softcap)  # [B, S, H, D]
+        attn = self.wo(out.reshape(B, S, -1))
+        x = x + (attn if self.attn_post_norm is None else rms_norm(attn, self.attn_post_norm, eps))
 
         gate_up = self.w_gate_up(rms_norm(x, self.mlp_norm, eps))  # [B, S, 2 I]
         gate, up = gate_up.chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+        mlp = self.w_down(act * up)
+        return x + (mlp if self.mlp_post_norm is None else rms_norm(mlp, self.mlp_post_norm, eps))
 
 
 class DecoderModel(nn.Module):
@@ -107,6 +115,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
         self.norm = nn.Buffer(torch.empty(d, dtype=dtype, device=device))  # [d]
         self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)).to(device))  # [D / 2] float32
+        self.local_inv_freq = None if config.local_rope is None else \
+            nn.Buffer(torch.from_numpy(inv_freq(config, config.local_rope)).to(device))  # [D / 2] float32
         self.packed_head: Linear | None = None
         """The LM head in oneDNN's layout once `prepack` ran on CPU (a copy beside the embedding table)."""
         self.paged_kernel = False
@@ -136,13 +146,19 @@ class DecoderModel(nn.Module):
         context: PagedContext,
         cache: PagedKvCache,
     ) -> torch.Tensor:
-        cos, sin = rope_tables(context.positions, self.inv_freq, self.dtype)  # [B, S, 1, D] each
+        c = self.config
+        tables = [rope_tables(context.positions, self.inv_freq, self.dtype)]  # ([B, S, 1, D], [B, S, 1, D])
+        if self.local_inv_freq is not None:
+            tables.append(rope_tables(context.positions, self.local_inv_freq, self.dtype))
         x = F.embedding(token_ids, self.embed)  # [B, S, d]
+        if c.embed_scale is not None:
+            x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, context, cache)
-        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        logits = F.linear(x, self.lm_head) if self.packed_head is None else self.packed_head(x)
-        return logits.float()  # [B, S, V]
+            x = layer(x, *tables[layer.local_rope], context, cache)
+        x = rms_norm(x, self.norm, c.rms_norm_eps)
+        logits = (F.linear(x, self.lm_head) if self.packed_head is None else self.packed_head(x)).float()  # [B, S, V]
+        cap = c.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def _context(self, positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  cache: PagedKvCache) -> PagedContext:

@@ -51,6 +51,7 @@ def load_weights(model: DecoderModel, tensors: Mapping[str, np.ndarray]) -> None
         if model.untied_lm_head is not None:
             copy(model.untied_lm_head, "lm_head.weight")
         copy(model.norm, "model.norm.weight")
+        norms = [model.norm]
         for layer in model.layers:
             p = f"model.layers.{layer.index}."
             attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
@@ -67,7 +68,19 @@ def load_weights(model: DecoderModel, tensors: Mapping[str, np.ndarray]) -> None
             rows(layer.w_gate_up.weight, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
             copy(layer.w_down.weight, f"{p}mlp.down_proj.weight")
             copy(layer.attn_norm, f"{p}input_layernorm.weight")
-            copy(layer.mlp_norm, f"{p}post_attention_layernorm.weight")
+            norms += [layer.attn_norm, layer.mlp_norm]
+            if config.sandwich_norms:  # Gemma: post_attention_layernorm is on the attention's output
+                copy(layer.mlp_norm, f"{p}pre_feedforward_layernorm.weight")
+                copy(layer.attn_post_norm, f"{p}post_attention_layernorm.weight")
+                copy(layer.mlp_post_norm, f"{p}post_feedforward_layernorm.weight")
+                norms += [layer.attn_post_norm, layer.mlp_post_norm]
+            else:
+                copy(layer.mlp_norm, f"{p}post_attention_layernorm.weight")
+            if layer.qk_norm is not None:
+                norms.append(layer.qk_norm)
+        if config.norm_offset:  # Gemma's norms scale by (1 + w)
+            for norm in norms:
+                norm.copy_((norm.float() + 1.0).to(norm.dtype))
 
 
 def build_model(

@@ -7,13 +7,17 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -24,11 +28,24 @@ class ModelLoadError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    kind: Literal["default", "llama3"] = "default"
+    kind: Literal["default", "llama3", "linear"] = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP: a router picks each token's `top_k` of `num_experts` gated MLPs (softmax over all the
+    router's logits in fp32, then the top k), whose outputs are summed weighted by those probabilities."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    """Each expert's."""
+    renormalize: bool
+    """The top k probabilities divided by their sum (Mixtral always; Qwen3-MoE iff norm_topk_prob)."""
 
 
 @dataclass(frozen=True)
@@ -59,7 +76,34 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     """Each layer's window (None: full attention), by transformers' rules for the family; () when no layer
     has one."""
+    hidden_act: Literal["silu", "gelu_tanh"] = "silu"
+    """The gated MLP's activation: silu (SwiGLU) or gelu with the tanh approximation (Gemma's GeGLU)."""
+    norm_offset: bool = False
+    """Gemma's RMSNorms scale by (1 + w): the loaders add the 1 to every norm weight (exact in fp32)."""
+    sandwich_norms: bool = False
+    """Gemma's layer: norms after attention and around the MLP (post_attention_layernorm normalises the
+    attention's output; pre_/post_feedforward_layernorm the MLP's input and output)."""
+    attn_scale: float | None = None
+    """The scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5."""
+    attn_softcap: float | None = None
+    """Attention scores soft-capped to cap * tanh(s / cap) before the mask (Gemma 2's attn_logit_softcapping)."""
+    final_softcap: float | None = None
+    """Logits soft-capped the same way (Gemma 2's final_logit_softcapping)."""
+    embed_scale: float | None = None
+    """Embeddings multiplied by it (Gemma: sqrt(hidden_size), in the weights' dtype)."""
+    local_rope: RopeConfig | None = None
+    """The windowed layers' own RoPE (Gemma 3's rope_local_base_freq); None: every layer uses `rope`."""
+    moe: MoeConfig | None = None
+    """Every layer's MLP is a mixture of experts (Mixtral, Qwen3-MoE); None: a dense MLP."""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        """Layer `layer`'s RoPE."""
+        return self.local_rope if self.local_rope is not None and self.window(layer) is not None else self.rope
 
     @property
     def max_model_len(self) -> int:
@@ -95,9 +139,22 @@ def _refused(setting: str, what: str) -> ModelLoadError:
     return ModelLoadError(f"config.json sets {setting}: {what}")
 
 
+def _gemma3_ropes(raw: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) RoPE of Gemma 3: transformers 5 writes rope_parameters per layer type; transformers 4
+    rope_theta and rope_scaling for the global layers, rope_local_base_freq for the local ones."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = {"rope_theta": 1_000_000.0, **(params.get("full_attention") or {})}
+        local = {"rope_theta": 10_000.0, **(params.get("sliding_attention") or {})}
+        return _rope_from({"rope_parameters": full}), _rope_from({"rope_parameters": local})
+    glob = _rope_from({**raw, "rope_theta": raw.get("rope_theta", 1_000_000.0)})
+    local = _rope_from({"rope_theta": raw.get("rope_local_base_freq", 10_000.0)})
+    return glob, local
+
+
 def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; transformers 4 writes `rope_theta` + `rope_scaling`.
-    # A missing rope_theta is transformers' default_theta, 10000, for all four families.
+    # A missing rope_theta is transformers' default_theta, 10000, for the families without their own.
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -109,6 +166,8 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind == "default":
         return RopeConfig(theta=float(theta))
+    if kind == "linear":
+        return RopeConfig(theta=float(theta), kind="linear", factor=float(merged["factor"]))
     if kind == "llama3":
         return RopeConfig(
             theta=float(theta),
@@ -120,7 +179,7 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
         )
     where = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     key = "rope_type" if "rope_type" in merged else "type"
-    raise _refused(f"{where}.{key} {kind!r}", "pdserve implements the default and llama3 RoPE only "
+    raise _refused(f"{where}.{key} {kind!r}", "pdserve implements the default, linear and llama3 RoPE only "
                    "(other types change the positions' angles, so would be served wrong)")
 
 
@@ -134,10 +193,17 @@ def _layer_windows(family: Family, raw: dict[str, Any], num_layers: int) -> tupl
                            "pdserve implements full_attention and sliding_attention layers only")
         if len(types) != num_layers:
             raise _refused(f"layer_types of {len(types)} layers", f"the model has {num_layers} layers")
+    if family in ("gemma2", "gemma3") and types is None:  # transformers 4: alternating, every Nth layer global
+        every = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
     if family == "mistral":  # every layer; transformers' MistralConfig takes 4096 when the key is absent
         window = raw.get("sliding_window", 4096)
         return (int(window),) * num_layers if window else ()
     window = raw.get("sliding_window")
+    if family == "mixtral" or (family == "qwen3_moe" and raw.get("use_sliding_window", False)):  # every layer
+        return (int(window),) * num_layers if window else ()
+    if family == "qwen3_moe":
+        return ()
     if family in ("qwen2", "qwen3"):  # use_sliding_window false: no window (Qwen2.5 ships one set, unused)
         if not raw.get("use_sliding_window", False) or not window:
             return ()
@@ -165,17 +231,39 @@ def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
         raise _refused(f"quantization_config (quant_method {method!r})",
                        "pdserve does not load pre-quantized checkpoints; serve the unquantized checkpoint "
                        "and quantize at load with --quantization fp8 or int8")
+    if family in ("gemma2", "gemma3"):
+        act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise _refused(f"hidden_activation {act!r}", "pdserve's Gemma MLP implements gelu_pytorch_tanh only")
+        if raw.get("attention_bias"):
+            raise _refused("attention_bias true", "pdserve's Gemma has no attention biases")
+        if raw.get("use_bidirectional_attention"):
+            raise _refused("use_bidirectional_attention true", "pdserve serves causal language models only")
+        return
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise _refused(f"hidden_act {act!r}", "pdserve's MLP implements silu (SwiGLU) only")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if raw.get(cap) is not None:
-            raise _refused(f"{cap} {raw[cap]}", "pdserve does not implement logit soft-capping")
-    if family in ("llama", "qwen3") and raw.get("attention_bias"):
+            raise _refused(f"{cap} {raw[cap]}", f"transformers' {family} does not soft-cap (Gemma 2 does)")
+    if family in ("llama", "qwen3", "qwen3_moe") and raw.get("attention_bias"):
         raise _refused("attention_bias true", "pdserve's decode tier does not implement the o_proj bias it "
                        "brings (q/k/v biases are implemented)")
     if family == "llama" and raw.get("mlp_bias"):
         raise _refused("mlp_bias true", "pdserve does not implement biases on the MLP's projections")
+
+
+def _moe_from(family: Family, raw: dict[str, Any]) -> MoeConfig | None:
+    if family == "mixtral":
+        return MoeConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
+                         renormalize=True)
+    if family != "qwen3_moe":
+        return None
+    if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
+        raise _refused("mlp_only_layers or decoder_sparse_step", "pdserve's Qwen3-MoE has experts in every layer")
+    experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]  # (transformers 5 writes the latter)
+    return MoeConfig(int(experts), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                     renormalize=bool(raw.get("norm_topk_prob", False)))
 
 
 def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
@@ -209,6 +297,9 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
         dtype = raw.get(dtype_key) or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
             raise _refused(f"{dtype_key} {dtype!r}", "pdserve serves float32, bfloat16 and float16 weights")
+        gemma = family in ("gemma2", "gemma3")
+        rope, local_rope = _gemma3_ropes(raw) if family == "gemma3" else (_rope_from(raw), None)
+        scalar = raw.get("query_pre_attn_scalar", 256) if gemma else None
         return ModelConfig(
             family=family,
             vocab_size=int(raw["vocab_size"]),
@@ -219,20 +310,34 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from(raw),
+            rope=rope,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             dtype=dtype,
             eos_token_ids=_eos_ids(model_dir, raw),
             bos_token_id=raw.get("bos_token_id"),
             sliding_window=next((w for w in windows if w is not None), None),
             layer_windows=windows,
+            hidden_act="gelu_tanh" if gemma else "silu",
+            norm_offset=gemma,
+            sandwich_norms=gemma,
+            attn_scale=None if scalar is None else float(scalar) ** -0.5,
+            attn_softcap=_cap(raw, "attn_logit_softcapping") if family == "gemma2" else None,
+            final_softcap=_cap(raw, "final_logit_softcapping") if gemma else None,
+            embed_scale=hidden**0.5 if gemma else None,
+            local_rope=local_rope,
+            moe=_moe_from(family, raw),
             raw=raw,
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}") from e
+
+
+def _cap(raw: dict[str, Any], name: str) -> float | None:
+    value = raw.get(name)
+    return None if value is None else float(value)
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -46,12 +46,20 @@ def _mask(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array
     return visible if window is None else visible & (behind < window)
 
 
-def reference_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None):
-    """q [B, S, Hq, D]; k, v [B, K, Hkv, D]; q_pos, q_seg int32 [B, S]; k_pos, k_seg [B, K] -> [B, S, Hq, D]."""
+def _scores(sc: jax.Array, softcap: float | None) -> jax.Array:
+    """Scaled scores f32, soft-capped to cap * tanh(s / cap) when the model does (Gemma 2)."""
+    return sc if softcap is None else softcap * jnp.tanh(sc / softcap)
+
+
+def reference_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, scale: float | None = None,
+                        softcap: float | None = None):
+    """q [B, S, Hq, D]; k, v [B, K, Hkv, D]; q_pos, q_seg int32 [B, S]; k_pos, k_seg [B, K] -> [B, S, Hq, D].
+    scale: the scores' (None: D ** -0.5); softcap: their tanh cap (None: none)."""
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     q = q.reshape(b, s, hkv, hq // hkv, d)  # [B, S, Hkv, G, D]: q head h reads kv head h // G
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) * d**-0.5  # [B, Hkv, G, S, K]
+    scale = d**-0.5 if scale is None else scale
+    scores = _scores(jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) * scale, softcap)  # [B, Hkv, G, S, K]
     mask = _mask(q_pos, q_seg, k_pos, k_seg, window)[:, None, None]  # [B, 1, 1, S, K]
     scores = jnp.where(mask, scores, NEG)
     probs = jax.nn.softmax(scores, axis=-1)
@@ -92,7 +100,7 @@ def _blocked(q, k, v, q_pos, q_seg, k_pos, k_seg, bq: int, bk: int, hkv: int):
 
 
 def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, block_q: int = 256,
-                        block_k: int = 256):
+                        block_k: int = 256, scale: float | None = None, softcap: float | None = None):
     """`reference_attention`'s result with online softmax over key blocks (exact within fp32 rounding); key
     blocks wholly outside a query block's window are skipped like those past its diagonal."""
     b, s, hq, d = q.shape
@@ -102,7 +110,7 @@ def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, blo
     q, k, v, q_pos, q_seg, k_pos, k_seg = _padded_to_blocks(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk)
     nq, nk = q.shape[1] // bq, k.shape[1] // bk
     qb, kb, vb, qpb, qsb, kpb, ksb = _blocked(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk, hkv)
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
 
     def one_query_block(args):
         qi, qp, qs = args  # [B, Hkv, G, bq, D], [B, bq], [B, bq]
@@ -112,7 +120,7 @@ def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, blo
 
             def update(carry):
                 m, l, acc = carry  # [B, Hkv, G, bq] x2, [B, Hkv, G, bq, D] f32
-                sc = jnp.einsum("bkgqd,bksd->bkgqs", qi, kb[j], preferred_element_type=F32) * scale
+                sc = _scores(jnp.einsum("bkgqd,bksd->bkgqs", qi, kb[j], preferred_element_type=F32) * scale, softcap)
                 sc = jnp.where(mask[:, None, None], sc, NEG)  # [B, Hkv, G, bq, bk]
                 m_new = jnp.maximum(m, sc.max(-1))
                 p = jnp.where(mask[:, None, None], jnp.exp(sc - m_new[..., None]), 0.0)
@@ -145,7 +153,8 @@ def block_schedule(nq: int, bq: int, nc: int, no: int, bk: int) -> tuple[np.ndar
 
 
 def scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own_keys_from: int | None = None,
-                        block_q: int = 512, block_k: int = 512):
+                        block_q: int = 512, block_k: int = 512, scale: float | None = None,
+                        softcap: float | None = None):
     """`reference_attention`'s result with online softmax over a static schedule of (query block, key block)
     pairs (`block_schedule`): one `lax.scan` of a trip count known at compile time, no per-block
     conditional, so nothing goes back to the host between blocks (XLA:GPU copies a `lax.cond`'s predicate
@@ -178,13 +187,13 @@ def scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own
     qi_of, kj_of = block_schedule(nq, bq, nc, nk - nc, bk) if own_keys_from is not None else \
         block_schedule(nq, bq, nk, 0, bk)
     qb, kb, vb, qpb, qsb, kpb, ksb = _blocked(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk, hkv)
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
 
     def step(carry, pair):
         m, l, acc = carry  # [nq, B, Hkv, G, bq] x2, [nq, B, Hkv, G, bq, D] f32: every query block's running state
         i, j = pair
         mask = _mask(qpb[i], qsb[i], kpb[j], ksb[j], window)[:, None, None]  # [B, 1, 1, bq, bk]
-        sc = jnp.einsum("bkgqd,bksd->bkgqs", qb[i], kb[j], preferred_element_type=F32) * scale
+        sc = _scores(jnp.einsum("bkgqd,bksd->bkgqs", qb[i], kb[j], preferred_element_type=F32) * scale, softcap)
         sc = jnp.where(mask, sc, NEG)  # [B, Hkv, G, bq, bk]
         m_new = jnp.maximum(m[i], sc.max(-1))
         p = jnp.where(mask, jnp.exp(sc - m_new[..., None]), 0.0)
@@ -201,7 +210,8 @@ def scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own
     return out.astype(vb.dtype)
 
 
-def _flash_kernel(w_ref, qp_ref, qs_ref, kp_ref, ks_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, scale: float):
+def _flash_kernel(w_ref, qp_ref, qs_ref, kp_ref, ks_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, scale: float,
+                  softcap: float | None):
     """One (row, query head, query block): q [bq, D] against every key block of its kv head [K, D]."""
     from jax.experimental import pallas as pl
 
@@ -216,7 +226,7 @@ def _flash_kernel(w_ref, qp_ref, qs_ref, kp_ref, ks_ref, q_ref, k_ref, v_ref, o_
         kj, vj = k_ref[keys, :].astype(F32), v_ref[keys, :].astype(F32)  # [bk, D]
         behind = qp[:, None] - kp_ref[keys][None, :]  # [bq, bk]
         mask = (qs[:, None] == ks_ref[keys][None, :]) & (behind >= 0) & (behind < w_ref[0])  # [bq, bk]
-        sc = jnp.where(mask, jnp.dot(q, kj.T, preferred_element_type=F32) * scale, NEG)
+        sc = jnp.where(mask, _scores(jnp.dot(q, kj.T, preferred_element_type=F32) * scale, softcap), NEG)
         m_new = jnp.maximum(m, sc.max(-1))
         p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
@@ -228,7 +238,7 @@ def _flash_kernel(w_ref, qp_ref, qs_ref, kp_ref, ks_ref, q_ref, k_ref, v_ref, o_
 
 
 def pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, block_q: int = 128, block_k: int = 128,
-                     interpret: bool = False):
+                     interpret: bool = False, scale: float | None = None, softcap: float | None = None):
     """`reference_attention` as a Pallas kernel; interpret=True runs it on any backend (tests)."""
     from jax.experimental import pallas as pl
 
@@ -241,7 +251,7 @@ def pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, block_
     qt = q.transpose(0, 2, 1, 3)  # [B, Hq, S, D]
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, K, D]
     out = pl.pallas_call(
-        partial(_flash_kernel, block_k=bk, scale=d**-0.5),
+        partial(_flash_kernel, block_k=bk, scale=d**-0.5 if scale is None else scale, softcap=softcap),
         grid=(b, hq, sp // bq),
         in_specs=[
             pl.BlockSpec((1,), lambda i, h, j: (0,)),  # the window
@@ -274,17 +284,20 @@ GPU_BLOCK = 1024
 a handful of kernel launches; 136 pairs a layer at 16k tokens), [B, Hq, 1024, 1024] f32 scores a step."""
 
 
-def attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own_keys_from: int | None = None):
+def attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own_keys_from: int | None = None,
+              scale: float | None = None, softcap: float | None = None):
     """The backend's memory-bounded attention: the Pallas kernel on TPU; on the CPU blockwise, skipping key
     blocks with `lax.cond` (a branch on the host costs nothing there: as fast as the static schedule on one
     2k-token prompt, 3x faster on 8 prompts of 256 packed, whose cross-prompt blocks it skips); on GPUs the
     static schedule, no host round-trip per block (packed prompts' cross-prompt blocks below the diagonal
     are computed and masked there). own_keys_from: where the queries' own keys start in k; window: the layer's
-    sliding window (a traced int32 scalar), None for full attention."""
+    sliding window (a traced int32 scalar), None for full attention; scale, softcap: the scores' (see
+    `reference_attention`)."""
     backend = jax.default_backend()
+    how = dict(scale=scale, softcap=softcap)
     if backend == "tpu":
-        return pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window)
+        return pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window, **how)
     if backend == "cpu":
-        return blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window)
+        return blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window, **how)
     return scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window, own_keys_from=own_keys_from,
-                               block_q=GPU_BLOCK, block_k=GPU_BLOCK)
+                               block_q=GPU_BLOCK, block_k=GPU_BLOCK, **how)

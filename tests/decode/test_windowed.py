@@ -1,5 +1,6 @@
-"""Sliding-window layers on the decode tier against transformers: prompts shorter and longer than the
-window, prefilled in chunks on this tier, then decoded step by step past it."""
+"""Sliding-window models on the decode tier against transformers (a windowed Mistral; Gemma 2 and 3, whose
+local and global layers alternate): prompts shorter and longer than the window, prefilled in chunks on this
+tier, then decoded step by step past it; and the same steps through the Triton kernel."""
 
 from __future__ import annotations
 
@@ -25,9 +26,9 @@ NEW_TOKENS = 20
 BLOCK = 4
 
 
-@pytest.fixture(scope="module")
-def models(tiny_model):
-    path = tiny_model("mistral-windowed")
+@pytest.fixture(scope="module", params=["mistral-windowed", "gemma2", "gemma3"])
+def models(request, tiny_model):
+    path = tiny_model(request.param)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return hf, build_model(load_config(path), load_weights(path))
 
@@ -36,7 +37,7 @@ def models(tiny_model):
 def test_decode_past_the_window_matches_transformers(models, prompt_len):
     hf, model = models
     c = model.config
-    assert all(layer.window == WINDOW for layer in model.layers)
+    assert [layer.window for layer in model.layers] == list(c.layer_windows) and WINDOW in c.layer_windows
     prompt = torch.randint(0, c.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(prompt_len))
     total = prompt_len + NEW_TOKENS
     table = torch.randperm(64, generator=torch.Generator().manual_seed(0))[: -(-total // BLOCK)].tolist()

@@ -41,7 +41,7 @@ def generate_ids(addr: str, prompt: str) -> tuple[list[int], int]:
     return ids, reason
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-windowed"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3"])
 def test_greedy_equals_transformers(family, tiny_model, tmp_path):
     model_dir = tiny_model(family)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -64,7 +64,7 @@ LONG_PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-windowed"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3"])
 def test_greedy_equals_transformers_with_small_chunks_and_packed_steps(family, tiny_model, tmp_path):
     """Prompts of mixed lengths at once through one prefill worker that packs them into 128-token steps
     and runs anything longer than 64 tokens chunk by chunk, interleaved with the short ones."""

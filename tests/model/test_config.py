@@ -46,6 +46,35 @@ def test_rope_matches_transformers(tiny_model):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
+def test_gemma_configs_carry_what_their_layers_compute(tiny_model):
+    import torch
+    import transformers
+
+    g2, g3 = load_config(tiny_model("gemma2")), load_config(tiny_model("gemma3"))
+    assert g2.layer_windows == (24, None, 24, None) and g3.layer_windows == (24, 24, 24, None)
+    assert (g2.attn_softcap, g2.final_softcap, g3.attn_softcap, g3.final_softcap) == (5.0, 3.0, None, None)
+    assert g2.scale == g3.scale == 24**-0.5 and g2.embed_scale == 128**0.5 and g2.tie_word_embeddings
+    assert g3.qk_norm and not g2.qk_norm and g2.local_rope is None
+    assert g3.rope_of(0).theta == 10000.0 and g3.rope_of(3).theta == 1e6
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("gemma3"), dtype=torch.float32)
+    for kind, rope in (("full_attention", g3.rope), ("sliding_attention", g3.local_rope)):
+        theirs = getattr(hf.model.rotary_emb, f"{kind}_inv_freq").numpy()
+        np.testing.assert_allclose(inv_freq(g3, rope), theirs, rtol=1e-6)
+
+
+def test_transformers4_style_gemma3_config_equals_transformers5_style(tiny_model):
+    raw = json.loads((tiny_model("gemma3") / "config.json").read_text())
+    v5 = parse_config(raw)
+    ropes = raw.pop("rope_parameters")
+    raw.pop("layer_types")
+    v4 = parse_config(dict(raw, rope_theta=ropes["full_attention"]["rope_theta"], sliding_window_pattern=4,
+                           rope_local_base_freq=ropes["sliding_attention"]["rope_theta"]))
+    assert v4 == v5
+    linear = parse_config(dict(raw, rope_scaling={"rope_type": "linear", "factor": 8.0}))  # Gemma 3 4B's global
+    assert linear.rope.kind == "linear" and linear.rope.factor == 8.0 and linear.local_rope.kind == "default"
+    assert parse_config(dict(raw, sliding_window_pattern=2)).layer_windows == (24, None, 24, None)
+
+
 def test_unsupported_architecture_is_named(tmp_path, tiny_model):
     shutil.copytree(tiny_model("llama"), tmp_path / "m")
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
@@ -159,8 +188,11 @@ def test_qwen_windows_follow_use_sliding_window_and_max_window_layers(tmp_path, 
 @pytest.mark.parametrize("family, changes, words", [
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "rope_parameters.rope_type 'yarn'"),
-    ("mistral", {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     "rope_scaling.type 'linear'"),
+    ("mistral", {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope_scaling.type 'dynamic'"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention true"),
+    ("gemma3", {"attention_bias": True}, "attention_bias true"),
     ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}},
      "rope_parameters.rope_type 'dynamic'"),
     ("qwen2", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
