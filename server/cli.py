@@ -272,6 +272,8 @@ def _preflight(args, served: ModelConfig, prefill: PrefillConfig, decode: Decode
 
     if args.prefill_workers:
         preflight.check_prefill_tier(served, prefill.weight_dtype)
+    if decode.engine == "vllm":
+        preflight.check_vllm_model(served)
     preflight.check_decode_tier(decode.engine, args.decode_python or sys.executable, decode.device)
 
 

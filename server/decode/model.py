@@ -15,6 +15,7 @@ from torch import nn
 
 from pdserve.server.decode.attention import PagedContext, paged_attention
 from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.moe import MoeMlp
 from pdserve.server.decode.quant import Linear, WeightFormat
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
@@ -59,8 +60,10 @@ class DecoderLayer(nn.Module):
         """[H + Hkv, D]: q_norm's weight for each query head, then k_norm's for each kv head (one norm over
         q and k together)."""
         self.wo = Linear(H * D, d, False, dtype, device)  # [d, H D]
-        self.w_gate_up = Linear(d, 2 * inter, False, dtype, device)  # [2 I, d]
-        self.w_down = Linear(inter, d, False, dtype, device)  # [d, I]
+        if config.moe is None:
+            self.w_gate_up = Linear(d, 2 * inter, False, dtype, device)  # [2 I, d]
+            self.w_down = Linear(inter, d, False, dtype, device)  # [d, I]
+        self.experts = None if config.moe is None else MoeMlp(config.moe, d, config.hidden_act, dtype, device)
         self.attn_norm = norm(d)  # [d]
         self.mlp_norm = norm(d)  # [d]
         self.attn_post_norm = norm(d) if config.sandwich_norms else None  # [d] Gemma: on the attention's output
@@ -92,10 +95,13 @@ class DecoderLayer(nn.Module):
         attn = self.wo(out.reshape(B, S, -1))
         x = x + (attn if self.attn_post_norm is None else rms_norm(attn, self.attn_post_norm, eps))
 
-        gate_up = self.w_gate_up(rms_norm(x, self.mlp_norm, eps))  # [B, S, 2 I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-        mlp = self.w_down(act * up)
+        h = rms_norm(x, self.mlp_norm, eps)
+        if self.experts is not None:
+            mlp = self.experts(h)  # [B, S, d]
+        else:
+            gate, up = self.w_gate_up(h).chunk(2, dim=-1)  # [B, S, I] each
+            act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+            mlp = self.w_down(act * up)
         return x + (mlp if self.mlp_post_norm is None else rms_norm(mlp, self.mlp_post_norm, eps))
 
 

@@ -21,6 +21,27 @@ ARCHITECTURES: dict[str, Family] = {
 }
 
 
+UNSUPPORTED: dict[str, tuple[str, str]] = {
+    "DeepseekV2ForCausalLM": ("multi-head latent attention (MLA)", "Qwen3MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("multi-head latent attention (MLA)", "Qwen3MoeForCausalLM"),
+    "KimiK2ForCausalLM": ("multi-head latent attention (MLA)", "Qwen3MoeForCausalLM"),
+    "JambaForCausalLM": ("a hybrid of Mamba and attention layers", "MixtralForCausalLM"),
+    "MambaForCausalLM": ("Mamba state-space layers", "MistralForCausalLM"),
+    "Mamba2ForCausalLM": ("Mamba state-space layers", "MistralForCausalLM"),
+    "FalconH1ForCausalLM": ("a hybrid of Mamba and attention layers", "LlamaForCausalLM"),
+    "Zamba2ForCausalLM": ("a hybrid of Mamba and attention layers", "MistralForCausalLM"),
+    "NemotronHForCausalLM": ("a hybrid of Mamba and attention layers", "LlamaForCausalLM"),
+    "Qwen3NextForCausalLM": ("a hybrid of linear (gated DeltaNet) and attention layers", "Qwen3MoeForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("a multimodal model (vision tower)", "Gemma3ForCausalLM"),
+    "LlavaForConditionalGeneration": ("a multimodal model (vision tower)", "LlamaForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ("a multimodal model (vision tower)", "Qwen2ForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("a multimodal model (vision tower)", "Qwen2ForCausalLM"),
+    "Mistral3ForConditionalGeneration": ("a multimodal model (vision tower)", "MistralForCausalLM"),
+    "Llama4ForConditionalGeneration": ("a multimodal model (vision tower)", "MixtralForCausalLM"),
+}
+"""Architectures pdserve knows it does not serve: what they need, and the nearest it does serve."""
+
+
 class ModelLoadError(ValueError):
     """The model directory is missing, corrupt or holds an unsupported model."""
 
@@ -132,6 +153,7 @@ class ModelConfig:
         return (
             f"{self.family} L={self.num_layers} d={self.hidden_size} heads={self.num_heads}/"
             f"{self.num_kv_heads}x{self.head_dim} vocab={self.vocab_size} {self.dtype}"
+            + ("" if self.moe is None else f" experts={self.moe.top_k}/{self.moe.num_experts}")
         )
 
 
@@ -281,6 +303,11 @@ def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfig:
     archs = raw.get("architectures") or []
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    known = next((a for a in archs if a in UNSUPPORTED), None)
+    if family is None and known is not None:
+        what, nearest = UNSUPPORTED[known]
+        raise ModelLoadError(f"architecture {known} is not supported: it needs {what}, which pdserve does not "
+                             f"implement; the nearest it serves is {nearest} (pdserve serves {', '.join(ARCHITECTURES)})")
     if family is None:
         raise ModelLoadError(
             f"architecture {archs or raw.get('model_type')!r} is not supported; "

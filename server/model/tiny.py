@@ -95,8 +95,9 @@ def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int):
     if family == "qwen3":
         return transformers.Qwen3Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
     if family == "mixtral":
-        return transformers.MixtralConfig(**common, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
-                                          sliding_window=None)
+        # 4 kv heads: a prefill mesh of 4 devices splits it (heads and experts both)
+        return transformers.MixtralConfig(**dict(common, num_key_value_heads=4), num_local_experts=8,
+                                          num_experts_per_tok=2, rope_theta=1e6, sliding_window=None)
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                                            norm_topk_prob=False, rope_theta=1e6, tie_word_embeddings=False)

@@ -18,6 +18,7 @@ import numpy as np
 
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
+from pdserve.server.model.weights import EXPERT_NAMES
 from pdserve.server.prefill.attention import NO_WINDOW, attention
 from pdserve.server.prefill.moe import moe_mlp
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
@@ -100,7 +101,7 @@ def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str 
         layers["w_up"] = stack("mlp.up_proj.weight", np.transpose)  # [L, H, I]
         layers["w_down"] = stack("mlp.down_proj.weight", np.transpose)  # [L, I, H]
     else:
-        names = _EXPERT_NAMES[config.family]
+        names = EXPERT_NAMES[config.family]
         experts = lambda proj: lambda i: np.stack(  # noqa: E731  [E, in, out] of layer i
             [get(f"model.layers.{i}.{names[proj]}".format(e=e)).T for e in range(config.moe.num_experts)])
         per_layer = lambda proj: np.stack([experts(proj)(i) for i in range(config.num_layers)])  # noqa: E731
@@ -140,15 +141,6 @@ def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str 
     if not config.tie_word_embeddings:
         params["lm_head"] = jnp.asarray(get("lm_head.weight"), dtype=dt)  # [V, H]
     return params
-
-
-_EXPERT_NAMES = {
-    "mixtral": {"router": "block_sparse_moe.gate", "gate": "block_sparse_moe.experts.{e}.w1.weight",
-                "up": "block_sparse_moe.experts.{e}.w3.weight", "down": "block_sparse_moe.experts.{e}.w2.weight"},
-    "qwen3_moe": {"router": "mlp.gate", "gate": "mlp.experts.{e}.gate_proj.weight",
-                  "up": "mlp.experts.{e}.up_proj.weight", "down": "mlp.experts.{e}.down_proj.weight"},
-}
-"""Each MoE family's checkpoint names (per layer) of the router and of expert e's projections."""
 
 
 def _rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:

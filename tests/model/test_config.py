@@ -84,6 +84,19 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_model):
         load_config(tmp_path / "m")
 
 
+@pytest.mark.parametrize("arch, words", [
+    ("DeepseekV3ForCausalLM", r"multi-head latent attention \(MLA\).* nearest it serves is Qwen3MoeForCausalLM"),
+    ("JambaForCausalLM", "a hybrid of Mamba and attention layers.* nearest it serves is MixtralForCausalLM"),
+    ("Gemma3ForConditionalGeneration", r"a multimodal model \(vision tower\).* nearest it serves is Gemma3ForCausalLM"),
+])
+def test_known_unsupported_architectures_are_refused_naming_the_nearest_supported(tmp_path, tiny_model, arch, words):
+    shutil.copytree(tiny_model("llama"), tmp_path / "m")
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(raw, architectures=[arch])))
+    with pytest.raises(ModelLoadError, match=f"^architecture {arch} is not supported: it needs {words}"):
+        load_config(tmp_path / "m")
+
+
 def test_missing_and_corrupt_directories(tmp_path, tiny_model):
     with pytest.raises(ModelLoadError, match="does not exist"):
         load_config(tmp_path / "nope")
