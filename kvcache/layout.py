@@ -45,8 +45,10 @@ class KvLayout:
             raise ValueError(f"every KV layout dimension must be positive: {self}")
         if self.scale_granularity != self.scales_for(self.dtype):
             raise ValueError(f"kv dtype {self.dtype} needs scale granularity block_head, others none")
-        if self.windows and (len(self.windows) != self.num_layers or min(self.windows) < 0 or not any(self.windows)):
-            raise ValueError(f"layer windows {list(self.windows)}: one per layer ({self.num_layers}), >= 0, some > 0")
+        bad = len(self.windows) != self.num_layers or min(self.windows) < 0 or not any(self.windows)
+        if self.windows and bad:
+            raise ValueError(f"layer windows {list(self.windows)}: one per layer ({self.num_layers}), >= 0, "
+                             f"some > 0")
 
     @classmethod
     def of(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: KvDtype,

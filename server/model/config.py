@@ -283,7 +283,8 @@ def _moe_from(family: Family, raw: dict[str, Any]) -> MoeConfig | None:
         return None
     if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
         raise _refused("mlp_only_layers or decoder_sparse_step", "pdserve's Qwen3-MoE has experts in every layer")
-    experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]  # (transformers 5 writes the latter)
+    # Qwen's checkpoints write num_experts, transformers 5 num_local_experts
+    experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
     return MoeConfig(int(experts), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
                      renormalize=bool(raw.get("norm_topk_prob", False)))
 
@@ -307,7 +308,8 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
     if family is None and known is not None:
         what, nearest = UNSUPPORTED[known]
         raise ModelLoadError(f"architecture {known} is not supported: it needs {what}, which pdserve does not "
-                             f"implement; the nearest it serves is {nearest} (pdserve serves {', '.join(ARCHITECTURES)})")
+                             f"implement; the nearest it serves is {nearest} "
+                             f"(pdserve serves {', '.join(ARCHITECTURES)})")
     if family is None:
         raise ModelLoadError(
             f"architecture {archs or raw.get('model_type')!r} is not supported; "

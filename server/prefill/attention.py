@@ -59,7 +59,8 @@ def reference_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, sca
     hkv = k.shape[2]
     q = q.reshape(b, s, hkv, hq // hkv, d)  # [B, S, Hkv, G, D]: q head h reads kv head h // G
     scale = d**-0.5 if scale is None else scale
-    scores = _scores(jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) * scale, softcap)  # [B, Hkv, G, S, K]
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) * scale  # [B, Hkv, G, S, K]
+    scores = _scores(scores, softcap)
     mask = _mask(q_pos, q_seg, k_pos, k_seg, window)[:, None, None]  # [B, 1, 1, S, K]
     scores = jnp.where(mask, scores, NEG)
     probs = jax.nn.softmax(scores, axis=-1)
