@@ -148,3 +148,14 @@ def test_up_refuses_as_a_subprocess_before_starting_anything(tiny_model, tmp_pat
             proc.wait()
     assert proc.returncode == 2, err
     assert "starting" not in err and "rope_type 'yarn'" in err.strip().splitlines()[-1]
+
+
+def test_the_vllm_engine_refuses_the_families_its_connector_is_unchecked_for(tiny_model, windowed):
+    from pdserve.server.preflight import check_vllm_model
+
+    check_vllm_model(load_config(tiny_model("llama")))
+    for model in (tiny_model("gemma2"), tiny_model("mixtral"), windowed):
+        with pytest.raises(PreflightError, match=r"--decode-engine vllm does not serve .* use --decode-engine native"):
+            check_vllm_model(load_config(model))
+    with pytest.raises(PreflightError, match="mistral with sliding-window layers"):
+        check_vllm_model(load_config(windowed))
