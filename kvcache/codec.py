@@ -61,12 +61,14 @@ def iter_pieces(
 
 
 def plan_tensors(layout: KvLayout, kv: KvTensors, max_chunk_bytes: int = MAX_CHUNK_BYTES,
-                 skip_tokens: int = 0) -> list[Piece]:
+                 skip_tokens: int = 0, stale_tokens: tuple[int, ...] = ()) -> list[Piece]:
     """The pieces of a layer group of the prompt's tokens [kv.token_start, +n), its arrays checked first.
 
     kv.token_start: a block multiple (a chunked prefill sends its chunks as they come); the pieces
     name the prompt's token positions. skip_tokens: the leading tokens (whole blocks) of the prompt
-    the receiver holds already; no piece covers them.
+    the receiver holds already; no piece covers them. stale_tokens: per layer (of the model), the leading
+    tokens (whole blocks) behind its sliding window (`KvLayout.stale_tokens`); no piece covers them either,
+    so the group's layers go in runs of equal staleness.
     """
     if kv.token_start % layout.block_size or kv.token_start < 0:
         raise ValueError(f"a piece of KV starts on a block boundary (block size {layout.block_size}), "
@@ -75,10 +77,18 @@ def plan_tensors(layout: KvLayout, kv: KvTensors, max_chunk_bytes: int = MAX_CHU
     end = kv.token_start + kv.num_tokens
     if skip_tokens % layout.block_size or skip_tokens < 0:
         raise ValueError(f"cannot skip {skip_tokens} tokens: whole blocks of the prompt only")
-    first = max(kv.token_start, skip_tokens)
-    if first >= end:
-        return []
-    return list(iter_pieces(layout, end, max_chunk_bytes, (kv.layer_start, kv.num_layers), first))
+    stale = stale_tokens[kv.layer_start : kv.layer_start + kv.num_layers] or (0,) * kv.num_layers
+    if any(s % layout.block_size for s in stale):
+        raise ValueError(f"stale tokens {list(stale)}: whole blocks of the prompt only")
+    pieces: list[Piece] = []
+    start = 0
+    while start < kv.num_layers:  # each run of layers with the same stale prefix
+        count = next((i for i in range(start, kv.num_layers) if stale[i] != stale[start]), kv.num_layers) - start
+        first = max(kv.token_start, skip_tokens, stale[start])
+        if first < end:
+            pieces += iter_pieces(layout, end, max_chunk_bytes, (kv.layer_start + start, count), first)
+        start += count
+    return pieces
 
 
 def encode_chunks(
@@ -197,7 +207,7 @@ def _check_group(layout: KvLayout, kv: KvTensors) -> None:
             f"a layer group of k {kv.k.shape} from layer {kv.layer_start} does not fit the layout's "
             f"{layout.num_layers} layers"
         )
-    _check_arrays(dataclasses.replace(layout, num_layers=count), kv.k, kv.v, kv.k_scales, kv.v_scales)
+    _check_arrays(dataclasses.replace(layout, num_layers=count, windows=()), kv.k, kv.v, kv.k_scales, kv.v_scales)
 
 
 def _check_arrays(

@@ -71,7 +71,8 @@ class GrpcKvTransport(KvTransport):
         streams: list[Stream] = [
             GrpcStream(self._channel(address, i), layout, h, self._timeout) for i, h in enumerate(headers)
         ]
-        return StreamSender(layout, streams, self._max_chunk_bytes, header.cached_blocks * layout.block_size)
+        return StreamSender(layout, streams, self._max_chunk_bytes, header.cached_blocks * layout.block_size,
+                            layout.stale_tokens(header.num_tokens))
 
     async def close(self) -> None:
         channels, self._channels = self._channels, {}

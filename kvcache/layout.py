@@ -35,6 +35,8 @@ class KvLayout:
     block_size: int
     dtype: KvDtype
     scale_granularity: ScaleGranularity = "none"
+    windows: tuple[int, ...] = ()
+    """Each layer's sliding window (0: full attention); () when no layer has one."""
 
     def __post_init__(self) -> None:
         if self.dtype not in NUMPY_DTYPES:
@@ -43,11 +45,18 @@ class KvLayout:
             raise ValueError(f"every KV layout dimension must be positive: {self}")
         if self.scale_granularity != self.scales_for(self.dtype):
             raise ValueError(f"kv dtype {self.dtype} needs scale granularity block_head, others none")
+        bad = len(self.windows) != self.num_layers or min(self.windows) < 0 or not any(self.windows)
+        if self.windows and bad:
+            raise ValueError(f"layer windows {list(self.windows)}: one per layer ({self.num_layers}), >= 0, "
+                             f"some > 0")
 
     @classmethod
-    def of(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: KvDtype) -> KvLayout:
-        """The layout of a cache of `dtype`, with the scales that dtype carries."""
-        return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, cls.scales_for(dtype))
+    def of(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: KvDtype,
+           windows: tuple[int | None, ...] = ()) -> KvLayout:
+        """The layout of a cache of `dtype`, with the scales that dtype carries; windows: each layer's sliding
+        window (None or 0: full attention), as ModelConfig.layer_windows gives them."""
+        return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, cls.scales_for(dtype),
+                   tuple(w or 0 for w in windows))
 
     @staticmethod
     def scales_for(dtype: str) -> ScaleGranularity:
@@ -66,10 +75,20 @@ class KvLayout:
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def stale_tokens(self, num_tokens: int) -> tuple[int, ...]:
+        """Per layer, the leading tokens (whole blocks) of an n-token prompt that no later query reads: a
+        windowed layer's query at position p >= n reads keys p - W < j, so the blocks wholly before n - W + 1
+        are never read again (0 for a full-attention layer)."""
+        if not self.windows:
+            return (0,) * self.num_layers
+        bs = self.block_size
+        return tuple(max(0, num_tokens - w + 1) // bs * bs if w else 0 for w in self.windows)
+
     def describe(self) -> str:
         return (
             f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_dim={self.head_dim} "
             f"block_size={self.block_size} dtype={self.dtype} scales={self.scale_granularity}"
+            + (f" windows={','.join(map(str, self.windows))}" if self.windows else "")
         )
 
     def to_proto(self) -> pb.KvLayout:
@@ -80,6 +99,7 @@ class KvLayout:
             block_size=self.block_size,
             dtype=self.dtype,
             scale_granularity=self.scale_granularity,
+            layer_windows=self.windows,
         )
 
     @classmethod
@@ -91,6 +111,7 @@ class KvLayout:
             block_size=msg.block_size,
             dtype=msg.dtype,  # type: ignore[arg-type]
             scale_granularity=msg.scale_granularity or "none",  # type: ignore[arg-type]
+            windows=tuple(msg.layer_windows),
         )
 
 

@@ -64,4 +64,5 @@ class LocalKvTransport(KvTransport):
         except Refusal as refused:
             raise _as_sent(refused) from None
         streams: list[Stream] = [LocalStream(receiver, layout, h) for h in headers]
-        return StreamSender(layout, streams, self.max_chunk_bytes, header.cached_blocks * layout.block_size)
+        return StreamSender(layout, streams, self.max_chunk_bytes, header.cached_blocks * layout.block_size,
+                            layout.stale_tokens(header.num_tokens))

@@ -433,6 +433,8 @@ class KvReceiver:
                 (self.layout.num_layers, self.layout.num_blocks(transfer.num_tokens)), dtype=bool
             )
             transfer.covered[:, : transfer.cached_blocks] = True  # held already: a piece there overlaps
+            for layer, stale in enumerate(self.layout.stale_tokens(transfer.num_tokens)):
+                transfer.covered[layer, : stale // self.layout.block_size] = True  # behind its window: never sent
             transfer.started.set()
         transfer.touch()
 

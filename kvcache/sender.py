@@ -191,11 +191,14 @@ class StreamSender(KvSender):
     """A transfer over parallel streams, pieces dealt round-robin; the state machine of both transports."""
 
     def __init__(self, layout: KvLayout, streams: list[Stream], max_chunk_bytes: int = MAX_CHUNK_BYTES,
-                 skip_tokens: int = 0) -> None:
-        """skip_tokens: the leading tokens the receiver holds (the header's cached_blocks); never sent."""
+                 skip_tokens: int = 0, stale_tokens: tuple[int, ...] = ()) -> None:
+        """skip_tokens: the leading tokens the receiver holds (the header's cached_blocks); never sent.
+        stale_tokens: per layer, the leading tokens behind its sliding window (`KvLayout.stale_tokens` of the
+        prompt); never sent either."""
         self.layout = layout
         self.streams = streams
         self.skip_tokens = skip_tokens
+        self.stale_tokens = stale_tokens
         self.max_chunk_bytes = max_chunk_bytes
         self.state = KvPoll.WAITING_FOR_INPUT  # the transport opens it once the receiver accepted the header
         self.failure: BaseException | None = None
@@ -205,7 +208,7 @@ class StreamSender(KvSender):
         return self.state
 
     async def send(self, kv: KvTensors) -> None:
-        pieces: list[Piece] = plan_tensors(self.layout, kv, self.max_chunk_bytes, self.skip_tokens)
+        pieces: list[Piece] = plan_tensors(self.layout, kv, self.max_chunk_bytes, self.skip_tokens, self.stale_tokens)
         self.state = KvPoll.TRANSFERRING
         for piece in pieces:
             stream = self.streams[self._next % len(self.streams)]

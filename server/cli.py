@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from pdserve.server.prefill.config import PrefillConfig
 
 DEFAULT_FAMILY = "llama"
+TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3", "mixtral",
+                 "qwen3_moe")
+"""make-tiny-model's --family choices (server/model/tiny.py `Family`)."""
 
 
 def _setup_logging(log_format: str = "text") -> None:
@@ -271,6 +274,8 @@ def _preflight(args, served: ModelConfig, prefill: PrefillConfig, decode: Decode
 
     if args.prefill_workers:
         preflight.check_prefill_tier(served, prefill.weight_dtype)
+    if decode.engine == "vllm":
+        preflight.check_vllm_model(served)
     preflight.check_decode_tier(decode.engine, args.decode_python or sys.executable, decode.device)
 
 
@@ -533,7 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("make-tiny-model", help="write a small random-weight HF checkpoint")
     p.add_argument("dir", type=Path)
-    p.add_argument("--family", choices=["llama", "mistral", "qwen2", "qwen3"], default="llama")
+    p.add_argument("--family", choices=list(TINY_FAMILIES), default="llama")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.set_defaults(func=cmd_make_tiny_model)
 

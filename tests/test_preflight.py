@@ -47,20 +47,11 @@ def _up(capsys, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-def test_a_windowed_checkpoint_is_refused_unless_served_within_its_window(windowed, capsys, nothing_starts):
-    code, err = _up(capsys, "--model", str(windowed))
-    assert code == 2
-    assert err.strip().splitlines()[-1] == (
-        f"pdserve up: error: cannot serve {windowed}: config.json sets sliding_window 24: pdserve computes full "
-        f"attention, which equals sliding-window attention only for sequences of at most 24 tokens, and would "
-        f"serve this model to 512 (max_position_embeddings in config.json); pass --max-model-len N with N <= 24")
+def test_a_windowed_checkpoint_is_served_to_its_full_length(windowed):
+    """Sliding-window attention is computed (no longer refused past the window)."""
+    config = check_model(windowed)
+    assert config.max_model_len == 512 and config.layer_windows == (24, 24)
     assert check_model(windowed, max_model_len=24).max_model_len == 24
-
-
-def test_the_tiers_own_commands_refuse_it_too(windowed, capsys):
-    for role in ("coordinator", "prefill", "decode"):
-        with pytest.raises(SystemExit, match="sliding_window 24.*--max-model-len N with N <= 24"):
-            main([role, "--model", str(windowed)])
 
 
 def test_a_missing_tokenizer_is_refused_naming_the_file_and_the_fix(tiny_model, tmp_path, capsys, nothing_starts):
@@ -139,10 +130,14 @@ def test_float16_weights_need_a_prefill_dtype_it_computes_in(tiny_model, tmp_pat
     check_prefill_tier(config, "float32")
 
 
-def test_up_refuses_as_a_subprocess_before_starting_anything(windowed, tmp_path):
+def test_up_refuses_as_a_subprocess_before_starting_anything(tiny_model, tmp_path):
     """As a user runs it: exits 2 at once with the one line, no worker started (bounded; every process of
     its session is killed if it ever hangs)."""
-    cmd = [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(windowed), "--port", "0"]
+    shutil.copytree(tiny_model("mistral"), tmp_path / "m")
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(raw, rope_parameters=rope)))
+    cmd = [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(tmp_path / "m"), "--port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"))
     try:
@@ -152,4 +147,15 @@ def test_up_refuses_as_a_subprocess_before_starting_anything(windowed, tmp_path)
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 2, err
-    assert "starting" not in err and "sliding_window 24" in err.strip().splitlines()[-1]
+    assert "starting" not in err and "rope_type 'yarn'" in err.strip().splitlines()[-1]
+
+
+def test_the_vllm_engine_refuses_the_families_its_connector_is_unchecked_for(tiny_model, windowed):
+    from pdserve.server.preflight import check_vllm_model
+
+    check_vllm_model(load_config(tiny_model("llama")))
+    for model in (tiny_model("gemma2"), tiny_model("mixtral"), windowed):
+        with pytest.raises(PreflightError, match=r"--decode-engine vllm does not serve .* use --decode-engine native"):
+            check_vllm_model(load_config(model))
+    with pytest.raises(PreflightError, match="mistral with sliding-window layers"):
+        check_vllm_model(load_config(windowed))

@@ -7,7 +7,9 @@ block table, dequantized in registers when the cache is int8/fp8), and keeps an 
 split the program writes the output; with several (flash-decoding, for few sequences and long
 contexts) each writes its partial max, sum and weighted values, and a second kernel merges them.
 The number of splits depends only on the batch and the table's width, never on the lengths, so a step
-holds no host synchronisation and replays inside a CUDA graph.
+holds no host synchronisation and replays inside a CUDA graph. With a sliding window W the programs walk
+only the tiles from the one holding position context_len - W on (the splits share those out), and mask
+the keys before it.
 
 On the CPU the same kernels run under Triton's interpreter (TRITON_INTERPRET=1) in the tests.
 """
@@ -56,9 +58,9 @@ def _kernel():
         stride_tb, stride_lb,
         stride_ob, stride_oh, stride_os,
         stride_mb, stride_mh,
-        sm_scale, tiles_per_split,
+        sm_scale, tiles_per_split, window, softcap,
         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE_N: tl.constexpr,
-        QUANT: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr,
+        QUANT: tl.constexpr, IEEE: tl.constexpr, PARTIAL: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -71,11 +73,12 @@ def _kernel():
         m = tl.full([G_PAD], float("-inf"), tl.float32)
         l = tl.zeros([G_PAD], tl.float32)
         acc = tl.zeros([G_PAD, D], tl.float32)
-        first = split * tiles_per_split
+        oldest = tl.maximum(ctx - window, 0)  # the first key the query sees (window: 2^30 when none)
+        first = oldest // TILE_N + split * tiles_per_split
         last = tl.minimum(first + tiles_per_split, tl.cdiv(ctx, TILE_N))
         for tile in range(first, last):
             t = tile * TILE_N + tl.arange(0, TILE_N)  # [TILE_N] token positions
-            live = t < ctx
+            live = (t < ctx) & (t >= oldest)
             block = tl.load(TABLES + b * stride_tb + t // BS, mask=live, other=0)  # [TILE_N]
             base = block.to(tl.int64) * stride_kn + (t % BS) * stride_kt + kvh * stride_kh  # [TILE_N]
             k = tl.load(K + base[:, None] + d[None, :], mask=live[:, None], other=0.0)  # [TILE_N, D]
@@ -92,7 +95,10 @@ def _kernel():
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [G_PAD, TILE_N] f32
             else:
                 s = tl.dot(q, tl.trans(k))
-            s = tl.where(live[None, :], s * sm_scale, float("-inf"))
+            s = s * sm_scale
+            if SOFTCAP:  # cap * tanh(s / cap), tanh from exp: 1 - 2 / (e^2x + 1)
+                s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+            s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new[:, None])  # [G_PAD, TILE_N]
@@ -138,8 +144,13 @@ def paged_decode_attention(
     k_scales: torch.Tensor | None = None,  # [N, Hkv] float32 for int8/fp8 caches
     v_scales: torch.Tensor | None = None,
     splits: int | None = None,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """softmax(q K^T / sqrt(D)) V over each sequence's first context_lens tokens -> [B, H, D] in q's dtype."""
+    """softmax(q K^T scale) V over each sequence's first context_lens tokens -> [B, H, D] in q's dtype;
+    with a sliding window (0: none), over only the last `window` of them. scale None: D ** -0.5; softcap:
+    the scores capped to cap * tanh(s / cap) (Gemma 2)."""
     import triton
 
     B, H, D = q.shape
@@ -161,8 +172,11 @@ def paged_decode_attention(
     quant = k_scales is not None
     tile = max(TILE, bs)
     M = block_tables.shape[1]
-    splits = splits or num_splits(B, Hkv, M, bs)
-    tiles_per_split = -(-(-(-M * bs // tile)) // splits)
+    tiles = -(-M * bs // tile)
+    if window:  # the last `window` tokens lie in at most this many tiles
+        tiles = min(tiles, -(-(window - 1) // tile) + 1)
+    splits = splits or num_splits(B, Hkv, tiles * tile // bs, bs)
+    tiles_per_split = -(-tiles // splits)
     g_pad = max(16, triton.next_power_of_2(G))
     scales = k_scales if quant else q  # any pointer when unused
     partial = splits > 1
@@ -183,9 +197,9 @@ def paged_decode_attention(
         k_scales.stride(0) if quant else 0,
         block_tables.stride(0), context_lens.stride(0),
         *strides,
-        1.0 / math.sqrt(D), tiles_per_split,
+        1.0 / math.sqrt(D) if scale is None else scale, tiles_per_split, window or 2**30, softcap or 1.0,
         G=G, G_PAD=g_pad, D=D, BS=bs, TILE_N=tile,
-        QUANT=quant, IEEE=q.dtype == torch.float32, PARTIAL=partial,
+        QUANT=quant, IEEE=q.dtype == torch.float32, PARTIAL=partial, SOFTCAP=softcap is not None,
     )
     if not partial:
         return out
@@ -200,7 +214,11 @@ def decode_attention(
     layer: int,
     block_tables: torch.Tensor,  # [B, M]
     context_lens: torch.Tensor,  # [B]
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """One layer's paged decode attention over the cache -> [B, H, D]."""
+    """One layer's paged decode attention over the cache (a windowed layer's: over its window) -> [B, H, D]."""
     scales = (None, None) if cache.k_scales is None else (cache.k_scales[layer], cache.v_scales[layer])
-    return paged_decode_attention(q, cache.k[layer], cache.v[layer], block_tables, context_lens, *scales)
+    return paged_decode_attention(q, cache.k[layer], cache.v[layer], block_tables, context_lens, *scales,
+                                  window=window, scale=scale, softcap=softcap)

@@ -1,4 +1,6 @@
-"""The decoder-only transformer (llama, mistral, qwen2, qwen3) in plain torch, over a paged KV cache.
+"""The decoder-only transformer (llama, mistral, qwen2, qwen3, gemma2, gemma3) in plain torch, over a paged
+KV cache.
+A layer with a sliding window attends through its context's `local` view (only the window's blocks).
 
 Every forward writes the new tokens' K (post-RoPE, HF rotate_half convention) and V into the cache,
 then attends over the cache, so prompt KV computed here and KV received from the prefill tier are read
@@ -15,6 +17,7 @@ from torch import nn
 
 from pdserve.server.decode.attention import PagedContext, paged_attention
 from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.moe import MoeMlp
 from pdserve.server.decode.quant import Linear, WeightFormat
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
@@ -50,6 +53,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.config = config
         self.index = index
+        self.window = config.window(index)
         H, Hkv, D, d, inter = config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size, \
             config.intermediate_size
         norm = lambda n: nn.Buffer(torch.empty(n, dtype=dtype, device=device))  # noqa: E731
@@ -58,10 +62,16 @@ class DecoderLayer(nn.Module):
         """[H + Hkv, D]: q_norm's weight for each query head, then k_norm's for each kv head (one norm over
         q and k together)."""
         self.wo = Linear(H * D, d, False, dtype, device)  # [d, H D]
-        self.w_gate_up = Linear(d, 2 * inter, False, dtype, device)  # [2 I, d]
-        self.w_down = Linear(inter, d, False, dtype, device)  # [d, I]
+        if config.moe is None:
+            self.w_gate_up = Linear(d, 2 * inter, False, dtype, device)  # [2 I, d]
+            self.w_down = Linear(inter, d, False, dtype, device)  # [d, I]
+        self.experts = None if config.moe is None else MoeMlp(config.moe, d, config.hidden_act, dtype, device)
         self.attn_norm = norm(d)  # [d]
         self.mlp_norm = norm(d)  # [d]
+        self.attn_post_norm = norm(d) if config.sandwich_norms else None  # [d] Gemma: on the attention's output
+        self.mlp_post_norm = norm(d) if config.sandwich_norms else None  # [d] Gemma: on the MLP's output
+        self.local_rope = config.local_rope is not None and self.window is not None
+        """It reads the model's second RoPE table (Gemma 3's local layers)."""
 
     def forward(
         self,
@@ -82,12 +92,19 @@ class DecoderLayer(nn.Module):
         q, k = rope(qk, cos, sin).split([H, Hkv], dim=2)  # [B, S, H, D], [B, S, Hkv, D]
 
         cache.store(self.index, context.slots, k, v)
-        out = paged_attention(q, cache, self.index, context)  # [B, S, H, D]
-        x = x + self.wo(out.reshape(B, S, -1))
+        view = context if self.window is None else context.local  # a windowed layer reads only its window
+        out = paged_attention(q, cache, self.index, view, c.scale, c.attn_softcap)  # [B, S, H, D]
+        attn = self.wo(out.reshape(B, S, -1))
+        x = x + (attn if self.attn_post_norm is None else rms_norm(attn, self.attn_post_norm, eps))
 
-        gate_up = self.w_gate_up(rms_norm(x, self.mlp_norm, eps))  # [B, S, 2 I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return x + self.w_down(F.silu(gate) * up)
+        h = rms_norm(x, self.mlp_norm, eps)
+        if self.experts is not None:
+            mlp = self.experts(h)  # [B, S, d]
+        else:
+            gate, up = self.w_gate_up(h).chunk(2, dim=-1)  # [B, S, I] each
+            act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
+            mlp = self.w_down(act * up)
+        return x + (mlp if self.mlp_post_norm is None else rms_norm(mlp, self.mlp_post_norm, eps))
 
 
 class DecoderModel(nn.Module):
@@ -106,6 +123,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
         self.norm = nn.Buffer(torch.empty(d, dtype=dtype, device=device))  # [d]
         self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)).to(device))  # [D / 2] float32
+        self.local_inv_freq = None if config.local_rope is None else \
+            nn.Buffer(torch.from_numpy(inv_freq(config, config.local_rope)).to(device))  # [D / 2] float32
         self.packed_head: Linear | None = None
         """The LM head in oneDNN's layout once `prepack` ran on CPU (a copy beside the embedding table)."""
         self.paged_kernel = False
@@ -135,20 +154,27 @@ class DecoderModel(nn.Module):
         context: PagedContext,
         cache: PagedKvCache,
     ) -> torch.Tensor:
-        cos, sin = rope_tables(context.positions, self.inv_freq, self.dtype)  # [B, S, 1, D] each
+        c = self.config
+        tables = [rope_tables(context.positions, self.inv_freq, self.dtype)]  # ([B, S, 1, D], [B, S, 1, D])
+        if self.local_inv_freq is not None:
+            tables.append(rope_tables(context.positions, self.local_inv_freq, self.dtype))
         x = F.embedding(token_ids, self.embed)  # [B, S, d]
+        if c.embed_scale is not None:
+            x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, context, cache)
-        x = rms_norm(x, self.norm, self.config.rms_norm_eps)
-        logits = F.linear(x, self.lm_head) if self.packed_head is None else self.packed_head(x)
-        return logits.float()  # [B, S, V]
+            x = layer(x, *tables[layer.local_rope], context, cache)
+        x = rms_norm(x, self.norm, c.rms_norm_eps)
+        logits = (F.linear(x, self.lm_head) if self.packed_head is None else self.packed_head(x)).float()  # [B, S, V]
+        cap = c.final_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def _context(self, positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  cache: PagedKvCache) -> PagedContext:
         c = self.config
         return PagedContext.build(positions, block_tables, context_lens, cache.block_size, self.embed.device,
                                   self.dtype, groups=c.num_heads // c.num_kv_heads,
-                                  paged_kernel=self.paged_kernel and positions.shape[1] == 1)
+                                  paged_kernel=self.paged_kernel and positions.shape[1] == 1,
+                                  window=c.sliding_window if c.layer_windows else None)
 
     @torch.inference_mode()
     def prefill(

@@ -155,9 +155,12 @@ class Scheduler:
             self.cache.free(seq.block_table)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        seq.num_stale_blocks = 0  # readmitted, it recomputes here (every layer) what the prefix cache lacks
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         full = seq.num_cached_tokens // self.block_size
+        if seq.num_stale_blocks > seq.num_hit_blocks:  # its own blocks lack KV behind the windows: keep the hits
+            full = min(full, seq.num_hit_blocks)
         if full:
             hashes = block_hashes(seq.token_ids[: full * self.block_size], self.block_size)
             self.cache.register(seq.block_table[:full], hashes)

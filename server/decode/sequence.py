@@ -44,6 +44,9 @@ class Sequence:
     """Leading tokens whose KV already sits in block_table (prefix-cache hits, or all KV written so far)."""
     num_hit_blocks: int = 0
     """Leading blocks reused from the prefix cache when the sequence was admitted."""
+    num_stale_blocks: int = 0
+    """Leading blocks whose windowed layers' KV never arrived (the prefill tier sends no KV behind a sliding
+    window; `KvLayout.stale_tokens`): no other sequence may reuse them from the prefix cache."""
     resume_from: int | None = None
     """Preempted and readmitted: tokens [resume_from, num_tokens - 1) must be prefilled again."""
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())

@@ -127,6 +127,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
                     await context.abort(grpc.StatusCode.ABORTED,
                                         f"KV transfer for {rid} failed: KvEnd.first_token_id {first_token} lies "
                                         f"outside the vocabulary [0, {self.vocab_size})")
+                layout = self.receiver.layout
+                seq.num_stale_blocks = max(layout.stale_tokens(len(seq.prompt_ids))) // layout.block_size
                 metrics.kv_transfer_bytes.inc(transfer.bytes_received)
                 metrics.kv_transfer_seconds.observe(transfer.seconds)
             if relay is not None:

@@ -115,8 +115,13 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
         head_dim=model_config.head_dim,
         block_size=config.block_size,
         dtype=kv_dtype,
+        windows=model_config.layer_windows,
     )
     cuda_graphs = device.type == "cuda" and not config.enforce_eager
+    if cuda_graphs and model_config.moe is not None:  # the grouped expert step reads its routing on the host
+        log.warning("%s: a mixture-of-experts model decodes in eager steps on %s (no CUDA graphs)",
+                    model_config.describe(), device)
+        cuda_graphs = False
     num_blocks, sized_by = cache_blocks(config, model, layout, device, cuda_graphs)
     t0 = time.perf_counter()
     engine = DecodeEngine(model, layout, num_blocks, config.max_running, max_queue=config.max_queue,

@@ -19,6 +19,7 @@ from pdserve.server.decode.kv_cache import numpy_to_torch
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.quant import WeightFormat, quantize
 from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.weights import EXPERT_NAMES
 
 
 def load_weights(model: DecoderModel, tensors: Mapping[str, np.ndarray]) -> None:
@@ -51,6 +52,7 @@ def load_weights(model: DecoderModel, tensors: Mapping[str, np.ndarray]) -> None
         if model.untied_lm_head is not None:
             copy(model.untied_lm_head, "lm_head.weight")
         copy(model.norm, "model.norm.weight")
+        norms = [model.norm]
         for layer in model.layers:
             p = f"model.layers.{layer.index}."
             attn = [f"{p}self_attn.{n}_proj" for n in "qkv"]
@@ -64,10 +66,29 @@ def load_weights(model: DecoderModel, tensors: Mapping[str, np.ndarray]) -> None
                 layer.qk_norm[1:H] = layer.qk_norm[0]
                 layer.qk_norm[H + 1 :] = layer.qk_norm[H]
             copy(layer.wo.weight, f"{p}self_attn.o_proj.weight")
-            rows(layer.w_gate_up.weight, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
-            copy(layer.w_down.weight, f"{p}mlp.down_proj.weight")
+            if layer.experts is None:
+                rows(layer.w_gate_up.weight, [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"])
+                copy(layer.w_down.weight, f"{p}mlp.down_proj.weight")
+            else:
+                names = EXPERT_NAMES[config.family]
+                copy(layer.experts.router, p + names["router"] + ".weight")
+                for e in range(config.moe.num_experts):
+                    rows(layer.experts.gate_up[e].weight, [p + names[n].format(e=e) for n in ("gate", "up")])
+                    copy(layer.experts.down[e].weight, p + names["down"].format(e=e))
             copy(layer.attn_norm, f"{p}input_layernorm.weight")
-            copy(layer.mlp_norm, f"{p}post_attention_layernorm.weight")
+            norms += [layer.attn_norm, layer.mlp_norm]
+            if config.sandwich_norms:  # Gemma: post_attention_layernorm is on the attention's output
+                copy(layer.mlp_norm, f"{p}pre_feedforward_layernorm.weight")
+                copy(layer.attn_post_norm, f"{p}post_attention_layernorm.weight")
+                copy(layer.mlp_post_norm, f"{p}post_feedforward_layernorm.weight")
+                norms += [layer.attn_post_norm, layer.mlp_post_norm]
+            else:
+                copy(layer.mlp_norm, f"{p}post_attention_layernorm.weight")
+            if layer.qk_norm is not None:
+                norms.append(layer.qk_norm)
+        if config.norm_offset:  # Gemma's norms scale by (1 + w)
+            for norm in norms:
+                norm.copy_((norm.float() + 1.0).to(norm.dtype))
 
 
 def build_model(

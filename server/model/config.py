@@ -7,14 +7,39 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+
+
+UNSUPPORTED: dict[str, tuple[str, str]] = {
+    "DeepseekV2ForCausalLM": ("multi-head latent attention (MLA)", "Qwen3MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("multi-head latent attention (MLA)", "Qwen3MoeForCausalLM"),
+    "KimiK2ForCausalLM": ("multi-head latent attention (MLA)", "Qwen3MoeForCausalLM"),
+    "JambaForCausalLM": ("a hybrid of Mamba and attention layers", "MixtralForCausalLM"),
+    "MambaForCausalLM": ("Mamba state-space layers", "MistralForCausalLM"),
+    "Mamba2ForCausalLM": ("Mamba state-space layers", "MistralForCausalLM"),
+    "FalconH1ForCausalLM": ("a hybrid of Mamba and attention layers", "LlamaForCausalLM"),
+    "Zamba2ForCausalLM": ("a hybrid of Mamba and attention layers", "MistralForCausalLM"),
+    "NemotronHForCausalLM": ("a hybrid of Mamba and attention layers", "LlamaForCausalLM"),
+    "Qwen3NextForCausalLM": ("a hybrid of linear (gated DeltaNet) and attention layers", "Qwen3MoeForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("a multimodal model (vision tower)", "Gemma3ForCausalLM"),
+    "LlavaForConditionalGeneration": ("a multimodal model (vision tower)", "LlamaForCausalLM"),
+    "Qwen2VLForConditionalGeneration": ("a multimodal model (vision tower)", "Qwen2ForCausalLM"),
+    "Qwen2_5_VLForConditionalGeneration": ("a multimodal model (vision tower)", "Qwen2ForCausalLM"),
+    "Mistral3ForConditionalGeneration": ("a multimodal model (vision tower)", "MistralForCausalLM"),
+    "Llama4ForConditionalGeneration": ("a multimodal model (vision tower)", "MixtralForCausalLM"),
+}
+"""Architectures pdserve knows it does not serve: what they need, and the nearest it does serve."""
 
 
 class ModelLoadError(ValueError):
@@ -24,11 +49,24 @@ class ModelLoadError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    kind: Literal["default", "llama3"] = "default"
+    kind: Literal["default", "llama3", "linear"] = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A sparse MLP: a router picks each token's `top_k` of `num_experts` gated MLPs (softmax over all the
+    router's logits in fp32, then the top k), whose outputs are summed weighted by those probabilities."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    """Each expert's."""
+    renormalize: bool
+    """The top k probabilities divided by their sum (Mixtral always; Qwen3-MoE iff norm_topk_prob)."""
 
 
 @dataclass(frozen=True)
@@ -54,39 +92,68 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     sliding_window: int | None = None
-    """The window of the checkpoint's sliding-window layers (a query sees the last W positions, itself
-    among them), None when every layer attends to all. pdserve computes full attention, which equals the
-    windowed one while a sequence holds at most W tokens: `limited_to` refuses to serve longer."""
+    """The window of the checkpoint's sliding-window layers (a query at position p sees keys at positions
+    p - W < j <= p, itself among them), None when every layer attends to all."""
+    layer_windows: tuple[int | None, ...] = ()
+    """Each layer's window (None: full attention), by transformers' rules for the family; () when no layer
+    has one."""
+    hidden_act: Literal["silu", "gelu_tanh"] = "silu"
+    """The gated MLP's activation: silu (SwiGLU) or gelu with the tanh approximation (Gemma's GeGLU)."""
+    norm_offset: bool = False
+    """Gemma's RMSNorms scale by (1 + w): the loaders add the 1 to every norm weight (exact in fp32)."""
+    sandwich_norms: bool = False
+    """Gemma's layer: norms after attention and around the MLP (post_attention_layernorm normalises the
+    attention's output; pre_/post_feedforward_layernorm the MLP's input and output)."""
+    attn_scale: float | None = None
+    """The scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5."""
+    attn_softcap: float | None = None
+    """Attention scores soft-capped to cap * tanh(s / cap) before the mask (Gemma 2's attn_logit_softcapping)."""
+    final_softcap: float | None = None
+    """Logits soft-capped the same way (Gemma 2's final_logit_softcapping)."""
+    embed_scale: float | None = None
+    """Embeddings multiplied by it (Gemma: sqrt(hidden_size), in the weights' dtype)."""
+    local_rope: RopeConfig | None = None
+    """The windowed layers' own RoPE (Gemma 3's rope_local_base_freq); None: every layer uses `rope`."""
+    moe: MoeConfig | None = None
+    """Every layer's MLP is a mixture of experts (Mixtral, Qwen3-MoE); None: a dense MLP."""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim**-0.5 if self.attn_scale is None else self.attn_scale
+
+    def rope_of(self, layer: int) -> RopeConfig:
+        """Layer `layer`'s RoPE."""
+        return self.local_rope if self.local_rope is not None and self.window(layer) is not None else self.rope
 
     @property
     def max_model_len(self) -> int:
         """Longest sequence (prompt + output) served."""
         return self.max_position_embeddings
 
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s window (None: it attends to every earlier position)."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def all_windowed(self) -> bool:
+        """Every layer has a window: KV older than the widest window is never read again."""
+        return bool(self.layer_windows) and all(w is not None for w in self.layer_windows)
+
     def limited_to(self, max_model_len: int | None) -> ModelConfig:
         """This model served no longer than `max_model_len` (`--max-model-len`; None: its own length), every
-        process's one way to its served length. ModelLoadError past the model's positions, or past its
-        sliding window, which full attention computes exactly only up to its length."""
+        process's one way to its served length. ModelLoadError past the model's positions."""
         if max_model_len is not None and max_model_len > self.max_model_len:
             raise ModelLoadError(f"--max-model-len {max_model_len} exceeds the model's max_model_len "
                                  f"{self.max_model_len} (max_position_embeddings in config.json)")
         length = self.max_model_len if max_model_len is None else max_model_len
-        if self.sliding_window is not None and length > self.sliding_window:
-            window = self.sliding_window
-            sets = (f"sets sliding_window {window}" if "sliding_window" in self.raw
-                    else f"leaves out sliding_window, which transformers' Mistral takes as {window}")
-            served = "max_position_embeddings in config.json" if max_model_len is None else "--max-model-len"
-            raise ModelLoadError(
-                f"config.json {sets}: pdserve computes full attention, which equals sliding-window attention "
-                f"only for sequences of at most {window} tokens, and would serve this model to {length} "
-                f"({served}); pass --max-model-len N with N <= {window}")
         return self if length == self.max_model_len else replace(self, max_position_embeddings=length)
 
     def describe(self) -> str:
         return (
             f"{self.family} L={self.num_layers} d={self.hidden_size} heads={self.num_heads}/"
             f"{self.num_kv_heads}x{self.head_dim} vocab={self.vocab_size} {self.dtype}"
+            + ("" if self.moe is None else f" experts={self.moe.top_k}/{self.moe.num_experts}")
         )
 
 
@@ -94,9 +161,22 @@ def _refused(setting: str, what: str) -> ModelLoadError:
     return ModelLoadError(f"config.json sets {setting}: {what}")
 
 
+def _gemma3_ropes(raw: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) RoPE of Gemma 3: transformers 5 writes rope_parameters per layer type; transformers 4
+    rope_theta and rope_scaling for the global layers, rope_local_base_freq for the local ones."""
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = {"rope_theta": 1_000_000.0, **(params.get("full_attention") or {})}
+        local = {"rope_theta": 10_000.0, **(params.get("sliding_attention") or {})}
+        return _rope_from({"rope_parameters": full}), _rope_from({"rope_parameters": local})
+    glob = _rope_from({**raw, "rope_theta": raw.get("rope_theta", 1_000_000.0)})
+    local = _rope_from({"rope_theta": raw.get("rope_local_base_freq", 10_000.0)})
+    return glob, local
+
+
 def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; transformers 4 writes `rope_theta` + `rope_scaling`.
-    # A missing rope_theta is transformers' default_theta, 10000, for all four families.
+    # A missing rope_theta is transformers' default_theta, 10000, for the families without their own.
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -108,6 +188,8 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     kind = merged.get("rope_type", merged.get("type", "default")) or "default"
     if kind == "default":
         return RopeConfig(theta=float(theta))
+    if kind == "linear":
+        return RopeConfig(theta=float(theta), kind="linear", factor=float(merged["factor"]))
     if kind == "llama3":
         return RopeConfig(
             theta=float(theta),
@@ -119,36 +201,46 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
         )
     where = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     key = "rope_type" if "rope_type" in merged else "type"
-    raise _refused(f"{where}.{key} {kind!r}", "pdserve implements the default and llama3 RoPE only "
+    raise _refused(f"{where}.{key} {kind!r}", "pdserve implements the default, linear and llama3 RoPE only "
                    "(other types change the positions' angles, so would be served wrong)")
 
 
-def _sliding_window(family: Family, raw: dict[str, Any], num_layers: int) -> int | None:
-    """The window of the layers that have one, by transformers' rules for the family; None: no window."""
+def _layer_windows(family: Family, raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's window, by transformers' rules for the family; () when no layer has one."""
     types = raw.get("layer_types")
     if types is not None:
         unknown = sorted(set(types) - {"full_attention", "sliding_attention"})
         if unknown:
             raise _refused(f"layer_types with {', '.join(map(repr, unknown))} layers",
-                           "pdserve implements full_attention layers only")
+                           "pdserve implements full_attention and sliding_attention layers only")
+        if len(types) != num_layers:
+            raise _refused(f"layer_types of {len(types)} layers", f"the model has {num_layers} layers")
+    if family in ("gemma2", "gemma3") and types is None:  # transformers 4: alternating, every Nth layer global
+        every = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
     if family == "mistral":  # every layer; transformers' MistralConfig takes 4096 when the key is absent
         window = raw.get("sliding_window", 4096)
-        return int(window) if window else None
+        return (int(window),) * num_layers if window else ()
     window = raw.get("sliding_window")
+    if family == "mixtral" or (family == "qwen3_moe" and raw.get("use_sliding_window", False)):  # every layer
+        return (int(window),) * num_layers if window else ()
+    if family == "qwen3_moe":
+        return ()
     if family in ("qwen2", "qwen3"):  # use_sliding_window false: no window (Qwen2.5 ships one set, unused)
         if not raw.get("use_sliding_window", False) or not window:
-            return None
-        if types is not None:
-            windowed = "sliding_attention" in types
-        else:  # layers from max_window_layers on
-            windowed = num_layers > int(raw.get("max_window_layers", 28))
-        return int(window) if windowed else None
-    if types is not None and "sliding_attention" in types:  # llama
-        if not window:
-            raise _refused("layer_types with 'sliding_attention' layers but no sliding_window",
-                           "pdserve implements full_attention layers only")
-        return int(window)
-    return None
+            return ()
+        if types is None:  # transformers 4: the layers from max_window_layers on
+            first = int(raw.get("max_window_layers", 28))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if types is None or "sliding_attention" not in types:
+        return ()
+    if family == "llama":
+        raise _refused("layer_types with 'sliding_attention' layers", "transformers' Llama computes full attention "
+                       "in every layer whatever layer_types says; a windowed model is another architecture")
+    if not window:
+        raise _refused("layer_types with 'sliding_attention' layers but no sliding_window",
+                       "a sliding_attention layer needs the window's length")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
 
 
 def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
@@ -161,17 +253,40 @@ def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
         raise _refused(f"quantization_config (quant_method {method!r})",
                        "pdserve does not load pre-quantized checkpoints; serve the unquantized checkpoint "
                        "and quantize at load with --quantization fp8 or int8")
+    if family in ("gemma2", "gemma3"):
+        act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise _refused(f"hidden_activation {act!r}", "pdserve's Gemma MLP implements gelu_pytorch_tanh only")
+        if raw.get("attention_bias"):
+            raise _refused("attention_bias true", "pdserve's Gemma has no attention biases")
+        if raw.get("use_bidirectional_attention"):
+            raise _refused("use_bidirectional_attention true", "pdserve serves causal language models only")
+        return
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
         raise _refused(f"hidden_act {act!r}", "pdserve's MLP implements silu (SwiGLU) only")
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if raw.get(cap) is not None:
-            raise _refused(f"{cap} {raw[cap]}", "pdserve does not implement logit soft-capping")
-    if family in ("llama", "qwen3") and raw.get("attention_bias"):
+            raise _refused(f"{cap} {raw[cap]}", f"transformers' {family} does not soft-cap (Gemma 2 does)")
+    if family in ("llama", "qwen3", "qwen3_moe") and raw.get("attention_bias"):
         raise _refused("attention_bias true", "pdserve's decode tier does not implement the o_proj bias it "
                        "brings (q/k/v biases are implemented)")
     if family == "llama" and raw.get("mlp_bias"):
         raise _refused("mlp_bias true", "pdserve does not implement biases on the MLP's projections")
+
+
+def _moe_from(family: Family, raw: dict[str, Any]) -> MoeConfig | None:
+    if family == "mixtral":
+        return MoeConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
+                         renormalize=True)
+    if family != "qwen3_moe":
+        return None
+    if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
+        raise _refused("mlp_only_layers or decoder_sparse_step", "pdserve's Qwen3-MoE has experts in every layer")
+    # Qwen's checkpoints write num_experts, transformers 5 num_local_experts
+    experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
+    return MoeConfig(int(experts), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                     renormalize=bool(raw.get("norm_topk_prob", False)))
 
 
 def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
@@ -189,6 +304,12 @@ def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
 def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfig:
     archs = raw.get("architectures") or []
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    known = next((a for a in archs if a in UNSUPPORTED), None)
+    if family is None and known is not None:
+        what, nearest = UNSUPPORTED[known]
+        raise ModelLoadError(f"architecture {known} is not supported: it needs {what}, which pdserve does not "
+                             f"implement; the nearest it serves is {nearest} "
+                             f"(pdserve serves {', '.join(ARCHITECTURES)})")
     if family is None:
         raise ModelLoadError(
             f"architecture {archs or raw.get('model_type')!r} is not supported; "
@@ -200,10 +321,14 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // num_heads)
         num_layers = int(raw["num_hidden_layers"])
+        windows = _layer_windows(family, raw, num_layers)
         dtype_key = "torch_dtype" if raw.get("torch_dtype") else "dtype"
         dtype = raw.get(dtype_key) or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
             raise _refused(f"{dtype_key} {dtype!r}", "pdserve serves float32, bfloat16 and float16 weights")
+        gemma = family in ("gemma2", "gemma3")
+        rope, local_rope = _gemma3_ropes(raw) if family == "gemma3" else (_rope_from(raw), None)
+        scalar = raw.get("query_pre_attn_scalar", 256) if gemma else None
         return ModelConfig(
             family=family,
             vocab_size=int(raw["vocab_size"]),
@@ -214,19 +339,34 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
             num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from(raw),
+            rope=rope,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             qkv_bias=family == "qwen2",
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             dtype=dtype,
             eos_token_ids=_eos_ids(model_dir, raw),
             bos_token_id=raw.get("bos_token_id"),
-            sliding_window=_sliding_window(family, raw, num_layers),
+            sliding_window=next((w for w in windows if w is not None), None),
+            layer_windows=windows,
+            hidden_act="gelu_tanh" if gemma else "silu",
+            norm_offset=gemma,
+            sandwich_norms=gemma,
+            attn_scale=None if scalar is None else float(scalar) ** -0.5,
+            attn_softcap=_cap(raw, "attn_logit_softcapping") if family == "gemma2" else None,
+            final_softcap=_cap(raw, "final_logit_softcapping") if gemma else None,
+            embed_scale=hidden**0.5 if gemma else None,
+            local_rope=local_rope,
+            moe=_moe_from(family, raw),
             raw=raw,
         )
     except KeyError as e:
         raise ModelLoadError(f"config.json lacks the field {e.args[0]!r}") from e
+
+
+def _cap(raw: dict[str, Any], name: str) -> float | None:
+    value = raw.get(name)
+    return None if value is None else float(value)
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

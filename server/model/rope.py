@@ -6,17 +6,20 @@ import math
 
 import numpy as np
 
-from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.config import ModelConfig, RopeConfig
 
 
-def inv_freq(config: ModelConfig) -> np.ndarray:
-    """[head_dim // 2] float32 inverse frequencies, with llama3 scaling when configured."""
+def inv_freq(config: ModelConfig, rope: RopeConfig | None = None) -> np.ndarray:
+    """[head_dim // 2] float32 inverse frequencies of `rope` (by default the model's), with linear or llama3
+    scaling when configured."""
     dim = config.head_dim
-    rope = config.rope
+    rope = config.rope if rope is None else rope
     exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
     freqs = (np.float32(1.0) / (np.float32(rope.theta) ** exponents)).astype(np.float32)
     if rope.kind == "default":
         return freqs
+    if rope.kind == "linear":
+        return (freqs / np.float32(rope.factor)).astype(np.float32)
     old_len = rope.original_max_position_embeddings
     low_wavelen = old_len / rope.low_freq_factor
     high_wavelen = old_len / rope.high_freq_factor

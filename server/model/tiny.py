@@ -10,7 +10,13 @@ import sysconfig
 from pathlib import Path
 from typing import Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+"""The checkpoints made here: one per served family, and "mistral-windowed", a Mistral whose every layer has
+a sliding window of WINDOW tokens (prompts longer than it are a few words). The Gemmas alternate windowed
+(local) and global layers with the same window, over 4 layers. The MoEs have 8 experts, 2 per token
+(Mixtral renormalises the two; this Qwen3-MoE does not: norm_topk_prob false)."""
+
+WINDOW = 24
 
 EOS = "<|endoftext|>"
 BOS = "<|begin_of_text|>"
@@ -82,11 +88,29 @@ def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int):
         return transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_parameters=rope)
     if family == "mistral":
         return transformers.MistralConfig(**common, sliding_window=None, rope_theta=10000.0)
+    if family == "mistral-windowed":
+        return transformers.MistralConfig(**common, sliding_window=WINDOW, rope_theta=10000.0)
     if family == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1000000.0)
     if family == "qwen3":
         return transformers.Qwen3Config(**common, tie_word_embeddings=False, rope_theta=1000000.0)
-    raise ValueError(f"unknown family {family!r}; choose llama, mistral, qwen2 or qwen3")
+    if family == "mixtral":
+        # 4 kv heads: a prefill mesh of 4 devices splits it (heads and experts both)
+        return transformers.MixtralConfig(**dict(common, num_key_value_heads=4), num_local_experts=8,
+                                          num_experts_per_tok=2, rope_theta=1e6, sliding_window=None)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                           norm_topk_prob=False, rope_theta=1e6, tie_word_embeddings=False)
+    gemma = dict(common, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                 hidden_activation="gelu_pytorch_tanh")
+    if family == "gemma2":  # local, global, local, global; both soft-caps (Gemma 2's 50 and 30 are far off here)
+        return transformers.Gemma2Config(**gemma, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
+    if family == "gemma3":  # layers 0-2 local (their own rope theta), 3 global; qk-norm
+        rope = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+        types = ["sliding_attention"] * 3 + ["full_attention"]
+        return transformers.Gemma3TextConfig(**gemma, layer_types=types, rope_parameters=rope)
+    raise ValueError(f"unknown family {family!r}; choose one of {', '.join(Family.__args__)}")
 
 
 def make_tiny_model(
@@ -111,6 +135,11 @@ def make_tiny_model(
     config = _hf_config(family, tok.get_vocab_size(), eos_id, bos_id)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family.startswith("gemma"):  # its norms start at w = 0, (1 + w) = 1: made random so that every one counts
+        with torch.no_grad():
+            for name, w in model.named_parameters():
+                if "norm" in name:
+                    w.normal_(0.0, 0.2)
     model = model.to(getattr(torch, dtype)).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)

@@ -32,6 +32,15 @@ _DTYPES: dict[str, np.dtype] = {
 }
 
 
+EXPERT_NAMES = {
+    "mixtral": {"router": "block_sparse_moe.gate", "gate": "block_sparse_moe.experts.{e}.w1.weight",
+                "up": "block_sparse_moe.experts.{e}.w3.weight", "down": "block_sparse_moe.experts.{e}.w2.weight"},
+    "qwen3_moe": {"router": "mlp.gate", "gate": "mlp.experts.{e}.gate_proj.weight",
+                  "up": "mlp.experts.{e}.up_proj.weight", "down": "mlp.experts.{e}.down_proj.weight"},
+}
+"""Each MoE family's checkpoint names (per layer) of the router and of expert e's projections."""
+
+
 def read_header(path: Path) -> tuple[dict, int]:
     """The JSON header of a safetensors file and the offset its data starts at."""
     with open(path, "rb") as f:

@@ -1,7 +1,9 @@
 """Causal attention over packed, ragged prompts, without ever building the [S, S] score matrix.
 
 Every query and key carries a position (in its prompt) and a segment id (which prompt of the packed
-buffer it belongs to): query i reads key j iff seg[i] == seg[j] and pos[j] <= pos[i]. That one rule
+buffer it belongs to): query i reads key j iff seg[i] == seg[j] and pos[j] <= pos[i], and, in a layer with a
+sliding window W, pos[i] - pos[j] < W (the window: a traced int32 scalar, so one compiled layer serves
+windowed and global layers alike; None: no window). That one rule
 covers right padding, several prompts packed into one token buffer, and a chunk attending to the KV
 of the chunks before it (the context keys carry the earlier positions). Padding carries a segment id
 that no real token has.
@@ -36,19 +38,30 @@ NEG = -1e30
 """The masked score: finite, so a block whose keys are all masked leaves the running max unchanged."""
 
 
-def _mask(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array) -> jax.Array:
+def _mask(q_pos: jax.Array, q_seg: jax.Array, k_pos: jax.Array, k_seg: jax.Array, window=None) -> jax.Array:
     """[..., S] and [..., K] -> bool [..., S, K]: who may read whom."""
     same = q_seg[..., :, None] == k_seg[..., None, :]
-    return same & (k_pos[..., None, :] <= q_pos[..., :, None])
+    behind = q_pos[..., :, None] - k_pos[..., None, :]  # [..., S, K]
+    visible = same & (behind >= 0)
+    return visible if window is None else visible & (behind < window)
 
 
-def reference_attention(q, k, v, q_pos, q_seg, k_pos, k_seg):
-    """q [B, S, Hq, D]; k, v [B, K, Hkv, D]; q_pos, q_seg int32 [B, S]; k_pos, k_seg [B, K] -> [B, S, Hq, D]."""
+def _scores(sc: jax.Array, softcap: float | None) -> jax.Array:
+    """Scaled scores f32, soft-capped to cap * tanh(s / cap) when the model does (Gemma 2)."""
+    return sc if softcap is None else softcap * jnp.tanh(sc / softcap)
+
+
+def reference_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, scale: float | None = None,
+                        softcap: float | None = None):
+    """q [B, S, Hq, D]; k, v [B, K, Hkv, D]; q_pos, q_seg int32 [B, S]; k_pos, k_seg [B, K] -> [B, S, Hq, D].
+    scale: the scores' (None: D ** -0.5); softcap: their tanh cap (None: none)."""
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     q = q.reshape(b, s, hkv, hq // hkv, d)  # [B, S, Hkv, G, D]: q head h reads kv head h // G
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) * d**-0.5  # [B, Hkv, G, S, K]
-    mask = _mask(q_pos, q_seg, k_pos, k_seg)[:, None, None]  # [B, 1, 1, S, K]
+    scale = d**-0.5 if scale is None else scale
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=F32) * scale  # [B, Hkv, G, S, K]
+    scores = _scores(scores, softcap)
+    mask = _mask(q_pos, q_seg, k_pos, k_seg, window)[:, None, None]  # [B, 1, 1, S, K]
     scores = jnp.where(mask, scores, NEG)
     probs = jax.nn.softmax(scores, axis=-1)
     probs = jnp.where(mask, probs, 0.0).astype(v.dtype)  # a query reading nothing (padding) gets zeros
@@ -87,8 +100,10 @@ def _blocked(q, k, v, q_pos, q_seg, k_pos, k_seg, bq: int, bk: int, hkv: int):
     return qb, kb, vb, qpb, qsb, kpb, ksb
 
 
-def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 256, block_k: int = 256):
-    """`reference_attention`'s result with online softmax over key blocks (exact within fp32 rounding)."""
+def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, block_q: int = 256,
+                        block_k: int = 256, scale: float | None = None, softcap: float | None = None):
+    """`reference_attention`'s result with online softmax over key blocks (exact within fp32 rounding); key
+    blocks wholly outside a query block's window are skipped like those past its diagonal."""
     b, s, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -96,17 +111,17 @@ def blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 2
     q, k, v, q_pos, q_seg, k_pos, k_seg = _padded_to_blocks(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk)
     nq, nk = q.shape[1] // bq, k.shape[1] // bk
     qb, kb, vb, qpb, qsb, kpb, ksb = _blocked(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk, hkv)
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
 
     def one_query_block(args):
         qi, qp, qs = args  # [B, Hkv, G, bq, D], [B, bq], [B, bq]
 
         def step(j, carry):
-            mask = _mask(qp, qs, kpb[j], ksb[j])  # [B, bq, bk]
+            mask = _mask(qp, qs, kpb[j], ksb[j], window)  # [B, bq, bk]
 
             def update(carry):
                 m, l, acc = carry  # [B, Hkv, G, bq] x2, [B, Hkv, G, bq, D] f32
-                sc = jnp.einsum("bkgqd,bksd->bkgqs", qi, kb[j], preferred_element_type=F32) * scale
+                sc = _scores(jnp.einsum("bkgqd,bksd->bkgqs", qi, kb[j], preferred_element_type=F32) * scale, softcap)
                 sc = jnp.where(mask[:, None, None], sc, NEG)  # [B, Hkv, G, bq, bk]
                 m_new = jnp.maximum(m, sc.max(-1))
                 p = jnp.where(mask[:, None, None], jnp.exp(sc - m_new[..., None]), 0.0)
@@ -138,12 +153,14 @@ def block_schedule(nq: int, bq: int, nc: int, no: int, bk: int) -> tuple[np.ndar
     return i, j
 
 
-def scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, own_keys_from: int | None = None,
-                        block_q: int = 512, block_k: int = 512):
+def scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own_keys_from: int | None = None,
+                        block_q: int = 512, block_k: int = 512, scale: float | None = None,
+                        softcap: float | None = None):
     """`reference_attention`'s result with online softmax over a static schedule of (query block, key block)
     pairs (`block_schedule`): one `lax.scan` of a trip count known at compile time, no per-block
     conditional, so nothing goes back to the host between blocks (XLA:GPU copies a `lax.cond`'s predicate
-    to the host each time). Blocks the rule masks whole inside the schedule are computed and masked.
+    to the host each time). Blocks the rule masks whole inside the schedule are computed and masked (so are
+    blocks behind a traced window: the schedule is fixed by the shapes alone).
 
     own_keys_from: k[:, own_keys_from:] are the queries' own keys, in the queries' order (the model's layout:
     context KV, then the new tokens'); then a query block visits no own key block past its last query (half
@@ -171,13 +188,13 @@ def scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, own_keys_from: i
     qi_of, kj_of = block_schedule(nq, bq, nc, nk - nc, bk) if own_keys_from is not None else \
         block_schedule(nq, bq, nk, 0, bk)
     qb, kb, vb, qpb, qsb, kpb, ksb = _blocked(q, k, v, q_pos, q_seg, k_pos, k_seg, bq, bk, hkv)
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
 
     def step(carry, pair):
         m, l, acc = carry  # [nq, B, Hkv, G, bq] x2, [nq, B, Hkv, G, bq, D] f32: every query block's running state
         i, j = pair
-        mask = _mask(qpb[i], qsb[i], kpb[j], ksb[j])[:, None, None]  # [B, 1, 1, bq, bk]
-        sc = jnp.einsum("bkgqd,bksd->bkgqs", qb[i], kb[j], preferred_element_type=F32) * scale
+        mask = _mask(qpb[i], qsb[i], kpb[j], ksb[j], window)[:, None, None]  # [B, 1, 1, bq, bk]
+        sc = _scores(jnp.einsum("bkgqd,bksd->bkgqs", qb[i], kb[j], preferred_element_type=F32) * scale, softcap)
         sc = jnp.where(mask, sc, NEG)  # [B, Hkv, G, bq, bk]
         m_new = jnp.maximum(m[i], sc.max(-1))
         p = jnp.where(mask, jnp.exp(sc - m_new[..., None]), 0.0)
@@ -194,7 +211,8 @@ def scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, own_keys_from: i
     return out.astype(vb.dtype)
 
 
-def _flash_kernel(qp_ref, qs_ref, kp_ref, ks_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, scale: float):
+def _flash_kernel(w_ref, qp_ref, qs_ref, kp_ref, ks_ref, q_ref, k_ref, v_ref, o_ref, *, block_k: int, scale: float,
+                  softcap: float | None):
     """One (row, query head, query block): q [bq, D] against every key block of its kv head [K, D]."""
     from jax.experimental import pallas as pl
 
@@ -207,8 +225,9 @@ def _flash_kernel(qp_ref, qs_ref, kp_ref, ks_ref, q_ref, k_ref, v_ref, o_ref, *,
         m, l, acc = carry  # [bq], [bq], [bq, D]
         keys = pl.ds(j * block_k, block_k)
         kj, vj = k_ref[keys, :].astype(F32), v_ref[keys, :].astype(F32)  # [bk, D]
-        mask = (qs[:, None] == ks_ref[keys][None, :]) & (kp_ref[keys][None, :] <= qp[:, None])  # [bq, bk]
-        sc = jnp.where(mask, jnp.dot(q, kj.T, preferred_element_type=F32) * scale, NEG)
+        behind = qp[:, None] - kp_ref[keys][None, :]  # [bq, bk]
+        mask = (qs[:, None] == ks_ref[keys][None, :]) & (behind >= 0) & (behind < w_ref[0])  # [bq, bk]
+        sc = jnp.where(mask, _scores(jnp.dot(q, kj.T, preferred_element_type=F32) * scale, softcap), NEG)
         m_new = jnp.maximum(m, sc.max(-1))
         p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
         corr = jnp.exp(m - m_new)
@@ -219,8 +238,8 @@ def _flash_kernel(qp_ref, qs_ref, kp_ref, ks_ref, q_ref, k_ref, v_ref, o_ref, *,
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-def pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 128, block_k: int = 128,
-                     interpret: bool = False):
+def pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, block_q: int = 128, block_k: int = 128,
+                     interpret: bool = False, scale: float | None = None, softcap: float | None = None):
     """`reference_attention` as a Pallas kernel; interpret=True runs it on any backend (tests)."""
     from jax.experimental import pallas as pl
 
@@ -233,9 +252,10 @@ def pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 128,
     qt = q.transpose(0, 2, 1, 3)  # [B, Hq, S, D]
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, K, D]
     out = pl.pallas_call(
-        partial(_flash_kernel, block_k=bk, scale=d**-0.5),
+        partial(_flash_kernel, block_k=bk, scale=d**-0.5 if scale is None else scale, softcap=softcap),
         grid=(b, hq, sp // bq),
         in_specs=[
+            pl.BlockSpec((1,), lambda i, h, j: (0,)),  # the window
             pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),  # q_pos
             pl.BlockSpec((None, bq), lambda i, h, j: (i, j)),  # q_seg
             pl.BlockSpec((None, kp), lambda i, h, j: (i, 0)),  # k_pos
@@ -247,8 +267,17 @@ def pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, block_q: int = 128,
         out_specs=pl.BlockSpec((None, None, bq, d), lambda i, h, j: (i, h, j, 0)),
         out_shape=jax.ShapeDtypeStruct((b, hq, sp, d), q.dtype),
         interpret=interpret,
-    )(q_pos, q_seg, k_pos, k_seg, qt, kt, vt)
+    )(_window_array(window), q_pos, q_seg, k_pos, k_seg, qt, kt, vt)
     return out.transpose(0, 2, 1, 3)[:, :s]  # [B, S, Hq, D]
+
+
+NO_WINDOW = 2**30
+"""The window of a layer that has none, where a window must be a number (longer than any sequence)."""
+
+
+def _window_array(window) -> jax.Array:
+    """int32 [1]: the kernel's window (NO_WINDOW for None)."""
+    return jnp.full((1,), NO_WINDOW if window is None else window, jnp.int32)
 
 
 GPU_BLOCK = 1024
@@ -256,16 +285,20 @@ GPU_BLOCK = 1024
 a handful of kernel launches; 136 pairs a layer at 16k tokens), [B, Hq, 1024, 1024] f32 scores a step."""
 
 
-def attention(q, k, v, q_pos, q_seg, k_pos, k_seg, *, own_keys_from: int | None = None):
+def attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own_keys_from: int | None = None,
+              scale: float | None = None, softcap: float | None = None):
     """The backend's memory-bounded attention: the Pallas kernel on TPU; on the CPU blockwise, skipping key
     blocks with `lax.cond` (a branch on the host costs nothing there: as fast as the static schedule on one
     2k-token prompt, 3x faster on 8 prompts of 256 packed, whose cross-prompt blocks it skips); on GPUs the
     static schedule, no host round-trip per block (packed prompts' cross-prompt blocks below the diagonal
-    are computed and masked there). own_keys_from: where the queries' own keys start in k."""
+    are computed and masked there). own_keys_from: where the queries' own keys start in k; window: the layer's
+    sliding window (a traced int32 scalar), None for full attention; scale, softcap: the scores' (see
+    `reference_attention`)."""
     backend = jax.default_backend()
+    how = dict(scale=scale, softcap=softcap)
     if backend == "tpu":
-        return pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg)
+        return pallas_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window, **how)
     if backend == "cpu":
-        return blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg)
-    return scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, own_keys_from=own_keys_from,
-                               block_q=GPU_BLOCK, block_k=GPU_BLOCK)
+        return blockwise_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window, **how)
+    return scheduled_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window, own_keys_from=own_keys_from,
+                               block_q=GPU_BLOCK, block_k=GPU_BLOCK, **how)

@@ -1,4 +1,4 @@
-"""The prefill model as pure JAX functions of (params, tokens): llama, mistral, qwen2 and qwen3.
+"""The prefill model as pure JAX functions of (params, tokens): llama, mistral, qwen2, qwen3, gemma2, gemma3.
 
 Per-layer weights are stacked on a leading layer axis, so the layer loop is one `jax.lax.scan` and
 compile time does not grow with depth. Matmuls run in the compute dtype with fp32 accumulation;
@@ -18,11 +18,14 @@ import numpy as np
 
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
-from pdserve.server.prefill.attention import attention
+from pdserve.server.model.weights import EXPERT_NAMES
+from pdserve.server.prefill.attention import NO_WINDOW, attention
+from pdserve.server.prefill.moe import moe_mlp
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
 
 Params = dict
-"""A pytree of jax arrays: embed, final_norm, [lm_head], layers (each stacked over L)."""
+"""A pytree of jax arrays: embed, final_norm, [lm_head], layers (each stacked over L; with `window` int32 [L],
+each layer's sliding window, NO_WINDOW for a global layer, when the model has windowed layers)."""
 
 F32 = jnp.float32
 
@@ -79,17 +82,33 @@ def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str 
     def heads(n: int) -> Callable:
         return lambda w: w.T.reshape(-1, n, d)  # HF [n*D, H] -> [H, n, D]
 
+    offset = 1.0 if config.norm_offset else 0.0  # Gemma's norms scale by (1 + w)
+
+    def norm(suffix: str) -> np.ndarray:
+        return stack(suffix, lambda w: w.astype(np.float32) + np.float32(offset), as_dtype=F32)
+
+    mlp_norm = "pre_feedforward_layernorm" if config.sandwich_norms else "post_attention_layernorm"
     layers = {
-        "attn_norm": stack("input_layernorm.weight", as_dtype=F32),  # [L, H]
+        "attn_norm": norm("input_layernorm.weight"),  # [L, H]
         "wq": stack("self_attn.q_proj.weight", heads(hq)),  # [L, H, Hq, D]
         "wk": stack("self_attn.k_proj.weight", heads(hkv)),  # [L, H, Hkv, D]
         "wv": stack("self_attn.v_proj.weight", heads(hkv)),  # [L, H, Hkv, D]
         "wo": stack("self_attn.o_proj.weight", lambda w: w.T.reshape(hq, d, -1)),  # [L, Hq, D, H]
-        "mlp_norm": stack("post_attention_layernorm.weight", as_dtype=F32),  # [L, H]
-        "w_gate": stack("mlp.gate_proj.weight", np.transpose),  # [L, H, I]
-        "w_up": stack("mlp.up_proj.weight", np.transpose),  # [L, H, I]
-        "w_down": stack("mlp.down_proj.weight", np.transpose),  # [L, I, H]
+        "mlp_norm": norm(f"{mlp_norm}.weight"),  # [L, H]
     }
+    if config.moe is None:
+        layers["w_gate"] = stack("mlp.gate_proj.weight", np.transpose)  # [L, H, I]
+        layers["w_up"] = stack("mlp.up_proj.weight", np.transpose)  # [L, H, I]
+        layers["w_down"] = stack("mlp.down_proj.weight", np.transpose)  # [L, I, H]
+    else:
+        names = EXPERT_NAMES[config.family]
+        experts = lambda proj: lambda i: np.stack(  # noqa: E731  [E, in, out] of layer i
+            [get(f"model.layers.{i}.{names[proj]}".format(e=e)).T for e in range(config.moe.num_experts)])
+        per_layer = lambda proj: np.stack([experts(proj)(i) for i in range(config.num_layers)])  # noqa: E731
+        layers["router"] = stack(f"{names['router']}.weight", np.transpose)  # [L, H, E]
+        layers["e_gate"] = per_layer("gate").astype(np.float32 if quantized else dt)  # [L, E, H, I]
+        layers["e_up"] = per_layer("up").astype(np.float32 if quantized else dt)  # [L, E, H, I]
+        layers["e_down"] = per_layer("down").astype(np.float32 if quantized else dt)  # [L, E, I, H]
     if config.qkv_bias:
         layers["bq"] = stack("self_attn.q_proj.bias", lambda b: b.reshape(hq, d))  # [L, Hq, D]
         layers["bk"] = stack("self_attn.k_proj.bias", lambda b: b.reshape(hkv, d))  # [L, Hkv, D]
@@ -97,19 +116,26 @@ def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str 
     if "model.layers.0.self_attn.o_proj.bias" in weights:  # llama with attention_bias
         layers["bo"] = stack("self_attn.o_proj.bias")  # [L, H]
     if config.qk_norm:
-        layers["q_norm"] = stack("self_attn.q_norm.weight", as_dtype=F32)  # [L, D]
-        layers["k_norm"] = stack("self_attn.k_norm.weight", as_dtype=F32)  # [L, D]
+        layers["q_norm"] = norm("self_attn.q_norm.weight")  # [L, D]
+        layers["k_norm"] = norm("self_attn.k_norm.weight")  # [L, D]
+    if config.sandwich_norms:
+        layers["attn_post_norm"] = norm("post_attention_layernorm.weight")  # [L, H]
+        layers["mlp_post_norm"] = norm("post_feedforward_layernorm.weight")  # [L, H]
     if quantized:
         layers = quantize_layers(layers, dtype)  # int8/fp8 [L, ...] + float32 <name>_scale
-        for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+        for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "attn_post_norm", "mlp_post_norm"):
             if name in layers:
                 layers[name] = layers[name].astype(np.float32)
-        for name in ("bq", "bk", "bv", "bo"):
+        for name in ("bq", "bk", "bv", "bo", "router"):
             if name in layers:
                 layers[name] = layers[name].astype(dt)
+    if config.layer_windows:
+        layers["window"] = np.array([w or NO_WINDOW for w in config.layer_windows], np.int32)  # [L]
+    if config.local_rope is not None:  # which of embed's two RoPE tables each layer reads: 1 the local one
+        layers["rope"] = np.array([int(config.window(i) is not None) for i in range(config.num_layers)], np.int32)
     params: Params = {
         "embed": jnp.asarray(get("model.embed_tokens.weight"), dtype=dt),  # [V, H]
-        "final_norm": jnp.asarray(get("model.norm.weight"), dtype=F32),  # [H]
+        "final_norm": jnp.asarray(get("model.norm.weight").astype(np.float32) + np.float32(offset)),  # [H]
         "layers": {name: jnp.asarray(w) for name, w in layers.items()},
     }
     if not config.tie_word_embeddings:
@@ -158,8 +184,11 @@ class Packing(NamedTuple):
 
 def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing, x: jax.Array, p: Params,
            context_k: jax.Array, context_v: jax.Array):
-    """One decoder layer. x [B, S, H], context k, v [B, C, Hkv, D] -> (x [B, S, H], (k, v) [B, S, Hkv, D])."""
+    """One decoder layer. x [B, S, H], context k, v [B, C, Hkv, D] -> (x [B, S, H], (k, v) [B, S, Hkv, D]).
+    cos, sin [B, S, D], or [2, B, S, D] (global, local) for a model whose windowed layers have their own RoPE."""
     eps = config.rms_norm_eps
+    if "rope" in p:
+        cos, sin = cos[p["rope"]], sin[p["rope"]]
     w = partial(dequantize, p, dtype=x.dtype)  # int8/fp8 weights -> the compute dtype, fused by XLA
     h = _rms_norm(x, p["attn_norm"], eps)
     q = _mm("bsh,hnd->bsnd", h, w("wq"))  # [B, S, Hq, D]
@@ -174,15 +203,26 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     values = jnp.concatenate([context_v.astype(v.dtype), v], axis=1)
     key_pos = jnp.concatenate([packing.context_positions, packing.positions], axis=1)  # [B, C + S]
     key_seg = jnp.concatenate([packing.context_segments, packing.segments], axis=1)
-    out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg,
-                    own_keys_from=context_k.shape[1])  # [B, S, Hq, D]
+    out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg, p.get("window"),
+                    own_keys_from=context_k.shape[1], scale=config.scale,
+                    softcap=config.attn_softcap)  # [B, S, Hq, D]
     attn = _mm("bsnd,ndh->bsh", out, w("wo"))  # [B, S, H]
-    x = x + (attn + p["bo"] if "bo" in p else attn)
+    if "bo" in p:
+        attn = attn + p["bo"]
+    if config.sandwich_norms:
+        attn = _rms_norm(attn, p["attn_post_norm"], eps)
+    x = x + attn
     h = _rms_norm(x, p["mlp_norm"], eps)
-    gate = _mm("bsh,hi->bsi", h, w("w_gate"))  # [B, S, I]
-    up = _mm("bsh,hi->bsi", h, w("w_up"))  # [B, S, I]
-    x = x + _mm("bsi,ih->bsh", jax.nn.silu(gate) * up, w("w_down"))
-    return x, (k, v)
+    act = jax.nn.silu if config.hidden_act == "silu" else partial(jax.nn.gelu, approximate=True)
+    if config.moe is not None:
+        mlp = moe_mlp(h, w("router"), w("e_gate"), w("e_up"), w("e_down"), config.moe, act)  # [B, S, H]
+    else:
+        gate = _mm("bsh,hi->bsi", h, w("w_gate"))  # [B, S, I]
+        up = _mm("bsh,hi->bsi", h, w("w_up"))  # [B, S, I]
+        mlp = _mm("bsi,ih->bsh", act(gate) * up, w("w_down"))
+    if config.sandwich_norms:
+        mlp = _rms_norm(mlp, p["mlp_post_norm"], eps)
+    return x + mlp, (k, v)
 
 
 def _no_context(config: ModelConfig, layers: int, batch: int, dtype) -> tuple[jax.Array, jax.Array]:
@@ -202,10 +242,19 @@ def _hidden(params: Params, tokens: jax.Array, config: ModelConfig):
 
 def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, config: ModelConfig
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """tokens, positions [B, S] -> (x [B, S, H], cos, sin [B, S, D]): what every layer group starts from."""
-    angles = positions.astype(F32)[..., None] * jnp.asarray(inv_freq(config))  # [B, S, D/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, S, D]
-    return jnp.take(params["embed"], tokens, axis=0, mode="clip"), jnp.cos(angles), jnp.sin(angles)
+    """tokens, positions [B, S] -> (x [B, S, H], cos, sin [B, S, D]): what every layer group starts from.
+    With a local RoPE (Gemma 3), cos and sin are [2, B, S, D]: the global layers' table, then the local ones'."""
+    ropes = [config.rope] if config.local_rope is None else [config.rope, config.local_rope]
+    freqs = jnp.asarray(np.stack([inv_freq(config, rope) for rope in ropes]))  # [R, D/2]
+    angles = positions.astype(F32)[None, ..., None] * freqs[:, None, None]  # [R, B, S, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [R, B, S, D]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if config.local_rope is None:
+        cos, sin = cos[0], sin[0]
+    x = jnp.take(params["embed"], tokens, axis=0, mode="clip")  # [B, S, H]
+    if config.embed_scale is not None:
+        x = x * jnp.asarray(config.embed_scale, x.dtype)
+    return x, cos, sin
 
 
 def layer_group(
@@ -254,7 +303,9 @@ def _logits(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
     """x [..., H] -> f32 [..., V]."""
     h = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
     head = params.get("lm_head", params["embed"])  # [V, H]
-    return jnp.einsum("...h,vh->...v", h, head, preferred_element_type=F32)
+    logits = jnp.einsum("...h,vh->...v", h, head, preferred_element_type=F32)
+    cap = config.final_softcap
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def prefill(

@@ -37,7 +37,11 @@ CONTRACTED: dict[str, tuple[int, ...]] = {
     "w_gate": (1,),  # [L, H, I]
     "w_up": (1,),  # [L, H, I]
     "w_down": (1,),  # [L, I, H]
+    "e_gate": (2,),  # [L, E, H, I]: per expert and output channel
+    "e_up": (2,),  # [L, E, H, I]
+    "e_down": (2,),  # [L, E, I, H]
 }
+"""(An MoE model has the experts' e_* instead of w_*; its router stays in the compute dtype.)"""
 
 
 def quantize_weight(w: np.ndarray, contracted: tuple[int, ...], fmt: str) -> tuple[np.ndarray, np.ndarray]:
@@ -55,7 +59,8 @@ def quantize_layers(layers: dict[str, np.ndarray], fmt: str) -> dict[str, np.nda
         raise ValueError(f"weight format {fmt!r} is not one of {', '.join(WEIGHT_FORMATS)}")
     out = dict(layers)
     for name, axes in CONTRACTED.items():
-        out[name], out[f"{name}_scale"] = quantize_weight(layers[name], axes, fmt)
+        if name in layers:
+            out[name], out[f"{name}_scale"] = quantize_weight(layers[name], axes, fmt)
     return out
 
 

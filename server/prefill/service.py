@@ -99,6 +99,11 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         if ours != theirs:
             return (f"decode worker's KV layout (layers, kv heads, head dim) = {theirs} does not fit this "
                     f"prefill worker's model {ours}: both tiers must serve the same checkpoint")
+        windows = tuple(w or 0 for w in c.layer_windows)
+        if layout.windows != windows:
+            show = lambda ws: ",".join(map(str, ws)) or "none"  # noqa: E731
+            return (f"decode worker's KV layout has layer windows {show(layout.windows)}, this prefill worker's "
+                    f"model {show(windows)}: both tiers must serve the same checkpoint (and pdserve release)")
         if layout.dtype not in WIRE_DTYPES:
             return (f"decode worker wants KV dtype {layout.dtype}; this prefill worker sends "
                     f"{', '.join(WIRE_DTYPES)}")

@@ -3,6 +3,8 @@
 q/k/v and gate/up are split by output (heads, intermediate), o and down by input, so each device
 runs whole heads and XLA inserts one all-reduce after attention and one after the MLP. The lm_head
 is split over the vocabulary when it divides; embeddings, norms and o/down biases are replicated.
+A mixture-of-experts model's experts are split over the same axis (expert parallelism beside the heads'
+split): each device holds num_experts / tp whole experts, the router is replicated.
 The model code is unchanged: jit the same prefill and pass it sharded params; activations and the
 KV (split over kv heads) follow the params' shardings, and `np.asarray` gathers a batch's KV to the host.
 
@@ -37,6 +39,9 @@ _LAYER_SPECS = {
     "w_gate": P(None, None, AXIS),  # [L, H, I]
     "w_up": P(None, None, AXIS),  # [L, H, I]
     "w_down": P(None, AXIS, None),  # [L, I, H]
+    "e_gate": P(None, AXIS, None, None),  # [L, E, H, I]: experts split over the devices (expert parallelism)
+    "e_up": P(None, AXIS, None, None),  # [L, E, H, I]
+    "e_down": P(None, AXIS, None, None),  # [L, E, I, H]
 }
 
 
@@ -51,8 +56,9 @@ def start_distributed(coordinator_address: str | None, num_processes: int | None
 
 
 def _unsplittable(config: ModelConfig, tp: int) -> list[str]:
-    return [f"{what} ({n})" for what, n in (("num_kv_heads", config.num_kv_heads),
-                                            ("intermediate_size", config.intermediate_size)) if n % tp]
+    mlp = ("intermediate_size", config.intermediate_size) if config.moe is None else \
+        ("num_experts", config.moe.num_experts)
+    return [f"{what} ({n})" for what, n in (("num_kv_heads", config.num_kv_heads), mlp) if n % tp]
 
 
 def _fitting_sizes(config: ModelConfig, num_devices: int, num_processes: int) -> list[int]:

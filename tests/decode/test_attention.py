@@ -70,3 +70,58 @@ def test_tables_on_an_accelerator_keep_their_width():
     context = PagedContext.build(torch.tensor([[5]]), torch.tensor([[1, 2, 3, 4]]).to("meta"),
                                  torch.tensor([6]).to("meta"), BS, torch.device("meta"), torch.float32)
     assert context.block_tables.shape == (1, 4) and context.bias.shape == (1, 1, 1, 4 * BS)
+
+
+def _windowed_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: list[int], window: int):
+    """_dense with a sliding window: the query at p reads keys p - window < j <= p."""
+    k, v = (t.double().repeat_interleave(H // HKV, dim=1) for t in (k, v))  # [T, H, D]
+    scores = torch.einsum("shd,thd->hst", q.double(), k) / D**0.5  # [H, S, T]
+    behind = torch.tensor(positions)[None, :, None] - torch.arange(k.shape[0])[None, None]
+    scores = scores.masked_fill((behind < 0) | (behind >= window), float("-inf"))
+    return torch.einsum("hst,thd->shd", scores.softmax(-1), v).float()
+
+
+@pytest.mark.parametrize("window", [1, 5, 9])
+def test_a_windowed_layer_reads_only_the_blocks_of_its_window(window):
+    """Rows of 3, 17 and 26 tokens: the local view holds only the blocks from each row's window on (a fixed
+    number), blocks before it hold NaN (were they read, the output would be NaN), and it equals dense
+    windowed attention."""
+    cache = PagedKvCache(KvLayout.of(L, HKV, D, BS, "float32"), 24)
+    g = torch.Generator().manual_seed(5)
+    tables = [[20, 3, 7, 9, 11, 13, 15], [1, 5, 2, 8, 10, 12, 14], [6, 0, 4, 16, 17, 18, 19]]
+    lengths = [3, 17, 26]
+    kv = [torch.randn(n, HKV, D, generator=g) for n in lengths]
+    for table, x in zip(tables, kv):
+        cache.store(0, torch.tensor([[table[t // BS] * BS + t % BS for t in range(len(x))]]), x, -x)
+    positions = torch.tensor(lengths) - 1
+    context = PagedContext.build(positions[:, None], torch.tensor(tables), torch.tensor(lengths), BS,
+                                 torch.device("cpu"), torch.float32, groups=H // HKV, window=window)
+    local = context.local
+    assert local.block_tables.shape == (3, min(7, (window - 1) // BS + 2))
+    for table, n in zip(tables, lengths):  # poison every block wholly before the window
+        for block in table[: max(0, n - window) // BS]:
+            cache.k[0, block] = float("nan")
+            cache.v[0, block] = float("nan")
+    q = torch.randn(3, 1, H, D, generator=g)
+    out = paged_attention(q, cache, 0, local)  # [B, 1, H, D]
+    assert not out.isnan().any()
+    for row, n in enumerate(lengths):
+        k, v = kv[row], -kv[row]
+        torch.testing.assert_close(out[row], _windowed_dense(q[row], k, v, [n - 1], window), rtol=1e-5, atol=1e-5)
+
+
+def test_a_windowed_chunk_attends_each_query_through_its_own_window():
+    """A chunk of 6 new tokens after 14 cached, window 5: each query reads its own last 5 positions."""
+    window = 5
+    cache = PagedKvCache(KvLayout.of(L, HKV, D, BS, "float32"), 8)
+    g = torch.Generator().manual_seed(6)
+    table = [4, 1, 6, 0, 2]
+    x = torch.randn(20, HKV, D, generator=g)
+    cache.store(0, torch.tensor([[table[t // BS] * BS + t % BS for t in range(20)]]), x, 2 * x)
+    positions = torch.arange(14, 20)[None]
+    context = PagedContext.build(positions, torch.tensor([table]), torch.tensor([20]), BS, torch.device("cpu"),
+                                 torch.float32, groups=H // HKV, window=window)
+    q = torch.randn(1, 6, H, D, generator=g)
+    out = paged_attention(q, cache, 0, context.local)  # [1, 6, H, D]
+    torch.testing.assert_close(out[0], _windowed_dense(q[0], x, 2 * x, list(range(14, 20)), window),
+                               rtol=1e-5, atol=1e-5)

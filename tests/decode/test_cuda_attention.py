@@ -32,12 +32,13 @@ def test_splits_follow_the_shapes_alone():
     assert num_splits(1, 1, 4096, 16) == 64  # 256 wanted, capped for the combining kernel
 
 
-def _reference(q, cache: PagedKvCache, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+def _reference(q, cache: PagedKvCache, tables: torch.Tensor, lens: torch.Tensor, window: int | None = None
+               ) -> torch.Tensor:
     """The reference paged attention (`attention.paged_attention`) of one new token per row at its context's
-    last position: q [B, H, D] -> [B, H, D]."""
+    last position (through a sliding window, when given): q [B, H, D] -> [B, H, D]."""
     context = PagedContext.build((lens - 1)[:, None], tables, lens, cache.block_size, q.device, q.dtype,
-                                 groups=q.shape[1] // cache.layout.num_kv_heads)
-    return paged_attention(q[:, None], cache, 0, context)[:, 0]
+                                 groups=q.shape[1] // cache.layout.num_kv_heads, window=window)
+    return paged_attention(q[:, None], cache, 0, context if window is None else context.local)[:, 0]
 
 
 def _filled_cache(dtype: str, num_blocks: int = 40, block_size: int = 4) -> PagedKvCache:
@@ -85,6 +86,31 @@ def test_kernel_reads_no_block_past_the_context():
     got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens, splits=2)
     assert torch.equal(got, expected) or (got - expected).abs().max().item() < 1e-6
     assert not got.isnan().any()
+
+
+@needs_triton
+@pytest.mark.parametrize("kv_dtype, window, splits", [
+    ("float32", 1, 1), ("float32", 7, 1), ("float32", 30, 3), ("float32", 100, 2), ("int8", 13, 2),
+])
+def test_windowed_kernel_matches_the_reference_and_reads_only_the_window(kv_dtype, window, splits):
+    """A sliding window: the kernel walks only the tiles of each row's last `window` tokens (blocks wholly
+    before it hold NaN) and equals the reference's windowed view."""
+    cache = _filled_cache(kv_dtype, num_blocks=40, block_size=4)
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 4, 32, generator=g)
+    tables = torch.randperm(40, generator=g)[:30].view(3, 10)
+    lens = torch.tensor([1, 17, 40])
+    want = _reference(q, cache, tables, lens, window)
+    for b, n in enumerate(lens.tolist()):
+        stale = tables[b, : max(0, n - window) // 4]
+        cache.k[0, stale] = cache.v[0, stale] = float("nan") if kv_dtype == "float32" else 127
+        if cache.k_scales is not None:
+            cache.k_scales[0, stale] = cache.v_scales[0, stale] = float("nan")
+    got = paged_decode_attention(q, cache.k[0], cache.v[0], tables, lens,
+                                 None if cache.k_scales is None else cache.k_scales[0],
+                                 None if cache.v_scales is None else cache.v_scales[0], splits=splits, window=window)
+    assert not got.isnan().any()
+    assert (got - want).abs().max().item() < 1e-5
 
 
 @pytest.fixture(scope="module")

@@ -149,3 +149,23 @@ async def test_a_prompt_asking_prompt_logprobs_reuses_no_cached_prefix():
     b.sampling.prompt_logprobs = 1
     assert s.add(b) == [b]
     assert b.block_table == [3, 4, 5] and b.num_hit_blocks == 0 and b.num_cached_tokens == 0
+
+
+async def test_blocks_whose_windowed_kv_never_arrived_are_not_cached_for_others():
+    """A windowed model's prompt whose first 2 blocks lack the windowed layers' KV (the prefill tier sent none
+    behind the window): retired, it caches only its own prefix hits, and a prompt sharing its start reuses
+    nothing; a sequence without stale blocks caches as before."""
+    s = Scheduler(num_blocks=8, block_size=BS, max_running=8, max_queue=8)
+    system = list(range(100, 108))  # 2 full blocks
+    a = _seq("a", system + list(range(8)))
+    s.add(a)
+    a.num_stale_blocks = 2  # (decode/service.py sets it from KvLayout.stale_tokens when the KV arrived)
+    _run(s, a)
+    s.retire(a)
+    assert s.cache.num_cached == 0 and a.num_stale_blocks == 0
+    b = _seq("b", system + [1])
+    assert s.add(b) == [b] and b.num_hit_blocks == 0
+    _run(s, b)
+    s.retire(b)  # no stale blocks: its 2 full blocks are cached
+    c = _seq("c", system + [2])
+    assert s.add(c) == [c] and c.num_hit_blocks == 2

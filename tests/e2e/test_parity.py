@@ -22,6 +22,9 @@ PROMPTS = [
     "x = [1, 2, 3]\n" * 12,
 ]
 MAX_TOKENS = 12
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+"""Every served family's tiny checkpoint (server/model/tiny.py): the windowed ones' window is 24 tokens, shorter
+than most prompts here; the MoEs pick 2 of 8 experts."""
 
 
 def hf_greedy(model_dir, prompt_ids: list[int]) -> list[int]:
@@ -41,7 +44,7 @@ def generate_ids(addr: str, prompt: str) -> tuple[list[int], int]:
     return ids, reason
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_transformers(family, tiny_model, tmp_path):
     model_dir = tiny_model(family)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
@@ -64,7 +67,7 @@ LONG_PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_transformers_with_small_chunks_and_packed_steps(family, tiny_model, tmp_path):
     """Prompts of mixed lengths at once through one prefill worker that packs them into 128-token steps
     and runs anything longer than 64 tokens chunk by chunk, interleaved with the short ones."""
@@ -94,10 +97,10 @@ def test_bf16_checkpoint_serves_end_to_end(tiny_model, tmp_path):
         assert all(free == total for free, total in pairs), pairs
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"])
 def test_greedy_equals_transformers_with_prefill_on_a_two_device_mesh(family, tiny_model, tmp_path):
     """`pdserve up --tensor-parallel-size 2` on 2 forced host devices: the prefill worker shards kv heads
-    and MLP over both (decode workers run on one device), greedy tokens unchanged."""
+    and MLP (an MoE's experts) over both (decode workers run on one device), greedy tokens unchanged."""
     model_dir = tiny_model(family)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in PROMPTS]

@@ -89,3 +89,16 @@ def test_handshake_names_both_layouts():
         "dtype=bfloat16 scales=none]"
     )
     assert isinstance(err.value, ValueError)
+
+
+def test_layer_windows_travel_in_the_handshake():
+    windowed = KvLayout.of(4, 2, 8, 16, "int8", windows=(24, None, 24, None))
+    assert windowed.windows == (24, 0, 24, 0) and "windows=24,0,24,0" in windowed.describe()
+    assert KvLayout.from_proto(windowed.to_proto()) == windowed
+    assert KvLayout.from_proto(KvLayout.of(4, 2, 8, 16, "int8").to_proto()).windows == ()
+    with pytest.raises(HandshakeError, match=r"sends \[.*block_head\], this worker holds \[.*windows=24,0,24,0\]"):
+        check_handshake(windowed, "f", KvLayout.of(4, 2, 8, 16, "int8"), "f")
+    with pytest.raises(ValueError, match="one per layer"):
+        KvLayout.of(4, 2, 8, 16, "int8", windows=(24, 24))
+    # A 100-token prompt, window 24, blocks of 16: the next query reads 77.., so blocks 0-3 are stale.
+    assert windowed.stale_tokens(100) == (64, 0, 64, 0) and windowed.stale_tokens(24) == (0, 0, 0, 0)

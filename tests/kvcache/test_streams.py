@@ -263,3 +263,37 @@ async def test_a_cancelled_transfer_skips_the_writes_still_queued(pairs):
         await sending
         await sender.finish(first_token_id=5)
     assert err.value.code() == grpc.StatusCode.ABORTED
+
+
+async def test_windowed_layers_send_only_the_blocks_their_window_still_needs(pairs):
+    """Layers 0 and 2 with a window of 6 tokens, layer 1 global, a 21-token prompt in blocks of 4: the next
+    query (position 21) reads keys 16.. in a windowed layer, so blocks 0-3 of layers 0 and 2 are never sent;
+    the transfer completes, and the bytes are the global layer's 6 blocks plus 2 blocks of each windowed one."""
+    layout = KvLayout(3, 2, 8, 4, "bfloat16", windows=(6, 0, 6))
+    assert layout.stale_tokens(21) == (16, 0, 16) and layout.stale_tokens(5) == (0, 0, 0)
+    pair = await pairs(num_streams=2, layout=layout)
+    transfer = pair.receiver.expect("r1", 0, TOKEN, 21)
+    k, v, _, _ = random_kv(layout, 21, seed=7)
+    sender = await pair.transport.open(pair.address, pair.header(num_tokens=21), layout)
+    await sender.send(KvTensors(0, 0, k[:2], v[:2]))  # layer groups: 0-1 (windowed, global), then 2
+    await sender.send(KvTensors(2, 0, k[2:], v[2:]))
+    assert await (sender.finish(first_token_id=4)) is not None and await transfer.done == 4
+    cells = {(layer, t) for _, p in pair.sink.writes for layer in range(p.layer_start, p.layer_start + p.num_layers)
+             for t in range(p.token_start, p.token_start + p.num_tokens, 4)}
+    assert cells == {(1, t) for t in range(0, 21, 4)} | {(layer, t) for layer in (0, 2) for t in (16, 20)}
+    per_token = 2 * 2 * 8 * 2  # K and V of one layer's token
+    assert transfer.bytes_received == per_token * (21 + 2 * (21 - 16))
+    got_k, _ = pair.sink.assemble("r1", layout, 21)
+    assert got_k[1].tobytes() == k[1].tobytes() and got_k[0, 16:].tobytes() == k[0, 16:].tobytes()
+
+
+async def test_a_sender_whose_windows_differ_is_refused_naming_both(pairs):
+    ours = KvLayout(3, 2, 8, 4, "bfloat16", windows=(6, 0, 6))
+    pair = await pairs(layout=ours)
+    pair.receiver.expect("r1", 0, TOKEN, NUM_TOKENS)
+    theirs = KvLayout(3, 2, 8, 4, "bfloat16")
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await pair.transport.open(pair.address, make_header(layout=theirs, request_id="r1", attempt=0,
+                                                            transfer_token=TOKEN, num_tokens=NUM_TOKENS), theirs)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "windows=6,0,6" in err.value.details() and "scales=none]" in err.value.details()

@@ -46,12 +46,54 @@ def test_rope_matches_transformers(tiny_model):
         np.testing.assert_allclose(ours, theirs, rtol=1e-6)
 
 
+def test_gemma_configs_carry_what_their_layers_compute(tiny_model):
+    import torch
+    import transformers
+
+    g2, g3 = load_config(tiny_model("gemma2")), load_config(tiny_model("gemma3"))
+    assert g2.layer_windows == (24, None, 24, None) and g3.layer_windows == (24, 24, 24, None)
+    assert (g2.attn_softcap, g2.final_softcap, g3.attn_softcap, g3.final_softcap) == (5.0, 3.0, None, None)
+    assert g2.scale == g3.scale == 24**-0.5 and g2.embed_scale == 128**0.5 and g2.tie_word_embeddings
+    assert g3.qk_norm and not g2.qk_norm and g2.local_rope is None
+    assert g3.rope_of(0).theta == 10000.0 and g3.rope_of(3).theta == 1e6
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model("gemma3"), dtype=torch.float32)
+    for kind, rope in (("full_attention", g3.rope), ("sliding_attention", g3.local_rope)):
+        theirs = getattr(hf.model.rotary_emb, f"{kind}_inv_freq").numpy()
+        np.testing.assert_allclose(inv_freq(g3, rope), theirs, rtol=1e-6)
+
+
+def test_transformers4_style_gemma3_config_equals_transformers5_style(tiny_model):
+    raw = json.loads((tiny_model("gemma3") / "config.json").read_text())
+    v5 = parse_config(raw)
+    ropes = raw.pop("rope_parameters")
+    raw.pop("layer_types")
+    v4 = parse_config(dict(raw, rope_theta=ropes["full_attention"]["rope_theta"], sliding_window_pattern=4,
+                           rope_local_base_freq=ropes["sliding_attention"]["rope_theta"]))
+    assert v4 == v5
+    linear = parse_config(dict(raw, rope_scaling={"rope_type": "linear", "factor": 8.0}))  # Gemma 3 4B's global
+    assert linear.rope.kind == "linear" and linear.rope.factor == 8.0 and linear.local_rope.kind == "default"
+    assert parse_config(dict(raw, sliding_window_pattern=2)).layer_windows == (24, None, 24, None)
+
+
 def test_unsupported_architecture_is_named(tmp_path, tiny_model):
     shutil.copytree(tiny_model("llama"), tmp_path / "m")
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
     raw["architectures"] = ["GPTNeoXForCausalLM"]
     (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match="GPTNeoXForCausalLM"):
+        load_config(tmp_path / "m")
+
+
+@pytest.mark.parametrize("arch, words", [
+    ("DeepseekV3ForCausalLM", r"multi-head latent attention \(MLA\).* nearest it serves is Qwen3MoeForCausalLM"),
+    ("JambaForCausalLM", "a hybrid of Mamba and attention layers.* nearest it serves is MixtralForCausalLM"),
+    ("Gemma3ForConditionalGeneration", r"a multimodal model \(vision tower\).* nearest it serves is Gemma3ForCausalLM"),
+])
+def test_known_unsupported_architectures_are_refused_naming_the_nearest_supported(tmp_path, tiny_model, arch, words):
+    shutil.copytree(tiny_model("llama"), tmp_path / "m")
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(raw, architectures=[arch])))
+    with pytest.raises(ModelLoadError, match=f"^architecture {arch} is not supported: it needs {words}"):
         load_config(tmp_path / "m")
 
 
@@ -126,19 +168,15 @@ def _edited(tmp_path, tiny_model, family: str, **changes):
     return out
 
 
-def test_a_sliding_window_serves_only_as_long_as_full_attention_equals_it(tmp_path):
+def test_a_sliding_window_is_served_to_the_model_length_with_every_layer_windowed(tmp_path):
     path = _saved(tmp_path, "MistralConfig", sliding_window=24)
     config = load_config(path)
-    assert config.sliding_window == 24 and config.max_model_len == 512
-    with pytest.raises(ModelLoadError, match=r"config.json sets sliding_window 24: .* would serve this model to 512 "
-                                             r"\(max_position_embeddings in config.json\); pass --max-model-len N "
-                                             r"with N <= 24"):
-        config.limited_to(None)
-    with pytest.raises(ModelLoadError, match=r"to 25 \(--max-model-len\); pass --max-model-len N with N <= 24"):
-        config.limited_to(25)
-    assert config.limited_to(24).max_model_len == 24
+    assert config.sliding_window == 24 and config.layer_windows == (24, 24) and config.all_windowed
+    assert config.limited_to(None).max_model_len == 512
     assert config.limited_to(16).max_model_len == 16
-    assert load_config(_saved(tmp_path, "MistralConfig", sliding_window=None)).limited_to(None).sliding_window is None
+    plain = load_config(_saved(tmp_path, "MistralConfig", sliding_window=None)).limited_to(None)
+    assert plain.sliding_window is None and plain.layer_windows == () and not plain.all_windowed
+    assert plain.window(0) is None
 
 
 def test_qwen_windows_follow_use_sliding_window_and_max_window_layers(tmp_path, tiny_model):
@@ -150,40 +188,24 @@ def test_qwen_windows_follow_use_sliding_window_and_max_window_layers(tmp_path, 
         # Layers from max_window_layers on are windowed: layer 1 of 2.
         windowed = load_config(_saved(tmp_path, name, use_sliding_window=True, sliding_window=24, max_window_layers=1))
         assert windowed.raw["layer_types"] == ["full_attention", "sliding_attention"]
-        with pytest.raises(ModelLoadError, match="sliding_window 24"):
-            windowed.limited_to(None)
-        assert windowed.limited_to(24).max_model_len == 24
+        assert windowed.layer_windows == (None, 24) and not windowed.all_windowed
+        assert windowed.window(0) is None and windowed.window(1) == 24
         none = load_config(_saved(tmp_path, name, use_sliding_window=True, sliding_window=24, max_window_layers=2))
         assert none.sliding_window is None and none.limited_to(None).max_model_len == 512
     # transformers 4's configs carry no layer_types: max_window_layers decides alone.
     v4 = load_config(_edited(tmp_path, tiny_model, "qwen2", sliding_window=24, use_sliding_window=True,
                              max_window_layers=1, layer_types=None))
-    assert v4.sliding_window == 24
-
-
-def test_transformers_sliding_window_equals_full_attention_up_to_its_length():
-    """The premise of serving a windowed model with full attention: a query sees the last W positions, so a
-    sequence of at most W tokens attends to all of them."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.MistralConfig(**_SHAPE, sliding_window=8, attn_implementation="eager")
-    windowed = transformers.MistralForCausalLM(config).eval()
-    full = transformers.MistralForCausalLM(transformers.MistralConfig(**_SHAPE, sliding_window=None,
-                                                                      attn_implementation="eager")).eval()
-    full.load_state_dict(windowed.state_dict())
-    ids = torch.randint(0, _SHAPE["vocab_size"], (1, 9))
-    with torch.no_grad():
-        assert torch.equal(windowed(ids[:, :8]).logits, full(ids[:, :8]).logits)
-        assert not torch.allclose(windowed(ids).logits[0, 8], full(ids).logits[0, 8])
+    assert v4.sliding_window == 24 and v4.layer_windows == (None, 24)
 
 
 @pytest.mark.parametrize("family, changes, words", [
     ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "rope_parameters.rope_type 'yarn'"),
-    ("mistral", {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}},
-     "rope_scaling.type 'linear'"),
+    ("mistral", {"rope_parameters": None, "rope_theta": 1e4, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     "rope_scaling.type 'dynamic'"),
+    ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation 'gelu'"),
+    ("gemma3", {"use_bidirectional_attention": True}, "use_bidirectional_attention true"),
+    ("gemma3", {"attention_bias": True}, "attention_bias true"),
     ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0}},
      "rope_parameters.rope_type 'dynamic'"),
     ("qwen2", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdserve.server.prefill.attention import blockwise_attention, pallas_attention, reference_attention
+from pdserve.server.prefill.attention import (blockwise_attention, pallas_attention, reference_attention,
+                                              scheduled_attention)
 
 
 def _packed(seed: int, lengths: list[int], contexts: list[int], total: int, hq: int = 4, hkv: int = 2, d: int = 16):
@@ -79,3 +80,33 @@ def test_blockwise_memory_is_linear_in_length():
     compiled = jax.jit(blockwise_attention).lower(*args).compile()
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < s * s * 4 // 8, f"{temp} bytes of temporaries for {s} tokens: an S x S buffer is back"
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("window", [1, 7, 24])
+def test_windowed_kernels_equal_the_windowed_reference(case, window):
+    """A sliding window W: each kernel reads only keys p - W < j <= p, a chunk's context included."""
+    lengths, contexts, total = CASES[case]
+    q, k, v, qp, qs, kp, ks, real = _packed(3, lengths, contexts, total)
+    w = jnp.int32(window)
+    want = np.asarray(reference_attention(q, k, v, qp, qs, kp, ks, w))
+    got = {
+        "blockwise": blockwise_attention(q, k, v, qp, qs, kp, ks, w, block_q=16, block_k=8),
+        "scheduled": scheduled_attention(q, k, v, qp, qs, kp, ks, w, own_keys_from=k.shape[1] - q.shape[1],
+                                         block_q=16, block_k=8),
+        "pallas": pallas_attention(q, k, v, qp, qs, kp, ks, w, block_q=16, block_k=8, interpret=True),
+    }
+    for name, out in got.items():
+        np.testing.assert_allclose(np.asarray(out)[:, :real], want[:, :real], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_the_window_masks_what_full_attention_reads():
+    """The windowed reference by hand: a one-token window is each query's own value; a window longer than
+    the prompt is full attention."""
+    q, k, v, qp, qs, kp, ks, real = _packed(4, [20], [0], 20)
+    own = np.asarray(reference_attention(q, k, v, qp, qs, kp, ks, jnp.int32(1)))  # [1, S, Hq, D]
+    np.testing.assert_allclose(own[0], np.repeat(v[0], 2, axis=1), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(reference_attention(q, k, v, qp, qs, kp, ks, jnp.int32(20))),
+                               np.asarray(reference_attention(q, k, v, qp, qs, kp, ks)), rtol=1e-6)
+    assert not np.allclose(np.asarray(reference_attention(q, k, v, qp, qs, kp, ks, jnp.int32(19))),
+                           np.asarray(reference_attention(q, k, v, qp, qs, kp, ks)))

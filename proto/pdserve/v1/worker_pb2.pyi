@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "scale_granularity")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "scale_granularity", "layer_windows")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SCALE_GRANULARITY_FIELD_NUMBER: _ClassVar[int]
+    LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
     dtype: str
     scale_granularity: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., scale_granularity: _Optional[str] = ...) -> None: ...
+    layer_windows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., scale_granularity: _Optional[str] = ..., layer_windows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvTarget(_message.Message):
     __slots__ = ("address", "layout", "cached_blocks")

@@ -105,6 +105,9 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     from pdserve.server.decode.vllm import connector as vllm_connector
 
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
+    from pdserve.server.preflight import check_vllm_model
+
+    check_vllm_model(model_config)  # (PreflightError, a ValueError: the worker's start refuses it)
     dtype = model_config.dtype if config.kv_dtype == "auto" else config.kv_dtype
     # vLLM refuses a cache that cannot hold one request of max_model_len: cap it at the cache's tokens
     # (less vLLM's null block)

@@ -1,0 +1,59 @@
+"""The mixture-of-experts MLP of the decode tier (Mixtral, Qwen3-MoE): one grouped expert step per forward.
+
+The router picks each token's top k experts (softmax in fp32 over all of them, then the top k, renormalised
+when the family does). The batch's token copies are sorted by expert, and each expert the step chose runs
+once over all its rows: its weights are read once per step, whatever the batch, and experts no token chose
+are not read at all. Each expert is a pair of `Linear`s (gate|up fused, down), so int8/fp8 weights
+(`quant.quantize`) and oneDNN prepacking apply to them as to the dense layers; the router stays in the
+compute dtype. Which experts run is read on the host (one small copy a layer): this path is eager, not for
+CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.server.decode.quant import Linear
+from pdserve.server.model.config import MoeConfig
+
+
+def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights f32 [T, k], experts int64 [T, k])."""
+    weights, experts = logits.float().softmax(-1).topk(moe.top_k, dim=-1)
+    if moe.renormalize:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights, experts
+
+
+class MoeMlp(nn.Module):
+    def __init__(self, moe: MoeConfig, hidden: int, act: str, dtype: torch.dtype, device: torch.device | str | None):
+        """Empty buffers of the experts' shapes; `weights.load_weights` fills them."""
+        super().__init__()
+        self.moe = moe
+        self.act = act
+        E, I = moe.num_experts, moe.intermediate_size
+        self.router = nn.Buffer(torch.empty(E, hidden, dtype=dtype, device=device))  # [E, d]
+        self.gate_up = nn.ModuleList(Linear(hidden, 2 * I, False, dtype, device) for _ in range(E))  # [2 I, d] each
+        self.down = nn.ModuleList(Linear(I, hidden, False, dtype, device) for _ in range(E))  # [d, I] each
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, d] -> [B, S, d]
+        flat = x.reshape(-1, x.shape[-1])  # [T, d]
+        weights, experts = route(F.linear(flat, self.router), self.moe)  # [T, k] each
+        chosen = experts.flatten()  # [T k]: each token's k copies, token-major
+        order = chosen.argsort(stable=True)  # copies sorted by expert
+        tokens = order // self.moe.top_k  # [T k]
+        rows = flat[tokens]  # [T k, d]
+        counts = torch.bincount(chosen, minlength=self.moe.num_experts).tolist()  # (host) rows per expert
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = self.gate_up[e](rows[start : start + n]).chunk(2, dim=-1)  # [n, I] each
+                act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+                out[start : start + n] = self.down[e](act * up)
+                start += n
+        weighted = out.float() * weights.flatten()[order][:, None]  # [T k, d]
+        summed = torch.zeros(flat.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, weighted)
+        return summed.to(x.dtype).view(x.shape)
