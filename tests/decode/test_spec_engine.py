@@ -141,7 +141,8 @@ async def test_a_proposal_past_the_free_blocks_is_cut_and_never_preempts(tiny_mo
     assert engine.scheduler.num_preemptions == 0
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3",
+                                    "mixtral", "qwen3_moe"])
 async def test_greedy_with_ngram_speculation_equals_it_off(family, tiny_model):
     path = tiny_model(family)
     prompts = [list(range(3, 10)) * 3, [7, 8, 9, 7, 8, 9, 7, 8], [40, 41, 42, 43] * 4 + [40], [100, 5, 100, 5]]
