@@ -148,7 +148,8 @@ class FakeTransfer:
 class FakeReceiver:
     """The KvReceiver API DecodeService calls; the fake prefill worker completes the transfers."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: KvLayout) -> None:
+        self.layout = layout
         self.transfers: dict[str, FakeTransfer] = {}
 
     def expect(self, request_id: str, attempt: int, token: bytes, num_tokens: int, cached_blocks: int = 0):
@@ -184,8 +185,8 @@ class FakePrefill(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlServic
 
 async def serve(prefill_port: int, decode_port: int, vocab_size: int, token: int, step_ms: float,
                 host: str = "127.0.0.1") -> None:
-    receiver = FakeReceiver()
     engine = FakeEngine(vocab_size, token, step_ms / 1000)
+    receiver = FakeReceiver(engine.layout)
     decode = DecodeService(engine, receiver, fingerprint=FINGERPRINT, description="fake",  # type: ignore[arg-type]
                            address=f"{host}:{decode_port}")
     decode_server, _, _ = new_server([], decode_port, host)

@@ -41,8 +41,7 @@ from pdserve.server.decode.spec.config import SpeculativeConfig
 from pdserve.server.decode.spec.speculator import Speculator
 from pdserve.server.model.config import resolve_max_model_len
 from pdserve.server.structured.bitmask import unconstrained
-from pdserve.server.structured.grammars import Grammars
-from pdserve.server.structured.spec import SpecError
+from pdserve.server.structured.grammars import Grammars, request_constraint
 
 log = logging.getLogger("pdserve.decode")
 
@@ -127,26 +126,11 @@ class DecodeEngine(Engine):
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
                        num_prior_outputs=request.num_output_tokens,
                        events=asyncio.Queue() if sink is None else sink,
-                       constraint=self._constraint(request))
+                       constraint=request_constraint(self.grammars, request))
         admitted = self.scheduler.add(seq)
         self.sequences[rid] = seq
         self._admitted(admitted)
         return seq
-
-    def _constraint(self, request: pb.DecodeRequest):
-        """The request's matcher, with the outputs before a migration replayed; ValueError if it cannot be."""
-        spec = request.sampling.structured
-        if not spec.WhichOneof("kind"):
-            return None
-        if self.grammars is None:
-            raise ValueError("sampling.structured: this decode worker has no tokenizer to compile grammars with")
-        try:
-            constraint = self.grammars.constraint(spec)
-        except SpecError as e:
-            raise ValueError(str(e)) from e
-        n = request.num_output_tokens
-        constraint.replay(request.prompt_token_ids[len(request.prompt_token_ids) - n:] if n else [])
-        return constraint
 
     def _free(self, seq: Sequence) -> None:
         self._retire(seq)

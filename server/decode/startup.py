@@ -130,7 +130,8 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
                           cuda_graphs=cuda_graphs, speculative=config.speculative,
                           grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
                                                       tuple(model_config.eos_token_ids)))
-    engine.grammars.warm()
+    if engine.grammars is not None:
+        engine.grammars.warm()
     log.info("decode KV cache on %s: %d blocks x %d tokens = %d tokens (%s, %.1f MiB incl. scales; %s); %s",
              device, num_blocks, config.block_size, num_blocks * config.block_size, kv_dtype,
              engine.cache.nbytes / 2**20, sized_by,

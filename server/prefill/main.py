@@ -125,7 +125,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
     grammars = Grammars.for_model(config.model_dir, params.get("lm_head", params["embed"]).shape[0],
                                   tuple(model_config.eos_token_ids))
     engine = PrefillEngine(model_config, params, config, grammars=grammars)
-    grammars.warm()
+    if grammars is not None:
+        grammars.warm()
     warmup = Warmup(engine)
     before = config.compile_before_serving if serving else "all"
     if before != "all" and jax.process_count() > 1:  # every process must dispatch the same programs in order

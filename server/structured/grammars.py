@@ -44,8 +44,13 @@ class Grammars:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_model(cls, model_dir: str | Path, vocab_size: int, eos_ids: tuple[int, ...], **kwargs) -> Grammars:
-        return cls((Path(model_dir) / "tokenizer.json").read_text(), vocab_size, eos_ids, **kwargs)
+    def for_model(cls, model_dir: str | Path, vocab_size: int, eos_ids: tuple[int, ...], **kwargs) -> Grammars | None:
+        """The checkpoint's grammars; None (structured requests refused, naming the field) when it has no
+        tokenizer.json to compile them with (a weights-only checkpoint served from token ids)."""
+        path = Path(model_dir) / "tokenizer.json"
+        if not path.exists():
+            return None
+        return cls(path.read_text(), vocab_size, eos_ids, **kwargs)
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -106,3 +111,26 @@ class Grammars:
         if kind_of(spec) is None:
             return None
         return Constraint(self.compiled(spec).deep_copy(), self._num_tokens)
+
+    def replayed(self, spec: gen_pb.StructuredOutput, outputs: list[int]) -> Constraint | None:
+        """A sequence's matcher after the outputs it already has (a migration's, or the prefill tier's first
+        token); ValueError naming the field when the spec does not compile or the outputs do not fit it."""
+        try:
+            constraint = self.constraint(spec)
+        except SpecError as e:
+            raise ValueError(str(e)) from e
+        if constraint is not None:
+            constraint.replay(outputs)
+        return constraint
+
+
+def request_constraint(grammars: Grammars | None, request) -> Constraint | None:
+    """A decode request's matcher (pb.DecodeRequest: the outputs before a migration, its prompt's last
+    num_output_tokens, replayed), for either decode engine; ValueError if it cannot be enforced."""
+    spec = request.sampling.structured
+    if not spec.WhichOneof("kind"):
+        return None
+    if grammars is None:
+        raise ValueError("sampling.structured: this decode worker has no tokenizer to compile grammars with")
+    n = request.num_output_tokens
+    return grammars.replayed(spec, list(request.prompt_token_ids[len(request.prompt_token_ids) - n:]) if n else [])

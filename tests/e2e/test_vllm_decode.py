@@ -201,6 +201,41 @@ def test_native_and_vllm_workers_share_a_pool_when_their_kv_layouts_match(cluste
     assert all(counter(d.metrics(), "pdserve_kv_transfer_bytes_total") > r for d, r in zip(decodes, received))
 
 
+def test_structured_output_through_vllm_decode_holds_every_answer_to_its_grammar(clusters, tiny_model):
+    """Temperature 1 on a random model through the unmodified openai SDK: the prefill tier samples the first
+    token under the grammar, vLLM's sampler the rest (pdserve's grammar processor, replayed past that token)."""
+    import json
+    import re
+
+    import openai
+
+    from tests.e2e.test_structured import PERSON, Person
+
+    procs = clusters.get("llama")
+    decode = procs.procs["d0"]
+    with openai.OpenAI(base_url=f"{clusters.http['llama']}/v1", api_key="unused", max_retries=0,
+                       timeout=120) as sdk:
+        model = tiny_model("llama").name
+        for seed in range(3):
+            out = sdk.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "A person as JSON."}], temperature=1.0,
+                seed=seed, max_tokens=300, stream=bool(seed % 2),
+                response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON,
+                                                                        "strict": True}})
+            text = "".join(c.choices[0].delta.content or "" for c in out if c.choices) if seed % 2 else \
+                out.choices[0].message.content
+            Person.model_validate(json.loads(text))
+            for structured, check in (
+                    ({"regex": "[a-c]{3,6}-[0-9]{2}"}, lambda t: re.fullmatch("[a-c]{3,6}-[0-9]{2}", t)),
+                    ({"choice": ["red", "green", "blue"]}, lambda t: t in ("red", "green", "blue"))):
+                done = sdk.completions.create(model=model, prompt="The answer is", temperature=1.0, seed=seed,
+                                              max_tokens=64, extra_body={"structured_outputs": structured})
+                assert check(done.choices[0].text), (structured, done.choices[0].text)
+                assert done.choices[0].finish_reason == "stop"
+    assert "vLLM decode engine" in decode.log.read_text()
+    assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
+
+
 def test_no_prefill_worker_alive_vllm_prefills_locally(clusters, tiny_model):
     procs = clusters.get("qwen2")
     coord, decode = procs.procs["coordinator"], procs.procs["d0"]

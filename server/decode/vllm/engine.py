@@ -38,6 +38,7 @@ from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink, admissible
 from pdserve.server.decode.vllm.staging import KvStaging, Stage, Staged
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
+from pdserve.server.structured.grammars import Grammars, request_constraint
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 
@@ -85,12 +86,14 @@ class VllmEngine(Engine):
                  num_free_blocks: Callable[[], int], num_total_blocks: int,
                  sampling_params: Callable[[Sequence, int], object], staged: dict[str, Staged],
                  params_key: str, *, eos_ids: frozenset[int] = frozenset(), max_model_len: int = 0,
-                 staging: KvStaging | None = None):
+                 staging: KvStaging | None = None, grammars: Grammars | None = None):
         """llm_engine: vLLM's LLMEngine (add_request, abort_request, step, has_unfinished_requests);
         staged / params_key: where the connector looks for a request's KV, and the kv_transfer_params key;
         max_model_len: 0 takes the model's, capped by what vLLM's cache holds; staging: where received KV
-        waits (default: in memory, for one rank)."""
+        waits (default: in memory, for one rank); grammars: structured output's (the stop when a grammar
+        completes; vLLM's sampler masks by `grammar_processor.py`), None: structured requests refused."""
         self.llm = llm_engine
+        self.grammars = grammars
         self.vocab_size = model_config.vocab_size
         self.layout = layout
         self.max_running = max_running
@@ -143,10 +146,7 @@ class VllmEngine(Engine):
         """Admits the request now, its prompt's blocks promised; raises ValueError (bad or too long) or
         QueueFull (the running cap, or vLLM's free blocks less those promised, cannot take it)."""
         rid, prompt = admissible(request, self.sequences, self.max_model_len)
-        if request.sampling.structured.WhichOneof("kind"):
-            raise ValueError("sampling.structured: --engine vllm does not enforce structured output yet (vLLM's "
-                             "grammar would start after the tokens the prefill tier sampled); serve it with "
-                             "--engine native")
+        constraint = request_constraint(self.grammars, request)
         if len(self.sequences) >= self.max_running:
             raise QueueFull(f"decode worker runs its maximum of {self.max_running} requests")
         need = self.layout.num_blocks(len(prompt))  # blocks on demand: the prompt's, as the coordinator counts
@@ -155,7 +155,7 @@ class VllmEngine(Engine):
             raise QueueFull(f"KV cache full: {need} blocks needed, {free} of {self.pool.num_total} free")
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
                        block_table=[RESERVED] * need, num_prior_outputs=request.num_output_tokens,
-                       events=asyncio.Queue() if sink is None else sink)
+                       events=asyncio.Queue() if sink is None else sink, constraint=constraint)
         seq.state = SeqState.WAITING_KV
         seq.admitted.set_result(None)
         self.sequences[rid] = seq
@@ -278,7 +278,7 @@ class VllmEngine(Engine):
         params = self._sampling_params(add.seq, len(add.prompt))
         if add.staged is not None:
             self._connector_staged[add.vllm_id] = add.staged
-            params.extra_args = {"kv_transfer_params": {self._params_key: add.vllm_id}}
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": {self._params_key: add.vllm_id}}
         self._by_vllm_id[add.vllm_id] = add.seq
         try:
             self.llm.add_request(add.vllm_id, {"prompt_token_ids": add.prompt}, params)  # a TokensPrompt

@@ -23,11 +23,13 @@ from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.vllm.engine import VllmEngine
 from pdserve.server.decode.vllm.staging import KvStaging
 from pdserve.server.model.config import ModelConfig, load_config, resolve_max_model_len
+from pdserve.server.structured.grammars import Grammars
 
 log = logging.getLogger("pdserve.decode.vllm")
 
 CONNECTOR = "PdserveConnector"
 CONNECTOR_MODULE = "pdserve.server.decode.vllm.connector"
+GRAMMAR_PROCESSOR = "pdserve.server.decode.vllm.grammar_processor:GrammarProcessor"
 
 
 def check_supported(config: DecodeConfig) -> None:
@@ -51,8 +53,11 @@ def sampling_params(seq: Sequence, num_prompt_tokens: int):
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
+    from pdserve.server.decode.vllm import grammar_processor
+
     p = seq.sampling
     stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_ids))
+    structured = p.structured if p.structured.WhichOneof("kind") else None
     return SamplingParams(
         max_tokens=max(1, p.max_tokens - seq.sample_index),
         temperature=p.temperature,
@@ -69,6 +74,8 @@ def sampling_params(seq: Sequence, num_prompt_tokens: int):
         stop_token_ids=sorted(stop_ids),
         detokenize=False,
         output_kind=RequestOutputKind.DELTA,
+        # the grammar, with the outputs vLLM's prompt ends with (pdserve's, sampled before vLLM's first)
+        extra_args=None if structured is None else grammar_processor.extra_args(structured, seq.sample_index),
     )
 
 
@@ -136,6 +143,7 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         **({"gpu_memory_utilization": 0.1} if current_platform.is_cpu() else
            {"gpu_memory_utilization": config.gpu_memory_utilization} if config.gpu_memory_utilization else {}),
         disable_log_stats=True,
+        logits_processors=[GRAMMAR_PROCESSOR],  # structured output: pdserve's grammars in vLLM's sampler
         kv_transfer_config=KVTransferConfig(
             kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_consumer"
         ),
@@ -154,7 +162,11 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     engine = VllmEngine(llm, model_config, layout, config.max_running, block_pool.get_num_free_blocks, num_total,
                         sampling_params, vllm_connector.STAGED, vllm_connector.PARAMS_KEY,
                         eos_ids=frozenset(model_config.eos_token_ids), max_model_len=max_model_len,
-                        staging=KvStaging(shared=tp > 1))
+                        staging=KvStaging(shared=tp > 1),
+                        grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
+                                                    tuple(model_config.eos_token_ids)))
+    if engine.grammars is not None:
+        engine.grammars.warm()
     log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s), tensor parallel %d",
              model_config.describe(), time.perf_counter() - t0, num_total, layout.block_size, dtype, tp)
     from pdserve.server import hardware
