@@ -92,10 +92,16 @@ def test_json_schema_strict_answers_fit_the_schema(cluster, sdk, stream):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_json_object_answers_are_json_objects(cluster, sdk, stream):
-    for seed in SEEDS:
+    """A random model may write one string for longer than any budget (json_object bounds whitespace, not
+    strings): an answer cut by max_tokens is an object's beginning; every complete one is an object."""
+    finished = 0
+    for seed in range(6):
         text, finish = _chat(sdk, cluster, stream, seed, response_format={"type": "json_object"})
-        assert finish == "stop", (finish, text)
-        assert isinstance(json.loads(text), dict)
+        assert finish in ("stop", "length") and text.startswith("{"), (finish, text)
+        if finish == "stop":
+            assert isinstance(json.loads(text), dict)
+            finished += 1
+    assert finished >= 3, f"only {finished} of 6 answers completed within max_tokens"
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
