@@ -148,6 +148,8 @@ class Stream(abc.ABC):
     def __init__(self, layout: KvLayout, header: pb.KvHeader) -> None:
         self.layout = layout
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_PIECES)
+        self.closed = False
+        """The None that ends `chunks()` is queued: from now on the stream may end with the receiver's answer."""
         self.task: asyncio.Future = asyncio.ensure_future(self.call(self.chunks(header)))
         """The receiver's PushKvResponse; raises grpc.aio.AioRpcError with its refusal."""
 
@@ -250,18 +252,21 @@ class StreamSender(KvSender):
         self._check()
         if not stream.queue.full():
             stream.queue.put_nowait(item)
+            stream.closed = item is None
             return
         put = asyncio.ensure_future(stream.queue.put(item))
         await asyncio.wait([put, *(s.task for s in self.streams)], return_when=asyncio.FIRST_COMPLETED)
         if not put.done():
             put.cancel()
+        else:
+            stream.closed = item is None  # (the receiver may already have answered, before this wakes)
         self._check()
 
     def _check(self) -> None:
         """Raises the first stream's refusal once one stream ended before finish() (none may succeed early)."""
         if self.failure is None:
             for s in self.streams:
-                if s.task.done():
+                if s.task.done() and not (s.closed and not s.task.cancelled() and s.task.exception() is None):
                     error = None if s.task.cancelled() else s.task.exception()
                     self._fail(error or refusal(grpc.StatusCode.CANCELLED, "a KV stream ended before KvEnd"))
                     break

@@ -211,11 +211,11 @@ def test_structured_output_through_vllm_decode_holds_every_answer_to_its_grammar
 
     from tests.e2e.test_structured import PERSON, Person
 
-    procs = clusters.get("llama")
+    procs = clusters.get("qwen2")  # its one decode worker is vLLM's (the llama cluster's is mixed by now)
     decode = procs.procs["d0"]
-    with openai.OpenAI(base_url=f"{clusters.http['llama']}/v1", api_key="unused", max_retries=0,
+    with openai.OpenAI(base_url=f"{clusters.http['qwen2']}/v1", api_key="unused", max_retries=0,
                        timeout=120) as sdk:
-        model = tiny_model("llama").name
+        model = tiny_model("qwen2").name
         for seed in range(3):
             out = sdk.chat.completions.create(
                 model=model, messages=[{"role": "user", "content": "A person as JSON."}], temperature=1.0,
