@@ -88,7 +88,8 @@ def busy_processes(interval: float = 1.0, min_cpu_percent: float = 5.0) -> list[
     return sorted(busy, key=lambda b: -b["cpu_percent"])
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """This machine's CPU by name (/proc/cpuinfo's model name, else the platform's)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -132,7 +133,7 @@ class MachineRecord:
         mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
         return cls(
             cores=os.cpu_count() or 1,
-            cpu_model=_cpu_model(),
+            cpu_model=cpu_model(),
             memory_gib=round(mem, 1),
             cpu=machine_record(),
             python=sys.version.split()[0],

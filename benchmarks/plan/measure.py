@@ -31,6 +31,7 @@ from pathlib import Path
 from pdserve.benchmarks.plan.fit import nonneg_fit
 from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
 from pdserve.benchmarks.plan.workers import bucket_length
+from pdserve.benchmarks.protocol import cpu_model
 
 _START = time.perf_counter()
 PREFILL_ARGS = ["--compile-before-serving", "all"]
@@ -178,18 +179,6 @@ def _medians(rows: list[dict], key: str) -> list[dict]:
     return out
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def _peaks() -> dict:
     """One core's (each worker has one): what efficiency factors are measured against (roofline.py)."""
     import torch
@@ -293,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = _transfer_bytes_per_s(layout)
     log("this machine's peaks on one core (benchmarks/ceilings.py: torch matmul GFLOP/s, memcpy GB/s)")
     peak = _peaks()
-    profile = fit_profile(rows, hardware=args.hardware or _cpu_name(), model=model.name,
+    profile = fit_profile(rows, hardware=args.hardware or cpu_model(), model=model.name,
                           kv_bytes_per_token=layout.bytes_per_token, kv_cache_tokens=kv_cache_tokens,
                           transfer_bytes_per_s=bw, max_len=1 << (max_len - 1).bit_length())
     profile.notes["max_len"] = 1 << (max_len - 1).bit_length()

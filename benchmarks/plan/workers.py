@@ -16,6 +16,8 @@ Every worker runs one step at a time; the next starts when the last ends and the
 
 from __future__ import annotations
 
+import abc
+
 from collections.abc import Callable
 
 import numpy as np
@@ -127,7 +129,7 @@ class Busy:
     steps: int = 0
 
 
-class _Stepper:
+class _Stepper(abc.ABC):
     """One step at a time on the clock: `_take` picks the next step's work and its seconds (None: idle),
     `_complete` applies it when it ends."""
 
@@ -155,11 +157,13 @@ class _Stepper:
         self.running = False
         self.kick()
 
+    @abc.abstractmethod
     def _take(self):
-        raise NotImplementedError
+        """(work, seconds) of the next step, or None when idle."""
 
+    @abc.abstractmethod
     def _complete(self, work) -> None:
-        raise NotImplementedError
+        """Applies a step's work once it ends."""
 
 
 class PrefillPart:

@@ -4,7 +4,6 @@ tier, then decoded step by step past it; and the same steps through the Triton k
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -20,6 +19,7 @@ from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.tiny import WINDOW
 from pdserve.server.model.weights import load_weights
+from tests.decode.test_cuda_attention import needs_triton
 
 TOL = 1e-4
 NEW_TOKENS = 20
@@ -65,7 +65,7 @@ def test_decode_past_the_window_matches_transformers(models, prompt_len):
         assert (out - full[prompt_len + step]).abs().max() < TOL, step
 
 
-@pytest.mark.skipif(not importlib.util.find_spec("triton"), reason="triton is not installed here")
+@needs_triton
 def test_decode_through_the_cuda_kernel_equals_the_reference_past_the_window(models):
     """The windowed model's decode step through the Triton paged kernel (interpreted on the CPU) against the
     reference path, two rows longer than the window."""
