@@ -17,12 +17,11 @@ Every worker runs one step at a time; the next starts when the last ends and the
 from __future__ import annotations
 
 import abc
-
 from collections.abc import Callable
-
-import numpy as np
 from dataclasses import dataclass
 from typing import Literal
+
+import numpy as np
 
 from pdserve.benchmarks.plan.clock import VirtualClock
 from pdserve.benchmarks.plan.profile import Profile
