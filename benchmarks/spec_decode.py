@@ -9,6 +9,9 @@ Decode tokens/s counts the tokens after each request's first one (prefill's), ov
 first token to the last token; beside it, the same tokens per CPU second of this process (torch on one
 thread): on a shared machine the wall clock also counts the time other processes held the core, so the CPU
 figure is the steadier one. Each is the best of --repeats runs, off and on interleaved.
+Each run's engine first decodes the same workload once, untimed (a served worker's speculation policy has
+measured its step costs and acceptance on the traffic before; `--cold` times a fresh engine's first run,
+its measuring steps included).
 Speculation: '{"method": "ngram", "num_speculative_tokens": K,
 "prompt_lookup_min": 1, "prompt_lookup_max": 3}', its cap per step from the measured step costs.
 
@@ -78,8 +81,15 @@ def random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-async def run(engine: DecodeEngine, prompts: list[list[int]], sampling: list[gen_pb.SamplingParams]) -> dict:
-    seqs = [engine.add(pb.DecodeRequest(request_id=f"r{i}", prompt_token_ids=p, sampling=s, local_prefill=True))
+async def run(engine: DecodeEngine, prompts: list[list[int]], sampling: list[gen_pb.SamplingParams],
+              warm: bool = True) -> dict:
+    if warm:
+        await run(engine, prompts, sampling, warm=False)
+    steps0 = engine.steps
+    spec = engine.speculator
+    counts0 = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted) if spec else (0, 0, 0)
+    seqs = [engine.add(pb.DecodeRequest(request_id=f"r{i}-{steps0}", prompt_token_ids=p, sampling=s,
+                                        local_prefill=True))
             for i, (p, s) in enumerate(zip(prompts, sampling))]
     await asyncio.gather(*(s.admitted for s in seqs))
     firsts = [await engine.prefill_locally(s) for s in seqs]
@@ -95,7 +105,10 @@ async def run(engine: DecodeEngine, prompts: list[list[int]], sampling: list[gen
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = sum(len(s.output_ids) - 1 for s in seqs)
     return {"decode_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "cpu_seconds": cpu,
-            "tokens_per_cpu_s": tokens / cpu, "steps": engine.steps,
+            "tokens_per_cpu_s": tokens / cpu, "steps": engine.steps - steps0,
+            **dict(zip(("drafts", "draft_tokens", "accepted"),
+                       (now - then for now, then in zip((spec.num_drafts, spec.num_draft_tokens, spec.num_accepted)
+                                                        if spec else (0, 0, 0), counts0)))),
             "outputs": [s.output_ids for s in seqs]}
 
 
@@ -130,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell, off and on interleaved; the fastest of "
                     "each is kept (a shared machine's least disturbed run)")
+    ap.add_argument("--cold", action="store_true", help="time each engine's first run (no untimed run before)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -158,10 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                                       dtype="float32")
                     engine = DecodeEngine(model, layout, num_blocks=batch * (budget + args.max_tokens + 32) // 16 + 8,
                                           max_running=batch, speculative=speculative)
-                    got = asyncio.run(_with_close(engine, run(engine, prompts, sampling)))
-                    s = engine.speculator
-                    got["acceptance"] = s.acceptance_rate if s else None
-                    got["drafts"] = s.num_drafts if s else 0
+                    got = asyncio.run(_with_close(engine, run(engine, prompts, sampling, warm=not args.cold)))
+                    s = engine.speculator  # the timed run's drafts (the counters hold the untimed run's too)
+                    got["acceptance"] = got["accepted"] / max(got["draft_tokens"], 1) if s else None
                     runs[name].append(got)
                     if name not in cell or got["tokens_per_s"] > cell[name]["tokens_per_s"]:
                         cell[name] = got
@@ -182,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"threads": args.threads, "k": args.k, "max_tokens": args.max_tokens,
+                                        "warm": not args.cold,
                                         "rows": rows}, indent=2))
     return 0
 

@@ -78,8 +78,28 @@ def test_the_policy_explores_the_full_k_and_the_plain_step_now_and_then():
     policy.observe_step(1, 1, 0.01)
     policy.observe_step(1, 2, 0.5)
     policy.observe_step(1, 3, 1.0)  # speculation looks ruinous
-    caps = [policy.cap(1, [2]) for _ in range(8)]
-    assert caps == [0, 0, 0, 2, 0, 0, 0, 2]
+    caps = [policy.cap(1, [2]) for _ in range(32)]
+    # explorations at 4, then (nothing taken after it) 8 steps on at 12, then 16 steps on at 28
+    assert [n + 1 for n, c in enumerate(caps) if c] == [4, 12, 28]
+
+
+def test_explorations_come_back_to_every_explore_every_steps_once_speculation_pays_again():
+    policy = SpecPolicy(k=2, explore_every=4, max_explore_every=8)
+    policy.observe_step(1, 1, 0.01)
+    policy.observe_step(1, 2, 0.5)
+    policy.observe_step(1, 3, 1.0)
+    caps = [policy.cap(1, [2]) for _ in range(20)]
+    assert [n + 1 for n, c in enumerate(caps) if c] == [4, 12, 20]  # the interval doubles to its cap, 8
+    for _ in range(40):  # now bandwidth-bound: 2 and 3 positions cost what 1 does (the averages follow)
+        policy.observe_step(1, 2, 0.0101)
+        policy.observe_step(1, 3, 0.0102)
+    for _ in range(20):
+        policy.observe_acceptance(2, 2)
+    caps = [policy.cap(1, [2]) for _ in range(8)]  # steps 21..28: taken; 24 is the plain re-measure
+    assert caps[0] == 2 and caps[3] == 0 and caps[4:7] == [2, 2, 2]
+    assert caps[7] == 2  # step 28 explores (the full k); from here on every 4 steps, since it was taken
+    caps = [policy.cap(1, [2]) for _ in range(4)]  # 29..32: the plain re-measure at 30, exploration at 32
+    assert caps == [2, 0, 2, 2]
 
 
 def _brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -117,5 +137,6 @@ def test_the_lookup_is_skipped_while_speculation_is_measured_not_to_pay_and_expl
             policy.cap(1, [2])
         else:
             policy.skipped(1)
-    assert looks == [False, True, False, True] * 2  # the plain re-measure (2nd) and the full-k try (4th)
+    # nothing taken: no plain re-measure (every step is plain), the full-k try at 4, then 8 steps on at 12
+    assert looks == [False, False, False, True, False, False, False, False]
     assert not SpecPolicy(k=2, disable_by_batch_size=3).worth_looking(3)
