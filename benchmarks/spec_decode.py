@@ -1,7 +1,8 @@
-"""Speculative decoding (n-gram) on the native decode engine: decode tokens/s at batch 1, 4 and 16, with and
-without speculation, on a repetitive and a non-repetitive workload, with the acceptance rate, in one run.
+"""Speculative decoding (n-gram, draft model) on the native decode engine: decode tokens/s at batch 1, 4 and 16,
+with and without speculation, on a repetitive and a non-repetitive workload, with the acceptance rate, in one run.
 
-    .venv/bin/python -m pdserve.benchmarks.spec_decode [--model DIR] [--threads 1] [--out runs/spec.json]
+    .venv/bin/python -m pdserve.benchmarks.spec_decode [--model DIR] [--threads 1] [--methods ngram draft-small
+        draft-self] [--out runs/spec.json]
 
 The engine is the served one (`DecodeEngine`, eager CPU steps, fp32), fed as the worker feeds it: every
 request added at once, its prompt prefilled locally, then decoded in the continuous batch until max_tokens.
@@ -10,7 +11,9 @@ first token to the last token; beside it, the same tokens per CPU second of this
 thread): on a shared machine the wall clock also counts the time other processes held the core, so the CPU
 figure is the steadier one. Each is the best of --repeats runs, off and on interleaved.
 Speculation: '{"method": "ngram", "num_speculative_tokens": K,
-"prompt_lookup_min": 1, "prompt_lookup_max": 3}', its cap per step from the measured step costs.
+"prompt_lookup_min": 1, "prompt_lookup_max": 3}'; '{"method": "draft_model", "model": D, "num_speculative_tokens": K}'
+with D a smaller random Llama sharing the target's tokenizer (draft-small: the acceptance floor) or the target
+itself (draft-self: the ceiling); the cap per step from the measured step costs (the draft's steps included).
 
 Workloads:
 - self-repeating: greedy on a random-weight tiny Llama (server/model/tiny.py) from random prompts; its output
@@ -118,6 +121,49 @@ def _load(model_dir: Path):
     return config, build_model(config, load_weights(model_dir), dtype=torch.float32)
 
 
+METHODS = ("ngram", "draft-small", "draft-self")
+"""Beside speculation off: n-gram; a draft model smaller than the target, random, sharing its tokenizer
+(`small_draft`); the target as its own draft (the acceptance ceiling: every greedy proposal accepted)."""
+
+
+def small_draft(target_dir: Path, out: Path) -> Path:
+    """A random Llama of server/model/tiny.py's DRAFT_SHAPE with the target's vocabulary, positions and tokenizer
+    files: a draft that shares the tokenizer and knows nothing (the acceptance floor)."""
+    import shutil
+
+    import transformers
+
+    from pdserve.server.model.tiny import DRAFT_SHAPE
+
+    target = load_config(target_dir)
+    config = transformers.LlamaConfig(**DRAFT_SHAPE, vocab_size=target.vocab_size, rms_norm_eps=1e-6,
+                                      max_position_embeddings=target.max_model_len, initializer_range=0.05,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target_dir / name).exists():
+            shutil.copy(target_dir / name, out / name)
+    return out
+
+
+def _speculation(method: str, k: int, model_dir: Path, model, drafts: dict) -> tuple[SpeculativeConfig | None, object]:
+    """(config, draft model) of a method for the target at model_dir."""
+    if method == "off":
+        return None, None
+    if method == "ngram":
+        return SpeculativeConfig("ngram", k, 1, 3), None
+    if method == "draft-self":
+        return SpeculativeConfig("draft_model", k, model=str(model_dir)), model
+    if model_dir not in drafts:
+        import tempfile
+
+        path = small_draft(model_dir, Path(tempfile.mkdtemp(prefix="spec-bench-draft-")) / "draft")
+        drafts[model_dir] = (path, _load(path)[1])
+    path, draft = drafts[model_dir]
+    return SpeculativeConfig("draft_model", k, model=str(path)), draft
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=EMBEDDED, help="the code-edit and non-repetitive workloads' model")
@@ -126,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                    help="speculation methods run beside speculation off")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell, off and on interleaved; the fastest of "
@@ -141,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
         random_dir = Path(tempfile.mkdtemp(prefix="spec-bench-")) / "llama"
         make_tiny_model(random_dir, "llama", dtype="float32")
-    spec = SpeculativeConfig("ngram", args.k, 1, 3)
     rows = []
+    drafts: dict = {}
+    methods = ["off", *args.methods]
     for workload in args.workloads:
         model_dir = random_dir if workload == "self-repeating" else args.model
         config, model = _load(model_dir)
@@ -151,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         for batch in args.batches:
             prompts, sampling = _workload(workload, batch, tok, config.vocab_size, budget, args.max_tokens)
             cell: dict[str, dict] = {}
-            runs: dict[str, list[dict]] = {"off": [], "ngram": []}
+            runs: dict[str, list[dict]] = {name: [] for name in methods}
             for _ in range(args.repeats):
-                for name, speculative in (("off", None), ("ngram", spec)):
+                for name in methods:
+                    speculative, draft = _speculation(name, args.k, model_dir, model, drafts)
                     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16,
                                       dtype="float32")
                     engine = DecodeEngine(model, layout, num_blocks=batch * (budget + args.max_tokens + 32) // 16 + 8,
-                                          max_running=batch, speculative=speculative)
+                                          max_running=batch, speculative=speculative, draft_model=draft)
                     got = asyncio.run(_with_close(engine, run(engine, prompts, sampling)))
                     s = engine.speculator
                     got["acceptance"] = s.acceptance_rate if s else None
@@ -165,20 +215,21 @@ def main(argv: list[str] | None = None) -> int:
                     runs[name].append(got)
                     if name not in cell or got["tokens_per_s"] > cell[name]["tokens_per_s"]:
                         cell[name] = got
-            same = cell["off"]["outputs"] == cell["ngram"]["outputs"]
             cpu = {name: max(r["tokens_per_cpu_s"] for r in runs[name]) for name in runs}
-            row = {"workload": workload, "model": model_dir.name, "batch": batch,
-                   "off_tok_cpu_s": cpu["off"], "ngram_tok_cpu_s": cpu["ngram"],
-                   "cpu_speedup": cpu["ngram"] / cpu["off"],
-                   "off_tok_s": cell["off"]["tokens_per_s"], "ngram_tok_s": cell["ngram"]["tokens_per_s"],
-                   "speedup": cell["ngram"]["tokens_per_s"] / cell["off"]["tokens_per_s"],
-                   "acceptance": cell["ngram"]["acceptance"], "drafts": cell["ngram"]["drafts"],
-                   "off_steps": cell["off"]["steps"], "ngram_steps": cell["ngram"]["steps"], "identical_tokens": same}
-            rows.append(row)
-            print(f"{workload:15s} batch {batch:3d}: off {row['off_tok_s']:8.1f} tok/s  ngram "
-                  f"{row['ngram_tok_s']:8.1f} tok/s  x{row['speedup']:.2f} (per CPU second x{row['cpu_speedup']:.2f})  "
-                  f"acceptance {row['acceptance']:.2f} ({row['drafts']} drafts)  steps "
-                  f"{row['off_steps']} -> {row['ngram_steps']}  identical tokens: {same}", flush=True)
+            off = cell["off"]
+            for name in args.methods:
+                on = cell[name]
+                row = {"workload": workload, "model": model_dir.name, "batch": batch, "method": name,
+                       "off_tok_cpu_s": cpu["off"], "tok_cpu_s": cpu[name], "cpu_speedup": cpu[name] / cpu["off"],
+                       "off_tok_s": off["tokens_per_s"], "tok_s": on["tokens_per_s"],
+                       "speedup": on["tokens_per_s"] / off["tokens_per_s"],
+                       "acceptance": on["acceptance"], "drafts": on["drafts"], "off_steps": off["steps"],
+                       "steps": on["steps"], "identical_tokens": on["outputs"] == off["outputs"]}
+                rows.append(row)
+                print(f"{workload:15s} batch {batch:3d} {name:11s}: off {row['off_tok_s']:8.1f} tok/s  on "
+                      f"{row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f} (per CPU second x{row['cpu_speedup']:.2f})  "
+                      f"acceptance {row['acceptance']:.2f} ({row['drafts']} drafts)  steps "
+                      f"{row['off_steps']} -> {row['steps']}  identical tokens: {row['identical_tokens']}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"threads": args.threads, "k": args.k, "max_tokens": args.max_tokens,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.server.decode.device import parse_bytes, parse_device
 from pdserve.server.decode.spec.config import SpeculativeConfig, parse_speculative_config
+from pdserve.server.decode.spec.draft_checkpoint import check_draft_checkpoint
 from pdserve.server.flags import flag
 from pdserve.server.vocabulary import CPU_MATMULS, DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, CpuMatmul, DecodeEngine, KvDtypeChoice, WeightDtype
 
@@ -96,7 +97,10 @@ class DecodeConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
-        if parse_speculative_config(self.speculative_config) is not None and self.engine != "native":
+        speculative = parse_speculative_config(self.speculative_config)
+        if speculative is not None and speculative.method == "draft_model":
+            check_draft_checkpoint(self.model_dir, speculative.model, self.max_model_len)
+        if speculative is not None and self.engine != "native":
             raise ValueError("--speculative-config is built for --engine native only so far (vLLM's own "
                              "speculation through --engine vllm is not wired yet)")
         if self.max_queue < 0:
