@@ -230,7 +230,8 @@ class DecodeEngine(Engine):
                             rid, work.exception())
             self._retire_deferred()
 
-        asyncio.ensure_future(asyncio.to_thread(self.draft.prefill_prompt, seq)).add_done_callback(done)
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(self.draft.executor, self.draft.prefill_prompt, seq).add_done_callback(done)
 
     def _in_use(self, rid: str) -> bool:
         """Whether a worker thread reads or writes the request's blocks now (a step, a local or draft prefill)."""
@@ -384,6 +385,8 @@ class DecodeEngine(Engine):
                 self._retire(seq, keep_kv=seq.finish_reason != gen_pb.FINISH_REASON_ERROR)
 
     async def close(self) -> None:
+        if self.draft is not None:
+            self.draft.executor.shutdown(wait=False)
         if self._task is not None:
             self._task.cancel()
             try:

@@ -164,7 +164,8 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
     if config.speculative is not None:
         spec = config.speculative
         how = f"n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max}" if spec.method == "ngram" else \
-            f"drafted by {spec.model} in {spec.num_speculative_tokens} batched steps, its KV {draft_bytes} bytes a block"
+            f"drafted by {spec.model} in {spec.num_speculative_tokens} batched steps, its KV {draft_bytes} bytes " \
+            f"a block"
         log.info("speculative decoding: %s, up to %d proposed tokens a step (%s), verified in one step (the reference "
                  "attention path: the paged kernel takes one query a row); cap from measured step costs%s",
                  spec.method, spec.num_speculative_tokens, how,
@@ -186,6 +187,7 @@ def cache_blocks(config: DecodeConfig, model: DecoderModel, layout: KvLayout, de
     utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     peak, other, total = profile_step(model, layout, config.max_running, max_model_len, device)
     pad = 1 if cuda_graphs or config.speculative else 0  # the pad block CUDA graphs' and verify steps' pad rows write
-    blocks = gpu_cache_blocks(total, utilization, peak, other, layout, reserved_blocks=pad, extra_block_bytes=draft_bytes)
+    blocks = gpu_cache_blocks(total, utilization, peak, other, layout, reserved_blocks=pad,
+                              extra_block_bytes=draft_bytes)
     return blocks, (f"--gpu-memory-utilization {utilization} of {total / 2**30:.1f} GiB; weights + a step at batch "
                     f"{config.max_running} peaked at {peak / 2**30:.2f} GiB, other memory {other / 2**30:.2f} GiB")

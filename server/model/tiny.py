@@ -107,7 +107,8 @@ def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int, shape:
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                                            norm_topk_prob=False, rope_theta=1e6, tie_word_embeddings=False)
-    gemma = dict(common, num_hidden_layers=(shape or {}).get("num_hidden_layers", 4), sliding_window=WINDOW, query_pre_attn_scalar=24,
+    gemma = dict(common, num_hidden_layers=(shape or {}).get("num_hidden_layers", 4), sliding_window=WINDOW,
+                 query_pre_attn_scalar=24,
                  hidden_activation="gelu_pytorch_tanh")
     if family == "gemma2":  # local, global, local, global; both soft-caps (Gemma 2's 50 and 30 are far off here)
         return transformers.Gemma2Config(**gemma, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)

@@ -26,6 +26,7 @@ reads a poorer KV proposes worse, never wrongly.
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -68,7 +69,10 @@ class DraftProposer:
         self.distribution = distribution
         self.max_ragged = max_ragged
         self.prefilling: set[str] = set()
-        """Request ids whose prompt `prefill_prompt` computes now (in a thread; the engine keeps their blocks)."""
+        """Request ids whose prompt `prefill_prompt` computes now, or queued (the engine keeps their blocks)."""
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-prefill")
+        """Where prompt prefills run, one at a time: a burst of admissions never holds up the decode steps'
+        threads (asyncio's default executor)."""
 
     def prefill_prompt(self, seq: Sequence) -> None:
         """The draft KV of the prompt (runs in a thread while the target's KV arrives). The sequence's draft_len
