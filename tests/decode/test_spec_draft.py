@@ -383,3 +383,29 @@ async def test_the_worker_builds_the_draft_and_sizes_its_blocks_for_both_caches(
     ref = await _reference(target, [3, 14, 15, 92, 65, 35, 89], _greedy(12))
     assert [seq.output_ids[0], *await _drain(seq)] == ref
     await engine.close()
+
+
+async def test_a_constrained_sequence_beside_a_drafted_one_keeps_its_grammar_and_is_never_drafted(tiny_model):
+    import re
+
+    from pdserve.server.model.tokenizer import Tokenizer
+    from tests.decode.test_structured import REGEX, _grammars, _sampled
+
+    path = tiny_model("qwen2")
+    tok = Tokenizer.from_dir(path)
+    prompt = [5, 6, 7, 8] * 6
+    reference = await _reference(path, prompt, _greedy(24))
+    engine = _engine(path, path, k=3, grammars=_grammars(path))
+    engine._step_each = None  # a failed batched step would call it: the test fails there instead
+    prefilled, prefill = [], engine.draft.prefill_prompt
+    engine.draft.prefill_prompt = lambda seq: (prefilled.append(seq.request_id), prefill(seq))
+    free = await _admit(engine, "free", prompt, _greedy(24))
+    constrained = await _admit(engine, "re", [9, 10], _sampled(32, 1, regex=REGEX))
+    outs = await asyncio.gather(_drain(free), _drain(constrained))
+    assert [free.output_ids[0], *outs[0]] == reference
+    assert engine.speculator.num_drafts > 0 and engine.speculator.acceptance_rate == 1.0
+    assert prefilled == ["free"]  # no draft prefill, no proposal for the constrained one: a token a step, masked
+    assert re.fullmatch(REGEX, tok.decode(constrained.output_ids))
+    assert constrained.finish_reason == gen_pb.FINISH_REASON_STOP
+    assert _all_back(engine)
+    await engine.close()
