@@ -64,7 +64,8 @@ class DecodeConfig:
     """The model's names (vLLM's flag); the first labels the metrics. Default: the checkpoint directory's name."""
     speculative_config: str | None = None
     """vLLM's flag: speculative decoding as a JSON object, e.g. '{"method": "ngram", "num_speculative_tokens":
-    3, "prompt_lookup_max": 3}' (keys: server/decode/spec/config.py). Default: off."""
+    3, "prompt_lookup_max": 3}' or '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}' (a draft
+    checkpoint sharing the model's tokenizer; keys: server/decode/spec/config.py). Default: off."""
     engine: DecodeEngine = "native"
     """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector (needs vLLM
     installed: pdserve[vllm], or make vllm-venv)."""
