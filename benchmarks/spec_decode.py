@@ -1,19 +1,22 @@
-"""Speculative decoding (n-gram) on the native decode engine: decode tokens/s at batch 1, 4 and 16, with and
-without speculation, on a repetitive and a non-repetitive workload, with the acceptance rate, in one run.
+"""Speculative decoding (n-gram, draft model) on the native decode engine: decode tokens/s at batch 1, 4 and 16,
+with and without speculation, on a repetitive and a non-repetitive workload, with the acceptance rate, in one run.
 
-    .venv/bin/python -m pdserve.benchmarks.spec_decode [--model DIR] [--threads 1] [--out runs/spec.json]
+    .venv/bin/python -m pdserve.benchmarks.spec_decode [--model DIR] [--threads 1] [--methods ngram draft-small
+        draft-self] [--out runs/spec.json]
 
 The engine is the served one (`DecodeEngine`, eager CPU steps, fp32), fed as the worker feeds it: every
 request added at once, its prompt prefilled locally, then decoded in the continuous batch until max_tokens.
 Decode tokens/s counts the tokens after each request's first one (prefill's), over the time from the last
 first token to the last token; beside it, the same tokens per CPU second of this process (torch on one
 thread): on a shared machine the wall clock also counts the time other processes held the core, so the CPU
-figure is the steadier one. Each is the best of --repeats runs, off and on interleaved.
-Each run's engine first decodes the same workload once, untimed (a served worker's speculation policy has
-measured its step costs and acceptance on the traffic before; `--cold` times a fresh engine's first run,
-its measuring steps included).
+figure is the steadier one. Each is the best of --repeats runs, off and on interleaved (their order alternating),
+"off" being the same engine with its speculation taken off (`off_and_on`). Each first decodes the workload once,
+untimed (a served worker's speculation policy has measured its step costs and acceptance on the traffic before;
+`--cold` times the first runs, the measuring steps included).
 Speculation: '{"method": "ngram", "num_speculative_tokens": K,
-"prompt_lookup_min": 1, "prompt_lookup_max": 3}', its cap per step from the measured step costs.
+"prompt_lookup_min": 1, "prompt_lookup_max": 3}'; '{"method": "draft_model", "model": D, "num_speculative_tokens": K}'
+with D a smaller random Llama sharing the target's tokenizer (draft-small: the acceptance floor) or the target
+itself (draft-self: the ceiling); the cap per step from the measured step costs (the draft's steps included).
 
 Workloads:
 - self-repeating: greedy on a random-weight tiny Llama (server/model/tiny.py) from random prompts; its output
@@ -81,10 +84,29 @@ def random_prompts(vocab: int, n: int, length: int, seed: int = 0) -> list[list[
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-async def run(engine: DecodeEngine, prompts: list[list[int]], sampling: list[gen_pb.SamplingParams],
-              warm: bool = True) -> dict:
+async def off_and_on(engine: DecodeEngine, prompts: list[list[int]], sampling: list[gen_pb.SamplingParams],
+                     warm: bool = True, on_first: bool = False) -> tuple[dict, dict]:
+    """The workload decoded by the engine with its speculation taken off, and with it: the same engine, cache
+    and memory (engines built apart were measured to differ by up to 15% on this VM with speculation
+    proposing nothing), each after an untimed run of its own if `warm`."""
+    speculator, draft = engine.speculator, engine.draft
+
+    def speculating(on: bool) -> None:
+        engine.speculator, engine.draft = (speculator, draft) if on else (None, None)
+
     if warm:
-        await run(engine, prompts, sampling, warm=False)
+        for on in (True, False):
+            speculating(on)
+            await run(engine, prompts, sampling)
+    got = {}
+    for on in (True, False) if on_first else (False, True):
+        speculating(on)
+        got[on] = await run(engine, prompts, sampling)
+    speculating(True)
+    return got[False], got[True]
+
+
+async def run(engine: DecodeEngine, prompts: list[list[int]], sampling: list[gen_pb.SamplingParams]) -> dict:
     steps0 = engine.steps
     spec = engine.speculator
     counts0 = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted) if spec else (0, 0, 0)
@@ -131,6 +153,49 @@ def _load(model_dir: Path):
     return config, build_model(config, load_weights(model_dir), dtype=torch.float32)
 
 
+METHODS = ("ngram", "draft-small", "draft-self")
+"""Beside speculation off: n-gram; a draft model smaller than the target, random, sharing its tokenizer
+(`small_draft`); the target as its own draft (the acceptance ceiling: every greedy proposal accepted)."""
+
+
+def small_draft(target_dir: Path, out: Path) -> Path:
+    """A random Llama of server/model/tiny.py's DRAFT_SHAPE with the target's vocabulary, positions and tokenizer
+    files: a draft that shares the tokenizer and knows nothing (the acceptance floor)."""
+    import shutil
+
+    import transformers
+
+    from pdserve.server.model.tiny import DRAFT_SHAPE
+
+    target = load_config(target_dir)
+    config = transformers.LlamaConfig(**DRAFT_SHAPE, vocab_size=target.vocab_size, rms_norm_eps=1e-6,
+                                      max_position_embeddings=target.max_model_len, initializer_range=0.05,
+                                      tie_word_embeddings=True)
+    torch.manual_seed(1)
+    transformers.LlamaForCausalLM(config).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target_dir / name).exists():
+            shutil.copy(target_dir / name, out / name)
+    return out
+
+
+def _speculation(method: str, k: int, model_dir: Path, model, drafts: dict) -> tuple[SpeculativeConfig | None, object]:
+    """(config, draft model) of a method for the target at model_dir."""
+    if method == "off":
+        return None, None
+    if method == "ngram":
+        return SpeculativeConfig("ngram", k, 1, 3), None
+    if method == "draft-self":
+        return SpeculativeConfig("draft_model", k, model=str(model_dir)), model
+    if model_dir not in drafts:
+        import tempfile
+
+        path = small_draft(model_dir, Path(tempfile.mkdtemp(prefix="spec-bench-draft-")) / "draft")
+        drafts[model_dir] = (path, _load(path)[1])
+    path, draft = drafts[model_dir]
+    return SpeculativeConfig("draft_model", k, model=str(path)), draft
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=EMBEDDED, help="the code-edit and non-repetitive workloads' model")
@@ -139,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS,
+                    help="speculation methods run beside speculation off")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell, off and on interleaved; the fastest of "
@@ -155,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
 
         random_dir = Path(tempfile.mkdtemp(prefix="spec-bench-")) / "llama"
         make_tiny_model(random_dir, "llama", dtype="float32")
-    spec = SpeculativeConfig("ngram", args.k, 1, 3)
     rows = []
+    drafts: dict = {}
     for workload in args.workloads:
         model_dir = random_dir if workload == "self-repeating" else args.model
         config, model = _load(model_dir)
@@ -164,34 +231,36 @@ def main(argv: list[str] | None = None) -> int:
         budget = min(256, config.max_model_len - args.max_tokens - 8)
         for batch in args.batches:
             prompts, sampling = _workload(workload, batch, tok, config.vocab_size, budget, args.max_tokens)
-            cell: dict[str, dict] = {}
-            runs: dict[str, list[dict]] = {"off": [], "ngram": []}
-            for _ in range(args.repeats):
-                for name, speculative in (("off", None), ("ngram", spec)):
+            cell: dict[str, dict] = {name: {} for name in args.methods}
+            runs: dict[str, dict] = {name: {"off": [], name: []} for name in args.methods}
+            for rep in range(args.repeats):
+                for name in args.methods:
+                    speculative, draft = _speculation(name, args.k, model_dir, model, drafts)
                     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16,
                                       dtype="float32")
                     engine = DecodeEngine(model, layout, num_blocks=batch * (budget + args.max_tokens + 32) // 16 + 8,
-                                          max_running=batch, speculative=speculative)
-                    got = asyncio.run(_with_close(engine, run(engine, prompts, sampling, warm=not args.cold)))
-                    s = engine.speculator  # the timed run's drafts (the counters hold the untimed run's too)
-                    got["acceptance"] = got["accepted"] / max(got["draft_tokens"], 1) if s else None
-                    runs[name].append(got)
-                    if name not in cell or got["tokens_per_s"] > cell[name]["tokens_per_s"]:
-                        cell[name] = got
-            same = cell["off"]["outputs"] == cell["ngram"]["outputs"]
-            cpu = {name: max(r["tokens_per_cpu_s"] for r in runs[name]) for name in runs}
-            row = {"workload": workload, "model": model_dir.name, "batch": batch,
-                   "off_tok_cpu_s": cpu["off"], "ngram_tok_cpu_s": cpu["ngram"],
-                   "cpu_speedup": cpu["ngram"] / cpu["off"],
-                   "off_tok_s": cell["off"]["tokens_per_s"], "ngram_tok_s": cell["ngram"]["tokens_per_s"],
-                   "speedup": cell["ngram"]["tokens_per_s"] / cell["off"]["tokens_per_s"],
-                   "acceptance": cell["ngram"]["acceptance"], "drafts": cell["ngram"]["drafts"],
-                   "off_steps": cell["off"]["steps"], "ngram_steps": cell["ngram"]["steps"], "identical_tokens": same}
-            rows.append(row)
-            print(f"{workload:15s} batch {batch:3d}: off {row['off_tok_s']:8.1f} tok/s  ngram "
-                  f"{row['ngram_tok_s']:8.1f} tok/s  x{row['speedup']:.2f} (per CPU second x{row['cpu_speedup']:.2f})  "
-                  f"acceptance {row['acceptance']:.2f} ({row['drafts']} drafts)  steps "
-                  f"{row['off_steps']} -> {row['ngram_steps']}  identical tokens: {same}", flush=True)
+                                          max_running=batch, speculative=speculative, draft_model=draft)
+                    pair = asyncio.run(_with_close(engine, off_and_on(engine, prompts, sampling, warm=not args.cold,
+                                                                     on_first=rep % 2 == 1)))
+                    for key, got in zip(("off", name), pair):
+                        got["acceptance"] = got["accepted"] / max(got["draft_tokens"], 1) if key != "off" else None
+                        runs[name][key].append(got)
+                        if key not in cell[name] or got["tokens_per_s"] > cell[name][key]["tokens_per_s"]:
+                            cell[name][key] = got
+            for name in args.methods:
+                off, on = cell[name]["off"], cell[name][name]
+                cpu = {key: max(r["tokens_per_cpu_s"] for r in got) for key, got in runs[name].items()}
+                row = {"workload": workload, "model": model_dir.name, "batch": batch, "method": name,
+                       "off_tok_cpu_s": cpu["off"], "tok_cpu_s": cpu[name], "cpu_speedup": cpu[name] / cpu["off"],
+                       "off_tok_s": off["tokens_per_s"], "tok_s": on["tokens_per_s"],
+                       "speedup": on["tokens_per_s"] / off["tokens_per_s"],
+                       "acceptance": on["acceptance"], "drafts": on["drafts"], "off_steps": off["steps"],
+                       "steps": on["steps"], "identical_tokens": on["outputs"] == off["outputs"]}
+                rows.append(row)
+                print(f"{workload:15s} batch {batch:3d} {name:11s}: off {row['off_tok_s']:8.1f} tok/s  on "
+                      f"{row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f} (per CPU second x{row['cpu_speedup']:.2f})  "
+                      f"acceptance {row['acceptance']:.2f} ({row['drafts']} drafts)  steps "
+                      f"{row['off_steps']} -> {row['steps']}  identical tokens: {row['identical_tokens']}", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"threads": args.threads, "k": args.k, "max_tokens": args.max_tokens,

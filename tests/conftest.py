@@ -31,6 +31,21 @@ def tiny_model(tiny_models_dir):
     return lambda family, dtype="float32": _tiny(tiny_models_dir, family, dtype)
 
 
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_models_dir):
+    """tiny_draft(family) -> a smaller checkpoint (server/model/tiny.py DRAFT_SHAPE, its own random weights) with
+    the tiny models' tokenizer: a draft model for draft_model speculation (built once)."""
+    from pdserve.server.model.tiny import DRAFT_SHAPE, make_tiny_model
+
+    def build(family: str) -> Path:
+        out = tiny_models_dir / f"{family}-draft"
+        if not (out / "config.json").exists():
+            make_tiny_model(out, family, seed=1, shape=DRAFT_SHAPE)  # type: ignore[arg-type]
+        return out
+
+    return build
+
+
 @pytest.fixture(scope="session", params=FAMILIES)
 def family_model(request, tiny_models_dir) -> tuple[str, Path]:
     return request.param, _tiny(tiny_models_dir, request.param)

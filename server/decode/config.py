@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pdserve.server.decode.device import parse_bytes, parse_device
 from pdserve.server.decode.spec.config import SpeculativeConfig, parse_speculative_config
+from pdserve.server.decode.spec.draft_checkpoint import check_draft_checkpoint
 from pdserve.server.flags import flag
 from pdserve.server.vocabulary import CPU_MATMULS, DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, CpuMatmul, DecodeEngine, KvDtypeChoice, WeightDtype
 
@@ -63,7 +64,8 @@ class DecodeConfig:
     """The model's names (vLLM's flag); the first labels the metrics. Default: the checkpoint directory's name."""
     speculative_config: str | None = None
     """vLLM's flag: speculative decoding as a JSON object, e.g. '{"method": "ngram", "num_speculative_tokens":
-    3, "prompt_lookup_max": 3}' (keys: server/decode/spec/config.py). Default: off."""
+    3, "prompt_lookup_max": 3}' or '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}' (a draft
+    checkpoint sharing the model's tokenizer; keys: server/decode/spec/config.py). Default: off."""
     engine: DecodeEngine = "native"
     """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector (needs vLLM
     installed: pdserve[vllm], or make vllm-venv)."""
@@ -96,7 +98,10 @@ class DecodeConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
-        if parse_speculative_config(self.speculative_config) is not None and self.engine != "native":
+        speculative = parse_speculative_config(self.speculative_config)
+        if speculative is not None and speculative.method == "draft_model":
+            check_draft_checkpoint(self.model_dir, speculative.model, self.max_model_len)
+        if speculative is not None and self.engine != "native":
             raise ValueError("--speculative-config is built for --engine native only so far (vLLM's own "
                              "speculation through --engine vllm is not wired yet)")
         if self.max_queue < 0:

@@ -64,23 +64,26 @@ def bytes_per_block(layout: KvLayout) -> int:
     return PagedKvCache.bytes_per_block(layout)
 
 
-def cpu_cache_blocks(budget: int, layout: KvLayout, max_running: int, max_model_len: int) -> int:
-    """Blocks in `budget` bytes, no more than max_running sequences of max_model_len tokens can hold."""
+def cpu_cache_blocks(budget: int, layout: KvLayout, max_running: int, max_model_len: int,
+                     extra_block_bytes: int = 0) -> int:
+    """Blocks in `budget` bytes, no more than max_running sequences of max_model_len tokens can hold;
+    extra_block_bytes: what each block costs beside the layout's (a draft model's KV at the same block id)."""
     useful = max_running * layout.num_blocks(max_model_len)
-    blocks = min(budget // bytes_per_block(layout), useful)
+    per_block = bytes_per_block(layout) + extra_block_bytes
+    blocks = min(budget // per_block, useful)
     if blocks < 1:
-        raise ValueError(f"--kv-cache-memory {budget} bytes holds no {bytes_per_block(layout)}-byte block; "
+        raise ValueError(f"--kv-cache-memory {budget} bytes holds no {per_block}-byte block; "
                          f"give a larger budget or --kv-cache-tokens")
     return blocks
 
 
 def gpu_cache_blocks(total: int, utilization: float, peak_torch: int, other: int, layout: KvLayout,
-                     reserved_blocks: int = 0) -> int:
+                     reserved_blocks: int = 0, extra_block_bytes: int = 0) -> int:
     """vLLM's rule: utilization x total device bytes, less the peak torch allocated for the weights and a
     profiling step (peak_torch) and what is held outside torch's allocator (other: CUDA context, NCCL,
     other processes), is the KV cache; in whole blocks, less reserved_blocks (the CUDA graphs' pad block)."""
     budget = int(total * utilization) - peak_torch - other
-    blocks = budget // bytes_per_block(layout) - reserved_blocks
+    blocks = budget // (bytes_per_block(layout) + extra_block_bytes) - reserved_blocks
     if blocks < 1:
         raise ValueError(
             f"--gpu-memory-utilization {utilization} of {total / 2**30:.1f} GiB leaves no KV cache: the weights and "

@@ -4,7 +4,8 @@ Life cycle of a request here:
 1. `add(request, sink)` makes a Sequence and queues it; the scheduler admits it, in arrival order, once the
    blocks for its prompt fit (cached prefix blocks reused): `seq.admitted` resolves.
 2. Its prompt's KV arrives through the receiver, which writes it into those blocks (`write`), or the
-   worker computes it itself (`prefill_locally`).
+   worker computes it itself (`prefill_locally`). With a draft model (draft_model speculation) the draft's
+   prompt KV is computed meanwhile, in a thread, into the same block ids of the draft's cache.
 3. `start` puts the sequence, with the first token (sampled by prefill), into the running set.
 4. Each step: admit, schedule (a block on demand for every sequence crossing a block boundary,
    preempting the most recently admitted when none is free), run (re-prefilling resumed sequences
@@ -12,7 +13,7 @@ Life cycle of a request here:
    sequences, one masked fill for the batch, none when no sequence is constrained; logprobs of the raw
    logits beside), postprocess (stream, advance each grammar, retire the finished).
 5. A finished or aborted sequence's blocks go back (full ones stay in the prefix cache), after the
-   step or local prefill that may still be using them.
+   step or local (or draft) prefill that may still be using them.
 """
 
 from __future__ import annotations
@@ -34,10 +35,11 @@ from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 from pdserve.server import logprobs
-from pdserve.server.decode.sampler import apply_bitmask, apply_penalties, sample, token_logprobs
+from pdserve.server.decode.sampler import apply_bitmask, apply_penalties, distribution, sample, token_logprobs
 from pdserve.server.decode.scheduler import QueueFull, Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink, admissible
 from pdserve.server.decode.spec.config import SpeculativeConfig
+from pdserve.server.decode.spec.proposals import Proposals
 from pdserve.server.decode.spec.speculator import Speculator
 from pdserve.server.model.config import resolve_max_model_len
 from pdserve.server.structured.bitmask import unconstrained
@@ -52,11 +54,12 @@ class DecodeEngine(Engine):
     def __init__(self, model: DecoderModel, layout: KvLayout, num_blocks: int, max_running: int, *,
                  max_queue: int = 256, enable_prefix_caching: bool = True, eos_ids: frozenset[int] = frozenset(),
                  max_model_len: int = 0, cuda_graphs: bool = False, grammars: Grammars | None = None,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, draft_model: DecoderModel | None = None):
         """max_model_len: 0 takes the model's, capped by what the cache holds. The cache lives on the model's
         device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad);
         grammars: the model's structured-output grammars (None: structured requests are refused);
-        speculative: verify proposed tokens in each step (`spec/speculator.py`; the pad block too)."""
+        speculative: verify proposed tokens in each step (`spec/speculator.py`; the pad block too);
+        draft_model: method draft_model's draft on the model's device (its KV cache gets as many blocks)."""
         self.model = model
         self.grammars = grammars
         self.vocab_size = model.config.vocab_size
@@ -82,7 +85,8 @@ class DecodeEngine(Engine):
         self.runner: EagerRunner | CudaGraphRunner = EagerRunner(model, self.cache)
         self.speculator = None if speculative is None else Speculator(
             speculative, model, self.cache, self.scheduler, pad_block=num_blocks, sample=self._sample,
-            logprobs=_logprobs)
+            logprobs=_logprobs, distribution=self._distribution, draft_model=draft_model)
+        self.draft = self.speculator.draft if self.speculator else None
         if cuda_graphs:
             max_blocks = layout.num_blocks(self.max_model_len)
             graphs = CudaGraphRunner(model, self.cache, max_running, max_blocks, pad_block=num_blocks)
@@ -208,8 +212,30 @@ class DecodeEngine(Engine):
             metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
             if not seq.admitted.done():
                 seq.admitted.set_result(None)
+            if self.draft is not None and seq.state is SeqState.WAITING_KV and seq.constraint is None:
+                self._prefill_draft(seq)
         if self.scheduler.running:
             self._wake()
+
+    def _prefill_draft(self, seq: Sequence) -> None:
+        """The draft's prompt KV computed in a thread while the prompt's KV arrives (`spec/draft.py`); its blocks
+        stay the sequence's (an abort frees them) until the thread ends."""
+        rid = seq.request_id
+        self.draft.prefilling.add(rid)
+
+        def done(work: asyncio.Future) -> None:
+            self.draft.prefilling.discard(rid)
+            if not work.cancelled() and work.exception() is not None:
+                log.warning("request %s: the draft's prompt prefill failed (%r); the draft catches up in a step",
+                            rid, work.exception())
+            self._retire_deferred()
+
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(self.draft.executor, self.draft.prefill_prompt, seq).add_done_callback(done)
+
+    def _in_use(self, rid: str) -> bool:
+        """Whether a worker thread reads or writes the request's blocks now (a step, a local or draft prefill)."""
+        return rid in self._busy or (self.draft is not None and rid in self.draft.prefilling)
 
     def _retire(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Drops the sequence and its blocks: now, or after the thread that is using them."""
@@ -217,14 +243,14 @@ class DecodeEngine(Engine):
             torch.cuda.current_stream(self.cache.device).wait_event(copied)
         if self.sequences.get(seq.request_id) is seq:
             del self.sequences[seq.request_id]
-        if seq.request_id in self._busy:
+        if self._in_use(seq.request_id):
             self._deferred[seq.request_id] = (seq, keep_kv)
             return
         self.scheduler.retire(seq, keep_kv)
         self._admit()
 
     def _retire_deferred(self) -> None:
-        for rid in [rid for rid in self._deferred if rid not in self._busy]:
+        for rid in [rid for rid in self._deferred if not self._in_use(rid)]:
             seq, keep_kv = self._deferred.pop(rid)
             self.scheduler.retire(seq, keep_kv)
         self._admit()
@@ -256,7 +282,7 @@ class DecodeEngine(Engine):
                 self.speculator.observe_step(batch, proposals, time.perf_counter() - started)
             self._postprocess(batch, tokens, token_lps)
 
-    def _step(self, batch: list[Sequence], proposals: list[list[int]] | None = None
+    def _step(self, batch: list[Sequence], proposals: Proposals | None = None
               ) -> tuple[list[list[int]], list[list]]:
         """The tokens every sequence in the batch emits, and their logprobs (runs in a worker thread): one
         each, or with proposals, those the speculator's verify step accepts and the one after."""
@@ -265,7 +291,7 @@ class DecodeEngine(Engine):
             if s.resume_from is not None and s.resume_from < s.num_tokens - 1:  # preempted, readmitted
                 ids = torch.tensor(s.token_ids[s.resume_from : s.num_tokens - 1], dtype=torch.int64)
                 self.model.prefill(ids, s.block_table, self.cache, start_pos=s.resume_from)
-        if proposals and any(proposals):
+        if proposals:
             return self.speculator.verify(batch, proposals)
         last = torch.tensor([s.token_ids[-1] for s in batch], dtype=torch.int64)  # [B]
         positions = torch.tensor([s.num_tokens - 1 for s in batch], dtype=torch.int64)  # [B]
@@ -297,6 +323,19 @@ class DecodeEngine(Engine):
             torch.tensor([top_p_of(p) for p in sp], dtype=torch.float32),
             [p.seed if p.HasField("seed") else None for p in sp],
             [s.sample_index for s in batch],
+            torch.tensor([p.min_p for p in sp], dtype=torch.float32) if any(p.min_p for p in sp) else None,
+        )
+
+    @staticmethod
+    def _distribution(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
+        """The probabilities [B, V] `_sample` draws each row from (penalties and min_tokens applied; no
+        structured-output mask: a constrained sequence is never proposed for)."""
+        sp = [s.sampling for s in batch]
+        return distribution(
+            penalized(logits, batch),
+            torch.tensor([p.temperature for p in sp], dtype=torch.float32),
+            torch.tensor([p.top_k for p in sp], dtype=torch.int64),
+            torch.tensor([top_p_of(p) for p in sp], dtype=torch.float32),
             torch.tensor([p.min_p for p in sp], dtype=torch.float32) if any(p.min_p for p in sp) else None,
         )
 
@@ -346,6 +385,8 @@ class DecodeEngine(Engine):
                 self._retire(seq, keep_kv=seq.finish_reason != gen_pb.FINISH_REASON_ERROR)
 
     async def close(self) -> None:
+        if self.draft is not None:
+            self.draft.executor.shutdown(wait=False)
         if self._task is not None:
             self._task.cancel()
             try:

@@ -100,6 +100,39 @@ def _draw_ranked(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return order.gather(1, pick)[:, 0]
 
 
+def distribution(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The probabilities f32 [B, V], in vocabulary order, that `sample` draws each row from: temperature, then
+    top-k, min-p and top-p as `_draw_ranked` applies them (a row without them keeps the whole vocabulary, as
+    `_draw_in_vocab_order` does); a greedy row (temperature 0) is one-hot at `greedy`'s id. What the general
+    speculative rule (`spec/rejection.py`) reads as the target's p and the draft's q; equal to the draws' law,
+    not to their last bit."""
+    B, V = logits.shape
+    device = logits.device
+    is_greedy = (temperature <= 0).to(device)  # [B]
+    temperature = torch.where(temperature <= 0, 1.0, temperature).to(device=device, dtype=torch.float32)
+    scaled = logits.float() / temperature[:, None]  # [B, V]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
+    k = torch.where(top_k > 0, top_k.clamp(max=V), V).to(device)  # [B]
+    sorted_logits = sorted_logits.masked_fill(torch.arange(V, device=device) >= k[:, None], float("-inf"))
+    min_p = torch.zeros(B) if min_p is None else min_p
+    min_p = min_p.to(device)[:, None]  # [B, 1]
+    floor = sorted_logits[:, :1] + torch.log(min_p.clamp(min=1e-30))  # [B, 1]
+    sorted_logits = sorted_logits.masked_fill((sorted_logits < floor) & (min_p > 0), float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)  # [B, V]
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]
+    probs = probs.masked_fill(mass_before > top_p.to(device)[:, None], 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(probs).scatter_(1, order, probs)  # [B, V] back in vocabulary order
+    one_hot = torch.zeros_like(out).scatter_(1, greedy(logits)[:, None], 1.0)
+    return torch.where(is_greedy[:, None], one_hot, out)
+
+
 _BITS = {}
 """Per device: int32 [32], bit i's value (the unpacking's shifts)."""
 

@@ -155,6 +155,7 @@ class Scheduler:
             self.cache.free(seq.block_table)
         seq.block_table = []
         seq.num_cached_tokens = 0
+        seq.draft_len = 0  # a draft model's KV in those blocks goes with them
         seq.num_stale_blocks = 0  # readmitted, it recomputes here (every layer) what the prefix cache lacks
 
     def _cache_full_blocks(self, seq: Sequence) -> None:

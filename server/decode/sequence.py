@@ -60,6 +60,9 @@ class Sequence:
     """A local prefill's prompt logprobs when sampling.prompt_logprobs is set (one per token after the first)."""
     constraint: Constraint | None = None
     """sampling.structured's matcher, advanced by every output (those before a migration replayed into it)."""
+    draft_len: int = 0
+    """draft_model speculation: leading tokens whose draft-model KV is in the draft's cache, at the same block
+    ids (`spec/draft.py`); back to 0 when the blocks go."""
 
     @property
     def token_ids(self) -> list[int]:

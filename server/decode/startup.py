@@ -7,7 +7,9 @@ decode step eager or CUDA-graphed. `benchmarks/gpu.py` starts it the same way (`
    bf16/fp16 checkpoint computes as `cpu_matmul` chooses from what the CPU runs (`hardware.py`): prepacked
    for oneDNN, torch's default linear, or upcast to fp32 (`prepare`). One start-up line names the choice.
 3. The KV layout; the cache's blocks from --kv-cache-tokens, else from memory (`device.py`).
-4. The engine: cache on the device, CUDA graphs captured per batch bucket unless --enforce-eager.
+4. The engine: cache on the device, CUDA graphs captured per batch bucket unless --enforce-eager. With
+   draft_model speculation the draft is loaded beside the model (same device and compute dtype, eager steps),
+   and every block of the budget pays for the target's KV and the draft's at that block id (`spec/draft.py`).
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from pdserve.server.decode.cuda_attention import have_triton
 from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_cache_blocks, gpu_cache_blocks,
                                           parse_bytes, profile_step, resolve_device)
 from pdserve.server.decode.engine import DecodeEngine
-from pdserve.server.decode.kv_cache import TORCH_DTYPES
+from pdserve.server.decode.kv_cache import TORCH_DTYPES, PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner
 from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, Linear, buffer_bytes
+from pdserve.server.decode.spec.draft import draft_layout
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import ModelConfig, load_config
 from pdserve.server.model.weights import load_weights
@@ -83,9 +86,26 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
     log.info("decode model %s loaded onto %s in %.1f s; weights %.1f MiB (%s, compute %s)%s%s",
              model_config.describe(), device, time.perf_counter() - t0, buffer_bytes(model) / 2**20, weight_dtype,
              compute_dtype, f"; {model.weight_kernel}" if quantized else "", f"; {prepared}" if prepared else "")
-    engine, layout = engine_for_model(config, model)
+    draft = build_draft(config, model_config, device, TORCH_DTYPES[compute_dtype], path)
+    engine, layout = engine_for_model(config, model, draft)
     engine.hardware = found
     return model_config, engine, layout
+
+
+def build_draft(config: DecodeConfig, model_config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                path: str | None) -> DecoderModel | None:
+    """draft_model speculation's draft (checked against the model by DecodeConfig), on the device, computing in the
+    model's compute dtype as the model's CPU path does; None without it."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft_model":
+        return None
+    t0 = time.perf_counter()
+    draft_config = load_config(spec.model).limited_to(model_config.max_model_len)
+    draft = build_model(draft_config, load_weights(spec.model), dtype=dtype, device=device)
+    prepared = prepare(draft, path)
+    log.info("draft model %s (%s) loaded onto %s in %.1f s; weights %.1f MiB%s", draft_config.describe(), spec.model,
+             device, time.perf_counter() - t0, buffer_bytes(draft) / 2**20, f"; {prepared}" if prepared else "")
+    return draft
 
 
 def prepare(model: DecoderModel, path: str | None) -> str:
@@ -99,13 +119,16 @@ def prepare(model: DecoderModel, path: str | None) -> str:
     return f"{packed} matmul weights prepacked for oneDNN (the LM head's among them)" if packed else ""
 
 
-def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeEngine, KvLayout]:
-    """The engine over a model already on its device (steps 3 and 4)."""
+def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderModel | None = None
+                     ) -> tuple[DecodeEngine, KvLayout]:
+    """The engine over a model (and draft_model's draft) already on its device (steps 3 and 4)."""
     model_config = model.config
     device = model.embed.device
     compute_dtype = str(model.dtype).removeprefix("torch.")
     kv_dtype = compute_dtype if config.kv_dtype == "auto" else config.kv_dtype  # auto: the model's compute dtype
     model.paged_kernel = device.type == "cuda" and have_triton()
+    if draft is not None:
+        draft.paged_kernel = model.paged_kernel
     if device.type == "cuda" and not model.paged_kernel:
         log.warning("triton is not installed: decode attention on %s gathers whole block tables (pip install "
                     "triton for the paged kernel)", device)
@@ -122,12 +145,13 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
         log.warning("%s: a mixture-of-experts model decodes in eager steps on %s (no CUDA graphs)",
                     model_config.describe(), device)
         cuda_graphs = False
-    num_blocks, sized_by = cache_blocks(config, model, layout, device, cuda_graphs)
+    draft_bytes = 0 if draft is None else PagedKvCache.bytes_per_block(draft_layout(draft, config.block_size))
+    num_blocks, sized_by = cache_blocks(config, model, layout, device, cuda_graphs, draft_bytes)
     t0 = time.perf_counter()
     engine = DecodeEngine(model, layout, num_blocks, config.max_running, max_queue=config.max_queue,
                           enable_prefix_caching=config.enable_prefix_caching,
                           eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
-                          cuda_graphs=cuda_graphs, speculative=config.speculative,
+                          cuda_graphs=cuda_graphs, speculative=config.speculative, draft_model=draft,
                           grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
                                                       tuple(model_config.eos_token_ids)))
     if engine.grammars is not None:
@@ -139,26 +163,31 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel) -> tuple[DecodeE
              f"{time.perf_counter() - t0:.1f} s" if isinstance(engine.runner, CudaGraphRunner) else "eager steps")
     if config.speculative is not None:
         spec = config.speculative
-        log.info("speculative decoding: %s, up to %d proposed tokens a step (n-grams of %d..%d), verified in one step "
-                 "(the reference attention path: the paged kernel takes one query a row); cap from measured step "
-                 "costs%s", spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max,
+        how = f"n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max}" if spec.method == "ngram" else \
+            f"drafted by {spec.model} in {spec.num_speculative_tokens} batched steps, its KV {draft_bytes} bytes " \
+            f"a block"
+        log.info("speculative decoding: %s, up to %d proposed tokens a step (%s), verified in one step (the reference "
+                 "attention path: the paged kernel takes one query a row); cap from measured step costs%s",
+                 spec.method, spec.num_speculative_tokens, how,
                  f", off at batch >= {spec.disable_by_batch_size}" if spec.disable_by_batch_size else "")
     return engine, layout
 
 
 def cache_blocks(config: DecodeConfig, model: DecoderModel, layout: KvLayout, device: torch.device,
-                 cuda_graphs: bool) -> tuple[int, str]:
-    """The KV cache's blocks and what sized it: --kv-cache-tokens, else the memory left on the device."""
+                 cuda_graphs: bool, draft_bytes: int = 0) -> tuple[int, str]:
+    """The KV cache's blocks and what sized it: --kv-cache-tokens, else the memory left on the device (each
+    block costing its KV and draft_bytes, a draft model's KV at the same block id)."""
     if config.num_blocks is not None:
         return config.num_blocks, f"--kv-cache-tokens {config.kv_cache_tokens}"
     max_model_len = model.config.max_model_len
     if device.type != "cuda":
         budget = parse_bytes(config.kv_cache_memory, "--kv-cache-memory")
-        blocks = cpu_cache_blocks(budget, layout, config.max_running, max_model_len)
+        blocks = cpu_cache_blocks(budget, layout, config.max_running, max_model_len, draft_bytes)
         return blocks, f"--kv-cache-memory {config.kv_cache_memory}, at most --max-running x --max-model-len"
     utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     peak, other, total = profile_step(model, layout, config.max_running, max_model_len, device)
     pad = 1 if cuda_graphs or config.speculative else 0  # the pad block CUDA graphs' and verify steps' pad rows write
-    blocks = gpu_cache_blocks(total, utilization, peak, other, layout, reserved_blocks=pad)
+    blocks = gpu_cache_blocks(total, utilization, peak, other, layout, reserved_blocks=pad,
+                              extra_block_bytes=draft_bytes)
     return blocks, (f"--gpu-memory-utilization {utilization} of {total / 2**30:.1f} GiB; weights + a step at batch "
                     f"{config.max_running} peaked at {peak / 2**30:.2f} GiB, other memory {other / 2**30:.2f} GiB")

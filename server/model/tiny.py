@@ -71,10 +71,16 @@ def train_tokenizer(vocab_size: int = 512):
     return tok
 
 
-def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int):
+DRAFT_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=32)
+"""A smaller checkpoint of the same tokenizer (`make_tiny_model(..., shape=DRAFT_SHAPE)`): a draft model for
+draft_model speculation."""
+
+
+def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int, shape: dict | None = None):
     import transformers
 
-    common = dict(_SHAPE, vocab_size=vocab_size, eos_token_id=eos_id, bos_token_id=bos_id)
+    common = dict(_SHAPE, **(shape or {}), vocab_size=vocab_size, eos_token_id=eos_id, bos_token_id=bos_id)
     if family == "llama":
         # Llama 3.2-style: llama3 rope scaling and tied embeddings.
         rope = {
@@ -101,7 +107,8 @@ def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int):
     if family == "qwen3_moe":
         return transformers.Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                                            norm_topk_prob=False, rope_theta=1e6, tie_word_embeddings=False)
-    gemma = dict(common, num_hidden_layers=4, sliding_window=WINDOW, query_pre_attn_scalar=24,
+    gemma = dict(common, num_hidden_layers=(shape or {}).get("num_hidden_layers", 4), sliding_window=WINDOW,
+                 query_pre_attn_scalar=24,
                  hidden_activation="gelu_pytorch_tanh")
     if family == "gemma2":  # local, global, local, global; both soft-caps (Gemma 2's 50 and 30 are far off here)
         return transformers.Gemma2Config(**gemma, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
@@ -120,8 +127,10 @@ def make_tiny_model(
     dtype: Literal["float32", "bfloat16"] = "float32",
     seed: int = 0,
     max_shard_size: str | None = None,
+    shape: dict | None = None,
 ) -> Path:
-    """Writes config, safetensors weights, tokenizer and generation config to out_dir."""
+    """Writes config, safetensors weights, tokenizer and generation config to out_dir. shape: config keys that
+    replace the tiny shape's (DRAFT_SHAPE: a smaller model of the same tokenizer)."""
     try:
         import torch
         import transformers
@@ -132,7 +141,7 @@ def make_tiny_model(
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer()
     eos_id, bos_id = tok.token_to_id(EOS), tok.token_to_id(BOS)
-    config = _hf_config(family, tok.get_vocab_size(), eos_id, bos_id)
+    config = _hf_config(family, tok.get_vocab_size(), eos_id, bos_id, shape)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family.startswith("gemma"):  # its norms start at w = 0, (1 + w) = 1: made random so that every one counts

@@ -68,13 +68,14 @@ def _manual(engine: DecodeEngine) -> None:
     engine._wake = lambda: None
 
 
-def _one_step(engine: DecodeEngine) -> list[list[int]]:
-    """What one pass of the engine's loop does (without measuring it): schedule, propose, step, postprocess."""
+def _one_step(engine: DecodeEngine) -> list[list[int]] | None:
+    """What one pass of the engine's loop does (without measuring it): schedule, propose, step, postprocess; the
+    step's proposed tokens (a draft model's drawn in the step)."""
     batch = engine.scheduler.schedule()
     proposals = engine.speculator.propose(batch) if engine.speculator else None
     tokens, lps = engine._step(batch, proposals)
     engine._postprocess(batch, tokens, lps)
-    return proposals
+    return None if proposals is None else proposals.tokens
 
 
 def _script(engine: DecodeEngine, proposals: list[list[int]]) -> list[int | None]:

@@ -1,9 +1,11 @@
 """Greedy tokens with n-gram speculative decoding on equal transformers' generate (and so speculation off):
 through `pdserve up` (prefill worker + decode worker) on every supported family, and on a decode worker
-whose metrics show the speculation ran."""
+whose metrics show the speculation ran; the same with a draft model (draft_model): through `pdserve up` with a
+smaller draft of another family, and on a decode worker whose counters move."""
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -47,6 +49,27 @@ def test_greedy_with_ngram_speculation_through_pdserve_up_equals_transformers(fa
         assert all(free == total for free, total in pairs), pairs
 
 
+def draft_spec(draft_dir) -> str:
+    return json.dumps({"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3})
+
+
+def test_greedy_with_a_draft_model_through_pdserve_up_equals_transformers(tiny_model, tiny_draft, tmp_path):
+    """The draft (a smaller Qwen2 of the same tokenizer) prefills its prompt KV on the decode worker beside the
+    transfer of the target's from the prefill worker."""
+    model_dir = tiny_model("llama")
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in PROMPTS]
+    with pdserve_up(model_dir, tmp_path, prefill_workers=1, decode_workers=1,
+                    extra_args=["--speculative-config", draft_spec(tiny_draft("qwen2"))]) as state:
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            got = list(pool.map(lambda p: _ids(state["coordinator"], p), PROMPTS))
+        for prompt, want, ids in zip(PROMPTS, expected, got):
+            assert ids == want, f"draft_model: prompt {prompt!r}"
+        _stop_rules_hold(state["coordinator"], PROMPTS[1])
+        pairs = wait_all_blocks_free(state["decode"])
+        assert all(free == total for free, total in pairs), pairs
+
+
 def _stop_rules_hold(addr: str, prompt: str) -> None:
     """A stop string and a stop id end the stream where they would without speculation (the accepted tokens
     of one step arrive together; the coordinator cuts the text, the worker the ids)."""
@@ -64,12 +87,15 @@ def _stop_rules_hold(addr: str, prompt: str) -> None:
     assert msgs[-1].finish_reason == gen_pb.FINISH_REASON_STOP
 
 
-def test_a_speculating_decode_worker_counts_its_drafts_and_gives_transformers_tokens(tiny_model, tmp_path):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_speculating_decode_worker_counts_its_drafts_and_gives_transformers_tokens(method, tiny_model, tmp_path):
+    """draft_model: the target as its own draft (the acceptance ceiling), so the accepted counter moves surely."""
     model_dir = tiny_model("llama")
     procs = Procs(model_dir, tmp_path)
     try:
         coordinator = procs.coordinator("coordinator")
-        d0 = procs.worker("d0", "decode", coordinator, "--kv-cache-tokens", "4096", "--speculative-config", SPEC)
+        spec = SPEC if method == "ngram" else draft_spec(model_dir)
+        d0 = procs.worker("d0", "decode", coordinator, "--kv-cache-tokens", "4096", "--speculative-config", spec)
         prompts = [[3, 14, 15, 92, 65, 35, 89], [7, 8, 9, 7, 8, 9, 7, 8]]
         for prompt in prompts:
             assert generate(coordinator.address, request(prompt, MAX_TOKENS)) == hf_greedy(model_dir, prompt)

@@ -1,1 +1,2 @@
-"""Speculative decoding on the decode tier: proposals (n-gram), verified in one multi-position step."""
+"""Speculative decoding on the decode tier: proposals (n-gram, or a draft model's), verified in one multi-position
+step."""

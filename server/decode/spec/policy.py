@@ -6,6 +6,9 @@ proposals, E = sum over sequences of sum_{j <= c_i} a_1 ... a_j, a_j the measure
 proposal is accepted once the ones before it were. Each step takes the cap c in 0..k with the most expected
 tokens per second. Where the step is bandwidth-bound (small batches) cost(B, k + 1) ~ cost(B, 1) and
 speculation pays; where it is compute-bound the cost grows with c and the cap shrinks to 0.
+With draft_model, a step verifying c proposals also runs the draft's c forward steps (inside the step,
+`Speculator.verify`), so the measured cost(B, c + 1) is the draft's c steps plus the verify: a draft too
+dear for its acceptance rate gets the cap 0 as a costly verify does.
 
 A bucket's first step verifies the full k, its next a plain step (both measured); a (bucket, c + 1) not
 measured yet is taken to cost what c = 0 does (so it gets tried, and measured). Then, so that the

@@ -21,10 +21,20 @@ rule: P(accept) = P(t = x) = p(x), and given a rejection, t is distributed as p 
 So every emitted token has the target's distribution given the tokens before it, and, since t_j is drawn
 from the same uniform number of (seed, token index) as without speculation, a seeded request gives the
 same tokens with speculation on or off, on any worker and batch (what migration relies on).
-(A draft model's proposal is not a point mass; it needs the general rule, not built yet.)
+
+A draft model's proposals (draft_model): for greedy and seeded requests the same rule. The draft draws d_{j+1}
+with the request's own sampler and the same uniform number of (seed, token index) from its distribution q
+(greedy: its argmax), so where q is close to p it lands on the target's draw t_j, and the emitted tokens are
+the t's, as without speculation, whatever the draft proposes (and so migration stays reproducible). For an
+unseeded sampled request the general rule (`accept_or_resample`): d ~ q, accepted with probability
+min(1, p(d) / q(d)); on a rejection the token is drawn from norm(max(0, p - q)); after k acceptances the
+bonus token is drawn from p. Every emitted token then has law p given the ones before it (Leviathan et al.,
+Theorem 1), p being `sampler.distribution` of the logits with the request's penalties, min_tokens and filters.
 """
 
 from __future__ import annotations
+
+import torch
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:
@@ -33,3 +43,18 @@ def accepted(drafts: list[int], sampled: list[int]) -> int:
     while m < len(drafts) and m < len(sampled) and sampled[m] == drafts[m]:
         m += 1
     return m
+
+
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, uniform: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling's rule for rows whose draft token was drawn from q: p, q f32 [R, V] (target's,
+    draft's), drafts int64 [R], uniform [R] in [0, 1) -> (accepted bool [R], token int64 [R]: the draft where
+    accepted, else a draw from norm(max(0, p - q)))."""
+    drafts = drafts.to(p.device)[:, None]  # [R, 1]
+    p_d, q_d = p.gather(1, drafts)[:, 0], q.gather(1, drafts)[:, 0]  # [R]
+    accept = uniform.to(p.device) * q_d < p_d  # P = min(1, p(d) / q(d)); q(d) > 0 as d ~ q
+    residual = (p - q).clamp(min=0)  # [R, V]
+    mass = residual.sum(dim=-1, keepdim=True)  # [R, 1] 0 only where p = q, where nothing is rejected
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
+    resampled = torch.multinomial(residual, 1)[:, 0]  # [R]
+    return accept, torch.where(accept, drafts[:, 0], resampled)

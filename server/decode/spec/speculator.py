@@ -1,14 +1,17 @@
 """Speculative decoding in the native decode engine: propose, reserve the lookahead, verify, accept.
 
 Each step, for the batch the scheduler gave (every sequence already holding a block for its next token):
-1. `propose`: each sequence's n-gram proposal (at most k tokens, fewer where max_tokens or max_model_len
-   is near); the step's cap from measured costs (`policy.py`); the blocks for the lookahead slots taken on
-   demand from the free pool (never by preempting or evicting: a proposal that does not fit is shortened).
-2. `verify` (the step's thread): one forward of k_i + 1 query positions per sequence (the last token, then
-   its proposals; shorter rows padded, their pad entries writing a pad block no sequence reads), causal over
-   the new positions; then the tokens the sampler draws at each position, accepted while they equal the
-   proposals (`rejection.py`: exact for greedy, the target's distribution for sampling, seeded draws per
-   token index as without speculation).
+1. `propose`: each sequence's proposal length (at most k tokens, fewer where max_tokens or max_model_len
+   is near; with ngram, the n-gram proposal itself); the step's cap from measured costs (`policy.py`); the
+   blocks for the lookahead slots taken on demand from the free pool (never by preempting or evicting: a
+   proposal that does not fit is shortened).
+2. `verify` (the step's thread): with draft_model, first the draft's tokens (`draft.py`: k batched paged
+   draft forwards, inside the step, so the measured step cost the cap is chosen by includes them); then one
+   forward of k_i + 1 query positions per sequence (the last token, then its proposals; shorter rows padded,
+   their pad entries writing a pad block no sequence reads), causal over the new positions; then the tokens
+   the sampler draws at each position, accepted while they equal the proposals (`rejection.py`: exact for
+   greedy, the target's distribution for sampling, seeded draws per token index as without speculation; a
+   draft drawn from q by the general rule).
 3. After the engine appended the accepted tokens (the stop rule checked on each, in order): `release`
    gives back the blocks that held only rejected slots. A rejected token's KV is never read: every later
    step writes a position before it attends it, and attends only its context's positions.
@@ -27,10 +30,12 @@ from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.scheduler import Scheduler
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.spec.config import SpeculativeConfig
+from pdserve.server.decode.spec.draft import DistributionFn, DraftProposer
 from pdserve.server.decode.spec.lookahead import Lookahead
 from pdserve.server.decode.spec.ngram import NgramProposer
 from pdserve.server.decode.spec.policy import SpecPolicy
-from pdserve.server.decode.spec.rejection import accepted
+from pdserve.server.decode.spec.proposals import Proposals
+from pdserve.server.decode.spec.rejection import accept_or_resample, accepted
 
 SampleFn = Callable[[torch.Tensor, list], torch.Tensor]
 """(logits [R, V], sequences or Lookaheads) -> token ids [R]: the engine's sampler."""
@@ -40,7 +45,15 @@ LogprobsFn = Callable[[torch.Tensor, torch.Tensor, list], list]
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, model: DecoderModel, cache: PagedKvCache, scheduler: Scheduler,
-                 pad_block: int, sample: SampleFn, logprobs: LogprobsFn):
+                 pad_block: int, sample: SampleFn, logprobs: LogprobsFn, distribution: DistributionFn,
+                 draft_model: DecoderModel | None = None):
+        """draft_model: method draft_model's draft, already on the target's device."""
+        if (config.method == "draft_model") != (draft_model is not None):
+            raise ValueError(f"speculative method {config.method!r} {'needs' if draft_model is None else 'takes no'} "
+                             f"draft model")
+        if draft_model is not None and draft_model.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the draft's vocab_size {draft_model.config.vocab_size} differs from the served "
+                             f"model's {model.config.vocab_size}")
         self.config = config
         self.model = model
         self.cache = cache
@@ -48,42 +61,56 @@ class Speculator:
         self.pad_slot = pad_block * cache.block_size
         self.sample = sample
         self.logprobs = logprobs
+        self.distribution = distribution
         k = config.num_speculative_tokens
-        self.proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max) \
+            if draft_model is None else None
+        self.draft = None if draft_model is None else DraftProposer(draft_model, pad_block, cache.block_size, sample,
+                                                                   distribution)
         self.policy = SpecPolicy(k, config.disable_by_batch_size)
         self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
         self.accepted_per_pos = [0] * k
 
     # ---- 1. on the event loop, before the step ----------------------------------
 
-    def propose(self, batch: list[Sequence]) -> list[list[int]]:
-        """Each sequence's proposal for this step (maybe []), its lookahead blocks held."""
-        if not self.policy.worth_looking(len(batch)):
-            self.policy.skipped(len(batch))
-            return [[] for _ in batch]  # not even looked up (disable_by_batch_size, or measured not to pay)
+    def propose(self, batch: list[Sequence]) -> Proposals:
+        """Each sequence's proposal for this step (maybe none), its lookahead blocks held; a draft model's tokens
+        are drawn in the step (`verify`)."""
+        k = self.config.num_speculative_tokens
         # A constrained sequence is not proposed for: its grammar's state would have to follow each proposed token
         # (and roll back the rejected ones); it samples its one token per step under its mask, beside the others.
-        proposals = [[] if s.constraint is not None
-                     else self.proposer.propose(s.token_ids, room(s, self.config.num_speculative_tokens))
+        if self.draft is not None:  # every sequence may be drafted for, but one whose prompt's draft KV is on its way
+            lengths = [0 if s.constraint is not None or s.request_id in self.draft.prefilling else room(s, k)
+                       for s in batch]
+            cap = self.policy.cap(len(batch), lengths)
+            return Proposals([self._reserve(s, min(n, cap)) for s, n in zip(batch, lengths)],
+                             [[] for _ in batch], [None] * len(batch))
+        if not self.policy.worth_looking(len(batch)):
+            self.policy.skipped(len(batch))
+            return Proposals.of([[] for _ in batch])  # not even looked up (disable_by_batch_size, or not paying)
+        proposals = [[] if s.constraint is not None else self.proposer.propose(s.token_ids, room(s, k))
                      for s in batch]
         cap = self.policy.cap(len(batch), [len(p) for p in proposals])
-        return [self._reserve(s, p[:cap]) for s, p in zip(batch, proposals)]
+        return Proposals.of([p[: self._reserve(s, len(p[:cap]))] for s, p in zip(batch, proposals)])
 
-    def _reserve(self, seq: Sequence, proposal: list[int]) -> list[int]:
-        """The proposal as far as free blocks hold its slots (the sequence takes those blocks)."""
-        if not proposal:
-            return proposal
+    def _reserve(self, seq: Sequence, n: int) -> int:
+        """How many of n lookahead slots free blocks hold (the sequence takes those blocks)."""
+        if not n:
+            return 0
         scheduler = self.scheduler
-        short = scheduler.blocks_for(seq.num_tokens + len(proposal)) - len(seq.block_table)
+        short = scheduler.blocks_for(seq.num_tokens + n) - len(seq.block_table)
         take = min(short, scheduler.pool.num_free)
         if take > 0:
             seq.block_table.extend(scheduler.cache.allocate(take))
-        return proposal[: len(seq.block_table) * scheduler.block_size - seq.num_tokens]
+        return min(n, len(seq.block_table) * scheduler.block_size - seq.num_tokens)
 
     # ---- 2. in the step's thread ---------------------------------------------------
 
-    def verify(self, batch: list[Sequence], proposals: list[list[int]]) -> tuple[list[list[int]], list[list]]:
+    def verify(self, batch: list[Sequence], plan: Proposals) -> tuple[list[list[int]], list[list]]:
         """The tokens each sequence emits (1 to len(proposal) + 1) and their logprobs (None where not asked)."""
+        if self.draft is not None:
+            plan.tokens, plan.q = self.draft.propose(batch, plan.lengths)
+        proposals = plan.tokens
         B, S = len(batch), 1 + max(len(p) for p in proposals)
         tokens = torch.zeros(B, S, dtype=torch.int64)  # [B, S]
         positions = torch.zeros(B, S, dtype=torch.int64)  # [B, S]
@@ -100,11 +127,15 @@ class Speculator:
                               dtype=torch.int64)  # [B, M]
         logits = self.model.verify(tokens, positions, tables, context_lens, self.cache, pad, self.pad_slot)  # [B, S, V]
 
-        if all(_plain(s) for s in batch):
+        if all(_plain(s) for s in batch) and all(q is None for q in plan.q):
             out, lps = self._accept_at_once(batch, proposals, logits)
         else:
-            out, lps = self._accept_in_order(batch, proposals, logits)
+            out, lps = self._accept_in_order(batch, proposals, logits, plan.q)
         self._count(proposals, out)
+        if self.draft is not None:  # the draft KV of the accepted tokens stays; of its last proposal, never written
+            for s, p, emitted in zip(batch, proposals, out):
+                if p:
+                    s.draft_len = s.num_tokens + min(len(emitted) - 1, len(p) - 1)
         return out, lps
 
     def _accept_at_once(self, batch: list[Sequence], proposals: list[list[int]], logits: torch.Tensor
@@ -124,9 +155,10 @@ class Speculator:
             lps.append(row_lps[i * S : i * S + n])
         return out, lps
 
-    def _accept_in_order(self, batch: list[Sequence], proposals: list[list[int]], logits: torch.Tensor
-                         ) -> tuple[list[list[int]], list[list]]:
-        """Position by position, each drawn with the penalties and min_tokens of the tokens accepted before it."""
+    def _accept_in_order(self, batch: list[Sequence], proposals: list[list[int]], logits: torch.Tensor,
+                         qs: list[torch.Tensor | None]) -> tuple[list[list[int]], list[list]]:
+        """Position by position, each drawn with the penalties and min_tokens of the tokens accepted before it;
+        a draft token drawn from q accepted or replaced by the general rule."""
         views = [Lookahead(s) for s in batch]
         out: list[list[int]] = [[] for _ in batch]
         lps: list[list] = [[] for _ in batch]
@@ -135,6 +167,15 @@ class Speculator:
             rows = torch.tensor(alive)
             at = logits[rows.to(logits.device), j]  # [R, V]
             picked = self.sample(at, [views[i] for i in alive])  # [R]
+            general = [n for n, i in enumerate(alive) if qs[i] is not None and j < len(proposals[i])]
+            if general:  # d ~ q: accepted with min(1, p / q), else drawn from norm(max(0, p - q))
+                index = torch.tensor(general, device=at.device)
+                p = self.distribution(at[index], [views[alive[n]] for n in general])  # [G, V]
+                q = torch.stack([qs[alive[n]][j] for n in general]).to(p.device)  # [G, V]
+                drafts = torch.tensor([proposals[alive[n]][j] for n in general])
+                _, tokens = accept_or_resample(p, q, drafts, torch.rand(len(general)))
+                picked = picked.clone()
+                picked[index] = tokens.to(picked.device)
             row_lps = self.logprobs(at, picked, [batch[i].sampling for i in alive])
             still = []
             for i, t, lp in zip(alive, picked.tolist(), row_lps):
@@ -166,8 +207,9 @@ class Speculator:
 
     # ---- 3. after the step -----------------------------------------------------------
 
-    def observe_step(self, batch: list[Sequence], proposals: list[list[int]] | None, seconds: float) -> None:
-        positions = 1 + max((len(p) for p in proposals or ()), default=0)
+    def observe_step(self, batch: list[Sequence], plan: Proposals | None, seconds: float) -> None:
+        """The step's seconds (a draft's forwards included) under its bucket and its query positions."""
+        positions = 1 + max(plan.lengths if plan else (), default=0)
         self.policy.observe_step(len(batch), positions, seconds)
 
     def release(self, seq: Sequence) -> None:
