@@ -1,4 +1,4 @@
-"""benchmarks.spec_decode at a tiny size: one row per workload and batch, speculation's tokens equal off's."""
+"""benchmarks.spec_decode at a tiny size: one row per workload, batch and method, speculation's tokens equal off's."""
 
 from __future__ import annotations
 
@@ -10,9 +10,12 @@ from pdserve.benchmarks import spec_decode
 def test_a_tiny_run_writes_its_rows_and_speculation_changes_no_token(tiny_model, tmp_path):
     out = tmp_path / "spec.json"
     assert spec_decode.main(["--random-model", str(tiny_model("llama")), "--batches", "1", "2", "--max-tokens", "12",
-                             "--repeats", "1", "--out", str(out)]) == 0
+                             "--repeats", "1", "--methods", "ngram", "draft-self", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["workload"], r["batch"]) for r in rows] == [(w, b) for w in spec_decode.WORKLOADS for b in (1, 2)]
-    assert all(r["identical_tokens"] and r["off_tok_s"] > 0 and r["ngram_tok_s"] > 0 for r in rows)
+    assert [(r["workload"], r["batch"], r["method"]) for r in rows] == [
+        (w, b, m) for w in spec_decode.WORKLOADS for b in (1, 2) for m in ("ngram", "draft-self")]
+    assert all(r["identical_tokens"] and r["off_tok_s"] > 0 and r["tok_s"] > 0 for r in rows)
     assert all(r["off_steps"] == 11 for r in rows)  # 12 tokens: the first from prefill, 11 plain steps
-    assert next(r for r in rows if r["workload"] == "self-repeating")["acceptance"] > 0.5
+    by = {(r["workload"], r["batch"], r["method"]): r for r in rows}
+    assert by["self-repeating", 1, "ngram"]["acceptance"] > 0.5
+    assert by["self-repeating", 1, "draft-self"]["acceptance"] == 1.0  # greedy: the target proposes its own tokens
