@@ -233,7 +233,7 @@ async def test_blocks_dropped_with_their_kv_stay_cached_for_a_prompt_sharing_the
 
 
 async def test_a_preempted_windowed_sequence_is_readmitted_with_its_window_only():
-    s = Scheduler(num_blocks=6, block_size=BS, max_running=4, max_queue=4, windows=WINDOWS)
+    s = Scheduler(num_blocks=6, block_size=BS, max_running=4, max_queue=4, windows=WINDOWS)  # null block: 6
     a = _seq("a", list(range(100, 114)))
     a.local_prefill = True
     s.add(a)
@@ -241,11 +241,11 @@ async def test_a_preempted_windowed_sequence_is_readmitted_with_its_window_only(
     for _ in range(6):
         _step(s)  # 21 tokens
     s.schedule()
-    assert a.block_table == [NULL, NULL, NULL, 3, 4, 5] and a.num_tokens == 21
+    assert a.block_table == [6, 6, 6, 3, 4, 5] and a.num_tokens == 21
     s.preempt(a)  # blocks 3, 4 (full, with KV) cached beside 0-2: the chain of its first 20 tokens
     assert s.cache.num_cached == 5 and s.pool.num_free == 1 and a.block_table == []
     assert s.admit() == [a]  # 20 tokens' KV cached; the query at 20 reads 13..20: blocks 3, 4 and one fresh
-    assert a.block_table == [NULL, NULL, NULL, 3, 4, 5] and a.resume_from == 20 and a.num_dropped_blocks == 3
+    assert a.block_table == [6, 6, 6, 3, 4, 5] and a.resume_from == 20 and a.num_dropped_blocks == 3
     s.retire(a)
     assert _available(s) == 6
 

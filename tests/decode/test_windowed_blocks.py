@@ -78,8 +78,8 @@ async def _handed_over(engine: DecodeEngine, rid: str, prompt: list[int]) -> Seq
     return seq
 
 
-async def _run_all(engine: DecodeEngine, admit) -> list[list[int]]:
-    seqs = [await admit(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)]
+async def _run_all(engine: DecodeEngine, admit, prompts: list[list[int]] = PROMPTS) -> list[list[int]]:
+    seqs = [await admit(engine, f"r{i}", p) for i, p in enumerate(prompts)]
     outs = await asyncio.gather(*(_drain(s) for s in seqs))
     return [[s.output_ids[0], *out] for s, out in zip(seqs, outs)]
 
@@ -98,12 +98,14 @@ async def test_handed_over_and_computed_here_sequences_hold_a_window_of_blocks_a
 
 
 async def test_a_tight_cache_preempts_and_recomputes_windowed_sequences_with_the_same_tokens(tiny_model):
-    """20 blocks: the 60-token prompt computed here takes 15 of them, then 7; three sequences of up to 7 blocks
-    each do not fit side by side, so they preempt, and a readmitted one recomputes from its cached prefix."""
+    """26 blocks (the longest sequence's 100 tokens fit: a recompute may need them all): the 60-token prompt
+    computed here takes 15 of them, then 7; four sequences of up to 7 blocks each do not fit side by side, so
+    they preempt, and a readmitted one recomputes from its cached prefix."""
     path = tiny_model("mistral-windowed")
-    engine = _engine(path, num_blocks=20)
-    got = await _run_all(engine, _computed_here)
-    assert got == [_hf_greedy(path, p, NEW_TOKENS) for p in PROMPTS]
+    engine = _engine(path, num_blocks=26)
+    prompts = PROMPTS + [list(range(200, 230))]
+    got = await _run_all(engine, _computed_here, prompts)
+    assert got == [_hf_greedy(path, p, NEW_TOKENS) for p in prompts]
     assert engine.scheduler.num_preemptions >= 1
     assert _all_back(engine)
     await engine.close()
