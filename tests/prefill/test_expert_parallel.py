@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 SCRIPT = r"""
-import json, sys
+import json, math, re, sys
 import jax, jax.numpy as jnp, numpy as np
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
@@ -25,6 +25,10 @@ def error_of(fn):
         fn()
     except ValueError as e:
         return str(e)
+
+def gathered(hlo):  # the most elements any all-gather of the compiled program returns (0: none)
+    shapes = re.findall(r"= \w+\[([\d,]*)\]\S* all-gather(?:-start)?\(", hlo)
+    return max((math.prod(int(d) for d in dims.split(",") if d) for dims in shapes), default=0)
 
 report = {}
 for path, meshes in json.loads(sys.argv[1]):
@@ -46,6 +50,8 @@ for path, meshes in json.loads(sys.argv[1]):
             "experts_per_device": sorted({s.data.shape[1] for s in layers["e_gate"].addressable_shards}),
             "q_heads_per_device": sorted({s.data.shape[2] for s in layers["wq"].addressable_shards}),
             "devices": len(layers["e_gate"].sharding.device_set),
+            "expert_weights": math.prod(layers["e_gate"].shape[2:]),  # one expert's gate: H x I
+            "gathered": gathered(jax.jit(fn).lower(sharded, tokens, lengths).compile().as_text()) if ep > 1 else 0,
         }
     report[f"{config.family}/refusals"] = {
         "kv_heads": error_of(lambda: shard_params(params, make_mesh(4, 1), config)),
@@ -78,6 +84,10 @@ def test_experts_split_over_tp_and_an_expert_axis_give_the_same_tokens(tiny_mode
         assert r["max_err"] < 1e-4, name
         assert r["experts_per_device"] == [8 // (tp * ep)] and r["devices"] == tp * ep, name
         assert r["q_heads_per_device"] == [heads[family] // tp], name  # attention over tp only
+        # XLA splits the grouped matmul by expert: each device multiplies its own experts' rows and an all-reduce
+        # sums the outputs; no expert's weights are gathered (the only all-gathers: the [E] group sizes). Checked
+        # on the meshes with an expert axis (tp alone compiles the same split).
+        assert r["gathered"] < r["expert_weights"], name
     assert "num_kv_heads (2)" in report["qwen3_moe/refusals"]["kv_heads"]
     assert "num_experts (8)" in report["mixtral/refusals"]["experts"]
     assert "expert parallelism 3" in report["mixtral/refusals"]["experts"]
