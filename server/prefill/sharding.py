@@ -7,7 +7,9 @@ A mixture-of-experts model's experts are split over both axes ("ep" and "tp" tog
 devices holds num_experts / (ep x tp) whole experts, vLLM's EP = TP x DP), the router is replicated. The
 attention and dense weights are replicated over "ep": every ep group computes the same heads, so an expert
 axis is the way to hold more experts' weights apart than the kv heads let tensor parallelism split
-(`--expert-parallel-size`; 1, a 1 x tp mesh, is plain tensor parallelism with the experts over tp).
+(`--expert-parallel-size`; 1, a 1 x tp mesh, is plain tensor parallelism with the experts over tp). XLA
+splits the grouped matmul (`jax.lax.ragged_dot`) by expert: each device multiplies only its experts' rows and
+one all-reduce sums the [T k, H] outputs; no expert weight moves (tests/prefill/test_expert_parallel.py).
 The model code is unchanged: jit the same prefill and pass it sharded params; activations and the
 KV (split over kv heads) follow the params' shardings, and `np.asarray` gathers a batch's KV to the host.
 
