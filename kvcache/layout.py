@@ -75,6 +75,10 @@ class KvLayout:
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_behind_windows(self, first_query: int) -> int:
+        """Leading blocks that no layer reads again once queries start at `first_query` (see the function)."""
+        return blocks_behind_windows(self.windows, self.block_size, first_query)
+
     def stale_tokens(self, num_tokens: int) -> tuple[int, ...]:
         """Per layer, the leading tokens (whole blocks) of an n-token prompt that no later query reads: a
         windowed layer's query at position p >= n reads keys p - W < j, so the blocks wholly before n - W + 1
@@ -113,6 +117,15 @@ class KvLayout:
             scale_granularity=msg.scale_granularity or "none",  # type: ignore[arg-type]
             windows=tuple(msg.layer_windows),
         )
+
+
+def blocks_behind_windows(windows: tuple[int, ...], block_size: int, first_query: int) -> int:
+    """The leading blocks wholly behind every layer's sliding window for queries at positions >= first_query
+    (a query at p reads keys p - W < j): none when some layer attends to everything (windows empty or a 0
+    among them), else those before first_query - max(windows) + 1. A decode cache drops these blocks."""
+    if not windows or not all(windows):
+        return 0
+    return max(0, first_query - max(windows) + 1) // block_size
 
 
 def check_handshake(

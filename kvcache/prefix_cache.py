@@ -20,15 +20,21 @@ HASH_BYTES = 16
 def block_hashes(token_ids: list[int], block_size: int, limit: int | None = None) -> list[bytes]:
     """The chained hash of each full block of token_ids (of the first `limit` blocks when given)."""
     count = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
-    hashes: list[bytes] = []
-    parent = b""
-    for i in range(count):
+    return extend_hashes([], token_ids, block_size, count)
+
+
+def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, count: int) -> list[bytes]:
+    """`hashes`, the chained hashes of token_ids' first blocks, extended in place to its first `count` full
+    blocks (at most as many as it holds); returns the first `count` of them."""
+    count = min(count, len(token_ids) // block_size)
+    parent = hashes[-1] if hashes else b""
+    for i in range(len(hashes), count):
         block = token_ids[i * block_size : (i + 1) * block_size]
         h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
         h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in block))
         parent = h.digest()
         hashes.append(parent)
-    return hashes
+    return hashes[:count]
 
 
 class PrefixCache:

@@ -133,7 +133,7 @@ def test_a_config_written_as_flags_parses_back_to_itself(tiny_model):
         ("prefill", PrefillConfig(
             model_dir=model, port=0, weight_dtype="int8", max_batch_tokens=128, max_prefill_chunk=64,
             prefix_cache_bytes=0, compilation_cache="none", compile_before_serving="all", tensor_parallel_size=2,
-            prefill_order="fifo", prefill_ageing=0.5)),
+            expert_parallel_size=2, prefill_order="fifo", prefill_ageing=0.5)),
         ("decode", DecodeConfig(model_dir=model)),
         ("decode", DecodeConfig(
             model_dir=model, block_size=32, device="cpu", kv_cache_memory="1GiB", enforce_eager=True,
@@ -167,7 +167,8 @@ UP_COMMAND_LINES = [
     ["--served-model-name", "tiny", "alias", "--max-model-len", "256", "--http-port", "8123", "--chat-template", "x",
      "--stall-timeout", "5", "--ttft-budget", "2"],
     ["--dtype", "float32", "--kv-cache-dtype", "fp8", "--max-num-seqs", "8", "--gpu-memory-utilization", "0.5",
-     "--tensor-parallel-size", "2", "--enforce-eager", "--compile-before-serving", "all"],
+     "--tensor-parallel-size", "2", "--expert-parallel-size", "2", "--enforce-eager", "--compile-before-serving",
+     "all"],
     ["--quantization", "int8", "--prefill-weight-dtype", "fp8", "--kv-dtype", "int8", "--cpu-matmul", "float32",
      "--compilation-cache", "none", "--kv-streams", "2", "--prefill-order", "fifo", "--max-num-batched-tokens", "128",
      "--max-prefill-chunk", "64", "--prefix-cache-bytes", "0", "--kv-cache-memory", "1GiB", "--decode-device", "cpu"],
@@ -193,6 +194,7 @@ def test_pdserve_up_hands_each_tier_the_config_it_built(tiny_model, up_argv):
         assert (decode.kv_dtype, decode.device) == ("int8", "cpu")
     if "--dtype" in up_argv:
         assert (prefill.tensor_parallel_size, decode.tensor_parallel_size, decode.max_running) == (2, 1, 8)
+        assert prefill.expert_parallel_size == 2
         assert (decode.kv_dtype, prefill.compile_before_serving) == ("fp8_e4m3", "all")
     if "--speculative-config" in up_argv:
         assert decode.speculative is not None and (decode.speculative.num_speculative_tokens,

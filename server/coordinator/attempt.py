@@ -177,7 +177,7 @@ class Attempt:
         """The decode worker holds the prompt's blocks but the leader's shared ones, counted from the pick."""
         self.decode = decode
         shared = placement.shared_blocks if placement is not None and decode is placement.decode else 0
-        self._reserved_blocks = decode.blocks_for(len(self.prompt)) - shared
+        self._reserved_blocks = decode.blocks_for(len(self.prompt), shared)
         self.router.hold_decode(decode, self._reserved_blocks)
 
     def _release(self) -> None:

@@ -44,7 +44,7 @@ class Placement:
         """The leader's decode worker can hold one more choice of `num_tokens` now (the blocks that are
         the choice's own: the shared ones are held already)."""
         decode = self.decode
-        own = decode.blocks_for(num_tokens) - self.shared_blocks
+        own = decode.blocks_for(num_tokens, self.shared_blocks)
         return decode.routable and decode.under_running_cap() and decode.free_kv_blocks() >= own
 
 

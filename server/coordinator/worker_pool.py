@@ -26,6 +26,7 @@ from typing import Literal
 import grpc
 
 from pdserve.v1 import worker_pb2, worker_pb2_grpc
+from pdserve.kvcache.layout import blocks_behind_windows
 from pdserve.server.coordinator.steps_stream import DECODE_CHANNEL_OPTIONS
 from pdserve.server.serving import channel
 
@@ -106,8 +107,12 @@ class Worker:
     def block_size(self) -> int:
         return self.info.kv_layout.block_size if self.info and self.info.kv_layout.block_size else 1
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size())
+    def blocks_for(self, num_tokens: int, shared: int = 0) -> int:
+        """The blocks a prompt of num_tokens takes here beyond `shared` leading ones it holds already: none
+        behind every layer's sliding window, as the decode scheduler admits it (`blocks_behind_windows`)."""
+        windows = tuple(self.info.kv_layout.layer_windows) if self.info else ()
+        behind = blocks_behind_windows(windows, self.block_size(), num_tokens)
+        return -(-num_tokens // self.block_size()) - max(shared, behind)
 
     def queued(self) -> int:
         """Requests waiting in the worker's own queue (as last reported)."""

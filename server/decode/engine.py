@@ -64,10 +64,13 @@ class DecodeEngine(Engine):
         self.grammars = grammars
         self.vocab_size = model.config.vocab_size
         self.layout = layout
-        self.scheduler = Scheduler(num_blocks, layout.block_size, max_running, max_queue, enable_prefix_caching)
+        self.scheduler = Scheduler(num_blocks, layout.block_size, max_running, max_queue, enable_prefix_caching,
+                                   windows=layout.windows)
         self.pool = self.scheduler.pool
         device = model.embed.device
-        self.cache = PagedKvCache(layout, num_blocks + (1 if cuda_graphs or speculative else 0), device=device)
+        # One block past the pool's: the pad of CUDA graphs and speculation, the null block of dropped entries.
+        extra = cuda_graphs or speculative or self.scheduler.drops_blocks
+        self.cache = PagedKvCache(layout, num_blocks + (1 if extra else 0), device=device)
         self.max_running = max_running
         self.eos_ids = eos_ids
         self.max_model_len = resolve_max_model_len(model.config.max_model_len, max_model_len,
@@ -128,7 +131,7 @@ class DecodeEngine(Engine):
         """Queues the request; raises ValueError (bad or too long) or QueueFull."""
         rid, prompt = admissible(request, self.sequences, self.max_model_len)
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
-                       num_prior_outputs=request.num_output_tokens,
+                       num_prior_outputs=request.num_output_tokens, local_prefill=request.local_prefill,
                        events=asyncio.Queue() if sink is None else sink,
                        constraint=request_constraint(self.grammars, request))
         admitted = self.scheduler.add(seq)

@@ -12,6 +12,16 @@ A sequence's life here:
    its full blocks go to the prefix cache, the rest back to the pool, and it returns to the head of
    the queue. Readmitted, it reuses what the cache still holds and re-prefills the rest locally.
 5. `retire`: finished or aborted; its full blocks with KV are cached, every reference dropped.
+
+Sliding windows: when every layer of the model is windowed (Mistral with `sliding_window`), a block wholly
+behind the widest window is never read again. Admission takes no block for a new prompt's blocks behind the
+window (the prefill tier sends none), and `schedule` returns each running sequence's blocks as they fall
+behind (a complete one enters the prefix cache first), so a sequence holds at most ceil(W / block_size) + 1
+blocks, whatever its length. The table keeps its positions: `null_block`, one physical block past the pool's
+that no layer reads, stands in each dropped entry (vLLM's null block). A prompt computed here (a local
+prefill, a preempted sequence's recompute) takes every block its forward writes and drops them at its next
+step. A model whose local and global layers alternate (Gemma 2 and 3) keeps every block: its global layers
+read them all, and every layer's KV of a token shares one block id (`PagedKvCache`).
 """
 
 from __future__ import annotations
@@ -19,7 +29,8 @@ from __future__ import annotations
 from collections import deque
 
 from pdserve.kvcache.block_pool import BlockPool
-from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes
+from pdserve.kvcache.layout import blocks_behind_windows
+from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes, extend_hashes
 from pdserve.server.decode.sequence import Sequence, SeqState
 
 
@@ -29,8 +40,13 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_running: int, max_queue: int,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, windows: tuple[int, ...] = ()):
+        """windows: each layer's sliding window (0: full attention), as `KvLayout.windows`."""
         self.block_size = block_size
+        self.windows = windows
+        self.null_block = num_blocks
+        """The block id that stands in a dropped entry of a block table: one past the pool's, so the paged cache
+        holds one more block (the engine's pad block) when `drops_blocks`; never handed out, never read."""
         self.max_running = max_running
         self.max_queue = max_queue
         self.pool = BlockPool(num_blocks)
@@ -55,8 +71,21 @@ class Scheduler:
         """The sequence's place in the waiting queue (0: next); 0 when it does not wait."""
         return self.waiting.index(seq) if seq in self.waiting else 0
 
+    @property
+    def drops_blocks(self) -> bool:
+        """Every layer is windowed: blocks behind the window go back to the pool as sequences grow."""
+        return self.behind_window(1 << 62) > 0
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def behind_window(self, first_query: int) -> int:
+        """Leading blocks no layer reads once queries start at position first_query."""
+        return blocks_behind_windows(self.windows, self.block_size, first_query)
+
+    def blocks_held(self, seq: Sequence) -> int:
+        """Blocks of the pool the sequence holds (its table's entries, less the dropped ones)."""
+        return len(seq.block_table) - seq.num_dropped_blocks
 
     # ---- the queue -------------------------------------------------------------
 
@@ -82,12 +111,20 @@ class Scheduler:
             # logprobs are asked is computed whole (a local prefill needs every position's logits).
             reusable = kv_tokens if resuming else 0 if seq.sampling.HasField("prompt_logprobs") else kv_tokens - 1
             hits = self.cache.lookup(block_hashes(seq.token_ids[:reusable], self.block_size))
-            if need - len(hits) > self.cache.num_available:
+            num_cached = min(len(hits) * self.block_size, kv_tokens)
+            # No block behind the windows of its first query: the prompt's first output when the prefill tier
+            # sends the KV (it sends none there), else the first token computed here.
+            computed_here = resuming or seq.local_prefill
+            dropped = self.behind_window(num_cached if computed_here else len(seq.prompt_ids))
+            if need - max(len(hits), dropped) > self.cache.num_available:
                 self.cache.free(hits)
                 break
             self.waiting.popleft()
-            seq.block_table = hits + self.cache.allocate(need - len(hits))
-            seq.num_cached_tokens = min(len(hits) * self.block_size, kv_tokens)
+            self.cache.free(hits[:dropped])  # cached, but behind the window: this sequence reads none of them
+            seq.block_table = [self.null_block] * dropped + hits[dropped:] \
+                + self.cache.allocate(need - max(len(hits), dropped))
+            seq.num_dropped_blocks = dropped
+            seq.num_cached_tokens = num_cached
             if resuming:
                 seq.resume_from = seq.num_cached_tokens
                 seq.state = SeqState.RUNNING
@@ -110,7 +147,11 @@ class Scheduler:
         self.running.append(seq)
 
     def schedule(self) -> list[Sequence]:
-        """The running sequences that decode this step, each holding a block for its next token."""
+        """The running sequences that decode this step, each holding a block for its next token (and none
+        behind the windows)."""
+        if self.drops_blocks:
+            for seq in self.running:
+                self._drop_behind_window(seq)
         for seq in list(self.running):
             if seq.state is not SeqState.RUNNING:
                 continue  # preempted while an older sequence took a block
@@ -149,19 +190,41 @@ class Scheduler:
             seq.num_cached_tokens = 0
         self._release_blocks(seq)
 
+    def _drop_behind_window(self, seq: Sequence) -> None:
+        """Returns the sequence's blocks that fall behind every layer's window before its next forward (whose
+        first query is the last token, or a readmitted sequence's first token to recompute); those holding
+        complete KV enter the prefix cache first, so a later prompt can still reuse its prefix."""
+        first_query = seq.num_tokens - 1 if seq.resume_from is None else seq.resume_from
+        start, end = seq.num_dropped_blocks, min(self.behind_window(first_query), len(seq.block_table))
+        if end <= start:
+            return
+        complete = min(end, self._complete_blocks(seq))
+        if complete > start:
+            hashes = extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, complete)
+            self.cache.register(seq.block_table[start:complete], hashes[start:complete])
+        self.cache.free(seq.block_table[start:end])
+        seq.block_table[start:end] = [self.null_block] * (end - start)
+        seq.num_dropped_blocks = end
+
     def _release_blocks(self, seq: Sequence) -> None:
         self._cache_full_blocks(seq)
         if seq.block_table:
-            self.cache.free(seq.block_table)
+            self.cache.free(seq.block_table[seq.num_dropped_blocks :])
         seq.block_table = []
+        seq.num_dropped_blocks = 0
         seq.num_cached_tokens = 0
         seq.draft_len = 0  # a draft model's KV in those blocks goes with them
         seq.num_stale_blocks = 0  # readmitted, it recomputes here (every layer) what the prefix cache lacks
 
-    def _cache_full_blocks(self, seq: Sequence) -> None:
+    def _complete_blocks(self, seq: Sequence) -> int:
+        """Leading blocks whose KV is complete in every layer (what the prefix cache may hold of it)."""
         full = seq.num_cached_tokens // self.block_size
         if seq.num_stale_blocks > seq.num_hit_blocks:  # its own blocks lack KV behind the windows: keep the hits
             full = min(full, seq.num_hit_blocks)
-        if full:
-            hashes = block_hashes(seq.token_ids[: full * self.block_size], self.block_size)
-            self.cache.register(seq.block_table[:full], hashes)
+        return full
+
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        start, full = seq.num_dropped_blocks, self._complete_blocks(seq)  # dropped ones: cached when dropped
+        if full > start:
+            hashes = extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, full)
+            self.cache.register(seq.block_table[start:full], hashes[start:full])

@@ -47,6 +47,16 @@ class Sequence:
     num_stale_blocks: int = 0
     """Leading blocks whose windowed layers' KV never arrived (the prefill tier sends no KV behind a sliding
     window; `KvLayout.stale_tokens`): no other sequence may reuse them from the prefix cache."""
+    num_dropped_blocks: int = 0
+    """Leading entries of block_table behind every layer's sliding window (`KvLayout.blocks_behind_windows`):
+    their blocks went back to the pool (or were never taken) and the scheduler's null block stands in them,
+    which no layer reads. 0 for a model with a full-attention layer."""
+    local_prefill: bool = False
+    """Its prompt's KV is computed on this worker (`DecodeRequest.local_prefill`): one forward writes every
+    prompt position, so it takes a block for each, those behind the windows dropped after."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """The chained hashes of its leading full blocks, as far as the scheduler needed them (its tokens so far
+    never change)."""
     resume_from: int | None = None
     """Preempted and readmitted: tokens [resume_from, num_tokens - 1) must be prefilled again."""
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())

@@ -186,7 +186,8 @@ def cache_blocks(config: DecodeConfig, model: DecoderModel, layout: KvLayout, de
         return blocks, f"--kv-cache-memory {config.kv_cache_memory}, at most --max-running x --max-model-len"
     utilization = config.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     peak, other, total = profile_step(model, layout, config.max_running, max_model_len, device)
-    pad = 1 if cuda_graphs or config.speculative else 0  # the pad block CUDA graphs' and verify steps' pad rows write
+    # the pad block CUDA graphs' and verify steps' pad rows write, the null block of a windowed model's dropped blocks
+    pad = 1 if cuda_graphs or config.speculative or layout.blocks_behind_windows(1 << 62) else 0
     blocks = gpu_cache_blocks(total, utilization, peak, other, layout, reserved_blocks=pad,
                               extra_block_bytes=draft_bytes)
     return blocks, (f"--gpu-memory-utilization {utilization} of {total / 2**30:.1f} GiB; weights + a step at batch "

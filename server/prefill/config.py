@@ -38,6 +38,11 @@ class PrefillConfig:
     tensor_parallel_size: int | None = None
     """Devices the prefill model is sharded over (vLLM's flag): kv heads and MLP split Megatron-style
     (sharding.py). Default: all the backend's devices, or the most of them that divide the model's kv heads."""
+    expert_parallel_size: int = 1
+    """A mixture-of-experts model's experts split over this many times the tensor-parallel devices (a mesh of
+    ep x tp, sharding.py): each device holds num_experts / (ep x tp) whole experts, the attention and dense
+    weights split over tp as without it (and replicated over ep). vLLM's --enable-expert-parallel takes
+    EP = TP x DP; pdserve has no data-parallel axis, so the size is given. 1: the experts split over tp."""
     compilation_cache: str | Path = "auto"
     """JAX's persistent compilation cache, in which a restart (or a pod sharing the volume) finds the
     start-up compiles instead of redoing them: auto: $JAX_COMPILATION_CACHE_DIR when set, else the
@@ -101,6 +106,8 @@ class PrefillConfig:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size is not None and self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"--expert-parallel-size must be >= 1, got {self.expert_parallel_size}")
         if self.num_processes is not None and self.num_processes < 1:
             raise ValueError(f"--num-processes must be >= 1, got {self.num_processes}")
         if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or self.process_id + 1):

@@ -111,12 +111,13 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
     dtype = served_weight_dtype(config.weight_dtype, model_config.dtype, jax.default_backend())
     t0 = time.perf_counter()
     params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
-    tp = config.tensor_parallel_size or default_size(model_config)
-    if config.tensor_parallel_size is None and tp < jax.device_count():
+    ep = config.expert_parallel_size
+    tp = config.tensor_parallel_size or default_size(model_config, jax.device_count(), expert_parallel=ep)
+    if config.tensor_parallel_size is None and tp * ep < jax.device_count():
         log.warning("sharding over %d of %d devices: the model's kv heads (%d) do not split over more",
-                    tp, jax.device_count(), model_config.num_kv_heads)
-    if tp > 1 or jax.process_count() > 1:  # sharded at the edge; the model code is the same
-        mesh = make_mesh(tp)
+                    tp * ep, jax.device_count(), model_config.num_kv_heads)
+    if tp * ep > 1 or jax.process_count() > 1:  # sharded at the edge; the model code is the same
+        mesh = make_mesh(tp, ep)
         params = shard_params(params, mesh, model_config)
         if mesh.is_multi_process:
             log.info("the mesh holds devices %s of processes %s", [d.id for d in mesh.devices.flat],
@@ -135,9 +136,9 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         before = "all"
     first = warmup.first(before)
     compile_s = warmup.compile(first, threads=cores(), progress=progress)
-    log.info("prefill model %s loaded in %.1f s (tensor parallel %d over %s); weights %.1f MiB (%s, compute %s); "
+    log.info("prefill model %s loaded in %.1f s (tensor parallel %d%s over %s); weights %.1f MiB (%s, compute %s); "
              "%d of %d start-up programs (%d batch shapes) compiled in %.1f s%s", model_config.describe(), loaded, tp,
-             jax.default_backend(), param_bytes(params) / 2**20, dtype,
+             f" x expert parallel {ep}" if ep > 1 else "", jax.default_backend(), param_bytes(params) / 2**20, dtype,
              compute_dtype(model_config, dtype, jax.default_backend()), len(first), len(warmup.jobs),
              len(engine.shapes()), compile_s,
              "" if warmup.finished.is_set() else "; the others compile while it serves, when no prompt waits")

@@ -1,10 +1,15 @@
-"""Tensor parallelism for the prefill model over a 1-D device mesh (axis "tp"), Megatron style.
+"""Tensor and expert parallelism for the prefill model over a 2-D device mesh (axes "ep" x "tp"), Megatron style.
 
-q/k/v and gate/up are split by output (heads, intermediate), o and down by input, so each device
+q/k/v and gate/up are split by output (heads, intermediate), o and down by input over "tp", so each device
 runs whole heads and XLA inserts one all-reduce after attention and one after the MLP. The lm_head
 is split over the vocabulary when it divides; embeddings, norms and o/down biases are replicated.
-A mixture-of-experts model's experts are split over the same axis (expert parallelism beside the heads'
-split): each device holds num_experts / tp whole experts, the router is replicated.
+A mixture-of-experts model's experts are split over both axes ("ep" and "tp" together: each of the ep x tp
+devices holds num_experts / (ep x tp) whole experts, vLLM's EP = TP x DP), the router is replicated. The
+attention and dense weights are replicated over "ep": every ep group computes the same heads, so an expert
+axis is the way to hold more experts' weights apart than the kv heads let tensor parallelism split
+(`--expert-parallel-size`; 1, a 1 x tp mesh, is plain tensor parallelism with the experts over tp). XLA
+splits the grouped matmul (`jax.lax.ragged_dot`) by expert: each device multiplies only its experts' rows and
+one all-reduce sums the [T k, H] outputs; no expert weight moves (tests/prefill/test_expert_parallel.py).
 The model code is unchanged: jit the same prefill and pass it sharded params; activations and the
 KV (split over kv heads) follow the params' shardings, and `np.asarray` gathers a batch's KV to the host.
 
@@ -27,6 +32,9 @@ from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.model import Params
 
 AXIS = "tp"
+EXPERT_AXIS = "ep"
+EXPERTS = (EXPERT_AXIS, AXIS)
+"""The mesh axes the experts split over, together."""
 
 _LAYER_SPECS = {
     "wq": P(None, None, AXIS, None),  # [L, H, Hq, D]
@@ -39,9 +47,9 @@ _LAYER_SPECS = {
     "w_gate": P(None, None, AXIS),  # [L, H, I]
     "w_up": P(None, None, AXIS),  # [L, H, I]
     "w_down": P(None, AXIS, None),  # [L, I, H]
-    "e_gate": P(None, AXIS, None, None),  # [L, E, H, I]: experts split over the devices (expert parallelism)
-    "e_up": P(None, AXIS, None, None),  # [L, E, H, I]
-    "e_down": P(None, AXIS, None, None),  # [L, E, I, H]
+    "e_gate": P(None, EXPERTS, None, None),  # [L, E, H, I]: experts split over every device (expert parallelism)
+    "e_up": P(None, EXPERTS, None, None),  # [L, E, H, I]
+    "e_down": P(None, EXPERTS, None, None),  # [L, E, I, H]
 }
 
 
@@ -55,45 +63,60 @@ def start_distributed(coordinator_address: str | None, num_processes: int | None
     return True
 
 
-def _unsplittable(config: ModelConfig, tp: int) -> list[str]:
-    mlp = ("intermediate_size", config.intermediate_size) if config.moe is None else \
-        ("num_experts", config.moe.num_experts)
-    return [f"{what} ({n})" for what, n in (("num_kv_heads", config.num_kv_heads), mlp) if n % tp]
+def _unsplittable(config: ModelConfig, tp: int, ep: int = 1) -> list[str]:
+    """What of the model a tp x ep mesh does not split evenly, each named with its size."""
+    if config.moe is None:
+        return [f"{what} ({n})" for what, n in (("num_kv_heads", config.num_kv_heads),
+                                                ("intermediate_size", config.intermediate_size)) if n % tp]
+    experts = config.moe.num_experts
+    return [f"num_kv_heads ({config.num_kv_heads})"] * (config.num_kv_heads % tp > 0) + \
+        [f"num_experts ({experts})"] * (experts % (tp * ep) > 0)
 
 
-def _fitting_sizes(config: ModelConfig, num_devices: int, num_processes: int) -> list[int]:
-    """The mesh sizes that split the model evenly and take the same share of every process's devices."""
-    return [tp for tp in range(num_processes, num_devices + 1, num_processes) if not _unsplittable(config, tp)]
+def _fitting_sizes(config: ModelConfig, num_devices: int, num_processes: int, ep: int = 1) -> list[int]:
+    """The tensor-parallel sizes that split the model evenly beside `ep` and take the same share of every
+    process's devices."""
+    return [tp for tp in range(1, num_devices // ep + 1)
+            if (tp * ep) % num_processes == 0 and not _unsplittable(config, tp, ep)]
 
 
-def default_size(config: ModelConfig, num_devices: int | None = None, num_processes: int | None = None) -> int:
-    """The default --tensor-parallel-size: all devices, or the most of them that split the model's kv
-    heads and intermediate size evenly (a model with 2 kv heads on 8 chips runs on 2); in a slice of
-    several processes, a multiple of their number (each holds a share of the mesh)."""
+def default_size(config: ModelConfig, num_devices: int | None = None, num_processes: int | None = None,
+                 expert_parallel: int = 1) -> int:
+    """The default --tensor-parallel-size: all devices (beside the expert axis: num_devices / ep), or the most
+    of them that split the model's kv heads and intermediate size (its experts: over tp x ep) evenly (a model
+    with 2 kv heads on 8 chips runs on 2); in a slice of several processes, the mesh a multiple of their
+    number (each holds a share of it)."""
     n = len(jax.devices()) if num_devices is None else num_devices
     p = jax.process_count() if num_processes is None else num_processes
-    sizes = _fitting_sizes(config, n, p)
+    sizes = _fitting_sizes(config, n, p, expert_parallel)
     if not sizes:
-        raise ValueError(f"no mesh of this slice's {n} devices splits the model's kv heads ({config.num_kv_heads}) "
-                         f"over all its {p} processes; run fewer processes (or one worker per host)")
+        raise ValueError(f"no mesh of this slice's {n} devices (expert parallel {expert_parallel}) splits the "
+                         f"model's kv heads ({config.num_kv_heads}) over all its {p} processes; run fewer "
+                         f"processes (or one worker per host), or change --expert-parallel-size")
     return max(sizes)
 
 
-def make_mesh(num_devices: int | None = None) -> Mesh:
-    """A 1-D "tp" mesh over the first num_devices devices (all of them by default); in a slice of
-    several processes, the first num_devices / processes devices of each process, so every process
-    runs its share of each step."""
+def make_mesh(num_devices: int | None = None, expert_parallel: int = 1) -> Mesh:
+    """An ep x tp mesh ("ep", "tp") of num_devices x expert_parallel devices (tp: all of them / ep by default):
+    the first ones; in a slice of several processes, the first (tp x ep) / processes devices of each process,
+    so every process runs its share of each step. Neighbouring devices share a tp group."""
     devices, p = jax.devices(), jax.process_count()
-    n = len(devices) if num_devices is None else num_devices
-    if not 1 <= n <= len(devices):
-        raise ValueError(f"a mesh of {n} devices was asked for; {len(devices)} are present")
+    if expert_parallel < 1:
+        raise ValueError(f"--expert-parallel-size must be >= 1, got {expert_parallel}")
+    tp = len(devices) // expert_parallel if num_devices is None else num_devices
+    n = tp * expert_parallel
+    if not 1 <= n <= len(devices) or tp < 1:
+        shape = f" ({tp} x {expert_parallel}: tensor x expert parallel)" if expert_parallel > 1 else ""
+        raise ValueError(f"a mesh of {n} devices{shape} was asked for; {len(devices)} are present")
     if p == 1:
-        return Mesh(np.array(devices[:n]), (AXIS,))
+        return Mesh(np.array(devices[:n]).reshape(expert_parallel, tp), (EXPERT_AXIS, AXIS))
     if n % p:
-        raise ValueError(f"--tensor-parallel-size {n} does not split over the slice's {p} processes: every process "
-                         f"holds the same share of the mesh; use a multiple of {p}")
+        raise ValueError(f"--tensor-parallel-size {tp} x --expert-parallel-size {expert_parallel} does not split "
+                         f"over the slice's {p} processes: every process holds the same share of the mesh; make "
+                         f"their product a multiple of {p}")
     per_process = [[d for d in devices if d.process_index == i][: n // p] for i in range(p)]
-    return Mesh(np.array([d for share in per_process for d in share]), (AXIS,))
+    flat = [d for share in per_process for d in share]
+    return Mesh(np.array(flat).reshape(expert_parallel, tp), (EXPERT_AXIS, AXIS))
 
 
 def host_readable(params: Params) -> dict:
@@ -107,11 +130,16 @@ def host_readable(params: Params) -> dict:
 
 def param_specs(params: Params, mesh: Mesh, config: ModelConfig) -> dict:
     """The PartitionSpec of every param (same tree structure as params)."""
-    tp = mesh.shape[AXIS]
-    if bad := _unsplittable(config, tp):
-        fits = _fitting_sizes(config, len(jax.devices()), jax.process_count())
-        raise ValueError(f"tensor parallelism {tp} must divide the model's {' and '.join(bad)}: each device "
-                         f"holds whole kv heads; use --tensor-parallel-size {' or '.join(map(str, fits))}")
+    tp, ep = mesh.shape[AXIS], mesh.shape.get(EXPERT_AXIS, 1)
+    if ep > 1 and config.moe is None:
+        raise ValueError(f"--expert-parallel-size {ep} splits a mixture of experts; {config.family} has none: "
+                         f"use --expert-parallel-size 1 (and --tensor-parallel-size for the dense layers)")
+    if bad := _unsplittable(config, tp, ep):
+        fits = _fitting_sizes(config, len(jax.devices()), jax.process_count(), ep)
+        split = f"tensor parallelism {tp}" + (f" x expert parallelism {ep}" if ep > 1 else "")
+        raise ValueError(f"{split} must divide the model's {' and '.join(bad)}: each device holds whole kv heads "
+                         f"(and whole experts); use --tensor-parallel-size {' or '.join(map(str, fits)) or 'of 1'}"
+                         + (" or another --expert-parallel-size" if ep > 1 else ""))
     specs = {name: P() for name in params if name != "layers"}
     specs["layers"] = {name: _LAYER_SPECS.get(name, P()) for name in params["layers"]}
     if "lm_head" in params and config.vocab_size % tp == 0:

@@ -78,3 +78,18 @@ async def test_a_worker_marked_failed_by_a_call_is_back_after_one_health_round_a
     await pool.close()
     await alive.stop()
     await joined.stop()
+
+
+def test_a_windowed_decode_worker_needs_no_blocks_behind_every_layers_window():
+    """blocks_for counts what the decode scheduler admits: a 100-token prompt in blocks of 16 takes 7 blocks with
+    a global layer; with every layer windowed (W 32) the first query (position 100) reads keys 69.., so the 4
+    blocks before 64 are not taken. Blocks a shared prompt's leader holds count once, whichever covers more."""
+    full = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32",
+                       layer_windows=[32, 0])
+    windowed = pb.KvLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=16, dtype="float32",
+                           layer_windows=[32, 32])
+    mixed, local = (Worker("d:1", "decode", info("decode", "d:1", layout=layout)) for layout in (full, windowed))
+    assert (mixed.blocks_for(100), local.blocks_for(100)) == (7, 3)
+    assert (mixed.blocks_for(100, shared=6), local.blocks_for(100, shared=2), local.blocks_for(100, shared=6)) == \
+        (1, 3, 1)
+    assert local.blocks_for(20) == 2  # shorter than the window: every block

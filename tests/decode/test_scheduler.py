@@ -169,3 +169,101 @@ async def test_blocks_whose_windowed_kv_never_arrived_are_not_cached_for_others(
     s.retire(b)  # no stale blocks: its 2 full blocks are cached
     c = _seq("c", system + [2])
     assert s.add(c) == [c] and c.num_hit_blocks == 2
+
+
+# ---- sliding windows: every layer windowed (W = 8, two blocks), so blocks behind the window go back -------
+
+WINDOWS = (8, 8)
+NULL = 8  # Scheduler(num_blocks=8).null_block: one past the pool's ids
+
+
+async def test_a_windowed_sequence_returns_the_blocks_behind_its_window_as_it_grows():
+    s = Scheduler(num_blocks=8, block_size=BS, max_running=4, max_queue=4, windows=WINDOWS)
+    assert s.drops_blocks and s.null_block == NULL
+    a = _seq("a", list(range(14)))  # its first query (position 14) reads keys 7..14: block 0 is behind
+    assert s.add(a) == [a] and a.block_table == [NULL, 0, 1, 2] and a.num_dropped_blocks == 1
+    a.num_stale_blocks = 1  # the prefill tier sent no KV for block 0 (decode/service.py sets it)
+    _run(s, a)  # 15 tokens
+    tables = []
+    for _ in range(6):
+        s.schedule()
+        tables.append(list(a.block_table))
+        s.finished_step(a)
+        a.append(9)
+    assert tables == [
+        [NULL, 0, 1, 2],  # 15 tokens: the query at 14 reads 7..14
+        [NULL, NULL, 1, 2],  # 16: the query at 15 reads 8..15, block 0 goes back (before any block is taken)
+        [NULL, NULL, 1, 2, 3],  # 17: position 16 takes a block
+        [NULL, NULL, 1, 2, 3],
+        [NULL, NULL, 1, 2, 3],
+        [NULL, NULL, NULL, 2, 3],  # 20: the query at 19 reads 12..19
+    ]
+    for _ in range(40):  # never more than ceil(W / block) + 1 = 3 blocks, whatever the length
+        s.schedule()
+        assert s.blocks_held(a) <= 3 and a.num_dropped_blocks == s.behind_window(a.num_tokens - 1)
+        assert a.block_table[: a.num_dropped_blocks] == [NULL] * a.num_dropped_blocks
+        assert NULL not in a.block_table[a.num_dropped_blocks :]
+        assert s.pool.num_free == 8 - s.blocks_held(a)
+        s.finished_step(a)
+        a.append(9)
+    s.retire(a)
+    assert s.pool.num_free == 8 and s.cache.num_cached == 0  # block 0 never had KV: nothing after it is cached
+    again = _seq("again", list(range(14)) + [5])
+    assert s.add(again) == [again] and again.num_hit_blocks == 0  # no freed block is lent as a cached prefix
+
+
+async def test_blocks_dropped_with_their_kv_stay_cached_for_a_prompt_sharing_them():
+    """A prompt computed here (a local prefill) takes every block, caches its full ones, then drops those
+    behind the window: they stay in the prefix cache (evictable). A prompt sharing them takes the hits it
+    reads and gives back the ones behind its own window."""
+    s = Scheduler(num_blocks=8, block_size=BS, max_running=4, max_queue=4, windows=WINDOWS)
+    a = _seq("a", list(range(100, 114)))
+    a.local_prefill = True
+    assert s.add(a) == [a] and a.block_table == [0, 1, 2, 3] and a.num_dropped_blocks == 0
+    _run(s, a)  # its 3 full prompt blocks cached
+    s.schedule()  # the query at 14 reads 7..14: block 0 goes back to the cache
+    assert a.block_table == [NULL, 1, 2, 3] and s.cache.num_cached == 3 and s.cache.num_evictable == 1
+    b = _seq("b", list(range(100, 112)) + [7] * 6)  # 18 tokens, its first 3 blocks cached; its window: 11..18
+    assert s.add(b) == [b]
+    assert b.block_table == [NULL, NULL, 2, 4, 5] and b.num_hit_blocks == 3 and b.num_cached_tokens == 12
+    assert (s.pool.ref_count(0), s.pool.ref_count(1), s.pool.ref_count(2)) == (1, 2, 3)  # cache, a, b
+    s.retire(b)
+    s.retire(a)
+    assert _available(s) == 8
+
+
+async def test_a_preempted_windowed_sequence_is_readmitted_with_its_window_only():
+    s = Scheduler(num_blocks=6, block_size=BS, max_running=4, max_queue=4, windows=WINDOWS)  # null block: 6
+    a = _seq("a", list(range(100, 114)))
+    a.local_prefill = True
+    s.add(a)
+    _run(s, a)
+    for _ in range(6):
+        _step(s)  # 21 tokens
+    s.schedule()
+    assert a.block_table == [6, 6, 6, 3, 4, 5] and a.num_tokens == 21
+    s.preempt(a)  # blocks 3, 4 (full, with KV) cached beside 0-2: the chain of its first 20 tokens
+    assert s.cache.num_cached == 5 and s.pool.num_free == 1 and a.block_table == []
+    assert s.admit() == [a]  # 20 tokens' KV cached; the query at 20 reads 13..20: blocks 3, 4 and one fresh
+    assert a.block_table == [6, 6, 6, 3, 4, 5] and a.resume_from == 20 and a.num_dropped_blocks == 3
+    s.retire(a)
+    assert _available(s) == 6
+
+
+async def test_more_windowed_sequences_fit_a_fixed_cache_than_full_attention_ones():
+    """12 blocks, prompts of 30 tokens (8 blocks): one fits with full attention; with a window of 8 each holds
+    at most 3 blocks, so four run side by side, for ever, without a preemption."""
+    admitted = {}
+    for windows in ((), WINDOWS, (8, 0)):  # (8, 0): a global layer reads every block, so none is dropped
+        s = Scheduler(num_blocks=12, block_size=BS, max_running=8, max_queue=8, windows=windows,
+                      enable_prefix_caching=False)
+        seqs = [_seq(f"s{i}", list(range(i * 50, i * 50 + 30))) for i in range(5)]
+        admitted[windows] = [taken.request_id for seq in seqs for taken in s.add(seq)]
+        if windows == WINDOWS:
+            for seq in seqs[:4]:
+                _run(s, seq)
+            for _ in range(24):
+                assert _step(s) == seqs[:4]
+                assert max(s.blocks_held(seq) for seq in seqs[:4]) <= 3
+            assert s.num_preemptions == 0 and seqs[4].state is SeqState.WAITING
+    assert admitted == {(): ["s0"], WINDOWS: ["s0", "s1", "s2", "s3"], (8, 0): ["s0"]}

@@ -6,7 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pdserve.kvcache.layout import HandshakeError, KvLayout, check_handshake
+from pdserve.kvcache.layout import HandshakeError, KvLayout, blocks_behind_windows, check_handshake
 from pdserve.v1 import worker_pb2 as pb
 
 LAYOUT = KvLayout(num_layers=2, num_kv_heads=4, head_dim=8, block_size=16, dtype="bfloat16")
@@ -102,3 +102,12 @@ def test_layer_windows_travel_in_the_handshake():
         KvLayout.of(4, 2, 8, 16, "int8", windows=(24, 24))
     # A 100-token prompt, window 24, blocks of 16: the next query reads 77.., so blocks 0-3 are stale.
     assert windowed.stale_tokens(100) == (64, 0, 64, 0) and windowed.stale_tokens(24) == (0, 0, 0, 0)
+
+
+def test_blocks_behind_every_layers_window():
+    """A query at p reads keys p - W < j: with windows 8 and 16 (the widest counts) and blocks of 4, queries from
+    position 27 on read keys from 12 on, so blocks 0-2 are behind; a full-attention layer keeps every block."""
+    assert [blocks_behind_windows((8, 16), 4, q) for q in (0, 15, 18, 19, 27, 30)] == [0, 0, 0, 1, 3, 3]
+    assert blocks_behind_windows((8, 0), 4, 100) == blocks_behind_windows((), 4, 100) == 0
+    layout = KvLayout.of(2, 2, 8, 4, "float32", windows=(8, 16))
+    assert layout.blocks_behind_windows(27) == 3 == min(layout.stale_tokens(27)) // 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.kvcache.block_pool import BlockPool, OutOfBlocks
-from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes
+from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes, extend_hashes
 
 
 def test_hashes_chain_over_every_token_before_the_block():
@@ -86,7 +86,7 @@ def test_num_evictable_follows_every_operation():
     import random
 
     from pdserve.kvcache.block_pool import BlockPool, OutOfBlocks
-    from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes
+    from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes, extend_hashes
 
     rng = random.Random(7)
     pool = BlockPool(24)
@@ -116,3 +116,12 @@ def test_num_evictable_follows_every_operation():
     for blocks in held:
         cache.free(blocks)
     assert cache.num_evictable == cache.num_cached
+
+
+def test_hashes_extended_block_by_block_equal_the_whole_chain():
+    tokens = list(range(40, 58))  # 4 full blocks of 4, and 2 tokens
+    known: list[bytes] = []
+    assert extend_hashes(known, tokens, 4, 1) == block_hashes(tokens, 4)[:1] and len(known) == 1
+    assert extend_hashes(known, tokens, 4, 3) == block_hashes(tokens, 4)[:3]
+    assert extend_hashes(known, tokens, 4, 9) == block_hashes(tokens, 4) and len(known) == 4  # full blocks only
+    assert extend_hashes(known, tokens, 4, 2) == known[:2] and len(known) == 4
