@@ -22,12 +22,9 @@ On the CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1) in th
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger("pdserve.decode")
 
 BLOCK_N = 64
 """Output columns one program computes."""

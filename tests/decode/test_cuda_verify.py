@@ -217,3 +217,30 @@ def test_graph_runner_verify_input_path_through_the_kernel_matches_eager(llama, 
             assert runner.verify_steps == {"graphs": 2, "eager": 0}
     assert (logits["graphs"] - logits["eager kernel"]).abs().max().item() < 1e-5
     assert (logits["graphs"] - logits["eager reference"]).abs().max().item() < 1e-4
+
+
+@needs_triton
+async def test_the_engine_verifies_through_its_runner_graphs_and_the_kernel(tiny_model):
+    """The native engine with n-gram speculation (k = 3), its verify steps replayed by the graph runner (interpreted
+    graphs) through the paged kernel, proposals the reference's own tokens with some corrupted: greedy tokens equal
+    speculation off on the reference path."""
+    from tests.decode.test_spec_engine import _admit, _drain, _engine, _greedy, _oracle, _reference
+
+    path = tiny_model("llama")
+    prompt = [3, 14, 15, 92, 65, 35, 89]
+    want = await _reference(path, prompt, _greedy(10))
+    engine = _engine(path, num_blocks=16, k=3)
+    model = engine.model
+    runner = _InterpretedVerifyRunner(model, engine.cache, max_batch=1, max_blocks=8, pad_block=16, verify_new=4)
+    model.paged_kernel = True
+    try:
+        assert runner.capture_verify() == []
+        engine.speculator.runner = runner
+        _oracle(engine, prompt, want)
+        seq = await _admit(engine, "a", prompt, _greedy(10))
+        got = [seq.output_ids[0], *await _drain(seq)]
+    finally:
+        model.paged_kernel = False
+        await engine.close()
+    assert got == want
+    assert runner.verify_steps["graphs"] > 0 and runner.verify_steps["eager"] == 0
