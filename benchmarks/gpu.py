@@ -471,7 +471,7 @@ STAGES = (
     Stage("ceilings", ceilings, 0.05, 15),
     Stage("correctness", correctness, 0.14, 30),
     Stage("decode", decode, 0.26, 60),
-    Stage("kernels", kernels, 0.08, 25),
+    Stage("kernels", kernels, 0.10, 25),
     Stage("prefill", prefill, 0.16, 60),
     Stage("handoff", handoff, 0.05, 15),
     Stage("prefill-16k", prefill_16k, 0.10, 40),

@@ -24,12 +24,12 @@ TINY_VERIFY = dict(H=4, Hkv=2, D=32, bs=4)
 TINY_MOE = dict(d=128, I=64, E=8, k=2)
 
 
-def _timed(fn, reps: int, sync) -> float:
-    """Seconds per call: `reps` calls back to back after one warm-up (compiles), best of 3 such runs."""
+def _timed(fn, reps: int, sync, runs: int = 3) -> float:
+    """Seconds per call: `reps` calls back to back after one warm-up (compiles), best of `runs` such runs."""
     fn()
     sync()
     best = float("inf")
-    for _ in range(3):
+    for _ in range(runs):
         t = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -147,9 +147,9 @@ def verify_rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -
     kv_dtype = "float32" if device.type == "cpu" else "bfloat16"
     q_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    reps = 2 if dry_run else 50
-    for batch, ctx in (((1, 40), (4, 40)) if dry_run else ((1, 4096), (8, 4096), (32, 4096))):
-        if not out.allows(f"verify attention B={batch} ctx={ctx}", 10):
+    reps, runs = (1, 1) if dry_run else (50, 3)  # the dry run's interpreter: ~0.5 s a launch, its times mean nothing
+    for batch, ctx in (((2, 40),) if dry_run else ((1, 4096), (8, 4096), (32, 4096))):
+        if not out.allows(f"verify attention B={batch} ctx={ctx}", 1 if dry_run else 10):
             return
         cache = _filled_cache(kv_dtype, shape, batch * ctx, device)
         width = -(-ctx // bs)
@@ -157,7 +157,7 @@ def verify_rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -
         lens = torch.full((batch,), ctx, device=device)
         g = torch.Generator(device="cpu").manual_seed(2)
         q1 = torch.randn(batch, H, D, generator=g).to(device, q_dtype)
-        single = _timed(lambda: paged_decode_attention(q1, cache.k[0], cache.v[0], tables, lens), reps, sync)
+        single = _timed(lambda: paged_decode_attention(q1, cache.k[0], cache.v[0], tables, lens), reps, sync, runs)
         kv_bytes = 2 * batch * ctx * Hkv * D * cache.k.element_size()
         out.row(row_type("verify attention", f"single-query (decode) kernel B={batch} ctx={ctx}: us per layer",
                          single * 1e6, unit="us"),
@@ -168,7 +168,7 @@ def verify_rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -
             positions, ctx_t = _rows(new, [ctx] * batch, device)
             q = torch.randn(batch, new, H, D, generator=g).to(device, q_dtype)
             t = _timed(lambda: paged_verify_attention(q, cache.k[0], cache.v[0], tables, ctx_t, positions), reps,
-                       sync)
+                       sync, runs)
             out.row(row_type("verify attention", f"verify k={k} B={batch} ctx={ctx}: us per layer vs the "
                              f"single-query step", t * 1e6, single * 1e6, "us"),
                     row_type("verify attention", f"verify k={k} B={batch} ctx={ctx}: single-query time / verify "
@@ -182,15 +182,15 @@ def moe_rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -> N
     shape = TINY_MOE if dry_run else MOE_SHAPE
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    reps = 2 if dry_run else 20
-    if not out.allows("fused MoE", 20):
+    reps, runs = (1, 1) if dry_run else (20, 3)
+    if not out.allows("fused MoE", 1 if dry_run else 20):
         return
     mlp = _random_moe(shape, dtype, None, device)
     mlp.fuse()
     stacked = mlp.fused
     expert_bytes = 3 * shape["d"] * shape["I"] * torch.finfo(dtype).bits // 8
     for batch in ((1, 5) if dry_run else (1, 4, 16, 64)):
-        if not out.allows(f"fused MoE batch {batch}", 8):
+        if not out.allows(f"fused MoE batch {batch}", 1 if dry_run else 8):
             return
         x = torch.randn(1, batch, shape["d"], generator=torch.Generator().manual_seed(batch)).to(device, dtype)
         with torch.inference_mode():
@@ -199,9 +199,9 @@ def moe_rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -> N
             _, experts = route(torch.nn.functional.linear(x[0], mlp.router), mlp.moe)
             chosen = len(set(experts.flatten().tolist()))
             mlp.fused = None
-            loop = _timed(lambda: mlp(x), reps, sync)
+            loop = _timed(lambda: mlp(x), reps, sync, runs)
             mlp.fused = stacked
-            fused = _timed(lambda: mlp(x), reps, sync)
+            fused = _timed(lambda: mlp(x), reps, sync, runs)
         needs = ("moe-kernel",)
         out.row(row_type("fused moe", f"batch {batch} ({chosen} of {shape['E']} experts chosen): chosen weights read "
                          f"vs bandwidth", chosen * expert_bytes / fused / 1e9, read_gbps, "GB/s",
