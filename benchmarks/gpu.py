@@ -22,7 +22,9 @@ Life of a run, inside one budget (--time-limit, 500 s for one 600 s device call)
    weights compute); `decode` (the served engine, `startup.engine_for_model`, for a random Llama-3-8B-shape bf16
    model: batch 1 against the weight-streaming floor (target 0.85), batch 64 at 4k against the bandwidth
    roofline (target 0.7), each row naming the runner its steps took, graphs or eager; fp8 weights against bf16
-   at batch 1, target faster); `prefill` (`gpu_prefill.run`: the served JAX path's MFU at 512 and 4k tokens),
+   at batch 1, target faster); `kernels` (`gpu_kernels`: the paged kernel's verify form against the reference
+   and the fused MoE kernels against the grouped loop, then verify attention time vs k against the single-query
+   kernel, and the fused MoE step of a Mixtral-shape layer vs batch against the read bandwidth); `prefill` (`gpu_prefill.run`: the served JAX path's MFU at 512 and 4k tokens),
    then `prefill-16k` on its own (only once the 512 and 4k rows are in); `handoff` (KvSender -> KvReceiver ->
    the decode cache on the device, against raw grpcio); `served` (`gpu_served`: a prefill worker, a decode
    worker and a coordinator as processes, greedy parity with transformers, TTFT/ITL through the gRPC API).
@@ -439,6 +441,16 @@ def handoff(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
     asyncio.run(_handoff(parse_config(plan.raw_config), plan, device, out))
 
 
+def kernels(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
+    from pdserve.benchmarks import gpu_kernels
+    from pdserve.benchmarks.gpu_checks import Check
+
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        out.note("kernels: skipped (a CPU without TRITON_INTERPRET=1)")
+        return
+    gpu_kernels.run(out, device, dry_run=dry_run, row_type=Row, check_type=Check, log=log)
+
+
 def served(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
     from pdserve.benchmarks import gpu_served
 
@@ -459,6 +471,7 @@ STAGES = (
     Stage("ceilings", ceilings, 0.05, 15),
     Stage("correctness", correctness, 0.14, 30),
     Stage("decode", decode, 0.26, 60),
+    Stage("kernels", kernels, 0.10, 25),
     Stage("prefill", prefill, 0.16, 60),
     Stage("handoff", handoff, 0.05, 15),
     Stage("prefill-16k", prefill_16k, 0.10, 40),

@@ -147,9 +147,35 @@ def parity_checks(device: torch.device, cpu_kernel: bool) -> list[Check]:
                                     group=group))
             except Exception as e:  # noqa: BLE001
                 checks.append(Check(name, False, f"raised {e!r}", group=group))
+        if device.type == "cuda":
+            checks.append(_speculative_parity(path, device, prompts, n))
         if device.type == "cuda" or cpu_kernel:
             checks += _kernel_in_model(path, device)
     return checks
+
+
+def _speculative_parity(path: Path, device: torch.device, prompts: list[list[int]], n: int) -> Check:
+    """The served engine with n-gram speculation (k = 3) and CUDA graphs: verify steps through the paged kernel,
+    replayed from their (bucket, new tokens) graphs; greedy tokens equal transformers'. Prompts that repeat
+    themselves, so that proposals (and verify steps) come."""
+    from pdserve.server.decode.config import DecodeConfig
+    from pdserve.server.decode.startup import build_native_engine
+
+    prompts = [p + p[:6] for p in prompts]
+    name = "greedy tokens = transformers' (cuda, CUDA graphs, n-gram speculation k=3: verify graphs)"
+    try:
+        expected = _hf_greedy(path, prompts, n)
+        config = DecodeConfig(model_dir=path, device=str(device), kv_cache_tokens=1024, block_size=4, max_running=8,
+                              speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+        _, engine, _ = build_native_engine(config)
+        runner = engine.runner
+        got = asyncio.run(_engine_greedy(engine, prompts, n))
+        steps = dict(getattr(runner, "verify_steps", {}))
+        return Check(name, got == expected, f"{type(runner).__name__}, verify steps {steps} "
+                     f"({len(getattr(runner, 'verify_graphs', {}))} graphs): got {got}, transformers {expected}",
+                     group="graphs")
+    except Exception as e:  # noqa: BLE001
+        return Check(name, False, f"raised {e!r}", group="graphs")
 
 
 def _kernel_in_model(path: Path, device: torch.device) -> list[Check]:

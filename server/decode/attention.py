@@ -34,9 +34,10 @@ class PagedContext:
     context_lens: torch.Tensor  # [B] int64 tokens each row attends to (its new tokens included)
     bias: torch.Tensor | None  # [B, 1, G S, M * block_size] float: 0 where a query attends a key, -inf elsewhere
     """Rows ordered (query-head group g, new token s), as `paged_attention` lays out the queries; None
-    with `paged_kernel`, which reads each row's first context_lens tokens without a mask."""
+    with `paged_kernel`, which masks each new token at its own position itself."""
     paged_kernel: bool = False
-    """One new token per row, attended by the CUDA paged kernel (`cuda_attention`) straight from the cache."""
+    """A few new tokens per row (decode: one; a verify step: k + 1), attended by the CUDA paged kernel
+    (`cuda_attention`) straight from the cache, each masked at its own position."""
     window: int = 0
     """The sliding window this view masks by (0: none); the kernel reads it too."""
     local: PagedContext | None = None
@@ -121,11 +122,12 @@ def paged_attention(q: torch.Tensor, cache: PagedKvCache, layer: int, context: P
 
     Grouped-query heads share their K/V without repeating them: q is viewed as [B, Hkv, G * S, D].
     """
-    if context.paged_kernel:  # decode on CUDA: q [B, 1, H, D]
-        from pdserve.server.decode.cuda_attention import decode_attention
+    if context.paged_kernel:  # decode or verify on CUDA: q [B, S, H, D], S = 1 or k + 1
+        from pdserve.server.decode.cuda_attention import cache_attention
 
-        return decode_attention(q[:, 0], cache, layer, context.block_tables, context.context_lens,
-                                context.window, scale, softcap)[:, None]
+        positions = None if q.shape[1] == 1 else context.positions  # decode: each context's last position
+        return cache_attention(q, cache, layer, context.block_tables, context.context_lens, positions,
+                               context.window, scale, softcap)
     B, S, H, D = q.shape
     k, v = cache.context_blocks(layer, context.block_tables, q.dtype)  # [B, Hkv, T, D] each
     Hkv = k.shape[1]

@@ -86,16 +86,20 @@ class DecodeEngine(Engine):
         """Request id -> the CUDA events that follow its KV chunks' copies onto the device, until its first step
         (a list: a request's KV streams may write concurrently)."""
         self.runner: EagerRunner | CudaGraphRunner = EagerRunner(model, self.cache)
-        self.speculator = None if speculative is None else Speculator(
-            speculative, model, self.cache, self.scheduler, pad_block=num_blocks, sample=self._sample,
-            logprobs=_logprobs, distribution=self._distribution, draft_model=draft_model)
-        self.draft = self.speculator.draft if self.speculator else None
         if cuda_graphs:
             max_blocks = layout.num_blocks(self.max_model_len)
-            graphs = CudaGraphRunner(model, self.cache, max_running, max_blocks, pad_block=num_blocks)
+            verify_new = 1 + speculative.num_speculative_tokens if speculative else 0
+            graphs = CudaGraphRunner(model, self.cache, max_running, max_blocks, pad_block=num_blocks,
+                                     verify_new=verify_new)
             failed = graphs.capture()  # a bucket that cannot be captured runs eagerly, logged and counted
+            if speculative:
+                graphs.capture_verify()  # (bucket, new tokens) graphs: likewise
             if len(failed) < len(graphs.buckets):
                 self.runner = graphs
+        self.speculator = None if speculative is None else Speculator(
+            speculative, model, self.cache, self.scheduler, pad_block=num_blocks, sample=self._sample,
+            logprobs=_logprobs, distribution=self._distribution, draft_model=draft_model, runner=self.runner)
+        self.draft = self.speculator.draft if self.speculator else None
 
     @property
     def running(self) -> list[Sequence]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.server.decode.attention import PagedContext, paged_attention
+from pdserve.server.decode.cuda_attention import takes
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.moe import MoeMlp
 from pdserve.server.decode.quant import Linear, WeightFormat
@@ -128,8 +129,15 @@ class DecoderModel(nn.Module):
         self.packed_head: Linear | None = None
         """The LM head in oneDNN's layout once `prepack` ran on CPU (a copy beside the embedding table)."""
         self.paged_kernel = False
-        """Decode (one new token per sequence) attends through the CUDA paged kernel (`cuda_attention`); set
-        where the model runs, by the worker's start-up."""
+        """Decode (one new token per sequence) and verify steps (k + 1) attend through the CUDA paged kernel
+        (`cuda_attention`); set where the model runs, by the worker's start-up."""
+
+    def fuse_experts(self) -> int:
+        """Every mixture-of-experts layer's step through the fused CUDA kernels (`MoeMlp.fuse`); returns how many."""
+        moe = [layer.experts for layer in self.layers if layer.experts is not None]
+        for experts in moe:
+            experts.fuse()
+        return len(moe)
 
     @property
     def lm_head(self) -> torch.Tensor:
@@ -169,11 +177,14 @@ class DecoderModel(nn.Module):
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def _context(self, positions: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 cache: PagedKvCache) -> PagedContext:
+                 cache: PagedKvCache, kernel: bool = False) -> PagedContext:
+        """kernel: attend through the CUDA paged kernel when `paged_kernel` is set and it takes the shape
+        (decode and verify steps; a prefill never)."""
         c = self.config
+        groups = c.num_heads // c.num_kv_heads
         return PagedContext.build(positions, block_tables, context_lens, cache.block_size, self.embed.device,
-                                  self.dtype, groups=c.num_heads // c.num_kv_heads,
-                                  paged_kernel=self.paged_kernel and positions.shape[1] == 1,
+                                  self.dtype, groups=groups,
+                                  paged_kernel=kernel and self.paged_kernel and takes(positions.shape[1], groups),
                                   window=c.sliding_window if c.layer_windows else None)
 
     @torch.inference_mode()
@@ -204,7 +215,7 @@ class DecoderModel(nn.Module):
         Only the blocks the contexts hold are read: tables and lengths given on the host are cut there to
         the longest context (see `PagedContext.build`), whatever width the tables have.
         """
-        context = self._context(positions[:, None], block_tables, context_lens, cache)
+        context = self._context(positions[:, None], block_tables, context_lens, cache, kernel=True)
         return self._forward(token_ids.to(self.embed.device)[:, None], context, cache)[:, 0]
 
     @torch.inference_mode()
@@ -221,9 +232,10 @@ class DecoderModel(nn.Module):
         """Logits f32 [B, S, V] of S new tokens per sequence (speculative decoding's verify step: the last
         token and the proposals after it), causal over the new positions, attending context_lens [B]. Entries
         marked in `pad_slots` (rows with fewer new tokens) write their K/V at the cache slot `pad_slot`, which
-        no sequence reads; their logits mean nothing."""
-        context = self._context(positions, block_tables, context_lens, cache)
+        no sequence reads; their logits mean nothing. With `paged_kernel` the CUDA paged kernel attends them
+        (each entry masked at its position), as it does decode's one token."""
+        context = self._context(positions, block_tables, context_lens, cache, kernel=True)
         if pad_slots is not None:
-            slots = context.slots.masked_fill(pad_slots.to(context.slots.device), pad_slot)  # [B, S]
+            slots = context.slots.masked_fill(pad_slots.to(context.slots.device, torch.bool), pad_slot)  # [B, S]
             context = dataclasses.replace(context, slots=slots)
         return self._forward(token_ids.to(self.embed.device), context, cache)

@@ -7,6 +7,10 @@ are not read at all. Each expert is a pair of `Linear`s (gate|up fused, down), s
 (`quant.quantize`) and oneDNN prepacking apply to them as to the dense layers; the router stays in the
 compute dtype. Which experts run is read on the host (one small copy a layer): this path is eager, not for
 CUDA graphs.
+
+On CUDA (`fuse`, at start-up where the probe `cuda_moe.runs` passes) the same step is two fused Triton kernels
+over the experts' weights stacked (`cuda_moe`): the copies sorted by expert on the device, a grouped matmul for
+gate|up with the activation, the down projection and the weighted sum, with no host read.
 """
 
 from __future__ import annotations
@@ -37,10 +41,24 @@ class MoeMlp(nn.Module):
         self.router = nn.Buffer(torch.empty(E, hidden, dtype=dtype, device=device))  # [E, d]
         self.gate_up = nn.ModuleList(Linear(hidden, 2 * I, False, dtype, device) for _ in range(E))  # [2 I, d] each
         self.down = nn.ModuleList(Linear(I, hidden, False, dtype, device) for _ in range(E))  # [d, I] each
+        self.fused = None
+        """The experts' weights stacked for the fused CUDA kernels (`cuda_moe.StackedExperts`) once `fuse` ran;
+        None: the grouped loop."""
+
+    def fuse(self) -> None:
+        """The step through the fused kernels (`cuda_moe`) from now on: the weights (after any quantization)
+        stacked, each expert's Linear a view of them."""
+        from pdserve.server.decode.cuda_moe import stack_experts
+
+        self.fused = stack_experts(list(self.gate_up), list(self.down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, d] -> [B, S, d]
         flat = x.reshape(-1, x.shape[-1])  # [T, d]
         weights, experts = route(F.linear(flat, self.router), self.moe)  # [T, k] each
+        if self.fused is not None:
+            from pdserve.server.decode.cuda_moe import fused_experts
+
+            return fused_experts(flat, weights, experts, self.fused, self.act).view(x.shape)
         chosen = experts.flatten()  # [T k]: each token's k copies, token-major
         order = chosen.argsort(stable=True)  # copies sorted by expert
         tokens = order // self.moe.top_k  # [T k]

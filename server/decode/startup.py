@@ -7,9 +7,11 @@ decode step eager or CUDA-graphed. `benchmarks/gpu.py` starts it the same way (`
    bf16/fp16 checkpoint computes as `cpu_matmul` chooses from what the CPU runs (`hardware.py`): prepacked
    for oneDNN, torch's default linear, or upcast to fp32 (`prepare`). One start-up line names the choice.
 3. The KV layout; the cache's blocks from --kv-cache-tokens, else from memory (`device.py`).
-4. The engine: cache on the device, CUDA graphs captured per batch bucket unless --enforce-eager. With
-   draft_model speculation the draft is loaded beside the model (same device and compute dtype, eager steps),
-   and every block of the budget pays for the target's KV and the draft's at that block id (`spec/draft.py`).
+4. The engine: cache on the device, CUDA graphs captured per batch bucket (and with speculative decoding per
+   (bucket, new tokens) for the verify step) unless --enforce-eager; on CUDA a mixture of experts through the
+   fused Triton kernels (`cuda_moe`) where its probe passes. With draft_model speculation the draft is loaded
+   beside the model (same device and compute dtype, eager steps), and every block of the budget pays for the
+   target's KV and the draft's at that block id (`spec/draft.py`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server import hardware
-from pdserve.server.decode import cpu_matmul
+from pdserve.server.decode import cpu_matmul, cuda_moe
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.cuda_attention import have_triton
 from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_cache_blocks, gpu_cache_blocks,
@@ -132,6 +134,8 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
     if device.type == "cuda" and not model.paged_kernel:
         log.warning("triton is not installed: decode attention on %s gathers whole block tables (pip install "
                     "triton for the paged kernel)", device)
+    if device.type == "cuda" and model_config.moe is not None:
+        fuse_experts(model, device)
     layout = KvLayout.of(
         num_layers=model_config.num_layers,
         num_kv_heads=model_config.num_kv_heads,
@@ -163,14 +167,32 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
              f"{time.perf_counter() - t0:.1f} s" if isinstance(engine.runner, CudaGraphRunner) else "eager steps")
     if config.speculative is not None:
         spec = config.speculative
+        runner = engine.runner
+        verify = "the paged kernel" if model.paged_kernel else "the reference attention"
+        if isinstance(runner, CudaGraphRunner):
+            verify += f", CUDA graphs for {len(runner.verify_graphs)} (batch, new tokens) shapes"
         how = f"n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max}" if spec.method == "ngram" else \
             f"drafted by {spec.model} in {spec.num_speculative_tokens} batched steps, its KV {draft_bytes} bytes " \
             f"a block"
-        log.info("speculative decoding: %s, up to %d proposed tokens a step (%s), verified in one step (the reference "
-                 "attention path: the paged kernel takes one query a row); cap from measured step costs%s",
-                 spec.method, spec.num_speculative_tokens, how,
+        log.info("speculative decoding: %s, up to %d proposed tokens a step (%s), verified in one step (%s); cap "
+                 "from measured step costs%s", spec.method, spec.num_speculative_tokens, how, verify,
                  f", off at batch >= {spec.disable_by_batch_size}" if spec.disable_by_batch_size else "")
     return engine, layout
+
+
+def fuse_experts(model: DecoderModel, device: torch.device) -> None:
+    """On CUDA, the experts' step through the fused Triton kernels (`cuda_moe`) where they run for the model's
+    weight format and compute dtype (tried once on a small MoE); else the grouped loop, said in one line."""
+    fmt = model.weight_format
+    ok, why = cuda_moe.runs(fmt, model.dtype, device) if have_triton() else (False, "triton is not installed")
+    if not ok:
+        log.warning("mixture of experts on %s: the grouped loop (one matmul pair per chosen expert, routing read on "
+                    "the host): the fused Triton kernels do not run for %s weights computing in %s (%s)", device,
+                    fmt or "unquantized", model.dtype, why)
+        return
+    layers = model.fuse_experts()
+    log.info("mixture of experts on %s: %d layers through the fused Triton kernels (%s weights, %s)", device, layers,
+             fmt or "unquantized", why)
 
 
 def cache_blocks(config: DecodeConfig, model: DecoderModel, layout: KvLayout, device: torch.device,

@@ -113,13 +113,17 @@ def test_dry_run_from_a_bare_checkout(tmp_path):
     assert "versions: numpy" in run.stderr.splitlines()[0] or "versions: numpy" in run.stderr  # reported first
     assert doc["carried_wheels"] == ["pdserve-probe-carried==1.0"]
     site_dir = doc["environment"]["carried_site"]
-    assert [s["stage"] for s in doc["stages"]] == ["ceilings", "correctness", "decode", "prefill", "handoff",
-                                                   "prefill-16k", "served"]
+    assert [s["stage"] for s in doc["stages"]] == ["ceilings", "correctness", "decode", "kernels", "prefill",
+                                                   "handoff", "prefill-16k", "served"]
     assert all(s["status"] == "ok" and s["sys_path_first"] == site_dir for s in doc["stages"]), doc["stages"]
-    assert all(c["passed"] for c in doc["checks"]) and {"kernel", "eager", "kv", "handoff", "served"} <= \
-        {c["group"] for c in doc["checks"]}
+    groups = {c["group"] for c in doc["checks"]}
+    assert all(c["passed"] for c in doc["checks"])
+    assert {"kernel", "eager", "kv", "handoff", "served", "verify-kernel", "moe-kernel"} <= groups
     sections = {r["section"] for r in doc["rows"]}
-    assert {"ceiling", "decode bf16", "decode fp8", "prefill", "kv-handoff", "served"} <= sections
+    assert {"ceiling", "decode bf16", "decode fp8", "verify attention", "fused moe", "prefill", "kv-handoff",
+            "served"} <= sections
+    verify = [r["measure"] for r in doc["rows"] if r["section"] == "verify attention"]
+    assert any("verify k=1 " in m for m in verify) and any("verify k=7 " in m for m in verify)
     prefill = [r["measure"] for r in doc["rows"] if r["section"] == "prefill"]
     assert [m.split()[1] for m in prefill] == ["S=32", "S=64", "S=128"]  # the long one after the others
     assert all(r["runner"] == "eager" for r in doc["rows"] if r["section"].startswith("decode") and r["runner"])

@@ -27,6 +27,7 @@ from pdserve.server import metrics
 from pdserve.server.sampling_rules import repetition_penalty_of
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 from pdserve.server.decode.scheduler import Scheduler
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.spec.config import SpeculativeConfig
@@ -46,8 +47,9 @@ LogprobsFn = Callable[[torch.Tensor, torch.Tensor, list], list]
 class Speculator:
     def __init__(self, config: SpeculativeConfig, model: DecoderModel, cache: PagedKvCache, scheduler: Scheduler,
                  pad_block: int, sample: SampleFn, logprobs: LogprobsFn, distribution: DistributionFn,
-                 draft_model: DecoderModel | None = None):
-        """draft_model: method draft_model's draft, already on the target's device."""
+                 draft_model: DecoderModel | None = None, runner: EagerRunner | CudaGraphRunner | None = None):
+        """draft_model: method draft_model's draft, already on the target's device; runner: what runs the verify
+        forward (the engine's: CUDA graphs per (bucket, new tokens) there); None: the model eagerly."""
         if (config.method == "draft_model") != (draft_model is not None):
             raise ValueError(f"speculative method {config.method!r} {'needs' if draft_model is None else 'takes no'} "
                              f"draft model")
@@ -56,6 +58,7 @@ class Speculator:
                              f"model's {model.config.vocab_size}")
         self.config = config
         self.model = model
+        self.runner = runner or EagerRunner(model, cache)
         self.cache = cache
         self.scheduler = scheduler
         self.pad_slot = pad_block * cache.block_size
@@ -125,7 +128,7 @@ class Speculator:
         width = max(len(s.block_table) for s in batch)
         tables = torch.tensor([s.block_table + [s.block_table[0]] * (width - len(s.block_table)) for s in batch],
                               dtype=torch.int64)  # [B, M]
-        logits = self.model.verify(tokens, positions, tables, context_lens, self.cache, pad, self.pad_slot)  # [B, S, V]
+        logits = self.runner.verify(tokens, positions, tables, context_lens, pad, self.pad_slot)  # [B, S, V]
 
         if all(_plain(s) for s in batch) and all(q is None for q in plan.q):
             out, lps = self._accept_at_once(batch, proposals, logits)
