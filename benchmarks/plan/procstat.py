@@ -1,0 +1,91 @@
+"""What the kernel says of the cluster's processes and the host, from /proc (Linux; zeros elsewhere).
+
+- `cpu_seconds(pids)`: user + system CPU seconds of each process so far (/proc/PID/stat).
+- `run_seconds(pid)`: (on-CPU, waiting-to-run) seconds summed over the process's threads
+  (/proc/PID/task/TID/schedstat): between two readings, on / (on + waiting) is the share of a core the
+  process got while it wanted one.
+- `host_busy_seconds()`: CPU seconds every core spent busy so far (/proc/stat's first line).
+`Window` takes the three at its start and end and gives each process's cores used and share, and the
+cores the rest of the host kept busy (`external_cores`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def _tick() -> int:
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each process so far (0 where unreadable)."""
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / _tick()
+        except (OSError, IndexError, ValueError):
+            out[name] = 0.0
+    return out
+
+
+def run_seconds(pid: int) -> tuple[float, float]:
+    """(seconds on a CPU, seconds runnable but waiting) over the process's threads (0, 0 where unreadable)."""
+    on = wait = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0, 0.0
+    for tid in tids:
+        try:
+            a, b, *_ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
+        except (OSError, ValueError):
+            continue
+        on, wait = on + int(a), wait + int(b)
+    return on / 1e9, wait / 1e9
+
+
+def host_busy_seconds() -> float:
+    """CPU seconds all cores were busy so far: /proc/stat's total less idle and iowait (0 where unreadable)."""
+    try:
+        values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    idle = values[3] + (values[4] if len(values) > 4 else 0)
+    return (sum(values[:8]) - idle) / _tick()
+
+
+@dataclass
+class Window:
+    """Readings at the start of a measured window; `end()` gives what happened over it."""
+
+    pids: dict[str, int]
+    t0: float = field(default_factory=time.perf_counter)
+    cpu0: dict[str, float] = field(default_factory=dict)
+    run0: dict[str, tuple[float, float]] = field(default_factory=dict)
+    busy0: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.cpu0 = cpu_seconds(self.pids)
+        self.run0 = {k: run_seconds(p) for k, p in self.pids.items()}
+        self.busy0 = host_busy_seconds()
+        self.t0 = time.perf_counter()
+
+    def end(self) -> dict:
+        """{"wall_s", "cores": {name: CPU / wall}, "share": {name: on / (on + waiting)}, "cpu_s": {name: s},
+        "external_cores": host busy less these processes' CPU, over the wall}."""
+        wall = max(time.perf_counter() - self.t0, 1e-9)
+        cpu1 = cpu_seconds(self.pids)
+        cpu = {k: cpu1[k] - self.cpu0[k] for k in self.pids}
+        share = {}
+        for k, pid in self.pids.items():
+            on1, wait1 = run_seconds(pid)
+            on, wait = on1 - self.run0[k][0], wait1 - self.run0[k][1]
+            share[k] = on / (on + wait) if on + wait > 0 else 1.0
+        busy = host_busy_seconds() - self.busy0
+        return {"wall_s": wall, "cpu_s": cpu, "cores": {k: v / wall for k, v in cpu.items()}, "share": share,
+                "external_cores": max(busy - sum(cpu.values()), 0.0) / wall}
