@@ -436,7 +436,6 @@ def main(argv: list[str] | None = None) -> int:
                                               cluster.describe()["pids"]))
     finally:
         cluster.stop()
-    other = {pair: measure_dtype(model, pair, config.vocab_size, plan, max_len) for pair in other_pairs}
     log("KV transfer bytes/s (benchmarks/tiers.py, in-process over gRPC)")
     bw = _transfer_bytes_per_s(layout)
     log("this machine's peaks on one core (benchmarks/ceilings.py: torch matmul GFLOP/s, memcpy GB/s)")
@@ -448,10 +447,14 @@ def main(argv: list[str] | None = None) -> int:
     profile.notes["peak"] = peak
     profile.notes["kind"] = "cpu"
     profile.notes["model_shape"] = _shape(config)
-    profile.notes["dtype_rows"] = other
-    profile = dataclasses.replace(profile, dtypes=main_pair,
-                                  decode_dtypes=dtype_rows(other, profile.prefill.per_token_s))
-    profile.save(args.out)
+    profile = dataclasses.replace(profile, dtypes=main_pair)
+    profile.save(args.out)  # before the other pairs: a stopped run keeps the profile's own
+    other = {}
+    for pair in other_pairs:
+        other[pair] = measure_dtype(model, pair, config.vocab_size, plan, max_len)
+        profile.notes["dtype_rows"] = other
+        profile = dataclasses.replace(profile, decode_dtypes=dtype_rows(other, profile.prefill.per_token_s))
+        profile.save(args.out)
     p, d, h = profile.prefill, profile.decode, profile.handoff
     print(f"prefill step: {p.fixed_s * 1e3:.2f} ms + {p.per_token_s * 1e6:.2f} us/padded token + "
           f"{p.per_pair_s * 1e9:.3f} ns/attention pair; TTFT overhead {profile.ttft_overhead_s * 1e3:.2f} ms")

@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure:
         from pdserve.benchmarks.plan import measure as profile_cmd
 
-        profile_cmd.main(["--out", str(args.profile), *(["--model", str(model)] if args.model else [])])
+        # the validation cluster's decode worker runs at auto/auto: the other pairs' rows are `plan profile`'s
+        profile_cmd.main(["--out", str(args.profile), "--decode-dtypes", "auto/auto",
+                          *(["--model", str(model)] if args.model else [])])
     profile = Profile.load(args.profile)
     max_len = load_config(model).max_model_len
     if args.predict_only:
