@@ -142,8 +142,10 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
                     (o,) = await _send(target, [req])
                     ttft_sum += o.ttft
                     if i:
+                        got = window.end()["share"]
                         rows["prefill"].append({"tokens": n, "ttft_s": o.ttft, "second_s": o.chunk_times[1] - o.sent,
-                                                "share": window.end()["share"].get("prefill", 1.0)})
+                                                "share": got.get("prefill", 1.0),
+                                                "decode_share": got.get("decode", 1.0)})
                 bar.update(1)
             host = whole.end()
             rows["prefill_cpu"] = {"cpu_s": host["cpu_s"].get("prefill", 0.0), "ttft_sum_s": ttft_sum}
@@ -227,8 +229,10 @@ def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: in
               - per_pair * sum([r["tokens"] ** 2] * (r["prompts"] - 1)) for r, p in zip(b, packed)]
     fixed = min(max(statistics.median(deltas), 0.0), intercept) if deltas else intercept
     decode = fit_decode(rows["decode"], per_token)
-    waits = [r["second_s"] - r["ttft_s"] - decode.step_seconds(1, r["tokens"] + 1)
-             - r["tokens"] * kv_bytes_per_token / transfer_bytes_per_s for r in pre]
+    # the second token's wait runs on the decode worker (the KV in, a step): its share divided out too
+    waits = [(r["second_s"] - r["ttft_s"] / r.get("share", 1.0)) * r.get("decode_share", 1.0)
+             - decode.step_seconds(1, r["tokens"] + 1) - r["tokens"] * kv_bytes_per_token / transfer_bytes_per_s
+             for r in pre]
     handoff = HandoffCost(max(statistics.median(waits), 0.0), transfer_bytes_per_s, kv_bytes_per_token)
     return Profile(hardware=hardware, model=model, prefill=PrefillCost(fixed, per_token, per_pair), decode=decode,
                    handoff=handoff, kv_cache_tokens=kv_cache_tokens, source="measured",

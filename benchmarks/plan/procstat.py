@@ -1,9 +1,9 @@
 """What the kernel says of the cluster's processes and the host, from /proc (Linux; zeros elsewhere).
 
 - `cpu_seconds(pids)`: user + system CPU seconds of each process so far (/proc/PID/stat).
-- `run_seconds(pid)`: (on-CPU, waiting-to-run) seconds summed over the process's threads
-  (/proc/PID/task/TID/schedstat): between two readings, on / (on + waiting) is the share of a core the
-  process got while it wanted one.
+- `thread_run_seconds(pid)`: each thread's (on-CPU, waiting-to-run) seconds (/proc/PID/task/TID/schedstat);
+  between two readings, the busiest thread's on / (on + waiting) is the share of a core the process got
+  while it wanted one (`hot_share`).
 - `host_busy_seconds()`: CPU seconds every core spent busy so far (/proc/stat's first line).
 `Window` takes the three at its start and end and gives each process's cores used and share, and the
 cores the rest of the host kept busy (`external_cores`).
@@ -33,20 +33,32 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def run_seconds(pid: int) -> tuple[float, float]:
-    """(seconds on a CPU, seconds runnable but waiting) over the process's threads (0, 0 where unreadable)."""
-    on = wait = 0
+def thread_run_seconds(pid: int) -> dict[str, tuple[float, float]]:
+    """{thread id: (seconds on a CPU, seconds runnable but waiting)} of the process ({} where unreadable)."""
+    out = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return 0.0, 0.0
+        return out
     for tid in tids:
         try:
             a, b, *_ = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()
         except (OSError, ValueError):
             continue
-        on, wait = on + int(a), wait + int(b)
-    return on / 1e9, wait / 1e9
+        out[tid] = (int(a) / 1e9, int(b) / 1e9)
+    return out
+
+
+def hot_share(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float:
+    """The share of a core the process's busiest thread between two readings (its engine loop, its compute
+    thread) got while it wanted one: on / (on + waiting). Threads are not summed: a process's own threads
+    runnable at once would count as waiting for each other. 1.0 when nothing ran."""
+    best = (0.0, 0.0)
+    for tid, (on, wait) in after.items():
+        on0, wait0 = before.get(tid, (0.0, 0.0))
+        if on - on0 > best[0]:
+            best = (on - on0, wait - wait0)
+    return best[0] / (best[0] + best[1]) if best[0] > 0 else 1.0
 
 
 def host_busy_seconds() -> float:
@@ -66,26 +78,22 @@ class Window:
     pids: dict[str, int]
     t0: float = field(default_factory=time.perf_counter)
     cpu0: dict[str, float] = field(default_factory=dict)
-    run0: dict[str, tuple[float, float]] = field(default_factory=dict)
+    run0: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     busy0: float = 0.0
 
     def __post_init__(self) -> None:
         self.cpu0 = cpu_seconds(self.pids)
-        self.run0 = {k: run_seconds(p) for k, p in self.pids.items()}
+        self.run0 = {k: thread_run_seconds(p) for k, p in self.pids.items()}
         self.busy0 = host_busy_seconds()
         self.t0 = time.perf_counter()
 
     def end(self) -> dict:
-        """{"wall_s", "cores": {name: CPU / wall}, "share": {name: on / (on + waiting)}, "cpu_s": {name: s},
+        """{"wall_s", "cores": {name: CPU / wall}, "share": {name: its busiest thread's on / (on + waiting)}, "cpu_s": {name: s},
         "external_cores": host busy less these processes' CPU, over the wall}."""
         wall = max(time.perf_counter() - self.t0, 1e-9)
         cpu1 = cpu_seconds(self.pids)
         cpu = {k: cpu1[k] - self.cpu0[k] for k in self.pids}
-        share = {}
-        for k, pid in self.pids.items():
-            on1, wait1 = run_seconds(pid)
-            on, wait = on1 - self.run0[k][0], wait1 - self.run0[k][1]
-            share[k] = on / (on + wait) if on + wait > 0 else 1.0
+        share = {k: hot_share(self.run0[k], thread_run_seconds(pid)) for k, pid in self.pids.items()}
         busy = host_busy_seconds() - self.busy0
         return {"wall_s": wall, "cpu_s": cpu, "cores": {k: v / wall for k, v in cpu.items()}, "share": share,
                 "external_cores": max(busy - sum(cpu.values()), 0.0) / wall}
