@@ -18,10 +18,10 @@ cores) and sends requests through the coordinator's gRPC API, timed at the clien
    benchmarks/tiers.py (`_transfer`), and the bytes per token those of the decode worker's KV layout.
 4. The host's CPU (procstat.py), over each group: the share of a core each worker got while it wanted one
    (its threads' on-CPU / (on-CPU + waiting) seconds): the fits take step seconds x that share, a worker's
-   work on cores of its own; the decode worker's CPU per request beyond its steps (a decode group's CPU
-   less its steps', over its requests: `per_new_seq_s`); the coordinator's and this client's CPU seconds per request (a group of
-   one-token requests) and per token (the decode groups, less their requests'); the cores the prefill
-   worker keeps busy while it prefills (its CPU over the prompts' TTFTs). These are the profile's `host_cpu`.
+   work on cores of its own; the coordinator's and this client's CPU seconds per request (a group of
+   one-token requests) and per token (the decode groups, less their requests'); the cores each worker keeps
+   busy while it works (its process's CPU over its busiest thread's: the decode worker's relay and gRPC
+   threads, XLA's threads). These are the profile's `host_cpu`.
 5. Per dtype: the decode groups again on a cluster whose decode worker runs at each other WEIGHT/KV pair of
    --decode-dtypes (its --weight-dtype/--kv-dtype): the profile's `decode_dtypes`, with that KV layout's
    bytes per token and cache size (profile.py).
@@ -148,7 +148,8 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
                                                 "decode_share": got.get("decode", 1.0)})
                 bar.update(1)
             host = whole.end()
-            rows["prefill_cpu"] = {"cpu_s": host["cpu_s"].get("prefill", 0.0), "ttft_sum_s": ttft_sum}
+            rows["prefill_cpu"] = {"cpu_s": host["cpu_s"].get("prefill", 0.0), "ttft_sum_s": ttft_sum,
+                                   "hot_cpu_s": host["hot_cpu_s"].get("prefill", 0.0)}
             for r in range(plan.repeats + 1):
                 outs = await _send(target, _synthetic(plan.burst, 16, 1, vocab, 1000 + r))
                 ttfts = sorted(o.ttft for o in outs)
@@ -191,7 +192,8 @@ async def decode_rows(target, vocab: int, plan: ProfilePlan, max_len: int, pids:
             rows.append({"batch": batch, "prompt": prompt, "tokens": plan.decode_tokens,
                          "context_tokens": batch * (prompt + plan.decode_tokens // 2),
                          "step_s": statistics.median(gaps), "overlap": overlap, "share": host["share"].get("decode", 1.0),
-                         "cpu_s": {k: host["cpu_s"].get(k, 0.0) for k in ("coordinator", "client", "decode")}})
+                         "cpu_s": {k: host["cpu_s"].get(k, 0.0) for k in ("coordinator", "client", "decode")},
+                         "decode_hot_cpu_s": host["hot_cpu_s"].get("decode", 0.0)})
             bar.update(1)
     return rows
 
@@ -204,13 +206,7 @@ def fit_decode(rows: list[dict], per_resumed_token_s: float) -> DecodeCost:
         raise ValueError("no decode group had all its requests decoding at once: raise ProfilePlan.decode_tokens")
     d = nonneg_fit({"one": [1.0] * len(dec), "batch": [r["batch"] for r in dec],
                     "context": [r["context_tokens"] for r in dec]}, [r["step_s"] for r in dec])
-    steps = DecodeCost(d["one"], d["batch"], d["context"])
-    # the worker's CPU beyond its steps (about `tokens` steps at batch B), per request: KV in, admission
-    extra = [(r["cpu_s"]["decode"] - r["tokens"] * steps.step_seconds(r["batch"], r["context_tokens"])) / r["batch"]
-             for r in dec if r["batch"] >= 8 and "decode" in r.get("cpu_s", {})]
-    per_new = max(statistics.median(extra), 0.0) if extra else 0.0
-    return DecodeCost(d["one"], d["batch"], d["context"], per_resumed_token_s=per_resumed_token_s,
-                      per_new_seq_s=per_new)
+    return DecodeCost(d["one"], d["batch"], d["context"], per_resumed_token_s=per_resumed_token_s)
 
 
 def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: int, kv_cache_tokens: int,
@@ -252,9 +248,13 @@ def host_cpu(rows: dict) -> HostCpu:
         per_token = [(r["cpu_s"][name] - per_request * r["batch"]) / (r["batch"] * r["tokens"])
                      for r in rows["decode"] if "cpu_s" in r and r["batch"] >= 8]
         front[name] = ProcessCpu(per_request, max(statistics.median(per_token), 0.0) if per_token else 0.0)
+    cores = float(os.cpu_count() or 1)
     cpu = rows.get("prefill_cpu") or {}
-    threads = cpu.get("cpu_s", 0.0) / cpu["ttft_sum_s"] if cpu.get("ttft_sum_s") else 1.0
-    return HostCpu(prefill_threads=min(max(threads, 1.0), float(os.cpu_count() or 1)),
+    prefill = cpu.get("cpu_s", 0.0) / cpu["hot_cpu_s"] if cpu.get("hot_cpu_s") else 1.0
+    decode = [r["cpu_s"]["decode"] / r["decode_hot_cpu_s"] for r in rows["decode"]
+              if r.get("decode_hot_cpu_s") and r.get("overlap", True)]
+    decode_threads = statistics.median(decode) if decode else 1.0
+    return HostCpu(prefill_threads=min(max(prefill, 1.0), cores), decode_threads=min(max(decode_threads, 1.0), cores),
                    coordinator=front["coordinator"], client=front["client"])
 
 

@@ -3,7 +3,8 @@
 - `cpu_seconds(pids)`: user + system CPU seconds of each process so far (/proc/PID/stat).
 - `thread_run_seconds(pid)`: each thread's (on-CPU, waiting-to-run) seconds (/proc/PID/task/TID/schedstat);
   between two readings, the busiest thread's on / (on + waiting) is the share of a core the process got
-  while it wanted one (`hot_share`).
+  while it wanted one, and the process's CPU over that thread's the cores it keeps busy while it works
+  (`hot_thread`).
 - `host_busy_seconds()`: CPU seconds every core spent busy so far (/proc/stat's first line).
 `Window` takes the three at its start and end and gives each process's cores used and share, and the
 cores the rest of the host kept busy (`external_cores`).
@@ -49,16 +50,16 @@ def thread_run_seconds(pid: int) -> dict[str, tuple[float, float]]:
     return out
 
 
-def hot_share(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> float:
-    """The share of a core the process's busiest thread between two readings (its engine loop, its compute
-    thread) got while it wanted one: on / (on + waiting). Threads are not summed: a process's own threads
-    runnable at once would count as waiting for each other. 1.0 when nothing ran."""
+def hot_thread(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> tuple[float, float]:
+    """(on-CPU, waiting) seconds between two readings of the process's busiest thread (its engine loop, its
+    compute thread). Its on / (on + waiting) is the share of a core the process got while it wanted one:
+    threads are not summed, as a process's own threads runnable at once would count as waiting for each other."""
     best = (0.0, 0.0)
     for tid, (on, wait) in after.items():
         on0, wait0 = before.get(tid, (0.0, 0.0))
         if on - on0 > best[0]:
             best = (on - on0, wait - wait0)
-    return best[0] / (best[0] + best[1]) if best[0] > 0 else 1.0
+    return best
 
 
 def host_busy_seconds() -> float:
@@ -88,12 +89,14 @@ class Window:
         self.t0 = time.perf_counter()
 
     def end(self) -> dict:
-        """{"wall_s", "cores": {name: CPU / wall}, "share": {name: its busiest thread's on / (on + waiting)}, "cpu_s": {name: s},
+        """{"wall_s", "cores": {name: CPU / wall}, "share": {name: its busiest thread's on / (on + waiting)}, "hot_cpu_s": {name: that thread's on-CPU s}, "cpu_s": {name: s},
         "external_cores": host busy less these processes' CPU, over the wall}."""
         wall = max(time.perf_counter() - self.t0, 1e-9)
         cpu1 = cpu_seconds(self.pids)
         cpu = {k: cpu1[k] - self.cpu0[k] for k in self.pids}
-        share = {k: hot_share(self.run0[k], thread_run_seconds(pid)) for k, pid in self.pids.items()}
+        hot = {k: hot_thread(self.run0[k], thread_run_seconds(pid)) for k, pid in self.pids.items()}
+        share = {k: on / (on + wait) if on > 0 else 1.0 for k, (on, wait) in hot.items()}
         busy = host_busy_seconds() - self.busy0
         return {"wall_s": wall, "cpu_s": cpu, "cores": {k: v / wall for k, v in cpu.items()}, "share": share,
+                "hot_cpu_s": {k: on for k, (on, _) in hot.items()},
                 "external_cores": max(busy - sum(cpu.values()), 0.0) / wall}

@@ -6,8 +6,7 @@ where padded_tokens is the engine's power-of-two bucket of the packed buffer and
 sum over segments of length * (start + length) (each query token reads its context and its own segment).
 Decode step (one token for every running sequence, server/decode/scheduler.py):
     fixed_s + per_seq_s * batch + per_context_token_s * sum of contexts + per_resumed_token_s * tokens
-    prefilled again for preempted sequences + per_new_seq_s * sequences in their first step (their KV
-    received and written, admitted: the worker's CPU per request beyond its steps).
+    prefilled again for preempted sequences.
 KV handoff (prefill's last layer group to the decode worker's cache, after the first token):
     fixed_s + prompt_tokens * kv_bytes_per_token / bytes_per_s.
 `ttft_overhead_s` is client-visible latency that occupies no worker (the coordinator, the RPCs).
@@ -67,16 +66,14 @@ class DecodeCost:
     per_seq_s: float
     per_context_token_s: float = 0.0
     per_resumed_token_s: float = 0.0
-    per_new_seq_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check("decode", fixed_s=self.fixed_s, per_seq_s=self.per_seq_s,
-               per_context_token_s=self.per_context_token_s, per_resumed_token_s=self.per_resumed_token_s,
-               per_new_seq_s=self.per_new_seq_s)
+               per_context_token_s=self.per_context_token_s, per_resumed_token_s=self.per_resumed_token_s)
 
-    def step_seconds(self, batch: int, context_tokens: int, resumed_tokens: int = 0, new_seqs: int = 0) -> float:
+    def step_seconds(self, batch: int, context_tokens: int, resumed_tokens: int = 0) -> float:
         return (self.fixed_s + self.per_seq_s * batch + self.per_context_token_s * context_tokens
-                + self.per_resumed_token_s * resumed_tokens + self.per_new_seq_s * new_seqs)
+                + self.per_resumed_token_s * resumed_tokens)
 
 
 @dataclass(frozen=True)

@@ -298,8 +298,7 @@ class DecodePart:
         resumed = sum(s.num_tokens - 1 - s.resume_from for s in batch
                       if s.resume_from is not None and s.resume_from < s.num_tokens - 1)
         context = sum(s.num_tokens for s in batch)
-        new = sum(1 for s in batch if len(s.output_ids) == 1)  # its first step: the first token came with the KV
-        return batch, self.profile.decode.step_seconds(len(batch), context, resumed, new)
+        return batch, self.profile.decode.step_seconds(len(batch), context, resumed)
 
     def complete(self, batch: list[Sequence]) -> None:
         for seq in batch:

@@ -61,17 +61,20 @@ def test_decode_steps_are_work_the_share_times_the_wall_and_groups_without_overl
 
 def test_host_cpu_per_request_and_per_token():
     """32 one-token requests cost the coordinator 64 ms (2 ms each); a group of 8 x 96 tokens 16 ms of requests
-    + 768 x 0.5 ms; the prefill worker's 3 CPU seconds over 2 s of TTFTs: 1.5 cores (at most this machine's)."""
+    + 768 x 0.5 ms; the prefill worker's 3 CPU seconds over its busiest thread's 2 s: 1.5 cores (at most this
+    machine's); the decode worker's 1.2 s over its engine thread's 0.8 s: 1.5."""
     from pdserve.benchmarks.plan.measure import host_cpu
 
     rows = {"front": [{"requests": 32, "tokens": 32, "cpu_s": {"coordinator": 0.064, "client": 0.032}}],
             "decode": [{"batch": 8, "tokens": 96, "cpu_s": {"coordinator": 0.016 + 768 * 0.0005,
-                                                            "client": 0.008 + 768 * 0.00025}},
+                                                            "client": 0.008 + 768 * 0.00025, "decode": 1.2},
+                        "decode_hot_cpu_s": 0.8},
                        {"batch": 1, "tokens": 96, "cpu_s": {"coordinator": 9.0, "client": 9.0}}],  # too few: not used
-            "prefill_cpu": {"cpu_s": 3.0, "ttft_sum_s": 2.0}}
+            "prefill_cpu": {"cpu_s": 3.0, "ttft_sum_s": 4.0, "hot_cpu_s": 2.0}}
     h = host_cpu(rows)
     assert (h.coordinator.per_request_s, h.coordinator.per_token_s) == pytest.approx((0.002, 0.0005))
     assert (h.client.per_request_s, h.client.per_token_s) == pytest.approx((0.001, 0.00025))
     import os
 
-    assert h.prefill_threads == min(1.5, os.cpu_count() or 1) and h.cores is None
+    assert (h.prefill_threads, h.decode_threads) == pytest.approx((min(1.5, os.cpu_count() or 1),) * 2)
+    assert h.cores is None
