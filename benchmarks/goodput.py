@@ -238,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     why_no_plot = plot(results, sweep, run_dir / "goodput.png") if results else "nothing ran: no plot"
     peaks = "".join(f"\n- `{s}`: the most goodput, {b['goodput']:.2f} req/s, at {b['rate']:g} req/s offered"
+                    if b["goodput"] > 0 else f"\n- `{s}`: no rate met both SLOs"
                     for s, rows in results.items() if (b := best(rows)))
     notes = "".join(f"\n- `{s}` could not run here: {why}" for s, why in failures.items())
     cmd = "python -m pdserve.benchmarks.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
