@@ -198,10 +198,18 @@ async def decode_rows(target, vocab: int, plan: ProfilePlan, max_len: int, pids:
     return rows
 
 
+def step_work(r: dict) -> float:
+    """A decode group's step on a core of its own: the decode process's CPU per step (about `tokens` steps)
+    where measured, its threads (engine loop, relay, gRPC) taking the GIL in turn; else the step's wall
+    seconds times the share of a core the worker got."""
+    cpu = r.get("cpu_s", {}).get("decode")
+    return min(r["step_s"], cpu / r["tokens"]) if cpu else r["step_s"] * r.get("share", 1.0)
+
+
 def fit_decode(rows: list[dict], per_resumed_token_s: float) -> DecodeCost:
     """`fixed + per_seq x B + per_context_token x contexts` over the groups whose requests all decoded at once,
-    each step's seconds times the share of a core the decode worker got (its work on a core of its own)."""
-    dec = [{**r, "step_s": r["step_s"] * r.get("share", 1.0)} for r in rows if r.get("overlap", True)]
+    each step's work on a core of its own (`step_work`)."""
+    dec = [{**r, "step_s": step_work(r)} for r in rows if r.get("overlap", True)]
     if not dec:
         raise ValueError("no decode group had all its requests decoding at once: raise ProfilePlan.decode_tokens")
     d = nonneg_fit({"one": [1.0] * len(dec), "batch": [r["batch"] for r in dec],
@@ -251,10 +259,8 @@ def host_cpu(rows: dict) -> HostCpu:
     cores = float(os.cpu_count() or 1)
     cpu = rows.get("prefill_cpu") or {}
     prefill = cpu.get("cpu_s", 0.0) / cpu["hot_cpu_s"] if cpu.get("hot_cpu_s") else 1.0
-    decode = [r["cpu_s"]["decode"] / r["decode_hot_cpu_s"] for r in rows["decode"]
-              if r.get("decode_hot_cpu_s") and r.get("overlap", True)]
-    decode_threads = statistics.median(decode) if decode else 1.0
-    return HostCpu(prefill_threads=min(max(prefill, 1.0), cores), decode_threads=min(max(decode_threads, 1.0), cores),
+    # the decode worker's step is its process's CPU (step_work): one core, its threads in turn
+    return HostCpu(prefill_threads=min(max(prefill, 1.0), cores), decode_threads=1.0,
                    coordinator=front["coordinator"], client=front["client"])
 
 

@@ -62,7 +62,7 @@ def test_decode_steps_are_work_the_share_times_the_wall_and_groups_without_overl
 def test_host_cpu_per_request_and_per_token():
     """32 one-token requests cost the coordinator 64 ms (2 ms each); a group of 8 x 96 tokens 16 ms of requests
     + 768 x 0.5 ms; the prefill worker's 3 CPU seconds over its busiest thread's 2 s: 1.5 cores (at most this
-    machine's); the decode worker's 1.2 s over its engine thread's 0.8 s: 1.5."""
+    machine's); the decode worker: one core (its step is its process's CPU, threads in turn)."""
     from pdserve.benchmarks.plan.measure import host_cpu
 
     rows = {"front": [{"requests": 32, "tokens": 32, "cpu_s": {"coordinator": 0.064, "client": 0.032}}],
@@ -76,5 +76,15 @@ def test_host_cpu_per_request_and_per_token():
     assert (h.client.per_request_s, h.client.per_token_s) == pytest.approx((0.001, 0.00025))
     import os
 
-    assert (h.prefill_threads, h.decode_threads) == pytest.approx((min(1.5, os.cpu_count() or 1),) * 2)
+    assert (h.prefill_threads, h.decode_threads) == pytest.approx((min(1.5, os.cpu_count() or 1), 1.0))
     assert h.cores is None
+
+
+def test_a_decode_step_is_the_decode_process_cpu_per_step_where_measured():
+    """96 steps in 5.76 s of the decode process's CPU: 60 ms each, though the wall said 90 ms at a share of
+    0.3; without CPU, wall x share; never more than the wall."""
+    from pdserve.benchmarks.plan.measure import step_work
+
+    assert step_work({"tokens": 96, "step_s": 0.09, "share": 0.3, "cpu_s": {"decode": 5.76}}) == pytest.approx(0.06)
+    assert step_work({"tokens": 96, "step_s": 0.09, "share": 0.5}) == pytest.approx(0.045)
+    assert step_work({"tokens": 96, "step_s": 0.05, "share": 0.5, "cpu_s": {"decode": 5.76}}) == 0.05
