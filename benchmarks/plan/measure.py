@@ -17,11 +17,12 @@ cores) and sends requests through the coordinator's gRPC API, timed at the clien
    its bytes/s is the in-process KvSender -> gRPC -> KvReceiver -> PagedKvCache transfer of
    benchmarks/tiers.py (`_transfer`), and the bytes per token those of the decode worker's KV layout.
 4. The host's CPU (procstat.py), over each group: the share of a core each worker got while it wanted one
-   (its threads' on-CPU / (on-CPU + waiting) seconds): the fits take step seconds x that share, a worker's
-   work on cores of its own; the coordinator's and this client's CPU seconds per request (a group of
-   one-token requests) and per token (the decode groups, less their requests'); the cores each worker keeps
-   busy while it works (its process's CPU over its busiest thread's: the decode worker's relay and gRPC
-   threads, XLA's threads). These are the profile's `host_cpu`.
+   (its busiest thread's on-CPU / (on-CPU + waiting) seconds): the prefill fit takes TTFT x that share, its
+   work on cores of its own; a decode step's work is the decode process's CPU per step (`step_work`: its
+   engine loop, relay and gRPC threads take the GIL in turn, on one core); the coordinator's and this
+   client's CPU seconds per request (a group of one-token requests) and per token (the decode groups, less
+   their requests'); the cores the prefill worker keeps busy while it works (its process's CPU over its
+   busiest thread's: XLA's threads). These are the profile's `host_cpu`.
 5. Per dtype: the decode groups again on a cluster whose decode worker runs at each other WEIGHT/KV pair of
    --decode-dtypes (its --weight-dtype/--kv-dtype): the profile's `decode_dtypes`, with that KV layout's
    bytes per token and cache size (profile.py).
