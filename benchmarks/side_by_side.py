@@ -505,7 +505,8 @@ def table(results: dict[str, list[dict]], rows=ROWS, systems: list[str] | None =
     return "\n".join(lines)
 
 
-def _start(system: str, model: Path, args, out: Path) -> Server:
+def start_system(system: str, model: Path, args, out: Path) -> Server:
+    """Starts one of SYSTEMS (args: dtype, max_model_len, pdserve_front); goodput.py starts them too."""
     if system == "vllm":
         return start_vllm(model, args.dtype, out, args.max_model_len)
     if system == "vllm-1core":
@@ -589,7 +590,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr, flush=True)
             t0 = time.monotonic()
             try:
-                server = _start(system, model, args, out)
+                server = start_system(system, model, args, out)
             except (RuntimeError, SystemExit) as e:
                 failures[system] = str(e).splitlines()[0] + f" (logs: {out})"
                 print(f"== {system} could not run: {failures[system]}", file=sys.stderr, flush=True)

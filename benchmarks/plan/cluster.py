@@ -15,6 +15,8 @@ workers.py around the tiers' schedulers. One request's life, as coordinator/atte
    on D after the handoff's seconds; D's scheduler starts the sequence; each decode step gives a token.
 5. The last token: D retires it, the coordinator releases D, the lines' heads pick again.
 Colocated: no prefill tier; each worker prefills the prompts it holds blocks for (workers.py).
+On a shared host (`ClusterSpec.host`, contention.py) every arrival and token is the front's CPU, and each
+worker's steps take the share of the cores left to it.
 
 Not simulated (named in README.md): retries and migrations, deadlines of requests already admitted, RPC time other than `ttft_overhead_s`.
 """
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from pdserve.benchmarks.clients import RequestOutput
 from pdserve.benchmarks.metrics import summarize
 from pdserve.benchmarks.plan.clock import VirtualClock
+from pdserve.benchmarks.plan.contention import Contention, HostCpu
 from pdserve.benchmarks.plan.profile import HandoffCost, Profile
 from pdserve.benchmarks.plan.workers import (
     ColocatedWorker, DecodeSpec, DecodeWorker, PrefillSpec, PrefillWorker, SimPrefillJob, new_sequence,
@@ -75,6 +78,8 @@ class ClusterSpec:
     prefill: PrefillSpec = field(default_factory=PrefillSpec)
     decode: DecodeSpec = field(default_factory=DecodeSpec)
     coordinator: CoordinatorSpec = field(default_factory=CoordinatorSpec)
+    host: HostCpu = field(default_factory=HostCpu)
+    """The cores the processes share (contention.py); the default: each worker owns its device."""
 
     def __post_init__(self) -> None:
         if self.decode_workers < 1:
@@ -141,6 +146,7 @@ class SimCluster:
         logging.getLogger("pdserve.coordinator").setLevel(logging.ERROR)
         self.spec = spec
         self.clock = VirtualClock()
+        self.contention = Contention(spec.host)
         self.handoff = handoff or decode_profile.handoff
         self.decode_profile = decode_profile
         self.pool = WorkerPool(refresh_seconds=spec.coordinator.refresh_seconds)
@@ -159,13 +165,13 @@ class SimCluster:
         self.arrivals_left = 0
         for i in range(spec.prefill_workers):
             self._join(f"prefill-{i}", "prefill", PrefillWorker(
-                f"prefill-{i}", self.clock, prefill_profile, spec.prefill, self._first_token))
+                f"prefill-{i}", self.clock, prefill_profile, spec.prefill, self._first_token, self.contention))
         for i in range(spec.decode_workers):
             name = f"{'colocated' if spec.colocated else 'decode'}-{i}"
             sim = (ColocatedWorker(name, self.clock, decode_profile, spec.prefill, spec.decode, self._first_token,
-                                   self._admitted, self._token, self._finished) if spec.colocated
+                                   self._admitted, self._token, self._finished, self.contention) if spec.colocated
                    else DecodeWorker(name, self.clock, decode_profile, spec.decode, self._admitted, self._token,
-                                     self._finished))
+                                     self._finished, self.contention))
             self._join(name, "decode", sim)
 
     def _join(self, name: str, role: str, sim) -> None:
@@ -231,6 +237,7 @@ class SimCluster:
 
     def _arrive(self, req: SimRequest, out: RequestOutput, rid: str) -> None:
         self.arrivals_left -= 1
+        self.contention.request(self.clock.now)
         c = self.spec.coordinator
         deadline = VirtualDeadline(self.clock.now + c.timeout, c.timeout, clock=self.clock)
         seq = new_sequence(rid, req.prompt_ids, req.output_len, self.spec.decode.max_model_len)
@@ -323,6 +330,7 @@ class SimCluster:
         f: Flight = job.owner  # type: ignore[assignment]
         f.out.chunk_times.append(self.clock.now + self.decode_profile.ttft_overhead_s)
         f.out.chunk_tokens.append(1)
+        self.contention.token(self.clock.now)
         sim = self.sims[f.decode.address]
         if self.spec.colocated:
             sim.decode.start(f.seq)
@@ -343,6 +351,7 @@ class SimCluster:
         f = self.flights[seq.request_id]
         f.out.chunk_times.append(self.clock.now + self.decode_profile.ttft_overhead_s)
         f.out.chunk_tokens.append(1)
+        self.contention.token(self.clock.now)
 
     def _finished(self, seq: Sequence) -> None:
         f = self.flights.pop(seq.request_id)

@@ -1,6 +1,7 @@
 """`pdserve plan profile`: measure this machine's tiers through the served engines into a profile file.
 
     pdserve plan profile [--model DIR] [--out benchmarks/plan/profile-cpu.json] [--quick]
+                         [--decode-dtypes auto/auto,auto/int8,int8/auto]
 
 It starts a 1 prefill + 1 decode cluster (`pdserve up`'s launcher; each worker on its own share of the
 cores) and sends requests through the coordinator's gRPC API, timed at the client as `pdserve bench` does:
@@ -15,21 +16,35 @@ cores) and sends requests through the coordinator's gRPC API, timed at the clien
 3. KV handoff: the second token's wait past the first, less a decode step, is the handoff's fixed time;
    its bytes/s is the in-process KvSender -> gRPC -> KvReceiver -> PagedKvCache transfer of
    benchmarks/tiers.py (`_transfer`), and the bytes per token those of the decode worker's KV layout.
-The raw rows go into the profile's `notes`. A few minutes; progress on stderr.
+4. The host's CPU (procstat.py), over each group: the share of a core each worker got while it wanted one
+   (its busiest thread's on-CPU / (on-CPU + waiting) seconds): the prefill fit takes TTFT x that share, its
+   work on cores of its own; a decode step's work is the decode process's CPU per step (`step_work`: its
+   engine loop, relay and gRPC threads take the GIL in turn, on one core); the coordinator's and this
+   client's CPU seconds per request (a group of one-token requests) and per token (the decode groups, less
+   their requests'); the cores the prefill worker keeps busy while it works (its process's CPU over its
+   busiest thread's: XLA's threads). These are the profile's `host_cpu`.
+5. Per dtype: the decode groups again on a cluster whose decode worker runs at each other WEIGHT/KV pair of
+   --decode-dtypes (its --weight-dtype/--kv-dtype): the profile's `decode_dtypes`, with that KV layout's
+   bytes per token and cache size (profile.py).
+A decode group whose requests never all decode at once (the last first token after the first finish) is
+kept in the notes but not fitted. The raw rows go into the profile's `notes`. A few minutes; progress on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.benchmarks.plan.contention import HostCpu, ProcessCpu
 from pdserve.benchmarks.plan.fit import nonneg_fit
-from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
+from pdserve.benchmarks.plan.procstat import Window
+from pdserve.benchmarks.plan.profile import DecodeCost, DtypeRow, HandoffCost, PrefillCost, Profile
 from pdserve.benchmarks.plan.workers import bucket_length
 from pdserve.benchmarks.protocol import cpu_model
 
@@ -50,7 +65,10 @@ class ProfilePlan:
     burst: int = 5
     decode_batches: tuple[int, ...] = (1, 8, 32, 64)
     decode_contexts: tuple[int, ...] = (32, 320)
-    decode_tokens: int = 48
+    decode_tokens: int = 96
+    """Tokens each decode group's requests generate: enough that all of a batch decode at once a while."""
+    front_requests: int = 32
+    """One-token requests sent at once to measure the coordinator's and the client's CPU per request."""
     background_streams: int = 8
     """Requests decoding while the prefill rows are measured (0: an idle cluster)."""
 
@@ -60,7 +78,7 @@ class ProfilePlan:
 
 
 QUICK = ProfilePlan(prefill_lengths=(16, 128, 448), repeats=2, decode_batches=(1, 16, 64), decode_contexts=(32, 320),
-                    decode_tokens=16, background_streams=8)
+                    decode_tokens=48, front_requests=16, background_streams=8)
 
 
 async def _send(target, requests) -> list:
@@ -93,24 +111,46 @@ async def _background(target, vocab: int, streams: int, output_len: int, stop: a
         await asyncio.gather(*(target.send(r, RequestOutput(group="background", prompt_len=16)) for r in reqs))
 
 
-async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: int, bar) -> dict:
+def _pids(pids: dict[str, int]) -> dict[str, int]:
+    """The cluster's processes under the names the profile uses, and this process (the load client)."""
+    import os
+
+    named = {"client": os.getpid()}
+    for name, pid in pids.items():
+        named[name.split("-")[0]] = pid  # prefill-0 -> prefill, decode-0 -> decode, coordinator
+    return named
+
+
+async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: int, bar,
+                         pids: dict[str, int] | None = None) -> dict:
     from pdserve.benchmarks.clients import GrpcTarget
 
+    pids = _pids(pids or {})
     target = GrpcTarget(address, timeout=300)
-    rows: dict = {"prefill": [], "burst": [], "decode": []}
+    rows: dict = {"prefill": [], "burst": [], "decode": [], "front": [], "prefill_cpu": {}}
     try:
         await _send(target, _synthetic(4, 16, 2, vocab, 99))  # connections, the first steps
         stop = asyncio.Event()
         background = asyncio.create_task(_background(target, vocab, plan.background_streams, max_len - 32, stop))
         try:
             await asyncio.sleep(0.5)
+            ttft_sum = 0.0
+            whole = Window(pids)
             for n in plan.prefill_lengths:
                 reqs = _synthetic(plan.repeats + 1, n, 2, vocab, n)
                 for i, req in enumerate(reqs):  # one at a time; the first warms the bucket up
+                    window = Window(pids)
                     (o,) = await _send(target, [req])
+                    ttft_sum += o.ttft
                     if i:
-                        rows["prefill"].append({"tokens": n, "ttft_s": o.ttft, "second_s": o.chunk_times[1] - o.sent})
+                        got = window.end()["share"]
+                        rows["prefill"].append({"tokens": n, "ttft_s": o.ttft, "second_s": o.chunk_times[1] - o.sent,
+                                                "share": got.get("prefill", 1.0),
+                                                "decode_share": got.get("decode", 1.0)})
                 bar.update(1)
+            host = whole.end()
+            rows["prefill_cpu"] = {"cpu_s": host["cpu_s"].get("prefill", 0.0), "ttft_sum_s": ttft_sum,
+                                   "hot_cpu_s": host["hot_cpu_s"].get("prefill", 0.0)}
             for r in range(plan.repeats + 1):
                 outs = await _send(target, _synthetic(plan.burst, 16, 1, vocab, 1000 + r))
                 ttfts = sorted(o.ttft for o in outs)
@@ -121,31 +161,68 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
         finally:
             stop.set()
             await background
-        for context in plan.decode_contexts:
-            for batch in plan.decode_batches:
-                prompt = min(context, max_len - plan.decode_tokens - 1)
-                outs = await _send(target, _synthetic(batch, prompt, plan.decode_tokens, vocab, batch * 7 + context))
-                begin, end = max(o.chunk_times[0] for o in outs), min(o.done for o in outs)
-                # seconds per token between chunks (a chunk may carry several tokens: the coordinator coalesces)
-                pairs = [(b - a) / k for o in outs
-                         for a, b, k in zip(o.chunk_times, o.chunk_times[1:], o.chunk_tokens[1:])]
-                inside = [(b - a) / k for o in outs
-                          for a, b, k in zip(o.chunk_times, o.chunk_times[1:], o.chunk_tokens[1:])
-                          if a >= begin and b <= end]
-                gaps = inside if len(inside) >= batch * 4 else pairs  # too little overlap: every gap
-                rows["decode"].append({"batch": batch, "prompt": prompt, "tokens": plan.decode_tokens,
-                                       "context_tokens": batch * (prompt + plan.decode_tokens // 2),
-                                       "step_s": statistics.median(gaps)})
-                bar.update(1)
+        window = Window(pids)
+        await _send(target, _synthetic(plan.front_requests, 16, 1, vocab, 2000))
+        host = window.end()
+        rows["front"].append({"requests": plan.front_requests, "tokens": plan.front_requests,
+                              "cpu_s": {k: host["cpu_s"].get(k, 0.0) for k in ("coordinator", "client")}})
+        rows["decode"] = await decode_rows(target, vocab, plan, max_len, pids, bar)
     finally:
         await target.close()
     return rows
 
 
+async def decode_rows(target, vocab: int, plan: ProfilePlan, max_len: int, pids: dict[str, int], bar) -> list[dict]:
+    """B requests at once per group: the median gap between tokens while all B decode is one step at batch B."""
+    rows = []
+    for context in plan.decode_contexts:
+        for batch in plan.decode_batches:
+            prompt = min(context, max_len - plan.decode_tokens - 1)
+            window = Window(pids)
+            outs = await _send(target, _synthetic(batch, prompt, plan.decode_tokens, vocab, batch * 7 + context))
+            host = window.end()
+            begin, end = max(o.chunk_times[0] for o in outs), min(o.done for o in outs)
+            # seconds per token between chunks (a chunk may carry several tokens: the coordinator coalesces)
+            pairs = [(b - a) / k for o in outs
+                     for a, b, k in zip(o.chunk_times, o.chunk_times[1:], o.chunk_tokens[1:])]
+            inside = [(b - a) / k for o in outs
+                      for a, b, k in zip(o.chunk_times, o.chunk_times[1:], o.chunk_tokens[1:])
+                      if a >= begin and b <= end]
+            overlap = len(inside) >= batch * 4
+            gaps = inside if overlap else pairs  # too little overlap: every gap (not fitted)
+            rows.append({"batch": batch, "prompt": prompt, "tokens": plan.decode_tokens,
+                         "context_tokens": batch * (prompt + plan.decode_tokens // 2),
+                         "step_s": statistics.median(gaps), "overlap": overlap, "share": host["share"].get("decode", 1.0),
+                         "cpu_s": {k: host["cpu_s"].get(k, 0.0) for k in ("coordinator", "client", "decode")},
+                         "decode_hot_cpu_s": host["hot_cpu_s"].get("decode", 0.0)})
+            bar.update(1)
+    return rows
+
+
+def step_work(r: dict) -> float:
+    """A decode group's step on a core of its own: the decode process's CPU per step (about `tokens` steps)
+    where measured, its threads (engine loop, relay, gRPC) taking the GIL in turn; else the step's wall
+    seconds times the share of a core the worker got."""
+    cpu = r.get("cpu_s", {}).get("decode")
+    return min(r["step_s"], cpu / r["tokens"]) if cpu else r["step_s"] * r.get("share", 1.0)
+
+
+def fit_decode(rows: list[dict], per_resumed_token_s: float) -> DecodeCost:
+    """`fixed + per_seq x B + per_context_token x contexts` over the groups whose requests all decoded at once,
+    each step's work on a core of its own (`step_work`)."""
+    dec = [{**r, "step_s": step_work(r)} for r in rows if r.get("overlap", True)]
+    if not dec:
+        raise ValueError("no decode group had all its requests decoding at once: raise ProfilePlan.decode_tokens")
+    d = nonneg_fit({"one": [1.0] * len(dec), "batch": [r["batch"] for r in dec],
+                    "context": [r["context_tokens"] for r in dec]}, [r["step_s"] for r in dec])
+    return DecodeCost(d["one"], d["batch"], d["context"], per_resumed_token_s=per_resumed_token_s)
+
+
 def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: int, kv_cache_tokens: int,
                 transfer_bytes_per_s: float, max_len: int, min_bucket: int = 16, max_batch_tokens: int = 8192) -> Profile:
-    """The profile the rows imply (module docstring: the model each one fits)."""
-    pre = _medians(rows["prefill"], "tokens")
+    """The profile the rows imply (module docstring: the model each one fits). Rows measured before the host's
+    CPU was (no `share`) count as measured on cores of their own."""
+    pre = _medians([{**r, "ttft_s": r["ttft_s"] * r.get("share", 1.0)} for r in rows["prefill"]], "tokens")
     padded = [bucket_length(r["tokens"], max_len, min_bucket) for r in pre]
     c = nonneg_fit({"one": [1.0] * len(pre), "padded": padded, "pairs": [r["tokens"] ** 2 for r in pre]},
                    [r["ttft_s"] for r in pre])
@@ -156,18 +233,36 @@ def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: in
     deltas = [r["last_s"] - r["first_s"] - per_token * bucket_length(min(p, max_len), max(max_len, p), min_bucket)
               - per_pair * sum([r["tokens"] ** 2] * (r["prompts"] - 1)) for r, p in zip(b, packed)]
     fixed = min(max(statistics.median(deltas), 0.0), intercept) if deltas else intercept
-    dec = rows["decode"]
-    d = nonneg_fit({"one": [1.0] * len(dec), "batch": [r["batch"] for r in dec],
-                    "context": [r["context_tokens"] for r in dec]}, [r["step_s"] for r in dec])
-    decode = DecodeCost(d["one"], d["batch"], d["context"], per_resumed_token_s=per_token)
-    waits = [r["second_s"] - r["ttft_s"] - decode.step_seconds(1, r["tokens"] + 1)
-             - r["tokens"] * kv_bytes_per_token / transfer_bytes_per_s for r in pre]
+    decode = fit_decode(rows["decode"], per_token)
+    # the second token's wait runs on the decode worker (the KV in, a step): its share divided out too
+    waits = [(r["second_s"] - r["ttft_s"] / r.get("share", 1.0)) * r.get("decode_share", 1.0)
+             - decode.step_seconds(1, r["tokens"] + 1) - r["tokens"] * kv_bytes_per_token / transfer_bytes_per_s
+             for r in pre]
     handoff = HandoffCost(max(statistics.median(waits), 0.0), transfer_bytes_per_s, kv_bytes_per_token)
     return Profile(hardware=hardware, model=model, prefill=PrefillCost(fixed, per_token, per_pair), decode=decode,
                    handoff=handoff, kv_cache_tokens=kv_cache_tokens, source="measured",
-                   ttft_overhead_s=intercept - fixed,
+                   ttft_overhead_s=intercept - fixed, host_cpu=host_cpu(rows),
                    notes={"rows": rows, "prefill_intercept_s": intercept,
                           "max_batch_tokens": max_batch_tokens, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def host_cpu(rows: dict) -> HostCpu:
+    """The front's CPU per request (the one-token group) and per token (the decode groups of 8 or more, less
+    their requests'), the cores the prefill worker keeps busy while it prefills; zeros where not measured."""
+    import os
+
+    front = {}
+    for name in ("coordinator", "client"):
+        per_request = statistics.median([r["cpu_s"][name] / r["requests"] for r in rows.get("front", [])] or [0.0])
+        per_token = [(r["cpu_s"][name] - per_request * r["batch"]) / (r["batch"] * r["tokens"])
+                     for r in rows["decode"] if "cpu_s" in r and r["batch"] >= 8]
+        front[name] = ProcessCpu(per_request, max(statistics.median(per_token), 0.0) if per_token else 0.0)
+    cores = float(os.cpu_count() or 1)
+    cpu = rows.get("prefill_cpu") or {}
+    prefill = cpu.get("cpu_s", 0.0) / cpu["hot_cpu_s"] if cpu.get("hot_cpu_s") else 1.0
+    # the decode worker's step is its process's CPU (step_work): one core, its threads in turn
+    return HostCpu(prefill_threads=min(max(prefill, 1.0), cores), decode_threads=1.0,
+                   coordinator=front["coordinator"], client=front["client"])
 
 
 def _medians(rows: list[dict], key: str) -> list[dict]:
@@ -224,7 +319,10 @@ def refit(profile: Profile, max_len: int) -> Profile:
                       transfer_bytes_per_s=profile.handoff.bytes_per_s, max_len=max_len)
     kept = {k: v for k, v in notes.items() if k not in new.notes}
     return Profile(**{**new.__dict__, "notes": {**new.notes, **kept, "measured_at": notes.get("measured_at"),
-                                                "refit_at": new.notes["measured_at"], "max_len": max_len}})
+                                                "refit_at": new.notes["measured_at"], "max_len": max_len},
+                      "dtypes": profile.dtypes,
+                      "decode_dtypes": dtype_rows(notes.get("dtype_rows", {}), new.prefill.per_token_s)
+                      if "dtype_rows" in notes else profile.decode_dtypes})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,16 +334,88 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("benchmarks/plan/profile-cpu.json"))
     p.add_argument("--quick", action="store_true", help="fewer rows (about a minute less)")
     p.add_argument("--hardware", help="the name written into the profile (default: this CPU's model name)")
+    p.add_argument("--decode-dtypes", type=parse_dtype_pairs, default=parse_dtype_pairs(DEFAULT_DTYPES),
+                   help="the decode worker's WEIGHT/KV dtypes (its --weight-dtype/--kv-dtype) to measure decode steps "
+                        f"at, comma-separated; the first is the whole profile's, each other one a decode cluster of its "
+                        f"own (about 40 s each). Default {DEFAULT_DTYPES}")
     return p
+
+
+DEFAULT_DTYPES = "auto/auto,auto/int8,int8/auto"
+
+
+def parse_dtype_pairs(text: str) -> list[str]:
+    """"W/KV,W/KV" -> ["W/KV", ...], each checked against the decode worker's choices."""
+    from pdserve.server.vocabulary import KV_DTYPES, WEIGHT_DTYPES
+
+    pairs = [t.strip() for t in text.split(",") if t.strip()]
+    if not pairs:
+        raise argparse.ArgumentTypeError("give at least one WEIGHT/KV pair, e.g. auto/auto")
+    for pair in pairs:
+        weight, sep, kv = pair.partition("/")
+        if not sep or weight not in WEIGHT_DTYPES or kv not in KV_DTYPES:
+            raise argparse.ArgumentTypeError(
+                f"{pair!r}: give WEIGHT/KV with WEIGHT one of {', '.join(WEIGHT_DTYPES)} and KV one of "
+                f"{', '.join(KV_DTYPES)}")
+    if len(set(pairs)) != len(pairs):
+        raise argparse.ArgumentTypeError(f"{text!r} names a pair twice")
+    return pairs
+
+
+def dtype_args(pair: str) -> list[str]:
+    weight, kv = pair.split("/")
+    return ["--weight-dtype", weight, "--kv-dtype", kv]
+
+
+def _decode_layout(address: str) -> tuple:
+    from pdserve.kvcache.layout import KvLayout
+    from pdserve.server.client import list_workers
+
+    decode = {w.role: w.info for w in list_workers(address)}["decode"]
+    layout = KvLayout.from_proto(decode.kv_layout)
+    return layout, decode.load.total_kv_blocks * layout.block_size
+
+
+def measure_dtype(model: Path, pair: str, vocab: int, plan: ProfilePlan, max_len: int) -> dict:
+    """The decode groups on a cluster whose decode worker runs at `pair`: {"rows", "kv_bytes_per_token",
+    "kv_cache_tokens"}."""
+    from tqdm import tqdm
+
+    from pdserve.benchmarks.clients import GrpcTarget
+    from pdserve.server import launcher
+
+    log(f"decode at weight/KV dtypes {pair}: starting 1 prefill + 1 decode worker ({' '.join(dtype_args(pair))})")
+    cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
+                              prefill_args=PREFILL_ARGS, decode_args=dtype_args(pair))
+    try:
+        layout, cache_tokens = _decode_layout(cluster.coordinator.address)
+
+        async def go() -> list[dict]:
+            target = GrpcTarget(cluster.coordinator.address, timeout=300)
+            try:
+                await _send(target, _synthetic(4, 16, 2, vocab, 99))
+                with tqdm(total=len(plan.decode_batches) * len(plan.decode_contexts), desc=f"decode {pair}",
+                          unit="group", file=sys.stderr) as bar:
+                    return await decode_rows(target, vocab, plan, max_len, _pids(cluster.describe()["pids"]), bar)
+            finally:
+                await target.close()
+
+        rows = asyncio.run(go())
+    finally:
+        cluster.stop()
+    return {"rows": rows, "kv_bytes_per_token": layout.bytes_per_token, "kv_cache_tokens": cache_tokens}
+
+
+def dtype_rows(measured: dict[str, dict], per_resumed_token_s: float) -> dict[str, DtypeRow]:
+    return {pair: DtypeRow(fit_decode(m["rows"], per_resumed_token_s), m["kv_bytes_per_token"], m["kv_cache_tokens"])
+            for pair, m in measured.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
-    from pdserve.kvcache.layout import KvLayout
     from pdserve.server import launcher
     from pdserve.server.cli import default_model_dir
-    from pdserve.server.client import list_workers
     from pdserve.server.model.config import load_config
 
     args = build_parser().parse_args(argv)
@@ -261,21 +431,20 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model_dir()
     config = load_config(model)
     max_len = min(config.max_model_len, 1 << 30)
-    log(f"starting 1 prefill + 1 decode worker on {model} (compiles first: a minute or two)")
+    main_pair, *other_pairs = args.decode_dtypes
+    log(f"starting 1 prefill + 1 decode worker on {model} at weight/KV dtypes {main_pair} (compiles first: a "
+        f"minute or two)")
     cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
-                              prefill_args=PREFILL_ARGS)
+                              prefill_args=PREFILL_ARGS, decode_args=dtype_args(main_pair))
     try:
-        statuses = {w.role: w.info for w in list_workers(cluster.coordinator.address)}
-        decode = statuses["decode"]
-        layout = KvLayout.from_proto(decode.kv_layout)
-        kv_cache_tokens = decode.load.total_kv_blocks * layout.block_size
+        layout, kv_cache_tokens = _decode_layout(cluster.coordinator.address)
         steps = len(plan.prefill_lengths) + 1 + len(plan.decode_batches) * len(plan.decode_contexts)
         log(f"measuring: {steps} groups of requests (KV {layout.describe()}, cache {kv_cache_tokens} tokens)")
         lengths = tuple(n for n in plan.prefill_lengths if n < max_len - 2)
-        plan = ProfilePlan(lengths, plan.repeats, plan.burst, plan.decode_batches, plan.decode_contexts,
-                           plan.decode_tokens, plan.background_streams)
+        plan = dataclasses.replace(plan, prefill_lengths=lengths)
         with tqdm(total=steps, desc="plan profile", unit="group", file=sys.stderr) as bar:
-            rows = asyncio.run(measure_served(cluster.coordinator.address, config.vocab_size, plan, max_len, bar))
+            rows = asyncio.run(measure_served(cluster.coordinator.address, config.vocab_size, plan, max_len, bar,
+                                              cluster.describe()["pids"]))
     finally:
         cluster.stop()
     log("KV transfer bytes/s (benchmarks/tiers.py, in-process over gRPC)")
@@ -289,13 +458,28 @@ def main(argv: list[str] | None = None) -> int:
     profile.notes["peak"] = peak
     profile.notes["kind"] = "cpu"
     profile.notes["model_shape"] = _shape(config)
-    profile.save(args.out)
+    profile = dataclasses.replace(profile, dtypes=main_pair)
+    profile.save(args.out)  # before the other pairs: a stopped run keeps the profile's own
+    other = {}
+    for pair in other_pairs:
+        other[pair] = measure_dtype(model, pair, config.vocab_size, plan, max_len)
+        profile.notes["dtype_rows"] = other
+        profile = dataclasses.replace(profile, decode_dtypes=dtype_rows(other, profile.prefill.per_token_s))
+        profile.save(args.out)
     p, d, h = profile.prefill, profile.decode, profile.handoff
     print(f"prefill step: {p.fixed_s * 1e3:.2f} ms + {p.per_token_s * 1e6:.2f} us/padded token + "
           f"{p.per_pair_s * 1e9:.3f} ns/attention pair; TTFT overhead {profile.ttft_overhead_s * 1e3:.2f} ms")
     print(f"decode step: {d.fixed_s * 1e3:.2f} ms + {d.per_seq_s * 1e3:.3f} ms/seq + "
           f"{d.per_context_token_s * 1e6:.3f} us/context token")
     print(f"KV handoff: {h.fixed_s * 1e3:.2f} ms + {h.kv_bytes_per_token} B/token at {h.bytes_per_s / 1e9:.2f} GB/s")
+    for pair, row in profile.decode_dtypes.items():
+        print(f"decode step at {pair}: {row.decode.fixed_s * 1e3:.2f} ms + {row.decode.per_seq_s * 1e3:.3f} ms/seq + "
+              f"{row.decode.per_context_token_s * 1e6:.3f} us/context token; KV {row.kv_bytes_per_token} B/token, "
+              f"cache {row.kv_cache_tokens} tokens")
+    c = profile.host_cpu
+    print(f"host CPU: coordinator {c.coordinator.per_request_s * 1e3:.2f} ms/request + "
+          f"{c.coordinator.per_token_s * 1e3:.3f} ms/token, client {c.client.per_request_s * 1e3:.2f} ms/request + "
+          f"{c.client.per_token_s * 1e3:.3f} ms/token; prefill keeps {c.prefill_threads:.2f} cores busy")
     print(f"profile: {args.out}")
     return 0
 

@@ -10,6 +10,15 @@ Decode step (one token for every running sequence, server/decode/scheduler.py):
 KV handoff (prefill's last layer group to the decode worker's cache, after the first token):
     fixed_s + prompt_tokens * kv_bytes_per_token / bytes_per_s.
 `ttft_overhead_s` is client-visible latency that occupies no worker (the coordinator, the RPCs).
+Each is a worker's CPU work on cores of its own: a profile measured on a shared host has the share each
+worker got divided out (`measure.py`). `host_cpu` holds what the simulator needs to put the workers on a
+shared host again (contention.py): the coordinator's and the load client's CPU seconds per request and per
+token, the cores the prefill worker's steps keep busy.
+
+Decode steps depend on the decode worker's weight and KV dtypes (its --weight-dtype and --kv-dtype):
+`dtypes` names the pair `decode` was measured at ("WEIGHT/KV", e.g. "auto/auto"), and `decode_dtypes`
+holds the other pairs measured, each with its decode cost, KV bytes per token and cache size;
+`with_dtypes` gives the profile of one pair, and refuses a pair the file did not measure.
 
 A profile file is JSON: {"hardware", "model", "source", "prefill", "decode", "handoff", ...}; `measure.py`
 writes one from this machine, `roofline.py` projects one onto catalog hardware.
@@ -19,9 +28,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
+
+from pdserve.benchmarks.plan.contention import HostCpu
 
 Source = Literal["measured", "projected", "scripted"]
 
@@ -81,6 +92,24 @@ class HandoffCost:
 
 
 @dataclass(frozen=True)
+class DtypeRow:
+    """The decode tier at one (weight, KV) dtype pair."""
+
+    decode: DecodeCost
+    kv_bytes_per_token: int
+    kv_cache_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 1 or self.kv_cache_tokens < 1:
+            raise ProfileError(f"decode_dtypes: kv_bytes_per_token and kv_cache_tokens must be >= 1, got "
+                               f"{self.kv_bytes_per_token} and {self.kv_cache_tokens}")
+
+
+def dtype_pair(weight: str, kv: str) -> str:
+    return f"{weight}/{kv}"
+
+
+@dataclass(frozen=True)
 class Profile:
     hardware: str
     """A catalog name (catalog.json) or a description of the measured machine."""
@@ -96,6 +125,31 @@ class Profile:
     """Accelerators one worker of this profile occupies (what it costs per hour)."""
     notes: dict = field(default_factory=dict)
     """Where the numbers came from: the measured rows, the projection's factors."""
+    host_cpu: HostCpu = field(default_factory=HostCpu)
+    """The front's CPU per request and token and the workers' threads, as measured (its `cores`: None)."""
+    dtypes: str = "auto/auto"
+    """The decode worker's "WEIGHT/KV" dtypes (--weight-dtype/--kv-dtype) `decode` was measured at."""
+    decode_dtypes: dict[str, DtypeRow] = field(default_factory=dict)
+    """The other pairs measured."""
+
+    @property
+    def measured_dtypes(self) -> list[str]:
+        return [self.dtypes, *self.decode_dtypes]
+
+    def with_dtypes(self, weight: str | None, kv: str | None) -> Profile:
+        """This profile with the decode row of --weight-dtype `weight` and --kv-dtype `kv` (None: the
+        measured default's)."""
+        main_w, main_kv = self.dtypes.split("/")
+        pair = dtype_pair(weight or main_w, kv or main_kv)
+        if pair == self.dtypes:
+            return self
+        row = self.decode_dtypes.get(pair)
+        if row is None:
+            raise ProfileError(f"the profile of {self.hardware} measured decode at weight/KV dtypes "
+                               f"{', '.join(self.measured_dtypes)}, not {pair}: measure it with "
+                               f"`pdserve plan profile --decode-dtypes {','.join([*self.measured_dtypes, pair])}`")
+        return replace(self, decode=row.decode, kv_cache_tokens=row.kv_cache_tokens, dtypes=pair, decode_dtypes={},
+                       handoff=replace(self.handoff, kv_bytes_per_token=row.kv_bytes_per_token))
 
     def __post_init__(self) -> None:
         if not self.hardware:
@@ -105,6 +159,8 @@ class Profile:
         if self.chips < 1:
             raise ProfileError(f"chips must be >= 1, got {self.chips}")
         _check("profile", ttft_overhead_s=self.ttft_overhead_s)
+        if not isinstance(self.dtypes, str) or self.dtypes.count("/") != 1:
+            raise ProfileError(f"dtypes must be \"WEIGHT/KV\" (e.g. \"auto/auto\"), got {self.dtypes!r}")
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -119,7 +175,9 @@ class Profile:
                        prefill=PrefillCost(**parts["prefill"]), decode=DecodeCost(**parts["decode"]),
                        handoff=HandoffCost(**parts["handoff"]), kv_cache_tokens=doc["kv_cache_tokens"],
                        source=doc.get("source", "measured"), ttft_overhead_s=doc.get("ttft_overhead_s", 0.0),
-                       chips=doc.get("chips", 1), notes=doc.get("notes", {}))
+                       chips=doc.get("chips", 1), notes=doc.get("notes", {}),
+                       host_cpu=HostCpu.from_json(doc.get("host_cpu", {})), dtypes=doc.get("dtypes", "auto/auto"),
+                       decode_dtypes=_dtype_rows(doc.get("decode_dtypes", {})))
         except KeyError as e:
             raise ProfileError(f"{name}: field {e.args[0]!r} is missing") from None
         except TypeError as e:
@@ -139,3 +197,18 @@ class Profile:
         except json.JSONDecodeError as e:
             raise ProfileError(f"{path}: not JSON ({e.msg})") from None
         return cls.from_json(doc, str(path))
+
+
+def _dtype_rows(doc: dict) -> dict[str, DtypeRow]:
+    if not isinstance(doc, dict):
+        raise ProfileError("decode_dtypes must be an object {\"WEIGHT/KV\": {decode, kv_bytes_per_token, kv_cache_tokens}}")
+    rows = {}
+    for pair, row in doc.items():
+        if not isinstance(row, dict) or pair.count("/") != 1:
+            raise ProfileError(f"decode_dtypes.{pair}: a \"WEIGHT/KV\" key with {{decode, kv_bytes_per_token, "
+                               f"kv_cache_tokens}}")
+        try:
+            rows[pair] = DtypeRow(DecodeCost(**row["decode"]), row["kv_bytes_per_token"], row["kv_cache_tokens"])
+        except KeyError as e:
+            raise ProfileError(f"decode_dtypes.{pair}: field {e.args[0]!r} is missing") from None
+    return rows

@@ -14,9 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from pdserve.benchmarks.plan.cluster import ClusterSpec, CoordinatorSpec, simulate
+from pdserve.benchmarks.plan.contention import HostCpu
 from pdserve.benchmarks.plan.profile import Profile
 from pdserve.benchmarks.plan.workers import DecodeSpec, PrefillSpec
 from pdserve.benchmarks.plan.workload import from_args, read_trace
@@ -40,10 +42,25 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
     c.add_argument("--ttft-budget", type=float, default=0.0)
     c.add_argument("--decode-policy", choices=["prefix-aware", "most-free-blocks", "power-of-two"],
                    default=CoordinatorSpec.decode_policy)
+    h = p.add_argument_group("a shared host (contention.py)")
+    h.add_argument("--host-cores", type=float, default=None,
+                   help="the cores every process of the cluster (workers, coordinator, load client) shares, as on "
+                        "this machine (`pdserve up` on one host); default: each worker owns its device")
+    h.add_argument("--external-cores", type=float, default=0.0,
+                   help="with --host-cores: cores other processes on the host keep busy")
+
+
+def host_of(args, measured: HostCpu) -> HostCpu:
+    """The shared host of --host-cores (with the profile's measured front CPU and threads), or none."""
+    if getattr(args, "host_cores", None) is None:
+        if getattr(args, "external_cores", 0.0):
+            raise ValueError("--external-cores needs --host-cores (the host they share)")
+        return HostCpu()
+    return replace(measured, cores=args.host_cores, external_cores=args.external_cores)
 
 
 def cluster_spec(args, max_len: int, colocated: bool | None = None, prefill_workers: int | None = None,
-                 decode_workers: int | None = None) -> ClusterSpec:
+                 decode_workers: int | None = None, host: HostCpu | None = None) -> ClusterSpec:
     colocated = args.colocated if colocated is None else colocated
     max_model_len = args.max_model_len or 1 << (max_len - 1).bit_length()
     return ClusterSpec(
@@ -55,7 +72,8 @@ def cluster_spec(args, max_len: int, colocated: bool | None = None, prefill_work
         decode=DecodeSpec(block_size=args.block_size, max_running=args.max_running,
                           kv_cache_tokens=args.kv_cache_tokens, max_model_len=max_model_len),
         coordinator=CoordinatorSpec(decode_policy=args.decode_policy, ttft_budget=args.ttft_budget,
-                                    timeout=args.timeout or CoordinatorSpec.timeout))
+                                    timeout=args.timeout or CoordinatorSpec.timeout),
+        host=host or HostCpu())
 
 
 def workload(args):
@@ -78,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-profile", type=Path, help="the prefill tier's, when it runs on other hardware")
     s.add_argument("--trace", type=Path, help="a trace file instead of the distributions (workload.py)")
     s.add_argument("--json", action="store_true", help="print the summary as JSON (bench's keys)")
+    s.add_argument("--weight-dtype", help="the decode worker's --weight-dtype: the profile's decode row at it "
+                                          "(default: the one the profile measured first, its `dtypes`)")
+    s.add_argument("--kv-dtype", help="the decode worker's --kv-dtype: likewise (KV bytes on the wire, cache size too)")
     s.add_argument("--baseline", action="store_true",
                    help="also simulate colocated serving on as many workers (of --profile's hardware): the "
                         "baseline the split must beat (under `baseline_colocated`)")
@@ -90,17 +111,19 @@ def run(args) -> dict:
         raise ValueError("give --request-rate (requests/s) or --trace")
     decode = Profile.load(args.profile)
     prefill = Profile.load(args.prefill_profile) if args.prefill_profile else decode
+    decode = decode.with_dtypes(getattr(args, "weight_dtype", None), getattr(args, "kv_dtype", None))
     requests = workload(args)
-    spec = cluster_spec(args, max(r.prompt_len + r.output_len for r in requests))
+    host = host_of(args, decode.host_cpu)
+    spec = cluster_spec(args, max(r.prompt_len + r.output_len for r in requests), host=host)
     result = simulate(requests, spec, prefill, decode)
     summary = result.summary(args.slo_ttft_ms, args.slo_tpot_ms)
     summary["cluster"] = {"prefill_workers": spec.prefill_workers, "decode_workers": spec.decode_workers,
                           "colocated": spec.colocated, "prefill_hardware": prefill.hardware,
-                          "decode_hardware": decode.hardware}
+                          "decode_hardware": decode.hardware, "decode_dtypes": decode.dtypes}
     if getattr(args, "baseline", False) and not spec.colocated:
         workers = spec.prefill_workers + spec.decode_workers
         colocated = cluster_spec(args, max(r.prompt_len + r.output_len for r in requests), colocated=True,
-                                 decode_workers=workers)
+                                 decode_workers=workers, host=host)
         base = simulate(requests, colocated, decode).summary(args.slo_ttft_ms, args.slo_tpot_ms)
         base["cluster"] = {"prefill_workers": 0, "decode_workers": workers, "colocated": True,
                            "decode_hardware": decode.hardware}

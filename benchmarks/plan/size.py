@@ -8,7 +8,8 @@ over the catalog's accelerators with a price (--price 'NAME=USD' adds or changes
 bf16 with a bf16 KV cache, or fp8 (fp4 where both chips have it) with an fp8 cache (what crosses
 the wire), the same on both tiers.
 Each tier's profile is projected from the catalog by roofline.py (efficiency factors from --profile when
-it was measured on an accelerator, else roofline.DEFAULT). For each pairing and dtypes, the pool sizes
+it was measured on an accelerator, the decode tier's from the profile's row at the plan's dtypes where it
+measured them, else roofline.DEFAULT). For each pairing and dtypes, the pool sizes
 start at what the tiers' throughput needs (`lower_bound`) and grow the tier the SLO misses point at
 (TTFT: prefill; TPOT: decode; colocated: both at once; to what would run it at TARGET_UTILISATION) until a simulated run meets the attainment or
 --max-workers is reached. A plan meets the SLOs when at least --attainment of its requests meet both
@@ -152,13 +153,19 @@ class Search:
     """(prefill workers, decode workers, colocated) -> ClusterSpec."""
     max_workers: int = 64
     max_steps: int = 12
+    by_dtype: dict[str, Efficiency] | None = None
+    """The decode tier's factors per catalog "WEIGHTS/KV" dtypes where the profile measured that pair
+    (`efficiencies`); `efficiency` elsewhere."""
+
+    def efficiency_at(self, weights: Dtype, kv: Dtype) -> Efficiency:
+        return (self.by_dtype or {}).get(f"{weights}/{kv}", self.efficiency)
 
 
 def plan_for(search: Search, pairing: Pairing, dtypes: tuple[Dtype, Dtype, Dtype]) -> Plan | None:
     """The smallest pools (module docstring) for one pairing and dtypes; None when the model does not fit."""
     pw, dw, kv = dtypes
     try:
-        d_prof = project(pairing.decode, search.model, dw, kv, search.efficiency)
+        d_prof = project(pairing.decode, search.model, dw, kv, search.efficiency_at(dw, kv))
         p_prof = project(pairing.prefill, search.model, pw, kv, search.efficiency) if pairing.prefill else None
     except DoesNotFit:
         return None
@@ -263,6 +270,25 @@ def _catalog(args) -> Catalog:
     return Catalog(cat.date, accs, cat.models)
 
 
+SERVED_DTYPES = {"bf16": ("bfloat16", "auto"), "fp8": ("fp8", "fp8_e4m3"), "fp4": ()}
+"""The catalog's dtypes as the decode worker's --weight-dtype/--kv-dtype name them (auto: a bf16 checkpoint's)."""
+
+
+def efficiencies(measured: Profile) -> dict[str, Efficiency]:
+    """{catalog "WEIGHTS/KV": the factors of the profile's decode row measured at that pair} (the prefill's
+    from the main row): a measured fp8 decode step sets the fp8 plans' decode factors."""
+    out = {}
+    for weights, served_w in SERVED_DTYPES.items():
+        for kv, served_kv in SERVED_DTYPES.items():
+            for pair in measured.measured_dtypes:
+                w, k = pair.split("/")
+                if w in served_w and k in served_kv and f"{weights}/{kv}" not in out:
+                    eff = efficiency_of(measured.with_dtypes(w, k))
+                    if eff is not None:
+                        out[f"{weights}/{kv}"] = eff
+    return out
+
+
 def _efficiency(args) -> Efficiency:
     if args.profile is None:
         print("efficiency: roofline.DEFAULT (0.5 of peak FLOP/s, 0.7 of HBM bandwidth); --profile gives measured "
@@ -292,9 +318,13 @@ def run(args) -> tuple[list[Plan], Search]:
     requests = workload(args)
     duration = max(r.arrival for r in requests) or 1.0
     max_len = max(r.prompt_len + r.output_len for r in requests)
-    search = Search(requests, duration, slo, model, _efficiency(args),
+    eff = _efficiency(args)
+    by_dtype = efficiencies(Profile.load(args.profile)) if args.profile and eff is not DEFAULT else None
+    if by_dtype:
+        print(f"efficiency: the decode tier's per dtype pair measured ({', '.join(by_dtype)})", file=sys.stderr)
+    search = Search(requests, duration, slo, model, eff,
                     lambda n_p, n_d, colo: cluster_spec(args, max_len, colocated=colo, prefill_workers=n_p,
-                                                        decode_workers=n_d), args.max_workers)
+                                                        decode_workers=n_d), args.max_workers, by_dtype=by_dtype)
     found = pairings(cat, args.hardware)
     if not found:
         raise ValueError("no accelerator with a price to plan on: add --price NAME=USD or drop --hardware")

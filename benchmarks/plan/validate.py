@@ -8,6 +8,9 @@ Each (shape, rate) is sent by `pdserve bench` (Poisson arrivals, seeded) to a 1 
 cluster started by `pdserve up`'s launcher, and simulated with the same flags and the profile; the table
 puts the predicted TTFT p50/p99 and TPOT p50 beside the measured ones with the relative error.
 `--measure` first writes the profile (`pdserve plan profile`) from the same cluster's machine.
+The simulated cluster shares the host's cores as the real one does (`--host-cores`, default this machine's;
+contention.py): the coordinator's and the load client's CPU per request and token from the profile, and
+the cores the rest of the host kept busy during each run (procstat.py, /proc/stat), measured per run.
 `--readme` replaces the table between the markers `<!-- plan-validation -->` ... `<!-- /plan-validation -->`.
 """
 
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 from pdserve.benchmarks.plan.measure import PREFILL_ARGS
+from pdserve.benchmarks.plan.procstat import Window
 from pdserve.benchmarks.plan.profile import Profile
 
 SHAPES = {"short": (64, 32), "long": (384, 32)}
@@ -37,6 +41,11 @@ def log(message: str) -> None:
 def workload_argv(input_len: int, output_len: int, rate: float, duration: float, seed: int) -> list[str]:
     return ["--input-len", str(input_len), "--output-len", str(output_len), "--request-rate", f"{rate:.3f}",
             "--duration", str(duration), "--seed", str(seed), "--vocab-size", "500"]
+
+
+def host_argv(cores: float, external: float = 0.0) -> list[str]:
+    """simulate's flags for a host of `cores` shared by the cluster, `external` of them busy with others."""
+    return ["--host-cores", f"{cores:g}", "--external-cores", f"{external:.3f}"] if cores else []
 
 
 def predict(profile_path: Path, argv: list[str], max_model_len: int) -> dict:
@@ -57,18 +66,21 @@ def _late_ttft(profile_path: Path, argv: list[str], max_model_len: int) -> float
         ["--profile", str(profile_path), "--max-model-len", str(max_model_len), *argv])
     requests = simulate_cli.workload(args)
     profile = Profile.load(profile_path)
-    result = simulate(requests, simulate_cli.cluster_spec(args, max_model_len), profile)
+    host = simulate_cli.host_of(args, profile.host_cpu)
+    result = simulate(requests, simulate_cli.cluster_spec(args, max_model_len, host=host), profile)
     late = [o.ttft if o.success else args.timeout or 600.0 for o in result.outputs[-max(len(result.outputs) // 4, 1):]]
     return sum(late) / len(late)
 
 
-def saturation(profile_path: Path, shape: tuple[int, int], duration: float, seed: int, max_model_len: int) -> float:
+def saturation(profile_path: Path, shape: tuple[int, int], duration: float, seed: int, max_model_len: int,
+               host: list[str] = ()) -> float:
     """The offered rate at which the simulated 1P+1D cluster stops keeping up: the late requests' TTFT
     passes 4x the idle one (doubling the rate from 0.5 req/s, then 3 halvings of the interval)."""
     def saturated(rate: float) -> bool:
-        return _late_ttft(profile_path, workload_argv(*shape, rate, 2 * duration, seed), max_model_len) > 4 * idle
+        argv = [*workload_argv(*shape, rate, 2 * duration, seed), *host]
+        return _late_ttft(profile_path, argv, max_model_len) > 4 * idle
 
-    idle = _late_ttft(profile_path, workload_argv(*shape, 0.1, 2 * duration, seed), max_model_len)
+    idle = _late_ttft(profile_path, [*workload_argv(*shape, 0.1, 2 * duration, seed), *host], max_model_len)
     lo, hi = 0.25, 0.5
     while not saturated(hi):
         lo, hi = hi, hi * 2
@@ -90,21 +102,6 @@ def measure(address: str, argv: list[str], out: Path) -> dict:
     return asyncio.run(bench._main(args))["summary"]
 
 
-def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds of each process so far (/proc/PID/stat; 0 where unreadable)."""
-    import os
-
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for name, pid in pids.items():
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            out[name] = (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            out[name] = 0.0
-    return out
-
-
 def _err(pred: float, meas: float) -> float:
     return (pred - meas) / meas if meas else float("inf")
 
@@ -112,8 +109,8 @@ def _err(pred: float, meas: float) -> float:
 def table(rows: list[dict]) -> str:
     lines = ["| shape | rate (req/s) | TTFT p50 pred / meas (ms) | err | TTFT p99 pred / meas (ms) | err | "
              "TPOT p50 pred / meas (ms) | err | completed pred / meas | cores used: coordinator / prefill / decode | "
-             "load avg |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "other load (cores) | load avg |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         p, m = r["predicted"], r["measured"]
         cells = []
@@ -123,9 +120,10 @@ def table(rows: list[dict]) -> str:
             cells += [f"{pv:.1f} / {mv:.1f}", f"{100 * e:+.0f}%{'' if abs(e) <= TOLERANCE else ' ✗'}"]
         cores = r.get("cores", {})
         used = " / ".join(f"{cores.get(k, 0.0):.2f}" for k in ("coordinator", "prefill-0", "decode-0"))
+        external = r.get("external_cores")
         lines.append(f"| {r['shape']} ({r['input_len']} in, {r['output_len']} out) | {r['rate']:.2f} | "
                      + " | ".join(cells) + f" | {p['completed']} / {m['completed']} | {used} | "
-                     f"{r.get('load_avg', float('nan')):.1f} |")
+                     f"{'-' if external is None else f'{external:.2f}'} | {r.get('load_avg', float('nan')):.1f} |")
     within = sum(abs(_err(r["predicted"][k].get(s, 0), r["measured"][k].get(s, 0))) <= TOLERANCE
                  for r in rows for k, s in (("ttft_ms", "median"), ("ttft_ms", "p99"), ("tpot_ms", "median")))
     lines.append("")
@@ -150,7 +148,9 @@ def _predict_again(args, profile: Profile, max_len: int) -> int:
         raise ValueError(f"cannot read {path}: {e}; run `pdserve plan validate` first") from None
     for row in doc["rows"]:
         wl = workload_argv(row["input_len"], row["output_len"], row["rate"], args.duration, args.seed)
-        predicted = predict(args.profile, wl, max_len)
+        host = host_argv(row.get("host_cores", args.host_cores) if args.host_cores else 0.0,
+                         row.get("external_cores", 0.0))
+        predicted = predict(args.profile, [*wl, *host], max_len)
         row["predicted"] = {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed", "sim")}
     doc["profile"] = profile.to_json()
     path.write_text(json.dumps(doc, indent=2))
@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/plan-validation"))
     p.add_argument("--readme", type=Path, help="put the table into this README between the markers")
+    p.add_argument("--host-cores", type=float, default=float(os.cpu_count() or 1),
+                   help="the cores the real cluster's processes share (default: this machine's); 0: simulate each "
+                        "worker on cores of its own")
     p.add_argument("--predict-only", action="store_true",
                    help="no runs: predict the rows of --out's validation.json again with --profile (a changed fit)")
     return p
@@ -186,14 +189,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure:
         from pdserve.benchmarks.plan import measure as profile_cmd
 
-        profile_cmd.main(["--out", str(args.profile), *(["--model", str(model)] if args.model else [])])
+        # the validation cluster's decode worker runs at auto/auto: the other pairs' rows are `plan profile`'s
+        profile_cmd.main(["--out", str(args.profile), "--decode-dtypes", "auto/auto",
+                          *(["--model", str(model)] if args.model else [])])
     profile = Profile.load(args.profile)
     max_len = load_config(model).max_model_len
     if args.predict_only:
         return _predict_again(args, profile, max_len)
+    if args.host_cores < 0:
+        raise ValueError(f"--host-cores must be >= 0, got {args.host_cores}")
     plan = []
     for name, shape in SHAPES.items():
-        sat = saturation(args.profile, shape, args.duration, args.seed, max_len)
+        sat = saturation(args.profile, shape, args.duration, args.seed, max_len, host_argv(args.host_cores))
         log(f"{name} ({shape[0]} in, {shape[1]} out): the simulated cluster saturates near {sat:.2f} req/s")
         plan += [(name, shape, round(f * sat, 2)) for f in RATE_FACTORS]
     log(f"starting 1 prefill + 1 decode worker ({profile.hardware}); then {len(plan)} bench runs of "
@@ -205,16 +212,15 @@ def main(argv: list[str] | None = None) -> int:
         for i, (name, shape, rate) in enumerate(plan, 1):
             wl = workload_argv(*shape, rate, args.duration, args.seed)
             log(f"[{i}/{len(plan)}] {name} at {rate} req/s: pdserve bench {' '.join(wl)}")
-            pids = cluster.describe()["pids"]
-            before, t0 = cpu_seconds(pids), time.perf_counter()
+            window = Window({**cluster.describe()["pids"], "client": os.getpid()})
             measured = measure(cluster.coordinator.address, ["--no-progress", *wl], args.out / f"{name}-{rate}")
-            after, wall = cpu_seconds(pids), time.perf_counter() - t0
-            cores = {k: (after[k] - before[k]) / wall for k in pids}
-            predicted = predict(args.profile, wl, max_len)
+            host = window.end()
+            predicted = predict(args.profile, [*wl, *host_argv(args.host_cores, host["external_cores"])], max_len)
             rows.append({"shape": name, "input_len": shape[0], "output_len": shape[1], "rate": rate,
                          "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed", "sim")},
                          "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed")},
-                         "cores": cores, "load_avg": os.getloadavg()[0]})
+                         "cores": host["cores"], "share": host["share"], "external_cores": host["external_cores"],
+                         "host_cores": args.host_cores, "load_avg": os.getloadavg()[0]})
     finally:
         cluster.stop()
     args.out.mkdir(parents=True, exist_ok=True)

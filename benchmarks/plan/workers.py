@@ -11,7 +11,9 @@
 - `ColocatedWorker`: both schedulers on one device; each step runs the prefill scheduler's next step and
   the decode batch together (chunked prefill beside decode, vLLM's colocated mode), costing the sum.
 
-Every worker runs one step at a time; the next starts when the last ends and there is work.
+Every worker runs one step at a time; the next starts when the last ends and there is work. A step's
+seconds are the profile's divided by the share of its cores the worker gets then (contention.py: 1 where
+each worker owns its device).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Literal
 import numpy as np
 
 from pdserve.benchmarks.plan.clock import VirtualClock
+from pdserve.benchmarks.plan.contention import Contention, HostCpu, Stepping
 from pdserve.benchmarks.plan.profile import Profile
 from pdserve.server.decode.scheduler import Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState
@@ -130,12 +133,15 @@ class Busy:
 
 class _Stepper(abc.ABC):
     """One step at a time on the clock: `_take` picks the next step's work and its seconds (None: idle),
-    `_complete` applies it when it ends."""
+    `_complete` applies it when it ends; the step lasts its seconds over the worker's share of the host."""
 
-    def __init__(self, name: str, clock: VirtualClock, profile: Profile) -> None:
+    role: Role
+
+    def __init__(self, name: str, clock: VirtualClock, profile: Profile, host: Contention | None = None) -> None:
         self.name = name
         self.clock = clock
         self.profile = profile
+        self.host = host or Contention(HostCpu())
         self.running = False
         self.busy = Busy()
 
@@ -147,11 +153,19 @@ class _Stepper(abc.ABC):
             return
         work, seconds = taken
         self.running = True
-        self.busy.seconds += seconds
         self.busy.steps += 1
-        self.clock.after(seconds, lambda: self._end(work))
+        start = self.clock.now
+        step = None
 
-    def _end(self, work) -> None:
+        def schedule(at: float, generation: int) -> None:
+            self.clock.at(at, lambda: step.generation == generation and self._end(work, step, start))
+
+        step = Stepping(self.name, self.host.threads(self.role), seconds, start, schedule)
+        self.host.begin(step, start)
+
+    def _end(self, work, step: Stepping, start: float) -> None:
+        self.busy.seconds += self.clock.now - start
+        self.host.end(step, self.clock.now)
         self._complete(work)  # still running: a kick from a callback inside waits for the kick below
         self.running = False
         self.kick()
@@ -301,8 +315,8 @@ class PrefillWorker(_Stepper):
     role: Role = "prefill"
 
     def __init__(self, name: str, clock: VirtualClock, profile: Profile, spec: PrefillSpec,
-                 on_first_token: Callable[[SimPrefillJob], None]) -> None:
-        super().__init__(name, clock, profile)
+                 on_first_token: Callable[[SimPrefillJob], None], host: Contention | None = None) -> None:
+        super().__init__(name, clock, profile, host)
         self.prefill = PrefillPart(spec, clock, profile, on_first_token)
 
     def _take(self):
@@ -317,8 +331,8 @@ class DecodeWorker(_Stepper):
     role: Role = "decode"
 
     def __init__(self, name: str, clock: VirtualClock, profile: Profile, spec: DecodeSpec,
-                 on_admitted, on_token, on_finished) -> None:
-        super().__init__(name, clock, profile)
+                 on_admitted, on_token, on_finished, host: Contention | None = None) -> None:
+        super().__init__(name, clock, profile, host)
         self.decode = DecodePart(spec, profile, on_admitted, on_token, on_finished)
 
     def _take(self):
@@ -332,8 +346,9 @@ class ColocatedWorker(_Stepper):
     role: Role = "colocated"
 
     def __init__(self, name: str, clock: VirtualClock, profile: Profile, prefill_spec: PrefillSpec,
-                 decode_spec: DecodeSpec, on_first_token, on_admitted, on_token, on_finished) -> None:
-        super().__init__(name, clock, profile)
+                 decode_spec: DecodeSpec, on_first_token, on_admitted, on_token, on_finished,
+                 host: Contention | None = None) -> None:
+        super().__init__(name, clock, profile, host)
         self.prefill = PrefillPart(prefill_spec, clock, profile, on_first_token)
         self.decode = DecodePart(decode_spec, profile, on_admitted, on_token, on_finished)
 

@@ -44,3 +44,47 @@ def test_fit_profile_recovers_the_costs_it_was_made_with():
     assert p.ttft_overhead_s == pytest.approx(overhead)
     assert (p.decode.fixed_s, p.decode.per_seq_s, p.decode.per_context_token_s) == pytest.approx((d0, d1, d2))
     assert p.handoff.fixed_s == pytest.approx(handoff_fixed)
+
+
+def test_decode_steps_are_work_the_share_times_the_wall_and_groups_without_overlap_are_not_fitted():
+    from pdserve.benchmarks.plan.measure import fit_decode
+
+    d0, d1 = 0.002, 1e-4
+    rows = [{"batch": b, "context_tokens": 0, "step_s": (d0 + d1 * b) / share, "share": share, "overlap": True}
+            for b, share in ((1, 0.5), (8, 1.0), (64, 0.25))]
+    rows.append({"batch": 32, "context_tokens": 0, "step_s": 1.0, "share": 1.0, "overlap": False})
+    d = fit_decode(rows, per_resumed_token_s=1e-5)
+    assert (d.fixed_s, d.per_seq_s, d.per_context_token_s, d.per_resumed_token_s) == pytest.approx((d0, d1, 0, 1e-5))
+    with pytest.raises(ValueError, match="decode_tokens"):
+        fit_decode(rows[3:], 0.0)
+
+
+def test_host_cpu_per_request_and_per_token():
+    """32 one-token requests cost the coordinator 64 ms (2 ms each); a group of 8 x 96 tokens 16 ms of requests
+    + 768 x 0.5 ms; the prefill worker's 3 CPU seconds over its busiest thread's 2 s: 1.5 cores (at most this
+    machine's); the decode worker: one core (its step is its process's CPU, threads in turn)."""
+    from pdserve.benchmarks.plan.measure import host_cpu
+
+    rows = {"front": [{"requests": 32, "tokens": 32, "cpu_s": {"coordinator": 0.064, "client": 0.032}}],
+            "decode": [{"batch": 8, "tokens": 96, "cpu_s": {"coordinator": 0.016 + 768 * 0.0005,
+                                                            "client": 0.008 + 768 * 0.00025, "decode": 1.2},
+                        "decode_hot_cpu_s": 0.8},
+                       {"batch": 1, "tokens": 96, "cpu_s": {"coordinator": 9.0, "client": 9.0}}],  # too few: not used
+            "prefill_cpu": {"cpu_s": 3.0, "ttft_sum_s": 4.0, "hot_cpu_s": 2.0}}
+    h = host_cpu(rows)
+    assert (h.coordinator.per_request_s, h.coordinator.per_token_s) == pytest.approx((0.002, 0.0005))
+    assert (h.client.per_request_s, h.client.per_token_s) == pytest.approx((0.001, 0.00025))
+    import os
+
+    assert (h.prefill_threads, h.decode_threads) == pytest.approx((min(1.5, os.cpu_count() or 1), 1.0))
+    assert h.cores is None
+
+
+def test_a_decode_step_is_the_decode_process_cpu_per_step_where_measured():
+    """96 steps in 5.76 s of the decode process's CPU: 60 ms each, though the wall said 90 ms at a share of
+    0.3; without CPU, wall x share; never more than the wall."""
+    from pdserve.benchmarks.plan.measure import step_work
+
+    assert step_work({"tokens": 96, "step_s": 0.09, "share": 0.3, "cpu_s": {"decode": 5.76}}) == pytest.approx(0.06)
+    assert step_work({"tokens": 96, "step_s": 0.09, "share": 0.5}) == pytest.approx(0.045)
+    assert step_work({"tokens": 96, "step_s": 0.05, "share": 0.5, "cpu_s": {"decode": 5.76}}) == 0.05

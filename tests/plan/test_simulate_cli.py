@@ -52,3 +52,26 @@ def test_baseline_is_colocated_on_as_many_workers(tmp_path):
     assert base["cluster"] == {"prefill_workers": 0, "decode_workers": 2, "colocated": True, "decode_hardware": "cpu"}
     assert base["completed"] == 4
     assert base["ttft_ms"]["median"] == 281.25 and base["ttft_ms"]["p99"] == 312.5
+
+
+def test_host_and_dtype_flags_are_checked(tmp_path):
+    import pytest
+
+    from pdserve.benchmarks.plan import simulate_cli
+
+    Profile("cpu", "tiny", PrefillCost(0.25, 0.0), DecodeCost(0.0625, 0.0), HandoffCost(0.0, 1e30, 0), 4096,
+            "scripted").save(tmp_path / "p.json")
+    base = ["--profile", str(tmp_path / "p.json"), "--input-len", "16", "--output-len", "3", "--request-rate", "8",
+            "--arrival", "constant", "--num-prompts", "4"]
+    for flags, message in ((["--host-cores", "0"], "host cores must be > 0"),
+                           (["--host-cores", "2", "--external-cores", "-1"], "external_cores must be a finite number"),
+                           (["--external-cores", "1"], "--external-cores needs --host-cores"),
+                           (["--kv-dtype", "int8"], "measured decode at weight/KV dtypes auto/auto, not auto/int8")):
+        with pytest.raises(ValueError, match=message):
+            simulate_cli.run(simulate_cli.build_parser().parse_args([*base, *flags]))
+    # 2 cores for a prefill and a decode worker of one thread each (no front CPU in the profile): each gets a
+    # core, the scripted run's TTFTs stand; on 1 core the steps that overlap stretch
+    two = simulate_cli.run(simulate_cli.build_parser().parse_args([*base, "--host-cores", "2"]))
+    one = simulate_cli.run(simulate_cli.build_parser().parse_args([*base, "--host-cores", "1"]))
+    assert two["ttft_ms"]["median"] == 312.5 and two["cluster"]["decode_dtypes"] == "auto/auto"
+    assert one["ttft_ms"]["median"] > 312.5
