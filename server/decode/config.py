@@ -96,9 +96,11 @@ class DecodeConfig:
         if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {self.gpu_memory_utilization}")
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
-        if parse_speculative_config(self.speculative_config) is not None and self.engine != "native":
-            raise ValueError("--speculative-config is built for --engine native only so far (vLLM's own "
-                             "speculation through --engine vllm is not wired yet)")
+        spec = parse_speculative_config(self.speculative_config)
+        if spec is not None and self.engine == "vllm" and spec.disable_by_batch_size is not None:
+            raise ValueError("--speculative-config: disable_by_batch_size is pdserve's native engine's; vLLM 0.32's "
+                             "speculative config has no such key (--engine vllm passes the n-gram keys to vLLM's "
+                             "own speculation): drop it, or use --engine native")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
 
