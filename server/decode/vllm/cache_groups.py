@@ -49,15 +49,14 @@ class CacheGroups:
         layer_group: dict[int, int] = {}
         windows: dict[int, int] = {}
         for g, group in enumerate(groups):
-            window = getattr(group.kv_cache_spec, "sliding_window", None) or 0
+            per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None) or {}  # UniformTypeKVCacheSpecs'
             for name in group.layer_names:
                 layer_group[layer_index(name)] = g
-                windows[layer_index(name)] = window
+                windows[layer_index(name)] = _window(per_layer.get(name, group.kv_cache_spec))
         if sorted(layer_group) != list(range(num_layers)):
             raise ValueError(f"vLLM's KV cache groups cover layers {sorted(layer_group)}, the model has "
                              f"{num_layers}")
-        freed = tuple((getattr(g.kv_cache_spec, "sliding_window", None) or 0)
-                      if type(g.kv_cache_spec).__name__ == "SlidingWindowSpec" else 0 for g in groups)
+        freed = tuple(_window(g.kv_cache_spec) if _frees_behind_window(g.kv_cache_spec) else 0 for g in groups)
         return cls(tuple(layer_group[i] for i in range(num_layers)),
                    tuple(g.kv_cache_spec.block_size for g in groups),
                    tuple(windows[i] for i in range(num_layers)), freed)
@@ -80,3 +79,12 @@ class CacheGroups:
             blocks = -(-num_tokens // size)
             total += blocks - (max(0, num_tokens - window + 1) // size if window else 0)
         return total
+
+
+def _window(spec) -> int:
+    return getattr(spec, "sliding_window", None) or 0
+
+
+def _frees_behind_window(spec) -> bool:
+    """vLLM's SlidingWindowSpec (or a subclass): its manager replaces the blocks behind the window by nulls."""
+    return any(c.__name__ == "SlidingWindowSpec" for c in type(spec).__mro__)
