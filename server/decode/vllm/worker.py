@@ -81,6 +81,12 @@ def sampling_params(seq: Sequence, num_prompt_tokens: int):
     )
 
 
+SPEC_NO_GRAMMARS = ("this decode worker runs vLLM's own speculative decoding (--speculative-config), beside which "
+                    "vLLM 0.32 refuses custom logits processors such as pdserve's grammar processor (\"Custom logits "
+                    "processors are not supported when speculative decoding is enabled.\"); send structured "
+                    "requests to a decode worker without --speculative-config, or use --engine native")
+
+
 def vllm_speculative_config(spec: SpeculativeConfig) -> dict:
     """vLLM's speculative_config for pdserve's parsed one (the same keys: vLLM's own speculation runs it)."""
     return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
@@ -155,7 +161,8 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         # vLLM's stats only for its speculation's counters (`spec_stats.py`), which its scheduler counts then
         disable_log_stats=spec is None,
         **({} if spec is None else {"speculative_config": vllm_speculative_config(spec)}),
-        logits_processors=[GRAMMAR_PROCESSOR],  # structured output: pdserve's grammars in vLLM's sampler
+        # structured output: pdserve's grammars in vLLM's sampler (which vLLM 0.32 refuses beside its speculation)
+        logits_processors=[] if spec is not None else [GRAMMAR_PROCESSOR],
         kv_transfer_config=KVTransferConfig(
             kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_consumer"
         ),
@@ -176,7 +183,7 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     groups.check_windows(layout.windows, layout.num_layers)
     engine = VllmEngine(llm, model_config, layout, config.max_running, block_pool.get_num_free_blocks, num_total,
                         sampling_params, vllm_connector.STAGED, vllm_connector.PARAMS_KEY,
-                        blocks_for=groups.blocks_for,
+                        blocks_for=groups.blocks_for, grammar_refusal=None if spec is None else SPEC_NO_GRAMMARS,
                         eos_ids=frozenset(model_config.eos_token_ids), max_model_len=max_model_len,
                         staging=KvStaging(shared=tp > 1),
                         grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,

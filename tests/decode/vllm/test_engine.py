@@ -279,3 +279,14 @@ def test_ngram_speculation_is_vllms_own_under_the_vllm_engine(tmp_path):
     with pytest.raises(ValueError, match="disable_by_batch_size is pdserve's native engine's; vLLM 0.32"):
         DecodeConfig(model_dir=tmp_path, engine="vllm",
                      speculative_config='{"method": "ngram", "disable_by_batch_size": 4}')
+
+
+async def test_a_worker_whose_vllm_runs_no_grammar_processor_refuses_structured_requests_saying_why():
+    engine, _, _ = make_engine()
+    engine.grammar_refusal = "vLLM 0.32 refuses custom logits processors beside its speculation"
+    req = request("r1", [1, 2], max_tokens=2)
+    req.sampling.structured.regex = "[a-c]+"
+    with pytest.raises(ValueError, match="sampling.structured: vLLM 0.32 refuses custom logits processors"):
+        engine.add(req)
+    assert "r1" not in engine.sequences
+    make_seq("r2", [1, 2], max_tokens=2, engine=engine)  # an unconstrained one is served
