@@ -92,8 +92,8 @@ def pdserve_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int,
     for prompts in runs:
         cell = None
         for _ in range(repeats):
-            engine = DecodeEngine(model, layout, num_blocks=len(prompts) * ((PROMPT_TOKENS + max_tokens) // BLOCK + 2) + 8,
-                                  max_running=len(prompts))
+            blocks = len(prompts) * ((PROMPT_TOKENS + max_tokens) // BLOCK + 2) + 8
+            engine = DecodeEngine(model, layout, num_blocks=blocks, max_running=len(prompts))
             got = asyncio.run(_with_close(engine, run(engine, prompts, [greedy] * len(prompts))))
             if cell is None or got["tokens_per_cpu_s"] > cell["tokens_per_cpu_s"]:
                 cell = got
