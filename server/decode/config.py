@@ -100,10 +100,14 @@ class DecodeConfig:
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
         speculative = parse_speculative_config(self.speculative_config)
         if speculative is not None and speculative.method == "draft_model":
+            if self.engine == "vllm":
+                raise ValueError("--speculative-config: method draft_model is built for --engine native only so far "
+                                 "(--engine vllm passes method ngram to vLLM's own speculation); use --engine native")
             check_draft_checkpoint(self.model_dir, speculative.model, self.max_model_len)
-        if speculative is not None and self.engine != "native":
-            raise ValueError("--speculative-config is built for --engine native only so far (vLLM's own "
-                             "speculation through --engine vllm is not wired yet)")
+        if speculative is not None and self.engine == "vllm" and speculative.disable_by_batch_size is not None:
+            raise ValueError("--speculative-config: disable_by_batch_size is pdserve's native engine's; vLLM 0.32's "
+                             "speculative config has no such key (--engine vllm passes the n-gram keys to vLLM's "
+                             "own speculation): drop it, or use --engine native")
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
 

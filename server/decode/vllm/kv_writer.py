@@ -6,7 +6,12 @@ tiling). Rather than assume one, `PagedKvWriter` hands each piece to the layer's
 `impl.do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)`, the call vLLM itself makes for the
 tokens it computes, so a piece lands exactly where that backend's attention reads it.
 With tensor parallelism each rank writes its own slice of kv heads (`staging.kv_head_range`).
-Token t of a request lives in block `block_ids[t // B]` at offset `t % B`: slot `block * B + offset`.
+
+vLLM keeps one block table per KV cache group: all layers in one group for most models, the full-attention
+and the sliding-window layers in groups of their own under its hybrid allocator (Gemma 2/3). A layer's
+token t lives in its group's block `block_ids[group][t // B]` at offset `t % B`: slot `block * B + offset`.
+A sliding-window group's leading blocks behind the window are vLLM's null block (NULL_BLOCK): the prefill
+tier sent nothing for them (`KvLayout.stale_tokens`, the same rule) and nothing is written there.
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ import torch
 from pdserve.kvcache.codec import KvPiece
 from pdserve.server.decode.kv_cache import numpy_to_torch
 
+NULL_BLOCK = 0
+"""vLLM's null block (its block pool's first): a placeholder in a table, never read, never written."""
+
 
 class PagedKvWriter:
-    def __init__(self, layers: list, caches: list[torch.Tensor], block_size: int, dtype: torch.dtype):
-        """layers[i] is vLLM's attention module of decoder layer i; caches[i] its registered KV tensor."""
+    def __init__(self, layers: list, caches: list[torch.Tensor], block_sizes: list[int], dtype: torch.dtype,
+                 groups: list[int] | None = None):
+        """layers[i] is vLLM's attention module of decoder layer i, caches[i] its registered KV tensor,
+        groups[i] the KV cache group it belongs to (default: all in group 0), block_sizes[g] group g's."""
         for layer in layers:
             if getattr(layer.attn_backend, "forward_includes_kv_cache_update", True) or not hasattr(
                 layer.impl, "do_kv_cache_update"
@@ -31,7 +41,8 @@ class PagedKvWriter:
                 )
         self.layers = layers
         self.caches = caches
-        self.block_size = block_size
+        self.groups = groups or [0] * len(layers)
+        self.block_sizes = block_sizes
         self.dtype = dtype
         self.device = caches[0].device
 
@@ -39,7 +50,8 @@ class PagedKvWriter:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def write(self, block_ids: list[int], piece: KvPiece) -> None:
+    def write(self, block_ids: tuple[list[int], ...], piece: KvPiece) -> None:
+        """Writes every layer of the piece into its group's blocks (block_ids[g]: group g's, in token order)."""
         k, v = numpy_to_torch(piece.k), numpy_to_torch(piece.v)  # [l, n, Hkv, D]
         if k.dtype != self.dtype:
             raise ValueError(f"the piece holds {k.dtype} KV, vLLM computes in {self.dtype}")
@@ -49,11 +61,27 @@ class PagedKvWriter:
         if k.shape[2] != heads:
             raise ValueError(f"the piece holds {k.shape[2]} kv heads, this rank's attention {heads}")
         tokens = torch.arange(piece.token_start, piece.token_start + piece.num_tokens)  # [n]
-        if int(tokens[-1]) // self.block_size >= len(block_ids):
-            raise ValueError(f"piece tokens up to {int(tokens[-1])} exceed the request's {len(block_ids)} blocks")
-        blocks = torch.tensor(block_ids, dtype=torch.int64)[tokens // self.block_size]
-        slots = (blocks * self.block_size + tokens % self.block_size).to(self.device)  # [n]
         k, v = k.to(self.device), v.to(self.device)
+        slots_of: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # group -> (slots, which tokens)
         for i in range(piece.num_layers):
-            layer = self.layers[piece.layer_start + i]
-            layer.impl.do_kv_cache_update(layer, k[i], v[i], self.caches[piece.layer_start + i], slots)
+            layer = piece.layer_start + i
+            group = self.groups[layer]
+            if group not in slots_of:
+                slots_of[group] = self._slots(block_ids[group], self.block_sizes[group], tokens, layer)
+            slots, keep = slots_of[group]
+            if not len(slots):
+                continue
+            impl = self.layers[layer].impl
+            impl.do_kv_cache_update(self.layers[layer], k[i, keep], v[i, keep], self.caches[layer], slots)
+
+    def _slots(self, blocks: list[int], block_size: int, tokens: torch.Tensor,
+               layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [m], the piece's token indices [m] they hold): the tokens in real blocks (a null block is
+        behind the layer's window: vLLM never reads it)."""
+        if int(tokens[-1]) // block_size >= len(blocks):
+            raise ValueError(f"piece tokens up to {int(tokens[-1])} exceed the request's {len(blocks)} blocks "
+                             f"(layer {layer})")
+        table = torch.tensor(blocks, dtype=torch.int64)[tokens // block_size]  # [n]
+        keep = torch.nonzero(table != NULL_BLOCK).flatten()  # [m]
+        slots = table[keep] * block_size + tokens[keep] % block_size
+        return slots.to(self.device), keep.to(self.device)

@@ -20,6 +20,8 @@ from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.server.sampling_rules import repetition_penalty_of, top_p_of
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.sequence import Sequence
+from pdserve.server.decode.spec.config import SpeculativeConfig
+from pdserve.server.decode.vllm.cache_groups import CacheGroups
 from pdserve.server.decode.vllm.engine import VllmEngine
 from pdserve.server.decode.vllm.staging import KvStaging
 from pdserve.server.model.config import ModelConfig, load_config, resolve_max_model_len
@@ -79,6 +81,18 @@ def sampling_params(seq: Sequence, num_prompt_tokens: int):
     )
 
 
+SPEC_NO_GRAMMARS = ("this decode worker runs vLLM's own speculative decoding (--speculative-config), beside which "
+                    "vLLM 0.32 refuses custom logits processors such as pdserve's grammar processor (\"Custom logits "
+                    "processors are not supported when speculative decoding is enabled.\"); send structured "
+                    "requests to a decode worker without --speculative-config, or use --engine native")
+
+
+def vllm_speculative_config(spec: SpeculativeConfig) -> dict:
+    """vLLM's speculative_config for pdserve's parsed one (the same keys: vLLM's own speculation runs it)."""
+    return {"method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
+            "prompt_lookup_min": spec.prompt_lookup_min, "prompt_lookup_max": spec.prompt_lookup_max}
+
+
 def cpu_threads_bind(cores: list[int], num_numa_nodes: int, tp: int) -> str | None:
     """VLLM_CPU_OMP_THREADS_BIND for `tp` CPU ranks: None where vLLM's "auto" works (a NUMA node per rank),
     else the cores split in `tp` contiguous runs ("0,1|2,3"); refuses fewer cores than ranks."""
@@ -110,6 +124,7 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     from vllm.v1.engine.llm_engine import LLMEngine
 
     from pdserve.server.decode.vllm import connector as vllm_connector
+    from pdserve.server.decode.vllm.spec_stats import SpecDecodeStats
 
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
     from pdserve.server.preflight import check_vllm_model
@@ -122,6 +137,7 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0,
                                           capacity=(num_blocks - 1) * config.block_size)
     tp = config.tensor_parallel_size
+    spec = config.speculative
     if current_platform.is_cpu():
         _bind_cpu_ranks(tp)
     t0 = time.perf_counter()
@@ -142,13 +158,16 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         # On CPU this fraction of host memory is reserved up front; the cache is --kv-cache-tokens anyway.
         **({"gpu_memory_utilization": 0.1} if current_platform.is_cpu() else
            {"gpu_memory_utilization": config.gpu_memory_utilization} if config.gpu_memory_utilization else {}),
-        disable_log_stats=True,
-        logits_processors=[GRAMMAR_PROCESSOR],  # structured output: pdserve's grammars in vLLM's sampler
+        # vLLM's stats only for its speculation's counters (`spec_stats.py`), which its scheduler counts then
+        disable_log_stats=spec is None,
+        **({} if spec is None else {"speculative_config": vllm_speculative_config(spec)}),
+        # structured output: pdserve's grammars in vLLM's sampler (which vLLM 0.32 refuses beside its speculation)
+        logits_processors=[] if spec is not None else [GRAMMAR_PROCESSOR],
         kv_transfer_config=KVTransferConfig(
             kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_consumer"
         ),
     )
-    llm = LLMEngine.from_engine_args(args)
+    llm = LLMEngine.from_engine_args(args, stat_loggers=None if spec is None else [SpecDecodeStats])
     scheduler = llm.engine_core.engine_core.scheduler
     block_pool = scheduler.kv_cache_manager.block_pool
     num_total = block_pool.num_gpu_blocks - 1  # vLLM keeps block 0 as its null block
@@ -158,17 +177,26 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         head_dim=model_config.head_dim,
         block_size=scheduler.block_size,
         dtype=dtype,
+        windows=model_config.layer_windows,
     )
+    groups = CacheGroups.of(scheduler.kv_cache_config, model_config.num_layers, scheduler.block_size)
+    groups.check_windows(layout.windows, layout.num_layers)
     engine = VllmEngine(llm, model_config, layout, config.max_running, block_pool.get_num_free_blocks, num_total,
                         sampling_params, vllm_connector.STAGED, vllm_connector.PARAMS_KEY,
+                        blocks_for=groups.blocks_for, grammar_refusal=None if spec is None else SPEC_NO_GRAMMARS,
                         eos_ids=frozenset(model_config.eos_token_ids), max_model_len=max_model_len,
                         staging=KvStaging(shared=tp > 1),
                         grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
                                                     tuple(model_config.eos_token_ids)))
     if engine.grammars is not None:
         engine.grammars.warm()
-    log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s), tensor parallel %d",
-             model_config.describe(), time.perf_counter() - t0, num_total, layout.block_size, dtype, tp)
+    log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s), tensor parallel %d, "
+             "%d KV cache group(s)%s", model_config.describe(), time.perf_counter() - t0, num_total,
+             layout.block_size, dtype, tp, len(groups.block_sizes),
+             f" (layer windows {','.join(map(str, groups.layer_windows))})" if layout.windows else "")
+    if spec is not None:
+        log.info("speculative decoding by vLLM's own %s proposer: up to %d tokens a step (n-grams of %d..%d)",
+                 spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
     from pdserve.server import hardware
 
     engine.hardware = hardware.Hardware(cpu=hardware.cpu(), torch=hardware.torch_probe(),

@@ -63,11 +63,11 @@ def vllm_config(layers: dict):
 class Rank:
     """One tensor-parallel rank's worker-side connector and its KV cache."""
 
-    def __init__(self, rank: int):
+    def __init__(self, rank: int, kv_cache_config=None):
         self.impl = TwinImpl()
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         self.connector = PdserveConnector(vllm_config({n: twin_layer(self.impl) for n in names}),
-                                          KVConnectorRole.WORKER)
+                                          KVConnectorRole.WORKER, kv_cache_config)
         self.caches = {n: torch.zeros(2, SLOTS, HEADS // WORLD, HEAD_DIM) for n in names}
         vllm.distributed.get_tensor_model_parallel_rank = lambda: rank
         self.connector.register_kv_caches(self.caches)
@@ -103,9 +103,9 @@ def stage(staging: KvStaging, vllm_id: str, k: np.ndarray, v: np.ndarray) -> Non
     STAGED[vllm_id] = s.seal()
 
 
-def schedule(scheduler: PdserveConnector, req, block_ids: list[int]):
+def schedule(scheduler: PdserveConnector, req, block_ids: list[int], *more_groups: list[int]):
     assert scheduler.get_num_new_matched_tokens(req, 0) == (len(req.prompt_token_ids) - 1, False)
-    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids,)),
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (block_ids, *more_groups)),
                                        len(req.prompt_token_ids) - 1)
     return scheduler.build_connector_meta(None)
 
@@ -175,6 +175,31 @@ def main() -> int:
     assert len(staging.files()) == 1
     scheduler.build_connector_meta(None)
     assert staging.files() == []
+    checks += 1
+
+    # 6. vLLM's hybrid allocator: layer 0 in a full-attention group, layer 1 in a sliding-window group (window
+    # 5) whose first two blocks are null (behind the window of a 13-token prompt: KvLayout.stale_tokens, 8,
+    # which the prefill tier did not send); each layer lands in its own table, the null block stays untouched
+    hybrid = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(layer_names=["model.layers.0.self_attn.attn"], kv_cache_spec=SimpleNamespace(block_size=BLOCK)),
+        SimpleNamespace(layer_names=["model.layers.1.self_attn.attn"],
+                        kv_cache_spec=SimpleNamespace(block_size=BLOCK, sliding_window=5))])
+    ranks = [Rank(0, hybrid), Rank(1, hybrid)]
+    stale = 8
+    s = staging.new("f")
+    s.append(KvPiece(0, 0, k[:1].copy(), v[:1].copy()))
+    s.append(KvPiece(1, stale, k[1:, stale:].copy(), v[1:, stale:].copy()))
+    STAGED["f"] = s.seal()
+    full, windowed = [7, 2, 11, 5], [0, 0, 3, 9]
+    loaded = counter("pdserve_vllm_kv_tokens_loaded_total")
+    out = step(scheduler, ranks, schedule(scheduler, request("f", n), full, windowed), aggregator)
+    assert not out.invalid_block_ids and out.kv_connector_worker_meta.reads == {"f": 2}
+    for r, rank in enumerate(ranks):
+        layer0, layer1 = (rank.caches[f"model.layers.{i}.self_attn.attn"] for i in range(LAYERS))
+        assert layer0[0, slots_of(full, n)].numpy().tobytes() == k[0, :, r:r + 1].tobytes()
+        assert layer1[1, slots_of(windowed, n)[stale:]].numpy().tobytes() == v[1, stale:, r:r + 1].tobytes()
+        assert not layer1[:, :BLOCK].any() and not layer0[:, [3 * BLOCK, 9 * BLOCK]].any()  # nothing elsewhere
+    assert counter("pdserve_vllm_kv_tokens_loaded_total") - loaded == n and staging.files() == []
     checks += 1
 
     staging.close()

@@ -14,7 +14,8 @@ from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState
 from pdserve.server.decode.vllm.engine import RESERVED, VllmEngine
 from pdserve.server.decode.vllm.staging import KvStaging, Staged, StagedKv
-from pdserve.server.decode.vllm.worker import check_supported, cpu_threads_bind
+from pdserve.server.decode.vllm.cache_groups import CacheGroups
+from pdserve.server.decode.vllm.worker import check_supported, cpu_threads_bind, vllm_speculative_config
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
@@ -62,12 +63,13 @@ def params_for(seq: Sequence, num_prompt_tokens: int):
     return SimpleNamespace(max_tokens=seq.sampling.max_tokens - seq.sample_index, extra_args=None)
 
 
-def make_engine(free: int = 10, staging: KvStaging | None = None, max_model_len: int = 512):
+def make_engine(free: int = 10, staging: KvStaging | None = None, max_model_len: int = 512, blocks_for=None):
     staged: dict[str, Staged] = {}
     llm = FakeLlm()
     engine = VllmEngine(llm, SimpleNamespace(vocab_size=128), LAYOUT, max_running=4, num_free_blocks=lambda: free,
                         num_total_blocks=10, sampling_params=params_for, staged=staged, params_key="pdserve_kv",
-                        eos_ids=frozenset({EOS}), max_model_len=max_model_len, staging=staging)
+                        eos_ids=frozenset({EOS}), max_model_len=max_model_len, staging=staging,
+                        blocks_for=blocks_for)
     return engine, llm, staged
 
 
@@ -153,6 +155,20 @@ async def test_capacity_is_vllms_free_blocks_less_the_blocks_promised_to_waiting
     seq.state = SeqState.RUNNING  # its KV arrived: vLLM's own count now holds its blocks
     assert engine.num_free_blocks == 3
     assert engine.abort("r2") and engine.num_free_blocks == 10
+
+
+async def test_capacity_counts_a_prompts_blocks_in_every_kv_cache_group_less_a_windows_null_blocks():
+    """Gemma 2's two groups (full, window 24): a 100-token prompt takes 4 + 2 of vLLM's blocks."""
+    spec = lambda cls, w=None: type(cls, (), {"block_size": 32, "sliding_window": w})()  # noqa: E731
+    groups = CacheGroups.of(SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(layer_names=["model.layers.1.a", "model.layers.3.a"], kv_cache_spec=spec("FullAttentionSpec")),
+        SimpleNamespace(layer_names=["model.layers.0.a", "model.layers.2.a"],
+                        kv_cache_spec=spec("SlidingWindowSpec", 24))]), 4, 32)
+    engine, _, _ = make_engine(free=10, blocks_for=groups.blocks_for)
+    seq = make_seq("r1", list(range(100)), max_tokens=3, engine=engine)
+    assert seq.block_table == [RESERVED] * 6 and engine.num_free_blocks == 4
+    with pytest.raises(QueueFull, match="6 blocks needed, 4 of 10 free"):
+        engine.add(request("r2", list(range(100)), max_tokens=1))
 
 
 async def test_the_running_cap_and_bad_requests_are_refused():
@@ -251,3 +267,26 @@ def test_cpu_ranks_get_their_own_cores_where_vllm_cannot_bind_them_by_numa_node(
     assert cpu_threads_bind(list(range(8)), num_numa_nodes=2, tp=2) is None  # vLLM's "auto": a node per rank
     with pytest.raises(ValueError, match="needs a core per rank; this worker may use 2"):
         cpu_threads_bind([0, 1], num_numa_nodes=1, tp=4)
+
+
+def test_ngram_speculation_is_vllms_own_under_the_vllm_engine(tmp_path):
+    """--speculative-config passes to vLLM's speculative_config with the same keys; pdserve's own
+    disable_by_batch_size, which vLLM 0.32 lacks, is refused by name."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
+    config = DecodeConfig(model_dir=tmp_path, engine="vllm", speculative_config=spec)
+    assert vllm_speculative_config(config.speculative) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 3, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match="disable_by_batch_size is pdserve's native engine's; vLLM 0.32"):
+        DecodeConfig(model_dir=tmp_path, engine="vllm",
+                     speculative_config='{"method": "ngram", "disable_by_batch_size": 4}')
+
+
+async def test_a_worker_whose_vllm_runs_no_grammar_processor_refuses_structured_requests_saying_why():
+    engine, _, _ = make_engine()
+    engine.grammar_refusal = "vLLM 0.32 refuses custom logits processors beside its speculation"
+    req = request("r1", [1, 2], max_tokens=2)
+    req.sampling.structured.regex = "[a-c]+"
+    with pytest.raises(ValueError, match="sampling.structured: vLLM 0.32 refuses custom logits processors"):
+        engine.add(req)
+    assert "r1" not in engine.sequences
+    make_seq("r2", [1, 2], max_tokens=2, engine=engine)  # an unconstrained one is served
