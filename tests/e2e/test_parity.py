@@ -11,6 +11,8 @@ from tokenizers import Tokenizer
 from pdserve.server.client import build_request, stream
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
 
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+"""n-gram speculation as the e2e tests turn it on (the counters' own test: tests/e2e/test_spec_decode.py)."""
 PROMPTS = [
     "def",
     "import os\n",
@@ -70,13 +72,16 @@ LONG_PROMPTS = [
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_equals_transformers_with_small_chunks_and_packed_steps(family, tiny_model, tmp_path):
     """Prompts of mixed lengths at once through one prefill worker that packs them into 128-token steps
-    and runs anything longer than 64 tokens chunk by chunk, interleaved with the short ones."""
+    and runs anything longer than 64 tokens chunk by chunk, interleaved with the short ones; its decode worker
+    speculates (n-gram, issue 30: greedy streams with speculation on equal transformers', and so speculation
+    off's — test_greedy_equals_transformers above — on every family; the prompts repeat, so proposals are
+    verified and accepted; that they are, and counted, the decode worker test of test_spec_decode.py checks)."""
     model_dir = tiny_model(family)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = PROMPTS + LONG_PROMPTS
     assert max(len(tok.encode(p).ids) for p in prompts) > 2 * 64, "a prompt must take several chunks"
     expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in prompts]
-    args = ["--max-prefill-chunk", "64", "--max-num-batched-tokens", "128"]
+    args = ["--max-prefill-chunk", "64", "--max-num-batched-tokens", "128", "--speculative-config", SPEC]
     with pdserve_up(model_dir, tmp_path, prefill_workers=1, decode_workers=1, extra_args=args) as state:
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: generate_ids(state["coordinator"], p), prompts))
