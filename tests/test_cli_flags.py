@@ -71,7 +71,10 @@ def test_vllm_spellings_map_onto_pdserve_settings(tiny_model):
      "draft_tensor_parallel_size 2: the native decode engine runs the draft on the target's one device"),
     (["decode", "--speculative-config", '{"method": "ngram", "acceptance_method": "x"}'],
      "does not take acceptance_method"),
-    (["decode", "--engine", "vllm", "--speculative-config", '{"method": "ngram"}'], "--engine native only"),
+    (["decode", "--engine", "vllm", "--speculative-config", '{"method": "draft_model", "model": "/nowhere"}'],
+     "--engine native only"),
+    (["decode", "--engine", "vllm", "--speculative-config", '{"method": "ngram", "disable_by_batch_size": 8}'],
+     "vLLM 0.32's speculative config has no such key"),
 ])
 def test_what_pdserve_cannot_serve_is_refused_naming_the_flag(tiny_model, argv, words):
     args = _parse(*argv, str(tiny_model("llama")))
