@@ -44,6 +44,9 @@ class Scheduler:
         """windows: each layer's sliding window (0: full attention), as `KvLayout.windows`."""
         self.block_size = block_size
         self.windows = windows
+        self._widest = (max(windows),) if windows and all(windows) else ()
+        """What `blocks_behind_windows` reads of the windows (the widest, when every layer has one), kept so that
+        a step's per-sequence checks do not walk every layer's window."""
         self.null_block = num_blocks
         """The block id that stands in a dropped entry of a block table: one past the pool's, so the paged cache
         holds one more block (the engine's pad block) when `drops_blocks`; never handed out, never read."""
@@ -74,14 +77,14 @@ class Scheduler:
     @property
     def drops_blocks(self) -> bool:
         """Every layer is windowed: blocks behind the window go back to the pool as sequences grow."""
-        return self.behind_window(1 << 62) > 0
+        return bool(self._widest)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def behind_window(self, first_query: int) -> int:
         """Leading blocks no layer reads once queries start at position first_query."""
-        return blocks_behind_windows(self.windows, self.block_size, first_query)
+        return blocks_behind_windows(self._widest, self.block_size, first_query)
 
     def blocks_held(self, seq: Sequence) -> int:
         """Blocks of the pool the sequence holds (its table's entries, less the dropped ones)."""
