@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -38,8 +39,12 @@ class DecodeWorker:
     async def drain(self, seconds: float) -> None:
         """No new Decode calls, the coordinator told; in-flight requests finish (up to `seconds`)."""
         self.service.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
         await serving.drain(self.health, SERVICES, lambda: bool(self.engine.sequences), seconds,
                             self.registration.beat if self.registration else None)
+        # the last tokens may still wait on a slow coordinator's window: end the Steps streams after them
+        await self.service.end_streams(max(1.0, deadline - loop.time()))
 
     async def stop(self, grace: float = 1.0) -> None:
         if self.registration is not None:

@@ -42,6 +42,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         self.vocab_size = engine.vocab_size
         self.step_streams: dict[str, StepStream] = {}
         """Open Steps streams by id: one per coordinator connection."""
+        self._stream_ends: dict[str, asyncio.Future[None]] = {}
+        """Each open Steps call's end (its status sent), by stream id."""
 
     def _request_problem(self, request: pb.DecodeRequest) -> str | None:
         """What is wrong with a DecodeRequest, whoever sent it (INVALID_ARGUMENT), or None."""
@@ -164,12 +166,26 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"Steps stream {request.stream_id} is already open; pick a fresh stream_id")
         stream = self.step_streams[request.stream_id] = StepStream(request.stream_id)
+        ended = asyncio.get_running_loop().create_future()
+        self._stream_ends[request.stream_id] = ended
+        context.add_done_callback(lambda _: self._stream_ends.pop(request.stream_id, None) and ended.set_result(None))
         try:
             async for batch in stream.batches():
                 yield batch
         finally:
             del self.step_streams[request.stream_id]
             stream.close(lambda rid: self.engine.abort(rid, gen_pb.FINISH_REASON_ABORT))
+
+    async def end_streams(self, seconds: float) -> None:
+        """Draining, its requests done: each Steps stream sends its last batch and ends; waits up to
+        `seconds` for the coordinators to have read them (a slow one holds the last batch back)."""
+        for stream in list(self.step_streams.values()):
+            stream.end()
+        ends = [f for f in self._stream_ends.values() if not f.done()]
+        if ends:
+            _, late = await asyncio.wait(ends, timeout=seconds)
+            if late:
+                log.warning("drain: %d Steps stream(s) still sending after %.0f s; closing them", len(late), seconds)
 
     def _ride(self, stream_id: str, seq: Sequence, relay: StepRelay, first: pb.TokenEvent | None) -> StepSink:
         """The request's events from now on go to the Steps stream `stream_id`. `first`: a local prefill's

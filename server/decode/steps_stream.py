@@ -11,6 +11,8 @@ Life cycle:
    the tokens of all its sequences in one go, so one step makes one message; a coordinator slower than
    the steps gets several steps in one message, each request's tokens of them joined in one event.
 4. The stream ends (the coordinator went away): every request riding it is aborted, its blocks freed.
+5. A draining worker, once its requests have finished, ends each stream after its last batch (`end`):
+   the coordinator reads every `finished` before the stream's OK, so nothing it routed here migrates.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ class StepStream:
         self.pending: list[pb.SequenceEvent] = []
         self.riders: dict[str, StepSink] = {}
         self.closed = False
+        self.ending = False
+        """`end()` was called: the stream returns once nothing is pending."""
         self.batches_sent = 0
         """Batches taken from `pending` so far: the number of the pending one."""
         self._ready = asyncio.Event()
@@ -46,8 +50,16 @@ class StepStream:
             await self._ready.wait()
             self._ready.clear()
             events, self.pending = self.pending, []
-            self.batches_sent += 1
-            yield pb.StepBatch(events=events)
+            if events or not self.ending:
+                self.batches_sent += 1
+                yield pb.StepBatch(events=events)  # returns once gRPC has taken it (the window allows)
+            if self.ending and not self.pending:
+                return
+
+    def end(self) -> None:
+        """A draining worker is done with the stream: it sends what is pending, then ends (OK)."""
+        self.ending = True
+        self._ready.set()
 
     def close(self, abort: Callable[[str], object]) -> None:
         """The coordinator is gone: abort every request riding the stream (abort(request_id))."""

@@ -30,7 +30,7 @@ async def worker(tiny_model):
     worker_pb2_grpc.add_DecodeServicer_to_server(service, server)
     await server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
-    yield path, engine, worker_pb2_grpc.DecodeStub(channel)
+    yield path, engine, worker_pb2_grpc.DecodeStub(channel), (service, server)
     await channel.close()
     await server.stop(0)
     await engine.close()
@@ -49,7 +49,7 @@ async def _messages(call) -> list[pb.DecodeResponse]:
 
 
 async def test_requests_on_one_steps_stream_share_a_message_per_step_and_get_transformers_tokens(worker):
-    path, engine, stub = worker
+    path, engine, stub, _ = worker
     steps = stub.Steps(pb.StepsRequest(stream_id="c1"))
     assert await steps.read() == pb.StepBatch()  # open
     calls = [stub.Decode(_decode(rid, "c1")) for rid in PROMPTS]
@@ -72,7 +72,7 @@ async def test_requests_on_one_steps_stream_share_a_message_per_step_and_get_tra
 
 
 async def test_the_steps_stream_closing_ends_its_requests_unavailable_and_frees_their_blocks(worker):
-    _, engine, stub = worker
+    _, engine, stub, _ = worker
     steps = stub.Steps(pb.StepsRequest(stream_id="c2"))
     await steps.read()
     request = _decode("a", "c2")
@@ -95,8 +95,32 @@ async def test_the_steps_stream_closing_ends_its_requests_unavailable_and_frees_
     assert engine.pool.num_free + engine.scheduler.cache.num_evictable == engine.pool.num_total
 
 
+async def test_a_draining_worker_ends_its_steps_stream_ok_after_the_last_finished_event(worker):
+    """SIGTERM while the coordinator reads slowly: the requests finish, then the stream sends its last
+    batch and ends OK before the server stops (a stop cutting it off would migrate a finished request)."""
+    path, engine, stub, (service, server) = worker
+    steps = stub.Steps(pb.StepsRequest(stream_id="c4"))
+    assert await steps.read() == pb.StepBatch()
+    calls = [stub.Decode(_decode(rid, "c4")) for rid in PROMPTS]
+    for call in calls:  # the requests run; the coordinator reads nothing of the stream meanwhile
+        assert [m.WhichOneof("event") for m in await _messages(call)] == ["reserved"]
+    service.draining = True
+    assert not engine.sequences
+    await asyncio.wait_for(service.end_streams(10), 30)
+    await server.stop(1.0)
+    batches = []
+    while (batch := await steps.read()) is not grpc.aio.EOF:
+        batches.append(batch)
+    assert await steps.code() == grpc.StatusCode.OK
+    for rid, prompt in PROMPTS.items():
+        events = [e for b in batches for e in b.events if e.request_id == rid]
+        assert [t for e in events[:-1] for t in e.tokens.token_ids] == _hf_greedy(path, prompt, MAX_TOKENS)
+        assert events[-1].WhichOneof("event") == "finished"
+    assert not service.step_streams
+
+
 async def test_a_decode_naming_no_open_stream_is_refused_and_a_stream_id_is_taken_once(worker):
-    _, _, stub = worker
+    _, _, stub, _ = worker
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await _messages(stub.Decode(_decode("a", "nope")))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

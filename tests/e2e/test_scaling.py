@@ -102,7 +102,8 @@ def test_workers_join_take_traffic_and_drain_under_load_losing_nothing(cluster):
     assert long.error is None and len(long.tokens) == 300  # the drained worker finished it
     assert load.errors == [] and len(load.completed) == load.sent
     assert all(len(tokens) == 24 for tokens in load.completed)
-    assert counter(coordinator.metrics(), "pdserve_migrations_total") == 0
+    recoveries = [line for line in coordinator.log.read_text().splitlines() if "retrying as attempt" in line]
+    assert counter(coordinator.metrics(), "pdserve_migrations_total") == 0, "\n".join(recoveries)
     log = p["d0"].log.read_text()
     assert "decode worker draining" in log and "decode worker stopping" in log
     # whatever d0 still held at SIGTERM it finished (the short requests the coordinator saw on it may end
