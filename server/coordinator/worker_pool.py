@@ -6,7 +6,8 @@ Workers join two ways: from flags (`--prefill/--decode`, static) or by calling `
 round. A worker's state:
 - ready: answers, and (when registered) heartbeats within `heartbeat_timeout`; takes traffic.
 - draining: said so (SIGTERM) in a heartbeat or GetInfo; takes no new work, ever again.
-- dead: GetInfo failed, a call found it unreachable, or heartbeats stopped; takes no traffic until it
+- dead: GetInfo failed (refused; or timed out with nothing heard for `heartbeat_timeout`: a worker starved
+  of CPU for a moment stays ready), a call found it unreachable, or heartbeats stopped; takes no traffic until it
   answers again. A registered worker dead for `forget_seconds` is dropped from the pool.
 A worker marked dead by a call (unreachable, or its stream silent for --stall-timeout) rather than by its
 health check is back at the next GetInfo round (or heartbeat) if it answers; until that check, a request
@@ -327,7 +328,15 @@ class WorkerPool:
         try:
             info = await stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=self.get_info_timeout)
         except grpc.aio.AioRpcError as e:
-            worker.set_ready(False, f"GetInfo: {e.code().name} {e.details()}")
+            silent = time.monotonic() - worker.last_seen
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and worker.ready and silent < self.heartbeat_timeout:
+                # slow, not gone: a worker starved of CPU for a moment keeps its streams (a dead one refuses
+                # connections at once; a hung one is dead once silent for heartbeat_timeout)
+                log.info("%s worker %s slow to answer GetInfo (%.1f s since its last answer)", worker.role,
+                         worker.address, silent)
+                return
+            worker.set_ready(False, f"GetInfo: {e.code().name} {e.details()}" +
+                             (f" (silent for {silent:.1f} s)" if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else ""))
             return
         finally:
             worker.failed_by_call = False  # its health is checked: what follows says ready or dead

@@ -44,10 +44,14 @@ class FakeControl(worker_pb2_grpc.ControlServicer):
         self.role = role
         self.address = ""
         self.healthy = True
+        self.delay = 0.0
+        """Seconds GetInfo takes to answer (a worker starved of CPU)."""
         self.load = worker_pb2.WorkerLoad(free_kv_blocks=100, total_kv_blocks=100)
         self.prefill_order = ""
 
     async def GetInfo(self, request, context):
+        if self.delay:
+            await asyncio.sleep(self.delay)
         if not self.healthy:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake worker is down")
         return worker_pb2.WorkerInfo(

@@ -80,6 +80,29 @@ async def test_a_worker_marked_failed_by_a_call_is_back_after_one_health_round_a
     await joined.stop()
 
 
+async def test_a_worker_slow_to_answer_getinfo_stays_ready_until_silent_for_the_heartbeat_timeout():
+    """Under load a live worker may miss one GetInfo deadline: its streams must not be cut for it. Silent
+    for longer than heartbeat_timeout, it is dead (a hung process); a refused connection is dead at once."""
+    slow, gone = [await FakeWorker.start("decode", FakeDecode()) for _ in range(2)]
+    pool = WorkerPool(refresh_seconds=0.1, heartbeat_timeout=2.5)  # GetInfo's deadline: 1 s
+    s, g = pool.add(Worker(slow.address, "decode")), pool.add(Worker(gone.address, "decode"))
+    await pool.refresh()
+    assert pool.ready("decode") == [s, g]
+    slow.control.delay = 1.5
+    await gone.stop()
+    await pool.refresh()  # s misses the deadline 1 s after its last answer; g refuses
+    assert s.state == "ready" and not s.lost.is_set() and g.state == "dead"
+    await pool.refresh()  # 2 s without an answer: still within heartbeat_timeout
+    assert s.state == "ready"
+    await pool.refresh()  # 3 s
+    assert s.state == "dead" and s.lost.is_set()
+    slow.control.delay = 0.0
+    await pool.refresh()
+    assert s.state == "ready"
+    await pool.close()
+    await slow.stop()
+
+
 def test_a_windowed_decode_worker_needs_no_blocks_behind_every_layers_window():
     """blocks_for counts what the decode scheduler admits: a 100-token prompt in blocks of 16 takes 7 blocks with
     a global layer; with every layer windowed (W 32) the first query (position 100) reads keys 69.., so the 4
