@@ -86,10 +86,13 @@ class Cluster:
         return next((p for p in self.procs if p.popen.poll() is not None), None)
 
 
-def _spawn(name: str, args: list[str], port: int, host: str, python: str = sys.executable) -> Proc:
+def _spawn(name: str, args: list[str], port: int, host: str, python: str = sys.executable,
+           cpus: set[int] | None = None) -> Proc:
+    """cpus: the cores the process (every thread it starts) may run on; None: any."""
     cmd = [python, "-m", "pdserve.server.cli", *args, "--port", str(port), "--host", host]
     env = dict(os.environ, PDSERVE_PROCESS=name)
-    return Proc(name, f"{host}:{port}", subprocess.Popen(cmd, env=env), cmd, env)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return Proc(name, f"{host}:{port}", subprocess.Popen(cmd, env=env, preexec_fn=pin), cmd, env)
 
 
 class Supervisor:
@@ -159,18 +162,20 @@ def wait_serving(cluster: Cluster, procs: list[Proc], timeout: float) -> None:
 def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: int, host: str,
            prefill_args: list[str] = (), decode_args: list[str] = (), coordinator_args: list[str] = (),
            common_args: list[str] = (), timeout: float = 600.0, decode_python: str = sys.executable,
-           coordinators: int = 1) -> Cluster:
+           coordinators: int = 1, cpus: dict[str, set[int]] | None = None) -> Cluster:
     """common_args: flags every process gets (the cluster secret, TLS); decode_python: the interpreter of
     the decode workers (one with vLLM for `--engine vllm`); coordinators: that many coordinator processes
     share the public ports (SO_REUSEPORT: the kernel spreads connections over them), each routing over
-    every worker with its own view of the load."""
+    every worker with its own view of the load. cpus: the cores each role's processes are pinned to
+    ("prefill", "decode", "coordinator"; `plan validate --pin`), a role not named floats."""
+    cpus = cpus or {}
     cluster = Cluster()
     prefill_args, decode_args = [*prefill_args, *common_args], [*decode_args, *common_args]
     coordinator_args = [*coordinator_args, *common_args]
     try:
         for i in range(prefill_workers):
             cluster.prefill.append(_spawn(f"prefill-{i}", ["prefill", "--model", str(model_dir), *prefill_args],
-                                          free_port(host), host))
+                                          free_port(host), host, cpus=cpus.get("prefill")))
         # Workers on one host share its cores: torch's intra-op threads spin-wait, and two processes
         # each running as many threads as there are cores slow decode by 10-100x (benchmarks/README).
         if "--threads" not in decode_args:
@@ -178,13 +183,14 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
             decode_args = [*decode_args, "--threads", str(share)]
         for i in range(decode_workers):
             cluster.decode.append(_spawn(f"decode-{i}", ["decode", "--model", str(model_dir), *decode_args],
-                                         free_port(host), host, decode_python))
+                                         free_port(host), host, decode_python, cpus.get("decode")))
         wait_serving(cluster, cluster.procs, timeout)
         workers = [a for p in cluster.prefill for a in ("--prefill", p.address)]
         workers += [a for p in cluster.decode for a in ("--decode", p.address)]
         if coordinators == 1:
             cluster.coordinator = _spawn("coordinator", ["coordinator", "--model", str(model_dir), *workers,
-                                                         *coordinator_args], port or free_port(host), host)
+                                                         *coordinator_args], port or free_port(host), host,
+                                  cpus=cpus.get("coordinator"))
             wait_serving(cluster, [cluster.coordinator], timeout)
             return cluster
         # Several share the public port; each also serves its registry on a port of its own, which
@@ -194,7 +200,7 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
             registry = free_port(host)
             proc = _spawn("coordinator" if i == 0 else f"coordinator-{i}",
                           ["coordinator", "--model", str(model_dir), *workers, *coordinator_args, "--reuse-port",
-                           "--registry-port", str(registry)], port, host)
+                           "--registry-port", str(registry)], port, host, cpus=cpus.get("coordinator"))
             cluster.replicas.append(proc)
             own.append(Proc(proc.name, f"{host}:{registry}", proc.popen))
         cluster.coordinator = cluster.replicas.pop(0)

@@ -14,6 +14,10 @@ evenly among the rest):
   each (one event loop);
 - everything else on the host (other users) holds `external_cores` (measured per run: the host's busy
   CPU less the cluster's own, /proc/stat): what they got, so it comes off the top.
+With a `placement` (each process pinned to one core, `plan validate --pin`: the prefill worker, the
+coordinator and the client on core 0, the decode worker on core 1) the sharing is per core: what runs on
+a core splits that core (less its part of the external load) by the same rule, and no process spills onto
+another core.
 `HostCpu()` (no `cores`) is a host where each worker owns its device: every share is 1.
 """
 
@@ -49,10 +53,20 @@ class HostCpu:
     coordinator: ProcessCpu = field(default_factory=ProcessCpu)
     client: ProcessCpu = field(default_factory=ProcessCpu)
     window_s: float = 1.0
+    placement: dict[str, int] | None = None
+    """The core each process is pinned to, by role (prefill, decode, coordinator, client); None: they float
+    over all `cores`."""
 
     def __post_init__(self) -> None:
         if self.cores is not None and not (math.isfinite(self.cores) and self.cores > 0):
             raise ValueError(f"host cores must be > 0, got {self.cores!r}")
+        if self.placement is not None:
+            if set(self.placement) != set(ROLES):
+                raise ValueError(f"host placement must name a core for each of {', '.join(ROLES)}, got "
+                                 f"{sorted(self.placement)}")
+            for role, core in self.placement.items():
+                if not isinstance(core, int) or core < 0 or (self.cores is not None and core >= self.cores):
+                    raise ValueError(f"host placement: {role}'s core must be an integer in [0, cores), got {core!r}")
         for name in ("external_cores", "prefill_threads", "decode_threads", "window_s"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
@@ -69,9 +83,33 @@ class HostCpu:
     def from_json(cls, doc: dict) -> HostCpu:
         try:
             return cls(**{**doc, "coordinator": ProcessCpu(**doc.get("coordinator", {})),
+                          "placement": parse_placement(",".join(f"{k}={v}" for k, v in doc["placement"].items()))
+                          if doc.get("placement") else None,
                           "client": ProcessCpu(**doc.get("client", {}))})
         except (TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"host_cpu: {e}") from None
+
+
+ROLES = ("prefill", "decode", "coordinator", "client")
+
+
+def parse_placement(text: str) -> dict[str, int]:
+    """`prefill=0,decode=1,coordinator=0,client=0` -> {role: core}."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        role, sep, core = item.partition("=")
+        if not sep or role not in ROLES or not core.isdigit():
+            raise ValueError(f"placement {item!r}: give ROLE=CORE with ROLE one of {', '.join(ROLES)}")
+        out[role] = int(core)
+    if set(out) != set(ROLES):
+        raise ValueError(f"placement {text!r} must name a core for each of {', '.join(ROLES)}")
+    return out
+
+
+def pinned_placement(cores: int) -> dict[str, int] | None:
+    """Each worker on a core of its own, the coordinator and the load client beside the prefill worker
+    (idle between prompts; the decode worker steps all the time); None below 2 cores."""
+    return {"prefill": 0, "decode": 1, "coordinator": 0, "client": 0} if cores >= 2 else None
 
 
 def fair_shares(capacity: float, demands: list[float]) -> list[float]:
@@ -152,10 +190,26 @@ class Contention:
                 st.reshare(now, 1.0)
             return
         h = self.host
+        if h.placement is not None:
+            self._reshare_pinned(now, steps)
+            return
         capacity = max(h.cores - h.external_cores, 0.05 * h.cores)
         got = fair_shares(capacity, [st.threads for st in steps] + self.front_cores(now))
         for st, cores in zip(steps, got):
             st.reshare(now, min(1.0, cores / st.threads))
+
+    def _reshare_pinned(self, now: float, steps: list[Stepping]) -> None:
+        """Per core: its steps (one core's worth at most: a pinned process cannot spill) and the front
+        processes pinned there split it, less its part of the external load."""
+        h = self.host
+        capacity = max(1.0 - h.external_cores / h.cores, 0.05)
+        front = dict(zip(("coordinator", "client"), self.front_cores(now)))
+        for core in set(h.placement.values()):
+            here = [st for st in steps if h.placement.get(st.name.split("-")[0], h.placement["decode"]) == core]
+            demands = [min(st.threads, 1.0) for st in here] + [c for role, c in front.items() if h.placement[role] == core]
+            got = fair_shares(capacity, demands)
+            for st, cores in zip(here, got):
+                st.reshare(now, min(1.0, cores / min(st.threads, 1.0)))
 
 
 class Stepping:

@@ -41,6 +41,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pdserve.benchmarks.plan import pinning
 from pdserve.benchmarks.plan.contention import HostCpu, ProcessCpu
 from pdserve.benchmarks.plan.fit import nonneg_fit
 from pdserve.benchmarks.plan.procstat import Window
@@ -333,6 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, help="checkpoint (default: pdserve's embedded tiny model)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/plan/profile-cpu.json"))
     p.add_argument("--quick", action="store_true", help="fewer rows (about a minute less)")
+    p.add_argument("--pin", action="store_true",
+                   help="each worker on a core of its own (prefill, coordinator and this client on the first, decode on "
+                        "the second: pinning.py), as `plan validate --pin` runs its cluster")
     p.add_argument("--hardware", help="the name written into the profile (default: this CPU's model name)")
     p.add_argument("--decode-dtypes", type=parse_dtype_pairs, default=parse_dtype_pairs(DEFAULT_DTYPES),
                    help="the decode worker's WEIGHT/KV dtypes (its --weight-dtype/--kv-dtype) to measure decode steps "
@@ -376,7 +380,8 @@ def _decode_layout(address: str) -> tuple:
     return layout, decode.load.total_kv_blocks * layout.block_size
 
 
-def measure_dtype(model: Path, pair: str, vocab: int, plan: ProfilePlan, max_len: int) -> dict:
+def measure_dtype(model: Path, pair: str, vocab: int, plan: ProfilePlan, max_len: int,
+                  cpus: dict[str, set[int]] | None = None) -> dict:
     """The decode groups on a cluster whose decode worker runs at `pair`: {"rows", "kv_bytes_per_token",
     "kv_cache_tokens"}."""
     from tqdm import tqdm
@@ -386,7 +391,7 @@ def measure_dtype(model: Path, pair: str, vocab: int, plan: ProfilePlan, max_len
 
     log(f"decode at weight/KV dtypes {pair}: starting 1 prefill + 1 decode worker ({' '.join(dtype_args(pair))})")
     cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
-                              prefill_args=PREFILL_ARGS, decode_args=dtype_args(pair))
+                              prefill_args=PREFILL_ARGS, decode_args=dtype_args(pair), cpus=cpus)
     try:
         layout, cache_tokens = _decode_layout(cluster.coordinator.address)
 
@@ -432,10 +437,15 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(model)
     max_len = min(config.max_model_len, 1 << 30)
     main_pair, *other_pairs = args.decode_dtypes
+    chosen = pinning.placement() if args.pin else None
+    cpus = pinning.launcher_cpus(chosen) if chosen else None
+    if chosen:
+        pinning.pin_this_process(chosen)
+        log(f"pinned: {', '.join(f'{k} on core {v}' for k, v in chosen.items())}")
     log(f"starting 1 prefill + 1 decode worker on {model} at weight/KV dtypes {main_pair} (compiles first: a "
         f"minute or two)")
     cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
-                              prefill_args=PREFILL_ARGS, decode_args=dtype_args(main_pair))
+                              prefill_args=PREFILL_ARGS, decode_args=dtype_args(main_pair), cpus=cpus)
     try:
         layout, kv_cache_tokens = _decode_layout(cluster.coordinator.address)
         steps = len(plan.prefill_lengths) + 1 + len(plan.decode_batches) * len(plan.decode_contexts)
@@ -457,12 +467,13 @@ def main(argv: list[str] | None = None) -> int:
     profile.notes["max_len"] = 1 << (max_len - 1).bit_length()
     profile.notes["peak"] = peak
     profile.notes["kind"] = "cpu"
+    profile.notes["placement"] = chosen
     profile.notes["model_shape"] = _shape(config)
     profile = dataclasses.replace(profile, dtypes=main_pair)
     profile.save(args.out)  # before the other pairs: a stopped run keeps the profile's own
     other = {}
     for pair in other_pairs:
-        other[pair] = measure_dtype(model, pair, config.vocab_size, plan, max_len)
+        other[pair] = measure_dtype(model, pair, config.vocab_size, plan, max_len, cpus)
         profile.notes["dtype_rows"] = other
         profile = dataclasses.replace(profile, decode_dtypes=dtype_rows(other, profile.prefill.per_token_s))
         profile.save(args.out)

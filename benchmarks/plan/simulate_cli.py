@@ -18,7 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pdserve.benchmarks.plan.cluster import ClusterSpec, CoordinatorSpec, simulate
-from pdserve.benchmarks.plan.contention import HostCpu
+from pdserve.benchmarks.plan.contention import HostCpu, parse_placement
 from pdserve.benchmarks.plan.profile import Profile
 from pdserve.benchmarks.plan.workers import DecodeSpec, PrefillSpec
 from pdserve.benchmarks.plan.workload import from_args, read_trace
@@ -48,15 +48,26 @@ def add_cluster_flags(p: argparse.ArgumentParser) -> None:
                         "this machine (`pdserve up` on one host); default: each worker owns its device")
     h.add_argument("--external-cores", type=float, default=0.0,
                    help="with --host-cores: cores other processes on the host keep busy")
+    h.add_argument("--placement", type=_placement, default=None,
+                   help="with --host-cores: the core each process is pinned to, e.g. prefill=0,decode=1,coordinator=0,"
+                        "client=0 (as `plan validate --pin` runs them); default: they float over the cores")
+
+
+def _placement(text: str) -> dict[str, int]:
+    try:
+        return parse_placement(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def host_of(args, measured: HostCpu) -> HostCpu:
     """The shared host of --host-cores (with the profile's measured front CPU and threads), or none."""
     if getattr(args, "host_cores", None) is None:
-        if getattr(args, "external_cores", 0.0):
-            raise ValueError("--external-cores needs --host-cores (the host they share)")
+        if getattr(args, "external_cores", 0.0) or getattr(args, "placement", None):
+            raise ValueError("--external-cores and --placement need --host-cores (the host they share)")
         return HostCpu()
-    return replace(measured, cores=args.host_cores, external_cores=args.external_cores)
+    return replace(measured, cores=args.host_cores, external_cores=args.external_cores,
+                   placement=getattr(args, "placement", None))
 
 
 def cluster_spec(args, max_len: int, colocated: bool | None = None, prefill_workers: int | None = None,

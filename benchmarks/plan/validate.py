@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from pdserve.benchmarks.plan import pinning
 from pdserve.benchmarks.plan.measure import PREFILL_ARGS
 from pdserve.benchmarks.plan.procstat import Window
 from pdserve.benchmarks.plan.profile import Profile
@@ -43,9 +44,12 @@ def workload_argv(input_len: int, output_len: int, rate: float, duration: float,
             "--duration", str(duration), "--seed", str(seed), "--vocab-size", "500"]
 
 
-def host_argv(cores: float, external: float = 0.0) -> list[str]:
-    """simulate's flags for a host of `cores` shared by the cluster, `external` of them busy with others."""
-    return ["--host-cores", f"{cores:g}", "--external-cores", f"{external:.3f}"] if cores else []
+def host_argv(cores: float, external: float = 0.0, placement: dict[str, int] | None = None) -> list[str]:
+    """simulate's flags for a host of `cores` shared by the cluster, `external` of them busy with others,
+    each process pinned as `placement` says (None: they float)."""
+    if not cores:
+        return []
+    return ["--host-cores", f"{cores:g}", "--external-cores", f"{external:.3f}", *pinning.placement_argv(placement)]
 
 
 def predict(profile_path: Path, argv: list[str], max_model_len: int) -> dict:
@@ -149,7 +153,7 @@ def _predict_again(args, profile: Profile, max_len: int) -> int:
     for row in doc["rows"]:
         wl = workload_argv(row["input_len"], row["output_len"], row["rate"], args.duration, args.seed)
         host = host_argv(row.get("host_cores", args.host_cores) if args.host_cores else 0.0,
-                         row.get("external_cores", 0.0))
+                         row.get("external_cores", 0.0), row.get("placement"))
         predicted = predict(args.profile, [*wl, *host], max_len)
         row["predicted"] = {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed", "sim")}
     doc["profile"] = profile.to_json()
@@ -174,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-cores", type=float, default=float(os.cpu_count() or 1),
                    help="the cores the real cluster's processes share (default: this machine's); 0: simulate each "
                         "worker on cores of its own")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=len(os.sched_getaffinity(0)) >= 2,
+                   help="each worker on a core of its own (the prefill worker, the coordinator and this client on the "
+                        "first core, the decode worker on the second: pinning.py), the profile measured so too "
+                        "(default: on with 2 or more cores)")
     p.add_argument("--predict-only", action="store_true",
                    help="no runs: predict the rows of --out's validation.json again with --profile (a changed fit)")
     return p
@@ -190,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         from pdserve.benchmarks.plan import measure as profile_cmd
 
         # the validation cluster's decode worker runs at auto/auto: the other pairs' rows are `plan profile`'s
-        profile_cmd.main(["--out", str(args.profile), "--decode-dtypes", "auto/auto",
+        profile_cmd.main(["--out", str(args.profile), "--decode-dtypes", "auto/auto", *(["--pin"] if args.pin else []),
                           *(["--model", str(model)] if args.model else [])])
     profile = Profile.load(args.profile)
     max_len = load_config(model).max_model_len
@@ -198,15 +206,19 @@ def main(argv: list[str] | None = None) -> int:
         return _predict_again(args, profile, max_len)
     if args.host_cores < 0:
         raise ValueError(f"--host-cores must be >= 0, got {args.host_cores}")
+    chosen = pinning.placement() if args.pin else None
+    if chosen:
+        pinning.pin_this_process(chosen)
     plan = []
     for name, shape in SHAPES.items():
-        sat = saturation(args.profile, shape, args.duration, args.seed, max_len, host_argv(args.host_cores))
+        sat = saturation(args.profile, shape, args.duration, args.seed, max_len,
+                         host_argv(args.host_cores, placement=chosen))
         log(f"{name} ({shape[0]} in, {shape[1]} out): the simulated cluster saturates near {sat:.2f} req/s")
         plan += [(name, shape, round(f * sat, 2)) for f in RATE_FACTORS]
     log(f"starting 1 prefill + 1 decode worker ({profile.hardware}); then {len(plan)} bench runs of "
         f"{args.duration:g} s each")
     cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
-                              prefill_args=PREFILL_ARGS)
+                              prefill_args=PREFILL_ARGS, cpus=pinning.launcher_cpus(chosen) if chosen else None)
     rows = []
     try:
         for i, (name, shape, rate) in enumerate(plan, 1):
@@ -215,12 +227,12 @@ def main(argv: list[str] | None = None) -> int:
             window = Window({**cluster.describe()["pids"], "client": os.getpid()})
             measured = measure(cluster.coordinator.address, ["--no-progress", *wl], args.out / f"{name}-{rate}")
             host = window.end()
-            predicted = predict(args.profile, [*wl, *host_argv(args.host_cores, host["external_cores"])], max_len)
+            predicted = predict(args.profile, [*wl, *host_argv(args.host_cores, host["external_cores"], chosen)], max_len)
             rows.append({"shape": name, "input_len": shape[0], "output_len": shape[1], "rate": rate,
                          "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed", "sim")},
                          "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed")},
                          "cores": host["cores"], "share": host["share"], "external_cores": host["external_cores"],
-                         "host_cores": args.host_cores, "load_avg": os.getloadavg()[0]})
+                         "host_cores": args.host_cores, "placement": chosen, "load_avg": os.getloadavg()[0]})
     finally:
         cluster.stop()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -62,7 +62,30 @@ def test_a_prefill_and_a_decode_step_at_once_share_one_core(host):
     assert [o.chunk_times for o in alone.outputs] == [[0.25, 0.3125, 0.375], [0.5, 0.5625, 0.625]]
 
 
+PINNED = {"prefill": 0, "decode": 1, "coordinator": 0, "client": 0}
+
+
+def test_pinned_workers_share_only_their_own_core():
+    """Pinned (plan validate --pin): the coordinator's half core comes off the prefill worker's core only; the
+    decode worker's core is its own. With one of the 2 cores' worth of external load, each core has half."""
+    for external, prefill, decode in ((0.0, 0.5, 1.0), (1.0, 0.25, 0.5)):
+        host = Contention(HostCpu(cores=2.0, external_cores=external, placement=PINNED,
+                                  coordinator=ProcessCpu(per_token_s=0.001), window_s=1.0))
+        host.token(0.0, 500)
+        a = Stepping("prefill-0", 2.0, 0.25, 0.0, lambda at, g: None)  # XLA's 2 threads: pinned, one core
+        b = Stepping("decode-0", 1.0, 0.25, 0.0, lambda at, g: None)
+        host.begin(a, 0.0)
+        host.begin(b, 0.0)
+        assert (a.share, b.share) == (prefill, decode)
+    # the scripted pair of the one-core test: on their own cores nothing overlaps, as with devices of their own
+    result = simulate(_requests(0.0, 0.25), ClusterSpec(host=HostCpu(cores=2.0, placement=PINNED)), _profile())
+    assert [o.chunk_times for o in result.outputs] == [[0.25, 0.3125, 0.375], [0.5, 0.5625, 0.625]]
+
+
 def test_host_cpu_refuses_bad_values_by_name():
+    with pytest.raises(ValueError, match="must name a core for each of prefill, decode, coordinator, client"):
+        HostCpu(cores=2.0, placement={"prefill": 0})
+    assert HostCpu.from_json(HostCpu(cores=2.0, placement=PINNED).to_json()).placement == PINNED
     with pytest.raises(ValueError, match="host cores must be > 0"):
         HostCpu(cores=0.0)
     with pytest.raises(ValueError, match="external_cores must be a finite number >= 0"):

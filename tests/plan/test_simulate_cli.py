@@ -65,7 +65,10 @@ def test_host_and_dtype_flags_are_checked(tmp_path):
             "--arrival", "constant", "--num-prompts", "4"]
     for flags, message in ((["--host-cores", "0"], "host cores must be > 0"),
                            (["--host-cores", "2", "--external-cores", "-1"], "external_cores must be a finite number"),
-                           (["--external-cores", "1"], "--external-cores needs --host-cores"),
+                           (["--external-cores", "1"], "--external-cores and --placement need --host-cores"),
+                               (["--placement", "prefill=0,decode=1,coordinator=0,client=0"], "--placement need --host-cores"),
+                               (["--host-cores", "2", "--placement", "prefill=0,decode=2,coordinator=0,client=0"],
+                                "decode's core must be an integer in \\[0, cores\\)"),
                            (["--kv-dtype", "int8"], "measured decode at weight/KV dtypes auto/auto, not auto/int8")):
         with pytest.raises(ValueError, match=message):
             simulate_cli.run(simulate_cli.build_parser().parse_args([*base, *flags]))
