@@ -10,10 +10,13 @@ from pathlib import Path
 
 from pdserve.benchmarks.plan.contention import pinned_placement
 
+_CORES = sorted(os.sched_getaffinity(0))
+"""The cores this process could use when it started (before pinning itself to one)."""
+
 
 def placement() -> dict[str, int]:
     """{role: core index} for this machine; raises where fewer than 2 cores are there to pin to."""
-    cores = len(os.sched_getaffinity(0))
+    cores = len(_CORES)
     chosen = pinned_placement(cores)
     if chosen is None:
         raise ValueError(f"--pin needs at least 2 cores; this process may use {cores}: run without --pin")
@@ -22,13 +25,13 @@ def placement() -> dict[str, int]:
 
 def launcher_cpus(chosen: dict[str, int]) -> dict[str, set[int]]:
     """The launcher's `cpus` (real core ids) for a placement by index."""
-    ids = sorted(os.sched_getaffinity(0))
+    ids = _CORES
     return {role: {ids[core]} for role, core in chosen.items() if role != "client"}
 
 
 def pin_this_process(chosen: dict[str, int]) -> None:
     """Every thread of this process (the load client) onto its core; threads started later inherit it."""
-    core = {sorted(os.sched_getaffinity(0))[chosen["client"]]}
+    core = {_CORES[chosen["client"]]}
     for tid in Path("/proc/self/task").iterdir():
         try:
             os.sched_setaffinity(int(tid.name), core)

@@ -178,10 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host-cores", type=float, default=float(os.cpu_count() or 1),
                    help="the cores the real cluster's processes share (default: this machine's); 0: simulate each "
                         "worker on cores of its own")
-    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=len(os.sched_getaffinity(0)) >= 2,
+    p.add_argument("--pin", action="store_true",
                    help="each worker on a core of its own (the prefill worker, the coordinator and this client on the "
-                        "first core, the decode worker on the second: pinning.py), the profile measured so too "
-                        "(default: on with 2 or more cores)")
+                        "first core, the decode worker on the second: pinning.py), the profile measured so too; on 2 "
+                        "cores it predicts worse than floating (benchmarks/README.md)")
     p.add_argument("--predict-only", action="store_true",
                    help="no runs: predict the rows of --out's validation.json again with --profile (a changed fit)")
     return p
