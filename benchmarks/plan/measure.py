@@ -23,7 +23,12 @@ cores) and sends requests through the coordinator's gRPC API, timed at the clien
    client's CPU seconds per request (a group of one-token requests) and per token (the decode groups, less
    their requests'); the cores the prefill worker keeps busy while it works (its process's CPU over its
    busiest thread's: XLA's threads). These are the profile's `host_cpu`.
-5. Per dtype: the decode groups again on a cluster whose decode worker runs at each other WEIGHT/KV pair of
+5. Per request, beside the steps: N requests one at a time (2 tokens: one decode step each) at a short and a
+   long prompt on the idle cluster; each worker's CPU over them (its threads' on-CPU seconds, schedstat),
+   less its idle CPU over the same wall time and the steps' work the fits give, per request, fitted as
+   `per_request_s + per_request_token_s x prompt` (the KV sent or received, the RPCs, admission); the decode
+   groups' step work has their requests' share taken out.
+6. Per dtype: the decode groups again on a cluster whose decode worker runs at each other WEIGHT/KV pair of
    --decode-dtypes (its --weight-dtype/--kv-dtype): the profile's `decode_dtypes`, with that KV layout's
    bytes per token and cache size (profile.py).
 A decode group whose requests never all decode at once (the last first token after the first finish) is
@@ -38,6 +43,7 @@ import dataclasses
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +76,9 @@ class ProfilePlan:
     """Tokens each decode group's requests generate: enough that all of a batch decode at once a while."""
     front_requests: int = 32
     """One-token requests sent at once to measure the coordinator's and the client's CPU per request."""
+    request_lengths: tuple[int, ...] = (16, 384)
+    request_count: int = 16
+    """Requests sent one at a time at each of `request_lengths` for the workers' CPU per request."""
     background_streams: int = 8
     """Requests decoding while the prefill rows are measured (0: an idle cluster)."""
 
@@ -79,7 +88,7 @@ class ProfilePlan:
 
 
 QUICK = ProfilePlan(prefill_lengths=(16, 128, 448), repeats=2, decode_batches=(1, 16, 64), decode_contexts=(32, 320),
-                    decode_tokens=48, front_requests=16, background_streams=8)
+                    decode_tokens=48, front_requests=16, background_streams=8, request_count=8)
 
 
 async def _send(target, requests) -> list:
@@ -167,11 +176,38 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
         host = window.end()
         rows["front"].append({"requests": plan.front_requests, "tokens": plan.front_requests,
                               "cpu_s": {k: host["cpu_s"].get(k, 0.0) for k in ("coordinator", "client")}})
+        rows["requests"] = await request_rows(target, vocab, plan, max_len, pids)
         rows["decode"] = await decode_rows(target, vocab, plan, max_len, pids, bar)
     finally:
         await target.close()
     return rows
 
+
+def _thread_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """Each process's on-CPU seconds summed over its threads (schedstat: ns, not the 10 ms ticks of stat)."""
+    from pdserve.benchmarks.plan.procstat import thread_run_seconds
+
+    return {k: sum(on for on, _ in thread_run_seconds(pid).values()) for k, pid in pids.items()}
+
+
+async def request_rows(target, vocab: int, plan: ProfilePlan, max_len: int, pids: dict[str, int]) -> list[dict]:
+    """The workers' CPU per request beside their steps: `request_count` 2-token requests one at a time per
+    prompt length on the idle cluster, and the idle CPU over as long a wall before them."""
+    rows = []
+    workers = {k: v for k, v in pids.items() if k in ("prefill", "decode")}
+    for length in (n for n in plan.request_lengths if n < max_len - 2):
+        reqs = _synthetic(plan.request_count + 1, length, 2, vocab, 3000 + length)
+        await _send(target, reqs[:1])  # the bucket warm
+        t0, cpu0 = time.perf_counter(), _thread_cpu(workers)
+        for req in reqs[1:]:
+            await _send(target, [req])
+        wall, cpu1 = time.perf_counter() - t0, _thread_cpu(workers)
+        await asyncio.sleep(min(wall, 3.0))
+        idle_wall, cpu2 = min(wall, 3.0), _thread_cpu(workers)
+        rows.append({"prompt": length, "requests": plan.request_count, "wall_s": wall,
+                     "cpu_s": {k: cpu1[k] - cpu0[k] for k in workers},
+                     "idle_cores": {k: max(cpu2[k] - cpu1[k], 0.0) / idle_wall for k in workers}})
+    return rows
 
 async def decode_rows(target, vocab: int, plan: ProfilePlan, max_len: int, pids: dict[str, int], bar) -> list[dict]:
     """B requests at once per group: the median gap between tokens while all B decode is one step at batch B."""
@@ -208,15 +244,45 @@ def step_work(r: dict) -> float:
     return min(r["step_s"], cpu / r["tokens"]) if cpu else r["step_s"] * r.get("share", 1.0)
 
 
-def fit_decode(rows: list[dict], per_resumed_token_s: float) -> DecodeCost:
+def fit_decode(rows: list[dict], per_resumed_token_s: float, requests: list[dict] = ()) -> DecodeCost:
     """`fixed + per_seq x B + per_context_token x contexts` over the groups whose requests all decoded at once,
-    each step's work on a core of its own (`step_work`)."""
-    dec = [{**r, "step_s": step_work(r)} for r in rows if r.get("overlap", True)]
-    if not dec:
-        raise ValueError("no decode group had all its requests decoding at once: raise ProfilePlan.decode_tokens")
-    d = nonneg_fit({"one": [1.0] * len(dec), "batch": [r["batch"] for r in dec],
-                    "context": [r["context_tokens"] for r in dec]}, [r["step_s"] for r in dec])
-    return DecodeCost(d["one"], d["batch"], d["context"], per_resumed_token_s=per_resumed_token_s)
+    each step's work on a core of its own (`step_work`) less its group's requests' own CPU spread over the
+    steps; then the per-request cost from `requests` rows (`request_rows`), the two fitted in turn."""
+    cost = DecodeCost(0.0, 0.0)
+    for _ in range(6):  # each round's error is the last's over the groups' tokens per request
+        dec = [{**r, "step_s": max(step_work(r) - _requests_per_step(r, cost), 0.0)}
+               for r in rows if r.get("overlap", True)]
+        if not dec:
+            raise ValueError("no decode group had all its requests decoding at once: raise ProfilePlan.decode_tokens")
+        d = nonneg_fit({"one": [1.0] * len(dec), "batch": [r["batch"] for r in dec],
+                        "context": [r["context_tokens"] for r in dec]}, [r["step_s"] for r in dec])
+        steps = DecodeCost(d["one"], d["batch"], d["context"], per_resumed_token_s=per_resumed_token_s)
+        per = _per_request(requests, "decode", lambda n: steps.step_seconds(1, n + 1))
+        cost = dataclasses.replace(steps, **per)
+        if not requests:
+            break
+    return cost
+
+
+def _requests_per_step(r: dict, cost: DecodeCost) -> float:
+    """A decode group's requests' own CPU (`request_seconds`) spread over its steps (about `tokens` of them)."""
+    if "tokens" not in r or not (cost.per_request_s or cost.per_request_token_s):
+        return 0.0
+    return r["batch"] * cost.request_seconds(r.get("prompt", 0)) / r["tokens"]
+
+
+def _per_request(requests: list[dict], role: str, step: Callable[[int], float]) -> dict[str, float]:
+    """`per_request_s` and `per_request_token_s` of a worker from `request_rows`: its CPU per request less its
+    idle CPU over the wall and the request's steps (`step(prompt)`), fitted against the prompt length."""
+    rows = [r for r in requests if role in r.get("cpu_s", {})]
+    if not rows:
+        return {"per_request_s": 0.0, "per_request_token_s": 0.0}
+    own = [max((r["cpu_s"][role] - r["idle_cores"][role] * r["wall_s"]) / r["requests"] - step(r["prompt"]), 0.0)
+           for r in rows]
+    if len(rows) == 1:
+        return {"per_request_s": own[0], "per_request_token_s": 0.0}
+    c = nonneg_fit({"one": [1.0] * len(rows), "tokens": [r["prompt"] for r in rows]}, own)
+    return {"per_request_s": c["one"], "per_request_token_s": c["tokens"]}
 
 
 def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: int, kv_cache_tokens: int,
@@ -234,13 +300,19 @@ def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: in
     deltas = [r["last_s"] - r["first_s"] - per_token * bucket_length(min(p, max_len), max(max_len, p), min_bucket)
               - per_pair * sum([r["tokens"] ** 2] * (r["prompts"] - 1)) for r, p in zip(b, packed)]
     fixed = min(max(statistics.median(deltas), 0.0), intercept) if deltas else intercept
-    decode = fit_decode(rows["decode"], per_token)
+    requests = rows.get("requests", [])
+    decode = fit_decode(rows["decode"], per_token, requests)
+    steps = PrefillCost(fixed, per_token, per_pair)
+    threads = host_cpu(rows).prefill_threads  # a prefill step's CPU: its work times the cores XLA keeps busy
+    prefill = dataclasses.replace(steps, **_per_request(
+        requests, "prefill",
+        lambda n: threads * steps.step_seconds(bucket_length(n, max_len, min_bucket), n * n)))
     # the second token's wait runs on the decode worker (the KV in, a step): its share divided out too
     waits = [(r["second_s"] - r["ttft_s"] / r.get("share", 1.0)) * r.get("decode_share", 1.0)
              - decode.step_seconds(1, r["tokens"] + 1) - r["tokens"] * kv_bytes_per_token / transfer_bytes_per_s
              for r in pre]
     handoff = HandoffCost(max(statistics.median(waits), 0.0), transfer_bytes_per_s, kv_bytes_per_token)
-    return Profile(hardware=hardware, model=model, prefill=PrefillCost(fixed, per_token, per_pair), decode=decode,
+    return Profile(hardware=hardware, model=model, prefill=prefill, decode=decode,
                    handoff=handoff, kv_cache_tokens=kv_cache_tokens, source="measured",
                    ttft_overhead_s=intercept - fixed, host_cpu=host_cpu(rows),
                    notes={"rows": rows, "prefill_intercept_s": intercept,
@@ -395,25 +467,28 @@ def measure_dtype(model: Path, pair: str, vocab: int, plan: ProfilePlan, max_len
     try:
         layout, cache_tokens = _decode_layout(cluster.coordinator.address)
 
-        async def go() -> list[dict]:
+        async def go() -> tuple[list[dict], list[dict]]:
             target = GrpcTarget(cluster.coordinator.address, timeout=300)
+            pids = _pids(cluster.describe()["pids"])
             try:
                 await _send(target, _synthetic(4, 16, 2, vocab, 99))
+                requests = await request_rows(target, vocab, plan, max_len, pids)
                 with tqdm(total=len(plan.decode_batches) * len(plan.decode_contexts), desc=f"decode {pair}",
                           unit="group", file=sys.stderr) as bar:
-                    return await decode_rows(target, vocab, plan, max_len, _pids(cluster.describe()["pids"]), bar)
+                    return await decode_rows(target, vocab, plan, max_len, pids, bar), requests
             finally:
                 await target.close()
 
-        rows = asyncio.run(go())
+        rows, requests = asyncio.run(go())
     finally:
         cluster.stop()
-    return {"rows": rows, "kv_bytes_per_token": layout.bytes_per_token, "kv_cache_tokens": cache_tokens}
+    return {"rows": rows, "requests": requests, "kv_bytes_per_token": layout.bytes_per_token,
+            "kv_cache_tokens": cache_tokens}
 
 
 def dtype_rows(measured: dict[str, dict], per_resumed_token_s: float) -> dict[str, DtypeRow]:
-    return {pair: DtypeRow(fit_decode(m["rows"], per_resumed_token_s), m["kv_bytes_per_token"], m["kv_cache_tokens"])
-            for pair, m in measured.items()}
+    return {pair: DtypeRow(fit_decode(m["rows"], per_resumed_token_s, m.get("requests", [])), m["kv_bytes_per_token"],
+                           m["kv_cache_tokens"]) for pair, m in measured.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{p.per_pair_s * 1e9:.3f} ns/attention pair; TTFT overhead {profile.ttft_overhead_s * 1e3:.2f} ms")
     print(f"decode step: {d.fixed_s * 1e3:.2f} ms + {d.per_seq_s * 1e3:.3f} ms/seq + "
           f"{d.per_context_token_s * 1e6:.3f} us/context token")
+    print(f"per request beside the steps: prefill {p.per_request_s * 1e3:.2f} ms + "
+          f"{p.per_request_token_s * 1e6:.2f} us/prompt token, decode {d.per_request_s * 1e3:.2f} ms + "
+          f"{d.per_request_token_s * 1e6:.2f} us/prompt token")
     print(f"KV handoff: {h.fixed_s * 1e3:.2f} ms + {h.kv_bytes_per_token} B/token at {h.bytes_per_s / 1e9:.2f} GB/s")
     for pair, row in profile.decode_dtypes.items():
         print(f"decode step at {pair}: {row.decode.fixed_s * 1e3:.2f} ms + {row.decode.per_seq_s * 1e3:.3f} ms/seq + "

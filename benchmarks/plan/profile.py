@@ -7,6 +7,9 @@ sum over segments of length * (start + length) (each query token reads its conte
 Decode step (one token for every running sequence, server/decode/scheduler.py):
     fixed_s + per_seq_s * batch + per_context_token_s * sum of contexts + per_resumed_token_s * tokens
     prefilled again for preempted sequences.
+Per request, beside the steps (the KV sent or received, the RPCs, admission: CPU the worker's process spends
+between steps, which delays its next one):
+    per_request_s + per_request_token_s * prompt_tokens     (prefill and decode alike)
 KV handoff (prefill's last layer group to the decode worker's cache, after the first token):
     fixed_s + prompt_tokens * kv_bytes_per_token / bytes_per_s.
 `ttft_overhead_s` is client-visible latency that occupies no worker (the coordinator, the RPCs).
@@ -52,12 +55,19 @@ class PrefillCost:
     fixed_s: float
     per_token_s: float
     per_pair_s: float = 0.0
+    per_request_s: float = 0.0
+    per_request_token_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check("prefill", fixed_s=self.fixed_s, per_token_s=self.per_token_s, per_pair_s=self.per_pair_s)
+        _check("prefill", fixed_s=self.fixed_s, per_token_s=self.per_token_s, per_pair_s=self.per_pair_s,
+               per_request_s=self.per_request_s, per_request_token_s=self.per_request_token_s)
 
     def step_seconds(self, padded_tokens: int, pairs: int) -> float:
         return self.fixed_s + self.per_token_s * padded_tokens + self.per_pair_s * pairs
+
+    def request_seconds(self, prompt_tokens: int) -> float:
+        """The worker's CPU for one request beside its steps (its KV sent, its RPCs)."""
+        return self.per_request_s + self.per_request_token_s * prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -66,10 +76,17 @@ class DecodeCost:
     per_seq_s: float
     per_context_token_s: float = 0.0
     per_resumed_token_s: float = 0.0
+    per_request_s: float = 0.0
+    per_request_token_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check("decode", fixed_s=self.fixed_s, per_seq_s=self.per_seq_s,
-               per_context_token_s=self.per_context_token_s, per_resumed_token_s=self.per_resumed_token_s)
+               per_context_token_s=self.per_context_token_s, per_resumed_token_s=self.per_resumed_token_s,
+               per_request_s=self.per_request_s, per_request_token_s=self.per_request_token_s)
+
+    def request_seconds(self, prompt_tokens: int) -> float:
+        """The worker's CPU for one request beside its steps (its KV received, its Decode call, admission)."""
+        return self.per_request_s + self.per_request_token_s * prompt_tokens
 
     def step_seconds(self, batch: int, context_tokens: int, resumed_tokens: int = 0) -> float:
         return (self.fixed_s + self.per_seq_s * batch + self.per_context_token_s * context_tokens

@@ -13,7 +13,9 @@
 
 Every worker runs one step at a time; the next starts when the last ends and there is work. A step's
 seconds are the profile's divided by the share of its cores the worker gets then (contention.py: 1 where
-each worker owns its device).
+each worker owns its device). In a disaggregated cluster each request's own CPU on a worker (its KV sent
+or received, its RPCs: the profile's `request_seconds`) is spent between steps, so it lengthens the
+worker's next step.
 """
 
 from __future__ import annotations
@@ -183,9 +185,13 @@ class PrefillPart:
     """The prefill side of a worker: its scheduler and measured rates."""
 
     def __init__(self, spec: PrefillSpec, clock: VirtualClock, profile: Profile,
-                 on_first_token: Callable[[SimPrefillJob], None]) -> None:
+                 on_first_token: Callable[[SimPrefillJob], None], handoff: bool = True) -> None:
         self.spec = spec
         self.profile = profile
+        self.handoff = handoff
+        """Its prompts' KV goes to another worker: each costs the profile's per-request CPU."""
+        self.pending_s = 0.0
+        """Per-request CPU spent since the last step began: the next step carries it."""
         self.on_first_token = on_first_token
         self.max_len = pow2(spec.max_model_len)
         largest = min(spec.max_batch_tokens, pow2(spec.max_batch_size) * self.max_len)
@@ -225,7 +231,10 @@ class PrefillPart:
 
     def take(self) -> tuple[list[Segment[SimPrefillJob]], float] | None:
         step = self.scheduler.next_step()
-        return (step, self.step_seconds(step)) if step else None
+        if not step:
+            return None
+        extra, self.pending_s = self.pending_s, 0.0
+        return step, self.step_seconds(step) + extra
 
     def complete(self, step: list[Segment[SimPrefillJob]], seconds: float) -> None:
         for s in step:
@@ -237,6 +246,8 @@ class PrefillPart:
         for s in step:
             if s.last:
                 self.store(s.job)
+                if self.handoff:
+                    self.pending_s += self.profile.prefill.request_seconds(s.job.num_tokens)
                 self.on_first_token(s.job)
 
 
@@ -253,9 +264,14 @@ class DecodePart:
     """The decode side of a worker: its scheduler over real Sequences."""
 
     def __init__(self, spec: DecodeSpec, profile: Profile, on_admitted: Callable[[Sequence], None],
-                 on_token: Callable[[Sequence], None], on_finished: Callable[[Sequence], None]) -> None:
+                 on_token: Callable[[Sequence], None], on_finished: Callable[[Sequence], None],
+                 handoff: bool = True) -> None:
         self.spec = spec
         self.profile = profile
+        self.handoff = handoff
+        """Its sequences' KV comes from a prefill worker: each costs the profile's per-request CPU."""
+        self.pending_s = 0.0
+        """Per-request CPU spent since the last step began: the next step carries it."""
         tokens = spec.kv_cache_tokens or profile.kv_cache_tokens
         self.scheduler = Scheduler(max(tokens // spec.block_size, 1), spec.block_size, spec.max_running,
                                    spec.max_queue, spec.enable_prefix_caching)
@@ -280,6 +296,8 @@ class DecodePart:
         """The KV is in place: the first token joins (DecodeEngine.start)."""
         if seq.state is not SeqState.WAITING_KV:
             return
+        if self.handoff:
+            self.pending_s += self.profile.decode.request_seconds(len(seq.prompt_ids))
         self.scheduler.start(seq)
         seq.append(OUTPUT_TOKEN)
         if seq.state is SeqState.FINISHED:
@@ -298,7 +316,8 @@ class DecodePart:
         resumed = sum(s.num_tokens - 1 - s.resume_from for s in batch
                       if s.resume_from is not None and s.resume_from < s.num_tokens - 1)
         context = sum(s.num_tokens for s in batch)
-        return batch, self.profile.decode.step_seconds(len(batch), context, resumed)
+        extra, self.pending_s = self.pending_s, 0.0
+        return batch, self.profile.decode.step_seconds(len(batch), context, resumed) + extra
 
     def complete(self, batch: list[Sequence]) -> None:
         for seq in batch:
@@ -349,8 +368,8 @@ class ColocatedWorker(_Stepper):
                  decode_spec: DecodeSpec, on_first_token, on_admitted, on_token, on_finished,
                  host: Contention | None = None) -> None:
         super().__init__(name, clock, profile, host)
-        self.prefill = PrefillPart(prefill_spec, clock, profile, on_first_token)
-        self.decode = DecodePart(decode_spec, profile, on_admitted, on_token, on_finished)
+        self.prefill = PrefillPart(prefill_spec, clock, profile, on_first_token, handoff=False)
+        self.decode = DecodePart(decode_spec, profile, on_admitted, on_token, on_finished, handoff=False)
 
     def _take(self):
         decoding = self.decode.take()  # the batch first: a sequence whose prefill ends now joins the next step

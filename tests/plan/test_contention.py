@@ -102,3 +102,20 @@ def test_a_window_reads_this_process_from_proc():
     got = window.end()
     assert got["cpu_s"]["self"] >= 0.0 and 0.0 <= got["share"]["self"] <= 1.0
     assert got["external_cores"] >= 0.0 and got["wall_s"] > 0
+
+
+def test_a_requests_own_cpu_lengthens_its_workers_next_step():
+    """Per request (the KV sent or received, the RPCs): prefill 0.25 s, decode 0.125 s. r0's first token at
+    0.25; its KV in, the decode worker's next step carries 0.125: 0.25 -> 0.4375, then 0.5. r1 (at 0.25)
+    prefills in the step that carries r0's 0.25: first token at 0.75, its decode steps end at 0.9375 and 1.0.
+    Colocated, no KV moves: nothing is added."""
+    from dataclasses import replace
+
+    base = _profile()
+    profile = replace(base, prefill=replace(base.prefill, per_request_s=0.25),
+                      decode=replace(base.decode, per_request_s=0.125))
+    result = simulate(_requests(0.0, 0.25), ClusterSpec(), profile)
+    assert [o.chunk_times for o in result.outputs] == [[0.25, 0.4375, 0.5], [0.75, 0.9375, 1.0]]
+    colocated = simulate(_requests(0.0), ClusterSpec(prefill_workers=0, colocated=True), profile)
+    assert colocated.outputs[0].chunk_times == simulate(_requests(0.0), ClusterSpec(prefill_workers=0, colocated=True),
+                                                        base).outputs[0].chunk_times

@@ -88,3 +88,39 @@ def test_a_decode_step_is_the_decode_process_cpu_per_step_where_measured():
     assert step_work({"tokens": 96, "step_s": 0.09, "share": 0.3, "cpu_s": {"decode": 5.76}}) == pytest.approx(0.06)
     assert step_work({"tokens": 96, "step_s": 0.09, "share": 0.5}) == pytest.approx(0.045)
     assert step_work({"tokens": 96, "step_s": 0.05, "share": 0.5, "cpu_s": {"decode": 5.76}}) == 0.05
+
+
+def test_per_request_cpu_is_taken_out_of_the_steps_and_fitted_against_the_prompt():
+    """Rows made with known per-request CPU on both workers (the KV sent and received, the RPCs) beside known
+    steps: the fit gives both back, and the decode steps' work loses its requests' share."""
+    from pdserve.benchmarks.plan.measure import fit_decode, fit_profile
+
+    d0, d1, d2, r0, r1 = 0.002, 1e-4, 1e-7, 0.003, 2e-5  # decode step; decode per request: 3 ms + 20 us/token
+    p0, p1, q0, q1 = 0.004, 1e-5, 0.001, 5e-6  # prefill step; prefill per request: 1 ms + 5 us/token
+    idle = 0.01  # cores each worker burns idle (heartbeats)
+
+    def step(batch, context):
+        return d0 + d1 * batch + d2 * context
+
+    tokens = 32
+    groups = [{"batch": b, "prompt": p, "tokens": tokens, "context_tokens": b * (p + 16), "share": 1.0,
+               "step_s": 1.0,  # the wall: far above the CPU, which is what counts
+               "cpu_s": {"decode": tokens * step(b, b * (p + 16)) + b * (r0 + r1 * p), "coordinator": 0.0,
+                         "client": 0.0}}
+              for b in (1, 4, 16) for p in (32, 320)]
+    requests = [{"prompt": n, "requests": 16, "wall_s": 2.0, "idle_cores": {"decode": idle, "prefill": idle},
+                 "cpu_s": {"decode": 16 * (r0 + r1 * n + step(1, n + 1)) + idle * 2.0,
+                           "prefill": 16 * (q0 + q1 * n + p0 + p1 * bucket_length(n, 512)) + idle * 2.0}}
+                for n in (16, 384)]
+    d = fit_decode(groups, 0.0, requests)
+    assert (d.fixed_s, d.per_seq_s, d.per_context_token_s) == pytest.approx((d0, d1, d2), rel=1e-6)
+    assert (d.per_request_s, d.per_request_token_s) == pytest.approx((r0, r1), rel=1e-6)
+    without = fit_decode(groups, 0.0)  # the requests' CPU lands in the steps
+    assert without.per_seq_s > d1 and without.per_request_s == 0.0
+    rows = {"prefill": [{"tokens": n, "ttft_s": p0 + p1 * bucket_length(n, 512), "second_s": 1.0}
+                        for n in (16, 64, 256)],
+            "burst": [], "decode": groups, "requests": requests}
+    p = fit_profile(rows, hardware="cpu", model="tiny", kv_bytes_per_token=1000, kv_cache_tokens=4096,
+                    transfer_bytes_per_s=1e9, max_len=512)
+    assert (p.prefill.per_request_s, p.prefill.per_request_token_s) == pytest.approx((q0, q1), rel=1e-6)
+    assert p.decode.request_seconds(100) == pytest.approx(r0 + 100 * r1, rel=1e-6)
