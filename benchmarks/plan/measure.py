@@ -7,7 +7,7 @@ It starts a 1 prefill + 1 decode cluster (`pdserve up`'s launcher; each worker o
 cores) and sends requests through the coordinator's gRPC API, timed at the client as `pdserve bench` does:
 1. Prefill: one prompt at a time at several lengths, 2 output tokens, while `background_streams` other
    requests decode (the decode worker and the coordinator busy, as under load; their CPU is what the
-   prefill worker contends with on a shared machine): TTFT(L) = overhead + step(L)
+   prefill worker contends with on a shared machine; 0: an idle cluster): TTFT(L) = overhead + step(L)
    fits `fixed + per_token x padded + per_pair x L^2`; bursts of short prompts sent at once (the first
    runs alone, the rest pack into the next step) split the intercept into the step's fixed seconds and
    the client-visible overhead that occupies no worker.
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -80,7 +81,11 @@ class ProfilePlan:
     request_count: int = 16
     """Requests sent one at a time at each of `request_lengths` for the workers' CPU per request."""
     background_streams: int = 8
-    """Requests decoding while the prefill rows are measured (0: an idle cluster)."""
+    """Requests decoding while the prefill rows are measured; each row's share of a core is divided out.
+    0: an idle cluster, a prompt's time taken as its work and its process's CPU over that time as the cores
+    it keeps busy (the busiest thread's share also counts XLA's threads waiting for each other). Measured
+    both ways on 2026-12-04, the loaded profile predicted the validation runs better (10 and 11 of 18
+    against 6 and 4: benchmarks/README.md), so it stays the default."""
 
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.burst < 2 or self.decode_tokens < 8:
@@ -141,7 +146,8 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
     try:
         await _send(target, _synthetic(4, 16, 2, vocab, 99))  # connections, the first steps
         stop = asyncio.Event()
-        background = asyncio.create_task(_background(target, vocab, plan.background_streams, max_len - 32, stop))
+        background = (asyncio.create_task(_background(target, vocab, plan.background_streams, max_len - 32, stop))
+                      if plan.background_streams else None)
         try:
             await asyncio.sleep(0.5)
             ttft_sum = 0.0
@@ -156,11 +162,13 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
                         got = window.end()["share"]
                         rows["prefill"].append({"tokens": n, "ttft_s": o.ttft, "second_s": o.chunk_times[1] - o.sent,
                                                 "share": got.get("prefill", 1.0),
-                                                "decode_share": got.get("decode", 1.0)})
+                                                "decode_share": got.get("decode", 1.0),
+                                                "background": plan.background_streams})
                 bar.update(1)
             host = whole.end()
             rows["prefill_cpu"] = {"cpu_s": host["cpu_s"].get("prefill", 0.0), "ttft_sum_s": ttft_sum,
-                                   "hot_cpu_s": host["hot_cpu_s"].get("prefill", 0.0)}
+                                   "hot_cpu_s": host["hot_cpu_s"].get("prefill", 0.0),
+                                   "background": plan.background_streams}
             for r in range(plan.repeats + 1):
                 outs = await _send(target, _synthetic(plan.burst, 16, 1, vocab, 1000 + r))
                 ttfts = sorted(o.ttft for o in outs)
@@ -170,7 +178,8 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
             bar.update(1)
         finally:
             stop.set()
-            await background
+            if background is not None:
+                await background
         window = Window(pids)
         await _send(target, _synthetic(plan.front_requests, 16, 1, vocab, 2000))
         host = window.end()
@@ -250,7 +259,7 @@ def fit_decode(rows: list[dict], per_resumed_token_s: float, requests: list[dict
     steps; then the per-request cost from `requests` rows (`request_rows`), the two fitted in turn."""
     cost = DecodeCost(0.0, 0.0)
     for _ in range(6):  # each round's error is the last's over the groups' tokens per request
-        dec = [{**r, "step_s": max(step_work(r) - _requests_per_step(r, cost), 0.0)}
+        dec = [{**r, "step_s": max(step_work(r) - _requests_per_step(r, cost), 0.1 * step_work(r))}
                for r in rows if r.get("overlap", True)]
         if not dec:
             raise ValueError("no decode group had all its requests decoding at once: raise ProfilePlan.decode_tokens")
@@ -281,7 +290,7 @@ def _per_request(requests: list[dict], role: str, step: Callable[[int], float]) 
            for r in rows]
     if len(rows) == 1:
         return {"per_request_s": own[0], "per_request_token_s": 0.0}
-    c = nonneg_fit({"one": [1.0] * len(rows), "tokens": [r["prompt"] for r in rows]}, own)
+    c = nonneg_fit({"one": [1.0] * len(rows), "tokens": [r["prompt"] for r in rows]}, own, relative=False)
     return {"per_request_s": c["one"], "per_request_token_s": c["tokens"]}
 
 
@@ -289,7 +298,8 @@ def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: in
                 transfer_bytes_per_s: float, max_len: int, min_bucket: int = 16, max_batch_tokens: int = 8192) -> Profile:
     """The profile the rows imply (module docstring: the model each one fits). Rows measured before the host's
     CPU was (no `share`) count as measured on cores of their own."""
-    pre = _medians([{**r, "ttft_s": r["ttft_s"] * r.get("share", 1.0)} for r in rows["prefill"]], "tokens")
+    pre = _medians([{**r, "share": _share(r, "share"), "decode_share": _share(r, "decode_share"),
+                     "ttft_s": r["ttft_s"] * _share(r, "share")} for r in rows["prefill"]], "tokens")
     padded = [bucket_length(r["tokens"], max_len, min_bucket) for r in pre]
     c = nonneg_fit({"one": [1.0] * len(pre), "padded": padded, "pairs": [r["tokens"] ** 2 for r in pre]},
                    [r["ttft_s"] for r in pre])
@@ -332,10 +342,19 @@ def host_cpu(rows: dict) -> HostCpu:
         front[name] = ProcessCpu(per_request, max(statistics.median(per_token), 0.0) if per_token else 0.0)
     cores = float(os.cpu_count() or 1)
     cpu = rows.get("prefill_cpu") or {}
-    prefill = cpu.get("cpu_s", 0.0) / cpu["hot_cpu_s"] if cpu.get("hot_cpu_s") else 1.0
+    if cpu.get("background", 1) == 0 and cpu.get("ttft_sum_s"):  # measured idle: its CPU over its prompts' time
+        prefill = cpu.get("cpu_s", 0.0) / cpu["ttft_sum_s"]
+    else:
+        prefill = cpu.get("cpu_s", 0.0) / cpu["hot_cpu_s"] if cpu.get("hot_cpu_s") else 1.0
     # the decode worker's step is its process's CPU (step_work): one core, its threads in turn
     return HostCpu(prefill_threads=min(max(prefill, 1.0), cores), decode_threads=1.0,
                    coordinator=front["coordinator"], client=front["client"])
+
+
+def _share(r: dict, key: str) -> float:
+    """The share a prefill row divides out: the measured one under background load, 1 on an idle cluster
+    (rows of older profiles, without `background`, were measured under load)."""
+    return r.get(key, 1.0) if r.get("background", 1) else 1.0
 
 
 def _medians(rows: list[dict], key: str) -> list[dict]:
@@ -536,9 +555,15 @@ def main(argv: list[str] | None = None) -> int:
     bw = _transfer_bytes_per_s(layout)
     log("this machine's peaks on one core (benchmarks/ceilings.py: torch matmul GFLOP/s, memcpy GB/s)")
     peak = _peaks()
-    profile = fit_profile(rows, hardware=args.hardware or cpu_model(), model=model.name,
-                          kv_bytes_per_token=layout.bytes_per_token, kv_cache_tokens=kv_cache_tokens,
-                          transfer_bytes_per_s=bw, max_len=1 << (max_len - 1).bit_length())
+    raw = args.out.with_suffix(".rows.json")  # kept until the fit is saved: a failed fit loses no measuring
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_text(json.dumps(rows))
+    try:
+        profile = fit_profile(rows, hardware=args.hardware or cpu_model(), model=model.name,
+                              kv_bytes_per_token=layout.bytes_per_token, kv_cache_tokens=kv_cache_tokens,
+                              transfer_bytes_per_s=bw, max_len=1 << (max_len - 1).bit_length())
+    except Exception as e:
+        raise RuntimeError(f"the fit of the measured rows failed ({e}); the rows are in {raw}") from e
     profile.notes["max_len"] = 1 << (max_len - 1).bit_length()
     profile.notes["peak"] = peak
     profile.notes["kind"] = "cpu"
@@ -546,6 +571,7 @@ def main(argv: list[str] | None = None) -> int:
     profile.notes["model_shape"] = _shape(config)
     profile = dataclasses.replace(profile, dtypes=main_pair)
     profile.save(args.out)  # before the other pairs: a stopped run keeps the profile's own
+    raw.unlink()
     other = {}
     for pair in other_pairs:
         other[pair] = measure_dtype(model, pair, config.vocab_size, plan, max_len, cpus)

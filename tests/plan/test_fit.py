@@ -124,3 +124,29 @@ def test_per_request_cpu_is_taken_out_of_the_steps_and_fitted_against_the_prompt
                     transfer_bytes_per_s=1e9, max_len=512)
     assert (p.prefill.per_request_s, p.prefill.per_request_token_s) == pytest.approx((q0, q1), rel=1e-6)
     assert p.decode.request_seconds(100) == pytest.approx(r0 + 100 * r1, rel=1e-6)
+
+
+def test_prefill_rows_measured_idle_keep_their_time_and_give_the_cores_the_prefill_keeps_busy():
+    """On an idle cluster (background 0) a prompt's time is its work: the busiest thread's share (XLA's threads
+    waiting for each other) is not divided out; the prefill's threads are its CPU over its prompts' time."""
+    from pdserve.benchmarks.plan.measure import host_cpu
+
+    fixed, per_token = 0.004, 1e-4
+
+    def row(n: int, background: int) -> dict:
+        return {"tokens": n, "ttft_s": fixed + per_token * bucket_length(n, 512), "second_s": 1.0, "share": 0.4,
+                "decode_share": 0.5, "background": background}
+
+    def fit(background: int):
+        rows = {"prefill": [row(n, background) for n in (16, 64, 256)], "burst": [],
+                "decode": [{"batch": 1, "prompt": 16, "tokens": 32, "context_tokens": 32, "step_s": 0.002}],
+                "prefill_cpu": {"cpu_s": 1.5, "ttft_sum_s": 1.0, "hot_cpu_s": 0.5, "background": background}}
+        return fit_profile(rows, hardware="cpu", model="tiny", kv_bytes_per_token=1000, kv_cache_tokens=4096,
+                           transfer_bytes_per_s=1e9, max_len=512), host_cpu(rows)
+
+    idle, idle_host = fit(0)
+    assert (idle.prefill.fixed_s, idle.prefill.per_token_s) == pytest.approx((fixed, per_token))
+    assert idle_host.prefill_threads == pytest.approx(1.5)  # 1.5 CPU seconds over 1 s of prompts
+    loaded, loaded_host = fit(8)
+    assert loaded.prefill.per_token_s == pytest.approx(0.4 * per_token)  # the share divided out under load
+    assert loaded_host.prefill_threads == pytest.approx(min(3.0, __import__("os").cpu_count()))
