@@ -84,7 +84,8 @@ async def test_a_worker_slow_to_answer_getinfo_stays_ready_until_silent_for_the_
     """Under load a live worker may miss one GetInfo deadline: its streams must not be cut for it. Silent
     for longer than heartbeat_timeout, it is dead (a hung process); a refused connection is dead at once."""
     slow, gone = [await FakeWorker.start("decode", FakeDecode()) for _ in range(2)]
-    pool = WorkerPool(refresh_seconds=0.1, heartbeat_timeout=2.5)  # GetInfo's deadline: 1 s
+    # GetInfo's deadline is 1 s: silent >= 2 s after round 2, >= 3 s after round 3 (whatever the load adds)
+    pool = WorkerPool(refresh_seconds=0.1, heartbeat_timeout=2.8)
     s, g = pool.add(Worker(slow.address, "decode")), pool.add(Worker(gone.address, "decode"))
     await pool.refresh()
     assert pool.ready("decode") == [s, g]
@@ -92,9 +93,9 @@ async def test_a_worker_slow_to_answer_getinfo_stays_ready_until_silent_for_the_
     await gone.stop()
     await pool.refresh()  # s misses the deadline 1 s after its last answer; g refuses
     assert s.state == "ready" and not s.lost.is_set() and g.state == "dead"
-    await pool.refresh()  # 2 s without an answer: still within heartbeat_timeout
+    await pool.refresh()  # about 2 s without an answer: still within heartbeat_timeout
     assert s.state == "ready"
-    await pool.refresh()  # 3 s
+    await pool.refresh()  # 3 s or more
     assert s.state == "dead" and s.lost.is_set()
     slow.control.delay = 0.0
     await pool.refresh()
