@@ -83,8 +83,7 @@ class HostCpu:
     def from_json(cls, doc: dict) -> HostCpu:
         try:
             return cls(**{**doc, "coordinator": ProcessCpu(**doc.get("coordinator", {})),
-                          "placement": parse_placement(",".join(f"{k}={v}" for k, v in doc["placement"].items()))
-                          if doc.get("placement") else None,
+                          "placement": dict(doc["placement"]) if doc.get("placement") else None,
                           "client": ProcessCpu(**doc.get("client", {}))})
         except (TypeError, ValueError, AttributeError) as e:
             raise ValueError(f"host_cpu: {e}") from None
@@ -104,12 +103,6 @@ def parse_placement(text: str) -> dict[str, int]:
     if set(out) != set(ROLES):
         raise ValueError(f"placement {text!r} must name a core for each of {', '.join(ROLES)}")
     return out
-
-
-def pinned_placement(cores: int) -> dict[str, int] | None:
-    """Each worker on a core of its own, the coordinator and the load client beside the prefill worker
-    (idle between prompts; the decode worker steps all the time); None below 2 cores."""
-    return {"prefill": 0, "decode": 1, "coordinator": 0, "client": 0} if cores >= 2 else None
 
 
 def fair_shares(capacity: float, demands: list[float]) -> list[float]:

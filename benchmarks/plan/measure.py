@@ -51,7 +51,7 @@ from pathlib import Path
 from pdserve.benchmarks.plan import pinning
 from pdserve.benchmarks.plan.contention import HostCpu, ProcessCpu
 from pdserve.benchmarks.plan.fit import nonneg_fit
-from pdserve.benchmarks.plan.procstat import Window
+from pdserve.benchmarks.plan.procstat import Window, thread_run_seconds
 from pdserve.benchmarks.plan.profile import DecodeCost, DtypeRow, HandoffCost, PrefillCost, Profile
 from pdserve.benchmarks.plan.workers import bucket_length
 from pdserve.benchmarks.protocol import cpu_model
@@ -194,8 +194,6 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
 
 def _thread_cpu(pids: dict[str, int]) -> dict[str, float]:
     """Each process's on-CPU seconds summed over its threads (schedstat: ns, not the 10 ms ticks of stat)."""
-    from pdserve.benchmarks.plan.procstat import thread_run_seconds
-
     return {k: sum(on for on, _ in thread_run_seconds(pid).values()) for k, pid in pids.items()}
 
 
@@ -313,7 +311,8 @@ def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: in
     requests = rows.get("requests", [])
     decode = fit_decode(rows["decode"], per_token, requests)
     steps = PrefillCost(fixed, per_token, per_pair)
-    threads = host_cpu(rows).prefill_threads  # a prefill step's CPU: its work times the cores XLA keeps busy
+    host = host_cpu(rows)
+    threads = host.prefill_threads  # a prefill step's CPU: its work times the cores XLA keeps busy
     prefill = dataclasses.replace(steps, **_per_request(
         requests, "prefill",
         lambda n: threads * steps.step_seconds(bucket_length(n, max_len, min_bucket), n * n)))
@@ -324,7 +323,7 @@ def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: in
     handoff = HandoffCost(max(statistics.median(waits), 0.0), transfer_bytes_per_s, kv_bytes_per_token)
     return Profile(hardware=hardware, model=model, prefill=prefill, decode=decode,
                    handoff=handoff, kv_cache_tokens=kv_cache_tokens, source="measured",
-                   ttft_overhead_s=intercept - fixed, host_cpu=host_cpu(rows),
+                   ttft_overhead_s=intercept - fixed, host_cpu=host,
                    notes={"rows": rows, "prefill_intercept_s": intercept,
                           "max_batch_tokens": max_batch_tokens, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 

@@ -8,25 +8,21 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pdserve.benchmarks.plan.contention import pinned_placement
-
 _CORES = sorted(os.sched_getaffinity(0))
 """The cores this process could use when it started (before pinning itself to one)."""
 
 
 def placement() -> dict[str, int]:
-    """{role: core index} for this machine; raises where fewer than 2 cores are there to pin to."""
-    cores = len(_CORES)
-    chosen = pinned_placement(cores)
-    if chosen is None:
-        raise ValueError(f"--pin needs at least 2 cores; this process may use {cores}: run without --pin")
-    return chosen
+    """{role: core index}: each worker on a core of its own, the coordinator and the load client beside the
+    prefill worker (idle between prompts; the decode worker steps all the time). Raises below 2 cores."""
+    if len(_CORES) < 2:
+        raise ValueError(f"--pin needs at least 2 cores; this process may use {len(_CORES)}: run without --pin")
+    return {"prefill": 0, "decode": 1, "coordinator": 0, "client": 0}
 
 
 def launcher_cpus(chosen: dict[str, int]) -> dict[str, set[int]]:
     """The launcher's `cpus` (real core ids) for a placement by index."""
-    ids = _CORES
-    return {role: {ids[core]} for role, core in chosen.items() if role != "client"}
+    return {role: {_CORES[core]} for role, core in chosen.items() if role != "client"}
 
 
 def pin_this_process(chosen: dict[str, int]) -> None:

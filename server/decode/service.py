@@ -166,9 +166,14 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"Steps stream {request.stream_id} is already open; pick a fresh stream_id")
         stream = self.step_streams[request.stream_id] = StepStream(request.stream_id)
-        ended = asyncio.get_running_loop().create_future()
-        self._stream_ends[request.stream_id] = ended
-        context.add_done_callback(lambda _: self._stream_ends.pop(request.stream_id, None) and ended.set_result(None))
+        ended = self._stream_ends[request.stream_id] = asyncio.get_running_loop().create_future()
+
+        def done(_) -> None:  # the call is over, its status sent
+            self._stream_ends.pop(request.stream_id, None)
+            if not ended.done():
+                ended.set_result(None)
+
+        context.add_done_callback(done)
         try:
             async for batch in stream.batches():
                 yield batch
