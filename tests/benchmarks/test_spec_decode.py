@@ -17,7 +17,11 @@ def test_a_tiny_run_writes_its_rows_and_speculation_changes_no_token(tiny_model,
     assert all(r["identical_tokens"] and r["off_tok_s"] > 0 and r["tok_s"] > 0 for r in rows)
     assert all(r["off_steps"] == 11 for r in rows)  # 12 tokens: the first from prefill, 11 plain steps
     by = {(r["workload"], r["batch"], r["method"]): r for r in rows}
-    assert by["self-repeating", 1, "ngram"]["acceptance"] > 0.5
+    # A random model's greedy output falls into loops, but where within 12 tokens depends on near-tied logits, so
+    # on kernel and thread count (CI once saw no loop at batch 1 and 7 drafts at batch 2): judged over both batches.
+    ngram = [by["self-repeating", b, "ngram"] for b in (1, 2)]
+    drafts = sum(r["drafts"] for r in ngram)
+    assert drafts > 0 and sum(r["acceptance"] * r["drafts"] for r in ngram) / drafts > 0.5
     assert by["self-repeating", 1, "draft-self"]["acceptance"] == 1.0  # greedy: the target proposes its own tokens
 
 
