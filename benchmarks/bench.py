@@ -113,8 +113,15 @@ async def run_groups(
     return RunResult(outputs=outputs, start=start, end=end)
 
 
+WARMUP_SEED_OFFSET = 1_000_003
+"""The warm-up's prompts are drawn with seed + this: the shapes of the measured requests, none of their ids (a
+warm-up on the measured prompts would put their KV in the server's prefix caches, and the first measured
+requests would be cache hits)."""
+
+
 async def warmup(target: Target, requests: list[datasets.BenchRequest], n: int) -> None:
-    """Sends n requests (up to 4 at a time) whose results are thrown away: compiles, caches, connections."""
+    """Sends n requests (up to 4 at a time) whose results are thrown away: compiles, connections
+    (`requests`: the warm-up's own, `warmup_requests`)."""
     sem = asyncio.Semaphore(4)
 
     async def one(req):
@@ -250,11 +257,24 @@ def _vocab_size(args) -> int:
     return 500
 
 
-def make_requests(args, n: int) -> list[datasets.BenchRequest]:
+def prompt_count(args) -> int:
+    """How many distinct requests a run draws: --num-prompts, else (a timed run) the arrivals its rate and
+    --duration give with room for Poisson's spread, else 1000 (a closed loop cycles through them). A timed
+    run that cycled would send the same prompts again, and a server's prefix cache would serve them."""
+    if args.num_prompts:
+        return args.num_prompts
+    if args.duration and math.isfinite(args.request_rate):
+        expected = args.request_rate * args.duration
+        return max(1000, math.ceil(expected + 6 * math.sqrt(expected) + 16))
+    return 1000
+
+
+def make_requests(args, n: int, seed: int | None = None) -> list[datasets.BenchRequest]:
+    seed = args.seed if seed is None else seed
     if args.dataset == "sharegpt":
         if not args.dataset_path:
             raise SystemExit("--dataset sharegpt needs --dataset-path")
-        return datasets.sharegpt(args.dataset_path, n, tokenizer_path=args.tokenizer, seed=args.seed)
+        return datasets.sharegpt(args.dataset_path, n, tokenizer_path=args.tokenizer, seed=seed)
     return datasets.synthetic(
         n,
         input_len=args.input_len,
@@ -263,7 +283,7 @@ def make_requests(args, n: int) -> list[datasets.BenchRequest]:
         dist=args.length_dist,
         range_ratio=args.range_ratio,
         sigma=args.sigma,
-        seed=args.seed,
+        seed=seed,
     )
 
 
@@ -282,7 +302,7 @@ def make_target(args) -> Target:
 
 async def _main(args) -> dict:
     n = args.num_prompts or (None if args.duration else 100)
-    requests = make_requests(args, n or 1000)
+    requests = make_requests(args, n or prompt_count(args))
     target = make_target(args)
     group = Group(
         "default",
@@ -292,7 +312,7 @@ async def _main(args) -> dict:
     )
     try:
         if args.warmup:
-            await warmup(target, requests, args.warmup)
+            await warmup(target, make_requests(args, args.warmup, args.seed + WARMUP_SEED_OFFSET), args.warmup)
         result = await run_groups(target, [group], duration=args.duration, progress=not args.no_progress)
     finally:
         await target.close()

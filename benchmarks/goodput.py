@@ -8,8 +8,9 @@ and TPOT <= --slo-tpot-ms; benchmarks/metrics.py `summarize`, bench's own rule).
 the system once with side_by_side.py's launcher (`pdserve`: JAX prefill on core 0, torch decode on core 1,
 the coordinator's OpenAI front; `vllm`: one colocated `vllm serve` on both cores; `vllm-pd`: vLLM's own P/D,
 two instances and ExampleConnector behind benchmarks/vllm_pd_proxy.py), warms it up on every prompt shape
-the sweep sends, then sends Poisson arrivals (seeded, the same requests for every system) at each rate for
---duration seconds, lowest rate first. A system that cannot start here is reported with why, and the
+the sweep sends (prompts of its own), then sends Poisson arrivals (seeded, the same requests for every
+system; each rate's prompts its own, none sent twice: a prefix cache would serve a repeated prompt) at each
+rate for --duration seconds, lowest rate first. A system that cannot start here is reported with why, and the
 others run on. The machine and its load average are recorded before, during and after (protocol.py).
 
 Writes <out>/<time>/goodput.json (every rate's whole summary), table.md (goodput, throughput, attainment,
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -59,9 +61,17 @@ class Sweep:
             raise ValueError("--input-len must be >= 1 and --output-len >= 2 (TPOT needs two tokens)")
 
 
-def requests(sweep: Sweep, vocab_size: int, n: int = 256) -> list[datasets.BenchRequest]:
+def requests(sweep: Sweep, vocab_size: int, rate: float | None = None) -> list[datasets.BenchRequest]:
+    """The prompts sent at `rate` (None: the warm-up's 8), the same for every system: as many as that rate's
+    arrivals with room for Poisson's spread, seeded by (--seed, rate), so no prompt is sent twice in the sweep
+    (a system's prefix cache would serve it again, and the sweep would measure the cache)."""
+    if rate is None:
+        n, key = 8, 0
+    else:
+        expected = rate * sweep.duration
+        n, key = math.ceil(expected + 6 * math.sqrt(expected) + 16), 1 + round(rate * 1000)
     return datasets.synthetic(n, input_len=sweep.input_len, output_len=sweep.output_len, vocab_size=vocab_size,
-                              seed=sweep.seed)
+                              seed=[sweep.seed, key])
 
 
 def row(rate: float, summary: dict) -> dict:
@@ -74,14 +84,15 @@ def row(rate: float, summary: dict) -> dict:
             "load_avg": load_average()[0]}
 
 
-async def sweep_rates(target: Target, sweep: Sweep, reqs: list[datasets.BenchRequest], progress: bool = False,
+async def sweep_rates(target: Target, sweep: Sweep, vocab_size: int, progress: bool = False,
                       log=lambda message: None) -> list[dict]:
-    """Each rate in turn, lowest first: Poisson arrivals for the sweep's duration; a row per rate (and its
-    whole summary under "summary")."""
+    """Each rate in turn, lowest first: Poisson arrivals of that rate's own prompts (`requests`) for the
+    sweep's duration; a row per rate (and its whole summary under "summary")."""
     rows = []
     for rate in sorted(sweep.rates):
         log(f"{rate:g} req/s for {sweep.duration:g} s (load {load_average()[0]})")
-        group = Group(f"rate-{rate:g}", reqs, LoadSpec(rate=rate, arrival="poisson", seed=sweep.seed))
+        group = Group(f"rate-{rate:g}", requests(sweep, vocab_size, rate),
+                      LoadSpec(rate=rate, arrival="poisson", seed=sweep.seed))
         result = await run_groups(target, [group], duration=sweep.duration, progress=progress)
         summary = summarize(result.outputs, slo_ttft_ms=sweep.slo_ttft_ms, slo_tpot_ms=sweep.slo_tpot_ms)
         rows.append({**row(rate, summary), "summary": summary})
@@ -199,7 +210,6 @@ def main(argv: list[str] | None = None) -> int:
                          f"max length {config.max_model_len}: shorten them")
     launch = argparse.Namespace(dtype=args.dtype, max_model_len=args.max_model_len or min(config.max_model_len, 4096),
                                 pdserve_front="http")
-    reqs = requests(sweep, config.vocab_size)
     run_dir = args.out / time.strftime("%Y%m%d-%H%M%S")
     results: dict[str, list[dict]] = {}
     failures: dict[str, str] = {}
@@ -220,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                 async def go() -> list[dict]:
                     target = server.make_target()
                     try:
-                        await warmup(target, reqs, 8)
-                        return await sweep_rates(target, sweep, reqs, progress=not args.no_progress,
+                        await warmup(target, requests(sweep, config.vocab_size), 8)
+                        return await sweep_rates(target, sweep, config.vocab_size, progress=not args.no_progress,
                                                  log=lambda m: log(f"{system}: {m}"))
                     finally:
                         await target.close()

@@ -4,7 +4,8 @@
 
 For two workload shapes (short and long prompts) it finds the rate where the simulated cluster saturates
 (`saturation`: where the late requests' simulated TTFT passes 4x the idle one), and runs three rates: 0.3x, 0.7x and 1.4x that (the last past saturation).
-Each (shape, rate) is sent by `pdserve bench` (Poisson arrivals, seeded) to a 1 prefill + 1 decode
+Each (shape, rate) is sent by `pdserve bench` (Poisson arrivals; the i-th run seeded --seed + i, so no run
+sends an earlier run's prompts, which the cluster's prefix caches would serve) to a 1 prefill + 1 decode
 cluster started by `pdserve up`'s launcher, and simulated with the same flags and the profile; the table
 puts the predicted TTFT p50/p99 and TPOT p50 beside the measured ones with the relative error.
 `--measure` first writes the profile (`pdserve plan profile`) from the same cluster's machine.
@@ -151,7 +152,7 @@ def _predict_again(args, profile: Profile, max_len: int) -> int:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"cannot read {path}: {e}; run `pdserve plan validate` first") from None
     for row in doc["rows"]:
-        wl = workload_argv(row["input_len"], row["output_len"], row["rate"], args.duration, args.seed)
+        wl = workload_argv(row["input_len"], row["output_len"], row["rate"], args.duration, row.get("seed", args.seed))
         host = host_argv(row.get("host_cores", args.host_cores) if args.host_cores else 0.0,
                          row.get("external_cores", 0.0), row.get("placement"))
         predicted = predict(args.profile, [*wl, *host], max_len)
@@ -222,13 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     try:
         for i, (name, shape, rate) in enumerate(plan, 1):
-            wl = workload_argv(*shape, rate, args.duration, args.seed)
+            # each run its own prompts: the cluster's prefix caches keep the earlier runs' KV, and a run that
+            # sent their prompts again would be served from it (the simulated cluster starts empty each run)
+            wl = workload_argv(*shape, rate, args.duration, args.seed + i)
             log(f"[{i}/{len(plan)}] {name} at {rate} req/s: pdserve bench {' '.join(wl)}")
             window = Window({**cluster.describe()["pids"], "client": os.getpid()})
             measured = measure(cluster.coordinator.address, ["--no-progress", *wl], args.out / f"{name}-{rate}")
             host = window.end()
             predicted = predict(args.profile, [*wl, *host_argv(args.host_cores, host["external_cores"], chosen)], max_len)
             rows.append({"shape": name, "input_len": shape[0], "output_len": shape[1], "rate": rate,
+                         "seed": args.seed + i,
                          "predicted": {k: predicted[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed", "sim")},
                          "measured": {k: measured[k] for k in ("ttft_ms", "tpot_ms", "itl_ms", "completed")},
                          "cores": host["cores"], "share": host["share"], "external_cores": host["external_cores"],

@@ -75,7 +75,7 @@ def from_bench_requests(requests: list[datasets.BenchRequest], load: LoadSpec, *
 
 def from_args(args) -> list[SimRequest]:
     """The requests `pdserve bench` would send with these flags (its parser's names)."""
-    from pdserve.benchmarks.bench import make_requests
+    from pdserve.benchmarks.bench import make_requests, prompt_count
 
     for name in ("input_len", "output_len"):
         if getattr(args, name) < 1:
@@ -83,7 +83,7 @@ def from_args(args) -> list[SimRequest]:
     if not args.request_rate > 0:
         raise WorkloadError(f"--request-rate must be > 0, got {args.request_rate}")
     n = args.num_prompts or (None if args.duration else 100)
-    requests = make_requests(args, n or 1000)
+    requests = make_requests(args, n or prompt_count(args))
     load = LoadSpec(rate=args.request_rate, arrival=args.arrival, seed=args.seed)
     return from_bench_requests(requests, load, max_requests=n, duration=args.duration,
                                vocab_size=args.vocab_size or DEFAULT_VOCAB)

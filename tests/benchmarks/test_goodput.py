@@ -36,21 +36,33 @@ class ScriptedTarget(Target):
 def test_the_sweep_counts_the_requests_meeting_both_slos():
     sweep = goodput.Sweep(rates=(200.0, 100.0), duration=0.2, slo_ttft_ms=1000, slo_tpot_ms=100, input_len=4,
                           output_len=3)
-    reqs = goodput.requests(sweep, vocab_size=512, n=64)
-    firsts = [r.prompt_ids[0] % 10 for r in reqs]
     target = ScriptedTarget()
-    rows = asyncio.run(goodput.sweep_rates(target, sweep, reqs))
+    rows = asyncio.run(goodput.sweep_rates(target, sweep, 512))
     assert [r["rate"] for r in rows] == [100.0, 200.0]  # lowest first
+    firsts = []
     for r in rows:
         s = r["summary"]
         sent = s["requests"]
-        good = sum(1 for f in (firsts * 10)[:sent] if f not in (0, 1))
+        reqs = goodput.requests(sweep, 512, r["rate"])
+        assert sent <= len(reqs)  # no prompt sent twice
+        firsts += [q.prompt_ids[0] % 10 for q in reqs[:sent]]
+        good = sum(1 for q in reqs[:sent] if q.prompt_ids[0] % 10 not in (0, 1))
         assert s["good_requests"] == good and r["completed"] == sent and r["failed"] == 0
         assert r["slo_attainment"] == pytest.approx(good / sent)
         assert r["goodput"] == pytest.approx(good / s["duration_s"])
         assert r["goodput"] <= r["request_throughput"]
     assert target.sent == sum(r["requests"] for r in rows)
     assert {0, 1} & set(firsts)  # the script has requests that miss each SLO
+
+
+def test_no_prompt_is_sent_twice_in_a_sweep():
+    """A repeated prompt would be served from a system's prefix cache: each rate and the warm-up draw their own."""
+    sweep = goodput.Sweep(rates=(2.0, 4.0), duration=5, slo_ttft_ms=1000, slo_tpot_ms=100, input_len=16)
+    sets = [goodput.requests(sweep, 512, rate) for rate in (None, 2.0, 4.0)]
+    prompts = [q.prompt_ids for reqs in sets for q in reqs]
+    assert len(set(prompts)) == len(prompts)
+    assert [len(reqs) for reqs in sets] == [8, 45, 63]  # ceil(rate x duration + 6 sqrt(rate x duration) + 16)
+    assert sets[1] == goodput.requests(sweep, 512, 2.0)  # the same for every system
 
 
 def test_table_best_and_plot(tmp_path):
