@@ -87,9 +87,19 @@ class ProfilePlan:
     both ways on 2026-12-04, the loaded profile predicted the validation runs better (10 and 11 of 18
     against 6 and 4: benchmarks/README.md), so it stays the default."""
 
+    cold_gap_s: float = 0.3
+    """The idle gap before each cold prefill row (measured on the idle cluster beside warm ones sent back to
+    back: the ratio is the profile's `cold_factors`)."""
+    cold_after_s: float = 0.075
+    """The idle gap from which the simulator takes a prefill step as cold. Measured here (2026-12-04, AMD EPYC, 2
+    cores, 384-token prompts one at a time): after gaps of 5-50 ms a step was as fast as back to back, after
+    100 ms and more 1.4x as slow."""
+
     def __post_init__(self) -> None:
         if self.repeats < 1 or self.burst < 2 or self.decode_tokens < 8:
             raise ValueError("repeats >= 1, burst >= 2 and decode_tokens >= 8")
+        if self.background_streams < 0:
+            raise ValueError(f"--background-streams must be >= 0, got {self.background_streams}")
 
 
 QUICK = ProfilePlan(prefill_lengths=(16, 128, 448), repeats=2, decode_batches=(1, 16, 64), decode_contexts=(32, 320),
@@ -180,6 +190,8 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
             stop.set()
             if background is not None:
                 await background
+        rows["cold"] = await cold_rows(target, vocab, plan)
+        bar.update(1)
         window = Window(pids)
         await _send(target, _synthetic(plan.front_requests, 16, 1, vocab, 2000))
         host = window.end()
@@ -190,6 +202,34 @@ async def measure_served(address: str, vocab: int, plan: ProfilePlan, max_len: i
     finally:
         await target.close()
     return rows
+
+
+async def cold_rows(target, vocab: int, plan: ProfilePlan) -> list[dict]:
+    """Per prefill length on the idle cluster: `repeats` prompts back to back (warm) and `repeats` each after
+    an idle gap of `cold_gap_s` (cold), their TTFTs."""
+    rows = []
+    for n in plan.prefill_lengths:
+        reqs = _synthetic(2 * plan.repeats + 1, n, 2, vocab, 4000 + n)
+        await _send(target, reqs[:1])
+        warm = [(await _send(target, [r]))[0].ttft for r in reqs[1:plan.repeats + 1]]
+        cold = []
+        for r in reqs[plan.repeats + 1:]:
+            await asyncio.sleep(plan.cold_gap_s)
+            cold.append((await _send(target, [r]))[0].ttft)
+        rows.append({"tokens": n, "gap_s": plan.cold_gap_s, "cold_after_s": plan.cold_after_s,
+                     "warm_s": warm, "cold_s": cold})
+    return rows
+
+
+def cold_fit(rows: list[dict], max_len: int, min_bucket: int) -> dict:
+    """`cold_after_s` and `cold_factors` from `cold_rows` (median cold TTFT over median warm, at least 1)."""
+    if not rows:
+        return {}
+    factors = {}
+    for r in rows:
+        factors[bucket_length(r["tokens"], max_len, min_bucket)] = max(
+            1.0, statistics.median(r["cold_s"]) / statistics.median(r["warm_s"]))
+    return {"cold_after_s": rows[0]["cold_after_s"], "cold_factors": tuple(sorted(factors.items()))}
 
 
 def _thread_cpu(pids: dict[str, int]) -> dict[str, float]:
@@ -310,7 +350,7 @@ def fit_profile(rows: dict, *, hardware: str, model: str, kv_bytes_per_token: in
     fixed = min(max(statistics.median(deltas), 0.0), intercept) if deltas else intercept
     requests = rows.get("requests", [])
     decode = fit_decode(rows["decode"], per_token, requests)
-    steps = PrefillCost(fixed, per_token, per_pair)
+    steps = PrefillCost(fixed, per_token, per_pair, **cold_fit(rows.get("cold", []), max_len, min_bucket))
     host = host_cpu(rows)
     threads = host.prefill_threads  # a prefill step's CPU: its work times the cores XLA keeps busy
     prefill = dataclasses.replace(steps, **_per_request(
@@ -427,6 +467,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", action="store_true",
                    help="each worker on a core of its own (prefill, coordinator and this client on the first, decode on "
                         "the second: pinning.py), as `plan validate --pin` runs its cluster")
+    p.add_argument("--background-streams", type=int, default=ProfilePlan.background_streams,
+                   help="requests kept decoding while the prefill rows are measured (their share of a core divided "
+                        "out); 0: the prefill rows on the idle cluster, each prompt's time as its work and the prefill "
+                        f"worker's CPU over that time as the cores a step keeps busy. Default "
+                        f"{ProfilePlan.background_streams}")
     p.add_argument("--hardware", help="the name written into the profile (default: this CPU's model name)")
     p.add_argument("--decode-dtypes", type=parse_dtype_pairs, default=parse_dtype_pairs(DEFAULT_DTYPES),
                    help="the decode worker's WEIGHT/KV dtypes (its --weight-dtype/--kv-dtype) to measure decode steps "
@@ -525,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
         refit(old, max_len).save(args.out)
         print(f"profile: {args.out} (refit from {args.refit})")
         return 0
-    plan = QUICK if args.quick else ProfilePlan()
+    plan = dataclasses.replace(QUICK if args.quick else ProfilePlan(), background_streams=args.background_streams)
     model = args.model or default_model_dir()
     config = load_config(model)
     max_len = min(config.max_model_len, 1 << 30)
@@ -541,7 +586,7 @@ def main(argv: list[str] | None = None) -> int:
                               prefill_args=PREFILL_ARGS, decode_args=dtype_args(main_pair), cpus=cpus)
     try:
         layout, kv_cache_tokens = _decode_layout(cluster.coordinator.address)
-        steps = len(plan.prefill_lengths) + 1 + len(plan.decode_batches) * len(plan.decode_contexts)
+        steps = len(plan.prefill_lengths) + 2 + len(plan.decode_batches) * len(plan.decode_contexts)
         log(f"measuring: {steps} groups of requests (KV {layout.describe()}, cache {kv_cache_tokens} tokens)")
         lengths = tuple(n for n in plan.prefill_lengths if n < max_len - 2)
         plan = dataclasses.replace(plan, prefill_lengths=lengths)
@@ -580,6 +625,9 @@ def main(argv: list[str] | None = None) -> int:
     p, d, h = profile.prefill, profile.decode, profile.handoff
     print(f"prefill step: {p.fixed_s * 1e3:.2f} ms + {p.per_token_s * 1e6:.2f} us/padded token + "
           f"{p.per_pair_s * 1e9:.3f} ns/attention pair; TTFT overhead {profile.ttft_overhead_s * 1e3:.2f} ms")
+    if p.cold_after_s:
+        print(f"a prefill step after {p.cold_after_s * 1e3:.0f} ms idle: x" + ", x".join(
+            f"{f:.2f} at {n}" for n, f in p.cold_factors) + " padded tokens")
     print(f"decode step: {d.fixed_s * 1e3:.2f} ms + {d.per_seq_s * 1e3:.3f} ms/seq + "
           f"{d.per_context_token_s * 1e6:.3f} us/context token")
     print(f"per request beside the steps: prefill {p.per_request_s * 1e3:.2f} ms + "

@@ -7,6 +7,9 @@ sum over segments of length * (start + length) (each query token reads its conte
 Decode step (one token for every running sequence, server/decode/scheduler.py):
     fixed_s + per_seq_s * batch + per_context_token_s * sum of contexts + per_resumed_token_s * tokens
     prefilled again for preempted sequences.
+A cold prefill step (after the worker was idle `cold_after_s`) lasts `cold_factors`' factor times as long on
+cores of its own, keeping as many fewer busy: its CPU is the same, so a step that shares the cores anyway
+is as long cold as warm.
 Per request, beside the steps (the KV sent or received, the RPCs, admission: CPU the worker's process spends
 between steps, which delays its next one):
     per_request_s + per_request_token_s * prompt_tokens     (prefill and decode alike)
@@ -57,13 +60,36 @@ class PrefillCost:
     per_pair_s: float = 0.0
     per_request_s: float = 0.0
     per_request_token_s: float = 0.0
+    cold_after_s: float = 0.0
+    """A step that starts after the worker was idle this long is cold (0: no step is)."""
+    cold_factors: tuple[tuple[int, float], ...] = ()
+    """(padded tokens, factor) by padded length: a cold step of at least that length lasts `factor` times as
+    long on cores of its own and keeps 1/factor as many busy (the same CPU, less of it in parallel: measured
+    on 2 cores, XLA's second thread is slow to join a step that follows an idle gap). The factor of the
+    longest entry at most the step's length applies; none below the first."""
 
     def __post_init__(self) -> None:
         _check("prefill", fixed_s=self.fixed_s, per_token_s=self.per_token_s, per_pair_s=self.per_pair_s,
-               per_request_s=self.per_request_s, per_request_token_s=self.per_request_token_s)
+               per_request_s=self.per_request_s, per_request_token_s=self.per_request_token_s,
+               cold_after_s=self.cold_after_s)
+        try:
+            factors = tuple((int(n), float(f)) for n, f in self.cold_factors)
+        except (TypeError, ValueError):
+            raise ProfileError(f"prefill.cold_factors must be [padded tokens, factor] pairs, got "
+                               f"{self.cold_factors!r}") from None
+        for n, f in factors:
+            if n < 1 or not (math.isfinite(f) and f >= 1):
+                raise ProfileError(f"prefill.cold_factors: each padded length >= 1 and factor >= 1, got [{n}, {f}]")
+        object.__setattr__(self, "cold_factors", tuple(sorted(factors)))
 
     def step_seconds(self, padded_tokens: int, pairs: int) -> float:
         return self.fixed_s + self.per_token_s * padded_tokens + self.per_pair_s * pairs
+
+    def cold_factor(self, padded_tokens: int, idle_s: float) -> float:
+        """How much longer a step of `padded_tokens` lasts after the worker was idle `idle_s` seconds."""
+        if not self.cold_after_s or idle_s < self.cold_after_s:
+            return 1.0
+        return next((f for n, f in reversed(self.cold_factors) if n <= padded_tokens), 1.0)
 
     def request_seconds(self, prompt_tokens: int) -> float:
         """The worker's CPU for one request beside its steps (its KV sent, its RPCs)."""

@@ -21,6 +21,7 @@ worker's next step.
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -162,8 +163,12 @@ class _Stepper(abc.ABC):
         def schedule(at: float, generation: int) -> None:
             self.clock.at(at, lambda: step.generation == generation and self._end(work, step, start))
 
-        step = Stepping(self.name, self.host.threads(self.role), seconds, start, schedule)
+        step = Stepping(self.name, self.host.threads(self.role) / self._slower, seconds, start, schedule)
         self.host.begin(step, start)
+
+    _slower = 1.0
+    """How much longer this step lasts than the profile's, its CPU the same: the cores it keeps busy divide by it
+    (a cold prefill step: `PrefillCost.cold_factor`)."""
 
     def _end(self, work, step: Stepping, start: float) -> None:
         self.busy.seconds += self.clock.now - start
@@ -223,11 +228,13 @@ class PrefillPart:
     def bucket(self, n: int) -> int:
         return bucket_length(min(n, self.max_len), self.max_len, self.spec.min_bucket)
 
-    def step_seconds(self, step: list[Segment[SimPrefillJob]]) -> float:
+    def padded(self, step: list[Segment[SimPrefillJob]]) -> int:
         packed = packed_tokens(step)
-        padded = next((b for b in self.token_buckets if b >= packed), packed)
+        return next((b for b in self.token_buckets if b >= packed), packed)
+
+    def step_seconds(self, step: list[Segment[SimPrefillJob]]) -> float:
         pairs = sum(s.length * (s.start + s.length) for s in step)
-        return self.profile.prefill.step_seconds(padded, pairs)
+        return self.profile.prefill.step_seconds(self.padded(step), pairs)
 
     def take(self) -> tuple[list[Segment[SimPrefillJob]], float] | None:
         step = self.scheduler.next_step()
@@ -338,11 +345,21 @@ class PrefillWorker(_Stepper):
         super().__init__(name, clock, profile, host)
         self.prefill = PrefillPart(spec, clock, profile, on_first_token)
 
+    last_end = -math.inf
+
     def _take(self):
         taken = self.prefill.take()
-        return None if taken is None else ((taken[0], taken[1]), taken[1])
+        if taken is None:
+            return None
+        step, seconds = taken
+        compute = self.prefill.step_seconds(step)
+        slower = self.profile.prefill.cold_factor(self.prefill.padded(step), self.clock.now - self.last_end)
+        total = seconds + compute * (slower - 1)  # the per-request CPU it carries is not slower
+        self._slower = total / seconds if seconds > 0 else 1.0
+        return (step, seconds), total
 
     def _complete(self, work) -> None:
+        self.last_end = self.clock.now
         self.prefill.complete(*work)
 
 
