@@ -1,6 +1,6 @@
 """`pdserve plan profile`: measure this machine's tiers through the served engines into a profile file.
 
-    pdserve plan profile [--model DIR] [--out benchmarks/plan/profile-cpu.json] [--quick]
+    pdserve plan profile [--model DIR] [--out benchmarks/plan/profile-cpu.json] [--quick] [--background-streams N]
                          [--decode-dtypes auto/auto,auto/int8,int8/auto]
 
 It starts a 1 prefill + 1 decode cluster (`pdserve up`'s launcher; each worker on its own share of the
@@ -10,7 +10,9 @@ cores) and sends requests through the coordinator's gRPC API, timed at the clien
    prefill worker contends with on a shared machine; 0: an idle cluster): TTFT(L) = overhead + step(L)
    fits `fixed + per_token x padded + per_pair x L^2`; bursts of short prompts sent at once (the first
    runs alone, the rest pack into the next step) split the intercept into the step's fixed seconds and
-   the client-visible overhead that occupies no worker.
+   the client-visible overhead that occupies no worker. Then, on the idle cluster, prompts at each length
+   back to back and each after an idle gap of `cold_gap_s`: median cold TTFT over median warm is the
+   length's cold factor (`cold_rows`, profile.py `PrefillCost.cold_factors`).
 2. Decode: B requests at once (B up to the decode worker's --max-running, 64) at two context lengths: the median gap between tokens while all B decode
    is one step at batch B; fits `fixed + per_seq x B + per_context_token x sum of contexts`.
 3. KV handoff: the second token's wait past the first, less a decode step, is the handoff's fixed time;
