@@ -227,10 +227,13 @@ def cold_fit(rows: list[dict], max_len: int, min_bucket: int) -> dict:
     """`cold_after_s` and `cold_factors` from `cold_rows` (median cold TTFT over median warm, at least 1)."""
     if not rows:
         return {}
-    factors = {}
-    for r in rows:
-        factors[bucket_length(r["tokens"], max_len, min_bucket)] = max(
-            1.0, statistics.median(r["cold_s"]) / statistics.median(r["warm_s"]))
+    warm: dict[int, list[float]] = {}
+    cold: dict[int, list[float]] = {}
+    for r in rows:  # rows of one bucket (merged profiles) pooled
+        n = bucket_length(r["tokens"], max_len, min_bucket)
+        warm.setdefault(n, []).extend(r["warm_s"])
+        cold.setdefault(n, []).extend(r["cold_s"])
+    factors = {n: max(1.0, statistics.median(cold[n]) / statistics.median(warm[n])) for n in warm}
     return {"cold_after_s": rows[0]["cold_after_s"], "cold_factors": tuple(sorted(factors.items()))}
 
 
@@ -458,11 +461,48 @@ def refit(profile: Profile, max_len: int) -> Profile:
                       if "dtype_rows" in notes else profile.decode_dtypes})
 
 
+def merge_rows(docs: list[dict]) -> dict:
+    """The rows of several profiles' measurements as one measurement's: every list's rows together, the
+    prefill's CPU sums added."""
+    out: dict = {}
+    for rows in docs:
+        for key, value in rows.items():
+            if isinstance(value, list):
+                out.setdefault(key, []).extend(value)
+            elif isinstance(value, dict):
+                into = out.setdefault(key, {})
+                for k, v in value.items():
+                    into[k] = into.get(k, 0) + v if k != "background" else v
+    return out
+
+
+def merge(profiles: list[Profile], max_len: int) -> Profile:
+    """One profile from several measurements of the same cluster (`--merge`): each group's rows from every
+    one fitted together, the KV link's bytes/s their median. Minutes apart on a shared VM a profile's step
+    costs move by 20-40%; the merged one is their middle."""
+    if len({(p.hardware, p.model, p.handoff.kv_bytes_per_token) for p in profiles}) != 1:
+        raise ValueError("--merge takes profiles of one machine, model and KV layout: "
+                         + ", ".join(f"{p.hardware}/{p.model}/{p.handoff.kv_bytes_per_token} B" for p in profiles))
+    for p in profiles:
+        if "rows" not in p.notes:
+            raise ValueError(f"the profile of {p.hardware} measured at {p.notes.get('measured_at', '?')} holds no "
+                             f"rows to merge (a projected or scripted profile)")
+    first = profiles[0]
+    new = fit_profile(merge_rows([p.notes["rows"] for p in profiles]), hardware=first.hardware, model=first.model,
+                      kv_bytes_per_token=first.handoff.kv_bytes_per_token, kv_cache_tokens=first.kv_cache_tokens,
+                      transfer_bytes_per_s=statistics.median(p.handoff.bytes_per_s for p in profiles), max_len=max_len)
+    return dataclasses.replace(new, notes={**new.notes, "max_len": max_len,
+                                           "merged_from": [p.notes.get("measured_at") for p in profiles]})
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve plan profile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--refit", type=Path, help="fit this profile's stored rows again (no measuring) into --out")
-    p.add_argument("--max-len", type=int, help="with --refit: the served max model length (default: the file's)")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="PROFILE",
+                   help="fit these measured profiles' rows together into --out (no measuring): their middle")
+    p.add_argument("--max-len", type=int, help="with --refit or --merge: the served max model length (default: the "
+                                               "file's)")
     p.add_argument("--model", type=Path, help="checkpoint (default: pdserve's embedded tiny model)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/plan/profile-cpu.json"))
     p.add_argument("--quick", action="store_true", help="fewer rows (about a minute less)")
@@ -571,6 +611,13 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{args.refit} does not say its max model length: give --max-len")
         refit(old, max_len).save(args.out)
         print(f"profile: {args.out} (refit from {args.refit})")
+        return 0
+    if args.merge:
+        profiles = [Profile.load(path) for path in args.merge]
+        max_len = args.max_len or profiles[0].notes.get("max_len") or load_config(
+            args.model or default_model_dir()).max_model_len
+        merge(profiles, max_len).save(args.out)
+        print(f"profile: {args.out} (the rows of {len(profiles)} profiles fitted together)")
         return 0
     plan = dataclasses.replace(QUICK if args.quick else ProfilePlan(), background_streams=args.background_streams)
     model = args.model or default_model_dir()

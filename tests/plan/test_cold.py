@@ -4,6 +4,7 @@ factors, their fit from measured rows, and the simulator's steps, checked by han
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,21 @@ def test_the_fit_takes_median_cold_over_median_warm_per_bucket_at_least_one():
             {"tokens": 384, "gap_s": 0.3, "cold_after_s": 0.075, "warm_s": [0.03, 0.04, 0.05], "cold_s": [0.06, 0.06]}]
     assert cold_fit(rows, max_len=512, min_bucket=16) == {"cold_after_s": 0.075, "cold_factors": ((16, 1.0), (512, 1.5))}
     assert cold_fit([], max_len=512, min_bucket=16) == {}
+
+
+def test_merged_profiles_pool_their_rows_and_a_profile_merged_with_itself_fits_as_it_did(tmp_path):
+    from pdserve.benchmarks.plan.measure import merge, merge_rows, refit
+
+    a = {"prefill": [{"tokens": 16}], "prefill_cpu": {"cpu_s": 1.0, "ttft_sum_s": 2.0, "background": 8}}
+    b = {"prefill": [{"tokens": 64}], "prefill_cpu": {"cpu_s": 0.5, "ttft_sum_s": 1.0, "background": 8}}
+    assert merge_rows([a, b]) == {"prefill": [{"tokens": 16}, {"tokens": 64}],
+                                  "prefill_cpu": {"cpu_s": 1.5, "ttft_sum_s": 3.0, "background": 8}}
+    shipped = Profile.load(Path(__file__).parents[2] / "benchmarks/plan/profile-cpu.json")
+    alone, twice = refit(shipped, 512), merge([shipped, shipped], 512)
+    assert twice.prefill == alone.prefill and twice.host_cpu == alone.host_cpu
+    assert twice.decode.fixed_s == pytest.approx(alone.decode.fixed_s) and twice.notes["merged_from"] == [
+        shipped.notes["measured_at"]] * 2
+    with pytest.raises(ValueError, match="holds no rows"):
+        merge([shipped, dataclasses.replace(shipped, notes={})], 512)
+    with pytest.raises(ValueError, match="one machine, model and KV layout"):
+        merge([shipped, _profile()], 512)
