@@ -121,7 +121,7 @@ requests would be cache hits)."""
 
 async def warmup(target: Target, requests: list[datasets.BenchRequest], n: int) -> None:
     """Sends n requests (up to 4 at a time) whose results are thrown away: compiles, connections
-    (`requests`: the warm-up's own, `warmup_requests`)."""
+    (`requests`: the warm-up's own, drawn with the seed + `WARMUP_SEED_OFFSET`)."""
     sem = asyncio.Semaphore(4)
 
     async def one(req):
@@ -234,7 +234,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     ld.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
     ld.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
-    ld.add_argument("--warmup", type=int, default=0, help="requests sent and discarded first")
+    ld.add_argument("--warmup", type=int, default=0, help="requests sent and discarded first (prompts of their own, "
+                    "not the measured ones)")
     r = p.add_argument_group("results")
     r.add_argument("--slo-ttft-ms", type=float, default=None)
     r.add_argument("--slo-tpot-ms", type=float, default=None)

@@ -15,7 +15,8 @@ Every worker runs one step at a time; the next starts when the last ends and the
 seconds are the profile's divided by the share of its cores the worker gets then (contention.py: 1 where
 each worker owns its device). In a disaggregated cluster each request's own CPU on a worker (its KV sent
 or received, its RPCs: the profile's `request_seconds`) is spent between steps, so it lengthens the
-worker's next step.
+worker's next step. A prefill step after the worker sat idle the profile's `cold_after_s` is cold (profile.py:
+longer by its `cold_factors` factor, as many times fewer cores, the same CPU).
 """
 
 from __future__ import annotations
