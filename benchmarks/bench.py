@@ -265,9 +265,14 @@ def prompt_count(args) -> int:
     if args.num_prompts:
         return args.num_prompts
     if args.duration and math.isfinite(args.request_rate):
-        expected = args.request_rate * args.duration
-        return max(1000, math.ceil(expected + 6 * math.sqrt(expected) + 16))
+        return max(1000, arrivals_bound(args.request_rate, args.duration))
     return 1000
+
+
+def arrivals_bound(rate: float, duration: float) -> int:
+    """Poisson arrivals at `rate` over `duration` seconds, with room for the spread (mean + 6 sd + 16)."""
+    expected = rate * duration
+    return math.ceil(expected + 6 * math.sqrt(expected) + 16)
 
 
 def make_requests(args, n: int, seed: int | None = None) -> list[datasets.BenchRequest]:

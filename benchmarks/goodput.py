@@ -23,14 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.benchmarks import datasets
-from pdserve.benchmarks.bench import Group, run_groups, warmup
+from pdserve.benchmarks.bench import Group, arrivals_bound, run_groups, warmup
 from pdserve.benchmarks.clients import Target
 from pdserve.benchmarks.load import LoadSpec
 from pdserve.benchmarks.metrics import summarize
@@ -68,8 +67,7 @@ def requests(sweep: Sweep, vocab_size: int, rate: float | None = None) -> list[d
     if rate is None:
         n, key = 8, 0
     else:
-        expected = rate * sweep.duration
-        n, key = math.ceil(expected + 6 * math.sqrt(expected) + 16), 1 + round(rate * 1000)
+        n, key = arrivals_bound(rate, sweep.duration), 1 + round(rate * 1000)
     return datasets.synthetic(n, input_len=sweep.input_len, output_len=sweep.output_len, vocab_size=vocab_size,
                               seed=[sweep.seed, key])
 

@@ -229,20 +229,19 @@ class PrefillPart:
     def bucket(self, n: int) -> int:
         return bucket_length(min(n, self.max_len), self.max_len, self.spec.min_bucket)
 
-    def padded(self, step: list[Segment[SimPrefillJob]]) -> int:
-        packed = packed_tokens(step)
-        return next((b for b in self.token_buckets if b >= packed), packed)
-
-    def step_seconds(self, step: list[Segment[SimPrefillJob]]) -> float:
-        pairs = sum(s.length * (s.start + s.length) for s in step)
-        return self.profile.prefill.step_seconds(self.padded(step), pairs)
-
-    def take(self) -> tuple[list[Segment[SimPrefillJob]], float] | None:
+    def take(self, idle_s: float = 0.0) -> tuple[list[Segment[SimPrefillJob]], float, float] | None:
+        """The next step, its seconds on cores of its own (the per-request CPU it carries included) and how many
+        times longer than the profile's step that is for the same CPU (a cold step after `idle_s` of idle:
+        `PrefillCost.cold_factor`; the carried CPU is not slower)."""
         step = self.scheduler.next_step()
         if not step:
             return None
+        packed = packed_tokens(step)
+        padded = next((b for b in self.token_buckets if b >= packed), packed)
+        compute = self.profile.prefill.step_seconds(padded, sum(s.length * (s.start + s.length) for s in step))
         extra, self.pending_s = self.pending_s, 0.0
-        return step, self.step_seconds(step) + extra
+        seconds = compute * self.profile.prefill.cold_factor(padded, idle_s) + extra
+        return step, seconds, seconds / (compute + extra) if compute + extra > 0 else 1.0
 
     def complete(self, step: list[Segment[SimPrefillJob]], seconds: float) -> None:
         for s in step:
@@ -349,15 +348,11 @@ class PrefillWorker(_Stepper):
     last_end = -math.inf
 
     def _take(self):
-        taken = self.prefill.take()
+        taken = self.prefill.take(self.clock.now - self.last_end)
         if taken is None:
             return None
-        step, seconds = taken
-        compute = self.prefill.step_seconds(step)
-        slower = self.profile.prefill.cold_factor(self.prefill.padded(step), self.clock.now - self.last_end)
-        total = seconds + compute * (slower - 1)  # the per-request CPU it carries is not slower
-        self._slower = total / seconds if seconds > 0 else 1.0
-        return (step, seconds), total
+        step, seconds, self._slower = taken
+        return (step, seconds), seconds
 
     def _complete(self, work) -> None:
         self.last_end = self.clock.now
@@ -402,5 +397,5 @@ class ColocatedWorker(_Stepper):
         if decoding is not None:
             self.decode.complete(decoding[0])
         if prefilling is not None:
-            self.prefill.complete(*prefilling)
+            self.prefill.complete(*prefilling[:2])
 
