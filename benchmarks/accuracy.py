@@ -44,7 +44,8 @@ from pdserve.server.decode.kv_cache import TORCH_DTYPES, PagedKvCache
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
-from pdserve.server.prefill.model import bucket_length, compute_dtype, load_params, make_prefill_fn
+from pdserve.server.prefill.model import compute_dtype, load_params, make_prefill_fn
+from pdserve.server.prefill.shapes import bucket_length
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, quantize_kv
 from pdserve.server.cache_dir import cache_dir
 

@@ -37,7 +37,8 @@ def one_process(model_dir: Path, lengths: list[int], repeats: int) -> dict[int, 
     from pdserve.server.decode.weights import build_model
     from pdserve.server.model.config import load_config
     from pdserve.server.model.weights import load_weights
-    from pdserve.server.prefill.model import bucket_length, load_params, make_prefill_fn
+    from pdserve.server.prefill.model import load_params, make_prefill_fn
+    from pdserve.server.prefill.shapes import bucket_length
 
     # One torch thread: with two, each small step waits at OpenMP barriers for a core that JAX's threads
     # (or any other process) hold; measured here at ~110 ms vs ~1 ms a step for the tiny model.

@@ -55,7 +55,7 @@ from pdserve.benchmarks.plan.contention import HostCpu, ProcessCpu
 from pdserve.benchmarks.plan.fit import nonneg_fit
 from pdserve.benchmarks.plan.procstat import Window, thread_run_seconds
 from pdserve.benchmarks.plan.profile import DecodeCost, DtypeRow, HandoffCost, PrefillCost, Profile
-from pdserve.benchmarks.plan.workers import bucket_length
+from pdserve.server.prefill.shapes import bucket_length
 from pdserve.benchmarks.protocol import cpu_model
 
 _START = time.perf_counter()

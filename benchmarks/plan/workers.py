@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Literal
 
 import numpy as np
@@ -32,39 +32,37 @@ import numpy as np
 from pdserve.benchmarks.plan.clock import VirtualClock
 from pdserve.benchmarks.plan.contention import Contention, HostCpu, Stepping
 from pdserve.benchmarks.plan.profile import Profile
+from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.scheduler import Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.prefix_kv import BLOCK_SIZE, PrefixKv
 from pdserve.server.prefill.rates import PrefillRates
+from pdserve.server.prefill.shapes import bucket_length, padded, pow2, token_buckets
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder, PrefillScheduler, Segment, packed_tokens
 from pdserve.v1 import generation_pb2 as gen_pb
 
 Role = Literal["prefill", "decode", "colocated"]
 
 
-def pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def bucket_length(n: int, max_len: int, min_bucket: int = 16) -> int:
-    """server/prefill/model.py `bucket_length` (that module imports jax; tests/plan checks they agree)."""
-    if not 1 <= n <= max_len:
-        raise ValueError(f"prompt length {n} is outside [1, {max_len}]")
-    return min(max(min_bucket, 1 << (n - 1).bit_length()), max_len)
+def _default(config: type, name: str):
+    """A config dataclass field's default: the simulated workers take the served tiers' own."""
+    return next(f.default for f in fields(config) if f.name == name)
 
 
 @dataclass(frozen=True)
 class PrefillSpec:
     """A prefill worker's scheduling flags (server/prefill/config.py's defaults)."""
 
-    max_batch_size: int = 8
-    max_batch_tokens: int = 8192
-    max_chunk: int | None = None
-    order: PrefillOrder = "shortest-first"
-    ageing_tokens_per_s: float = 32.0
-    min_bucket: int = 16
+    max_batch_size: int = _default(PrefillConfig, "max_batch_size")
+    max_batch_tokens: int = _default(PrefillConfig, "max_batch_tokens")
+    max_chunk: int | None = _default(PrefillConfig, "max_prefill_chunk")
+    order: PrefillOrder = _default(PrefillConfig, "prefill_order")
+    ageing_tokens_per_s: float = _default(PrefillConfig, "prefill_ageing")
+    min_bucket: int = _default(PrefillConfig, "min_bucket")
     max_model_len: int = 2048
-    prefix_cache_bytes: int = 1 << 30
+    """The served worker's is the model's; the simulated model's is given here."""
+    prefix_cache_bytes: int = _default(PrefillConfig, "prefix_cache_bytes")
     """--prefix-cache-bytes: the host prefix KV (prefix_kv.py) the worker keeps; 0: none."""
 
     def __post_init__(self) -> None:
@@ -82,10 +80,10 @@ class DecodeSpec:
     """A decode worker's scheduling flags (server/decode/config.py's defaults); the cache size is the
     profile's `kv_cache_tokens` unless given here."""
 
-    block_size: int = 16
-    max_running: int = 64
-    max_queue: int = 256
-    enable_prefix_caching: bool = True
+    block_size: int = _default(DecodeConfig, "block_size")
+    max_running: int = _default(DecodeConfig, "max_running")
+    max_queue: int = _default(DecodeConfig, "max_queue")
+    enable_prefix_caching: bool = _default(DecodeConfig, "enable_prefix_caching")
     kv_cache_tokens: int | None = None
     max_model_len: int = 2048
 
@@ -200,8 +198,7 @@ class PrefillPart:
         """Per-request CPU spent since the last step began: the next step carries it."""
         self.on_first_token = on_first_token
         self.max_len = pow2(spec.max_model_len)
-        largest = min(spec.max_batch_tokens, pow2(spec.max_batch_size) * self.max_len)
-        self.token_buckets = _buckets(min(spec.min_bucket, largest), largest)
+        self.token_buckets = token_buckets(spec.max_batch_tokens, spec.max_batch_size, self.max_len, spec.min_bucket)
         self.rates = PrefillRates(sorted({self.bucket(1 << i) for i in range(self.max_len.bit_length())}))
         self.scheduler: PrefillScheduler[SimPrefillJob] = PrefillScheduler(
             spec.order, bucket=self.bucket, max_batch_size=spec.max_batch_size,
@@ -237,10 +234,10 @@ class PrefillPart:
         if not step:
             return None
         packed = packed_tokens(step)
-        padded = next((b for b in self.token_buckets if b >= packed), packed)
-        compute = self.profile.prefill.step_seconds(padded, sum(s.length * (s.start + s.length) for s in step))
+        padded_tokens = padded(self.token_buckets, packed)
+        compute = self.profile.prefill.step_seconds(padded_tokens, sum(s.length * (s.start + s.length) for s in step))
         extra, self.pending_s = self.pending_s, 0.0
-        seconds = compute * self.profile.prefill.cold_factor(padded, idle_s) + extra
+        seconds = compute * self.profile.prefill.cold_factor(padded_tokens, idle_s) + extra
         return step, seconds, seconds / (compute + extra) if compute + extra > 0 else 1.0
 
     def complete(self, step: list[Segment[SimPrefillJob]], seconds: float) -> None:
@@ -256,15 +253,6 @@ class PrefillPart:
                 if self.handoff:
                     self.pending_s += self.profile.prefill.request_seconds(s.job.num_tokens)
                 self.on_first_token(s.job)
-
-
-def _buckets(smallest: int, largest: int) -> list[int]:
-    """server/prefill/engine.py `_buckets` (growth 2): the packed buffer's sizes."""
-    out, b = [], smallest
-    while b < largest:
-        out.append(b)
-        b *= 2
-    return [*out, largest]
 
 
 class DecodePart:

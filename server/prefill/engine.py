@@ -51,14 +51,15 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server import logprobs, metrics
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
-from pdserve.server.prefill.model import bucket_length, group_sizes
+from pdserve.server.prefill.model import group_sizes
 from pdserve.server.prefill.model_runner import ModelRunner, StepOutputs
 from pdserve.server.prefill.prefix_kv import PrefixKv
 from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.replay import SliceLeader
 from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, packed_tokens
 from pdserve.server.prefill.step_inputs import StepInputs
-from pdserve.server.prefill.step_packing import StepShape, pow2, step_inputs
+from pdserve.server.prefill.shapes import bucket_length, context_buckets, padded, pow2, token_buckets
+from pdserve.server.prefill.step_packing import StepShape, step_inputs
 from pdserve.server.prefill.warmup import Warmup, cores
 from pdserve.server.structured.constraint import Constraint
 from pdserve.server.structured.grammars import Grammars
@@ -126,20 +127,6 @@ class PrefillJob:
         return self.dropped
 
 
-CONTEXT_BUCKET = 256
-"""The smallest context bucket."""
-
-
-def _buckets(smallest: int, largest: int, growth: int = 2) -> list[int]:
-    """smallest, smallest * growth, ... below `largest`, then `largest`."""
-    out = []
-    b = smallest
-    while b < largest:
-        out.append(b)
-        b *= growth
-    return [*out, largest]
-
-
 class PrefillEngine:
     def __init__(self, model_config: ModelConfig, params, config: PrefillConfig, grammars: Grammars | None = None):
         """grammars: the model's structured-output grammars (None: structured requests are refused)."""
@@ -151,15 +138,12 @@ class PrefillEngine:
         self.runner = ModelRunner(model_config, params, group_sizes(model_config.num_layers, config.kv_layer_groups),
                                   config.max_batch_size)
         """The device programs (model_runner.py)."""
-        largest = min(config.max_batch_tokens, pow2(config.max_batch_size) * self.max_len)  # what steps can fill
-        self.token_buckets = _buckets(min(config.min_bucket, largest), largest)
+        self.token_buckets = token_buckets(config.max_batch_tokens, config.max_batch_size, self.max_len,
+                                           config.min_bucket)
         """The packed buffer's sizes, powers of two: few and static, so every one is compiled at start."""
         chunked = min(config.max_prefill_chunk or config.max_batch_tokens, config.max_batch_tokens) < self.max_model_len
-        self.context_buckets = [0]
-        if chunked or config.prefix_cache_bytes:  # else no step has context: nothing to compile for it
-            self.context_buckets += _buckets(min(CONTEXT_BUCKET, self.max_len), self.max_len, growth=4)
-        """Context sizes (all segments' earlier tokens of a step together, at most max_len), growing 4x:
-        padded context costs little (attention skips key blocks no query reads), a shape costs a compile."""
+        self.context_buckets = context_buckets(self.max_len, chunked or bool(config.prefix_cache_bytes))
+        """Context sizes a step compiles for (shapes.py): only 0 when no step reads earlier KV."""
         self.dtype = self.runner.dtype
         self.vocab_size = self.runner.vocab_size
         self.replay: SliceLeader | None = None
@@ -202,8 +186,7 @@ class PrefillEngine:
     def step_shape(self, step: list[Segment]) -> StepShape:
         """The smallest shape that holds the step's packed tokens and its context."""
         tokens, context = packed_tokens(step), sum(s.start for s in step)
-        return StepShape(next(b for b in self.token_buckets if b >= tokens),
-                         next(b for b in self.context_buckets if b >= context))
+        return StepShape(padded(self.token_buckets, tokens), padded(self.context_buckets, context))
 
     @property
     def padding_share(self) -> float:

@@ -346,10 +346,3 @@ def forward_logits(params: Params, tokens: jax.Array, *, config: ModelConfig) ->
     """Logits f32[B, S, V] at every position (for tests and benchmarks)."""
     x, _, _ = _hidden(params, tokens, config)
     return _logits(params, x, config)
-
-
-def bucket_length(n: int, max_len: int, min_bucket: int = 16) -> int:
-    """The padded length for an n-token prompt: a power of two >= n and >= min_bucket, capped at max_len."""
-    if not 1 <= n <= max_len:
-        raise ValueError(f"prompt length {n} is outside [1, {max_len}]")
-    return min(max(min_bucket, 1 << (n - 1).bit_length()), max_len)

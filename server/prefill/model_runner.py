@@ -23,7 +23,8 @@ from pdserve.server.prefill.quant import quantize_kv_masked
 from pdserve.server.prefill.sampler import penalize, sample
 from pdserve.server.prefill.sharding import host_readable
 from pdserve.server.prefill.step_inputs import StepInputs
-from pdserve.server.prefill.step_packing import StepShape, pow2
+from pdserve.server.prefill.shapes import pow2
+from pdserve.server.prefill.step_packing import StepShape
 
 
 @dataclass(frozen=True)

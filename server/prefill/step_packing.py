@@ -24,6 +24,7 @@ from pdserve.server.finish import blocked_ids
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.model import Packing
 from pdserve.server.prefill.scheduler import Segment, aligned
+from pdserve.server.prefill.shapes import pow2
 from pdserve.server.prefill.step_inputs import StepInputs
 from pdserve.server.sampling_rules import repetition_penalty_of, top_p_of
 from pdserve.server.structured.bitmask import unconstrained
@@ -53,11 +54,6 @@ class Job(Protocol):
 
     @property
     def num_tokens(self) -> int: ...
-
-
-def pow2(n: int) -> int:
-    """The smallest power of two >= n."""
-    return 1 << (n - 1).bit_length()
 
 
 def step_inputs(step: list[Segment[Job]], shape: StepShape, model_config: ModelConfig, dtype, vocab_size: int,

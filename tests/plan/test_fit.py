@@ -6,7 +6,7 @@ import pytest
 
 from pdserve.benchmarks.plan.fit import nonneg_fit
 from pdserve.benchmarks.plan.measure import fit_profile
-from pdserve.benchmarks.plan.workers import bucket_length
+from pdserve.server.prefill.shapes import bucket_length
 
 
 def test_nonneg_fit_drops_a_negative_column():

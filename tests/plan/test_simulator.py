@@ -7,7 +7,8 @@ import pytest
 
 from pdserve.benchmarks.plan.cluster import ClusterSpec, CoordinatorSpec, simulate
 from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
-from pdserve.benchmarks.plan.workers import DecodeSpec, PrefillSpec, bucket_length
+from pdserve.benchmarks.plan.workers import DecodeSpec, PrefillSpec
+from pdserve.server.prefill.shapes import bucket_length
 from pdserve.benchmarks.plan.workload import SimRequest
 
 
@@ -118,14 +119,6 @@ def test_expected_wait_admission_refuses_past_the_ttft_budget():
     assert [o.success for o in result.outputs] == [True] * 9 + [False] * 7
     assert [o.ttft for o in result.outputs[:9]] == [0.25 + 0.1875 * k for k in range(9)]  # one step each, 1/4 apart
     assert all(o.error.startswith("RESOURCE_EXHAUSTED: expected prefill wait") for o in result.outputs[9:])
-
-
-def test_bucket_length_is_the_prefill_engines():
-    pytest.importorskip("jax")
-    from pdserve.server.prefill.model import bucket_length as engine_bucket
-
-    for n in (1, 15, 16, 17, 100, 1024, 2047, 2048):
-        assert bucket_length(n, 2048, 16) == engine_bucket(n, 2048, 16)
 
 
 def test_same_inputs_same_results():

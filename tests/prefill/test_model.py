@@ -10,7 +10,8 @@ import transformers
 
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
-from pdserve.server.prefill.model import (bucket_length, compute_dtype, forward_logits, load_params, make_prefill_fn,
+from pdserve.server.prefill.shapes import bucket_length
+from pdserve.server.prefill.model import (compute_dtype, forward_logits, load_params, make_prefill_fn,
                                           served_weight_dtype)
 
 TOL = 1e-4
