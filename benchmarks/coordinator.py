@@ -48,6 +48,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from pdserve.benchmarks.stream_count import StreamCount
+from pdserve.server.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 BASELINE_REV = "590e462"
@@ -89,12 +90,6 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
-def _free_port() -> int:
-    from pdserve.server.launcher import free_port
-
-    return free_port()
-
-
 def _one_char_token(model_dir: Path) -> int:
     """A token id each repetition of which adds exactly one character of text (so SSE text counts tokens)."""
     from pdserve.server.model.tokenizer import Tokenizer
@@ -124,7 +119,7 @@ class Coordinator:
     def __init__(self, name: str, model_dir: Path, prefill: str, decode: str, pythonpath: Path | None,
                  args: list[str] = (), log: Path | None = None):
         self.name = name
-        self.port, self.http_port = _free_port(), _free_port()
+        self.port, self.http_port = free_port(), free_port()
         env = dict(os.environ)
         if pythonpath is not None:
             env["PYTHONPATH"] = str(pythonpath)
@@ -327,7 +322,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     vocab_size = load_config(model_dir).vocab_size
     token = _one_char_token(model_dir)
     load = os.getloadavg()
-    prefill_port, decode_port = _free_port(), _free_port()
+    prefill_port, decode_port = free_port(), free_port()
     workers = subprocess.Popen([sys.executable, "-m", "pdserve.benchmarks.fake_workers", "--prefill-port",
                                 str(prefill_port), "--decode-port", str(decode_port), "--vocab-size", str(vocab_size),
                                 "--token", str(token)])

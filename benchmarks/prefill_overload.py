@@ -38,7 +38,8 @@ from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
 from pdserve.benchmarks.load import LoadSpec
 from pdserve.benchmarks.metrics import prometheus_value, stats
-from pdserve.benchmarks.side_by_side import ROOT, Server, _spawn, _wait, free_port, pools_ready
+from pdserve.benchmarks.servers import ROOT, Server, _spawn, _wait, pools_ready
+from pdserve.server.launcher import free_port
 from pdserve.server.cache_dir import cache_dir
 
 

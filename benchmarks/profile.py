@@ -3,7 +3,7 @@
     .venv/bin/python -m pdserve.benchmarks.profile          # needs py-spy (in the dev extra) and ptrace rights
 
 1. Makes (once) the Qwen2.5-0.5B-shaped random checkpoint and starts pdserve as the side-by-side does
-   (`side_by_side.start_pdserve`: prefill worker on core 0, decode worker with one thread on core 1).
+   (`servers.start_pdserve`: prefill worker on core 0, decode worker with one thread on core 1).
 2. Decode: `--decode-batch` requests decode together while py-spy samples the decode worker, and,
    separately, the coordinator (whose per-token work is gRPC and detokenising).
 3. Prefill: prompts of each `--prefill-lens` run one at a time while py-spy samples the prefill worker.
@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.benchmarks.side_by_side import start_pdserve
+    from pdserve.benchmarks.servers import start_pdserve
 
     args = build_parser().parse_args(argv)
     _py_spy()

