@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import ml_dtypes
 import numpy as np
@@ -21,6 +21,15 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "int8": np.dtype(np.int8),
 }
 QUANTIZED: frozenset[str] = frozenset({"fp8_e4m3", "int8"})
+
+
+class ModelShape(Protocol):
+    """What a cache's layout needs of a model (server/model/config.py ModelConfig has it)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    layer_windows: tuple[int | None, ...]
 
 
 class HandshakeError(ValueError):
@@ -57,6 +66,12 @@ class KvLayout:
         window (None or 0: full attention), as ModelConfig.layer_windows gives them."""
         return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, cls.scales_for(dtype),
                    tuple(w or 0 for w in windows))
+
+    @classmethod
+    def for_model(cls, model: ModelShape, block_size: int, dtype: KvDtype) -> KvLayout:
+        """The layout of a model's cache (server/model/config.py ModelConfig, or anything with its shape)."""
+        return cls.of(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                      block_size=block_size, dtype=dtype, windows=model.layer_windows)
 
     @staticmethod
     def scales_for(dtype: str) -> ScaleGranularity:

@@ -136,14 +136,7 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
                     "triton for the paged kernel)", device)
     if device.type == "cuda" and model_config.moe is not None:
         fuse_experts(model, device)
-    layout = KvLayout.of(
-        num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        block_size=config.block_size,
-        dtype=kv_dtype,
-        windows=model_config.layer_windows,
-    )
+    layout = KvLayout.for_model(model_config, config.block_size, kv_dtype)
     cuda_graphs = device.type == "cuda" and not config.enforce_eager
     if cuda_graphs and model_config.moe is not None:  # the grouped expert step reads its routing on the host
         log.warning("%s: a mixture-of-experts model decodes in eager steps on %s (no CUDA graphs)",

@@ -44,9 +44,7 @@ DistributionFn = Callable[[torch.Tensor, list], torch.Tensor]
 
 def draft_layout(model: DecoderModel, block_size: int) -> KvLayout:
     """The draft cache's layout: the draft's shapes, in its compute dtype."""
-    c = model.config
-    return KvLayout.of(num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-                       block_size=block_size, dtype=str(model.dtype).removeprefix("torch."), windows=c.layer_windows)
+    return KvLayout.for_model(model.config, block_size, str(model.dtype).removeprefix("torch."))
 
 
 def drawn_from_q(seq: Sequence | Lookahead) -> bool:

@@ -171,14 +171,7 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     scheduler = llm.engine_core.engine_core.scheduler
     block_pool = scheduler.kv_cache_manager.block_pool
     num_total = block_pool.num_gpu_blocks - 1  # vLLM keeps block 0 as its null block
-    layout = KvLayout.of(
-        num_layers=model_config.num_layers,
-        num_kv_heads=model_config.num_kv_heads,
-        head_dim=model_config.head_dim,
-        block_size=scheduler.block_size,
-        dtype=dtype,
-        windows=model_config.layer_windows,
-    )
+    layout = KvLayout.for_model(model_config, scheduler.block_size, dtype)
     groups = CacheGroups.of(scheduler.kv_cache_config, model_config.num_layers, scheduler.block_size)
     groups.check_windows(layout.windows, layout.num_layers)
     engine = VllmEngine(llm, model_config, layout, config.max_running, block_pool.get_num_free_blocks, num_total,
