@@ -539,9 +539,9 @@ class KvReceiver:
             raise Refusal(Status.INVALID_ARGUMENT, f"{where} overlaps KV already received", transfer)
         cells[...] = True  # now: another stream's overlapping piece is refused while this one is written
         running = self._pool.submit(self._write_unless_cut, stream, piece)
-        writes = self._writes.setdefault(transfer.request_id, set())
-        writes.add(running)
-        running.add_done_callback(lambda f: self._written(transfer.request_id, f))
+        self._writes.setdefault(transfer.request_id, set()).add(running)
+        loop = asyncio.get_running_loop()
+        running.add_done_callback(lambda f: _on_loop(loop, self._written, transfer.request_id, f))
         stream.writes.append((running, piece.nbytes, where))
         await self._drain(stream, WRITES_IN_FLIGHT - 1)
 
@@ -568,7 +568,9 @@ class KvReceiver:
             transfer.bytes_received += nbytes
 
     def _written(self, request_id: str, running: concurrent.futures.Future) -> None:
-        """Runs in the writing thread: forgets the write (set operations hold the GIL)."""
+        """Forgets a finished write, on the event loop like every other use of `_writes`. (It ran in the
+        writing thread: a thread that emptied the request's set and dropped it while the loop added the next
+        write to that same set lost that write, and `settle` returned while it still ran, issue 38.)"""
         writes = self._writes.get(request_id)
         if writes is not None:
             writes.discard(running)
@@ -637,6 +639,12 @@ class KvReceiver:
             streams.remove(stream)
         if not streams:
             self._streams.pop(stream.transfer.request_id, None)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """Calls back on the loop from any thread; nothing once the loop is closed (nobody waits any more)."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(callback, *args)
 
 
 def _sent_twice(transfer: Transfer) -> Refusal:

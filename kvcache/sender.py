@@ -149,7 +149,9 @@ class Stream(abc.ABC):
         self.layout = layout
         self.queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_PIECES)
         self.closed = False
-        """The None that ends `chunks()` is queued: from now on the stream may end with the receiver's answer."""
+        """`chunks()` handed the transport its end (all it queued, then the close): from now on the stream
+        may end with the receiver's answer. Set here, before the receiver can see the end, not by finish()
+        once its put of the None wakes: the receiver may answer before that (the issue 38 flake)."""
         self.task: asyncio.Future = asyncio.ensure_future(self.call(self.chunks(header)))
         """The receiver's PushKvResponse; raises grpc.aio.AioRpcError with its refusal."""
 
@@ -174,7 +176,8 @@ class Stream(abc.ABC):
                     done.set_result(encode_piece_bytes(self.layout.block_size, *item)
                                     if isinstance(item, tuple) else item)
                     ahead.append(done)
-            if not ahead:
+            if not ahead:  # (the None came, and every item before it went out)
+                self.closed = True
                 return
             yield await ahead.popleft()
 
@@ -252,18 +255,16 @@ class StreamSender(KvSender):
         self._check()
         if not stream.queue.full():
             stream.queue.put_nowait(item)
-            stream.closed = item is None
             return
         put = asyncio.ensure_future(stream.queue.put(item))
         await asyncio.wait([put, *(s.task for s in self.streams)], return_when=asyncio.FIRST_COMPLETED)
         if not put.done():
             put.cancel()
-        else:
-            stream.closed = item is None  # (the receiver may already have answered, before this wakes)
-        self._check()
+        self._check()  # (a put of the None may have woken after the receiver answered: the stream is closed)
 
     def _check(self) -> None:
-        """Raises the first stream's refusal once one stream ended before finish() (none may succeed early)."""
+        """Raises the first stream's refusal once one stream ended before finish() (none may succeed early):
+        a stream whose call ended without an error is fine only once it was `closed`."""
         if self.failure is None:
             for s in self.streams:
                 if s.task.done() and not (s.closed and not s.task.cancelled() and s.task.exception() is None):
