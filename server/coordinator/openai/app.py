@@ -126,28 +126,22 @@ def create_app(front: Front) -> FastAPI:
         return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", dependencies=[Depends(authenticate)])
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        """vLLM's extension (what `vllm bench serve` aligns its prompts with)."""
+    async def tokenize(body: TokenizeRequest) -> Response:
+        """vLLM's extension (what `vllm bench serve` aligns its prompts with). Tokenized and its answer
+        written in a thread: a long prompt's ids are a long list to build and to write as JSON."""
         front.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "prompt or messages: give exactly one", param="prompt")
-        if body.messages is not None:
-            if front.chat is None:
-                raise ApiError(400, "messages: the model has no chat template", param="messages")
-            try:
-                with client_input("messages"):
-                    _, ids = await asyncio.to_thread(_render, front, body.messages)
-            except ChatTemplateError as e:
-                raise ApiError(400, f"messages: {e}", param="messages") from e
-        else:
-            check_prompt_size(body.prompt or "", front.max_prompt_bytes)
-            if body.add_special_tokens:
-                ids = await asyncio.to_thread(front.generation.tokenizer.encode, body.prompt or "")
-            elif front.encoder is not None:
-                ids = (await asyncio.to_thread(front.encoder.encode, body.prompt or "", add_special_tokens=False)).ids
-            else:
-                raise ApiError(501, "add_special_tokens=false is not available here")
-        return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids, "token_strs": None}
+        if body.messages is not None and front.chat is None:
+            raise ApiError(400, "messages: the model has no chat template", param="messages")
+        if body.prompt is not None and not body.add_special_tokens and front.encoder is None:
+            raise ApiError(501, "add_special_tokens=false is not available here")
+        try:
+            with client_input("messages" if body.messages is not None else "prompt"):
+                answer = await asyncio.to_thread(_tokenize, front, body)
+        except ChatTemplateError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from e
+        return Response(answer, media_type="application/json")
 
     @app.post("/detokenize", dependencies=[Depends(authenticate)])
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
@@ -156,8 +150,9 @@ def create_app(front: Front) -> FastAPI:
         if body.tokens and not (0 <= min(body.tokens) and max(body.tokens) < vocab):
             bad = next(t for t in body.tokens if not 0 <= t < vocab)
             raise ApiError(400, f"tokens: id {bad} lies outside [0, {vocab})", param="tokens")
-        if len(body.tokens) > LONG_DETOKENIZE:
-            return {"prompt": await asyncio.to_thread(front.generation.tokenizer.decode, body.tokens)}
+        if len(body.tokens) > LONG_DETOKENIZE and front.encoder is not None:  # decode_batch releases the GIL
+            texts = await asyncio.to_thread(front.encoder.decode_batch, [body.tokens], skip_special_tokens=True)
+            return {"prompt": texts[0]}
         return {"prompt": front.generation.tokenizer.decode(body.tokens)}
 
     @v1.get("/models")
@@ -178,7 +173,7 @@ def create_app(front: Front) -> FastAPI:
         front.check_model(body.model)
         with client_input():
             refuse_unsupported(body)
-            args = (body, front.generation.tokenizer, front.generation.limits.vocab_size)
+            args = (body, front.generation.tokenizer, front.generation.limits.vocab_size, front.max_model_len)
             if body.echo or _prompt_chars(body.prompt) > LONG_PROMPT_CHARS:
                 generate, echo = await asyncio.to_thread(completion_request, *args)
             else:
@@ -218,6 +213,22 @@ def create_app(front: Front) -> FastAPI:
 
     app.include_router(v1)
     return app
+
+
+def _tokenize(front: Front, body: TokenizeRequest) -> bytes:
+    """/tokenize's answer as JSON (in a thread)."""
+    if body.messages is not None:
+        _, ids = _render(front, body.messages)
+    else:
+        check_prompt_size(body.prompt or "", front.max_prompt_bytes)
+        if body.add_special_tokens:
+            ids = front.generation.tokenizer.encode(body.prompt or "")
+        else:  # encode_batch releases the GIL
+            ids = front.encoder.encode_batch([body.prompt or ""], add_special_tokens=False)[0].ids
+    # written in slices: one json.dumps of a million ids holds the GIL (the loop) for tens of milliseconds
+    tokens = ",".join(",".join(map(str, ids[i:i + 16384])) for i in range(0, len(ids), 16384))
+    return (f'{{"count":{len(ids)},"max_model_len":{front.max_model_len},"tokens":[{tokens}],'
+            f'"token_strs":null}}').encode()
 
 
 def _render(front: Front, messages: list[dict[str, Any]], *args: Any) -> tuple[str, list[int]]:

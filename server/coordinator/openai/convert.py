@@ -23,10 +23,11 @@ Echo = tuple[str, list[int]]
 """Completions with `echo`: the prompt's text and ids, put in front of the output."""
 
 
-def completion_request(body: CompletionRequest, tokenizer: Tokenizer, vocab_size: int | None = None
-                       ) -> tuple[generation_pb2.GenerateRequest, Echo | None]:
+def completion_request(body: CompletionRequest, tokenizer: Tokenizer, vocab_size: int | None = None,
+                       max_model_len: int | None = None) -> tuple[generation_pb2.GenerateRequest, Echo | None]:
     """The request for a /v1/completions body (one prompt), and the prompt to echo when asked. Token ids
-    outside [0, vocab_size) are refused here, before they are decoded (echo) or put in the request."""
+    outside [0, vocab_size), or more than max_model_len of them, are refused here, before they are decoded
+    (echo) or put in the request."""
     generate = generation_pb2.GenerateRequest(
         sampling=sampling_params(body, DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens)
     )
@@ -39,6 +40,9 @@ def completion_request(body: CompletionRequest, tokenizer: Tokenizer, vocab_size
                 param="prompt",
             )
         prompt = prompt[0]
+    if not isinstance(prompt, str) and max_model_len is not None and len(prompt) > max_model_len:
+        raise ApiError(400, f"prompt: {len(prompt)} tokens exceed the model's max_model_len {max_model_len}",
+                       param="prompt")
     if not isinstance(prompt, str) and prompt and vocab_size is not None:
         low, high = min(prompt), max(prompt)
         if low < 0 or high >= vocab_size:
