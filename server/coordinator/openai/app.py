@@ -146,14 +146,9 @@ def create_app(front: Front) -> FastAPI:
     @app.post("/detokenize", dependencies=[Depends(authenticate)])
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         front.check_model(body.model)
-        vocab = front.generation.limits.vocab_size
-        if body.tokens and not (0 <= min(body.tokens) and max(body.tokens) < vocab):
-            bad = next(t for t in body.tokens if not 0 <= t < vocab)
-            raise ApiError(400, f"tokens: id {bad} lies outside [0, {vocab})", param="tokens")
-        if len(body.tokens) > LONG_DETOKENIZE and front.encoder is not None:  # decode_batch releases the GIL
-            texts = await asyncio.to_thread(front.encoder.decode_batch, [body.tokens], skip_special_tokens=True)
-            return {"prompt": texts[0]}
-        return {"prompt": front.generation.tokenizer.decode(body.tokens)}
+        if len(body.tokens) > LONG_DETOKENIZE:
+            return {"prompt": await asyncio.to_thread(_detokenize, front, body.tokens)}
+        return {"prompt": _detokenize(front, body.tokens)}
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
@@ -229,6 +224,17 @@ def _tokenize(front: Front, body: TokenizeRequest) -> bytes:
     tokens = ",".join(",".join(map(str, ids[i:i + 16384])) for i in range(0, len(ids), 16384))
     return (f'{{"count":{len(ids)},"max_model_len":{front.max_model_len},"tokens":[{tokens}],'
             f'"token_strs":null}}').encode()
+
+
+def _detokenize(front: Front, tokens: list[int]) -> str:
+    """/detokenize's text (in a thread for many ids): each id in the vocabulary, then decoded."""
+    vocab = front.generation.limits.vocab_size
+    if tokens and not (0 <= min(tokens) and max(tokens) < vocab):
+        bad = next(t for t in tokens if not 0 <= t < vocab)
+        raise ApiError(400, f"tokens: id {bad} lies outside [0, {vocab})", param="tokens")
+    if len(tokens) > LONG_DETOKENIZE and front.encoder is not None:  # decode_batch releases the GIL
+        return front.encoder.decode_batch([tokens], skip_special_tokens=True)[0]
+    return front.generation.tokenizer.decode(tokens)
 
 
 def _render(front: Front, messages: list[dict[str, Any]], *args: Any) -> tuple[str, list[int]]:
