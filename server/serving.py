@@ -18,6 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.server.malformed import MalformedInterceptor
 from pdserve.server.security import ClusterAuth, ClusterAuthInterceptor, TlsConfig, cluster_secret_interceptors
 
 from pdserve.kvcache.grpc_sender import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401  (one definition, re-exported)
@@ -95,7 +96,8 @@ def new_server(
     """A server with grpc.health.v1 and reflection added; the caller adds its own servicers.
     reuse_port: SO_REUSEPORT on or off (None: gRPC's default, on)."""
     options = [*CHANNEL_OPTIONS, *([("grpc.so_reuseport", int(reuse_port))] if reuse_port is not None else [])]
-    server = grpc.aio.server(options=options, interceptors=[*server_interceptors(), *interceptors] or None)
+    server = grpc.aio.server(options=options,
+                             interceptors=[*server_interceptors(), *interceptors, MalformedInterceptor()])
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = [*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]

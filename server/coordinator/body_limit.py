@@ -17,7 +17,7 @@ class BodyTooLarge(Exception):
 def error_body(limit: int) -> bytes:
     return json.dumps({"error": {
         "message": f"the request body exceeds the limit of {limit} bytes",
-        "type": "invalid_request_error", "param": None, "code": "request_too_large",
+        "type": "invalid_request_error", "param": None, "code": 413,
     }}).encode()
 
 

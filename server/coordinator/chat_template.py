@@ -22,6 +22,8 @@ from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HfTokenizer
 
+from pdserve.server.model.tokenizer import GIL_FREE_CHARS
+
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token")
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 """A message's reasoning, under any of these names, reaches the template under all of them (as transformers does)."""
@@ -200,4 +202,6 @@ class ChatTemplate:
                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
         """The rendered prompt and its token ids (no special tokens added: the template has them)."""
         text = self.render(messages, template_kwargs=template_kwargs, tools=tools)
+        if len(text) > GIL_FREE_CHARS:  # releases the GIL (tokenizer.py): the caller's thread leaves the loop free
+            return text, self._encoder.encode_batch([text], add_special_tokens=False)[0].ids
         return text, self._encoder.encode(text, add_special_tokens=False).ids

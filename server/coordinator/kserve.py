@@ -45,7 +45,8 @@ from pdserve.v1 import generation_pb2
 from pdserve.server import metrics
 from pdserve.server.coordinator.openai.errors import ApiError
 from pdserve.server.coordinator.openai.structured import structured_output
-from pdserve.server.coordinator.service import GenerationService, RequestFailed
+from pdserve.server.coordinator.json_input import OFF_LOOP_BYTES, JsonRefused, check_json, parse_json, printable
+from pdserve.server.coordinator.service import CLIENT_INPUT_ERRORS, GenerationService, RequestFailed
 from pdserve.server.coordinator.validate import InvalidRequest
 from pdserve.server.finish import finish_name
 
@@ -102,6 +103,23 @@ NEUTRAL_KEYS = {
 
 class BadInput(ValueError):
     """A malformed inference request: INVALID_ARGUMENT, or a stream response's error_message."""
+
+
+def _json(raw: bytes | str, field: str) -> Any:
+    """A JSON input or parameter, parsed and checked (json_input.py: depth, encodable strings, integer
+    range, finite floats), or BadInput naming it."""
+    try:
+        value = parse_json(raw, field)
+        check_json(value, field)
+    except JsonRefused as e:
+        raise BadInput(str(e)) from None
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A client's value quoted in a message: short, and printable whatever it holds."""
+    text = printable(repr(value))
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 # --- decoding a ModelInferRequest ----------------------------------------------------------------
@@ -169,9 +187,9 @@ def _coerce(key: str, value: Any) -> Any:
     try:
         if kind is list:
             if key == "stop" and isinstance(value, str):
-                value = json.loads(value) if value.startswith("[") else [value]
+                value = _json(value, key) if value.startswith("[") else [value]
             if key == "stop_token_ids" and isinstance(value, str):
-                value = json.loads(value)
+                value = _json(value, key)
             if not isinstance(value, list):
                 raise TypeError
             return [int(v) for v in value] if key == "stop_token_ids" else [str(v) for v in value]
@@ -184,8 +202,10 @@ def _coerce(key: str, value: Any) -> Any:
         if kind is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
         return kind(value)
-    except (TypeError, ValueError, json.JSONDecodeError) as e:
-        raise BadInput(f"sampling parameter {key}: {value!r} is not a valid {kind.__name__}") from e
+    except BadInput:
+        raise
+    except (TypeError, ValueError, OverflowError) as e:
+        raise BadInput(f"sampling parameter {key}: {_shown(value)} is not a valid {kind.__name__}") from e
 
 
 def sampling_from(params: dict[str, Any], strict: bool) -> generation_pb2.SamplingParams:
@@ -194,10 +214,7 @@ def sampling_from(params: dict[str, Any], strict: bool) -> generation_pb2.Sampli
     for key, value in params.items():
         if key == "structured_outputs":
             if isinstance(value, str):  # a request parameter holds it as JSON text
-                try:
-                    value = json.loads(value)
-                except json.JSONDecodeError as e:
-                    raise BadInput(f"structured_outputs: not valid JSON ({e})") from e
+                value = _json(value, "structured_outputs")
             if not isinstance(value, dict):
                 raise BadInput("structured_outputs: a JSON object, e.g. {\"regex\": \"[a-z]+\"}")
             try:
@@ -207,7 +224,7 @@ def sampling_from(params: dict[str, Any], strict: bool) -> generation_pb2.Sampli
             continue
         if key in NEUTRAL_KEYS:
             if value != NEUTRAL_KEYS[key]:
-                raise BadInput(f"sampling parameter {key}={value!r} is not supported")
+                raise BadInput(f"sampling parameter {key}={_shown(value)} is not supported")
             continue
         if key not in SAMPLING_KEYS:
             if strict:
@@ -220,7 +237,7 @@ def sampling_from(params: dict[str, Any], strict: bool) -> generation_pb2.Sampli
             else:
                 setattr(sampling, key, value)
         except (TypeError, ValueError) as e:
-            raise BadInput(f"sampling parameter {key}: {value!r} is out of range") from e
+            raise BadInput(f"sampling parameter {key}: {_shown(value)} is out of range") from e
     return sampling
 
 
@@ -245,6 +262,18 @@ class Inference:
         )
 
 
+async def parse_request(request: service_pb2.ModelInferRequest) -> Inference:
+    """The one place a KServe request is read: `parse`, in a thread for a large request; what reading it
+    raises past the field checks (CLIENT_INPUT_ERRORS) is BadInput, anything else a server error."""
+    try:
+        if request.ByteSize() > OFF_LOOP_BYTES:
+            return await asyncio.to_thread(parse, request)
+        return parse(request)
+    except CLIENT_INPUT_ERRORS as e:
+        log.warning("reading a KServe request raised %r past the field checks", e)
+        raise BadInput(f"the request cannot be read ({type(e).__name__}: {printable(str(e))[:200]})") from e
+
+
 def parse(request: service_pb2.ModelInferRequest) -> Inference:
     values = _input_values(request)
     if "text_input" not in values:
@@ -256,10 +285,7 @@ def parse(request: service_pb2.ModelInferRequest) -> Inference:
     params = {k: _parameter(v) for k, v in request.parameters.items()}
     sampling = sampling_from(params, strict=False)
     if "sampling_parameters" in values:
-        try:
-            given = json.loads(values["sampling_parameters"][0] or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadInput(f"sampling_parameters is not JSON: {e}") from e
+        given = _json(values["sampling_parameters"][0] or b"{}", "sampling_parameters")
         if not isinstance(given, dict):
             raise BadInput("sampling_parameters must be a JSON object")
         sampling.MergeFrom(sampling_from(given, strict=True))
@@ -450,7 +476,7 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
         if not self._known(request.model_name, request.model_version):
             await self._check_model(request.model_name, request.model_version, context)
         try:
-            inference = parse(request)
+            inference = await parse_request(request)
             if inference.stream:
                 raise BadInput("stream=true needs ModelStreamInfer (decoupled); ModelInfer answers once")
             responses = [r async for r in self._run(inference, context.time_remaining())]
@@ -502,7 +528,7 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
             )
             return
         try:
-            inference = parse(request)
+            inference = await parse_request(request)
             async for response in self._run(inference, timeout):
                 emit(service_pb2.ModelStreamInferResponse(infer_response=response))
         except (BadInput, InvalidRequest) as e:

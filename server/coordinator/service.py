@@ -53,6 +53,9 @@ __all__ = ["GenerationService", "InvalidRequest", "RequestFailed"]
 FinishReason = generation_pb2.FinishReason
 LONG_TEXT_CHARS = 16_384
 """Text prompts longer than this are tokenized off the event loop."""
+CLIENT_INPUT_ERRORS = (RecursionError, UnicodeError, OverflowError)
+"""What validating a client's request may raise past the field checks (a schema nested past the parser's
+depth): INVALID_ARGUMENT, never UNKNOWN. Anything else stays a server error."""
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(
@@ -120,9 +123,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidRequest:
         try:
-            if len(request.text) > LONG_TEXT_CHARS or request.sampling.structured.WhichOneof("kind"):
-                return await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
-            return validate(request, self.tokenizer, self.limits)
+            try:
+                if len(request.text) > LONG_TEXT_CHARS or request.sampling.structured.WhichOneof("kind"):
+                    return await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
+                return validate(request, self.tokenizer, self.limits)
+            except CLIENT_INPUT_ERRORS as e:  # reading the client's input failed past the field checks
+                log.warning("validating a request raised %r past the field checks", e)
+                field = "sampling.structured" if request.sampling.structured.WhichOneof("kind") else "request"
+                raise InvalidRequest(f"{field}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from e
         except InvalidRequest:
             metrics.request_failure.labels(grpc.StatusCode.INVALID_ARGUMENT.name).inc()
             raise

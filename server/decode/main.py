@@ -12,6 +12,7 @@ from pdserve.kvcache.grpc_receiver import add_receiver_to_server
 from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
+from pdserve.server.malformed import MalformedInterceptor
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.service import DecodeService
@@ -71,7 +72,8 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
     address = options.advertise_address or f"{config.host}:{port}"
     kv_server, kv_port, kv_address = None, port, ""
     if options.kv_port is not None:  # KvTransfer alone on its own port (a NetworkPolicy opens it to prefill)
-        kv_server = grpc.aio.server(options=serving.CHANNEL_OPTIONS, interceptors=serving.server_interceptors() or None)
+        kv_server = grpc.aio.server(options=serving.CHANNEL_OPTIONS,
+                                    interceptors=[*serving.server_interceptors(), MalformedInterceptor()])
         kv_port = serving.add_port(kv_server, options.kv_port, config.host)
         kv_address = f"{address.rpartition(':')[0]}:{kv_port}"
         add_receiver_to_server(receiver, kv_server)

@@ -205,7 +205,7 @@ def test_oversized_prompts_are_refused_before_any_work(secured, reference):
         while chunk := sock.recv(65536):  # the server closes after its answer
             reply += chunk
         reply = reply.decode()
-    assert reply.startswith("HTTP/1.1 413") and "request_too_large" in reply and "exceeds the limit of" in reply
+    assert reply.startswith("HTTP/1.1 413") and "\"code\": 413" in reply and "exceeds the limit of" in reply
     for s in streams:
         s.join(120)
     assert [s.error for s in streams] == [None] * 4

@@ -5,13 +5,16 @@
   the model's chat template.
 - `POST /tokenize`, `POST /detokenize` (vLLM's extensions), `GET /v1/models`, `GET /health` (200 while
   a decode worker takes work, else 503), `GET /metrics`.
-- Every error is an OpenAI error object (errors.py), never a bare one.
+- Every error is an OpenAI error object as vLLM writes it (errors.py), never a bare one.
+- Every body is read in one place, `CheckedRoute`: parsed (in a thread when large) and checked by
+  json_input.py before pydantic sees it, so a string, integer, float or nesting Python or protobuf could not
+  hand on is a 400 naming its field; the endpoints read the rest inside `client_input()`. Work that can
+  take more than a millisecond (tokenizing, rendering a chat template, a large body's JSON) runs in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import secrets
 import time
@@ -24,6 +27,7 @@ import prometheus_client
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer as HfTokenizer
 
@@ -34,7 +38,8 @@ from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateE
 from pdserve.server.coordinator.openai.tools import tool_plan
 from pdserve.server.coordinator.openai.convert import (check_messages_size, check_prompt_size, chat_request,
                                                        completion_request, refuse_unsupported)
-from pdserve.server.coordinator.openai.errors import ApiError, internal_error, validation_message
+from pdserve.server.coordinator.json_input import parse_checked
+from pdserve.server.coordinator.openai.errors import ApiError, client_input, internal_error, validation_message
 from pdserve.server.coordinator.openai.front import Front
 from pdserve.server.coordinator.openai.handler import Handler
 from pdserve.server.coordinator.openai.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest,
@@ -43,6 +48,31 @@ from pdserve.server.coordinator.service import GenerationService
 from pdserve.server.model.config import served_model_name
 
 log = logging.getLogger("pdserve.coordinator.http")
+
+LONG_DETOKENIZE = 4096
+"""/detokenize with more ids than this decodes them in a thread."""
+LONG_PROMPT_CHARS = 16_384
+"""Longer completion prompts (and any echo) are converted, with their tokenizing, in a thread."""
+
+
+class CheckedRoute(APIRoute):
+    """A route whose JSON body is parsed and checked (json_input.py) before FastAPI and pydantic read it:
+    the one place the OpenAI front reads what a client sent. A body over the size limit raises BodyTooLarge
+    here (413), not inside FastAPI's parser (which would answer 400)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+        if self.body_field is None:
+            return handler
+
+        async def checked(request: Request) -> Response:
+            raw = await request.body()
+            if raw:
+                with client_input():
+                    request._json = await parse_checked(raw)  # FastAPI's request.json() returns it
+            return await handler(request)
+
+        return checked
 
 
 def create_app(front: Front) -> FastAPI:
@@ -54,11 +84,12 @@ def create_app(front: Front) -> FastAPI:
             token.strip().encode(), front.api_key.encode()
         ):
             raise ApiError(
-                401, "Incorrect API key provided: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                401, "Incorrect API key provided: send 'Authorization: Bearer <key>'"
             )
 
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+    app.router.route_class = CheckedRoute
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)], route_class=CheckedRoute)
 
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
@@ -77,7 +108,7 @@ def create_app(front: Front) -> FastAPI:
 
     @app.exception_handler(BodyTooLarge)
     async def body_too_large(_: Request, e: BodyTooLarge) -> JSONResponse:
-        return JSONResponse(json.loads(error_body(front.max_body_bytes)), status_code=413)
+        return Response(error_body(front.max_body_bytes), status_code=413, media_type="application/json")
 
     @app.exception_handler(Exception)
     async def unhandled(_: Request, e: Exception) -> JSONResponse:
@@ -95,37 +126,29 @@ def create_app(front: Front) -> FastAPI:
         return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", dependencies=[Depends(authenticate)])
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
-        """vLLM's extension (what `vllm bench serve` aligns its prompts with)."""
+    async def tokenize(body: TokenizeRequest) -> Response:
+        """vLLM's extension (what `vllm bench serve` aligns its prompts with). Tokenized and its answer
+        written in a thread: a long prompt's ids are a long list to build and to write as JSON."""
         front.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "prompt or messages: give exactly one", param="prompt")
-        if body.messages is not None:
-            if front.chat is None:
-                raise ApiError(400, "messages: the model has no chat template", param="messages")
-            check_messages_size(body.messages, front.max_prompt_bytes)
-            try:
-                _, ids = await asyncio.to_thread(front.chat.encode, body.messages)
-            except ChatTemplateError as e:
-                raise ApiError(400, f"messages: {e}", param="messages") from e
-        else:
-            check_prompt_size(body.prompt or "", front.max_prompt_bytes)
-            if body.add_special_tokens:
-                ids = await asyncio.to_thread(front.generation.tokenizer.encode, body.prompt or "")
-            elif front.encoder is not None:
-                ids = (await asyncio.to_thread(front.encoder.encode, body.prompt or "", add_special_tokens=False)).ids
-            else:
-                raise ApiError(501, "add_special_tokens=false is not available here")
-        return {"count": len(ids), "max_model_len": front.max_model_len, "tokens": ids, "token_strs": None}
+        if body.messages is not None and front.chat is None:
+            raise ApiError(400, "messages: the model has no chat template", param="messages")
+        if body.prompt is not None and not body.add_special_tokens and front.encoder is None:
+            raise ApiError(501, "add_special_tokens=false is not available here")
+        try:
+            with client_input("messages" if body.messages is not None else "prompt"):
+                answer = await asyncio.to_thread(_tokenize, front, body)
+        except ChatTemplateError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from e
+        return Response(answer, media_type="application/json")
 
     @app.post("/detokenize", dependencies=[Depends(authenticate)])
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         front.check_model(body.model)
-        vocab = front.generation.limits.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise ApiError(400, f"tokens: id {bad[0]} lies outside [0, {vocab})", param="tokens")
-        return {"prompt": front.generation.tokenizer.decode(body.tokens)}
+        if len(body.tokens) > LONG_DETOKENIZE:
+            return {"prompt": await asyncio.to_thread(_detokenize, front, body.tokens)}
+        return {"prompt": _detokenize(front, body.tokens)}
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
@@ -143,8 +166,13 @@ def create_app(front: Front) -> FastAPI:
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         front.check_model(body.model)
-        refuse_unsupported(body)
-        generate, echo = completion_request(body, front.generation.tokenizer)
+        with client_input():
+            refuse_unsupported(body)
+            args = (body, front.generation.tokenizer, front.generation.limits.vocab_size, front.max_model_len)
+            if body.echo or _prompt_chars(body.prompt) > LONG_PROMPT_CHARS:
+                generate, echo = await asyncio.to_thread(completion_request, *args)
+            else:
+                generate, echo = completion_request(*args)
         handler = Handler(front, "completion", body, f"cmpl-{secrets.token_hex(12)}", echo)
         generate.request_id = handler.id
         return await handler.run(request, generate)
@@ -152,26 +180,27 @@ def create_app(front: Front) -> FastAPI:
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
         front.check_model(body.model)
-        refuse_unsupported(body)
+        with client_input():
+            refuse_unsupported(body)
         if front.chat is None:
             raise ApiError(
                 400,
                 f"the model `{front.model_name}` has no chat template (tokenizer_config.json has "
                 "no chat_template): use /v1/completions",
                 param="messages",
-                code="no_chat_template",
             )
-        check_messages_size(body.messages, front.max_prompt_bytes)
         plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, front.enable_auto_tool_choice,
                          front.tool_call_parser)
         try:
-            _, ids = await asyncio.to_thread(front.chat.encode, body.messages, body.chat_template_kwargs,
-                                             plan.tools if plan else None)
+            with client_input("messages"):
+                _, ids = await asyncio.to_thread(_render, front, body.messages, body.chat_template_kwargs,
+                                                 plan.tools if plan else None)
         except ChatTemplateError as e:
             raise ApiError(
                 400, str(e) if str(e).startswith("messages") else f"messages: {e}", param="messages"
             ) from e
-        generate = chat_request(body, ids, front.max_model_len, plan)
+        with client_input():
+            generate = chat_request(body, ids, front.max_model_len, plan)
         handler = Handler(front, "chat", body, f"chatcmpl-{secrets.token_hex(12)}",
                           tools=plan if plan and plan.mode != "none" else None)
         generate.request_id = handler.id
@@ -179,6 +208,47 @@ def create_app(front: Front) -> FastAPI:
 
     app.include_router(v1)
     return app
+
+
+def _tokenize(front: Front, body: TokenizeRequest) -> bytes:
+    """/tokenize's answer as JSON (in a thread)."""
+    if body.messages is not None:
+        _, ids = _render(front, body.messages)
+    else:
+        check_prompt_size(body.prompt or "", front.max_prompt_bytes)
+        if body.add_special_tokens:
+            ids = front.generation.tokenizer.encode(body.prompt or "")
+        else:  # encode_batch releases the GIL
+            ids = front.encoder.encode_batch([body.prompt or ""], add_special_tokens=False)[0].ids
+    # written in slices: one json.dumps of a million ids holds the GIL (the loop) for tens of milliseconds
+    tokens = ",".join(",".join(map(str, ids[i:i + 16384])) for i in range(0, len(ids), 16384))
+    return (f'{{"count":{len(ids)},"max_model_len":{front.max_model_len},"tokens":[{tokens}],'
+            f'"token_strs":null}}').encode()
+
+
+def _detokenize(front: Front, tokens: list[int]) -> str:
+    """/detokenize's text (in a thread for many ids): each id in the vocabulary, then decoded."""
+    vocab = front.generation.limits.vocab_size
+    if tokens and not (0 <= min(tokens) and max(tokens) < vocab):
+        bad = next(t for t in tokens if not 0 <= t < vocab)
+        raise ApiError(400, f"tokens: id {bad} lies outside [0, {vocab})", param="tokens")
+    if len(tokens) > LONG_DETOKENIZE and front.encoder is not None:  # decode_batch releases the GIL
+        return front.encoder.decode_batch([tokens], skip_special_tokens=True)[0]
+    return front.generation.tokenizer.decode(tokens)
+
+
+def _render(front: Front, messages: list[dict[str, Any]], *args: Any) -> tuple[str, list[int]]:
+    """The messages' size checked, then rendered by the chat template and tokenized (in a thread)."""
+    check_messages_size(messages, front.max_prompt_bytes)
+    return front.chat.encode(messages, *args)
+
+
+def _prompt_chars(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return sum(len(p) for p in prompt)
+    return 0
 
 
 async def serve_http(

@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from pdserve.v1 import generation_pb2
+from pdserve.server.coordinator.json_input import printable
 from pdserve.server.coordinator.openai.errors import ApiError
 from pdserve.server.coordinator.openai.protocol import ChatRequest, CompletionRequest, SamplingFields
 from pdserve.server.coordinator.openai.structured import structured_output
@@ -22,8 +23,11 @@ Echo = tuple[str, list[int]]
 """Completions with `echo`: the prompt's text and ids, put in front of the output."""
 
 
-def completion_request(body: CompletionRequest, tokenizer: Tokenizer) -> tuple[generation_pb2.GenerateRequest, Echo | None]:
-    """The request for a /v1/completions body (one prompt), and the prompt to echo when asked."""
+def completion_request(body: CompletionRequest, tokenizer: Tokenizer, vocab_size: int | None = None,
+                       max_model_len: int | None = None) -> tuple[generation_pb2.GenerateRequest, Echo | None]:
+    """The request for a /v1/completions body (one prompt), and the prompt to echo when asked. Token ids
+    outside [0, vocab_size), or more than max_model_len of them, are refused here, before they are decoded
+    (echo) or put in the request."""
     generate = generation_pb2.GenerateRequest(
         sampling=sampling_params(body, DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens)
     )
@@ -36,6 +40,14 @@ def completion_request(body: CompletionRequest, tokenizer: Tokenizer) -> tuple[g
                 param="prompt",
             )
         prompt = prompt[0]
+    if not isinstance(prompt, str) and max_model_len is not None and len(prompt) > max_model_len:
+        raise ApiError(400, f"prompt: {len(prompt)} tokens exceed the model's max_model_len {max_model_len}",
+                       param="prompt")
+    if not isinstance(prompt, str) and prompt and vocab_size is not None:
+        low, high = min(prompt), max(prompt)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ApiError(400, f"prompt: token id {bad} lies outside [0, {vocab_size})", param="prompt")
     echo = None
     if body.echo:  # the prompt's ids here, to name its tokens
         ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -84,7 +96,8 @@ def refuse_unsupported(req: SamplingFields) -> None:
         ]
     if isinstance(req, ChatRequest):
         checks += [
-            ("top_logprobs", req.top_logprobs is not None and not req.logprobs, "top_logprobs needs logprobs: true"),
+            ("top_logprobs", req.top_logprobs is not None and req.top_logprobs < 0, "top_logprobs must be >= 0"),
+            ("top_logprobs", bool(req.top_logprobs) and not req.logprobs, "top_logprobs > 0 needs logprobs: true"),
         ]
     for param, bad, message in checks:
         if bad:
@@ -92,11 +105,13 @@ def refuse_unsupported(req: SamplingFields) -> None:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None) -> generation_pb2.SamplingParams:
-    sampling = generation_pb2.SamplingParams(
-        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
-        stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos,
-    )
+    sampling = generation_pb2.SamplingParams(ignore_eos=req.ignore_eos)
+    for name, values in (("stop", [req.stop] if isinstance(req.stop, str) else req.stop),
+                         ("stop_token_ids", req.stop_token_ids)):
+        try:
+            getattr(sampling, name).extend(values or [])
+        except (ValueError, TypeError) as e:  # an id outside int64, a string UTF-8 cannot encode
+            raise ApiError(400, f"{name}: {printable(str(e))}", param=name) from e
     structured = structured_output(req.response_format, req.structured_outputs)
     if structured is not None:
         sampling.structured.CopyFrom(structured)

@@ -1,14 +1,19 @@
-"""OpenAI error objects: `{"error": {"message", "type", "param", "code"}}` with the HTTP status.
+"""OpenAI error objects as vLLM writes them (its ErrorResponse): `{"error": {"message", "type", "param",
+"code"}}`, `code` the HTTP status as an integer, with that status.
 
 400 bad field, 401 bad API key, 404 unknown model, 413 a body or prompt over its byte limit, 429 an
 admission refusal (with Retry-After from the `retry-after-ms` hint), 503 no worker, 504 deadline; any
-other failure a 500 error object, never a bare one.
+other failure a 500 error object, never a bare one. Every body is ASCII JSON, so a message that quotes a
+client's string (a lone surrogate in a model name) still encodes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -16,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from pdserve.server.coordinator.chat_template import ChatTemplateError
+from pdserve.server.coordinator.json_input import JsonRefused, printable
 from pdserve.server.coordinator.service import RequestFailed
 from pdserve.server.coordinator.validate import InvalidRequest, TooLarge
 from pdserve.server.serving import RETRY_HINT
@@ -51,7 +57,6 @@ class ApiError(Exception):
         status: int,
         message: str,
         param: str | None = None,
-        code: str | None = None,
         headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
@@ -60,7 +65,6 @@ class ApiError(Exception):
         self.param = param
         self.counted = False
         """The request path counted it in pdserve_request_failure_total already."""
-        self.code = code
         self.headers = headers or {}
 
     def body(self) -> dict[str, Any]:
@@ -69,12 +73,19 @@ class ApiError(Exception):
                 "message": self.message,
                 "type": ERROR_TYPES.get(self.status, "server_error"),
                 "param": self.param,
-                "code": self.code,
+                "code": self.status,
             }
         }
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: encodes whatever a message quotes (lone surrogates too)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def api_error(e: InvalidRequest | RequestFailed | ChatTemplateError) -> ApiError:
@@ -89,7 +100,7 @@ def api_error(e: InvalidRequest | RequestFailed | ChatTemplateError) -> ApiError
     retry_ms = dict(e.metadata).get(RETRY_HINT)
     if status == 429 and retry_ms is not None and retry_ms.isdigit():
         headers["Retry-After"] = str(max(1, math.ceil(int(retry_ms) / 1000)))
-    error = ApiError(status, e.details, code=e.code.name.lower(), headers=headers)
+    error = ApiError(status, e.details, headers=headers)
     error.counted = True
     return error
 
@@ -103,7 +114,26 @@ def error_of(e: Exception) -> ApiError:
 
 
 def internal_error(e: Exception) -> ApiError:
-    return ApiError(500, f"internal error: {type(e).__name__}", code="internal_error")
+    return ApiError(500, f"internal error: {type(e).__name__}")
+
+
+CLIENT_INPUT_ERRORS = (RecursionError, UnicodeError, OverflowError, JsonRefused)
+"""What reading a client's input can raise that the field checks (json_input.py, convert.py) should have
+caught first: a 400, never a 500."""
+
+
+@contextlib.contextmanager
+def client_input(field: str | None = None) -> Iterator[None]:
+    """Around the code that reads a request (never the request path): CLIENT_INPUT_ERRORS become a 400
+    naming `field` (logged: a check is missing); anything else stays a server error."""
+    try:
+        yield
+    except JsonRefused as e:
+        raise ApiError(400, str(e), param=e.field) from e
+    except CLIENT_INPUT_ERRORS as e:
+        log.warning("a request's input raised %r past the field checks", e)
+        name = field or "body"
+        raise ApiError(400, f"{name}: {type(e).__name__}: {printable(str(e))[:200]}", param=field) from e
 
 
 def validation_message(e: RequestValidationError) -> tuple[str, str | None]:
@@ -112,7 +142,7 @@ def validation_message(e: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request body", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [printable(str(p)) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None

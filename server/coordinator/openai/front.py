@@ -10,6 +10,7 @@ from typing import Any
 from tokenizers import Tokenizer as HfTokenizer
 
 from pdserve.server.coordinator.chat_template import ChatTemplate
+from pdserve.server.coordinator.json_input import printable
 from pdserve.server.coordinator.openai.errors import ApiError
 from pdserve.server.coordinator.service import GenerationService
 
@@ -46,9 +47,8 @@ class Front:
         if model != self.model_name and model not in self.aliases:
             raise ApiError(
                 404,
-                f"The model `{model}` does not exist; this server serves `{self.model_name}`",
+                f"The model `{printable(model)}` does not exist; this server serves `{self.model_name}`",
                 param="model",
-                code="model_not_found",
             )
 
 

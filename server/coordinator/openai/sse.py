@@ -9,7 +9,9 @@ from typing import Any
 
 
 def sse_event(data: dict[str, Any] | str) -> bytes:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    """One event; a lone surrogate an error message quotes goes out as its JSON escape (still valid JSON)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode("utf-8", "backslashreplace")
 
 
 TEXT_MARK = "\x00pdserve:text\x00"
