@@ -1,4 +1,5 @@
-"""`pdserve up --metrics-port`: one /metrics with every process's series, each labelled by its process.
+"""`pdserve up --metrics-port` (and the coordinator's HTTP /metrics under `pdserve up`, `--worker-metrics`):
+one /metrics with every process's series, each labelled by its process.
 
 Life cycle: `serve_cluster_metrics` starts an HTTP server (a daemon thread) whose every GET scrapes each
 live process's own /metrics concurrently (`SCRAPE_TIMEOUT` each), parses the text, adds the process's
@@ -41,6 +42,16 @@ class Target:
     """host:port of its own /metrics."""
     alive: bool = True
     """False while it is dead (not scraped)."""
+
+
+def targets_of(worker_metrics: list[str]) -> list[Target]:
+    """The targets `--worker-metrics NAME=HOST:PORT` names, `engine` their place in the list (the role: NAME
+    up to its first '-', as `pdserve up` names its processes)."""
+    out = []
+    for i, entry in enumerate(worker_metrics):
+        name, _, address = entry.partition("=")
+        out.append(Target(name, i, name.partition("-")[0], address))
+    return out
 
 
 def scrape(address: str, timeout: float = SCRAPE_TIMEOUT) -> str | None:

@@ -205,6 +205,9 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
         wait_serving(cluster, cluster.procs, timeout)
         workers = [a for p in cluster.prefill for a in ("--prefill", p.address)]
         workers += [a for p in cluster.decode for a in ("--decode", p.address)]
+        # the HTTP front's /metrics serves the workers' series too, numbered as metrics_targets numbers them
+        workers += [a for p in cluster.procs if p.metrics_address for a in ("--worker-metrics",
+                                                                             f"{p.name}={p.metrics_address}")]
         if coordinators == 1:
             cluster.coordinator = _spawn("coordinator", ["coordinator", "--model", str(model_dir), *workers,
                                                          *coordinator_args], port or free_port(host), host,

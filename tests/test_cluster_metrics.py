@@ -7,10 +7,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.server.cluster_metrics import ClusterCollector, Target, merge, render
+from pdserve.server.cluster_metrics import ClusterCollector, Target, merge, render, targets_of
+from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.launcher import Cluster, Proc, free_port
 
 OWN = """\
@@ -56,8 +58,6 @@ def _render(families) -> str:
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(Fixed())
-    from prometheus_client import generate_latest
-
     return generate_latest(registry).decode()
 
 
@@ -149,3 +149,13 @@ def test_the_cluster_lists_each_process_metrics_address_in_its_state_and_as_targ
     finally:
         running.kill()
         running.wait()
+
+
+def test_worker_metrics_flags_number_the_workers_in_order_and_a_bad_entry_is_refused(tiny_model):
+    entries = ["prefill-0=127.0.0.1:9101", "decode-0=127.0.0.1:9102"]
+    config = CoordinatorConfig(model_dir=tiny_model("llama"), worker_metrics=entries)
+    assert targets_of(config.worker_metrics) == [Target("prefill-0", 0, "prefill", "127.0.0.1:9101"),
+                                                 Target("decode-0", 1, "decode", "127.0.0.1:9102")]
+    for bad in ("127.0.0.1:9101", "decode-0=localhost", "=127.0.0.1:9101"):
+        with pytest.raises(ValueError, match="--worker-metrics"):
+            CoordinatorConfig(model_dir=tiny_model("llama"), worker_metrics=[bad])

@@ -28,18 +28,18 @@ MAX_TOKENS = 300
 def up(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("up")
     state = tmp / "state.json"
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     log = open(tmp / "up.log", "w")
     cmd = [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(tiny_model("llama")), "--port", "0",
            "--prefill-workers", "1", "--decode-workers", "2", "--state-file", str(state), "--stall-timeout", "5",
-           "--metrics-port", str(metrics_port)]
+           "--metrics-port", str(metrics_port), "--http-port", str(http_port)]
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp.parent / "jax-cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_until(lambda: state.exists() or popen.poll() is not None, "pdserve up started", timeout=180)
         assert popen.poll() is None, (tmp / "up.log").read_text()[-3000:]
-        yield popen, state, tmp / "up.log", metrics_port
+        yield popen, state, tmp / "up.log", metrics_port, http_port
     finally:
         popen.send_signal(signal.SIGTERM)
         try:
@@ -74,7 +74,7 @@ def _up(metrics_port: int) -> dict[str, float]:
 
 
 def test_every_process_series_on_the_supervisors_metrics_labelled_by_process(up):
-    popen, state_file, log, metrics_port = up
+    popen, state_file, log, metrics_port, http_port = up
     state = json.loads(state_file.read_text())
     names = ["prefill-0", "decode-0", "decode-1", "coordinator"]
     assert sorted(state["metrics"]) == sorted(names)
@@ -102,11 +102,20 @@ def test_every_process_series_on_the_supervisors_metrics_labelled_by_process(up)
     assert _samples(text, "vllm:e2e_request_latency_seconds_count")["coordinator"] >= 1
     # the supervisor adds no zeros of its own beside them (its restarts count appears when one happens)
     assert [s for f in families.values() for s in f.samples if s.labels.get("role") == "supervisor"] == []
+    # the coordinator's HTTP /metrics (where vLLM's users point Prometheus): its own series and every worker's
+    front = _scrape(f"127.0.0.1:{http_port}")
+    assert _samples(front, "pdserve_worker_up") == {"prefill-0": 1.0, "decode-0": 1.0, "decode-1": 1.0}
+    blocks = {k: v for k, v in _samples(front, "pdserve_kv_blocks_total").items() if v > 0}
+    assert sorted(blocks) == ["decode-0", "decode-1"]
+    assert _samples(front, "vllm:e2e_request_latency_seconds_count")[""] >= 1  # its own, unlabelled
+    engines = {s.labels["worker"]: s.labels["engine"] for f in text_string_to_metric_families(front)
+               for s in f.samples if "worker" in s.labels}
+    assert engines == {"prefill-0": "0", "decode-0": "1", "decode-1": "2"}  # as the supervisor numbers them
 
 
 @pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
 def test_kill_9_of_one_worker_under_load_loses_no_stream(up, victim):
-    popen, state_file, log, metrics_port = up
+    popen, state_file, log, metrics_port, _ = up
     state = json.loads(state_file.read_text())
     restarts = state["restarts"]
     address = state["coordinator"]
