@@ -121,7 +121,7 @@ class ClusterCollector:
 
 def render(collector: ClusterCollector) -> str:
     """The merged exposition text (what a GET of the served /metrics answers)."""
-    registry = CollectorRegistry(auto_describe=False)
+    registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
     registry.register(collector)
     return generate_latest(registry).decode()
 
@@ -130,7 +130,7 @@ def serve_cluster_metrics(port: int, host: str, targets: Callable[[], list[Targe
     """Serves the merged /metrics on host:port (0: off) from a daemon thread; returns the port bound."""
     if not port:
         return 0
-    registry = CollectorRegistry(auto_describe=False)
+    registry = CollectorRegistry(auto_describe=False, support_collectors_without_names=True)
     registry.register(ClusterCollector(targets, model_name))
     server, _thread = start_http_server(port, addr=host, registry=registry)
     bound = server.server_address[1]
