@@ -74,7 +74,7 @@ def _up(metrics_port: int) -> dict[str, float]:
 
 
 def test_every_process_series_on_the_supervisors_metrics_labelled_by_process(up):
-    popen, state_file, log, metrics_port, http_port = up
+    _, state_file, log, metrics_port, http_port = up
     state = json.loads(state_file.read_text())
     names = ["prefill-0", "decode-0", "decode-1", "coordinator"]
     assert sorted(state["metrics"]) == sorted(names)
