@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import urllib.request
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.server.cluster_metrics import ClusterCollector, Target, merge, render, targets_of
+from pdserve.server.cluster_metrics import Target, cluster_text, merge, serve_cluster_metrics, targets_of
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.launcher import Cluster, Proc, free_port
 
@@ -40,9 +41,10 @@ PREFILL = """\
 # HELP vllm:prompt_tokens_total Prompt tokens
 # TYPE vllm:prompt_tokens_total counter
 vllm:prompt_tokens_total{model_name="m",role="prefill"} 5.0
-# HELP vllm:kv_cache_usage_perc_total KV cache usage
-# TYPE vllm:kv_cache_usage_perc_total counter
-vllm:kv_cache_usage_perc_total{model_name="m",role="prefill"} 9.0
+# HELP vllm:kv_cache_usage_perc KV cache usage
+# TYPE vllm:kv_cache_usage_perc summary
+vllm:kv_cache_usage_perc_sum{model_name="m",role="prefill"} 9.0
+vllm:kv_cache_usage_perc_count{model_name="m",role="prefill"} 3.0
 """
 PREFILL_0, DECODE_0 = Target("prefill-0", 0, "prefill", "127.0.0.1:1"), Target("decode-0", 1, "decode", "127.0.0.1:2")
 
@@ -51,20 +53,12 @@ def _lines(text: str, prefix: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(prefix)]
 
 
-def _render(families) -> str:
-    class Fixed:
-        def collect(self):
-            return families
-
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(Fixed())
-    return generate_latest(registry).decode()
-
-
 def test_each_process_samples_carry_its_engine_and_worker_and_the_own_ones_stay_as_they_are():
-    text = _render(merge(OWN, [(PREFILL_0, PREFILL), (DECODE_0, DECODE)], "m"))
+    text = merge(OWN, [(PREFILL_0, PREFILL), (DECODE_0, DECODE)], "m")
+    families = list(text_string_to_metric_families(text))  # the Prometheus text format, as a scraper reads it
+    assert [f.name for f in families].count("vllm:prompt_tokens") == 1
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+               for f in families for s in f.samples}
     assert samples[("pdserve_worker_restarts_total", (("model_name", "m"), ("role", "decode")))] == 1.0
     assert samples[("vllm:prompt_tokens_total", (("engine", "0"), ("model_name", "m"), ("role", "prefill"),
                                                  ("worker", "prefill-0")))] == 5.0
@@ -78,33 +72,40 @@ def test_each_process_samples_carry_its_engine_and_worker_and_the_own_ones_stay_
 
 
 def test_help_and_type_once_per_family_and_histograms_intact():
-    text = _render(merge(OWN, [(PREFILL_0, PREFILL), (DECODE_0, DECODE)], "m"))
+    text = merge(OWN, [(PREFILL_0, PREFILL), (DECODE_0, DECODE)], "m")
     for family in ("vllm:prompt_tokens_total", "vllm:kv_cache_usage_perc", "pdserve_kv_transfer_seconds"):
         assert len(_lines(text, f"# HELP {family} ")) == 1 and len(_lines(text, f"# TYPE {family} ")) == 1, text
     assert _lines(text, "# TYPE vllm:prompt_tokens_total ") == ["# TYPE vllm:prompt_tokens_total counter"]
     assert len(_lines(text, "vllm:prompt_tokens_total{")) == 2
     # the prefill text's kv_cache_usage_perc claims another type: left out, not mixed into the gauge
-    assert "vllm:kv_cache_usage_perc_total" not in text
+    assert "vllm:kv_cache_usage_perc_sum" not in text and "vllm:kv_cache_usage_perc_count" not in text
     assert _lines(text, "pdserve_kv_transfer_seconds_") == [
-        'pdserve_kv_transfer_seconds_bucket{engine="1",le="0.1",model_name="m",role="decode",worker="decode-0"} 1.0',
-        'pdserve_kv_transfer_seconds_bucket{engine="1",le="+Inf",model_name="m",role="decode",worker="decode-0"} 2.0',
-        'pdserve_kv_transfer_seconds_count{engine="1",model_name="m",role="decode",worker="decode-0"} 2.0',
-        'pdserve_kv_transfer_seconds_sum{engine="1",model_name="m",role="decode",worker="decode-0"} 0.65',
+        'pdserve_kv_transfer_seconds_bucket{engine="1",worker="decode-0",le="0.1",model_name="m",role="decode"} 1.0',
+        'pdserve_kv_transfer_seconds_bucket{engine="1",worker="decode-0",le="+Inf",model_name="m",role="decode"} 2.0',
+        'pdserve_kv_transfer_seconds_count{engine="1",worker="decode-0",model_name="m",role="decode"} 2.0',
+        'pdserve_kv_transfer_seconds_sum{engine="1",worker="decode-0",model_name="m",role="decode"} 0.65',
     ]
 
 
 def test_a_process_not_reached_is_skipped_and_reported_down():
-    text = _render(merge(OWN, [(PREFILL_0, None), (DECODE_0, DECODE)], "m"))
+    text = merge(OWN, [(PREFILL_0, None), (DECODE_0, DECODE)], "m")
     assert 'worker="prefill-0"' not in "".join(_lines(text, "vllm:"))
     assert _lines(text, "pdserve_worker_up{") == [
-        'pdserve_worker_up{engine="0",model_name="m",role="prefill",worker="prefill-0"} 0.0',
-        'pdserve_worker_up{engine="1",model_name="m",role="decode",worker="decode-0"} 1.0',
+        'pdserve_worker_up{model_name="m",role="prefill",engine="0",worker="prefill-0"} 0.0',
+        'pdserve_worker_up{model_name="m",role="decode",engine="1",worker="decode-0"} 1.0',
     ]
 
 
-def test_unreadable_text_is_left_out():
-    text = _render(merge(OWN, [(PREFILL_0, "this is { not the format\n"), (DECODE_0, DECODE)], "m"))
-    assert len(_lines(text, "vllm:prompt_tokens_total{")) == 1
+def test_labels_go_onto_every_kind_of_sample_line():
+    lines = ('bare 1.0\nempty{} 2.0\nlast{a="x"} 3.0 1700000000\n'
+             'own{engine="0"} 4.0\nmid{a="1",worker="w",b="2"} 5.0\n')
+    text = merge("", [(DECODE_0, lines)])
+    assert _lines(text, "bare") + _lines(text, "empty") + _lines(text, "last") + _lines(text, "own") + \
+        _lines(text, "mid") == ['bare{engine="1",worker="decode-0"} 1.0', 'empty{engine="1",worker="decode-0"} 2.0',
+                                'last{engine="1",worker="decode-0",a="x"} 3.0 1700000000',
+                                'own{engine="1",worker="decode-0"} 4.0',
+                                'mid{engine="1",worker="decode-0",a="1",b="2"} 5.0']
+    assert len(list(text_string_to_metric_families(text))) == 6  # the five, and pdserve_worker_up
 
 
 def _worker(role: str, tokens: float) -> tuple[int, object]:
@@ -123,15 +124,21 @@ def test_the_collector_scrapes_live_processes_concurrently_and_skips_a_dead_and_
                Target("decode-1", 2, "decode", f"127.0.0.1:{silent}"),
                Target("coordinator", 3, "coordinator", "127.0.0.1:9", alive=False)]
     own = CollectorRegistry()
+    Counter("pdserve_worker_restarts", "Restarts", ["model_name", "role"], registry=own).labels("m", "decode").inc()
     try:
-        text = render(ClusterCollector(lambda: targets, "m", own=own, timeout=2.0))
+        text = cluster_text(targets, "m", own=own, timeout=2.0)
+        port = serve_cluster_metrics(free_port(), "127.0.0.1", lambda: targets, "m")
+        served = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         p_server.shutdown()
         d_server.shutdown()
     assert _lines(text, "vllm:prompt_tokens_total{") == [
-        'vllm:prompt_tokens_total{engine="0",model_name="m",role="prefill",worker="prefill-0"} 3.0',
-        'vllm:prompt_tokens_total{engine="1",model_name="m",role="decode",worker="decode-0"} 4.0',
+        'vllm:prompt_tokens_total{engine="0",worker="prefill-0",model_name="m",role="prefill"} 3.0',
+        'vllm:prompt_tokens_total{engine="1",worker="decode-0",model_name="m",role="decode"} 4.0',
     ]
+    assert _lines(text, "pdserve_worker_restarts_total{") == ['pdserve_worker_restarts_total{model_name="m",role="decode"} 1.0']
+    # served over HTTP: the same series, beside the served process's own registry
+    assert _lines(served, "vllm:prompt_tokens_total{") == _lines(text, "vllm:prompt_tokens_total{")
     assert [line.rsplit(" ", 1)[1] for line in _lines(text, "pdserve_worker_up{")] == ["1.0", "1.0", "0.0", "0.0"]
 
 

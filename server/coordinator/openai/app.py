@@ -95,8 +95,7 @@ def create_app(front: Front) -> FastAPI:
         if not front.worker_metrics:
             return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
         # every worker's series too, each labelled by its worker (scraped concurrently, off the event loop)
-        collector = cluster_metrics.ClusterCollector(lambda: list(front.worker_metrics), front.model_name)
-        text = await asyncio.to_thread(cluster_metrics.render, collector)
+        text = await asyncio.to_thread(cluster_metrics.cluster_text, list(front.worker_metrics), front.model_name)
         return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", dependencies=[Depends(authenticate)])
