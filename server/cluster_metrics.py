@@ -131,7 +131,9 @@ def _add(families: dict[str, _Family], text: str, labels: str) -> None:
             else:
                 skip = family.type != line
             continue
-        if family is None or not line.startswith(name) or line[len(name)] not in "_{ ":
+        if " " not in line:
+            continue  # no value: not a sample (Prometheus would refuse the whole scrape)
+        if family is None or not line.startswith(name) or line[len(name):len(name) + 1] not in ("_", "{", " "):
             name, skip = line[:max(0, _name_end(line))], False  # a sample without a header: untyped
             family = families.setdefault(name, _Family())
         if not skip:

@@ -98,13 +98,14 @@ def test_a_process_not_reached_is_skipped_and_reported_down():
 
 def test_labels_go_onto_every_kind_of_sample_line():
     lines = ('bare 1.0\nempty{} 2.0\nlast{a="x"} 3.0 1700000000\n'
-             'own{engine="0"} 4.0\nmid{a="1",worker="w",b="2"} 5.0\n')
+             'own{engine="0"} 4.0\nmid{a="1",worker="w",b="2"} 5.0\nnovalue\nnovalue{a="1"}\n')
     text = merge("", [(DECODE_0, lines)])
     assert _lines(text, "bare") + _lines(text, "empty") + _lines(text, "last") + _lines(text, "own") + \
         _lines(text, "mid") == ['bare{engine="1",worker="decode-0"} 1.0', 'empty{engine="1",worker="decode-0"} 2.0',
                                 'last{engine="1",worker="decode-0",a="x"} 3.0 1700000000',
                                 'own{engine="1",worker="decode-0"} 4.0',
                                 'mid{engine="1",worker="decode-0",a="1",b="2"} 5.0']
+    assert "novalue" not in text  # a line Prometheus would refuse the whole scrape for is dropped
     assert len(list(text_string_to_metric_families(text))) == 6  # the five, and pdserve_worker_up
 
 
