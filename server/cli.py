@@ -282,11 +282,14 @@ def _preflight(args, served: ModelConfig, prefill: PrefillConfig, decode: Decode
 def _up(args, coordinator: CoordinatorConfig, prefill: PrefillConfig, decode: DecodeConfig) -> int:
     from pdserve.server import launcher
 
-    if args.metrics_port:
+    launched: list[launcher.Cluster] = []
+    if args.metrics_port:  # the supervisor's restarts and every process's own series (cluster_metrics.py)
         from pdserve.server import metrics
+        from pdserve.server.cluster_metrics import serve_cluster_metrics
 
-        metrics.identify(coordinator.model_name, "supervisor")
-        metrics.serve_metrics(args.metrics_port, args.host)
+        metrics.identify(coordinator.model_name, "supervisor", at_zero=False)
+        serve_cluster_metrics(args.metrics_port, args.host, lambda: launched[0].metrics_targets() if launched else [],
+                              coordinator.model_name)
     try:
         cluster = launcher.launch(coordinator.model_dir, prefill_workers=args.prefill_workers,
                                   decode_workers=args.decode_workers, port=args.port, host=args.host,
@@ -294,10 +297,11 @@ def _up(args, coordinator: CoordinatorConfig, prefill: PrefillConfig, decode: De
                                   common_args=["--cluster-secret-file", str(args.cluster_secret_file)],
                                   prefill_args=config_to_argv(prefill), decode_args=config_to_argv(decode),
                                   decode_python=args.decode_python or sys.executable,
-                                  coordinators=args.coordinators)
+                                  coordinators=args.coordinators, metrics=True)
     except (RuntimeError, TimeoutError) as e:
         print(f"pdserve up failed: {e}", file=sys.stderr)
         return 1
+    launched.append(cluster)
     state = cluster.describe()
     if args.state_file:
         launcher.write_state(cluster, args.state_file)
@@ -309,6 +313,10 @@ def _up(args, coordinator: CoordinatorConfig, prefill: PrefillConfig, decode: De
           f"decode: {', '.join(state['decode'])})", flush=True)
     if coordinator.http_port is not None:
         print(f"OpenAI-compatible HTTP on http://{args.host}:{coordinator.http_port}/v1", flush=True)
+    print("each process's own Prometheus metrics: " + ", ".join(f"{name} http://{address}/metrics"
+                                                             for name, address in state["metrics"].items()), flush=True)
+    if args.metrics_port:
+        print(f"all of them, labelled engine and worker: http://{args.host}:{args.metrics_port}/metrics", flush=True)
     print(f"try: pdserve generate --addr {state['coordinator']} --prompt 'def main():'", flush=True)
     import signal
     import time
@@ -468,11 +476,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--coordinators", type=int, default=1,
                    help="coordinator processes sharing the port (SO_REUSEPORT), each routing over every worker")
     _server_args(p, 50051)
-    p.add_argument("--state-file", type=Path, help="write the processes' addresses here as JSON")
+    p.add_argument("--state-file", type=Path,
+                   help="write the processes' addresses here as JSON (their own /metrics under \"metrics\")")
     p.add_argument("--cluster-secret-file", type=Path,
                    help="the internal links' secret (default: a fresh one, in a private temporary file)")
     p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve this supervisor's /metrics (pdserve_worker_restarts_total) here (0: off)")
+                   help="serve here one /metrics with every process's series, each labelled engine (its index, "
+                        "as vLLM's) and worker (its name), beside the supervisor's pdserve_worker_restarts_total "
+                        "and pdserve_worker_up (0: off; each process's own port is in --state-file either way)")
     _vllm_dtype_args(p)
     g = p.add_argument_group("every tier")
     add_flags(g, CoordinatorConfig, only=UP_SHARED)

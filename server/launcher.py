@@ -22,6 +22,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.server.cluster_metrics import Target
+
 log = logging.getLogger("pdserve.launcher")
 
 
@@ -41,6 +43,8 @@ class Proc:
     env: dict[str, str] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     restarts: int = 0
+    metrics_address: str | None = None
+    """host:port of its own Prometheus /metrics, when it serves one (`launch(metrics=True)`)."""
 
     @property
     def role(self) -> str:
@@ -67,7 +71,13 @@ class Cluster:
             "decode": [p.address for p in self.decode],
             "pids": {p.name: p.popen.pid for p in self.procs},
             "restarts": {p.name: p.restarts for p in self.procs},
+            "metrics": {p.name: p.metrics_address for p in self.procs if p.metrics_address},
         }
+
+    def metrics_targets(self) -> list[Target]:
+        """Each process serving /metrics, `engine` its index in `procs` (stable: a restart keeps its place)."""
+        return [Target(p.name, i, p.role, p.metrics_address, alive=p.popen.poll() is None)
+                for i, p in enumerate(self.procs) if p.metrics_address]
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM every process (coordinator first), then SIGKILL what is left."""
@@ -87,12 +97,19 @@ class Cluster:
 
 
 def _spawn(name: str, args: list[str], port: int, host: str, python: str = sys.executable,
-           cpus: set[int] | None = None) -> Proc:
-    """cpus: the cores the process (every thread it starts) may run on; None: any."""
+           cpus: set[int] | None = None, metrics: bool = False) -> Proc:
+    """cpus: the cores the process (every thread it starts) may run on; None: any. metrics: it serves its
+    /metrics on a free port of `host` (kept across restarts)."""
     cmd = [python, "-m", "pdserve.server.cli", *args, "--port", str(port), "--host", host]
+    metrics_address = None
+    if metrics:
+        metrics_port = free_port(host)
+        cmd += ["--metrics-port", str(metrics_port)]
+        metrics_address = f"{host}:{metrics_port}"
     env = dict(os.environ, PDSERVE_PROCESS=name)
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    return Proc(name, f"{host}:{port}", subprocess.Popen(cmd, env=env, preexec_fn=pin), cmd, env)
+    return Proc(name, f"{host}:{port}", subprocess.Popen(cmd, env=env, preexec_fn=pin), cmd, env,
+                metrics_address=metrics_address)
 
 
 class Supervisor:
@@ -162,12 +179,13 @@ def wait_serving(cluster: Cluster, procs: list[Proc], timeout: float) -> None:
 def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: int, host: str,
            prefill_args: list[str] = (), decode_args: list[str] = (), coordinator_args: list[str] = (),
            common_args: list[str] = (), timeout: float = 600.0, decode_python: str = sys.executable,
-           coordinators: int = 1, cpus: dict[str, set[int]] | None = None) -> Cluster:
+           coordinators: int = 1, cpus: dict[str, set[int]] | None = None, metrics: bool = False) -> Cluster:
     """common_args: flags every process gets (the cluster secret, TLS); decode_python: the interpreter of
     the decode workers (one with vLLM for `--engine vllm`); coordinators: that many coordinator processes
     share the public ports (SO_REUSEPORT: the kernel spreads connections over them), each routing over
     every worker with its own view of the load. cpus: the cores each role's processes are pinned to
-    ("prefill", "decode", "coordinator"; `plan validate --pin`), a role not named floats."""
+    ("prefill", "decode", "coordinator"; `plan validate --pin`), a role not named floats. metrics: every
+    process serves its own /metrics on a free port of `host` (`Proc.metrics_address`)."""
     cpus = cpus or {}
     cluster = Cluster()
     prefill_args, decode_args = [*prefill_args, *common_args], [*decode_args, *common_args]
@@ -175,7 +193,7 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
     try:
         for i in range(prefill_workers):
             cluster.prefill.append(_spawn(f"prefill-{i}", ["prefill", "--model", str(model_dir), *prefill_args],
-                                          free_port(host), host, cpus=cpus.get("prefill")))
+                                          free_port(host), host, cpus=cpus.get("prefill"), metrics=metrics))
         # Workers on one host share its cores: torch's intra-op threads spin-wait, and two processes
         # each running as many threads as there are cores slow decode by 10-100x (benchmarks/README).
         if "--threads" not in decode_args:
@@ -183,14 +201,17 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
             decode_args = [*decode_args, "--threads", str(share)]
         for i in range(decode_workers):
             cluster.decode.append(_spawn(f"decode-{i}", ["decode", "--model", str(model_dir), *decode_args],
-                                         free_port(host), host, decode_python, cpus.get("decode")))
+                                         free_port(host), host, decode_python, cpus.get("decode"), metrics))
         wait_serving(cluster, cluster.procs, timeout)
         workers = [a for p in cluster.prefill for a in ("--prefill", p.address)]
         workers += [a for p in cluster.decode for a in ("--decode", p.address)]
+        # the HTTP front's /metrics serves the workers' series too, numbered as metrics_targets numbers them
+        workers += [a for p in cluster.procs if p.metrics_address for a in ("--worker-metrics",
+                                                                             f"{p.name}={p.metrics_address}")]
         if coordinators == 1:
             cluster.coordinator = _spawn("coordinator", ["coordinator", "--model", str(model_dir), *workers,
                                                          *coordinator_args], port or free_port(host), host,
-                                  cpus=cpus.get("coordinator"))
+                                  cpus=cpus.get("coordinator"), metrics=metrics)
             wait_serving(cluster, [cluster.coordinator], timeout)
             return cluster
         # Several share the public port; each also serves its registry on a port of its own, which
@@ -200,7 +221,8 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
             registry = free_port(host)
             proc = _spawn("coordinator" if i == 0 else f"coordinator-{i}",
                           ["coordinator", "--model", str(model_dir), *workers, *coordinator_args, "--reuse-port",
-                           "--registry-port", str(registry)], port, host, cpus=cpus.get("coordinator"))
+                           "--registry-port", str(registry)], port, host, cpus=cpus.get("coordinator"),
+                          metrics=metrics)
             cluster.replicas.append(proc)
             own.append(Proc(proc.name, f"{host}:{registry}", proc.popen))
         cluster.coordinator = cluster.replicas.pop(0)

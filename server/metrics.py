@@ -267,8 +267,10 @@ _TOKEN_HISTOGRAMS = {
 }
 
 
-def identify(model_name: str, role: str, max_model_len: int = 0) -> None:
-    """Names this process on every series; `max_model_len` sizes the token-count histograms."""
+def identify(model_name: str, role: str, max_model_len: int = 0, *, at_zero: bool = True) -> None:
+    """Names this process on every series; `max_model_len` sizes the token-count histograms. at_zero: the
+    series without further labels exist from now on, at 0 (False: `pdserve up`'s supervisor, which counts
+    only restarts and would add a 0 of every gauge to the workers' series it serves beside its own)."""
     _identity.update(model_name=model_name, role=role)
     if max_model_len:
         buckets = build_1_2_5_buckets(max_model_len)
@@ -281,7 +283,7 @@ def identify(model_name: str, role: str, max_model_len: int = 0) -> None:
                 REGISTRY.unregister(old)
                 FAMILIES.remove(old)
             series.families = (_declare(Histogram, f"vllm:{attr}", doc, buckets=buckets),)
-    for family in FAMILIES:  # the series without further labels exist from the start, at 0
+    for family in FAMILIES if at_zero else ():  # the series without further labels exist from the start, at 0
         if tuple(family._labelnames) == IDENTITY and id(family) not in _LAZY:
             family.labels(**_identity)
 

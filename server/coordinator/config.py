@@ -58,6 +58,9 @@ class CoordinatorConfig:
     """The public API needs `authorization: Bearer KEY` when set (`--api-key` or $PDSERVE_API_KEY)."""
     metrics_port: int = field(default=0, metadata=flag(cli=False))
     """Prometheus /metrics on this port; 0: off (a flag every role shares)."""
+    worker_metrics: list[str] = field(default_factory=list, metadata=flag("--worker-metrics", metavar="NAME=HOST:PORT"))
+    """A worker's own /metrics (repeatable; `pdserve up` gives each): the HTTP front's /metrics serves its series
+    too, labelled engine (its place in this list, as vLLM numbers its engines) and worker (NAME)."""
     http_port: int | None = None
     """Serve the OpenAI-compatible HTTP API on this port (0: a free one); none: off."""
     served_model_name: tuple[str, ...] = ()
@@ -105,6 +108,12 @@ class CoordinatorConfig:
         ):
             for address in addresses:
                 _check_address(address, flag)
+        self.worker_metrics = list(self.worker_metrics)
+        for entry in self.worker_metrics:
+            name, sep, address = entry.partition("=")
+            if not sep or not name:
+                raise ValueError(f"--worker-metrics: {entry!r} is not NAME=HOST:PORT (for example decode-0=127.0.0.1:9101)")
+            _check_address(address, "--worker-metrics")
         every = [*self.prefill_addresses, *self.decode_addresses]
         duplicates = sorted({a for a in every if every.count(a) > 1})
         if duplicates:

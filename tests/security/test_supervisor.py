@@ -1,5 +1,6 @@
 """`pdserve up` supervises: kill -9 of any one worker under load loses no stream (every stream
-completes with the no-fault run's tokens) and the worker is started again, counted and logged."""
+completes with the no-fault run's tokens) and the worker is started again, counted and logged; its
+`--metrics-port` serves every process's series labelled by process, the dead one's left out until it is back."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.server.launcher import free_port
 from tests.e2e.procs import Stream, generate, request, wait_until
@@ -26,18 +28,18 @@ MAX_TOKENS = 300
 def up(tiny_model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("up")
     state = tmp / "state.json"
-    metrics_port = free_port()
+    metrics_port, http_port = free_port(), free_port()
     log = open(tmp / "up.log", "w")
     cmd = [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(tiny_model("llama")), "--port", "0",
            "--prefill-workers", "1", "--decode-workers", "2", "--state-file", str(state), "--stall-timeout", "5",
-           "--metrics-port", str(metrics_port)]
+           "--metrics-port", str(metrics_port), "--http-port", str(http_port)]
     env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp.parent / "jax-cache"),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         wait_until(lambda: state.exists() or popen.poll() is not None, "pdserve up started", timeout=180)
         assert popen.poll() is None, (tmp / "up.log").read_text()[-3000:]
-        yield popen, state, tmp / "up.log", metrics_port
+        yield popen, state, tmp / "up.log", metrics_port, http_port
     finally:
         popen.send_signal(signal.SIGTERM)
         try:
@@ -57,9 +59,63 @@ def _serving(address: str) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def _scrape(address: str) -> str:
+    return urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+
+
+def _samples(text: str, name: str) -> dict[str, float]:
+    """The `worker` label of each sample called `name` -> its value."""
+    return {s.labels.get("worker", ""): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == name}
+
+
+def _up(metrics_port: int) -> dict[str, float]:
+    return _samples(_scrape(f"127.0.0.1:{metrics_port}"), "pdserve_worker_up")
+
+
+def test_every_process_series_on_the_supervisors_metrics_labelled_by_process(up):
+    _, state_file, log, metrics_port, http_port = up
+    state = json.loads(state_file.read_text())
+    names = ["prefill-0", "decode-0", "decode-1", "coordinator"]
+    assert sorted(state["metrics"]) == sorted(names)
+    for name in names:  # each process's own /metrics, where the state file says, is local and scrapable
+        assert state["metrics"][name].startswith("127.0.0.1:")
+        assert f'role="{name.partition("-")[0]}"' in _scrape(state["metrics"][name])
+    assert "each process's own Prometheus metrics: prefill-0 http://" in log.read_text()
+    wait_until(lambda: _serving(state["coordinator"]), "the coordinator serving")
+    assert len(generate(state["coordinator"], request(PROMPTS[0], 8))) == 8
+    wait_until(lambda: _up(metrics_port) == dict.fromkeys(names, 1.0), "every process scraped", timeout=60)
+    text = _scrape(f"127.0.0.1:{metrics_port}")
+    types = [line for line in text.splitlines() if line.startswith("# TYPE ")]
+    assert len(types) == len(set(types)) and len({t.split()[2] for t in types}) == len(types)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    # the decode workers' KV usage, read from their block pools (every process has the gauge: 0 off decode)
+    usage = {s.labels["worker"] for s in families["vllm:kv_cache_usage_perc"].samples if s.labels["role"] == "decode"}
+    assert sorted(usage) == ["decode-0", "decode-1"]
+    blocks = {s.labels["worker"]: s.value for s in families["pdserve_kv_blocks_total"].samples if s.value > 0}
+    assert sorted(blocks) == ["decode-0", "decode-1"]
+    computed = {s.labels["worker"]: s.value for s in families["pdserve_prefill_computed_tokens"].samples if s.value}
+    assert sorted(computed) == ["prefill-0"]  # the request's prompt, computed there
+    engines = {s.labels["worker"]: s.labels["engine"] for f in families.values() for s in f.samples
+               if "worker" in s.labels}
+    assert engines == {"prefill-0": "0", "decode-0": "1", "decode-1": "2", "coordinator": "3"}
+    assert _samples(text, "vllm:e2e_request_latency_seconds_count")["coordinator"] >= 1
+    # the supervisor adds no zeros of its own beside them (its restarts count appears when one happens)
+    assert [s for f in families.values() for s in f.samples if s.labels.get("role") == "supervisor"] == []
+    # the coordinator's HTTP /metrics (where vLLM's users point Prometheus): its own series and every worker's
+    front = _scrape(f"127.0.0.1:{http_port}")
+    assert _samples(front, "pdserve_worker_up") == {"prefill-0": 1.0, "decode-0": 1.0, "decode-1": 1.0}
+    blocks = {k: v for k, v in _samples(front, "pdserve_kv_blocks_total").items() if v > 0}
+    assert sorted(blocks) == ["decode-0", "decode-1"]
+    assert _samples(front, "vllm:e2e_request_latency_seconds_count")[""] >= 1  # its own, unlabelled
+    engines = {s.labels["worker"]: s.labels["engine"] for f in text_string_to_metric_families(front)
+               for s in f.samples if "worker" in s.labels}
+    assert engines == {"prefill-0": "0", "decode-0": "1", "decode-1": "2"}  # as the supervisor numbers them
+
+
 @pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
 def test_kill_9_of_one_worker_under_load_loses_no_stream(up, victim):
-    popen, state_file, log, metrics_port = up
+    popen, state_file, log, metrics_port, _ = up
     state = json.loads(state_file.read_text())
     restarts = state["restarts"]
     address = state["coordinator"]
@@ -69,6 +125,10 @@ def test_kill_9_of_one_worker_under_load_loses_no_stream(up, victim):
     wait_until(lambda: all(s.tokens for s in streams), "every stream's first tokens", every=0.01)
     old_pid = state["pids"][victim]
     os.kill(old_pid, signal.SIGKILL)
+    # the dead one is left out of the merged /metrics (reported down); a restart takes seconds to serve again
+    down = _scrape(f"127.0.0.1:{metrics_port}")
+    assert _samples(down, "pdserve_worker_up")[victim] == 0.0 and victim not in _samples(down, "vllm:num_requests_running")
+    assert len(_samples(down, "vllm:num_requests_running")) == 3
     more = [Stream(address, request(p, MAX_TOKENS)) for p in PROMPTS]  # sent while it is down
     for s in [*streams, *more]:
         s.join(180)
@@ -88,3 +148,4 @@ def test_kill_9_of_one_worker_under_load_loses_no_stream(up, victim):
     wait_until(lambda: _serving(worker), f"{victim} serving again", timeout=180)
     assert popen.poll() is None
     assert f"{victim} (pid {old_pid}) exited with code -9; restarting it" in log.read_text()
+    wait_until(lambda: _up(metrics_port)[victim] == 1.0, f"{victim}'s metrics back", timeout=60)

@@ -31,7 +31,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from tokenizers import Tokenizer as HfTokenizer
 
-from pdserve.server import metrics, serving
+from pdserve.server import cluster_metrics, metrics, serving
 from pdserve.server.coordinator import http_server
 from pdserve.server.coordinator.body_limit import BodyLimit, BodyTooLarge, error_body
 from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
@@ -123,7 +123,11 @@ def create_app(front: Front) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        if not front.worker_metrics:
+            return Response(prometheus_client.generate_latest(), media_type=prometheus_client.CONTENT_TYPE_LATEST)
+        # every worker's series too, each labelled by its worker (scraped concurrently, off the event loop)
+        text = await asyncio.to_thread(cluster_metrics.cluster_text, list(front.worker_metrics), front.model_name)
+        return Response(text, media_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize", dependencies=[Depends(authenticate)])
     async def tokenize(body: TokenizeRequest) -> Response:
@@ -273,6 +277,7 @@ async def serve_http(
         max_prompt_bytes=getattr(config, "max_prompt_bytes", 4 * 2**20),
         enable_auto_tool_choice=getattr(config, "enable_auto_tool_choice", False),
         tool_call_parser=getattr(config, "tool_call_parser", None),
+        worker_metrics=tuple(cluster_metrics.targets_of(getattr(config, "worker_metrics", []))),
     )
     app = BodyLimit(create_app(front), front.max_body_bytes)
     server = await http_server.start(app, config.host, config.http_port, tls=serving.tls_config(),

@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HfTokenizer
 
+from pdserve.server.cluster_metrics import Target
 from pdserve.server.coordinator.chat_template import ChatTemplate
 from pdserve.server.coordinator.json_input import printable
 from pdserve.server.coordinator.openai.errors import ApiError
@@ -38,6 +39,8 @@ class Front:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     """tool_choice "auto": the format calls are parsed from (tool_parsers.py); None: "auto" is refused."""
+    worker_metrics: tuple[Target, ...] = ()
+    """Workers whose /metrics `GET /metrics` serves beside the coordinator's (`--worker-metrics`)."""
 
     def token_text(self, token_id: int) -> str:
         """One token's text, as logprobs name it."""
