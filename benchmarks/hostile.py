@@ -34,12 +34,11 @@ from pathlib import Path
 
 import grpc
 import httpx
-from tqdm import tqdm
-
 from pdserve.benchmarks.hostile_families import GENERATE, Case, Targets, families
 from pdserve.benchmarks.hostile_send import Outcome, Ports
 from pdserve.benchmarks.up import UpCluster, pdserve_up
 from pdserve.v1 import generation_pb2 as gen_pb
+from tqdm import tqdm
 
 MAX_GAP_S = 2.0
 """The acceptance: the greedy stream's worst inter-token gap stays under this."""
@@ -208,7 +207,7 @@ def run_hostile(cluster: UpCluster, *, requests: int, concurrency: int = 16, dea
     def one(case: Case) -> None:
         try:
             outcome = case.send(ports)
-        except Exception as e:  # a harness bug must not hide as a pass
+        except Exception as e:  # noqa: BLE001 (a harness bug must not hide as a pass)
             outcome = Outcome("failure", "harness error", f"{type(e).__name__}: {e}"[:300])
         with lock:
             tallies[case.family].update([outcome.kind, f"port:{case.port}"])
@@ -238,7 +237,7 @@ def run_hostile(cluster: UpCluster, *, requests: int, concurrency: int = 16, dea
         processes = watch.stop()
         ports.close()
     gaps = sorted(probe.gaps)
-    pct = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] if gaps else 0.0  # noqa: E731
+    pct = lambda q: gaps[min(len(gaps) - 1, int(q * len(gaps)))] if gaps else 0.0
     return Report(
         requests=len(plan), elapsed_s=round(elapsed, 1),
         by_family={f: dict(c) for f, c in tallies.items()}, codes={f: dict(c) for f, c in codes.items()},
@@ -255,13 +254,15 @@ def table(report: Report) -> str:
     for fam, c in report.by_family.items():
         sent = c.get("client_error", 0) + c.get("served", 0) + c.get("failure", 0)
         answers = ", ".join(f"{k} x{v}" for k, v in sorted(report.codes[fam].items(), key=lambda kv: -kv[1])[:5])
-        lines.append(f"{fam:24} {sent:6} {c.get('client_error', 0):10} {c.get('served', 0):7} {c.get('failure', 0):7}   "
-                     + " ".join(f"{c.get(f'port:{p}', 0):8}" for p in ports) + f"   {answers}")
+        per_port = " ".join(f"{c.get(f'port:{p}', 0):8}" for p in ports)
+        lines.append(f"{fam:24} {sent:6} {c.get('client_error', 0):10} {c.get('served', 0):7} "
+                     f"{c.get('failure', 0):7}   {per_port}   {answers}")
     itl = report.itl
-    lines += ["", f"requests {report.requests} in {report.elapsed_s} s; process deaths {report.processes.get('deaths')} "
-              f"(restarts by the supervisor {report.processes.get('restarts')})",
-              f"greedy stream beside it: {itl['streams']} streams, {itl['tokens']} gaps, worst {itl['worst_gap_s']:.3f} s "
-              f"(limit {MAX_GAP_S} s), p50 {itl['p50_ms']} ms, p99 {itl['p99_ms']} ms, {len(itl['errors'])} stream errors"]
+    lines += ["", (f"requests {report.requests} in {report.elapsed_s} s; process deaths "
+                   f"{report.processes.get('deaths')} (restarts by the supervisor {report.processes.get('restarts')})"),
+              (f"greedy stream beside it: {itl['streams']} streams, {itl['tokens']} gaps, worst "
+               f"{itl['worst_gap_s']:.3f} s (limit {MAX_GAP_S} s), p50 {itl['p50_ms']} ms, p99 {itl['p99_ms']} ms, "
+               f"{len(itl['errors'])} stream errors")]
     if report.first_failures:
         lines += ["", "first failures, in order:"] + [f"  {f}" for f in report.first_failures]
     if report.processes.get("seen"):

@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
-from tritonclient.grpc import service_pb2
-
 from pdserve.benchmarks import hostile_payloads as hp
 from pdserve.benchmarks.hostile_send import Outcome, Ports
 from pdserve.server.security import CLUSTER_SECRET_HEADER
 from pdserve.v1 import generation_pb2 as gen_pb
+from tritonclient.grpc import service_pb2
 
 Port = Literal["openai", "grpc", "kserve", "internal"]
 GENERATE = "/pdserve.v1.Generation/Generate"
@@ -204,27 +203,24 @@ def _deep_json(t: Targets) -> list[Case]:
 
 
 def _bad_utf8(t: Targets) -> list[Case]:
-    s = "\\ud800"  # a lone surrogate as a JSON escape: valid JSON, no valid string
-    lone = {"completion prompt": ('/v1/completions', f'{{"model": "{t.model}", "prompt": "a{s}b", "max_tokens": 4}}'),
-            "chat content": ('/v1/chat/completions',
-                             f'{{"model": "{t.model}", "messages": [{{"role": "user", "content": "{s}"}}]}}'),
-            "stop": ('/v1/completions', f'{{"model": "{t.model}", "prompt": "x", "stop": ["{s}"], "max_tokens": 4}}'),
-            "model": ('/v1/completions', f'{{"model": "{s}", "prompt": "x"}}'),
-            "tokenize prompt": ('/tokenize', f'{{"model": "{t.model}", "prompt": "{s}"}}'),
-            "tokenize messages": ('/tokenize', f'{{"model": "{t.model}", "messages": [{{"role": "user", "content": "{s}"}}]}}'),
-            "user": ('/v1/completions', f'{{"model": "{t.model}", "prompt": "x", "user": "{s}", "max_tokens": 4}}'),
-            "role": ('/v1/chat/completions', f'{{"model": "{t.model}", "messages": [{{"role": "{s}", "content": "x"}}]}}'),
-            "tool name": ('/v1/chat/completions', f'{{"model": "{t.model}", "messages": [{{"role": "user", "content": "x"}}], '
-                          f'"tools": [{{"type": "function", "function": {{"name": "{s}", "parameters": {{}}}}}}], '
-                          f'"tool_choice": "required", "max_tokens": 4}}'),
-            "schema key": ('/v1/completions', f'{{"model": "{t.model}", "prompt": "x", "max_tokens": 4, "structured_outputs": '
-                           f'{{"json": {{"type": "object", "properties": {{"{s}": {{"type": "string"}}}}}}}}}}'),
-            "regex": ('/v1/completions', f'{{"model": "{t.model}", "prompt": "x", "max_tokens": 4, '
-                      f'"structured_outputs": {{"regex": "{s}"}}}}'),
-            "choice": ('/v1/completions', f'{{"model": "{t.model}", "prompt": "x", "max_tokens": 4, '
-                       f'"structured_outputs": {{"choice": ["{s}", "b"]}}}}'),
-            "logit_bias key": ('/v1/completions', f'{{"model": "{t.model}", "prompt": "x", "logit_bias": {{"{s}": 1}}}}'),
-            "a field name": ('/v1/completions', f'{{"model": "{t.model}", "prompt": "x", "{s}": 1}}')}
+    s = hp.LONE  # a lone surrogate once written as a JSON escape: valid JSON, no valid string
+    one_tool = [{"type": "function", "function": {"name": s, "parameters": {}}}]
+    lone = {"completion prompt": ("/v1/completions", _completion(t, prompt=f"a{s}b")),
+            "chat content": ("/v1/chat/completions", _chat(t, messages=[{"role": "user", "content": s}])),
+            "stop": ("/v1/completions", _completion(t, stop=[s])),
+            "model": ("/v1/completions", _completion(t, model=s)),
+            "tokenize prompt": ("/tokenize", {"model": t.model, "prompt": s}),
+            "tokenize messages": ("/tokenize", {"model": t.model, "messages": [{"role": "user", "content": s}]}),
+            "user": ("/v1/completions", _completion(t, user=s)),
+            "role": ("/v1/chat/completions", _chat(t, messages=[{"role": s, "content": "x"}])),
+            "tool name": ("/v1/chat/completions", _chat(t, tools=one_tool, tool_choice="required")),
+            "schema key": ("/v1/completions", _completion(t, structured_outputs={
+                "json": {"type": "object", "properties": {s: {"type": "string"}}}})),
+            "regex": ("/v1/completions", _completion(t, structured_outputs={"regex": s})),
+            "choice": ("/v1/completions", _completion(t, structured_outputs={"choice": [s, "b"]})),
+            "logit_bias key": ("/v1/completions", _completion(t, logit_bias={s: 1})),
+            "a field name": ("/v1/completions", _completion(t, **{s: 1}))}
+    lone = {where: (path, hp.lone_surrogates(body)) for where, (path, body) in lone.items()}
     cases = [_http("bad_utf8", f"lone surrogate in {where}", path, body) for where, (path, body) in lone.items()]
     raw_body = json.dumps(_completion(t, prompt=hp.BAD)).encode().replace(hp.BAD.encode(), hp.INVALID_UTF8)
     cases.append(_http("bad_utf8", "invalid UTF-8 bytes in the body", "/v1/completions", raw_body))
@@ -277,7 +273,7 @@ def _big_ints(t: Targets) -> list[Case]:
         "detokenize negative ids": ("/detokenize", {"model": t.model, "tokens": [-1]}),
     }
     cases = [_http("big_ints", name, path, json.dumps(body)) for name, (path, body) in http.items()]
-    ids = lambda values: gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=values),  # noqa: E731
+    ids = lambda values: gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=values),
                                                 sampling=gen_pb.SamplingParams(max_tokens=4)).SerializeToString()
     for name, request in {"token id -1": ids([-1]), "token id 2**62": ids([2**62]), "token id -2**63": ids([-over]),
                           "stop_token_ids 2**62": _generate(stop_token_ids=[2**62, -over]),
@@ -431,7 +427,7 @@ def _internal(t: Targets) -> list[Case]:
     PERMISSION_DENIED, never served."""
     wrong = ((CLUSTER_SECRET_HEADER, "not-the-secret-0123456789abcdef"),)
     calls = [(a, "/pdserve.v1.Prefill/Prefill", False) for a in t.prefill]
-    calls += [(a, m, m.endswith("Decode") or m.endswith("Steps"))
+    calls += [(a, m, m.endswith(("Decode", "Steps")))
               for a in t.decode for m in ("/pdserve.v1.Decode/Decode", "/pdserve.v1.Decode/Abort",
                                           "/pdserve.v1.Decode/Steps", "/pdserve.v1.KvTransfer/BeginKv")]
     calls += [(a, "/pdserve.v1.Control/GetInfo", False) for a in (*t.prefill, *t.decode)]

@@ -19,6 +19,15 @@ INVALID_UTF8 = b"\xff\xfe\xed\xa0\x80\xc3\x28"
 """0xff, 0xfe (never UTF-8), a UTF-8-encoded lone surrogate, a truncated two-byte sequence: 7 bytes."""
 
 
+LONE = "@@LONE@@"
+"""A placeholder string that `lone_surrogates` turns into the JSON escape of a lone surrogate, \\ud800."""
+
+
+def lone_surrogates(body: dict[str, Any]) -> str:
+    """`body` as JSON text with every `LONE` (in keys and values) written as \\ud800."""
+    return json.dumps(body).replace(LONE, "\\ud800")
+
+
 def embed(body: dict[str, Any], raw: str) -> str:
     """`body` as JSON text with its `RAW` placeholder replaced by `raw`."""
     text = json.dumps(body)

@@ -16,10 +16,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from pdserve.server.launcher import free_port
 from pdserve.server.security import write_cluster_secret
@@ -37,7 +37,7 @@ class UpCluster:
     decode: list[str]
     secret: str
     """The cluster secret every internal call needs."""
-    state_file: Path
+    state_file: Path | None
     log: Path
     up: subprocess.Popen | None = None
     """The `pdserve up` supervisor (None when attached to a cluster started elsewhere)."""
@@ -64,13 +64,13 @@ def pdserve_up(model: Path, workdir: Path, *, prefill_workers: int = 1, decode_w
     state.unlink(missing_ok=True)
     secret_file = write_cluster_secret(workdir / "cluster-secret")
     http_port = free_port()
-    log = open(log_path, "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model), "--port", "0",
-         "--http-port", str(http_port), "--prefill-workers", str(prefill_workers),
-         "--decode-workers", str(decode_workers), "--state-file", str(state),
-         "--cluster-secret-file", str(secret_file), *extra_args],
-        stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"))
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model), "--port", "0",
+             "--http-port", str(http_port), "--prefill-workers", str(prefill_workers),
+             "--decode-workers", str(decode_workers), "--state-file", str(state),
+             "--cluster-secret-file", str(secret_file), *extra_args],
+            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"))
     try:
         deadline = time.monotonic() + timeout
         while not state.exists():
@@ -88,4 +88,3 @@ def pdserve_up(model: Path, workdir: Path, *, prefill_workers: int = 1, decode_w
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
