@@ -149,7 +149,7 @@ class Report:
     codes: dict[str, dict[str, int]] = field(default_factory=dict)
     """family: {answer code: count}."""
     failures: dict[str, dict] = field(default_factory=dict)
-    """family: {count, example: {case, port, code, detail}}."""
+    """family: {count, example: {case, port, code, detail}, cases: {case: "port code"} (each failing case once)}."""
     first_failures: list[str] = field(default_factory=list)
     """The first failures in the order they came back (the first is the likeliest cause of those after it)."""
     processes: dict = field(default_factory=dict)
@@ -214,8 +214,9 @@ def run_hostile(cluster: UpCluster, *, requests: int, concurrency: int = 16, dea
             codes[case.family][outcome.code] += 1
             if outcome.kind == "failure":
                 entry = failures.setdefault(case.family, {"count": 0, "example": {
-                    "case": case.name, "port": case.port, "code": outcome.code, "detail": outcome.detail}})
+                    "case": case.name, "port": case.port, "code": outcome.code, "detail": outcome.detail}, "cases": {}})
                 entry["count"] += 1
+                entry["cases"].setdefault(case.name, f"{case.port} {outcome.code}")
                 if len(first) < 12:
                     first.append(f"{time.monotonic() - t0:.1f} s: {case.family} {case.port} '{case.name}' -> "
                                  f"{outcome.code}: {outcome.detail[:120]}")
@@ -263,6 +264,8 @@ def table(report: Report) -> str:
               (f"greedy stream beside it: {itl['streams']} streams, {itl['tokens']} gaps, worst "
                f"{itl['worst_gap_s']:.3f} s (limit {MAX_GAP_S} s), p50 {itl['p50_ms']} ms, p99 {itl['p99_ms']} ms, "
                f"{len(itl['errors'])} stream errors")]
+    for fam, v in report.failures.items():
+        lines += ["", f"{fam}: the failing cases"] + [f"  {port_code:32} {name}" for name, port_code in v["cases"].items()]
     if report.first_failures:
         lines += ["", "first failures, in order:"] + [f"  {f}" for f in report.first_failures]
     if report.processes.get("seen"):

@@ -43,8 +43,9 @@ def bad_bytes(serialized: bytes) -> bytes:
 # --- schemas ---------------------------------------------------------------------------------------
 
 def chained_defs(n: int = 700) -> str:
-    """n `$defs`, each referring to the next: the ~67 KB spec that segfaulted llguidance."""
-    defs = {f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}}} for i in range(n)}
+    """n `$defs`, each an object whose required property refers to the next: ~70 KB (issue 38's segfault)."""
+    defs = {f"d{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/d{i + 1}"}}, "required": ["next"]}
+            for i in range(n)}
     defs[f"d{n}"] = {"type": "string"}
     return json.dumps({"$ref": "#/$defs/d0", "$defs": defs})
 

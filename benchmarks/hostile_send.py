@@ -69,7 +69,10 @@ class Ports:
 
     def client(self) -> httpx.Client:
         if not hasattr(self._local, "client"):
-            self._local.client = httpx.Client(base_url=self.http, timeout=self.deadline)
+            # A connection per request: a server that closes a connection after a 500 would otherwise
+            # reset the next request on it, and that failure would be blamed on the wrong case.
+            self._local.client = httpx.Client(base_url=self.http, timeout=self.deadline,
+                                              limits=httpx.Limits(max_keepalive_connections=0))
         return self._local.client
 
     def close(self) -> None:
