@@ -167,6 +167,10 @@ class Report:
             out.append(f"the greedy stream's worst inter-token gap was {self.itl['worst_gap_s']:.2f} s "
                        f"(at {self.itl['worst_at_s']:.0f} s into the run; limit {MAX_GAP_S} s): something blocked the "
                        f"coordinator's event loop or the decode step; rerun on a quiet machine to rule out load")
+        if self.failures:
+            out.append("each failing case above is bad input a front must answer with a 4xx / INVALID_ARGUMENT (or "
+                       "serve): `--families NAME --requests N --concurrency 1` replays one family alone, the "
+                       "coordinator's log (up.log in --out) holds each 5xx's traceback")
         if not self.itl.get("tokens"):
             out.append("the greedy stream got no tokens at all: is the cluster serving? (see up.log)")
         if self.itl.get("errors"):
@@ -308,8 +312,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.out:
                 workdir = args.out
             print("starting pdserve up (1 prefill + 1 decode worker) ...", file=sys.stderr)
-            cluster = stack.enter_context(pdserve_up(args.model or default_model_dir(), workdir,
-                                                     extra_args=args.up_arg))
+            try:
+                cluster = stack.enter_context(pdserve_up(args.model or default_model_dir(), workdir,
+                                                         extra_args=args.up_arg))
+            except RuntimeError as e:
+                print(f"hostile: {e}\n(check --model and the --up-arg flags; `pdserve up --help` lists them)",
+                      file=sys.stderr)
+                return 2
             print(f"serving: gRPC {cluster.grpc}, HTTP {cluster.http}; its log: {cluster.log}", file=sys.stderr)
         report = run_hostile(cluster, requests=args.requests, concurrency=args.concurrency, deadline=args.deadline,
                              only=args.families)
