@@ -19,9 +19,7 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,35 +27,19 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from pdserve.benchmarks.spec_decode import EMBEDDED, small_draft
+from pdserve.benchmarks.up import pdserve_up
 from pdserve.server.client import build_request, stream
 from pdserve.server.model.config import load_config
 
 
 @contextmanager
 def cluster(model: Path, workdir: Path, extra: list[str]):
-    """`pdserve up` with one prefill and one decode worker; yields the coordinator's address."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    state = workdir / "state.json"
-    log = open(workdir / "up.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(model), "--port", "0",
-                             "--prefill-workers", "1", "--decode-workers", "1", "--state-file", str(state), *extra],
-                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PDSERVE_LOG_LEVEL="WARNING"))
+    """`pdserve up` with one prefill and one decode worker (`up.pdserve_up`); yields the coordinator's address."""
     try:
-        deadline = time.monotonic() + 600
-        while not state.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"pdserve up did not start (see {workdir / 'up.log'}):\n"
-                                 f"{(workdir / 'up.log').read_text()[-3000:]}")
-            time.sleep(0.5)
-        yield json.loads(state.read_text())["coordinator"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        with pdserve_up(model, workdir, extra_args=extra) as up:
+            yield up.grpc
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from e
 
 
 def first_tokens(addr: str, prompt: list[int], max_tokens: int) -> tuple[float, float, list[int]]:
