@@ -36,7 +36,7 @@ import grpc
 import httpx
 from pdserve.benchmarks.hostile_families import GENERATE, Case, Targets, families
 from pdserve.benchmarks.hostile_send import Outcome, Ports
-from pdserve.benchmarks.up import UpCluster, pdserve_up
+from pdserve.benchmarks.servers import UpCluster, pdserve_up
 from pdserve.v1 import generation_pb2 as gen_pb
 from tqdm import tqdm
 

@@ -27,7 +27,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from pdserve.benchmarks.spec_decode import EMBEDDED, small_draft
-from pdserve.benchmarks.up import pdserve_up
+from pdserve.benchmarks.servers import pdserve_up
 from pdserve.server.client import build_request, stream
 from pdserve.server.model.config import load_config
 

@@ -14,7 +14,7 @@ from pdserve.benchmarks import hostile_payloads as hp
 from pdserve.benchmarks.hostile import run_hostile, schedule, table
 from pdserve.benchmarks.hostile_families import FAMILIES, Case, Targets, families
 from pdserve.benchmarks.hostile_send import Outcome, _grpc_outcome, _http_outcome
-from pdserve.benchmarks.up import pdserve_up
+from pdserve.benchmarks.servers import pdserve_up
 from pdserve.v1 import generation_pb2 as gen_pb
 
 TARGETS = Targets("127.0.0.1:1", "http://127.0.0.1:2", "m", ("127.0.0.1:3",), ("127.0.0.1:4",))
