@@ -157,9 +157,10 @@ class ModelConfig:
     attn_scale: float | None = None
     """The scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5."""
     attn_softcap: float | None = None
-    """Attention scores soft-capped to cap * tanh(s / cap) before the mask (Gemma 2's attn_logit_softcapping)."""
+    """Attention scores soft-capped to cap * tanh(s / cap) before the mask (Gemma 2's attn_logit_softcapping;
+    transformers' Gemma 3 ignores its own, which pdserve refuses when set)."""
     final_softcap: float | None = None
-    """Logits soft-capped the same way (Gemma 2's final_logit_softcapping)."""
+    """Logits soft-capped the same way (Gemma 2's and Gemma 3's final_logit_softcapping)."""
     embed_scale: float | None = None
     """Embeddings multiplied by it (Gemma: sqrt(hidden_size), in the weights' dtype)."""
     local_rope: RopeConfig | None = None
@@ -306,6 +307,11 @@ def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
             raise _refused("attention_bias true", "pdserve's Gemma has no attention biases")
         if raw.get("use_bidirectional_attention"):
             raise _refused("use_bidirectional_attention true", "pdserve serves causal language models only")
+        if family == "gemma3" and raw.get("attn_logit_softcapping") is not None:
+            raise _refused(f"attn_logit_softcapping {raw['attn_logit_softcapping']}",
+                           "transformers' and vLLM's Gemma 3 never soft-cap its attention scores (qk-norm bounds "
+                           "them; only Gemma 2 caps), so whether this checkpoint was trained capped is unknown; "
+                           "set it to null to serve it as they do")
         return
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -401,7 +407,7 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
             norm_offset=gemma,
             sandwich_norms=gemma,
             attn_scale=None if scalar is None else float(scalar) ** -0.5,
-            attn_softcap=_cap(fields, "attn_logit_softcapping") if gemma else None,
+            attn_softcap=_cap(fields, "attn_logit_softcapping") if family == "gemma2" else None,
             final_softcap=_cap(fields, "final_logit_softcapping") if gemma else None,
             embed_scale=hidden**0.5 if gemma else None,
             local_rope=local_rope,
