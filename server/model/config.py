@@ -73,7 +73,7 @@ DEFAULTS: dict[Family, dict[str, Any]] = {
                        rope_theta=1_000_000.0, sliding_window=None, num_local_experts=8, num_experts_per_tok=2),
     "qwen3_moe": _family((151936, 2048, 6144, 24, 32, 4, None, 32768), hidden_act="silu", attention_bias=False,
                          **_QWEN_WINDOWS, decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
-                         num_experts=128, norm_topk_prob=False, mlp_only_layers=[]),
+                         num_experts=128, norm_topk_prob=False, mlp_only_layers=None),
 }
 """What a config.json that omits a field means: the default of the family's transformers config class
 (`Gemma2Config().attn_logit_softcapping` is 50.0, ...) for each field pdserve reads. transformers' config
@@ -217,8 +217,10 @@ def _gemma3_ropes(raw: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
     rope_theta and rope_scaling for the global layers, rope_local_base_freq for the local ones."""
     params = raw.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:  # rope_scaling, if any, over the global's
-        full = {"rope_theta": raw["rope_theta"], **(params.get("full_attention") or {}), **(raw.get("rope_scaling") or {})}
-        local = {"rope_theta": raw["rope_local_base_freq"], **(params.get("sliding_attention") or {})}
+        partial = {"partial_rotary_factor": raw["partial_rotary_factor"]} if "partial_rotary_factor" in raw else {}
+        full = {"rope_theta": raw["rope_theta"], **partial, **(params.get("full_attention") or {}),
+                **(raw.get("rope_scaling") or {})}
+        local = {"rope_theta": raw["rope_local_base_freq"], **partial, **(params.get("sliding_attention") or {})}
         return _rope_from({"rope_parameters": full}), _rope_from({"rope_parameters": local})
     return _rope_from(raw), _rope_from({"rope_theta": raw["rope_local_base_freq"]})
 
