@@ -297,3 +297,22 @@ def test_transformers_gemma3_ignores_its_attention_softcap():
         with torch.no_grad():
             logits.append(model(ids).logits)
     assert torch.equal(logits[0], logits[1])
+
+
+OMITTED = [(family, name) for family in CLASSES for name in [*DEFAULTS[family], "layer_types", "rope_parameters"]]
+
+
+@pytest.mark.parametrize("family, name", OMITTED, ids=[f"{f}-{n}" for f, n in OMITTED])
+def test_an_omitted_field_means_what_transformers_reads_it_as(tmp_path, family, name):
+    """config.json without the field: pdserve's reading equals its reading of what transformers makes of it
+    (the class's config with that field's default, or derived from the others, written out in full)."""
+    raw = _with(_base(family), {name: DROP})
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        theirs = _config_class(family).from_dict(raw).to_dict()
+    except StrictDataclassError:  # transformers refuses it (26 layers by default, layer_types of 2): so does pdserve
+        with pytest.raises(ModelLoadError):
+            parse_config(raw, tmp_path)
+        return
+    assert parse_config(raw, tmp_path) == parse_config(theirs, tmp_path)
