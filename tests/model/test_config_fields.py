@@ -150,7 +150,9 @@ FAMILY: dict[str, dict[str, tuple[Treatment, ...]]] = {
     "qwen2": {**_DENSE, **_QWEN_WINDOWS,
               "attention_bias": (Irrelevant("transformers' Qwen2 always biases q, k and v, never o", False),)},
     "qwen3": {**_DENSE, **_QWEN_WINDOWS, "attention_bias": (Refused(True, match="attention_bias true"),)},
-    "gemma2": {**_GEMMA, "attn_logit_softcapping": (Used(10.0),)},
+    "gemma2": {**_GEMMA, "attn_logit_softcapping": (Used(10.0),),
+               "sliding_window_size": (Irrelevant("early Gemma 2 checkpoints' name; transformers reads sliding_window",
+                                                  8),)},
     "gemma3": {**_GEMMA,
                # transformers' Gemma3Attention keeps the field but never passes it to the attention (nor does
                # vLLM's Gemma 3): test_transformers_gemma3_ignores_its_attention_softcap
@@ -176,7 +178,10 @@ FAMILY: dict[str, dict[str, tuple[Treatment, ...]]] = {
                   "num_experts_per_tok": (Used(1),), "moe_intermediate_size": (Used(double),),
                   "norm_topk_prob": (Used(flip),), "decoder_sparse_step": (Refused(2),),
                   "mlp_only_layers": (Refused([0]),), "output_router_logits": (_ROUTER_LOGITS,),
-                  "router_aux_loss_coef": (_ROUTER_LOSS,), "layer_types": (_IGNORES_LAYER_TYPES,)},
+                  "router_aux_loss_coef": (_ROUTER_LOSS,), "layer_types": (_IGNORES_LAYER_TYPES,),
+                  "max_window_layers": (Irrelevant("Qwen3-MoE checkpoints write it; transformers' Qwen3-MoE windows "
+                                                   "every layer when use_sliding_window", 1,
+                                                   {"use_sliding_window": True, "sliding_window": 24}),)},
 }
 
 
