@@ -42,6 +42,56 @@ UNSUPPORTED: dict[str, tuple[str, str]] = {
 """Architectures pdserve knows it does not serve: what they need, and the nearest it does serve."""
 
 
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
+def _family(sizes: tuple, **fields: Any) -> dict[str, Any]:
+    return {**dict(zip(_SIZES, sizes)), "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_theta": 10000.0,
+            **fields}
+
+
+_GEMMA = {"hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
+          "query_pre_attn_scalar": 256, "sliding_window": 4096, "use_bidirectional_attention": None}
+_QWEN_WINDOWS = {"use_sliding_window": False, "sliding_window": 4096}
+
+DEFAULTS: dict[Family, dict[str, Any]] = {
+    # (vocab, hidden, intermediate, layers, heads, kv heads (None: heads), head_dim (None: hidden // heads), positions)
+    "llama": _family((32000, 4096, 11008, 32, 32, None, None, 2048), hidden_act="silu", attention_bias=False,
+                     mlp_bias=False),
+    "mistral": _family((32000, 4096, 14336, 32, 32, 8, None, 131072), hidden_act="silu", sliding_window=4096),
+    "qwen2": _family((151936, 4096, 22016, 32, 32, 32, None, 32768), hidden_act="silu", max_window_layers=28,
+                     **_QWEN_WINDOWS),
+    "qwen3": _family((151936, 4096, 22016, 32, 32, 32, 128, 32768), hidden_act="silu", attention_bias=False,
+                     max_window_layers=28, **_QWEN_WINDOWS),
+    "gemma2": _family((256000, 2304, 9216, 26, 8, 4, 256, 8192), **_GEMMA, final_logit_softcapping=30.0,
+                      attn_logit_softcapping=50.0),
+    "gemma3": _family((262208, 2304, 9216, 26, 8, 4, 256, 131072), **dict(_GEMMA, use_bidirectional_attention=False),
+                      final_logit_softcapping=None, attn_logit_softcapping=None, rope_theta=1_000_000.0,
+                      rope_local_base_freq=10_000.0, sliding_window_pattern=6),
+    "mixtral": _family((32000, 4096, 14336, 32, 32, 8, None, 131072), hidden_act="silu", rms_norm_eps=1e-5,
+                       rope_theta=1_000_000.0, sliding_window=None, num_local_experts=8, num_experts_per_tok=2),
+    "qwen3_moe": _family((151936, 2048, 6144, 24, 32, 4, None, 32768), hidden_act="silu", attention_bias=False,
+                         **_QWEN_WINDOWS, decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
+                         num_experts=128, norm_topk_prob=False, mlp_only_layers=None),
+}
+"""What a config.json that omits a field means: the default of the family's transformers config class
+(`Gemma2Config().attn_logit_softcapping` is 50.0, ...) for each field pdserve reads. transformers' config
+classes import torch, which pdserve's model code does not, so they are mirrored here;
+tests/model/test_config_fields.py compares this table to the classes."""
+
+_ALIASES: dict[str, str] = {"num_local_experts": "num_experts"}
+"""Qwen3-MoE's fields under the other name transformers 5 writes (its attribute_map): read as the first."""
+
+
+def with_defaults(family: Family, raw: dict[str, Any]) -> dict[str, Any]:
+    """config.json's fields over the family's transformers defaults (`DEFAULTS`); a field set to null stays
+    null, as transformers keeps it."""
+    if family == "qwen3_moe":
+        raw = {_ALIASES.get(k, k): v for k, v in raw.items()}
+    return {**DEFAULTS[family], **raw}
+
+
 class ModelLoadError(ValueError):
     """The model directory is missing, corrupt or holds an unsupported model."""
 
@@ -107,9 +157,10 @@ class ModelConfig:
     attn_scale: float | None = None
     """The scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5."""
     attn_softcap: float | None = None
-    """Attention scores soft-capped to cap * tanh(s / cap) before the mask (Gemma 2's attn_logit_softcapping)."""
+    """Attention scores soft-capped to cap * tanh(s / cap) before the mask (Gemma 2's attn_logit_softcapping;
+    transformers' Gemma 3 ignores its own, which pdserve refuses when set)."""
     final_softcap: float | None = None
-    """Logits soft-capped the same way (Gemma 2's final_logit_softcapping)."""
+    """Logits soft-capped the same way (Gemma 2's and Gemma 3's final_logit_softcapping)."""
     embed_scale: float | None = None
     """Embeddings multiplied by it (Gemma: sqrt(hidden_size), in the weights' dtype)."""
     local_rope: RopeConfig | None = None
@@ -165,18 +216,18 @@ def _gemma3_ropes(raw: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
     """(global, local) RoPE of Gemma 3: transformers 5 writes rope_parameters per layer type; transformers 4
     rope_theta and rope_scaling for the global layers, rope_local_base_freq for the local ones."""
     params = raw.get("rope_parameters") or {}
-    if "full_attention" in params or "sliding_attention" in params:
-        full = {"rope_theta": 1_000_000.0, **(params.get("full_attention") or {})}
-        local = {"rope_theta": 10_000.0, **(params.get("sliding_attention") or {})}
+    if "full_attention" in params or "sliding_attention" in params:  # rope_scaling, if any, over the global's
+        partial = {"partial_rotary_factor": raw["partial_rotary_factor"]} if "partial_rotary_factor" in raw else {}
+        full = {"rope_theta": raw["rope_theta"], **partial, **(params.get("full_attention") or {}),
+                **(raw.get("rope_scaling") or {})}
+        local = {"rope_theta": raw["rope_local_base_freq"], **partial, **(params.get("sliding_attention") or {})}
         return _rope_from({"rope_parameters": full}), _rope_from({"rope_parameters": local})
-    glob = _rope_from({**raw, "rope_theta": raw.get("rope_theta", 1_000_000.0)})
-    local = _rope_from({"rope_theta": raw.get("rope_local_base_freq", 10_000.0)})
-    return glob, local
+    return _rope_from(raw), _rope_from({"rope_theta": raw["rope_local_base_freq"]})
 
 
 def _rope_from(raw: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; transformers 4 writes `rope_theta` + `rope_scaling`.
-    # A missing rope_theta is transformers' default_theta, 10000, for the families without their own.
+    # A missing rope_theta is the family's (`DEFAULTS`: transformers' default_theta), else 10000.
     params = dict(raw.get("rope_parameters") or {})
     scaling = dict(raw.get("rope_scaling") or {})
     theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -216,21 +267,18 @@ def _layer_windows(family: Family, raw: dict[str, Any], num_layers: int) -> tupl
         if len(types) != num_layers:
             raise _refused(f"layer_types of {len(types)} layers", f"the model has {num_layers} layers")
     if family in ("gemma2", "gemma3") and types is None:  # transformers 4: alternating, every Nth layer global
-        every = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        every = 2 if family == "gemma2" else int(raw["sliding_window_pattern"])
         types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(num_layers)]
-    if family == "mistral":  # every layer; transformers' MistralConfig takes 4096 when the key is absent
-        window = raw.get("sliding_window", 4096)
-        return (int(window),) * num_layers if window else ()
     window = raw.get("sliding_window")
-    if family == "mixtral" or (family == "qwen3_moe" and raw.get("use_sliding_window", False)):  # every layer
+    if family in ("mistral", "mixtral") or (family == "qwen3_moe" and raw["use_sliding_window"]):  # every layer
         return (int(window),) * num_layers if window else ()
     if family == "qwen3_moe":
         return ()
     if family in ("qwen2", "qwen3"):  # use_sliding_window false: no window (Qwen2.5 ships one set, unused)
-        if not raw.get("use_sliding_window", False) or not window:
+        if not raw["use_sliding_window"] or not window:
             return ()
         if types is None:  # transformers 4: the layers from max_window_layers on
-            first = int(raw.get("max_window_layers", 28))
+            first = int(raw["max_window_layers"])
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
     if types is None or "sliding_attention" not in types:
         return ()
@@ -261,6 +309,11 @@ def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
             raise _refused("attention_bias true", "pdserve's Gemma has no attention biases")
         if raw.get("use_bidirectional_attention"):
             raise _refused("use_bidirectional_attention true", "pdserve serves causal language models only")
+        if family == "gemma3" and raw.get("attn_logit_softcapping") is not None:
+            raise _refused(f"attn_logit_softcapping {raw['attn_logit_softcapping']}",
+                           "transformers' and vLLM's Gemma 3 never soft-cap its attention scores (qk-norm bounds "
+                           "them; only Gemma 2 caps), so whether this checkpoint was trained capped is unknown; "
+                           "set it to null to serve it as they do")
         return
     act = raw.get("hidden_act", "silu")
     if act not in ("silu", "swish"):
@@ -281,12 +334,14 @@ def _moe_from(family: Family, raw: dict[str, Any]) -> MoeConfig | None:
                          renormalize=True)
     if family != "qwen3_moe":
         return None
-    if raw.get("mlp_only_layers") or int(raw.get("decoder_sparse_step", 1)) != 1:
-        raise _refused("mlp_only_layers or decoder_sparse_step", "pdserve's Qwen3-MoE has experts in every layer")
-    # Qwen's checkpoints write num_experts, transformers 5 num_local_experts
-    experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
-    return MoeConfig(int(experts), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
-                     renormalize=bool(raw.get("norm_topk_prob", False)))
+    if raw["mlp_only_layers"]:
+        raise _refused(f"mlp_only_layers {raw['mlp_only_layers']}", "pdserve's Qwen3-MoE has experts in every layer")
+    if int(raw["decoder_sparse_step"]) != 1:
+        raise _refused(f"decoder_sparse_step {raw['decoder_sparse_step']}",
+                       "pdserve's Qwen3-MoE has experts in every layer")
+    # Qwen's checkpoints write num_experts, transformers 5 num_local_experts (`with_defaults` reads it as the first)
+    return MoeConfig(int(raw["num_experts"]), int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                     renormalize=bool(raw["norm_topk_prob"]))
 
 
 def _eos_ids(model_dir: Path, raw: dict[str, Any]) -> tuple[int, ...]:
@@ -315,33 +370,34 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
             f"architecture {archs or raw.get('model_type')!r} is not supported; "
             f"pdserve serves {', '.join(ARCHITECTURES)}"
         )
-    _refuse_unimplemented(family, raw)
+    fields = with_defaults(family, raw)
+    _refuse_unimplemented(family, fields)
     try:
-        num_heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        head_dim = int(raw.get("head_dim") or hidden // num_heads)
-        num_layers = int(raw["num_hidden_layers"])
-        windows = _layer_windows(family, raw, num_layers)
+        num_heads = int(fields["num_attention_heads"])
+        hidden = int(fields["hidden_size"])
+        head_dim = int(fields.get("head_dim") or hidden // num_heads)
+        num_layers = int(fields["num_hidden_layers"])
+        windows = _layer_windows(family, fields, num_layers)
         dtype_key = "torch_dtype" if raw.get("torch_dtype") else "dtype"
         dtype = raw.get(dtype_key) or "float32"
         if dtype not in ("float32", "bfloat16", "float16"):
             raise _refused(f"{dtype_key} {dtype!r}", "pdserve serves float32, bfloat16 and float16 weights")
         gemma = family in ("gemma2", "gemma3")
-        rope, local_rope = _gemma3_ropes(raw) if family == "gemma3" else (_rope_from(raw), None)
-        scalar = raw.get("query_pre_attn_scalar", 256) if gemma else None
+        rope, local_rope = _gemma3_ropes(fields) if family == "gemma3" else (_rope_from(fields), None)
+        scalar = fields["query_pre_attn_scalar"] if gemma else None
         return ModelConfig(
             family=family,
-            vocab_size=int(raw["vocab_size"]),
+            vocab_size=int(fields["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(raw["intermediate_size"]),
+            intermediate_size=int(fields["intermediate_size"]),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+            num_kv_heads=int(fields["num_key_value_heads"] or num_heads),
             head_dim=head_dim,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(fields["rms_norm_eps"]),
             rope=rope,
-            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+            max_position_embeddings=int(fields["max_position_embeddings"]),
+            tie_word_embeddings=bool(fields["tie_word_embeddings"]),
             qkv_bias=family == "qwen2",
             qk_norm=family in ("qwen3", "gemma3", "qwen3_moe"),
             dtype=dtype,
@@ -353,11 +409,11 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
             norm_offset=gemma,
             sandwich_norms=gemma,
             attn_scale=None if scalar is None else float(scalar) ** -0.5,
-            attn_softcap=_cap(raw, "attn_logit_softcapping") if family == "gemma2" else None,
-            final_softcap=_cap(raw, "final_logit_softcapping") if gemma else None,
+            attn_softcap=_cap(fields, "attn_logit_softcapping") if family == "gemma2" else None,
+            final_softcap=_cap(fields, "final_logit_softcapping") if gemma else None,
             embed_scale=hidden**0.5 if gemma else None,
             local_rope=local_rope,
-            moe=_moe_from(family, raw),
+            moe=_moe_from(family, fields),
             raw=raw,
         )
     except KeyError as e:

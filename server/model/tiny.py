@@ -10,11 +10,19 @@ import sysconfig
 from pathlib import Path
 from typing import Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3", "mixtral", "qwen3_moe",
+                 "gemma2-defaults", "gemma3-softcapped"]
 """The checkpoints made here: one per served family, and "mistral-windowed", a Mistral whose every layer has
 a sliding window of WINDOW tokens (prompts longer than it are a few words). The Gemmas alternate windowed
 (local) and global layers with the same window, over 4 layers. The MoEs have 8 experts, 2 per token
-(Mixtral renormalises the two; this Qwen3-MoE does not: norm_topk_prob false)."""
+(Mixtral renormalises the two; this Qwen3-MoE does not: norm_topk_prob false).
+
+Two Gemmas check soft-capping, their scores and logits made large (`_sharpened`) so that each cap changes the
+logits (Gemma 2's attention cap, the greedy tokens too): "gemma2-defaults", whose config.json omits both soft-caps (transformers' Gemma2Config applies
+50 and 30), and "gemma3-softcapped", a Gemma 3 that sets final_logit_softcapping 15."""
+
+OMITTED: dict[str, tuple[str, ...]] = {"gemma2-defaults": ("attn_logit_softcapping", "final_logit_softcapping")}
+"""The fields a checkpoint's config.json leaves out (its family's transformers defaults apply)."""
 
 WINDOW = 24
 
@@ -112,12 +120,28 @@ def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int, shape:
                  hidden_activation="gelu_pytorch_tanh")
     if family == "gemma2":  # local, global, local, global; both soft-caps (Gemma 2's 50 and 30 are far off here)
         return transformers.Gemma2Config(**gemma, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)
-    if family == "gemma3":  # layers 0-2 local (their own rope theta), 3 global; qk-norm
+    if family == "gemma2-defaults":  # Gemma2Config's own caps, 50 and 30
+        return transformers.Gemma2Config(**gemma)
+    if family in ("gemma3", "gemma3-softcapped"):  # layers 0-2 local (their own rope theta), 3 global; qk-norm
         rope = {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
         types = ["sliding_attention"] * 3 + ["full_attention"]
-        return transformers.Gemma3TextConfig(**gemma, layer_types=types, rope_parameters=rope)
+        caps = {"final_logit_softcapping": 15.0} if family == "gemma3-softcapped" else {}
+        return transformers.Gemma3TextConfig(**gemma, layer_types=types, rope_parameters=rope, **caps)
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(Family.__args__)}")
+
+
+def _sharpened(model) -> None:
+    """Scores and logits made several times larger, where a Gemma's soft-caps change them: the q and k
+    projections scaled by 4 (Gemma 2; Gemma 3's qk-norm would undo it), the final norm's scale by 12."""
+    import torch
+
+    with torch.no_grad():
+        for name, w in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")) and model.config.model_type == "gemma2":
+                w.mul_(4)
+            elif name == "model.norm.weight":
+                w.copy_(12 * (1 + w) - 1)  # Gemma's norms scale by (1 + w)
 
 
 def make_tiny_model(
@@ -149,9 +173,15 @@ def make_tiny_model(
             for name, w in model.named_parameters():
                 if "norm" in name:
                     w.normal_(0.0, 0.2)
+            if family in OMITTED or family == "gemma3-softcapped":
+                _sharpened(model)
     model = model.to(getattr(torch, dtype)).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)
+    if family in OMITTED:
+        raw = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if k not in OMITTED[family]},
+                                                    indent=2))
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(
         json.dumps(

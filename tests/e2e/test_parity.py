@@ -46,7 +46,7 @@ def generate_ids(addr: str, prompt: str) -> tuple[list[int], int]:
     return ids, reason
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "gemma2-defaults"])  # + a Gemma 2 whose config.json omits its caps
 def test_greedy_equals_transformers(family, tiny_model, tmp_path):
     model_dir = tiny_model(family)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
