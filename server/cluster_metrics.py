@@ -167,14 +167,16 @@ def cluster_text(targets: list[Target], model_name: str = "", own=REGISTRY, time
     return merge(generate_latest(own).decode(), [(t, texts.get(t.name)) for t in targets], model_name)
 
 
-def serve_cluster_metrics(port: int, host: str, targets: Callable[[], list[Target]], model_name: str = "") -> int:
-    """Serves the merged /metrics on host:port (0: off) from a daemon thread; returns the port bound."""
+def serve_cluster_metrics(port: int, host: str, targets: Callable[[], list[Target]], model_name: str = "",
+                          own=REGISTRY) -> int:
+    """Serves the merged /metrics (this process's `own` registry and every target's) on host:port (0: off) from
+    a daemon thread; returns the port bound."""
     if not port:
         return 0
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            body = cluster_text(targets(), model_name).encode()
+            body = cluster_text(targets(), model_name, own=own).encode()
             self.send_response(200)
             self.send_header("Content-Type", CONTENT_TYPE_LATEST)
             self.send_header("Content-Length", str(len(body)))

@@ -128,7 +128,7 @@ def test_the_collector_scrapes_live_processes_concurrently_and_skips_a_dead_and_
     Counter("pdserve_worker_restarts", "Restarts", ["model_name", "role"], registry=own).labels("m", "decode").inc()
     try:
         text = cluster_text(targets, "m", own=own, timeout=2.0)
-        port = serve_cluster_metrics(free_port(), "127.0.0.1", lambda: targets, "m")
+        port = serve_cluster_metrics(free_port(), "127.0.0.1", lambda: targets, "m", own=own)
         served = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         p_server.shutdown()
