@@ -17,7 +17,8 @@ REPLACEMENT = "\ufffd"
 
 
 class Decoder(Protocol):
-    """The model's tokenizer (`Tokenizer`)."""
+    """The model's tokenizer (`Tokenizer`). A tokenizer may also name its byte pieces and special tokens
+    (`byte_piece_ids`, `special_ids`: `Tokenizer`'s); one that does not has neither."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -33,10 +34,24 @@ class IncrementalDetokenizer:
     of what follows). So the pieces joined equal the decode of the whole output, invalid bytes included
     (as U+FFFD, at once when they can no longer become a character), and `flush` gives what is held at
     the end.
+
+    Byte fallback (SentencePiece's `<0xXX>` pieces: Llama 2, Mistral, Gemma) decodes a run of byte pieces
+    as a whole: its UTF-8 text, or one U+FFFD per byte when the run is not valid UTF-8, so a byte that
+    comes later can still turn the run's characters into U+FFFDs. A run is therefore held until a piece
+    that is not a byte ends it (special tokens that are skipped do not end it), and ids are only given
+    out up to such a piece; with no byte pieces in the vocabulary (byte-level BPE) nothing changes.
     """
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.byte_pieces: frozenset[int] = getattr(tokenizer, "byte_piece_ids", frozenset())
+        """Ids the decoder reads as one byte each (byte fallback); empty for byte-level BPE."""
+        self.invisible: frozenset[int] = getattr(tokenizer, "special_ids", frozenset()) \
+            if skip_special_tokens else frozenset()
+        """Ids the decode drops (special tokens when skipped): they neither end a byte run nor begin one."""
+        self.in_run = False
+        """The last visible id held is a byte piece: the run's text is not settled yet."""
         self.context = list(prompt_ids[-PROMPT_CONTEXT:])
         """The last ids whose text is out (prompt ids at first)."""
         self.context_text = self._decode(self.context)
@@ -53,18 +68,35 @@ class IncrementalDetokenizer:
 
     def _push_one(self, token: int) -> str:
         self.held.append(token)
+        if self.byte_pieces and token not in self.invisible:
+            self.in_run = token in self.byte_pieces
+        if self.in_run:  # no decode: the run's text waits for the piece that ends it
+            return ""
         text = self._decode(self.context + self.held)
         if not text.endswith(REPLACEMENT):
             return self._give_out(len(self.held), text)
         sure = text[:-1]
         for n in range(len(self.held) - 1, 0, -1):
+            if not self._can_cut(n):
+                continue
             part = self._decode(self.context + self.held[:n])
             if sure.startswith(part) and len(part) >= len(self.context_text):
                 return self._give_out(n, part)
         if len(self.held) > MAX_HELD:
             n = len(self.held) - MAX_HELD
+            while n > 1 and not self._can_cut(n):
+                n -= 1
             return self._give_out(n, self._decode(self.context + self.held[:n]))
         return ""
+
+    def _can_cut(self, n: int) -> bool:
+        """The first n held ids can go out alone: they do not end inside a run of byte pieces."""
+        if not self.byte_pieces:
+            return True
+        for token in reversed(self.held[:n]):
+            if token not in self.invisible:
+                return token not in self.byte_pieces
+        return True
 
     def _give_out(self, n: int, text: str) -> str:
         """The first n held ids, whose text with the context is `text`, go out and join the context."""
@@ -76,7 +108,7 @@ class IncrementalDetokenizer:
         return piece
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -136,8 +168,9 @@ class StopStringMatcher:
 class Completion:
     """One request's output as the client sees it: every id, and the text up to the first stop string."""
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: list[str], min_tokens: int = 0):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: list[str], min_tokens: int = 0,
+                 skip_special_tokens: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.matcher = StopStringMatcher(stops)
         self.num_tokens = 0
         self.min_tokens = min_tokens

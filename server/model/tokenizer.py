@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,24 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
+
+
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""SentencePiece's byte-fallback pieces, as tokenizers' ByteFallback decoder reads them."""
+
+
+def _decoder_types(decoder: Any) -> set[str]:
+    """The decoder's types, a Sequence's members included (from its JSON state)."""
+    if decoder is None:
+        return set()
+    state = json.loads(decoder.__getstate__())
+    types, todo = set(), [state]
+    while todo:
+        d = todo.pop()
+        if isinstance(d, dict):
+            types.add(d.get("type"))
+            todo.extend(d.get("decoders") or [])
+    return types
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -108,6 +128,20 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def byte_piece_ids(self) -> frozenset[int]:
+        """Ids the decoder reads as one byte each (`<0xXX>` under a ByteFallback decoder: Llama 2,
+        Mistral, Gemma); empty for byte-level BPE, whose every token is bytes already."""
+        if "ByteFallback" not in _decoder_types(self._tok.decoder):
+            return frozenset()
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return frozenset(i for t, i in vocab.items() if BYTE_PIECE.fullmatch(t))
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens: what `decode(..., skip_special_tokens=True)` drops."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
 
     def max_token_bytes(self) -> int | None:
         """An upper bound on the UTF-8 bytes of text one token stands for, or None when the tokenizer
