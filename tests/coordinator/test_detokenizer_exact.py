@@ -1,0 +1,158 @@
+"""The streamed text is exactly `tokenizers.Tokenizer.decode` of the ids, for every tokenizer kind: byte-level
+BPE, and SentencePiece-style byte fallback (BPE and Unigram; Llama 2's prepended-and-stripped space, Gemma's
+plain one, a Metaspace pre-tokenizer), with added and special tokens, special tokens skipped or not.
+
+Random Unicode (astral planes, combining marks, CJK, emoji, whitespace) is encoded by small vocabularies,
+so that most characters are spelt in bytes, and the ids are fed one at a time."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.server.coordinator.detokenizer import PROMPT_CONTEXT, Completion, IncrementalDetokenizer
+from pdserve.server.model.tokenizer import Tokenizer
+
+SPECIAL = "<|im_end|>"
+ADDED = ["hello world", "€uro", " ▁x"]
+"""Added tokens that are not special: they stay in the text whatever skip_special_tokens says."""
+
+EXAMPLES = settings(max_examples=40, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def _byte_level():
+    from pdserve.server.model.tiny import train_tokenizer
+
+    return train_tokenizer(vocab_size=300)
+
+
+def _byte_fallback(**kwargs):
+    from pdserve.server.model.tiny import train_byte_fallback_tokenizer
+
+    return train_byte_fallback_tokenizer(vocab_size=400, **kwargs)
+
+
+def _metaspace():
+    """Byte fallback under a Metaspace pre-tokenizer (prepend_scheme "first") and a Metaspace decoder."""
+    from tokenizers import decoders, pre_tokenizers
+
+    tok = _byte_fallback(strip_leading_space=False)
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="first"), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    return tok
+
+
+KINDS = {
+    "byte-level": _byte_level,
+    "byte-fallback-llama2": lambda: _byte_fallback(),
+    "byte-fallback-gemma": lambda: _byte_fallback(strip_leading_space=False),
+    "byte-fallback-unigram": lambda: _byte_fallback(model="unigram"),
+    "byte-fallback-metaspace": _metaspace,
+}
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
+def tok(request) -> Tokenizer:
+    hf = KINDS[request.param]()
+    hf.add_special_tokens([SPECIAL])
+    hf.add_tokens(ADDED)
+    tok = Tokenizer(hf)
+    assert bool(tok.byte_piece_ids) == request.param.startswith("byte-fallback")
+    return tok
+
+
+PIECES = ["€", "中文", "😀", "🎉", "e\u0301", "\u0915\u094d\u0937", "𝔘𝔫𝔦", "\U000e0041", " ", "  ", "\n", "\t",
+          "hello world", "€uro", "▁", " ▁x", SPECIAL, "def f(x):", "ab", "\u00a0", "\u3000"]
+texts = st.lists(st.one_of(st.characters(exclude_categories=["Cs"]), st.sampled_from(PIECES)),
+                 max_size=24).map("".join)
+
+
+def stream(tok: Tokenizer, prompt: list[int], ids: list[int], skip: bool) -> list[str]:
+    """The deltas, one id at a time, then the flush."""
+    d = IncrementalDetokenizer(tok, prompt, skip)
+    return [d.push([i]) for i in ids] + [d.flush()]
+
+
+def check_deltas(tok: Tokenizer, ids: list[int], deltas: list[str], skip: bool) -> None:
+    expected = tok.decode(ids, skip_special_tokens=skip)
+    assert "".join(deltas) == expected, (ids, deltas)
+    for delta in deltas:
+        delta.encode("utf-8")  # no lone surrogates
+    # nothing is held once the text so far is settled (no byte run open, no incomplete character)
+    out = ""
+    for k, delta in enumerate(deltas[:-1], start=1):
+        out += delta
+        visible = [i for i in ids[:k] if not (skip and i in tok.special_ids)]
+        settled = not visible or visible[-1] not in tok.byte_piece_ids
+        so_far = tok.decode(ids[:k], skip_special_tokens=skip)
+        if settled and not so_far.endswith("\ufffd"):
+            assert out == so_far, (ids[:k], out, so_far)
+
+
+@EXAMPLES
+@given(text=texts, skip=st.booleans())
+def test_streamed_deltas_join_to_the_decode_of_all_ids(tok, text, skip):
+    ids = tok.hf.encode(text, add_special_tokens=False).ids
+    check_deltas(tok, ids, stream(tok, [], ids, skip), skip)
+
+
+@EXAMPLES
+@given(ids=st.data(), skip=st.booleans())
+def test_any_ids_join_to_their_decode(tok, ids, skip):
+    """What a random model draws: byte pieces in any order, runs that are not UTF-8, specials inside runs."""
+    vocab = tok.vocab_size
+    picks = ids.draw(st.lists(st.one_of(st.integers(0, vocab - 1), st.sampled_from(sorted(tok.byte_piece_ids) or [0])),
+                              max_size=30))
+    check_deltas(tok, picks, stream(tok, [], picks, skip), skip)
+
+
+@EXAMPLES
+@given(prompt=texts, text=texts)
+def test_after_a_prompt_the_text_is_what_follows_the_prompts_text(tok, prompt, text):
+    """The first output piece keeps its leading space (the decoder's Strip applies to the prompt's text)."""
+    prompt_ids = tok.hf.encode(prompt, add_special_tokens=False).ids
+    ids = tok.hf.encode(text, add_special_tokens=False).ids
+    ctx = prompt_ids[-PROMPT_CONTEXT:]
+    whole, before = tok.decode(ctx + ids), tok.decode(ctx)
+    if whole.startswith(before):  # the prompt's text ends on a whole character
+        assert "".join(stream(tok, prompt_ids, ids, True)) == whole[len(before):]
+
+
+@EXAMPLES
+@given(text=texts, data=st.data())
+def test_stop_strings_cut_the_exact_text(tok, text, data):
+    ids = tok.hf.encode(text, add_special_tokens=False).ids
+    full = tok.decode(ids)
+    stop = data.draw(st.text(min_size=1, max_size=3) | st.sampled_from(["中", "😀", "€", "文 ", "\u0301"]))
+    c = Completion(tok, [], [stop])
+    pieces = []
+    for i in ids:
+        if c.stopped:
+            break
+        pieces.append(c.add([i])[1])
+    out = "".join(pieces) + c.finish()
+    assert (out, c.stopped) == ((full[:full.find(stop)], True) if stop in full else (full, False))
+
+
+def test_byte_fallback_characters_come_out_whole_and_at_once():
+    """The issue's cases: "€" was "�€", "😀" "��😀", "中文" "�中����中文"."""
+    tok = Tokenizer(_byte_fallback())
+    for text in ["€", "😀", "中文", "a € b 😀 c 中文"]:
+        ids = tok.hf.encode(text, add_special_tokens=False).ids
+        assert len(ids) > len(text)  # spelt in byte pieces
+        deltas = stream(tok, [], ids, True)
+        assert "".join(deltas) == text and "\ufffd" not in "".join(deltas)
+    ids = tok.hf.encode("x😀 y", add_special_tokens=False).ids
+    assert [tok.hf.id_to_token(i) for i in ids] == ["▁", "x", "<0xF0>", "<0x9F>", "<0x98>", "<0x80>", "▁", "y"]
+    # the run's text goes out with the piece that ends it
+    assert stream(tok, [], ids, True) == ["", "x", "", "", "", "", "😀 ", "y", ""]
+    # a byte that makes the run invalid turns all of it into U+FFFDs, as decode does: nothing went out early
+    bad = ids[:6] + [tok.hf.token_to_id("<0x80>")] + ids[6:]
+    assert stream(tok, [], bad, True) == ["", "x", "", "", "", "", "", "\ufffd" * 5 + " ", "y", ""]
+    assert tok.decode(bad) == "x" + "\ufffd" * 5 + " y"
+    # cut at the end of the output inside a run: what decode gives, at the flush
+    assert "".join(stream(tok, [], ids[:4], True)) == tok.decode(ids[:4]) == "x\ufffd\ufffd"
