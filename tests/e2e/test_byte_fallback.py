@@ -1,0 +1,61 @@
+"""A byte-fallback vocabulary served end to end (`pdserve up`, a tiny llama whose tokenizer spells most
+characters in `<0xXX>` pieces, as Llama 2, Mistral and Gemma do): streamed text is exactly the decode of the
+ids, and a structured `choice` among non-ASCII strings answers exactly the string chosen."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from pdserve.server.launcher import free_port
+from pdserve.server.model.tokenizer import Tokenizer
+from tests.e2e.cluster import pdserve_up
+from pdserve.server.client import build_request, stream
+
+CHOICES = ["€", "中文", "😀"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_byte_fallback_model, tmp_path_factory):
+    http_port = free_port()
+    with pdserve_up(tiny_byte_fallback_model, tmp_path_factory.mktemp("up"), prefill_workers=1, decode_workers=1,
+                    extra_args=["--http-port", str(http_port)]) as state:
+        state["http"] = f"http://127.0.0.1:{http_port}"
+        state["model"] = tiny_byte_fallback_model.name
+        state["tokenizer"] = Tokenizer.from_dir(tiny_byte_fallback_model)
+        yield state
+
+
+def test_greedy_stream_is_the_decode_of_its_ids(cluster):
+    tok: Tokenizer = cluster["tokenizer"]
+    prompt = tok.encode("Grüße, 世界 😀:")
+    assert tok.byte_piece_ids & set(prompt)
+    texts, ids = [], []
+    for m in stream(cluster["coordinator"], build_request(token_ids=prompt, max_tokens=64, temperature=0.0, ignore_eos=True), timeout=60):
+        texts.append(m.text)
+        ids.extend(m.token_ids)
+    assert len(ids) == 64 and tok.byte_piece_ids & set(ids)  # the random model spells in bytes too
+    before = tok.decode(prompt)
+    whole = tok.decode(prompt + ids)
+    assert whole.startswith(before)
+    assert "".join(texts) == whole[len(before):]
+    for text in texts:
+        text.encode("utf-8")
+
+
+@pytest.mark.parametrize("stream_", [False, True])
+def test_choice_among_non_ascii_strings_answers_exactly_one(cluster, stream_):
+    with openai.OpenAI(base_url=f"{cluster['http']}/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        seen = set()
+        for seed in range(4):
+            out = sdk.completions.create(model=cluster["model"], prompt="Pick one:", temperature=1.0, seed=seed,
+                                         max_tokens=16, stream=stream_,
+                                         extra_body={"structured_outputs": {"choice": CHOICES}})
+            if stream_:
+                chunks = [c.choices[0] for c in out if c.choices]
+                text, finish = "".join(c.text for c in chunks), chunks[-1].finish_reason
+            else:
+                text, finish = out.choices[0].text, out.choices[0].finish_reason
+            assert (text, finish) in {(c, "stop") for c in CHOICES}, (seed, text, finish)
+            seen.add(text)
+        assert seen  # every answer was one of the choices, exactly
