@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from tokenizers import Tokenizer as HfTokenizer
 
 from pdserve.server.model.config import ModelLoadError
+from pdserve.server.model.token_bytes import BYTE_PIECE, Unsupported, decoder_steps, token_bytes
 
 
 def _token_content(value: Any) -> str | None:
@@ -18,24 +18,6 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) and value else None
-
-
-BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-"""SentencePiece's byte-fallback pieces, as tokenizers' ByteFallback decoder reads them."""
-
-
-def _decoder_types(decoder: Any) -> set[str]:
-    """The decoder's types, a Sequence's members included (from its JSON state)."""
-    if decoder is None:
-        return set()
-    state = json.loads(decoder.__getstate__())
-    types, todo = set(), [state]
-    while todo:
-        d = todo.pop()
-        if isinstance(d, dict):
-            types.add(d.get("type"))
-            todo.extend(d.get("decoders") or [])
-    return types
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -133,7 +115,7 @@ class Tokenizer:
     def byte_piece_ids(self) -> frozenset[int]:
         """Ids the decoder reads as one byte each (`<0xXX>` under a ByteFallback decoder: Llama 2,
         Mistral, Gemma); empty for byte-level BPE, whose every token is bytes already."""
-        if "ByteFallback" not in _decoder_types(self._tok.decoder):
+        if not any(step.get("type") == "ByteFallback" for step in decoder_steps(self._tok)):
             return frozenset()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         return frozenset(i for t, i in vocab.items() if BYTE_PIECE.fullmatch(t))
@@ -142,6 +124,23 @@ class Tokenizer:
     def special_ids(self) -> frozenset[int]:
         """Ids of the special added tokens: what `decode(..., skip_special_tokens=True)` drops."""
         return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes] | None:
+        """Each id's bytes, as it stands in the middle of a text (server/model/token_bytes.py); None when
+        the decoder is not one read there."""
+        try:
+            return token_bytes(self._tok)
+        except Unsupported:
+            return None
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as logprobs name it: its bytes as UTF-8 (U+FFFD for a part of a character;
+        SentencePiece's "▁" a space even at the start), a special token's content."""
+        table = self.token_bytes
+        if table is None or not 0 <= token_id < len(table):
+            return self.decode([token_id], skip_special_tokens=False)
+        return table[token_id].decode("utf-8", errors="replace")
 
     def max_token_bytes(self) -> int | None:
         """An upper bound on the UTF-8 bytes of text one token stands for, or None when the tokenizer

@@ -13,54 +13,16 @@ from hypothesis import strategies as st
 
 from pdserve.server.coordinator.detokenizer import PROMPT_CONTEXT, Completion, IncrementalDetokenizer
 from pdserve.server.model.tokenizer import Tokenizer
+from tests.tokenizer_kinds import KINDS, SPECIAL, byte_fallback, with_added
 
-SPECIAL = "<|im_end|>"
-ADDED = ["hello world", "€uro", " ▁x"]
-"""Added tokens that are not special: they stay in the text whatever skip_special_tokens says."""
 
 EXAMPLES = settings(max_examples=40, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 
-def _byte_level():
-    from pdserve.server.model.tiny import train_tokenizer
-
-    return train_tokenizer(vocab_size=300)
-
-
-def _byte_fallback(**kwargs):
-    from pdserve.server.model.tiny import train_byte_fallback_tokenizer
-
-    return train_byte_fallback_tokenizer(vocab_size=400, **kwargs)
-
-
-def _metaspace():
-    """Byte fallback under a Metaspace pre-tokenizer (prepend_scheme "first") and a Metaspace decoder."""
-    from tokenizers import decoders, pre_tokenizers
-
-    tok = _byte_fallback(strip_leading_space=False)
-    tok.normalizer = None
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Metaspace(prepend_scheme="first"), decoders.ByteFallback(),
-                                     decoders.Fuse()])
-    return tok
-
-
-KINDS = {
-    "byte-level": _byte_level,
-    "byte-fallback-llama2": lambda: _byte_fallback(),
-    "byte-fallback-gemma": lambda: _byte_fallback(strip_leading_space=False),
-    "byte-fallback-unigram": lambda: _byte_fallback(model="unigram"),
-    "byte-fallback-metaspace": _metaspace,
-}
-
-
 @pytest.fixture(scope="module", params=list(KINDS))
 def tok(request) -> Tokenizer:
-    hf = KINDS[request.param]()
-    hf.add_special_tokens([SPECIAL])
-    hf.add_tokens(ADDED)
-    tok = Tokenizer(hf)
+    tok = Tokenizer(with_added(KINDS[request.param]()))
     assert bool(tok.byte_piece_ids) == request.param.startswith("byte-fallback")
     return tok
 
@@ -138,9 +100,9 @@ def test_stop_strings_cut_the_exact_text(tok, text, data):
     assert (out, c.stopped) == ((full[:full.find(stop)], True) if stop in full else (full, False))
 
 
-def test_byte_fallback_characters_come_out_whole_and_at_once():
+def testbyte_fallback_characters_come_out_whole_and_at_once():
     """The issue's cases: "€" was "�€", "😀" "��😀", "中文" "�中����中文"."""
-    tok = Tokenizer(_byte_fallback())
+    tok = Tokenizer(byte_fallback())
     for text in ["€", "😀", "中文", "a € b 😀 c 中文"]:
         ids = tok.hf.encode(text, add_special_tokens=False).ids
         assert len(ids) > len(text)  # spelt in byte pieces
