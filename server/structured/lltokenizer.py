@@ -77,5 +77,6 @@ def ll_tokenizer(tokenizer_json: str, n_vocab: int, eos_ids: tuple[int, ...]) ->
         tokens = token_bytes(hf)[:n_vocab]
     except Unsupported:
         return llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=eos)
+    tokens += [b""] * (n_vocab - len(tokens))  # the logits' padding: empty tokens, never allowed
     vocabulary = _Vocabulary(continuation(hf), tokens, eos_ids)
     return llguidance.LLTokenizer(TokenizerWrapper(vocabulary), n_vocab=n_vocab, eos_token=eos)
