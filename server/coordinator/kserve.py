@@ -444,7 +444,10 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     yield _infer_response(self.model_name, inference, out, True, self._token_text)
 
     def _token_text(self, token_id: int) -> str:
-        return self.generation.tokenizer.decode([token_id], skip_special_tokens=False)
+        tokenizer = self.generation.tokenizer
+        if hasattr(tokenizer, "token_text"):  # a SentencePiece "▁" a space even at the start
+            return tokenizer.token_text(token_id)
+        return tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def ModelInfer(self, request, context):
         if not self._known(request.model_name, request.model_version):
