@@ -5,7 +5,7 @@ Dynamo's KServe frontend), and run through `GenerationService.stream` like every
 
 - inputs: `text_input` BYTES [1] (the prompt), optional `stream` BOOL [1], `sampling_parameters`
   BYTES [1] (a JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-  ignore_eos, logprobs, presence/frequency/repetition_penalty, min_p, min_tokens, and vLLM's
+  ignore_eos, logprobs, presence/frequency/repetition_penalty, min_p, min_tokens, skip_special_tokens, and vLLM's
   `structured_outputs` {json | json_object | regex | choice | grammar | structural_tag}, enforced token by
   token), `exclude_input_in_output` BOOL [1]; the same sampling keys may come as request
   parameters (the JSON input wins). Triton's vLLM backend's `return_finish_reason`,
@@ -91,11 +91,11 @@ SAMPLING_KEYS = {
     "repetition_penalty": float,
     "min_p": float,
     "min_tokens": int,
+    "skip_special_tokens": bool,
 }
 NEUTRAL_KEYS = {
     "n": 1,
     "best_of": 1,
-    "skip_special_tokens": True,
 }
 """vLLM sampling keys accepted at their neutral value only (the engine has no such knob)."""
 

@@ -97,6 +97,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> generation_p
         stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos,
     )
+    if not req.skip_special_tokens:
+        sampling.skip_special_tokens = False
     structured = structured_output(req.response_format, req.structured_outputs)
     if structured is not None:
         sampling.structured.CopyFrom(structured)
