@@ -13,6 +13,9 @@ MAX_HELD = 16
 only while the tokens around it cut characters apart; past this many (a model chaining such tokens) the
 oldest go out as they decode alone, so the window, and each step's decode, stays short."""
 
+MAX_RUN = 64
+"""The prompt's ids read back at most to the start of its last run of byte pieces (16 characters or more)."""
+
 REPLACEMENT = "\ufffd"
 
 
@@ -52,11 +55,24 @@ class IncrementalDetokenizer:
         """Ids the decode drops (special tokens when skipped): they neither end a byte run nor begin one."""
         self.in_run = False
         """The last visible id held is a byte piece: the run's text is not settled yet."""
-        self.context = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.context = self._prompt_context(prompt_ids)
         """The last ids whose text is out (prompt ids at first)."""
         self.context_text = self._decode(self.context)
         self.held: list[int] = []
         """Ids whose text is not out yet."""
+
+    def _prompt_context(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last PROMPT_CONTEXT ids, or from the start of its last run of byte pieces when they
+        begin inside it (output bytes may continue that run, which decodes as a whole)."""
+        start = max(0, len(prompt_ids) - PROMPT_CONTEXT)
+
+        def in_run(token: int) -> bool:
+            return token in self.byte_pieces or token in self.invisible
+
+        while start > 0 and self.byte_pieces and len(prompt_ids) - start < MAX_RUN \
+                and in_run(prompt_ids[start]) and in_run(prompt_ids[start - 1]):
+            start -= 1
+        return list(prompt_ids[start:])
 
     def push(self, ids: list[int]) -> str:
         """Takes new output ids; returns the text they complete (possibly "")."""

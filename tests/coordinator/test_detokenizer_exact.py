@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdserve.server.coordinator.detokenizer import PROMPT_CONTEXT, Completion, IncrementalDetokenizer
+from pdserve.server.coordinator.detokenizer import Completion, IncrementalDetokenizer
 from pdserve.server.model.tokenizer import Tokenizer
 from tests.tokenizer_kinds import KINDS, SPECIAL, byte_fallback, with_added
 
@@ -75,13 +75,20 @@ def test_any_ids_join_to_their_decode(tok, ids, skip):
 @EXAMPLES
 @given(prompt=texts, text=texts)
 def test_after_a_prompt_the_text_is_what_follows_the_prompts_text(tok, prompt, text):
-    """The first output piece keeps its leading space (the decoder's Strip applies to the prompt's text)."""
+    """The first output piece keeps its leading space (the decoder's Strip applies to the prompt's text), and
+    output bytes that continue the prompt's last run of byte pieces read with all of it."""
     prompt_ids = tok.hf.encode(prompt, add_special_tokens=False).ids
     ids = tok.hf.encode(text, add_special_tokens=False).ids
-    ctx = prompt_ids[-PROMPT_CONTEXT:]
-    whole, before = tok.decode(ctx + ids), tok.decode(ctx)
-    if whole.startswith(before):  # the prompt's text ends on a whole character
+    whole, before = tok.decode(prompt_ids + ids), tok.decode(prompt_ids)
+    if whole.startswith(before):  # the prompt's text is not changed by what follows
         assert "".join(stream(tok, prompt_ids, ids, True)) == whole[len(before):]
+
+
+def test_output_bytes_continue_the_prompts_run_of_byte_pieces():
+    tok = Tokenizer(byte_fallback(strip_leading_space=False))  # Gemma's: nothing prepended, a run can go on
+    prompt, ids = tok.hf.encode("中文中文", add_special_tokens=False).ids, tok.hf.encode("字 x", add_special_tokens=False).ids
+    assert len(prompt) == 12 and all(i in tok.byte_piece_ids for i in prompt + ids[:3])
+    assert "".join(stream(tok, prompt, ids, True)) == "字 x"
 
 
 @EXAMPLES
