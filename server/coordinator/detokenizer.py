@@ -14,14 +14,17 @@ only while the tokens around it cut characters apart; past this many (a model ch
 oldest go out as they decode alone, so the window, and each step's decode, stays short."""
 
 MAX_RUN = 64
-"""The prompt's ids read back at most to the start of its last run of byte pieces (16 characters or more)."""
+"""A run of byte pieces is held whole up to this many ids (16 characters or more; text has spaces and
+common characters between, a piece that ends the run); past it, it goes out as it decodes so far, so what is
+held and each step's work stay bounded, and only a byte that later makes the run invalid could then
+differ from the whole decode. The prompt's ids are read back at most this far for the start of its run."""
 
 REPLACEMENT = "\ufffd"
 
 
 class Decoder(Protocol):
     """The model's tokenizer (`Tokenizer`). A tokenizer may also name its byte pieces and special tokens
-    (`byte_piece_ids`, `special_ids`: `Tokenizer`'s); one that does not has neither."""
+    (`byte_pieces`, `special_ids`: `Tokenizer`'s); one that does not has neither."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -41,15 +44,16 @@ class IncrementalDetokenizer:
     Byte fallback (SentencePiece's `<0xXX>` pieces: Llama 2, Mistral, Gemma) decodes a run of byte pieces
     as a whole: its UTF-8 text, or one U+FFFD per byte when the run is not valid UTF-8, so a byte that
     comes later can still turn the run's characters into U+FFFDs. A run is therefore held until a piece
-    that is not a byte ends it (special tokens that are skipped do not end it), and ids are only given
-    out up to such a piece; with no byte pieces in the vocabulary (byte-level BPE) nothing changes.
+    that is not a byte ends it (special tokens that are skipped do not end it; up to MAX_RUN ids), and ids
+    are only given out up to such a piece; with no byte pieces in the vocabulary (byte-level BPE) nothing
+    changes.
     """
 
     def __init__(self, tokenizer: Decoder, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.byte_pieces: frozenset[int] = getattr(tokenizer, "byte_piece_ids", frozenset())
-        """Ids the decoder reads as one byte each (byte fallback); empty for byte-level BPE."""
+        self.byte_pieces: dict[int, int] = getattr(tokenizer, "byte_pieces", {})
+        """Ids the decoder reads as one byte each (byte fallback), and their byte; empty for byte-level BPE."""
         self.invisible: frozenset[int] = getattr(tokenizer, "special_ids", frozenset()) \
             if skip_special_tokens else frozenset()
         """Ids the decode drops (special tokens when skipped): they neither end a byte run nor begin one."""
@@ -87,12 +91,12 @@ class IncrementalDetokenizer:
         if self.byte_pieces and token not in self.invisible:
             self.in_run = token in self.byte_pieces
         if self.in_run:  # no decode: the run's text waits for the piece that ends it
-            return ""
+            return "" if len(self.held) <= MAX_RUN else self._run_overflow()
         text = self._decode(self.context + self.held)
         if not text.endswith(REPLACEMENT):
             return self._give_out(len(self.held), text)
         sure = text[:-1]
-        for n in range(len(self.held) - 1, 0, -1):
+        for n in range(len(self.held) - 1, max(0, len(self.held) - 1 - MAX_HELD), -1):
             if not self._can_cut(n):
                 continue
             part = self._decode(self.context + self.held[:n])
@@ -104,6 +108,27 @@ class IncrementalDetokenizer:
                 n -= 1
             return self._give_out(n, self._decode(self.context + self.held[:n]))
         return ""
+
+    def _run_overflow(self) -> str:
+        """A run past MAX_RUN ids: its whole characters go out (an incomplete one has at most 3 bytes); when
+        none do, the run is not UTF-8 and never will be, so its bytes go out as U+FFFDs, one each, as the
+        whole decode has them. What is held of the run begins on a character's first byte (where the last
+        ids given out ended)."""
+        data, ends = bytearray(), []
+        for i, token in enumerate(self.held):
+            if token in self.byte_pieces:
+                data.append(self.byte_pieces[token])
+                ends.append(i + 1)
+            elif token not in self.invisible:  # a piece that ended an earlier run: this one begins after it
+                data, ends = bytearray(), []
+        for k in range(len(data), max(0, len(data) - 4), -1):
+            try:
+                data[:k].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            n = ends[k - 1]
+            return self._give_out(n, self._decode(self.context + self.held[:n]))
+        return self._give_out(len(self.held), self._decode(self.context + self.held))
 
     def _can_cut(self, n: int) -> bool:
         """The first n held ids can go out alone: they do not end inside a run of byte pieces."""
@@ -117,10 +142,19 @@ class IncrementalDetokenizer:
     def _give_out(self, n: int, text: str) -> str:
         """The first n held ids, whose text with the context is `text`, go out and join the context."""
         piece = text[_common_prefix(self.context_text, text):]
-        self.context, self.held, self.context_text = self.context + self.held[:n], self.held[n:], text
-        if len(self.context) > 2 * PROMPT_CONTEXT:  # the window is cut back now and then, not every id
+        given = self.held[:n]
+        self.context, self.held, self.context_text = self.context + given, self.held[n:], text
+        if len(self.context) <= 2 * PROMPT_CONTEXT:  # the window is cut back now and then, not every id
+            return piece
+        if not self.in_run:
             self.context = self.context[-PROMPT_CONTEXT:]
-            self.context_text = self._decode(self.context)
+        elif len(self.context) > 2 * MAX_RUN:
+            # inside a run that may go on (it decodes as a whole): back to the ids just given out, which
+            # begin where the last ones ended, on a character's first byte
+            self.context = given
+        else:
+            return piece
+        self.context_text = self._decode(self.context)
         return piece
 
     def _decode(self, ids: list[int]) -> str:

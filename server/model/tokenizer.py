@@ -112,13 +112,13 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @cached_property
-    def byte_piece_ids(self) -> frozenset[int]:
-        """Ids the decoder reads as one byte each (`<0xXX>` under a ByteFallback decoder: Llama 2,
-        Mistral, Gemma); empty for byte-level BPE, whose every token is bytes already."""
+    def byte_pieces(self) -> dict[int, int]:
+        """The ids the decoder reads as one byte each, and their byte (`<0xXX>` under a ByteFallback
+        decoder: Llama 2, Mistral, Gemma); empty for byte-level BPE, whose every token is bytes already."""
         if not any(step.get("type") == "ByteFallback" for step in decoder_steps(self._tok)):
-            return frozenset()
+            return {}
         vocab = self._tok.get_vocab(with_added_tokens=True)
-        return frozenset(i for t, i in vocab.items() if BYTE_PIECE.fullmatch(t))
+        return {i: int(m.group(1), 16) for t, i in vocab.items() if (m := BYTE_PIECE.fullmatch(t))}
 
     @cached_property
     def special_ids(self) -> frozenset[int]:

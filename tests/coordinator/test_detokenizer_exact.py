@@ -23,7 +23,7 @@ EXAMPLES = settings(max_examples=40, deadline=None, derandomize=True,
 @pytest.fixture(scope="module", params=list(KINDS))
 def tok(request) -> Tokenizer:
     tok = Tokenizer(with_added(KINDS[request.param]()))
-    assert bool(tok.byte_piece_ids) == request.param.startswith("byte-fallback")
+    assert bool(tok.byte_pieces) == request.param.startswith("byte-fallback")
     return tok
 
 
@@ -49,7 +49,7 @@ def check_deltas(tok: Tokenizer, ids: list[int], deltas: list[str], skip: bool) 
     for k, delta in enumerate(deltas[:-1], start=1):
         out += delta
         visible = [i for i in ids[:k] if not (skip and i in tok.special_ids)]
-        settled = not visible or visible[-1] not in tok.byte_piece_ids
+        settled = not visible or visible[-1] not in tok.byte_pieces
         so_far = tok.decode(ids[:k], skip_special_tokens=skip)
         if settled and not so_far.endswith("\ufffd"):
             assert out == so_far, (ids[:k], out, so_far)
@@ -67,7 +67,7 @@ def test_streamed_deltas_join_to_the_decode_of_all_ids(tok, text, skip):
 def test_any_ids_join_to_their_decode(tok, ids, skip):
     """What a random model draws: byte pieces in any order, runs that are not UTF-8, specials inside runs."""
     vocab = tok.vocab_size
-    picks = ids.draw(st.lists(st.one_of(st.integers(0, vocab - 1), st.sampled_from(sorted(tok.byte_piece_ids) or [0])),
+    picks = ids.draw(st.lists(st.one_of(st.integers(0, vocab - 1), st.sampled_from(sorted(tok.byte_pieces) or [0])),
                               max_size=30))
     check_deltas(tok, picks, stream(tok, [], picks, skip), skip)
 
@@ -87,7 +87,7 @@ def test_after_a_prompt_the_text_is_what_follows_the_prompts_text(tok, prompt, t
 def test_output_bytes_continue_the_prompts_run_of_byte_pieces():
     tok = Tokenizer(byte_fallback(strip_leading_space=False))  # Gemma's: nothing prepended, a run can go on
     prompt, ids = tok.hf.encode("中文中文", add_special_tokens=False).ids, tok.hf.encode("字 x", add_special_tokens=False).ids
-    assert len(prompt) == 12 and all(i in tok.byte_piece_ids for i in prompt + ids[:3])
+    assert len(prompt) == 12 and all(i in tok.byte_pieces for i in prompt + ids[:3])
     assert "".join(stream(tok, prompt, ids, True)) == "字 x"
 
 
@@ -125,3 +125,40 @@ def testbyte_fallback_characters_come_out_whole_and_at_once():
     assert tok.decode(bad) == "x" + "\ufffd" * 5 + " y"
     # cut at the end of the output inside a run: what decode gives, at the flush
     assert "".join(stream(tok, [], ids[:4], True)) == tok.decode(ids[:4]) == "x\ufffd\ufffd"
+
+
+def test_a_long_run_of_byte_pieces_goes_out_past_max_run_and_the_work_stays_bounded():
+    from pdserve.server.coordinator.detokenizer import MAX_RUN
+
+    class Counting(Tokenizer):
+        longest = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.longest = max(Counting.longest, len(ids))
+            return super().decode(ids, skip_special_tokens)
+
+    tok = Counting(byte_fallback(strip_leading_space=False))
+    ids = tok.hf.encode("😀" * 100 + " x", add_special_tokens=False).ids
+    assert len(ids) == 402
+    deltas = stream(tok, [], ids, True)
+    assert "".join(deltas) == "😀" * 100 + " x"
+    assert "".join(deltas[: MAX_RUN + 4]) == "😀" * (MAX_RUN // 4)  # out as whole characters past MAX_RUN
+    assert Counting.longest <= 3 * MAX_RUN + 2  # the context (at most 2 * MAX_RUN) and what is held
+    # a run that is not UTF-8 goes out as it will decode, one U+FFFD per byte, however long
+    bad = [tok.hf.token_to_id("<0x80>")] * 200 + tok.hf.encode(" x", add_special_tokens=False).ids
+    deltas = stream(tok, [], bad, True)
+    assert "".join(deltas) == tok.decode(bad) == "\ufffd" * 200 + " x"
+    assert "".join(deltas[:100]) == "\ufffd" * (MAX_RUN + 1)
+
+
+@EXAMPLES
+@given(text=st.lists(st.characters(min_codepoint=0x800, exclude_categories=["Cs"]), min_size=20, max_size=60)
+       .map("".join), noise=st.lists(st.integers(0, 255), max_size=200), skip=st.booleans())
+def test_runs_longer_than_max_run_still_join_to_the_decode(tok, text, noise, skip):
+    """Characters of three and four bytes with no space between (runs past MAX_RUN), and long random byte runs."""
+    ids = tok.hf.encode(text, add_special_tokens=False).ids
+    check_deltas(tok, ids, stream(tok, [], ids, skip), skip)
+    by_byte = {b: i for i, b in tok.byte_pieces.items()}
+    if by_byte:
+        ids = [by_byte[b] for b in noise]
+        check_deltas(tok, ids, stream(tok, [], ids, skip), skip)
