@@ -10,6 +10,7 @@ import pytest
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tokenizer import Tokenizer
 from tests.e2e.cluster import pdserve_up
+from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.client import build_request, stream
 
 CHOICES = ["€", "中文", "😀"]
@@ -41,6 +42,24 @@ def test_greedy_stream_is_the_decode_of_its_ids(cluster):
     assert "".join(texts) == whole[len(before):]
     for text in texts:
         text.encode("utf-8")
+
+
+def test_sampled_non_ascii_streams_exactly_the_decode_of_its_ids(cluster):
+    """A regex holds the output to characters spelt in byte pieces, so the text really is byte runs."""
+    tok: Tokenizer = cluster["tokenizer"]
+    prompt = tok.encode("Say:")
+    for seed in range(3):
+        req = gen_pb.GenerateRequest(token_ids=gen_pb.TokenIds(ids=prompt), sampling=gen_pb.SamplingParams(
+            max_tokens=60, temperature=1.0, seed=seed, structured=gen_pb.StructuredOutput(regex="[€中文😀 ]{6,12}")))
+        texts, ids = [], []
+        for m in stream(cluster["coordinator"], req, timeout=60):
+            texts.append(m.text)
+            ids.extend(m.token_ids)
+        ids = [i for i in ids if i not in tok.eos_token_ids]
+        assert sum(i in tok.byte_pieces for i in ids) >= 6
+        text = tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+        assert "".join(texts) == text and "\ufffd" not in text, (seed, texts, ids)
+        assert 6 <= len(text) <= 12 and set(text) <= set("€中文😀 ")
 
 
 @pytest.mark.parametrize("endpoint, stream_", [("completions", False), ("completions", True), ("chat", True)])
