@@ -17,7 +17,6 @@ import json
 from typing import Any
 
 import llguidance
-from llguidance._tokenizer import TokenizerWrapper
 from tokenizers import Tokenizer
 
 from pdserve.server.model.token_bytes import Unsupported, token_bytes
@@ -79,4 +78,4 @@ def ll_tokenizer(tokenizer_json: str, n_vocab: int, eos_ids: tuple[int, ...]) ->
         return llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=eos)
     tokens += [b""] * (n_vocab - len(tokens))  # the logits' padding: empty tokens, never allowed
     vocabulary = _Vocabulary(continuation(hf), tokens, eos_ids)
-    return llguidance.LLTokenizer(TokenizerWrapper(vocabulary), n_vocab=n_vocab, eos_token=eos)
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocabulary), n_vocab=n_vocab, eos_token=eos)
