@@ -31,7 +31,8 @@ MIN_TEMPERATURE = 1e-5
 def with_defaults(given: gen_pb.SamplingParams) -> gen_pb.SamplingParams:
     """What the workers get: max_tokens, temperature, top_p and top_k always set; a penalty, min_p or
     min_tokens only when it is on; seed and the logprobs fields only when the client set them; the
-    structured output as given (checked by structured/spec.py)."""
+    structured output as given (checked by structured/spec.py); skip_special_tokens only when off (the
+    coordinator's, for the text)."""
     sampling = gen_pb.SamplingParams(
         max_tokens=given.max_tokens if given.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
         temperature=given.temperature if given.HasField("temperature") else DEFAULT_TEMPERATURE,
@@ -51,6 +52,8 @@ def with_defaults(given: gen_pb.SamplingParams) -> gen_pb.SamplingParams:
             setattr(sampling, name, getattr(given, name))
     if given.HasField("repetition_penalty") and given.repetition_penalty != DEFAULT_REPETITION_PENALTY:
         sampling.repetition_penalty = given.repetition_penalty
+    if given.HasField("skip_special_tokens") and not given.skip_special_tokens:
+        sampling.skip_special_tokens = False
     return sampling
 
 

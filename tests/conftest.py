@@ -46,6 +46,18 @@ def tiny_draft(tiny_models_dir):
     return build
 
 
+@pytest.fixture(scope="session")
+def tiny_byte_fallback_model(tiny_models_dir) -> Path:
+    """A tiny llama whose tokenizer is SentencePiece-style BPE with byte fallback (Llama 2's layout: `<0xXX>`
+    pieces, "▁" for spaces, BOS added; server/model/tiny.py `train_byte_fallback_tokenizer`), built once."""
+    from pdserve.server.model.tiny import make_tiny_model
+
+    out = tiny_models_dir / "llama-byte-fallback"
+    if not (out / "config.json").exists():
+        make_tiny_model(out, "llama", tokenizer="byte-fallback")
+    return out
+
+
 @pytest.fixture(scope="session", params=FAMILIES)
 def family_model(request, tiny_models_dir) -> tuple[str, Path]:
     return request.param, _tiny(tiny_models_dir, request.param)

@@ -13,11 +13,18 @@ MAX_HELD = 16
 only while the tokens around it cut characters apart; past this many (a model chaining such tokens) the
 oldest go out as they decode alone, so the window, and each step's decode, stays short."""
 
+MAX_RUN = 64
+"""A run of byte pieces is held whole up to this many ids (16 characters or more; text has spaces and
+common characters between, a piece that ends the run); past it, it goes out as it decodes so far, so what is
+held and each step's work stay bounded, and only a byte that later makes the run invalid could then
+differ from the whole decode. The prompt's ids are read back at most this far for the start of its run."""
+
 REPLACEMENT = "\ufffd"
 
 
 class Decoder(Protocol):
-    """The model's tokenizer (`Tokenizer`)."""
+    """The model's tokenizer (`Tokenizer`). A tokenizer may also name its byte pieces and special tokens
+    (`byte_pieces`, `special_ids`: `Tokenizer`'s); one that does not has neither."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -33,15 +40,43 @@ class IncrementalDetokenizer:
     of what follows). So the pieces joined equal the decode of the whole output, invalid bytes included
     (as U+FFFD, at once when they can no longer become a character), and `flush` gives what is held at
     the end.
+
+    Byte fallback (SentencePiece's `<0xXX>` pieces: Llama 2, Mistral, Gemma) decodes a run of byte pieces
+    as a whole: its UTF-8 text, or one U+FFFD per byte when the run is not valid UTF-8, so a byte that
+    comes later can still turn the run's characters into U+FFFDs. A run is therefore held until a piece
+    that is not a byte ends it (special tokens that are skipped do not end it; up to MAX_RUN ids), and ids
+    are only given out up to such a piece; with no byte pieces in the vocabulary (byte-level BPE) nothing
+    changes.
     """
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.context = list(prompt_ids[-PROMPT_CONTEXT:])
+        self.skip_special_tokens = skip_special_tokens
+        self.byte_pieces: dict[int, int] = getattr(tokenizer, "byte_pieces", {})
+        """Ids the decoder reads as one byte each (byte fallback), and their byte; empty for byte-level BPE."""
+        self.invisible: frozenset[int] = getattr(tokenizer, "special_ids", frozenset()) \
+            if skip_special_tokens else frozenset()
+        """Ids the decode drops (special tokens when skipped): they neither end a byte run nor begin one."""
+        self.in_run = False
+        """The last visible id held is a byte piece: the run's text is not settled yet."""
+        self.context = self._prompt_context(prompt_ids)
         """The last ids whose text is out (prompt ids at first)."""
         self.context_text = self._decode(self.context)
         self.held: list[int] = []
         """Ids whose text is not out yet."""
+
+    def _prompt_context(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last PROMPT_CONTEXT ids, or from the start of its last run of byte pieces when they
+        begin inside it (output bytes may continue that run, which decodes as a whole)."""
+        start = max(0, len(prompt_ids) - PROMPT_CONTEXT)
+
+        def in_run(token: int) -> bool:
+            return token in self.byte_pieces or token in self.invisible
+
+        while start > 0 and self.byte_pieces and len(prompt_ids) - start < MAX_RUN \
+                and in_run(prompt_ids[start]) and in_run(prompt_ids[start - 1]):
+            start -= 1
+        return list(prompt_ids[start:])
 
     def push(self, ids: list[int]) -> str:
         """Takes new output ids; returns the text they complete (possibly "")."""
@@ -53,30 +88,77 @@ class IncrementalDetokenizer:
 
     def _push_one(self, token: int) -> str:
         self.held.append(token)
+        if self.byte_pieces and token not in self.invisible:
+            self.in_run = token in self.byte_pieces
+        if self.in_run:  # no decode: the run's text waits for the piece that ends it
+            return "" if len(self.held) <= MAX_RUN else self._run_overflow()
         text = self._decode(self.context + self.held)
         if not text.endswith(REPLACEMENT):
             return self._give_out(len(self.held), text)
         sure = text[:-1]
-        for n in range(len(self.held) - 1, 0, -1):
+        for n in range(len(self.held) - 1, max(0, len(self.held) - 1 - MAX_HELD), -1):
+            if not self._can_cut(n):
+                continue
             part = self._decode(self.context + self.held[:n])
             if sure.startswith(part) and len(part) >= len(self.context_text):
                 return self._give_out(n, part)
         if len(self.held) > MAX_HELD:
             n = len(self.held) - MAX_HELD
+            while n > 1 and not self._can_cut(n):
+                n -= 1
             return self._give_out(n, self._decode(self.context + self.held[:n]))
         return ""
+
+    def _run_overflow(self) -> str:
+        """A run past MAX_RUN ids: its whole characters go out (an incomplete one has at most 3 bytes); when
+        none do, the run is not UTF-8 and never will be, so its bytes go out as U+FFFDs, one each, as the
+        whole decode has them. What is held of the run begins on a character's first byte (where the last
+        ids given out ended)."""
+        data, ends = bytearray(), []
+        for i, token in enumerate(self.held):
+            if token in self.byte_pieces:
+                data.append(self.byte_pieces[token])
+                ends.append(i + 1)
+            elif token not in self.invisible:  # a piece that ended an earlier run: this one begins after it
+                data, ends = bytearray(), []
+        for k in range(len(data), max(0, len(data) - 4), -1):
+            try:
+                data[:k].decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            n = ends[k - 1]
+            return self._give_out(n, self._decode(self.context + self.held[:n]))
+        return self._give_out(len(self.held), self._decode(self.context + self.held))
+
+    def _can_cut(self, n: int) -> bool:
+        """The first n held ids can go out alone: they do not end inside a run of byte pieces."""
+        if not self.byte_pieces:
+            return True
+        for token in reversed(self.held[:n]):
+            if token not in self.invisible:
+                return token not in self.byte_pieces
+        return True
 
     def _give_out(self, n: int, text: str) -> str:
         """The first n held ids, whose text with the context is `text`, go out and join the context."""
         piece = text[_common_prefix(self.context_text, text):]
-        self.context, self.held, self.context_text = self.context + self.held[:n], self.held[n:], text
-        if len(self.context) > 2 * PROMPT_CONTEXT:  # the window is cut back now and then, not every id
+        given = self.held[:n]
+        self.context, self.held, self.context_text = self.context + given, self.held[n:], text
+        if len(self.context) <= 2 * PROMPT_CONTEXT:  # the window is cut back now and then, not every id
+            return piece
+        if not self.in_run:
             self.context = self.context[-PROMPT_CONTEXT:]
-            self.context_text = self._decode(self.context)
+        elif len(self.context) > 2 * MAX_RUN:
+            # inside a run that may go on (it decodes as a whole): back to the ids just given out, which
+            # begin where the last ones ended, on a character's first byte
+            self.context = given
+        else:
+            return piece
+        self.context_text = self._decode(self.context)
         return piece
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -136,8 +218,9 @@ class StopStringMatcher:
 class Completion:
     """One request's output as the client sees it: every id, and the text up to the first stop string."""
 
-    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: list[str], min_tokens: int = 0):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer: Decoder, prompt_ids: list[int], stops: list[str], min_tokens: int = 0,
+                 skip_special_tokens: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.matcher = StopStringMatcher(stops)
         self.num_tokens = 0
         self.min_tokens = min_tokens

@@ -5,7 +5,7 @@ Dynamo's KServe frontend), and run through `GenerationService.stream` like every
 
 - inputs: `text_input` BYTES [1] (the prompt), optional `stream` BOOL [1], `sampling_parameters`
   BYTES [1] (a JSON object: max_tokens, temperature, top_p, top_k, seed, stop, stop_token_ids,
-  ignore_eos, logprobs, presence/frequency/repetition_penalty, min_p, min_tokens, and vLLM's
+  ignore_eos, logprobs, presence/frequency/repetition_penalty, min_p, min_tokens, skip_special_tokens, and vLLM's
   `structured_outputs` {json | json_object | regex | choice | grammar | structural_tag}, enforced token by
   token), `exclude_input_in_output` BOOL [1]; the same sampling keys may come as request
   parameters (the JSON input wins). Triton's vLLM backend's `return_finish_reason`,
@@ -92,11 +92,11 @@ SAMPLING_KEYS = {
     "repetition_penalty": float,
     "min_p": float,
     "min_tokens": int,
+    "skip_special_tokens": bool,
 }
 NEUTRAL_KEYS = {
     "n": 1,
     "best_of": 1,
-    "skip_special_tokens": True,
 }
 """vLLM sampling keys accepted at their neutral value only (the engine has no such knob)."""
 
@@ -470,7 +470,10 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     yield _infer_response(self.model_name, inference, out, True, self._token_text)
 
     def _token_text(self, token_id: int) -> str:
-        return self.generation.tokenizer.decode([token_id], skip_special_tokens=False)
+        tokenizer = self.generation.tokenizer
+        if hasattr(tokenizer, "token_text"):  # a SentencePiece "▁" a space even at the start
+            return tokenizer.token_text(token_id)
+        return tokenizer.decode([token_id], skip_special_tokens=False)
 
     async def ModelInfer(self, request, context):
         if not self._known(request.model_name, request.model_version):

@@ -145,7 +145,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         # Workers key requests by this id; clients may reuse theirs, so make it unique here.
         r = RequestState(req, Deadline.after(timeout if timeout is not None else self.default_timeout),
                          f"{req.request_id}.{secrets.token_hex(4)}", shared=shared, choice=choice)
-        completion = Completion(self.tokenizer, req.prompt_ids, list(req.sampling.stop), req.sampling.min_tokens)
+        completion = Completion(self.tokenizer, req.prompt_ids, list(req.sampling.stop), req.sampling.min_tokens,
+                                skip_special_tokens=not req.sampling.HasField("skip_special_tokens")
+                                or req.sampling.skip_special_tokens)
         metrics.prompt_tokens.inc(len(req.prompt_ids))
         first_token_at: float | None = None
         last_token_at: float | None = None

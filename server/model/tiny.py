@@ -1,4 +1,5 @@
-"""Writes small random-weight HF checkpoints, with a byte-level BPE tokenizer trained in-process.
+"""Writes small random-weight HF checkpoints, with a tokenizer trained in-process: byte-level BPE (GPT-2 /
+Llama 3 / Qwen style), or SentencePiece-style BPE with byte fallback (Llama 2 / Mistral / Gemma style).
 
 Used by the tests (through the real loading code) and as `pdserve up`'s default model.
 """
@@ -79,6 +80,60 @@ def train_tokenizer(vocab_size: int = 512):
     return tok
 
 
+TokenizerKind = Literal["byte-level", "byte-fallback"]
+"""byte-level: `train_tokenizer`'s (EOS, BOS as above). byte-fallback: `train_byte_fallback_tokenizer`'s,
+Llama 2's layout (<unk>, <s>, </s>, then the 256 `<0xXX>` byte pieces; BOS added by tokenizer_config)."""
+
+SP_UNK, SP_BOS, SP_EOS = "<unk>", "<s>", "</s>"
+SPACE = "\u2581"
+"""SentencePiece's "▁", the space inside pieces."""
+
+
+def train_byte_fallback_tokenizer(vocab_size: int = 512, *, strip_leading_space: bool = True,
+                                  model: Literal["bpe", "unigram"] = "bpe"):
+    """A SentencePiece-style tokenizer with byte fallback, as HF converts Llama 2's (`strip_leading_space`:
+    a "▁" is prepended to the text and its decoder strips one leading space) or Gemma's (spaces become
+    "▁", nothing prepended or stripped). Its pieces come from the same sources as `train_tokenizer`'s,
+    which hold few characters beyond ASCII, so most others are spelt in `<0xXX>` byte pieces."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    specials = [SP_UNK, SP_BOS, SP_EOS]
+    if model == "bpe":
+        tok = Tokenizer(models.BPE(unk_token=SP_UNK, byte_fallback=True, fuse_unk=True))
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=specials, limit_alphabet=100,
+                                      show_progress=False)
+    else:
+        tok = Tokenizer(models.Unigram())
+        trainer = trainers.UnigramTrainer(vocab_size=vocab_size - 256, special_tokens=specials, unk_token=SP_UNK,
+                                          max_piece_length=8, shrinking_factor=0.5, show_progress=False)
+    replace = normalizers.Replace(" ", SPACE)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), replace]) if strip_leading_space else replace
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if strip_leading_space else []))
+    text = training_text(200_000 if model == "bpe" else 30_000)  # Unigram trains slower
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
+    return _with_byte_pieces(tok)
+
+
+def _with_byte_pieces(tok):
+    """The trained tokenizer with the 256 `<0xXX>` pieces put after the special tokens, as Llama 2 has them
+    (the trainers do not make them)."""
+    from tokenizers import Tokenizer
+
+    state = json.loads(tok.to_str())
+    m = state["model"]
+    pieces = [f"<0x{b:02X}>" for b in range(256)]
+    if m["type"] == "BPE":
+        old = sorted(m["vocab"], key=m["vocab"].__getitem__)
+        order = old[:3] + pieces + [t for t in old[3:] if t not in pieces]
+        m["vocab"] = {t: i for i, t in enumerate(order)}
+    else:  # Unigram: [piece, score] pairs; the byte pieces score lowest, taken only where nothing else fits
+        low = min(score for _, score in m["vocab"]) - 1.0
+        m["vocab"] = m["vocab"][:3] + [[p, low] for p in pieces] + [v for v in m["vocab"][3:] if v[0] not in pieces]
+        m["unk_id"], m["byte_fallback"] = 0, True
+    return Tokenizer.from_str(json.dumps(state))
+
+
 DRAFT_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=32)
 """A smaller checkpoint of the same tokenizer (`make_tiny_model(..., shape=DRAFT_SHAPE)`): a draft model for
@@ -152,9 +207,11 @@ def make_tiny_model(
     seed: int = 0,
     max_shard_size: str | None = None,
     shape: dict | None = None,
+    tokenizer: TokenizerKind = "byte-level",
 ) -> Path:
     """Writes config, safetensors weights, tokenizer and generation config to out_dir. shape: config keys that
-    replace the tiny shape's (DRAFT_SHAPE: a smaller model of the same tokenizer)."""
+    replace the tiny shape's (DRAFT_SHAPE: a smaller model of the same tokenizer); tokenizer: which kind
+    (`TokenizerKind`)."""
     try:
         import torch
         import transformers
@@ -163,8 +220,10 @@ def make_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer()
-    eos_id, bos_id = tok.token_to_id(EOS), tok.token_to_id(BOS)
+    byte_fallback = tokenizer == "byte-fallback"
+    tok = train_byte_fallback_tokenizer() if byte_fallback else train_tokenizer()
+    eos, bos = (SP_EOS, SP_BOS) if byte_fallback else (EOS, BOS)
+    eos_id, bos_id = tok.token_to_id(eos), tok.token_to_id(bos)
     config = _hf_config(family, tok.get_vocab_size(), eos_id, bos_id, shape)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -187,9 +246,9 @@ def make_tiny_model(
         json.dumps(
             {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": EOS,
-                "bos_token": BOS,
-                "add_bos_token": False,
+                "eos_token": eos,
+                "bos_token": bos,
+                "add_bos_token": byte_fallback,
                 "model_max_length": _SHAPE["max_position_embeddings"],
                 "chat_template": CHAT_TEMPLATE,
             },

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as HfTokenizer
 
 from pdserve.server.model.config import ModelLoadError
+from pdserve.server.model.token_bytes import BYTE_PIECE, Unsupported, decoder_steps, token_bytes
 
 
 def _token_content(value: Any) -> str | None:
@@ -116,6 +118,37 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def byte_pieces(self) -> dict[int, int]:
+        """The ids the decoder reads as one byte each, and their byte (`<0xXX>` under a ByteFallback
+        decoder: Llama 2, Mistral, Gemma); empty for byte-level BPE, whose every token is bytes already."""
+        if not any(step.get("type") == "ByteFallback" for step in decoder_steps(self._tok)):
+            return {}
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        return {i: int(m.group(1), 16) for t, i in vocab.items() if (m := BYTE_PIECE.fullmatch(t))}
+
+    @cached_property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens: what `decode(..., skip_special_tokens=True)` drops."""
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    @cached_property
+    def token_bytes(self) -> list[bytes] | None:
+        """Each id's bytes, as it stands in the middle of a text (server/model/token_bytes.py); None when
+        the decoder is not one read there."""
+        try:
+            return token_bytes(self._tok)
+        except Unsupported:
+            return None
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, as logprobs name it: its bytes as UTF-8 (U+FFFD for a part of a character;
+        SentencePiece's "▁" a space even at the start), a special token's content."""
+        table = self.token_bytes
+        if table is None or not 0 <= token_id < len(table):
+            return self.decode([token_id], skip_special_tokens=False)
+        return table[token_id].decode("utf-8", errors="replace")
 
     def max_token_bytes(self) -> int | None:
         """An upper bound on the UTF-8 bytes of text one token stands for, or None when the tokenizer

@@ -19,6 +19,7 @@ import llguidance
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.structured.constraint import Constraint
+from pdserve.server.structured.lltokenizer import ll_tokenizer
 from pdserve.server.structured.spec import SpecError, grammar_of, kind_of, one_line
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -60,8 +61,7 @@ class Grammars:
 
                 self._num_tokens = min(Tokenizer.from_str(self._json).get_vocab_size(with_added_tokens=True),
                                        self.vocab_size)
-                self._tokenizer = llguidance.LLTokenizer(self._json, n_vocab=self.vocab_size,
-                                                         eos_token=list(self.eos_ids) or None)
+                self._tokenizer = ll_tokenizer(self._json, self.vocab_size, self.eos_ids)
             return self._tokenizer
 
     def warm(self) -> threading.Thread:

@@ -162,6 +162,14 @@ async def test_model_infer_answers_the_whole_text_with_the_prompt_unless_exclude
     assert cluster.decode.requests[1].sampling.max_tokens == 3
 
 
+async def test_skip_special_tokens_false_puts_their_text_in_the_output(cluster, client):
+    eos = cluster.tokenizer.eos_token_ids[0]
+    for sampling, tail in [({}, ""), ({"skip_special_tokens": False}, "<|endoftext|>")]:
+        cluster.script([*cluster.tokenizer.encode(" = 3"), eos], FinishReason.FINISH_REASON_STOP)
+        result = await client.infer(MODEL, inputs("x", exclude_input=True, sampling=sampling))
+        assert text(result) == " = 3" + tail
+
+
 @pytest.mark.parametrize(
     "build, words",
     [

@@ -131,6 +131,16 @@ async def test_completion_stream_through_the_sdk_with_usage(cluster):
     assert (sent.sampling.top_k, sent.sampling.ignore_eos, sent.sampling.max_tokens) == (4, True, 20)
 
 
+async def test_skip_special_tokens_false_puts_their_text_in_the_output(cluster):
+    eos = cluster.tokenizer.eos_token_ids[0]
+    for skip, tail in [(None, ""), (False, "<|endoftext|>")]:
+        cluster.decode.requests.clear()
+        cluster.script([*cluster.tokenizer.encode(" ok"), eos], FinishReason.FINISH_REASON_STOP)
+        extra = {} if skip is None else {"skip_special_tokens": skip}
+        out = await sdk(cluster).completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body=extra)
+        assert out.choices[0].text == " ok" + tail
+
+
 async def test_chat_stream_renders_the_template_and_streams_deltas(cluster, model_dir):
     ids = cluster.tokenizer.encode("Hi there!")
     cluster.script(ids)

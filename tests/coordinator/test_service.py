@@ -181,6 +181,14 @@ async def test_eos_is_in_the_ids_but_not_the_text(cluster: Cluster):
     assert responses[-1].usage.completion_tokens == len(ids)
 
 
+async def test_special_tokens_are_text_when_the_request_says_not_to_skip_them(cluster: Cluster):
+    ids = [*cluster.tokenizer.encode(" done"), EOS]
+    cluster.script(ids, [len(ids) - 1], FinishReason.FINISH_REASON_STOP)
+    responses = await generate(cluster, request(skip_special_tokens=False))
+    assert "".join(r.text for r in responses) == " done" + cluster.tokenizer.decode([EOS], skip_special_tokens=False)
+    assert cluster.tokenizer.decode([EOS], skip_special_tokens=False) == "<|endoftext|>"
+
+
 async def test_stop_string_across_tokens_cuts_the_text_and_cancels_decode(cluster: Cluster):
     tok = cluster.tokenizer
     head, stop, tail = tok.encode("The answer is 42. "), tok.encode("你好"), tok.encode(" more text")

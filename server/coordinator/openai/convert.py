@@ -112,6 +112,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None) -> generation_p
             getattr(sampling, name).extend(values or [])
         except (ValueError, TypeError) as e:  # an id outside int64, a string UTF-8 cannot encode
             raise ApiError(400, f"{name}: {printable(str(e))}", param=name) from e
+    if not req.skip_special_tokens:
+        sampling.skip_special_tokens = False
     structured = structured_output(req.response_format, req.structured_outputs)
     if structured is not None:
         sampling.structured.CopyFrom(structured)

@@ -46,6 +46,13 @@ class Front:
         """One token's text, as logprobs name it."""
         return _token_text(self.generation.tokenizer, token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes (chat logprobs' `bytes`): a part of a character is its own bytes, not U+FFFD's."""
+        table = getattr(self.generation.tokenizer, "token_bytes", None)
+        if isinstance(table, list) and 0 <= token_id < len(table):
+            return table[token_id]
+        return self.token_text(token_id).encode()
+
     def check_model(self, model: str) -> None:
         if model != self.model_name and model not in self.aliases:
             raise ApiError(
@@ -57,4 +64,7 @@ class Front:
 
 @lru_cache(maxsize=65536)
 def _token_text(tokenizer: Any, token_id: int) -> str:
+    """The tokenizer's `token_text` (a SentencePiece "▁" a space even at the start), else the id decoded alone."""
+    if hasattr(tokenizer, "token_text"):
+        return tokenizer.token_text(token_id)
     return tokenizer.decode([token_id], skip_special_tokens=False)

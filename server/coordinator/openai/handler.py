@@ -138,7 +138,8 @@ class Handler:
                   index: int = 0) -> dict[str, Any] | None:
         """The logprobs of what `response` adds (a chunk, or the whole outcome), in the endpoint's shape."""
         if self.kind == "chat":
-            return chat_logprobs(response.logprobs, self.front.token_text) if self.req.logprobs else None
+            return chat_logprobs(response.logprobs, self.front.token_text, self.front.token_bytes) \
+                if self.req.logprobs else None
         if self.completion_logprobs is None:
             return None
         lp = self.completion_logprobs[index]

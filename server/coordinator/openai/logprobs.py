@@ -6,7 +6,9 @@
   too (so up to logprobs + 1 entries).
 - Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
 
-Token text is each id decoded on its own, special tokens included.
+Token text is each id's own text (`Tokenizer.token_text`: its bytes as UTF-8, a SentencePiece "▁" a space),
+special tokens included; chat's `bytes` are the token's bytes (`Tokenizer.token_bytes`), so that the tokens of
+a character spelt in several join to it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 from pdserve.v1 import generation_pb2
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 @dataclass
@@ -56,10 +59,12 @@ class CompletionLogprobs:
         return out
 
 
-def chat_logprobs(entries: Sequence[generation_pb2.TokenLogprob], token_text: TokenText) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[generation_pb2.TokenLogprob], token_text: TokenText,
+                  token_bytes: TokenBytes | None = None) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        raw = token_bytes(token_id) if token_bytes is not None else text.encode()
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [
         {**item(e.token_id, e.logprob),

@@ -35,6 +35,8 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0
+    skip_special_tokens: bool = True
+    """vLLM's: false puts special tokens' text in the output text."""
     min_p: float | None = None
     best_of: int | None = None
     user: str | None = None
