@@ -7,6 +7,10 @@ min-p) walk the vocabulary in id order: no sort. Rows with them sort their logit
 walk that order. Seeded rows take the number of `server/seeded.py` for (seed, index), the one the
 prefill tier's sampler draws too, and a row's path depends only on its own parameters, so a seeded
 request gives the same tokens on any worker, tier, device and batch, which a migrated request needs.
+
+`pick` never returns a token of probability 0 (masked by a grammar, filtered, blocked: -inf logits), whatever
+order a device's scan adds the probabilities in (a GPU's cumsum, like XLA's, need not rise where a
+probability is 0): it takes the first token of positive probability whose running sum passes the target.
 """
 
 from __future__ import annotations
@@ -62,6 +66,21 @@ def sample(
     return sampled
 
 
+def pick(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The inverse CDF's index per row, only ever one whose probability is > 0: probs f32 [R, V] >= 0 (any
+    total), uniform [R] in [0, 1) -> int64 [R], the first index of positive probability whose running sum (made
+    monotone) exceeds uniform x the total, the last such index if rounding leaves none, -1 where no probability
+    is > 0 (a NaN or all -inf row). The prefill tier's `_pick` is the same rule."""
+    device, V = probs.device, probs.shape[-1]
+    cdf = probs.cumsum(dim=-1).cummax(dim=-1).values  # [R, V] made monotone: a parallel scan's sums need not rise
+    target = uniform.to(device)[:, None] * cdf[:, -1:]  # [R, 1]
+    ids = torch.arange(V, device=device)  # [V]
+    kept = probs > 0  # [R, V]
+    first = torch.where(kept & (cdf > target), ids, V).amin(dim=-1)  # [R]
+    last = torch.where(kept, ids, -1).amax(dim=-1)  # [R]
+    return torch.where(first < V, first, last)
+
+
 def _draw_in_vocab_order(scaled: torch.Tensor, top_k, top_p, min_p: torch.Tensor, uniform: torch.Tensor
                          ) -> torch.Tensor:
     """No top-k/top-p: the inverse CDF over the vocabulary in id order, no sort. scaled [R, V] -> [R]."""
@@ -69,12 +88,8 @@ def _draw_in_vocab_order(scaled: torch.Tensor, top_k, top_p, min_p: torch.Tensor
     min_p = min_p.to(device)[:, None]  # [R, 1]
     floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_p.clamp(min=1e-30))  # [R, 1]
     scaled = scaled.masked_fill((scaled < floor) & (min_p > 0), float("-inf"))
-    probs = scaled.softmax(dim=-1)  # [R, V]
-    cdf = probs.cumsum(dim=-1)  # [R, V]
-    target = uniform.to(device)[:, None] * cdf[:, -1:]  # [R, 1]
-    ids = torch.arange(probs.shape[-1], device=device)  # [V]
-    last_kept = torch.where(probs > 0, ids, 0).amax(dim=-1, keepdim=True)  # [R, 1] if rounding overshoots
-    return torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)[:, 0]
+    picked = pick(scaled.softmax(dim=-1), uniform)  # [R]
+    return torch.where(picked >= 0, picked, greedy(scaled))  # nothing finite: argmax's answer
 
 
 def _draw_ranked(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -93,11 +108,8 @@ def _draw_ranked(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     probs = sorted_logits.softmax(dim=-1)  # [R, V]
     mass_before = probs.cumsum(dim=-1) - probs  # [R, V] (the top token always stays)
     probs = probs.masked_fill(mass_before > top_p.to(device)[:, None], 0.0)
-    cdf = probs.cumsum(dim=-1)  # [R, V]
-    target = uniform.to(device)[:, None] * cdf[:, -1:]  # [R, 1] inside the kept mass
-    kept = (probs > 0).sum(dim=-1, keepdim=True)  # [R, 1] the kept tokens are a prefix of the order
-    pick = torch.minimum(torch.searchsorted(cdf, target, right=True), kept - 1)  # [R, 1]
-    return order.gather(1, pick)[:, 0]
+    rank = pick(probs, uniform).clamp(min=0)  # [R] nothing finite: rank 0, the argmax
+    return order.gather(1, rank[:, None])[:, 0]
 
 
 def distribution(
