@@ -49,8 +49,8 @@ def sample(
         return greedy_ids
     B, V = logits.shape
     device = logits.device
-    temperature = torch.where(is_greedy, 1.0, temperature).to(device=device, dtype=torch.float32)
-    scaled = logits.float() / temperature[:, None]  # [B, V]
+    inverse = 1.0 / torch.where(is_greedy, 1.0, temperature).float()  # [B] as XLA divides: times the reciprocal
+    scaled = logits.float() * inverse.to(device)[:, None]  # [B, V]
     min_p = torch.zeros(B) if min_p is None else min_p
     uniform = torch.rand(B)  # fresh randomness for unseeded rows
     for row, (seed, index) in enumerate(zip(seeds, indices)):
@@ -127,8 +127,8 @@ def distribution(
     B, V = logits.shape
     device = logits.device
     is_greedy = (temperature <= 0).to(device)  # [B]
-    temperature = torch.where(temperature <= 0, 1.0, temperature).to(device=device, dtype=torch.float32)
-    scaled = logits.float() / temperature[:, None]  # [B, V]
+    inverse = 1.0 / torch.where(temperature <= 0, 1.0, temperature).float()  # [B] as `sample` scales
+    scaled = logits.float() * inverse.to(device)[:, None]  # [B, V]
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
     k = torch.where(top_k > 0, top_k.clamp(max=V), V).to(device)  # [B]
     sorted_logits = sorted_logits.masked_fill(torch.arange(V, device=device) >= k[:, None], float("-inf"))

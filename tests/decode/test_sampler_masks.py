@@ -14,7 +14,8 @@ import torch
 
 from pdserve.server import seeded
 from pdserve.server.decode.sampler import pick, sample
-from tests.adversarial_draws import GRID, SETTINGS, Row, Settings, boundary_bits, chi_square_p, reference, rows, seeds_for
+from tests.adversarial_draws import (GRID, SETTINGS, Row, Settings, boundary_bits, chi_square_p, reference, rows,
+                                    seeds_for)
 
 CHUNK = 8192
 _SEQUENTIAL_CUMSUM = torch.Tensor.cumsum
@@ -93,7 +94,7 @@ def _sample(table: list[Row], which: np.ndarray, settings: list[Settings], seeds
     """`sample` over draws of the rows in `table`, masked (-inf where not allowed, as `apply_bitmask` leaves
     them): draw n takes table[which[n]] with settings[n] and (seeds[n], indices[n]) -> tokens [N]."""
     masked = torch.from_numpy(np.stack([np.where(r.allowed, r.logits, -np.inf) for r in table]).astype(np.float32))
-    column = lambda f, dt: torch.tensor([f(s) for s in settings], dtype=dt)  # noqa: E731
+    column = lambda f, dt: torch.tensor([f(s) for s in settings], dtype=dt)
     temperature, top_k = column(lambda s: s.temperature, torch.float32), column(lambda s: s.top_k, torch.int64)
     top_p, min_p = column(lambda s: s.top_p, torch.float32), column(lambda s: s.min_p, torch.float32)
     out = []

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pdserve.server.prefill.sampler import _pick, _uniform, sample_jit
-from tests.adversarial_draws import GRID, SETTINGS, Row, Settings, boundary_bits, chi_square_p, reference, rows, seeds_for
+from tests.adversarial_draws import (GRID, SETTINGS, Row, Settings, boundary_bits, chi_square_p, reference, rows,
+                                    seeds_for)
 
 CHUNK = 8192  # draws per call: one shape, one compile
 
@@ -71,7 +72,7 @@ def _sample(table: list, which: np.ndarray, settings: list[Settings], seeds: np.
     V = len(table[0].logits)
     logits = jnp.asarray(np.stack([r.logits for r in table]))  # [T, V]
     masks = jnp.asarray(np.stack([r.packed() for r in table]))  # [T, W]
-    column = lambda f, dt: np.array([f(s) for s in settings], dt)  # noqa: E731
+    column = lambda f, dt: np.array([f(s) for s in settings], dt)
     columns = (column(lambda s: s.temperature, np.float32), column(lambda s: min(s.top_k, V), np.int32),
                column(lambda s: s.top_p, np.float32), np.asarray(seeds, np.uint32), np.asarray(indices, np.int32),
                column(lambda s: s.min_p, np.float32))
