@@ -49,7 +49,7 @@ def sample(
         return greedy_ids
     B, V = logits.shape
     device = logits.device
-    inverse = 1.0 / torch.where(is_greedy, 1.0, temperature).float()  # [B] as XLA divides: times the reciprocal
+    inverse = 1.0 / torch.where(is_greedy, 1.0, temperature).float()  # [B] as XLA divides: by the reciprocal
     scaled = logits.float() * inverse.to(device)[:, None]  # [B, V]
     min_p = torch.zeros(B) if min_p is None else min_p
     uniform = torch.rand(B)  # fresh randomness for unseeded rows
@@ -66,19 +66,25 @@ def sample(
     return sampled
 
 
+IN_ORDER_SCANS = frozenset({"cpu"})
+"""Device types whose cumsum adds in order, so its sums never fall: `pick` need not make them monotone."""
+
+
 def pick(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """The inverse CDF's index per row, only ever one whose probability is > 0: probs f32 [R, V] >= 0 (any
-    total), uniform [R] in [0, 1) -> int64 [R], the first index of positive probability whose running sum (made
-    monotone) exceeds uniform x the total, the last such index if rounding leaves none, -1 where no probability
-    is > 0 (a NaN or all -inf row). The prefill tier's `_pick` is the same rule."""
+    total), uniform [R] in [0, 1) -> int64 [R], the first index of positive probability whose running sum
+    (made monotone) exceeds uniform x the total, the last such index if rounding leaves none, -1 where no
+    probability is > 0 (a NaN or all -inf row). The prefill tier's `_pick` is the same rule."""
     device, V = probs.device, probs.shape[-1]
-    cdf = probs.cumsum(dim=-1).cummax(dim=-1).values  # [R, V] made monotone: a parallel scan's sums need not rise
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    if device.type not in IN_ORDER_SCANS:  # a GPU's parallel scan need not rise where a probability is 0
+        cdf = cdf.cummax(dim=-1).values
     target = uniform.to(device)[:, None] * cdf[:, -1:]  # [R, 1]
-    ids = torch.arange(V, device=device)  # [V]
     kept = probs > 0  # [R, V]
-    first = torch.where(kept & (cdf > target), ids, V).amin(dim=-1)  # [R]
-    last = torch.where(kept, ids, -1).amax(dim=-1)  # [R]
-    return torch.where(first < V, first, last)
+    hit, first = ((cdf > target) & kept).max(dim=-1)  # [R] the first True (max's indices: the first maximum)
+    any_kept, from_end = kept.flip(-1).max(dim=-1)  # [R]
+    last = torch.where(any_kept, V - 1 - from_end, -1)  # [R]
+    return torch.where(hit, first, last)
 
 
 def _draw_in_vocab_order(scaled: torch.Tensor, top_k, top_p, min_p: torch.Tensor, uniform: torch.Tensor

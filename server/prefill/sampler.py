@@ -59,7 +59,7 @@ def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index, min_p
     vocab = logits.shape[-1]
     logits = jnp.where(_allowed(bitmask, vocab), logits, -jnp.inf)
     greedy = jnp.argmax(logits).astype(jnp.int32)
-    scaled = logits * (1 / jnp.maximum(temperature, 1e-6))  # what XLA makes of a division; the decode tier's too
+    scaled = logits * (1 / jnp.maximum(temperature, 1e-6))  # what XLA makes of a division; the decode tier too
     u = _uniform(seed, index)
     log_min_p = jnp.log(jnp.maximum(min_p, 1e-30))  # p_i < min_p x p_0 <=> l_i < l_0 + log(min_p)
     # Without top-k/top-p: the inverse CDF over the vocabulary in id order.

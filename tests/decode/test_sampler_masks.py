@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pdserve.server import seeded
+from pdserve.server.decode import sampler
 from pdserve.server.decode.sampler import pick, sample
 from tests.adversarial_draws import (GRID, SETTINGS, Row, Settings, boundary_bits, chi_square_p, reference, rows,
                                     seeds_for)
@@ -35,8 +36,9 @@ def _parallel_cumsum(x: torch.Tensor, dim: int, **_) -> torch.Tensor:
 @pytest.fixture(params=["sequential", "parallel"])
 def scan(request, monkeypatch) -> str:
     """Each test twice: with the CPU's cumsum and with a GPU-like parallel scan in its place."""
-    if request.param == "parallel":
+    if request.param == "parallel":  # and `pick` takes the path it takes on a GPU
         monkeypatch.setattr(torch.Tensor, "cumsum", _parallel_cumsum)
+        monkeypatch.setattr(sampler, "IN_ORDER_SCANS", frozenset())
     return request.param
 
 
@@ -73,6 +75,18 @@ def test_the_old_rule_draws_masked_tokens_under_a_parallel_scan(monkeypatch):
         bits = boundary_bits(reference(row, Settings())[1], reach=2)
         forbidden += int((~row.allowed[_picks(_old_pick, _vocab_order_probs(row), bits)]).sum())
     assert forbidden > 0  # the harness finds the old rule's failure under a GPU-like scan
+
+
+def test_the_cpus_cumsum_adds_in_order():
+    """What `pick` relies on to skip cummax on the CPU (`sampler.IN_ORDER_SCANS`): over a large vocabulary the
+    CPU's running sums never fall, and stay put where a probability is 0."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 151936, generator=g) * 6
+    logits[torch.rand(4, 151936, generator=g) < 0.5] = float("-inf")
+    probs = logits.softmax(dim=-1)
+    steps = probs.cumsum(dim=-1).diff(dim=-1)  # [4, V - 1]
+    assert (steps >= 0).all() and (steps[probs[:, 1:] == 0] == 0).all()
+    assert "cpu" in sampler.IN_ORDER_SCANS
 
 
 def test_pick_never_lands_on_a_masked_token_at_every_boundary(scan):
