@@ -61,8 +61,9 @@ def sample(
     for rows, draw in ((~ranked & ~is_greedy, _draw_in_vocab_order), (ranked & ~is_greedy, _draw_ranked)):
         if bool(rows.any()):
             picked = rows.nonzero()[:, 0]  # [R]
-            sampled[picked.to(device)] = draw(scaled[picked.to(device)], top_k[picked], top_p[picked],
-                                              min_p[picked], uniform[picked])
+            on = picked.to(device)
+            drawn = draw(scaled[on], top_k[picked], top_p[picked], min_p[picked], uniform[picked])  # [R]
+            sampled[on] = torch.where(drawn >= 0, drawn, greedy_ids[on])  # -1: nothing finite, argmax's answer
     return sampled
 
 
@@ -89,13 +90,13 @@ def pick(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
 
 def _draw_in_vocab_order(scaled: torch.Tensor, top_k, top_p, min_p: torch.Tensor, uniform: torch.Tensor
                          ) -> torch.Tensor:
-    """No top-k/top-p: the inverse CDF over the vocabulary in id order, no sort. scaled [R, V] -> [R]."""
+    """No top-k/top-p: the inverse CDF over the vocabulary in id order, no sort. scaled [R, V] -> [R] (-1 where
+    no logit is finite)."""
     device = scaled.device
     min_p = min_p.to(device)[:, None]  # [R, 1]
     floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_p.clamp(min=1e-30))  # [R, 1]
     scaled = scaled.masked_fill((scaled < floor) & (min_p > 0), float("-inf"))
-    picked = pick(scaled.softmax(dim=-1), uniform)  # [R]
-    return torch.where(picked >= 0, picked, greedy(scaled))  # nothing finite: argmax's answer
+    return pick(scaled.softmax(dim=-1), uniform)
 
 
 def _draw_ranked(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
