@@ -5,7 +5,9 @@ after the migration; the decode tier the rest), on any worker, device and batch.
 u(seed, index) = (mix(mix(fold(seed)) ^ index) >> 8) / 2^24, in [0, 1) and exact in float32, where fold
 xors a 64-bit seed's halves and mix is the lowbias32 integer hash (Chris Wellons), all in uint32 arithmetic:
 the prefill tier computes it inside its jitted sampler (`prefill/sampler.py`), the decode tier on the host
-(here). Each tier then picks by the inverse CDF in the same order (`decode/sampler.py`).
+(here). Each tier then picks by the inverse CDF in the same order, only ever a token of positive
+probability (`decode/sampler.pick`, `prefill/sampler._pick`), from logits scaled alike (times the
+temperature's reciprocal).
 """
 
 from __future__ import annotations

@@ -43,3 +43,43 @@ def test_both_tiers_pick_the_same_token_for_the_same_seed_and_index():
     assert np.asarray(on_prefill).tolist() == on_decode.tolist()
     sampled = temperature > 0
     assert len(set(np.asarray(on_prefill)[sampled].tolist())) > 20  # the draws spread over the vocabulary
+
+
+def test_both_tiers_pick_the_same_token_under_adversarial_masks():
+    """The same (seed, index), logits and grammar mask give the same token on both tiers, for every mask and
+    settings path of `tests/adversarial_draws.py` (ties, near ties, a lone allowed token, the vocabulary's ends),
+    and both are allowed. (Seeds made to land within a grid step of a boundary of the law can part where the
+    tiers' exp and running sums round apart: the tiers' own tests hold those to the mask.)"""
+    from tests.adversarial_draws import SETTINGS, rows
+    from tests.decode.test_sampler_masks import _sample as on_decode
+    from tests.prefill.test_sampler_masks import _sample as on_prefill
+
+    rng = np.random.default_rng(2)
+    table = rows(256, seed=9)
+    which = np.repeat(np.arange(len(table)), 500 * len(SETTINGS))
+    settings = [s for _ in table for s in SETTINGS for _ in range(500)]
+    seeds = rng.integers(0, 2**32, len(which), dtype=np.uint64).astype(np.uint32)
+    indices = rng.integers(0, 2**31, len(which))
+    prefill = on_prefill(table, which, settings, seeds, indices)
+    decode = on_decode(table, which, settings, [int(s) for s in seeds], indices)
+    assert np.stack([r.allowed for r in table])[which, prefill].all()
+    differ = np.flatnonzero(prefill != decode)
+    assert len(differ) == 0, [(table[which[n]].name, settings[n], prefill[n], decode[n]) for n in differ[:5]]
+
+
+def test_a_row_with_no_finite_law_takes_argmax_on_both_tiers():
+    """A +inf logit makes the softmax NaN: nothing has a positive probability, so both tiers answer as greedy
+    does (the +inf token, allowed), never an arbitrary id; every path (vocabulary order, ranked)."""
+    V = 80
+    logits = np.zeros((4, V), np.float32)
+    logits[:, 37] = np.inf
+    temperature = np.ones(4, np.float32)
+    top_k, top_p = np.array([0, 5, 0, 0]), np.array([1.0, 1.0, 0.9, 1.0], np.float32)
+    min_p = np.array([0.0, 0.0, 0.0, 0.1], np.float32)
+    seeds, indices = [1, 2, 3, 4], [0, 0, 0, 0]
+    on_prefill = sample_jit(jnp.asarray(logits), jnp.asarray(temperature), jnp.asarray(top_k, jnp.int32),
+                            jnp.asarray(top_p), jnp.asarray(seeds, jnp.uint32), jnp.asarray(indices, jnp.int32),
+                            jnp.asarray(min_p))
+    on_decode = decode_sample(torch.from_numpy(logits), torch.from_numpy(temperature), torch.from_numpy(top_k),
+                              torch.from_numpy(top_p), seeds, indices, torch.from_numpy(min_p))
+    assert np.asarray(on_prefill).tolist() == on_decode.tolist() == [37] * 4

@@ -7,6 +7,10 @@ min-p) walk the vocabulary in id order: no sort. Rows with them sort their logit
 walk that order. Seeded rows take the number of `server/seeded.py` for (seed, index), the one the
 prefill tier's sampler draws too, and a row's path depends only on its own parameters, so a seeded
 request gives the same tokens on any worker, tier, device and batch, which a migrated request needs.
+
+`pick` never returns a token of probability 0 (masked by a grammar, filtered, blocked: -inf logits), whatever
+order a device's scan adds the probabilities in (a GPU's cumsum, like XLA's, need not rise where a
+probability is 0): it takes the first token of positive probability whose running sum passes the target.
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ def sample(
         return greedy_ids
     B, V = logits.shape
     device = logits.device
-    temperature = torch.where(is_greedy, 1.0, temperature).to(device=device, dtype=torch.float32)
-    scaled = logits.float() / temperature[:, None]  # [B, V]
+    inverse = 1.0 / torch.where(is_greedy, 1.0, temperature).float()  # [B] as XLA divides: by the reciprocal
+    scaled = logits.float() * inverse.to(device)[:, None]  # [B, V]
     min_p = torch.zeros(B) if min_p is None else min_p
     uniform = torch.rand(B)  # fresh randomness for unseeded rows
     for row, (seed, index) in enumerate(zip(seeds, indices)):
@@ -57,24 +61,42 @@ def sample(
     for rows, draw in ((~ranked & ~is_greedy, _draw_in_vocab_order), (ranked & ~is_greedy, _draw_ranked)):
         if bool(rows.any()):
             picked = rows.nonzero()[:, 0]  # [R]
-            sampled[picked.to(device)] = draw(scaled[picked.to(device)], top_k[picked], top_p[picked],
-                                              min_p[picked], uniform[picked])
+            on = picked.to(device)
+            drawn = draw(scaled[on], top_k[picked], top_p[picked], min_p[picked], uniform[picked])  # [R]
+            sampled[on] = torch.where(drawn >= 0, drawn, greedy_ids[on])  # -1: nothing finite, argmax's answer
     return sampled
+
+
+IN_ORDER_SCANS = frozenset({"cpu"})
+"""Device types whose cumsum adds in order, so its sums never fall: `pick` need not make them monotone."""
+
+
+def pick(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """The inverse CDF's index per row, only ever one whose probability is > 0: probs f32 [R, V] >= 0 (any
+    total), uniform [R] in [0, 1) -> int64 [R], the first index of positive probability whose running sum
+    (made monotone) exceeds uniform x the total, the last such index if rounding leaves none, -1 where no
+    probability is > 0 (a NaN or all -inf row). The prefill tier's `_pick` is the same rule."""
+    device, V = probs.device, probs.shape[-1]
+    cdf = probs.cumsum(dim=-1)  # [R, V]
+    if device.type not in IN_ORDER_SCANS:  # a GPU's parallel scan need not rise where a probability is 0
+        cdf = cdf.cummax(dim=-1).values
+    target = uniform.to(device)[:, None] * cdf[:, -1:]  # [R, 1]
+    kept = probs > 0  # [R, V]
+    hit, first = ((cdf > target) & kept).max(dim=-1)  # [R] the first True (max's indices: the first maximum)
+    any_kept, from_end = kept.flip(-1).max(dim=-1)  # [R]
+    last = torch.where(any_kept, V - 1 - from_end, -1)  # [R]
+    return torch.where(hit, first, last)
 
 
 def _draw_in_vocab_order(scaled: torch.Tensor, top_k, top_p, min_p: torch.Tensor, uniform: torch.Tensor
                          ) -> torch.Tensor:
-    """No top-k/top-p: the inverse CDF over the vocabulary in id order, no sort. scaled [R, V] -> [R]."""
+    """No top-k/top-p: the inverse CDF over the vocabulary in id order, no sort. scaled [R, V] -> [R] (-1 where
+    no logit is finite)."""
     device = scaled.device
     min_p = min_p.to(device)[:, None]  # [R, 1]
     floor = scaled.amax(dim=-1, keepdim=True) + torch.log(min_p.clamp(min=1e-30))  # [R, 1]
     scaled = scaled.masked_fill((scaled < floor) & (min_p > 0), float("-inf"))
-    probs = scaled.softmax(dim=-1)  # [R, V]
-    cdf = probs.cumsum(dim=-1)  # [R, V]
-    target = uniform.to(device)[:, None] * cdf[:, -1:]  # [R, 1]
-    ids = torch.arange(probs.shape[-1], device=device)  # [V]
-    last_kept = torch.where(probs > 0, ids, 0).amax(dim=-1, keepdim=True)  # [R, 1] if rounding overshoots
-    return torch.minimum(torch.searchsorted(cdf, target, right=True), last_kept)[:, 0]
+    return pick(scaled.softmax(dim=-1), uniform)
 
 
 def _draw_ranked(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
@@ -93,11 +115,8 @@ def _draw_ranked(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     probs = sorted_logits.softmax(dim=-1)  # [R, V]
     mass_before = probs.cumsum(dim=-1) - probs  # [R, V] (the top token always stays)
     probs = probs.masked_fill(mass_before > top_p.to(device)[:, None], 0.0)
-    cdf = probs.cumsum(dim=-1)  # [R, V]
-    target = uniform.to(device)[:, None] * cdf[:, -1:]  # [R, 1] inside the kept mass
-    kept = (probs > 0).sum(dim=-1, keepdim=True)  # [R, 1] the kept tokens are a prefix of the order
-    pick = torch.minimum(torch.searchsorted(cdf, target, right=True), kept - 1)  # [R, 1]
-    return order.gather(1, pick)[:, 0]
+    rank = pick(probs, uniform).clamp(min=0)  # [R] nothing finite: rank 0, the argmax
+    return order.gather(1, rank[:, None])[:, 0]
 
 
 def distribution(
@@ -115,8 +134,8 @@ def distribution(
     B, V = logits.shape
     device = logits.device
     is_greedy = (temperature <= 0).to(device)  # [B]
-    temperature = torch.where(temperature <= 0, 1.0, temperature).to(device=device, dtype=torch.float32)
-    scaled = logits.float() / temperature[:, None]  # [B, V]
+    inverse = 1.0 / torch.where(temperature <= 0, 1.0, temperature).float()  # [B] as `sample` scales
+    scaled = logits.float() * inverse.to(device)[:, None]  # [B, V]
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)  # [B, V]
     k = torch.where(top_k > 0, top_k.clamp(max=V), V).to(device)  # [B]
     sorted_logits = sorted_logits.masked_fill(torch.arange(V, device=device) >= k[:, None], float("-inf"))

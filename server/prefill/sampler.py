@@ -6,6 +6,11 @@ prompt, all ones when it has none: data, not a shape, so no request compiles any
 min-p and top-k, then top-p over the renormalised rest. Row r draws the uniform number of `server/seeded.py`
 for (seed[r], index[r]) and picks by the inverse CDF in the decode tier's order (`decode/sampler.py`), so a
 (seed, index) pair yields the same token whatever the batch around it, and whichever tier samples it.
+
+The pick (`_pick`, the decode tier's `pick`) never lands on a token of probability 0 (masked, filtered,
+blocked: -inf logits): it takes the first token of positive probability whose running sum passes the target,
+not a binary search of the sums, which XLA computes as a parallel scan that need not rise where a
+probability is 0 (a masked token between two kept ones could hold the step).
 """
 
 from __future__ import annotations
@@ -35,20 +40,32 @@ def _uniform(seed, index) -> jax.Array:
     return bits.astype(jnp.float32) * jnp.float32(2.0**-24)
 
 
+def _pick(probs: jax.Array, u) -> jax.Array:
+    """probs f32[V] >= 0 (any total), u in [0, 1) -> int32: the inverse CDF's index, only ever one whose
+    probability is > 0: the first such index whose running sum (made monotone) exceeds u x the total, the last
+    such index if rounding leaves none; -1 if no probability is > 0 (a NaN or all -inf row)."""
+    vocab = probs.shape[-1]
+    cdf = jax.lax.cummax(jnp.cumsum(probs), axis=0)  # [V] made monotone: a parallel scan's sums need not rise
+    ids = jnp.arange(vocab, dtype=jnp.int32)  # [V]
+    kept = probs > 0  # [V]
+    first = jnp.min(jnp.where(kept & (cdf > u * cdf[-1]), ids, vocab))
+    last = jnp.max(jnp.where(kept, ids, -1))
+    return jnp.where(first < vocab, first, last)
+
+
 def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index, min_p, bitmask) -> jax.Array:
     """logits f32[V], scalar settings and bitmask int32[W] -> int32 token: the decode tier's draw
     (`decode/sampler.py`) for the same logits, settings and (seed, index)."""
     vocab = logits.shape[-1]
     logits = jnp.where(_allowed(bitmask, vocab), logits, -jnp.inf)
-    scaled = logits / jnp.maximum(temperature, 1e-6)
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    scaled = logits * (1 / jnp.maximum(temperature, 1e-6))  # what XLA makes of a division; the decode tier too
     u = _uniform(seed, index)
     log_min_p = jnp.log(jnp.maximum(min_p, 1e-30))  # p_i < min_p x p_0 <=> l_i < l_0 + log(min_p)
     # Without top-k/top-p: the inverse CDF over the vocabulary in id order.
     plain = jnp.where((min_p > 0) & (scaled < jnp.max(scaled) + log_min_p), -jnp.inf, scaled)
-    probs = jax.nn.softmax(plain)  # [V]
-    cdf = jnp.cumsum(probs)
-    last_kept = jnp.max(jnp.where(probs > 0, jnp.arange(vocab), 0))  # if rounding overshoots
-    in_vocab_order = jnp.minimum(jnp.searchsorted(cdf, u * cdf[-1], side="right"), last_kept)
+    in_vocab_order = _pick(jax.nn.softmax(plain), u)
+    in_vocab_order = jnp.where(in_vocab_order < 0, greedy, in_vocab_order)  # nothing finite: argmax's answer
     # With them: top-k, min-p, then top-p over the logits sorted once (stable), the inverse CDF in that order.
     order = jnp.argsort(-scaled, stable=True)  # [V] token ids, most likely first
     ranked = scaled[order]  # [V]
@@ -58,12 +75,10 @@ def _sample_row(logits: jax.Array, temperature, top_k, top_p, seed, index, min_p
     probs = jax.nn.softmax(ranked)  # [V]
     before = jnp.cumsum(probs) - probs  # probability mass ranked strictly above each token
     probs = jnp.where(before > top_p, 0.0, probs)
-    cdf = jnp.cumsum(probs)
-    kept = jnp.sum(probs > 0)  # the kept tokens are a prefix of the order
-    in_rank_order = order[jnp.minimum(jnp.searchsorted(cdf, u * cdf[-1], side="right"), kept - 1)]
+    in_rank_order = order[jnp.maximum(_pick(probs, u), 0)]  # nothing finite: rank 0, the argmax
     ranked_row = ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
     drawn = jnp.where(ranked_row, in_rank_order, in_vocab_order)
-    return jnp.where(temperature > 0, drawn, jnp.argmax(logits)).astype(jnp.int32)
+    return jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
 
 
 def sample(logits, temperature, top_k, top_p, seed, index, min_p=None, bitmask=None) -> jax.Array:

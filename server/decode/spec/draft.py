@@ -33,6 +33,7 @@ import torch
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
+from pdserve.server.decode.sampler import pick
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.spec.lookahead import Lookahead
 
@@ -141,7 +142,7 @@ class DraftProposer:
         if general:
             index = torch.tensor(general, device=logits.device)
             q = self.distribution(logits[index], [views[r] for r in general])  # [G, V]
-            picked = torch.multinomial(q, 1)[:, 0].tolist()
+            picked = pick(q, torch.rand(len(general))).tolist()  # never a token of q 0
             for g, r in enumerate(general):
                 out[r] = picked[g]
                 qs[r].append(q[g])

@@ -30,11 +30,15 @@ unseeded sampled request the general rule (`accept_or_resample`): d ~ q, accepte
 min(1, p(d) / q(d)); on a rejection the token is drawn from norm(max(0, p - q)); after k acceptances the
 bonus token is drawn from p. Every emitted token then has law p given the ones before it (Leviathan et al.,
 Theorem 1), p being `sampler.distribution` of the logits with the request's penalties, min_tokens and filters.
+A token p gives 0 (filtered, blocked) is never emitted: its acceptance needs u q(d) < 0, and the residual's
+draw is `sampler.pick`, which only returns tokens of positive mass, and max(0, p - q) is 0 wherever p is.
 """
 
 from __future__ import annotations
 
 import torch
+
+from pdserve.server.decode.sampler import pick
 
 
 def accepted(drafts: list[int], sampled: list[int]) -> int:
@@ -56,5 +60,5 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u
     residual = (p - q).clamp(min=0)  # [R, V]
     mass = residual.sum(dim=-1, keepdim=True)  # [R, 1] 0 only where p = q, where nothing is rejected
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), p)
-    resampled = torch.multinomial(residual, 1)[:, 0]  # [R]
+    resampled = pick(residual, torch.rand(residual.shape[0]))  # [R] never a token of residual 0
     return accept, torch.where(accept, drafts[:, 0], resampled)
