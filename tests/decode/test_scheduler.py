@@ -206,7 +206,7 @@ async def test_blocks_whose_windowed_kv_never_arrived_are_not_cached_for_others(
     system = list(range(100, 108))  # 2 full blocks
     a = _seq("a", system + list(range(8)))
     s.add(a)
-    a.num_stale_blocks = 2  # (decode/service.py sets it from KvLayout.stale_tokens when the KV arrived)
+    a.num_stale_blocks = 2  # (decode/first_token.py sets it, windows.stale_blocks, when the KV arrived)
     _run(s, a)
     s.retire(a)
     assert s.cache.num_cached == 0 and a.num_stale_blocks == 0
@@ -229,7 +229,7 @@ async def test_a_windowed_sequence_returns_the_blocks_behind_its_window_as_it_gr
     assert s.drops_blocks and s.null_block == NULL
     a = _seq("a", list(range(14)))  # its first query (position 14) reads keys 7..14: block 0 is behind
     assert s.add(a) == [a] and a.block_table == [NULL, 0, 1, 2] and a.num_dropped_blocks == 1
-    a.num_stale_blocks = 1  # the prefill tier sent no KV for block 0 (decode/service.py sets it)
+    a.num_stale_blocks = 1  # the prefill tier sent no KV for block 0 (decode/first_token.py sets it)
     _run(s, a)  # 15 tokens
     tables = []
     for _ in range(6):
