@@ -8,12 +8,12 @@ Life cycle of a request here:
    computes the draft's prompt KV meanwhile, in a thread, into the same block ids of the draft's cache.
 3. `start` puts the sequence, with the first token (sampled by prefill), into the running set.
 4. Each step: admit, schedule (a block on demand for every sequence crossing a block boundary,
-   preempting the most recently admitted when none is free), speculate (with a speculator, its `step` is the one
-   seam: proposals, their look-ahead blocks reserved by the scheduler, a verifier for the run), run
-   (re-prefilling resumed sequences first), sample (penalties and min_tokens first, then the structured-output masks of the constrained
-   sequences, one masked fill for the batch, none when no sequence is constrained; logprobs of the raw
-   logits beside), postprocess (stream, advance each grammar, retire the finished; the scheduler trims the
-   blocks of rejected look-ahead slots).
+   preempting the most recently admitted when none is free), speculate (with a speculator, its `step` is
+   the one seam: proposals, their look-ahead blocks reserved by the scheduler, a verifier for the run), run
+   (re-prefilling resumed sequences first), sample (penalties and min_tokens first, then the structured-output
+   masks of the constrained sequences, one masked fill for the batch, none when no sequence is constrained;
+   logprobs of the raw logits beside), postprocess (stream, advance each grammar, retire the finished; the
+   scheduler trims the blocks of rejected look-ahead slots).
 5. A finished or aborted sequence's blocks go back (full ones stay in the prefix cache), after the
    step or local (or draft) prefill that may still be using them.
 """

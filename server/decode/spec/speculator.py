@@ -102,7 +102,7 @@ class Speculator:
 
     def admitted(self, seq: Sequence) -> None:
         """The sequence holds its blocks: with a draft model, its draft prompt prefill starts (`draft.py`), unless
-        it is constrained (never proposed for) or computes its prompt here (a readmission)."""
+        it is constrained (never proposed for) or readmitted after a preemption (its steps catch the draft up)."""
         if self.draft is not None and seq.state is SeqState.WAITING_KV and seq.constraint is None:
             self.draft.prefill_in_background(seq, self.released)
 
