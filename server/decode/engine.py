@@ -4,14 +4,16 @@ Life cycle of a request here:
 1. `add(request, sink)` makes a Sequence and queues it; the scheduler admits it, in arrival order, once the
    blocks for its prompt fit (cached prefix blocks reused): `seq.admitted` resolves.
 2. Its prompt's KV arrives through the receiver, which writes it into those blocks (`write`), or the
-   worker computes it itself (`prefill_locally`). With a draft model (draft_model speculation) the draft's
-   prompt KV is computed meanwhile, in a thread, into the same block ids of the draft's cache.
+   worker computes it itself (`prefill_locally`). With a draft model (draft_model speculation) the speculator
+   computes the draft's prompt KV meanwhile, in a thread, into the same block ids of the draft's cache.
 3. `start` puts the sequence, with the first token (sampled by prefill), into the running set.
 4. Each step: admit, schedule (a block on demand for every sequence crossing a block boundary,
-   preempting the most recently admitted when none is free), run (re-prefilling resumed sequences
-   first), sample (penalties and min_tokens first, then the structured-output masks of the constrained
-   sequences, one masked fill for the batch, none when no sequence is constrained; logprobs of the raw
-   logits beside), postprocess (stream, advance each grammar, retire the finished).
+   preempting the most recently admitted when none is free), speculate (with a speculator, its `step` is
+   the one seam: proposals, their look-ahead blocks reserved by the scheduler, a verifier for the run), run
+   (re-prefilling resumed sequences first), sample (penalties and min_tokens first, then the structured-output
+   masks of the constrained sequences, one masked fill for the batch, none when no sequence is constrained;
+   logprobs of the raw logits beside), postprocess (stream, advance each grammar, retire the finished; the
+   scheduler trims the blocks of rejected look-ahead slots).
 5. A finished or aborted sequence's blocks go back (full ones stay in the prefix cache), after the
    step or local (or draft) prefill that may still be using them.
 """
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import torch
 
@@ -39,8 +40,7 @@ from pdserve.server.decode.sampler import apply_bitmask, apply_penalties, distri
 from pdserve.server.decode.scheduler import QueueFull, Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink, admissible
 from pdserve.server.decode.spec.config import SpeculativeConfig
-from pdserve.server.decode.spec.proposals import Proposals
-from pdserve.server.decode.spec.speculator import Speculator
+from pdserve.server.decode.spec.speculator import Speculator, StepOut, VerifyFn
 from pdserve.server.model.config import resolve_max_model_len
 from pdserve.server.structured.bitmask import unconstrained
 from pdserve.server.structured.grammars import Grammars, request_constraint
@@ -98,7 +98,8 @@ class DecodeEngine(Engine):
                 self.runner = graphs
         self.speculator = None if speculative is None else Speculator(
             speculative, model, self.cache, self.scheduler, pad_block=num_blocks, sample=self._sample,
-            logprobs=_logprobs, distribution=self._distribution, draft_model=draft_model, runner=self.runner)
+            logprobs=_logprobs, distribution=self._distribution, draft_model=draft_model, runner=self.runner,
+            released=self._retire_deferred)
         self.draft = self.speculator.draft if self.speculator else None
 
     @property
@@ -219,30 +220,14 @@ class DecodeEngine(Engine):
             metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
             if not seq.admitted.done():
                 seq.admitted.set_result(None)
-            if self.draft is not None and seq.state is SeqState.WAITING_KV and seq.constraint is None:
-                self._prefill_draft(seq)
+            if self.speculator is not None:
+                self.speculator.admitted(seq)  # a draft model's prompt prefill starts
         if self.scheduler.running:
             self._wake()
 
-    def _prefill_draft(self, seq: Sequence) -> None:
-        """The draft's prompt KV computed in a thread while the prompt's KV arrives (`spec/draft.py`); its blocks
-        stay the sequence's (an abort frees them) until the thread ends."""
-        rid = seq.request_id
-        self.draft.prefilling.add(rid)
-
-        def done(work: asyncio.Future) -> None:
-            self.draft.prefilling.discard(rid)
-            if not work.cancelled() and work.exception() is not None:
-                log.warning("request %s: the draft's prompt prefill failed (%r); the draft catches up in a step",
-                            rid, work.exception())
-            self._retire_deferred()
-
-        loop = asyncio.get_running_loop()
-        loop.run_in_executor(self.draft.executor, self.draft.prefill_prompt, seq).add_done_callback(done)
-
     def _in_use(self, rid: str) -> bool:
         """Whether a worker thread reads or writes the request's blocks now (a step, a local or draft prefill)."""
-        return rid in self._busy or (self.draft is not None and rid in self.draft.prefilling)
+        return rid in self._busy or (self.speculator is not None and self.speculator.in_use(rid))
 
     def _retire(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Drops the sequence and its blocks: now, or after the thread that is using them."""
@@ -265,41 +250,49 @@ class DecodeEngine(Engine):
     async def _loop(self) -> None:
         while True:
             self._admit()
-            before = self.scheduler.num_preemptions
-            batch = self.scheduler.schedule()
-            metrics.num_preemptions.inc(self.scheduler.num_preemptions - before)
+            batch = self._schedule()
             if not batch:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            proposals = self.speculator.propose(batch) if self.speculator else None
-            ids = {s.request_id for s in batch}
-            self._busy |= ids
-            started = time.perf_counter()
-            try:
-                tokens, token_lps = await asyncio.to_thread(self._step, batch, proposals)
-            except Exception:
-                log.exception("decode step of %d requests failed; running them one by one", len(batch))
-                tokens, token_lps = await asyncio.to_thread(self._step_each, batch)
-            finally:
-                self._busy -= ids
-                self._retire_deferred()
-            self.steps += 1
-            if self.speculator:
-                self.speculator.observe_step(batch, proposals, time.perf_counter() - started)
+            if self.speculator is None:
+                tokens, token_lps = await self._run(batch)
+            else:  # speculate: the step runs with the proposals' verifier, and is measured
+                tokens, token_lps = await self.speculator.step(batch, self._run)
             self._postprocess(batch, tokens, token_lps)
 
-    def _step(self, batch: list[Sequence], proposals: Proposals | None = None
-              ) -> tuple[list[list[int]], list[list]]:
+    def _schedule(self) -> list[Sequence]:
+        before = self.scheduler.num_preemptions
+        batch = self.scheduler.schedule()
+        metrics.num_preemptions.inc(self.scheduler.num_preemptions - before)
+        return batch
+
+    async def _run(self, batch: list[Sequence], verify: VerifyFn | None = None) -> StepOut:
+        """The step in a worker thread (`_step`), its sequences' blocks busy meanwhile; when it fails, each
+        sequence alone (`_step_each`)."""
+        ids = {s.request_id for s in batch}
+        self._busy |= ids
+        try:
+            tokens, token_lps = await asyncio.to_thread(self._step, batch, verify)
+        except Exception:
+            log.exception("decode step of %d requests failed; running them one by one", len(batch))
+            tokens, token_lps = await asyncio.to_thread(self._step_each, batch)
+        finally:
+            self._busy -= ids
+            self._retire_deferred()
+        self.steps += 1
+        return tokens, token_lps
+
+    def _step(self, batch: list[Sequence], verify: VerifyFn | None = None) -> StepOut:
         """The tokens every sequence in the batch emits, and their logprobs (runs in a worker thread): one
-        each, or with proposals, those the speculator's verify step accepts and the one after."""
+        each, or with a speculator's verifier, those its verify step accepts and the one after."""
         self._wait_for_copies(batch)
         for s in batch:
             if s.resume_from is not None and s.resume_from < s.num_tokens - 1:  # preempted, readmitted
                 ids = torch.tensor(s.token_ids[s.resume_from : s.num_tokens - 1], dtype=torch.int64)
                 self.model.prefill(ids, s.block_table, self.cache, start_pos=s.resume_from)
-        if proposals:
-            return self.speculator.verify(batch, proposals)
+        if verify is not None:
+            return verify(batch)
         last = torch.tensor([s.token_ids[-1] for s in batch], dtype=torch.int64)  # [B]
         positions = torch.tensor([s.num_tokens - 1 for s in batch], dtype=torch.int64)  # [B]
         width = max(len(s.block_table) for s in batch)
@@ -384,16 +377,16 @@ class DecodeEngine(Engine):
                     emitted.append(token)
                     if seq.state is SeqState.FINISHED:
                         break
-                if self.speculator and seq.state is SeqState.RUNNING:
-                    self.speculator.release(seq)
+                if seq.state is SeqState.RUNNING:
+                    self.scheduler.trim(seq)  # blocks past its next token's: rejected look-ahead slots
                 seq.events.put_nowait(emitted)
             if seq.state is SeqState.FINISHED:
                 seq.events.put_nowait(None)
                 self._retire(seq, keep_kv=seq.finish_reason != gen_pb.FINISH_REASON_ERROR)
 
     async def close(self) -> None:
-        if self.draft is not None:
-            self.draft.executor.shutdown(wait=False)
+        if self.speculator is not None:
+            self.speculator.close()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -11,6 +11,9 @@ A sequence's life here:
    crosses a block boundary. None free: the most recently admitted running sequence is preempted:
    its full blocks go to the prefix cache, the rest back to the pool, and it returns to the head of
    the queue. Readmitted, it reuses what the cache still holds and re-prefills the rest locally.
+   With speculation, `reserve_lookahead` then gives a sequence blocks for the step's look-ahead slots from the
+   free ones (never preempting, never evicting a cached block: a proposal that does not fit is shortened), and
+   `trim`, after the step's tokens are appended, takes back those that held only rejected slots.
 5. `retire`: finished or aborted; its full blocks with KV are cached, every reference dropped.
 
 Sliding windows: when every layer of the model is windowed (Mistral with `sliding_window`), a block wholly
@@ -167,6 +170,28 @@ class Scheduler:
                 if victim is seq:
                     break
         return list(self.running)
+
+    def reserve_lookahead(self, seq: Sequence, n: int) -> int:
+        """How many of n look-ahead slots (the positions after the sequence's next token's) its blocks hold for
+        this step: the blocks past its table are taken from the free ones, as many as are free (never by
+        preempting or evicting), so fewer slots than asked when the pool is short."""
+        if not n:
+            return 0
+        short = self.blocks_for(seq.num_tokens + n) - len(seq.block_table)
+        take = min(short, self.pool.num_free)
+        if take > 0:
+            seq.block_table.extend(self.cache.allocate(take))
+        return min(n, len(seq.block_table) * self.block_size - seq.num_tokens)
+
+    def trim(self, seq: Sequence) -> list[int]:
+        """Gives back the blocks past the one the sequence's next token needs (after a speculative step: those
+        that held only rejected look-ahead slots); the block ids given back (none after a plain step)."""
+        keep = self.blocks_for(seq.num_tokens)
+        extra = seq.block_table[keep:]
+        if extra:
+            del seq.block_table[keep:]
+            self.cache.free(extra)
+        return extra
 
     def preempt(self, seq: Sequence) -> None:
         """Frees the sequence's blocks (its full ones stay cached) and puts it at the head of the queue."""

@@ -79,6 +79,53 @@ async def test_a_sequence_alone_preempts_itself_when_nothing_is_free():
     assert s.schedule() == [] and list(s.waiting) == [a] and s.num_preemptions == 1
 
 
+async def test_lookahead_takes_free_blocks_and_trim_gives_back_exactly_those_past_the_next_token():
+    s = Scheduler(num_blocks=8, block_size=BS, max_running=4, max_queue=4)
+    a = _seq("a", [1, 2, 3, 4, 5, 6])
+    s.add(a)
+    _run(s, a)  # 7 tokens: the next step writes position 6, in block 1
+    assert s.schedule() == [a] and a.block_table == [0, 1]
+    assert s.reserve_lookahead(a, 0) == 0 and a.block_table == [0, 1]  # no proposal: nothing taken
+    assert s.reserve_lookahead(a, 6) == 6  # positions 7..12: blocks 2 and 3
+    assert a.block_table == [0, 1, 2, 3] and s.pool.num_free == 4
+    s.finished_step(a)
+    a.append(7)  # one proposal accepted, then the model's own token: 9 tokens
+    a.append(8)
+    assert s.trim(a) == [3] and a.block_table == [0, 1, 2] and s.pool.num_free == 5  # block 2 holds position 8
+    assert s.trim(a) == [] and a.block_table == [0, 1, 2]
+    assert s.reserve_lookahead(a, 2) == 2 and a.block_table == [0, 1, 2]  # positions 9, 10: block 2's room
+    _step(s)  # a plain step: 10 tokens, nothing past the next token's block
+    assert s.trim(a) == [] and a.block_table == [0, 1, 2]
+    assert s.cache.num_cached == 1  # the full prompt block, cached at start as before
+    s.retire(a)
+    assert _available(s) == 8
+
+
+async def test_lookahead_is_cut_to_the_free_blocks_never_preempting_nor_evicting():
+    s = Scheduler(num_blocks=5, block_size=BS, max_running=4, max_queue=4)
+    p = _seq("p", [1, 1, 1, 1, 2])
+    s.add(p)
+    _run(s, p)
+    s.retire(p)  # block 0 stays cached (evictable), block 1 goes back to the pool
+    a, b = _seq("a", [5, 6, 7, 8, 9, 10, 11]), _seq("b", [3, 4, 5])  # 7 tokens: 2 blocks; 3 tokens: 1 block
+    assert s.add(a) == [a] and s.add(b) == [b]
+    assert (a.block_table, b.block_table) == ([2, 3], [4])
+    _run(s, a)  # 8 tokens: block 1 is the last free one
+    _run(s, b)  # 4 tokens
+    assert s.schedule() == [a, b] and s.pool.num_free == 1 and s.cache.num_evictable == 1  # p's block 0
+    assert s.reserve_lookahead(a, 9) == 4  # 9 asked: positions 8..11 fit the one free block
+    assert a.block_table == [2, 3, 1] and s.pool.num_free == 0
+    assert s.reserve_lookahead(b, 2) == 0 and b.block_table == [4]  # its block is full and none is free
+    assert s.cache.num_evictable == 1 and s.cache.num_cached == 2  # p's block 0 was not evicted (a's block 2: held)
+    assert s.num_preemptions == 0 and s.running == [a, b] and list(s.waiting) == []
+    s.finished_step(a)
+    a.append(7)  # every proposal rejected: 9 tokens, its next token's input in block 1
+    assert s.trim(a) == [] and a.block_table == [2, 3, 1]
+    s.retire(a)
+    s.retire(b)
+    assert _available(s) == 5
+
+
 async def test_waiters_are_admitted_in_arrival_order():
     s = Scheduler(num_blocks=4, block_size=BS, max_running=8, max_queue=2, enable_prefix_caching=False)
     a = _seq("a", list(range(8)))  # 2 blocks
@@ -159,7 +206,7 @@ async def test_blocks_whose_windowed_kv_never_arrived_are_not_cached_for_others(
     system = list(range(100, 108))  # 2 full blocks
     a = _seq("a", system + list(range(8)))
     s.add(a)
-    a.num_stale_blocks = 2  # (decode/service.py sets it from KvLayout.stale_tokens when the KV arrived)
+    a.num_stale_blocks = 2  # (decode/first_token.py sets it, windows.stale_blocks, when the KV arrived)
     _run(s, a)
     s.retire(a)
     assert s.cache.num_cached == 0 and a.num_stale_blocks == 0
@@ -182,7 +229,7 @@ async def test_a_windowed_sequence_returns_the_blocks_behind_its_window_as_it_gr
     assert s.drops_blocks and s.null_block == NULL
     a = _seq("a", list(range(14)))  # its first query (position 14) reads keys 7..14: block 0 is behind
     assert s.add(a) == [a] and a.block_table == [NULL, 0, 1, 2] and a.num_dropped_blocks == 1
-    a.num_stale_blocks = 1  # the prefill tier sent no KV for block 0 (decode/service.py sets it)
+    a.num_stale_blocks = 1  # the prefill tier sent no KV for block 0 (decode/first_token.py sets it)
     _run(s, a)  # 15 tokens
     tables = []
     for _ in range(6):

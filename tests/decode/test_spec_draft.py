@@ -19,12 +19,12 @@ import torch
 
 from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
-from pdserve.server.decode import engine as engine_module
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.engine import DecodeEngine
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.sequence import SeqState
 from pdserve.server.decode.spec.config import SpeculativeConfig
+from pdserve.server.decode.spec import speculator as speculator_module
 from pdserve.server.decode.spec.rejection import accept_or_resample, accepted
 from tests.decode.test_spec_engine import _admit, _all_back, _drain, _greedy, _manual, _model, _one_step, _reference
 
@@ -225,7 +225,7 @@ async def test_the_measured_step_cost_includes_the_drafts_forward_steps(tiny_mod
     path = tiny_model("qwen2")
     engine = _engine(path, tiny_draft("qwen2"), k=3)
     clock = [0.0]
-    monkeypatch.setattr(engine_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(speculator_module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     draft = engine.draft.model
     def ticking(forward):
         def run(*a, **kw):

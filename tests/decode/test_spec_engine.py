@@ -73,7 +73,7 @@ def _one_step(engine: DecodeEngine) -> list[list[int]] | None:
     step's proposed tokens (a draft model's drawn in the step)."""
     batch = engine.scheduler.schedule()
     proposals = engine.speculator.propose(batch) if engine.speculator else None
-    tokens, lps = engine._step(batch, proposals)
+    tokens, lps = engine._step(batch, engine.speculator.verifier(proposals) if proposals is not None else None)
     engine._postprocess(batch, tokens, lps)
     return None if proposals is None else proposals.tokens
 

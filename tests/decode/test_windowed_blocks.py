@@ -17,6 +17,7 @@ from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.spec.config import SpeculativeConfig
 from pdserve.server.decode.weights import build_model
+from pdserve.server.decode.windows import stale_blocks
 from pdserve.server.model.config import load_config
 from pdserve.server.model.tiny import WINDOW
 from pdserve.server.model.weights import load_weights
@@ -73,7 +74,8 @@ async def _handed_over(engine: DecodeEngine, rid: str, prompt: list[int]) -> Seq
     k, v = scratch.read(table, len(prompt))  # [L, S, Hkv, D]
     first = min(stale)
     engine.write(rid, KvPiece(0, first, k[:, first:].numpy(), v[:, first:].numpy(), None, None))
-    seq.num_stale_blocks = max(stale) // BLOCK  # as decode/service.py sets it once the KV is in
+    seq.num_stale_blocks = stale_blocks(layout, len(prompt))  # as decode/first_token.py sets it once the KV is in
+    assert seq.num_stale_blocks == max(stale) // BLOCK
     engine.start(seq, int(logits[-1].argmax()))
     return seq
 

@@ -9,7 +9,8 @@ for both (`startup.cache_blocks` counts both caches' bytes per block). The pad b
 
 `Sequence.draft_len` says how many leading tokens have their draft KV in place. Where it comes from:
 1. The prompt: when a sequence is admitted (its blocks held, its prompt's KV on the way from the prefill tier),
-   the engine runs `prefill_prompt` in a thread beside the transfer, from the prompt ids the worker already
+   the speculator (`Speculator.admitted`) runs `prefill_prompt` in a thread beside the transfer
+   (`prefill_in_background`), from the prompt ids the worker already
    has: the prefill tier and the wire are unchanged and the first token (the prefill tier's) waits for
    nothing. Until it is done the sequence gets no proposal (it decodes plainly).
 2. Each speculative step writes the draft KV of the step's input tokens and of its proposals but the last;
@@ -25,6 +26,8 @@ reads a poorer KV proposes worse, never wrongly.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,6 +39,8 @@ from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.sampler import pick
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.decode.spec.lookahead import Lookahead
+
+log = logging.getLogger("pdserve.decode")
 
 SampleFn = Callable[[torch.Tensor, list], torch.Tensor]
 """(logits [R, V], sequences or Lookaheads) -> token ids [R]: the engine's sampler."""
@@ -72,6 +77,23 @@ class DraftProposer:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft-prefill")
         """Where prompt prefills run, one at a time: a burst of admissions never holds up the decode steps'
         threads (asyncio's default executor)."""
+
+    def prefill_in_background(self, seq: Sequence, done: Callable[[], None]) -> None:
+        """Runs `prefill_prompt` in the draft's thread (from the event loop); the request stays in `prefilling`, its
+        blocks the sequence's (an abort frees them after), until it ends; then `done` is called on the loop. A
+        failure is logged: the draft catches up in a step."""
+        rid = seq.request_id
+        self.prefilling.add(rid)
+
+        def ended(work: asyncio.Future) -> None:
+            self.prefilling.discard(rid)
+            if not work.cancelled() and work.exception() is not None:
+                log.warning("request %s: the draft's prompt prefill failed (%r); the draft catches up in a step",
+                            rid, work.exception())
+            done()
+
+        loop = asyncio.get_running_loop()
+        loop.run_in_executor(self.executor, self.prefill_prompt, seq).add_done_callback(ended)
 
     def prefill_prompt(self, seq: Sequence) -> None:
         """The draft KV of the prompt (runs in a thread while the target's KV arrives). The sequence's draft_len

@@ -1,25 +1,31 @@
-"""Speculative decoding in the native decode engine: propose, reserve the lookahead, verify, accept.
+"""Speculative decoding in the native decode engine: the engine's one seam to it, `step`, proposes, has the step
+verify and measures it.
 
 Each step, for the batch the scheduler gave (every sequence already holding a block for its next token):
 1. `propose`: each sequence's proposal length (at most k tokens, fewer where max_tokens or max_model_len
    is near; with ngram, the n-gram proposal itself); the step's cap from measured costs (`policy.py`); the
-   blocks for the lookahead slots taken on demand from the free pool (never by preempting or evicting: a
-   proposal that does not fit is shortened).
-2. `verify` (the step's thread): with draft_model, first the draft's tokens (`draft.py`: k batched paged
-   draft forwards, inside the step, so the measured step cost the cap is chosen by includes them); then one
-   forward of k_i + 1 query positions per sequence (the last token, then its proposals; shorter rows padded,
-   their pad entries writing a pad block no sequence reads), causal over the new positions; then the tokens
-   the sampler draws at each position, accepted while they equal the proposals (`rejection.py`: exact for
-   greedy, the target's distribution for sampling, seeded draws per token index as without speculation; a
-   draft drawn from q by the general rule).
-3. After the engine appended the accepted tokens (the stop rule checked on each, in order): `release`
-   gives back the blocks that held only rejected slots. A rejected token's KV is never read: every later
-   step writes a position before it attends it, and attends only its context's positions.
+   scheduler's `reserve_lookahead` holds the blocks of the look-ahead slots, from the free ones (never by
+   preempting or evicting: a proposal that does not fit is shortened).
+2. `verify` (the step's thread, handed to the engine's run as its verifier): with draft_model, first the draft's
+   tokens (`draft.py`: k batched paged draft forwards, inside the step, so the measured step cost the cap is
+   chosen by includes them); then one forward of k_i + 1 query positions per sequence (the last token, then its
+   proposals; shorter rows padded, their pad entries writing a pad block no sequence reads), causal over the new
+   positions; then the tokens the sampler draws at each position, accepted while they equal the proposals
+   (`rejection.py`: exact for greedy, the target's distribution for sampling, seeded draws per token index as
+   without speculation; a draft drawn from q by the general rule).
+3. `observe_step`: the step's seconds go to the policy. After the engine appended the accepted tokens (the stop
+   rule checked on each, in order), the scheduler's `trim` gives back the blocks that held only rejected slots. A
+   rejected token's KV is never read: every later step writes a position before it attends it, and attends only
+   its context's positions.
+Besides the steps, with a draft model: `admitted` starts a sequence's draft prompt prefill (`draft.py`), during
+which `in_use` keeps its blocks; `close` stops the thread those prefills run in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import torch
 
@@ -29,7 +35,7 @@ from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 from pdserve.server.decode.scheduler import Scheduler
-from pdserve.server.decode.sequence import Sequence
+from pdserve.server.decode.sequence import Sequence, SeqState
 from pdserve.server.decode.spec.config import SpeculativeConfig
 from pdserve.server.decode.spec.draft import DistributionFn, DraftProposer
 from pdserve.server.decode.spec.lookahead import Lookahead
@@ -42,14 +48,22 @@ SampleFn = Callable[[torch.Tensor, list], torch.Tensor]
 """(logits [R, V], sequences or Lookaheads) -> token ids [R]: the engine's sampler."""
 LogprobsFn = Callable[[torch.Tensor, torch.Tensor, list], list]
 """(logits [R, V], token ids [R], sampling params) -> a TokenLogprob or None per row."""
+StepOut = tuple[list[list[int]], list[list]]
+"""The tokens each sequence of a step emits, and their logprobs (None where not asked)."""
+VerifyFn = Callable[[list[Sequence]], StepOut]
+"""(the step's batch) -> what it emits: the verify step of a plan, run by the engine in the step's thread."""
+RunFn = Callable[[list[Sequence], VerifyFn | None], Awaitable[StepOut]]
+"""(batch, verifier or None for a plain step) -> what the engine's run of the step emits."""
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, model: DecoderModel, cache: PagedKvCache, scheduler: Scheduler,
                  pad_block: int, sample: SampleFn, logprobs: LogprobsFn, distribution: DistributionFn,
-                 draft_model: DecoderModel | None = None, runner: EagerRunner | CudaGraphRunner | None = None):
+                 draft_model: DecoderModel | None = None, runner: EagerRunner | CudaGraphRunner | None = None,
+                 released: Callable[[], None] = lambda: None):
         """draft_model: method draft_model's draft, already on the target's device; runner: what runs the verify
-        forward (the engine's: CUDA graphs per (bucket, new tokens) there); None: the model eagerly."""
+        forward (the engine's: CUDA graphs per (bucket, new tokens) there); None: the model eagerly; released:
+        called on the event loop when a draft prompt prefill ends (its sequence's blocks no longer `in_use`)."""
         if (config.method == "draft_model") != (draft_model is not None):
             raise ValueError(f"speculative method {config.method!r} {'needs' if draft_model is None else 'takes no'} "
                              f"draft model")
@@ -70,9 +84,35 @@ class Speculator:
             if draft_model is None else None
         self.draft = None if draft_model is None else DraftProposer(draft_model, pad_block, cache.block_size, sample,
                                                                    distribution)
+        self.released = released
         self.policy = SpecPolicy(k, config.disable_by_batch_size)
         self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
         self.accepted_per_pos = [0] * k
+
+    # ---- the engine's seam --------------------------------------------------------
+
+    async def step(self, batch: list[Sequence], run: RunFn) -> StepOut:
+        """One step of the batch: its proposals (their look-ahead blocks reserved), the engine's `run` with their
+        verifier (a plain step where nothing is proposed), its seconds observed."""
+        plan = self.propose(batch)
+        started = time.perf_counter()
+        out = await run(batch, self.verifier(plan))
+        self.observe_step(batch, plan, time.perf_counter() - started)
+        return out
+
+    def admitted(self, seq: Sequence) -> None:
+        """The sequence holds its blocks: with a draft model, its draft prompt prefill starts (`draft.py`), unless
+        it is constrained (never proposed for) or readmitted after a preemption (its steps catch the draft up)."""
+        if self.draft is not None and seq.state is SeqState.WAITING_KV and seq.constraint is None:
+            self.draft.prefill_in_background(seq, self.released)
+
+    def in_use(self, rid: str) -> bool:
+        """Whether a draft prompt prefill writes the request's blocks now."""
+        return self.draft is not None and rid in self.draft.prefilling
+
+    def close(self) -> None:
+        if self.draft is not None:
+            self.draft.executor.shutdown(wait=False)
 
     # ---- 1. on the event loop, before the step ----------------------------------
 
@@ -86,7 +126,7 @@ class Speculator:
             lengths = [0 if s.constraint is not None or s.request_id in self.draft.prefilling else room(s, k)
                        for s in batch]
             cap = self.policy.cap(len(batch), lengths)
-            return Proposals([self._reserve(s, min(n, cap)) for s, n in zip(batch, lengths)],
+            return Proposals([self.scheduler.reserve_lookahead(s, min(n, cap)) for s, n in zip(batch, lengths)],
                              [[] for _ in batch], [None] * len(batch))
         if not self.policy.worth_looking(len(batch)):
             self.policy.skipped(len(batch))
@@ -94,22 +134,15 @@ class Speculator:
         proposals = [[] if s.constraint is not None else self.proposer.propose(s.token_ids, room(s, k))
                      for s in batch]
         cap = self.policy.cap(len(batch), [len(p) for p in proposals])
-        return Proposals.of([p[: self._reserve(s, len(p[:cap]))] for s, p in zip(batch, proposals)])
+        return Proposals.of([p[: self.scheduler.reserve_lookahead(s, len(p[:cap]))] for s, p in zip(batch, proposals)])
 
-    def _reserve(self, seq: Sequence, n: int) -> int:
-        """How many of n lookahead slots free blocks hold (the sequence takes those blocks)."""
-        if not n:
-            return 0
-        scheduler = self.scheduler
-        short = scheduler.blocks_for(seq.num_tokens + n) - len(seq.block_table)
-        take = min(short, scheduler.pool.num_free)
-        if take > 0:
-            seq.block_table.extend(scheduler.cache.allocate(take))
-        return min(n, len(seq.block_table) * scheduler.block_size - seq.num_tokens)
+    def verifier(self, plan: Proposals) -> VerifyFn | None:
+        """What the step's thread runs for the plan in place of a plain step; None when nothing is proposed."""
+        return partial(self.verify, plan=plan) if plan else None
 
     # ---- 2. in the step's thread ---------------------------------------------------
 
-    def verify(self, batch: list[Sequence], plan: Proposals) -> tuple[list[list[int]], list[list]]:
+    def verify(self, batch: list[Sequence], plan: Proposals) -> StepOut:
         """The tokens each sequence emits (1 to len(proposal) + 1) and their logprobs (None where not asked)."""
         if self.draft is not None:
             plan.tokens, plan.q = self.draft.propose(batch, plan.lengths)
@@ -214,14 +247,6 @@ class Speculator:
         """The step's seconds (a draft's forwards included) under its bucket and its query positions."""
         positions = 1 + max(plan.lengths if plan else (), default=0)
         self.policy.observe_step(len(batch), positions, seconds)
-
-    def release(self, seq: Sequence) -> None:
-        """Blocks past the one the sequence's next token needs go back (they held only rejected slots)."""
-        keep = self.scheduler.blocks_for(seq.num_tokens)
-        if len(seq.block_table) > keep:
-            extra = seq.block_table[keep:]
-            del seq.block_table[keep:]
-            self.scheduler.cache.free(extra)
 
     @property
     def acceptance_rate(self) -> float:
