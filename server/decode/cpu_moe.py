@@ -52,8 +52,9 @@ def grouped_runs(dtype: torch.dtype) -> tuple[bool, str]:
     return err < 1e-2, f"max error {err:.1e} against a matmul per group"
 
 
-def activation(gate: torch.Tensor, act: str) -> torch.Tensor:
-    return F.silu(gate) if act == "silu" else F.gelu(gate, approximate="tanh")
+def activation(gate: torch.Tensor, act: str, inplace: bool = False) -> torch.Tensor:
+    """SiLU or tanh-GELU of the gate (SiLU written over it with inplace: the gate is a fresh matmul's output)."""
+    return F.silu(gate, inplace=inplace) if act == "silu" else F.gelu(gate, approximate="tanh")
 
 
 def combine(out: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -71,9 +72,11 @@ def grouped_experts(flat: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     chosen = experts.flatten()  # [T k] token-major
     order = chosen.argsort(stable=True)  # copies sorted by expert
     tokens = order // experts.shape[1]  # [T k]
-    offs = torch.bincount(chosen, minlength=E).cumsum(0).to(torch.int32)  # [E] each expert's rows' end
+    counts = torch.zeros(E, dtype=torch.int64, device=chosen.device).scatter_add_(0, chosen, torch.ones_like(chosen))
+    offs = counts.cumsum(0).to(torch.int32)  # [E] each expert's rows' end (no host read, on CUDA too)
     gate, up = torch._grouped_mm(flat[tokens], stacked.gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    out = torch._grouped_mm(activation(gate, act) * up, stacked.down.transpose(1, 2), offs=offs)  # [T k, d]
+    out = torch._grouped_mm(activation(gate, act, inplace=True).mul_(up), stacked.down.transpose(1, 2),
+                            offs=offs)  # [T k, d]
     return combine(out, weights, order, tokens).to(flat.dtype)
 
 
@@ -90,8 +93,7 @@ def _timed(fn, reps: int = 5) -> float:
 def measure(mlp) -> dict[str, float]:
     """Seconds per step of the layer on each path, summed over PROBE_TOKENS tokens (random inputs, the layer's own
     weights, which it stacks: `mlp.stacked` set, `mlp.grouped` left as it was)."""
-    if mlp.stacked is None:
-        mlp.stacked = stack_experts(list(mlp.gate_up), list(mlp.down))
+    mlp.stacked = mlp.stacked or stack_experts(list(mlp.gate_up), list(mlp.down))
     d = mlp.router.shape[1]
     g = torch.Generator().manual_seed(0)
     was = mlp.grouped

@@ -60,15 +60,14 @@ class MoeMlp(nn.Module):
         stacked, each expert's Linear a view of them."""
         from pdserve.server.decode.cuda_moe import stack_experts
 
-        self.fused = stack_experts(list(self.gate_up), list(self.down))
+        self.fused = self.stacked or stack_experts(list(self.gate_up), list(self.down))
 
     def group(self) -> None:
         """The step through torch's grouped matmul (`cpu_moe.grouped_experts`) from now on: the experts' (plain
         float) weights stacked, each expert's Linear a view of them."""
         from pdserve.server.decode.cuda_moe import stack_experts
 
-        if self.stacked is None:
-            self.stacked = stack_experts(list(self.gate_up), list(self.down))
+        self.stacked = self.stacked or self.fused or stack_experts(list(self.gate_up), list(self.down))
         self.grouped = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, d] -> [B, S, d]
@@ -87,11 +86,11 @@ class MoeMlp(nn.Module):
         tokens = order // self.moe.top_k  # [T k]
         rows = flat[tokens]  # [T k, d]
         counts = torch.bincount(chosen, minlength=self.moe.num_experts).tolist()  # (host) rows per expert
-        out = torch.empty_like(rows)
+        outs = []
         start = 0
         for e, n in enumerate(counts):
             if n:
-                gate, up = self.gate_up[e](rows[start : start + n]).chunk(2, dim=-1)  # [n, I] each
-                out[start : start + n] = self.down[e](activation(gate, self.act) * up)
+                gate, up = self.gate_up[e](rows[start : start + n]).chunk(2, dim=-1)  # [n, I] each (views)
+                outs.append(self.down[e](activation(gate, self.act, inplace=True).mul_(up)))  # [n, d]
                 start += n
-        return combine(out, weights, order, tokens).to(x.dtype).view(x.shape)
+        return combine(torch.cat(outs), weights, order, tokens).to(x.dtype).view(x.shape)
