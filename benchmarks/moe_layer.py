@@ -11,7 +11,8 @@ The default shape is `moe_decode.py`'s (its Mixtral-like and Qwen3-MoE-like chec
 - loop (oneDNN): the same over weights prepacked for oneDNN (`cpu_matmul`'s `onednn` path);
 - grouped: two `torch._grouped_mm` calls over the experts stacked (`cpu_moe.grouped_experts`);
 - loop (int8): int8 expert weights through torch's weight-only int8 kernel (float32/bf16 compute).
-Each cell is the median of --reps steps (after two warm-up steps), microseconds per layer step.
+Each cell is the median of --reps steps (after two warm-up steps), microseconds per layer step; the paths take
+turns step by step, so the machine's load falls on each alike.
 """
 
 from __future__ import annotations
@@ -38,16 +39,20 @@ def layer(hidden: int, expert_size: int, experts: int, top_k: int, dtype: torch.
     return mlp
 
 
-def step_us(mlp: MoeMlp, x: torch.Tensor, reps: int) -> float:
+def steps_us(mlps: dict[str, MoeMlp], x: torch.Tensor, reps: int) -> dict[str, float]:
+    """Median microseconds per step of each layer on x, the layers taking turns step by step (so a change in
+    the machine's load falls on all of them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in mlps}
     with torch.inference_mode():
-        mlp(x)
-        mlp(x)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
+        for mlp in mlps.values():
             mlp(x)
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
+            mlp(x)
+        for _ in range(reps):
+            for name, mlp in mlps.items():
+                t0 = time.perf_counter()
+                mlp(x)
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e6 for name, t in times.items()}
 
 
 def paths(args, dtype: torch.dtype) -> dict[str, MoeMlp]:
@@ -85,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         dtype = getattr(torch, name)
         xs = [torch.randn(1, b, args.hidden, generator=torch.Generator().manual_seed(b)).to(dtype)
               for b in args.batches]
-        for path, mlp in paths(args, dtype).items():
-            cells = [f"{step_us(mlp, x, args.reps):.0f}" for x in xs]
-            print(f"| {name} | {path} | " + " | ".join(cells) + " |", flush=True)
+        layers = paths(args, dtype)
+        cells = [steps_us(layers, x, args.reps) for x in xs]
+        for path in layers:
+            print(f"| {name} | {path} | " + " | ".join(f"{c[path]:.0f}" for c in cells) + " |", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end")
     return 0
 

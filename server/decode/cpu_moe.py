@@ -9,12 +9,13 @@ chosen by measurement once at start (`prepare`), the choice logged in one line.
 - `loop` (`moe.MoeMlp`'s own step, the fallback): one matmul pair per chosen expert through its `Linear`s, so
   whatever they compute with applies: oneDNN prepacked weights, torch's weight-only int8 kernel, fp8 dequantized.
 
-Measured (benchmarks/moe_layer.py, AMD EPYC Zen 4 with avx512_bf16 and no AMX, torch 2.13, one thread, a layer
-of d 512, 8 experts of 1024, top 2): torch 2.13's CPU `_grouped_mm` runs a plain matmul per group, no faster than
-the loop over plain weights (and slower at 16 tokens), while oneDNN's prepacked weights make the loop 2-5x faster
-in fp32 and ~2x in bf16 at 4-16 tokens. So `prepare` keeps the loop wherever the experts are prepacked or
-quantized and measures the two on the layer's own weights otherwise; a torch whose CPU grouped matmul is a real
-kernel wins the measurement without a code change.
+Measured (benchmarks/moe_layer.py, AMD EPYC with AVX-512 and avx512_bf16, no AMX, torch 2.13, one thread, a layer
+of d 512, 8 experts of 1024, top 2, the paths taking turns on a loaded machine): torch 2.13's CPU `_grouped_mm`
+runs a plain matmul per group, within a few percent of the loop over plain weights, while oneDNN's prepacked
+weights make the loop 1.5-2x faster in fp32 and 1.3-1.6x in bf16 at 1-16 tokens (the loop's own Python costs
+~30 us per chosen expert, ~10% of a step at 16 tokens). So `prepare` keeps the loop wherever the experts are
+prepacked or quantized and measures the two on the layer's own weights otherwise; a torch whose CPU grouped
+matmul is a real kernel wins the measurement without a code change.
 """
 
 from __future__ import annotations
