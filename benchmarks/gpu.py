@@ -23,8 +23,9 @@ Life of a run, inside one budget (--time-limit, 500 s for one 600 s device call)
    model: batch 1 against the weight-streaming floor (target 0.85), batch 64 at 4k against the bandwidth
    roofline (target 0.7), each row naming the runner its steps took, graphs or eager; fp8 weights against bf16
    at batch 1, target faster); `kernels` (`gpu_kernels`: the paged kernel's verify form against the reference
-   and the fused MoE kernels against the grouped loop, then verify attention time vs k against the single-query
-   kernel, and the fused MoE step of a Mixtral-shape layer vs batch against the read bandwidth); `prefill` (`gpu_prefill.run`: the served JAX path's MFU at 512 and 4k tokens),
+   and the fused MoE kernels and torch's grouped matmul step against the grouped loop, then verify attention time
+   vs k against the single-query kernel, and the fused MoE step of a Mixtral-shape layer vs batch against the
+   read bandwidth, beside torch's grouped matmul); `prefill` (`gpu_prefill.run`: the served JAX path's MFU at 512 and 4k tokens),
    then `prefill-16k` on its own (only once the 512 and 4k rows are in); `handoff` (KvSender -> KvReceiver ->
    the decode cache on the device, against raw grpcio); `served` (`gpu_served`: a prefill worker, a decode
    worker and a coordinator as processes, greedy parity with transformers, TTFT/ITL through the gRPC API).

@@ -2,13 +2,14 @@
 
 1. checks: the paged kernel's verify form (k + 1 new tokens per sequence, `cuda_attention.paged_verify_attention`)
    against the reference attention for each KV dtype, windowed and not; the fused MoE kernels (`cuda_moe`)
-   against the grouped loop for bf16/fp32, int8 and fp8 expert weights, batches 1 and 5;
+   against the grouped loop for bf16/fp32, int8 and fp8 expert weights, batches 1 and 5, and for plain weights
+   the step through torch's grouped matmul (`cpu_moe.grouped_experts`, the CPU's grouped path) against it too;
 2. verify attention time vs k (1, 3, 7) against the single-query decode kernel on the same cache (Llama-3-8B's
    heads: 32 query / 8 kv, 128 dims, blocks of 16, bf16 KV), and the KV bytes it reads per second against the
    read bandwidth measured in the `ceilings` stage;
 3. the fused MoE step of one Mixtral-8x7B-shape layer (d 4096, 8 experts of 14336, top 2, bf16) vs batch (1, 4,
    16, 64): the chosen experts' weight bytes read per second against the read bandwidth, and its time against
-   the grouped loop's.
+   the grouped loop's and torch's grouped matmul's (`grouped moe` rows).
 Every row rests on its checks (`needs`): a row with a target reads unverified until they passed on the device.
 """
 
@@ -135,7 +136,29 @@ def moe_checks(device, formats: tuple[tuple[str | None, torch.dtype], ...], chec
                                          f"{tol:g})", err, "moe-kernel"))
             except Exception as e:  # noqa: BLE001
                 checks.append(check_type(name, False, f"raised {e!r}", group="moe-kernel"))
+                continue
+            if fmt is None:  # torch's grouped matmul reads plain float weights only
+                checks.append(grouped_check(mlp, x, want, tol, check_type,
+                                            f"torch grouped matmul vs the grouped loop: {str(dtype)[6:]}, batch {batch}"))
     return checks
+
+
+def grouped_check(mlp, x: torch.Tensor, want: torch.Tensor, tol: float, check_type, name: str):
+    """The layer's step through torch's grouped matmul (`cpu_moe.grouped_experts`, the CPU's grouped path, on the
+    device as it is) against the loop's output `want`; the layer left on the path it was on."""
+    fused = mlp.fused
+    try:
+        with torch.inference_mode():
+            mlp.group()  # over the fused kernels' stack where there is one
+            mlp.fused = None
+            got = mlp(x).float()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        return check_type(name, err < tol, f"max error {err:.2e} of the largest output (tolerance {tol:g})", err,
+                          "moe-grouped")
+    except Exception as e:  # noqa: BLE001 - e.g. a device or dtype torch's grouped matmul does not take
+        return check_type(name, False, f"raised {e!r}", group="moe-grouped")
+    finally:
+        mlp.grouped, mlp.fused = False, fused
 
 
 def verify_rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -> None:
@@ -200,8 +223,21 @@ def moe_rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -> N
             chosen = len(set(experts.flatten().tolist()))
             mlp.fused = None
             loop = _timed(lambda: mlp(x), reps, sync, runs)
+            try:
+                mlp.stacked = stacked
+                mlp.group()
+                grouped = _timed(lambda: mlp(x), reps, sync, runs)
+            except Exception as e:  # noqa: BLE001 - its check says why
+                grouped = None
+                out.note(f"grouped moe batch {batch}: torch's grouped matmul raised {e!r}")
+            mlp.grouped = False
             mlp.fused = stacked
             fused = _timed(lambda: mlp(x), reps, sync, runs)
+        if grouped is not None:
+            out.row(row_type("grouped moe", f"batch {batch}: us per layer, torch grouped matmul vs the fused Triton "
+                             f"kernels", grouped * 1e6, fused * 1e6, "us"),
+                    row_type("grouped moe", f"batch {batch}: grouped-loop time / torch grouped matmul time", loop / grouped,
+                             1.0, "x", needs=("moe-grouped",)))
         needs = ("moe-kernel",)
         out.row(row_type("fused moe", f"batch {batch} ({chosen} of {shape['E']} experts chosen): chosen weights read "
                          f"vs bandwidth", chosen * expert_bytes / fused / 1e9, read_gbps, "GB/s",

