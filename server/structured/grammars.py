@@ -84,6 +84,12 @@ class Grammars:
         """This object's own compile threads: a compile past its deadline holds one of these, never a thread
         of the default executor the decode steps use."""
 
+    @staticmethod
+    def options(config) -> dict:
+        """The keyword arguments a worker's config (PrefillConfig, DecodeConfig) sets: its grammar flags."""
+        return dict(limits=SpecLimits.of(config), processes=config.grammar_processes, timeout=config.grammar_timeout,
+                    cache_bytes=config.grammar_cache_bytes)
+
     @classmethod
     def for_model(cls, model_dir: str | Path, vocab_size: int, eos_ids: tuple[int, ...], **kwargs) -> Grammars | None:
         """The checkpoint's grammars; None (structured requests refused, naming the field) when it has no
@@ -106,8 +112,10 @@ class Grammars:
             return self._tokenizer
 
     def warm(self) -> threading.Thread:
-        """Builds the LLTokenizer in a daemon thread (a second or more for a 150k vocabulary), so the first
-        structured request does not wait for it; returns the thread."""
+        """Builds the LLTokenizer in a daemon thread (a second or more for a 150k vocabulary) and starts the
+        grammar children, so the first structured request does not wait for them; returns the thread."""
+        if self.checker is not None:
+            self.checker.pool.start()
         thread = threading.Thread(target=lambda: self.tokenizer, daemon=True, name="grammars-tokenizer")
         thread.start()
         return thread

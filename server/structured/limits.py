@@ -51,6 +51,17 @@ class SpecLimits:
         return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__ if hasattr(config, name)})
 
 
+def check_grammar_settings(config: Any) -> None:
+    """A tier's grammar flags (its config's fields of these names) in range; ValueError naming the flag."""
+    SpecLimits.of(config)
+    if getattr(config, "grammar_processes", 1) < 1:
+        raise ValueError(f"--grammar-processes must be >= 1, got {config.grammar_processes}")
+    if not getattr(config, "grammar_timeout", 1.0) > 0:
+        raise ValueError(f"--grammar-timeout must be > 0 seconds, got {config.grammar_timeout}")
+    if getattr(config, "grammar_cache_bytes", 0) < 0:
+        raise ValueError(f"--grammar-cache-bytes must be >= 0, got {config.grammar_cache_bytes}")
+
+
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
 _OPEN = np.zeros(256, np.int8)
 _OPEN[[ord("{"), ord("[")]] = 1
