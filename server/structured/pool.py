@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 import os
@@ -89,8 +90,15 @@ class _Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def signal_kill(self) -> None:
+        """SIGKILL, from any thread (the slot's thread then sees its socket end and reaps the child)."""
+        if self.proc.returncode is None:
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+
     def kill(self) -> int:
-        """Kills the child (if it still runs) and reaps it; its exit code."""
+        """Kills the child (if it still runs), reaps it and closes its socket (the slot's thread only); its
+        exit code."""
         if self.proc.poll() is None:
             self.proc.kill()
         code = self.proc.wait()
@@ -160,17 +168,17 @@ class GrammarPool:
             self.submit(_ready, timeout=START_TIMEOUT_S)
 
     def close(self) -> None:
-        """Stops the slot threads and kills the children; queued jobs fail."""
+        """Kills the children and stops the slot threads; queued and running jobs fail. Each slot thread
+        reaps its own child (it alone reads that child's socket)."""
         with self._lock:
             self._closed = True
         for _ in self._threads:
             self._jobs.put(None)
-        for i, child in enumerate(self._children):
+        for child in list(self._children):
             if child is not None:
-                child.kill()
-                self._children[i] = None
+                child.signal_kill()
 
-    # ---- a slot: one child, one job at a time -----------------------------------------------
+    # ---- a slot: one child, one job at a time; only the slot's thread touches its child ----------------
 
     def _serve(self, slot: int) -> None:
         while True:
@@ -178,6 +186,7 @@ class GrammarPool:
             if job is None or self._closed:
                 if job is not None:
                     job.future.set_exception(RuntimeError("the grammar pool is closed"))
+                self._replace(slot)
                 return
             if not job.future.set_running_or_notify_cancel():
                 continue
@@ -190,10 +199,13 @@ class GrammarPool:
         child = self._children[slot]
         if child is not None and not child.alive():  # died between jobs: not this job's fault
             log.warning("grammar child %d exited while idle (%s); starting another", child.pid,
-                        _exit_name(child.kill()))
+                        _exit_name(self._replace(slot)))
             child = None
         if child is None:
             child = self._children[slot] = _Child(self.tokenizer)
+        if self._closed:
+            self._replace(slot)
+            raise RuntimeError("the grammar pool is closed")
         return child
 
     def _replace(self, slot: int) -> int:
@@ -208,8 +220,11 @@ class GrammarPool:
             answered = child.conn.poll(job.timeout)
             if answered:
                 status, value = child.conn.recv()
-        except (EOFError, OSError, BrokenPipeError):
+        except (EOFError, OSError):
             answered, status = True, None
+        if self._closed and (not answered or status is None):
+            self._replace(slot)
+            raise RuntimeError("the grammar pool is closed")
         if not answered:
             self.timeouts += 1
             pid = child.pid
