@@ -22,7 +22,6 @@ import os
 import queue
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import weakref
@@ -59,19 +58,27 @@ class _Job:
         self.future: concurrent.futures.Future = concurrent.futures.Future()
 
 
+CHILD_FD = 3
+"""The child's end of its socket, as the child sees it."""
+
+
 class _Child:
     def __init__(self, tokenizer: tuple[str, int, tuple[int, ...]] | None):
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         root = str(Path(pdserve.__file__).parent.parent)  # where this pdserve imports from
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pdserve.server.structured.child", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, env=env,
-                start_new_session=True)  # the terminal's ^C goes to the server, which stops the pool
+        try:  # posix_spawn, not fork: no fork handlers run in this threaded (gRPC) process
+            self.pid = os.posix_spawn(
+                sys.executable, [sys.executable, "-m", "pdserve.server.structured.child", str(CHILD_FD)], env,
+                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                              (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                              (os.POSIX_SPAWN_DUP2, theirs.fileno(), CHILD_FD)],
+                setsid=True)  # the terminal's ^C goes to the server, which stops the pool
         finally:
             theirs.close()
+        self.code: int | None = None
+        """The exit code once reaped (negative: the signal that ended it)."""
         self.conn = Connection(ours.detach())
         self.conn.send(("init", *(tokenizer or (None, 0, ()))))
         if not self.conn.poll(START_TIMEOUT_S):
@@ -83,27 +90,28 @@ class _Child:
             code = self.kill()
             raise RuntimeError(f"a grammar child process exited while starting ({_exit_name(code)})") from e
 
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        if self.code is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.code = os.waitstatus_to_exitcode(status)
+        return self.code is None
 
     def signal_kill(self) -> None:
         """SIGKILL, from any thread (the slot's thread then sees its socket end and reaps the child)."""
-        if self.proc.returncode is None:
+        if self.code is None:
             with contextlib.suppress(OSError):
-                self.proc.kill()
+                os.kill(self.pid, signal.SIGKILL)
 
     def kill(self) -> int:
         """Kills the child (if it still runs), reaps it and closes its socket (the slot's thread only); its
         exit code."""
-        if self.proc.poll() is None:
-            self.proc.kill()
-        code = self.proc.wait()
+        if self.alive():
+            with contextlib.suppress(OSError):
+                os.kill(self.pid, signal.SIGKILL)
+            self.code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         self.conn.close()
-        return code
+        return self.code
 
 
 def _exit_name(code: int | None) -> str:
