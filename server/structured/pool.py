@@ -1,8 +1,9 @@
 """A small pool of spawned child processes (child.py) that runs the native grammar work on client input.
 
 Life cycle of a job: `submit(fn, *args)` queues it and returns a concurrent.futures.Future (`run` awaits it);
-one of the pool's `processes` slot threads takes it, starts its child if it has none (spawned with
-`python -m`, so nothing of the serving process is inherited; its start-up does not count against the job),
+one of the pool's `processes` slot threads takes it, starts its child if it has none (`python -m`, through
+posix_spawn: nothing of the serving process is inherited, and no fork runs in a threaded gRPC process; the
+child's start-up does not count against the job),
 sends it and waits at most `timeout` seconds for the answer. The child dies (a segfault in llguidance, an
 abort) -> ChildFailed("... crashed ..."), and the slot starts a fresh child for its next job; no answer in
 time -> the child is killed, ChildFailed("... did not finish within N s"), and likewise replaced. A job
@@ -79,6 +80,7 @@ class _Child:
             theirs.close()
         self.code: int | None = None
         """The exit code once reaped (negative: the signal that ended it)."""
+        self._reaping = threading.Lock()
         self.conn = Connection(ours.detach())
         self.conn.send(("init", *(tokenizer or (None, 0, ()))))
         if not self.conn.poll(START_TIMEOUT_S):
@@ -91,11 +93,12 @@ class _Child:
             raise RuntimeError(f"a grammar child process exited while starting ({_exit_name(code)})") from e
 
     def alive(self) -> bool:
-        if self.code is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.code = os.waitstatus_to_exitcode(status)
-        return self.code is None
+        with self._reaping:
+            if self.code is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.code = os.waitstatus_to_exitcode(status)
+            return self.code is None
 
     def signal_kill(self) -> None:
         """SIGKILL, from any thread (the slot's thread then sees its socket end and reaps the child)."""
@@ -109,7 +112,9 @@ class _Child:
         if self.alive():
             with contextlib.suppress(OSError):
                 os.kill(self.pid, signal.SIGKILL)
-            self.code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            with self._reaping:
+                if self.code is None:
+                    self.code = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         self.conn.close()
         return self.code
 
