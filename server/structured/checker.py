@@ -11,6 +11,7 @@ The coordinator checks every front's spec here; a worker's Grammars (grammars.py
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import threading
 from collections import OrderedDict
@@ -30,8 +31,11 @@ one in a thread."""
 
 
 class SpecChecker:
-    def __init__(self, limits: SpecLimits | None = None, pool: GrammarPool | None = None, field: str = "structured"):
-        """field: what a refusal names when the caller gives no `where` (`field.<kind>`)."""
+    def __init__(self, limits: SpecLimits | None = None, pool: GrammarPool | None = None, field: str = "structured",
+                 executor: concurrent.futures.Executor | None = None):
+        """field: what a refusal names when the caller gives no `where` (`field.<kind>`); executor: where a
+        large spec's limits are checked (default: the event loop's default executor)."""
+        self.executor = executor
         self.limits = limits or SpecLimits()
         self.pool = pool or shared_pool()
         self.field = field
@@ -51,7 +55,7 @@ class SpecChecker:
         """SpecError naming `where` (default `<field>.<kind>`) when the spec cannot be enforced."""
         where = where or f"{self.field}.{spec.WhichOneof('kind')}"
         if spec.ByteSize() > INLINE_BYTES:
-            await asyncio.to_thread(self._limits, spec, where)
+            await asyncio.get_running_loop().run_in_executor(self.executor, self._limits, spec, where)
         else:
             self._limits(spec, where)
         if self.passed(spec):

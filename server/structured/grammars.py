@@ -48,6 +48,18 @@ LIMITS = dict(max_grammar_size=1_000_000, initial_lexer_fuel=20_000_000)
 _STACK_LOCK = threading.Lock()
 
 
+class _CompileThreads(concurrent.futures.ThreadPoolExecutor):
+    """A bounded thread pool whose threads have COMPILE_STACK_BYTES stacks (a thread starts inside submit)."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        with _STACK_LOCK:
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                return super().submit(fn, *args, **kwargs)
+            finally:
+                threading.stack_size(previous)
+
+
 def matcher_bytes(grammar: str) -> int:
     """The estimated memory of a compiled grammar's matcher (see MATCHER_BYTES_PER_GRAMMAR_BYTE)."""
     return MATCHER_BASE_BYTES + MATCHER_BYTES_PER_GRAMMAR_BYTE * len(grammar)
@@ -78,11 +90,11 @@ class Grammars:
         self.cached_bytes = 0
         self.hits = self.misses = self.evictions = 0
         self._lock = threading.Lock()
+        self._compiles = _CompileThreads(COMPILE_THREADS, thread_name_prefix="grammar-compile")
+        """This object's own threads (compiles, a large spec's limits): a compile past its deadline holds one of
+        these, never a thread of the default executor the decode steps use."""
         self.checker = SpecChecker(limits, shared_pool(processes, timeout, (tokenizer_json, vocab_size, eos_ids)),
-                                   field) if isolated else None
-        self._compiles = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
-        """This object's own compile threads: a compile past its deadline holds one of these, never a thread
-        of the default executor the decode steps use."""
+                                   field, self._compiles) if isolated else None
 
     @staticmethod
     def options(config) -> dict:
@@ -149,12 +161,7 @@ class Grammars:
             return
         if self.checker is not None:
             await self.checker.check(spec)
-        with _STACK_LOCK:  # a compile thread started now gets the large stack
-            previous = threading.stack_size(COMPILE_STACK_BYTES)
-            try:
-                work = self._compiles.submit(self._compile, spec)
-            finally:
-                threading.stack_size(previous)
+        work = self._compiles.submit(self._compile, spec)
         try:
             matcher, grammar = await asyncio.wait_for(asyncio.wrap_future(work), self.timeout)
         except TimeoutError as e:
