@@ -7,6 +7,8 @@ import json
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.coordinator.config import CoordinatorConfig
@@ -121,3 +123,17 @@ def test_the_flags_are_checked_and_reach_the_limits(tmp_path):
         CoordinatorConfig(tmp_path, max_schema_depth=0)
     with pytest.raises(ValueError, match="--grammar-processes must be >= 1, got 0"):
         CoordinatorConfig(tmp_path, grammar_processes=0)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.text(alphabet='{}[]"\\:,ab\u00e9\U0001f600'),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(alphabet='{}[]"\\ab'), inner,
+                                                                                  max_size=4), max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON)
+def test_the_text_depth_is_the_values_depth(value):
+    """json_depth (over the text, strings skipped) and value_depth (over the parsed value) agree on any JSON,
+    whatever brackets, quotes and escapes its strings hold."""
+    assert json_depth(json.dumps(value)) == value_depth(value)
+    assert json_depth(json.dumps(value, ensure_ascii=False)) == value_depth(value)
