@@ -40,7 +40,7 @@ def structured_output(response_format: dict[str, Any] | None,
 
 def structured_where(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None) -> str | None:
     """The field a refusal of the request's constraint names."""
-    if response_format is not None:
+    if response_format is not None and response_format.get("type") != "text":
         where = f"response_format.{response_format.get('type')}"
         return where + ".schema" if where == "response_format.json_schema" else where
     if structured_outputs is not None:
