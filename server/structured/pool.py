@@ -263,7 +263,8 @@ def shared_pool(processes: int = DEFAULT_PROCESSES, timeout: float = DEFAULT_TIM
                 tokenizer: tuple[str, int, tuple[int, ...]] | None = None) -> GrammarPool:
     """The process's one pool for these settings (every Grammars and SpecChecker of one tokenizer shares its
     children, however many are built)."""
-    key = (processes, timeout, None if tokenizer is None else (hashlib.sha256(tokenizer[0].encode()).hexdigest(), *tokenizer[1:]))
+    digest = None if tokenizer is None else (hashlib.sha256(tokenizer[0].encode()).hexdigest(), *tokenizer[1:])
+    key = (processes, timeout, digest)
     with _SHARED_LOCK:
         pool = _SHARED.get(key)
         if pool is None or pool._closed:
