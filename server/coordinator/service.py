@@ -93,6 +93,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             valid = await self._validate(request)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:  # the grammar processes are overloaded
+            await context.abort(e.code, e.details, e.metadata)
         # context.write (not yield) keeps every await inside this task, and aclosing runs the
         # stream's cleanup (cancelling the worker calls) the moment the client's call ends.
         responses = self._generate(valid, context.time_remaining())

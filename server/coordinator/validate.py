@@ -6,9 +6,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+import grpc
+
 from pdserve.v1 import generation_pb2
+from pdserve.server import metrics, serving
+from pdserve.server.coordinator.admission import RequestFailed
 from pdserve.server.sampling_rules import sampling_problem, with_defaults
-from pdserve.server.structured.checker import SpecChecker
+from pdserve.server.structured.checker import ChecksBusy, SpecChecker
 from pdserve.server.structured.spec import SpecError
 
 MAX_STOP_STRINGS = 16
@@ -71,12 +75,16 @@ def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> g
 
 async def check_spec(spec: generation_pb2.StructuredOutput, checker: SpecChecker, where: str | None = None) -> None:
     """The structured-output spec (if set) within its limits and valid, checked by a grammar child process
-    (its native work never runs here) while the event loop runs on; InvalidRequest naming `where`."""
+    (its native work never runs here) while the event loop runs on; InvalidRequest naming `where`, or
+    RequestFailed RESOURCE_EXHAUSTED (with a retry hint) when the grammar processes are overloaded."""
     if spec.WhichOneof("kind"):
         try:
             await checker.check(spec, where)
         except SpecError as e:
             raise InvalidRequest(str(e)) from e
+        except ChecksBusy as e:
+            metrics.request_failure.labels(grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; you may retry", serving.retry_hint()) from e
 
 
 def validate_prompt_ids(ids: list[int], limits: Limits) -> None:

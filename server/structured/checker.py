@@ -20,7 +20,7 @@ from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server import metrics
 from pdserve.server.structured import child
 from pdserve.server.structured.limits import SpecLimits, check_spec
-from pdserve.server.structured.pool import ChildFailed, GrammarPool, JobError, shared_pool
+from pdserve.server.structured.pool import ChildFailed, GrammarPool, JobError, PoolBusy, shared_pool
 from pdserve.server.structured.spec import SpecError
 
 MAX_PASSED = 4096
@@ -28,6 +28,10 @@ MAX_PASSED = 4096
 INLINE_BYTES = 16 * 1024
 """A spec at most this large has its limits checked on the event loop (well under a millisecond); a larger
 one in a thread."""
+
+
+class ChecksBusy(Exception):
+    """The grammar processes have more checks waiting than they queue: an overload, the client may retry."""
 
 
 class SpecChecker:
@@ -52,7 +56,8 @@ class SpecChecker:
             return self.digest(spec) in self._passed
 
     async def check(self, spec: gen_pb.StructuredOutput, where: str | None = None) -> None:
-        """SpecError naming `where` (default `<field>.<kind>`) when the spec cannot be enforced."""
+        """SpecError naming `where` (default `<field>.<kind>`) when the spec cannot be enforced; ChecksBusy when
+        the grammar processes are overloaded."""
         where = where or f"{self.field}.{spec.WhichOneof('kind')}"
         if spec.ByteSize() > INLINE_BYTES:
             await asyncio.get_running_loop().run_in_executor(self.executor, self._limits, spec, where)
@@ -62,6 +67,9 @@ class SpecChecker:
             return
         try:
             problem = await self.pool.run(child.check, spec.SerializeToString(), where, self.field)
+        except PoolBusy as e:
+            metrics.grammar_checks.labels("busy").inc()
+            raise ChecksBusy(f"{where}: {e}; retry later") from e
         except (ChildFailed, JobError) as e:
             raise self._failure(where, e) from e
         self._record(spec, problem)
@@ -74,6 +82,9 @@ class SpecChecker:
             return
         try:
             problem = self.pool.submit(child.check, spec.SerializeToString(), where, self.field).result()
+        except PoolBusy as e:
+            metrics.grammar_checks.labels("busy").inc()
+            raise ChecksBusy(f"{where}: {e}; retry later") from e
         except (ChildFailed, JobError) as e:
             raise self._failure(where, e) from e
         self._record(spec, problem)

@@ -37,6 +37,8 @@ log = logging.getLogger("pdserve.grammar")
 
 DEFAULT_PROCESSES = 2
 DEFAULT_TIMEOUT_S = 10.0
+QUEUED_PER_PROCESS = 64
+"""Jobs that may wait per child; past that, submit refuses (PoolBusy) rather than queue without bound."""
 START_TIMEOUT_S = 120.0
 """A child's start-up (imports, and the LLTokenizer of a large vocabulary) before it is given up as broken."""
 
@@ -47,6 +49,10 @@ class ChildFailed(Exception):
     def __init__(self, message: str, timed_out: bool):
         super().__init__(message)
         self.timed_out = timed_out
+
+
+class PoolBusy(RuntimeError):
+    """More jobs wait than the pool queues (`max_queued`): the caller may retry later."""
 
 
 class JobError(RuntimeError):
@@ -130,9 +136,10 @@ def _exit_name(code: int | None) -> str:
 
 class GrammarPool:
     def __init__(self, processes: int = DEFAULT_PROCESSES, timeout: float = DEFAULT_TIMEOUT_S,
-                 tokenizer: tuple[str, int, tuple[int, ...]] | None = None):
+                 tokenizer: tuple[str, int, tuple[int, ...]] | None = None, max_queued: int | None = None):
         """processes: children (and jobs at once); timeout: a job's deadline in seconds; tokenizer:
-        (tokenizer.json text, vocab_size, eos_ids) for each child's LLTokenizer (trial compiles), or None."""
+        (tokenizer.json text, vocab_size, eos_ids) for each child's LLTokenizer (trial compiles), or None;
+        max_queued: jobs that may wait (default QUEUED_PER_PROCESS per child)."""
         if processes < 1:
             raise ValueError(f"--grammar-processes must be >= 1, got {processes}")
         if not timeout > 0:
@@ -140,6 +147,7 @@ class GrammarPool:
         self.processes = processes
         self.timeout = timeout
         self.tokenizer = tokenizer
+        self.max_queued = QUEUED_PER_PROCESS * processes if max_queued is None else max_queued
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._children: list[_Child | None] = [None] * processes
         self._threads: list[threading.Thread] = []
@@ -158,11 +166,13 @@ class GrammarPool:
     def submit(self, fn: Callable[..., Any], *args: Any, timeout: float | None = None) -> concurrent.futures.Future:
         """Runs fn(*args) (a module-level function: it is pickled by name) in a child; the future's result is
         its return value, or ChildFailed (crash, deadline), JobError (the job raised) or RuntimeError (no child
-        could start)."""
+        could start). PoolBusy at once when `max_queued` jobs wait already."""
         job = _Job(fn, args, self.timeout if timeout is None else timeout)
         with self._lock:
             if self._closed:
                 raise RuntimeError("the grammar pool is closed")
+            if self._jobs.qsize() >= self.max_queued:
+                raise PoolBusy(f"{self._jobs.qsize()} grammar checks wait for the {self.processes} grammar processes")
             if not self._threads:
                 self._threads = [threading.Thread(target=self._serve, args=(i,), daemon=True, name=f"grammar-{i}")
                                  for i in range(self.processes)]

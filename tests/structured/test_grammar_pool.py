@@ -87,6 +87,30 @@ def test_a_timeout_kills_and_replaces_the_child(pool):
     assert p.submit(os.getpid).result(60) not in (pid, None)
 
 
+async def test_a_full_queue_refuses_at_once_and_the_client_may_retry(pool):
+    import grpc
+
+    from pdserve.server.coordinator.admission import RequestFailed
+    from pdserve.server.coordinator.validate import check_spec
+    from pdserve.server.structured.pool import PoolBusy
+
+    p = pool()
+    p.max_queued = 1
+    running = p.submit(time.sleep, 2)
+    for _ in range(100):  # the slot thread takes it off the queue
+        if p._jobs.qsize() == 0:
+            break
+        time.sleep(0.02)
+    waiting = p.submit(os.getpid)
+    with pytest.raises(PoolBusy, match="1 grammar checks wait for the 1 grammar processes"):
+        p.submit(os.getpid)
+    with pytest.raises(RequestFailed) as e:
+        await check_spec(SO(regex="[ab]+"), SpecChecker(SpecLimits(), p), "structured_outputs.regex")
+    assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "you may retry" in e.value.details
+    assert e.value.details.startswith("structured_outputs.regex: ") and dict(e.value.metadata)
+    assert running.result(60) is None and waiting.result(60) > 0  # the queued jobs are served
+
+
 async def test_specs_that_crash_llguidance_are_refused_and_the_next_spec_passes(pool):
     checker = SpecChecker(UNLIMITED, pool(), field="structured")
     for spec in (SO(grammar=chained_rules(3000)), SO(json_schema=json.dumps(chained_defs(1500)))):

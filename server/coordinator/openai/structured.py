@@ -13,7 +13,8 @@ import json
 from typing import Any
 
 from pdserve.v1 import generation_pb2
-from pdserve.server.coordinator.openai.errors import ApiError
+from pdserve.server.coordinator.admission import RequestFailed
+from pdserve.server.coordinator.openai.errors import ApiError, api_error
 from pdserve.server.coordinator.validate import InvalidRequest
 
 StructuredOutput = generation_pb2.StructuredOutput
@@ -56,6 +57,8 @@ async def check_structured(generation: Any, spec: StructuredOutput, where: str |
             await generation.check_spec(spec, where)
         except InvalidRequest as e:
             raise ApiError(400, str(e), param=where) from e
+        except RequestFailed as e:  # the grammar processes are overloaded: 429, retry
+            raise api_error(e) from e
 
 
 def schema_json(schema: Any, where: str) -> str:
