@@ -46,6 +46,12 @@ class SpecLimits:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
 
     @classmethod
+    def unbounded(cls) -> SpecLimits:
+        """No limits: for a process that compiles only specs a worker already held to its flags' limits (vLLM's
+        logits processor, grammar_processor.py); its native work still runs in a grammar child first."""
+        return cls(*(2**62,) * len(cls.__dataclass_fields__))
+
+    @classmethod
     def of(cls, config: Any) -> SpecLimits:
         """The limits a tier's config sets (fields of the same names; the defaults for those it lacks)."""
         return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__ if hasattr(config, name)})
