@@ -1,4 +1,4 @@
-"""Compiled grammars for one tokenizer, in a byte-bounded LRU keyed by a hash of (grammar, tokenizer); a spec
+"""Compiled grammars for one tokenizer, in a byte-bounded LRU keyed by a hash of (spec, tokenizer); a spec
 is compiled here only after a child process passed it, on this object's own bounded executor.
 
 A worker holds one `Grammars` for its model. `prepare(spec)` (async) first has a grammar child (pool.py,
