@@ -195,10 +195,13 @@ def _check_model(model_dir: Path, max_model_len: int | None = None) -> None:
         raise SystemExit(f"pdserve: cannot serve {model_dir}: {e}")
 
 
-UP_SHARED = ("served_model_name", "max_model_len")
+UP_SHARED = ("served_model_name", "max_model_len", "grammar_processes", "grammar_timeout", "max_spec_bytes",
+             "max_schema_depth", "max_schema_defs", "max_grammar_rules")
 """`pdserve up`'s flags that every tier takes."""
+UP_WORKERS = ("grammar_cache_bytes",)
+"""`pdserve up`'s flags that both worker tiers take."""
 UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", "max_coalesce", "decode_streams",
-                  "enable_auto_tool_choice", "tool_call_parser")
+                  "enable_auto_tool_choice", "tool_call_parser", "max_tools", "max_tool_schema_bytes")
 UP_PREFILL = ("tensor_parallel_size", "expert_parallel_size", "max_batch_tokens", "max_prefill_chunk",
               "prefix_cache_bytes", "kv_streams", "prefill_order", "compilation_cache", "compile_before_serving")
 UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager",
@@ -257,9 +260,9 @@ def _tier_configs(args, model: Path,
         return (
             config_from_args(CoordinatorConfig, args, only=UP_SHARED + UP_COORDINATOR, model_dir=model,
                              http_port=http_port),
-            config_from_args(PrefillConfig, args, only=UP_SHARED + UP_PREFILL, model_dir=model,
+            config_from_args(PrefillConfig, args, only=UP_SHARED + UP_WORKERS + UP_PREFILL, model_dir=model,
                              weight_dtype=prefill_weights),
-            config_from_args(DecodeConfig, args, only=UP_SHARED + UP_DECODE, model_dir=model,
+            config_from_args(DecodeConfig, args, only=UP_SHARED + UP_WORKERS + UP_DECODE, model_dir=model,
                              weight_dtype=decode_dtypes["decode_weight_dtype"], kv_dtype=decode_dtypes["kv_dtype"],
                              device=args.decode_device, engine=args.decode_engine, **vllm),
         )
@@ -487,6 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
     _vllm_dtype_args(p)
     g = p.add_argument_group("every tier")
     add_flags(g, CoordinatorConfig, only=UP_SHARED)
+    add_flags(g, PrefillConfig, only=UP_WORKERS)
     g = p.add_argument_group("the coordinator (its flags)")
     add_flags(g, CoordinatorConfig, only=UP_COORDINATOR)
     g = p.add_argument_group("the prefill workers (their flags)")

@@ -191,6 +191,14 @@ spec_decode_num_accepted_tokens_per_pos = _pd(Counter, "spec_decode_num_accepted
                                               "the proposal (0: the first)", ("position",),
                                               vllm="spec_decode_num_accepted_tokens_per_pos")
 decode_refusals = _pd(Counter, "decode_refusals", "Decode workers refusing a request for lack of room (another replica took the blocks); picked again")
+grammar_checks = _pd(Counter, "grammar_checks", "Structured-output specs checked in a grammar child process, by outcome "
+                     "(passed, refused, limit: over a --max-* limit before any native work, crash, timeout, error)",
+                     ("outcome",))
+grammar_cache_hits = _pd(Counter, "grammar_cache_hits", "Compiled grammars found in the worker's cache")
+grammar_cache_misses = _pd(Counter, "grammar_cache_misses", "Grammars compiled because the worker's cache lacked them")
+grammar_cache_evictions = _pd(Counter, "grammar_cache_evictions",
+                              "Compiled grammars evicted from the worker's cache to stay within --grammar-cache-bytes")
+grammar_cache_bytes = _pd(Gauge, "grammar_cache_bytes", "Estimated bytes of the compiled grammars a worker caches")
 
 
 class _OfRole(Series):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.server.flags import flag
+from pdserve.server.structured.limits import check_grammar_settings
 from pdserve.server.vocabulary import (DECODE_POLICIES, DECODE_STREAMS, PREFILL_POLICIES, TOOL_CALL_PARSERS,
                                        DecodePolicy, DecodeStreams, PrefillPolicy, ToolCallParser)
 
@@ -88,7 +89,26 @@ class CoordinatorConfig:
     reuse_port: bool = False
     """Bind the public ports with SO_REUSEPORT, so several coordinator processes share them (`--reuse-port`)."""
 
+    grammar_processes: int = 2
+    """Child processes that check (and on a worker trial-compile) structured-output specs, so a spec that
+    crashes or stalls the grammar compiler kills only a child and is refused."""
+    grammar_timeout: float = 10.0
+    """Seconds a spec's check in a grammar child, and its compile, may take before it is refused as too complex."""
+    max_spec_bytes: int = 256 * 1024
+    """A structured-output schema's, regex's, grammar's or structural tag's UTF-8 size."""
+    max_schema_depth: int = 128
+    """How deep a JSON schema's objects and arrays may nest."""
+    max_schema_defs: int = 256
+    """`$defs` and `definitions` entries in one JSON schema, all levels together."""
+    max_grammar_rules: int = 1024
+    """Rules in a Lark or GBNF grammar."""
+    max_tools: int = 128
+    """OpenAI tools in one request."""
+    max_tool_schema_bytes: int = 256 * 1024
+    """One request's tool `parameters` schemas together, as JSON bytes."""
+
     def __post_init__(self) -> None:
+        check_grammar_settings(self)
         self.model_dir = Path(self.model_dir)
         self.prefill_addresses = list(self.prefill_addresses)
         self.decode_addresses = list(self.decode_addresses)

@@ -442,6 +442,13 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
         self, inference: Inference, timeout: float | None
     ) -> AsyncIterator[service_pb2.ModelInferResponse]:
         """The request's responses: text deltas when streaming, else one with the whole text."""
+        kind = inference.sampling.structured.WhichOneof("kind")
+        if kind:  # checked by a grammar child of this process; the refusal names KServe's field
+            try:
+                await self.generation.check_spec(inference.sampling.structured,
+                                                 f"structured_outputs.{'json' if kind == 'json_schema' else kind}")
+            except InvalidRequest as e:
+                raise BadInput(str(e)) from e
         stream = self.generation.stream(
             inference.generate_request(), _min_timeout(timeout, inference.timeout)
         )

@@ -26,10 +26,20 @@ from pdserve.server import metrics
 from pdserve.server.metrics import serve_metrics
 from pdserve.server.security import ApiKeyInterceptor
 from pdserve.server.serving import cluster_auth, new_server, set_serving, wait_for_signal
+from pdserve.server.structured.checker import SpecChecker
+from pdserve.server.structured.limits import SpecLimits
+from pdserve.server.structured.pool import GrammarPool
 
 log = logging.getLogger("pdserve.coordinator")
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+
+
+def spec_checker(config: CoordinatorConfig) -> SpecChecker:
+    """The coordinator's grammar child processes (started now) and the spec limits of its flags."""
+    pool = GrammarPool(config.grammar_processes, config.grammar_timeout)
+    pool.start()
+    return SpecChecker(SpecLimits.of(config), pool, field="structured")
 
 
 @dataclass
@@ -53,6 +63,7 @@ class Coordinator:
         await asyncio.gather(self.server.stop(grace), *([self.http.stop(grace)] if self.http else []),
                              *([self.registry_server.stop(grace)] if self.registry_server else []))
         await self.service.steps.close()
+        self.service.checker.pool.close()
         await self.pool.close()
 
 
@@ -89,7 +100,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
                                 default_timeout=config.default_timeout,
                                 max_migrations=config.max_migrations, stall_timeout=config.stall_timeout,
                                 ttft_budget=config.ttft_budget, decode_streams=config.decode_streams,
-                                max_coalesce=config.max_coalesce)
+                                max_coalesce=config.max_coalesce, checker=spec_checker(config))
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, config.model_name, lambda: pool.serving,
                                               max_model_len), server)

@@ -42,9 +42,10 @@ from pdserve.server.coordinator.request_state import RequestState
 from pdserve.server.coordinator.router import Router
 from pdserve.server.coordinator.shared_prompt import SharedPrompt
 from pdserve.server.coordinator.steps_stream import StepsClients
-from pdserve.server.coordinator.validate import InvalidRequest, Limits, ValidRequest, validate
+from pdserve.server.coordinator.validate import InvalidRequest, Limits, ValidRequest, check_spec, validate
 from pdserve.server.finish import finish_name, finish_reason, stop_token_id
 from pdserve.server.model.tokenizer import Tokenizer
+from pdserve.server.structured.checker import SpecChecker
 
 log = logging.getLogger("pdserve.coordinator")
 
@@ -72,8 +73,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         ttft_budget: float = 0.0,
         decode_streams: str = "batched",
         max_coalesce: int = 64,
+        checker: SpecChecker | None = None,
     ):
         self.tokenizer = tokenizer
+        self.checker = checker or SpecChecker(field="structured")
+        """Structured-output specs are checked by its grammar child processes (never in this process)."""
         self.limits = limits
         self.router = router
         self.default_timeout = default_timeout
@@ -92,6 +96,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             valid = await self._validate(request)
         except InvalidRequest as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except RequestFailed as e:  # the grammar processes are overloaded
+            await context.abort(e.code, e.details, e.metadata)
         # context.write (not yield) keeps every await inside this task, and aclosing runs the
         # stream's cleanup (cancelling the worker calls) the moment the client's call ends.
         responses = self._generate(valid, context.time_remaining())
@@ -124,16 +130,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def _validate(self, request: generation_pb2.GenerateRequest) -> ValidRequest:
         try:
             try:
-                if len(request.text) > LONG_TEXT_CHARS or request.sampling.structured.WhichOneof("kind"):
-                    return await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
-                return validate(request, self.tokenizer, self.limits)
+                if len(request.text) > LONG_TEXT_CHARS:
+                    valid = await asyncio.to_thread(validate, request, self.tokenizer, self.limits)
+                else:
+                    valid = validate(request, self.tokenizer, self.limits)
             except CLIENT_INPUT_ERRORS as e:  # reading the client's input failed past the field checks
                 log.warning("validating a request raised %r past the field checks", e)
-                field = "sampling.structured" if request.sampling.structured.WhichOneof("kind") else "request"
-                raise InvalidRequest(f"{field}: cannot be read ({type(e).__name__}: {str(e)[:200]})") from e
+                raise InvalidRequest(f"request: cannot be read ({type(e).__name__}: {str(e)[:200]})") from e
+            await self.check_spec(valid.sampling.structured)
+            return valid
         except InvalidRequest:
             metrics.request_failure.labels(grpc.StatusCode.INVALID_ARGUMENT.name).inc()
             raise
+
+    async def check_spec(self, spec: generation_pb2.StructuredOutput, where: str | None = None) -> None:
+        """A structured-output spec checked in a grammar child, off the event loop (a front names its own
+        field as `where`; a spec passed once is not checked again); InvalidRequest naming the field."""
+        await check_spec(spec, self.checker, where)
 
     # ---- one request, across attempts ---------------------------------------------------
 

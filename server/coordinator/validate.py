@@ -6,9 +6,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
+import grpc
+
 from pdserve.v1 import generation_pb2
+from pdserve.server import metrics, serving
+from pdserve.server.coordinator.admission import RequestFailed
 from pdserve.server.sampling_rules import sampling_problem, with_defaults
-from pdserve.server.structured.spec import spec_problem
+from pdserve.server.structured.checker import ChecksBusy, SpecChecker
+from pdserve.server.structured.spec import SpecError
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 1024
@@ -52,15 +57,12 @@ class ValidRequest:
 
 def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> generation_pb2.SamplingParams:
     """Every default filled in and every value in bounds (server/sampling_rules.py, the workers' rule too);
-    the stop strings, which only the coordinator reads, within their count and size."""
+    the stop strings, which only the coordinator reads, within their count and size. The structured-output
+    spec is `check_spec`'s, awaited after this."""
     sampling = with_defaults(given)
     problem = sampling_problem(sampling, limits.vocab_size)
     if problem:
         raise InvalidRequest(problem)
-    if sampling.structured.WhichOneof("kind"):  # the grammar's syntax and keywords; the workers compile it
-        problem = spec_problem(sampling.structured, "structured")
-        if problem:
-            raise InvalidRequest(problem)
     if len(given.stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop holds {len(given.stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
     if any(not s for s in given.stop):
@@ -69,6 +71,20 @@ def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> g
         if len(s) * 4 > MAX_STOP_BYTES and len(s.encode()) > MAX_STOP_BYTES:
             raise TooLarge(f"stop: a stop string of {len(s.encode())} bytes; the limit is {MAX_STOP_BYTES} bytes")
     return sampling
+
+
+async def check_spec(spec: generation_pb2.StructuredOutput, checker: SpecChecker, where: str | None = None) -> None:
+    """The structured-output spec (if set) within its limits and valid, checked by a grammar child process
+    (its native work never runs here) while the event loop runs on; InvalidRequest naming `where`, or
+    RequestFailed RESOURCE_EXHAUSTED (with a retry hint) when the grammar processes are overloaded."""
+    if spec.WhichOneof("kind"):
+        try:
+            await checker.check(spec, where)
+        except SpecError as e:
+            raise InvalidRequest(str(e)) from e
+        except ChecksBusy as e:
+            metrics.request_failure.labels(grpc.StatusCode.RESOURCE_EXHAUSTED.name).inc()
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{e}; you may retry", serving.retry_hint()) from e
 
 
 def validate_prompt_ids(ids: list[int], limits: Limits) -> None:

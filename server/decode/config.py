@@ -9,6 +9,7 @@ from pdserve.server.decode.device import parse_bytes, parse_device
 from pdserve.server.decode.spec.config import SpeculativeConfig, parse_speculative_config
 from pdserve.server.decode.spec.draft_checkpoint import check_draft_checkpoint
 from pdserve.server.flags import flag
+from pdserve.server.structured.limits import check_grammar_settings
 from pdserve.server.vocabulary import CPU_MATMULS, DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, CpuMatmul, DecodeEngine, KvDtypeChoice, WeightDtype
 
 
@@ -70,7 +71,24 @@ class DecodeConfig:
     """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector (needs vLLM
     installed: pdserve[vllm], or make vllm-venv)."""
 
+    grammar_processes: int = 2
+    """Child processes that check (and on a worker trial-compile) structured-output specs, so a spec that
+    crashes or stalls the grammar compiler kills only a child and is refused."""
+    grammar_timeout: float = 10.0
+    """Seconds a spec's check in a grammar child, and its compile, may take before it is refused as too complex."""
+    max_spec_bytes: int = 256 * 1024
+    """A structured-output schema's, regex's, grammar's or structural tag's UTF-8 size."""
+    max_schema_depth: int = 128
+    """How deep a JSON schema's objects and arrays may nest."""
+    max_schema_defs: int = 256
+    """`$defs` and `definitions` entries in one JSON schema, all levels together."""
+    max_grammar_rules: int = 1024
+    """Rules in a Lark or GBNF grammar."""
+    grammar_cache_bytes: int = 512 * 2**20
+    """Compiled grammars cached, in (estimated) bytes; the least recently used are evicted past it."""
+
     def __post_init__(self) -> None:
+        check_grammar_settings(self)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"--block-size must be a power of two, got {self.block_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:

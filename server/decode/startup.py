@@ -156,7 +156,7 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
                           eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
                           cuda_graphs=cuda_graphs, speculative=config.speculative, draft_model=draft,
                           grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
-                                                      tuple(model_config.eos_token_ids)))
+                                                      tuple(model_config.eos_token_ids), **Grammars.options(config)))
     if engine.grammars is not None:
         engine.grammars.warm()
     log.info("decode KV cache on %s: %d blocks x %d tokens = %d tokens (%s, %.1f MiB incl. scales; %s); %s",

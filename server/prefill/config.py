@@ -8,6 +8,7 @@ from pathlib import Path
 from pdserve.server.flags import flag
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder
 from pdserve.server.prefill.warmup import COMPILE_BEFORE_SERVING, CompileBeforeServing
+from pdserve.server.structured.limits import check_grammar_settings
 from pdserve.server.vocabulary import WEIGHT_DTYPES, WeightDtype
 
 
@@ -78,7 +79,24 @@ class PrefillConfig:
     (1536 tokens: 48 s). Faster ageing turns the order back into fifo once the backlog is longer than
     that: at 256 tokens/s (6 s), short prompts still waited a minute behind old long ones (prefill_overload)."""
 
+    grammar_processes: int = 2
+    """Child processes that check (and on a worker trial-compile) structured-output specs, so a spec that
+    crashes or stalls the grammar compiler kills only a child and is refused."""
+    grammar_timeout: float = 10.0
+    """Seconds a spec's check in a grammar child, and its compile, may take before it is refused as too complex."""
+    max_spec_bytes: int = 256 * 1024
+    """A structured-output schema's, regex's, grammar's or structural tag's UTF-8 size."""
+    max_schema_depth: int = 128
+    """How deep a JSON schema's objects and arrays may nest."""
+    max_schema_defs: int = 256
+    """`$defs` and `definitions` entries in one JSON schema, all levels together."""
+    max_grammar_rules: int = 1024
+    """Rules in a Lark or GBNF grammar."""
+    grammar_cache_bytes: int = 512 * 2**20
+    """Compiled grammars cached, in (estimated) bytes; the least recently used are evicted past it."""
+
     def __post_init__(self) -> None:
+        check_grammar_settings(self)
         if self.max_batch_size <= 0:
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.weight_dtype not in WEIGHT_DTYPES:

@@ -124,7 +124,7 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
                      [d.process_index for d in mesh.devices.flat])
     loaded = time.perf_counter() - t0
     grammars = Grammars.for_model(config.model_dir, params.get("lm_head", params["embed"]).shape[0],
-                                  tuple(model_config.eos_token_ids))
+                                  tuple(model_config.eos_token_ids), **Grammars.options(config))
     engine = PrefillEngine(model_config, params, config, grammars=grammars)
     if grammars is not None:
         grammars.warm()

@@ -31,6 +31,7 @@ from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.engine import PrefillEngine, PrefillJob
 from pdserve.server.prefill.push_budget import PushBudget
 from pdserve.server.structured.constraint import Constraint
+from pdserve.server.structured.grammars import request_constraint
 from pdserve.server.structured.spec import SpecError
 
 log = logging.getLogger("pdserve.prefill")
@@ -78,19 +79,12 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         """Prefill calls being served now."""
 
     async def _constraint(self, request: pb.PrefillRequest) -> Constraint | None:
-        """The request's grammar, compiled off the loop in bounded time, after the outputs so far (the last
-        sample_index tokens, a migration's); SpecError or ValueError when it cannot be enforced."""
-        spec = request.sampling.structured
-        if not spec.WhichOneof("kind"):
-            return None
+        """The request's grammar, checked in a grammar child then compiled off the loop in bounded time, after
+        the outputs so far (`Grammars.for_request`); SpecError or ValueError when it cannot be enforced."""
         grammars = self.engine.grammars
-        if grammars is None:
-            raise ValueError("sampling.structured: this prefill worker has no tokenizer to compile grammars with")
-        await grammars.prepare(spec)
-        constraint = grammars.constraint(spec)
-        n = request.sample_index
-        constraint.replay(request.token_ids[len(request.token_ids) - n:] if n else [])
-        return constraint
+        if grammars is not None and request.sampling.structured.WhichOneof("kind"):
+            await grammars.prepare(request.sampling.structured)
+        return request_constraint(grammars, request, "prefill")
 
     def _check_target(self, layout: KvLayout) -> str | None:
         c = self.model_config

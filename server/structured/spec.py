@@ -1,8 +1,9 @@
 """A StructuredOutput as the llguidance grammar every tier compiles, and the refusal of one that is not valid.
 
-The coordinator checks a client's spec here (no tokenizer needed: the grammar's syntax, the schema's keywords,
-the regex) and refuses it naming the field; the workers compile it against their tokenizer (grammars.py) and
-refuse what still fails, whoever sent it. JSON is compact: no whitespace between tokens, so a weak or random
+Every function here runs llguidance on the client's text: only a grammar child (child.py) calls them on a spec
+that has not passed one (checker.py). There the spec is checked (no tokenizer needed: the grammar's syntax, the
+schema's keywords, the regex) and refused naming the field; the workers compile it against their tokenizer
+(grammars.py) and refuse what still fails, whoever sent it. The spec's sizes are limits.py's, checked first. JSON is compact: no whitespace between tokens, so a weak or random
 model cannot spend its budget on spaces (llguidance's `whitespace_flexible` off).
 """
 
@@ -14,8 +15,6 @@ import llguidance
 
 from pdserve.v1 import generation_pb2 as gen_pb
 
-MAX_SPEC_BYTES = 256 * 1024
-"""A schema, regex, grammar or structural tag's UTF-8 size; a larger one is refused before compiling."""
 MAX_CHOICES = 1024
 JSON_OPTIONS = {"whitespace_flexible": False}
 """Compact JSON: "," and ":" with no whitespace around them."""
@@ -36,8 +35,6 @@ def grammar_of(spec: gen_pb.StructuredOutput, field: str = "structured", where: 
     kind = kind_of(spec)
     where = where or f"{field}.{kind}"
     text = "" if kind in (None, "json_object", "choice") else getattr(spec, kind)
-    if len(text) * 4 > MAX_SPEC_BYTES and len(text.encode()) > MAX_SPEC_BYTES:
-        raise SpecError(f"{where}: {len(text.encode())} bytes; the limit is {MAX_SPEC_BYTES} bytes")
     try:
         if kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, defaults=JSON_OPTIONS)

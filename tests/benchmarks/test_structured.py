@@ -19,7 +19,7 @@ async def test_both_phases_run_every_stream_to_the_budget(tiny_model):
     config = load_config(path)
     eos = tuple(config.eos_token_ids)
     times = compile_times(path, config.vocab_size, eos)
-    assert set(times) == {"tokenizer_s", "compile_cold_s", "compile_cached_s", "constraint_s"}
+    assert set(times) == {"tokenizer_s", "check_s", "compile_cold_s", "compile_cached_s", "constraint_s"}
     assert all(t > 0 for t in times.values())
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=16, dtype="float32")
     engine = DecodeEngine(build_model(config, load_weights(path)), layout, num_blocks=STREAMS * 4,

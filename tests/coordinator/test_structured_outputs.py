@@ -9,12 +9,23 @@ import pytest
 
 from pdserve.v1 import generation_pb2
 from pdserve.server.coordinator.openai.errors import ApiError
-from pdserve.server.coordinator.openai.structured import structured_output
-from pdserve.server.coordinator.validate import InvalidRequest, Limits, validate_sampling
+from pdserve.server.coordinator.openai.structured import check_structured, structured_output, structured_where
+from pdserve.server.coordinator.validate import InvalidRequest, Limits, check_spec, validate_sampling
+from pdserve.server.structured.checker import SpecChecker
 from tests.coordinator.test_openai import MODEL, client, cluster, model_dir  # noqa: F401 (fixtures)
 
 SO = generation_pb2.StructuredOutput
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+class Checks:
+    """What the OpenAI front awaits of GenerationService: its spec check, in a grammar child process."""
+
+    def __init__(self):
+        self.checker = SpecChecker(field="structured")
+
+    async def check_spec(self, spec, where=None):
+        await check_spec(spec, self.checker, where)
 
 
 @pytest.mark.parametrize("response_format, structured_outputs, want", [
@@ -51,19 +62,23 @@ def test_each_form_maps_to_its_structured_output(response_format, structured_out
     (None, {"regex": "a", "whitespace_pattern": " "}, "structured_outputs.whitespace_pattern", "not supported"),
     ({"type": "json_object"}, {"regex": "a"}, "structured_outputs", "not both"),
 ])
-def test_bad_specs_are_refused_naming_the_field(response_format, structured_outputs, param, words):
+async def test_bad_specs_are_refused_naming_the_field(response_format, structured_outputs, param, words):
     with pytest.raises(ApiError) as e:
-        structured_output(response_format, structured_outputs)
+        spec = structured_output(response_format, structured_outputs)
+        await check_structured(Checks(), spec, structured_where(response_format, structured_outputs))
     assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message
 
 
-def test_the_native_api_refuses_a_bad_spec_naming_the_field():
+async def test_the_native_api_refuses_a_bad_spec_naming_the_field():
     limits = Limits(max_model_len=64, vocab_size=512)
+    checker = SpecChecker(field="structured")
+    sampling = validate_sampling(generation_pb2.SamplingParams(structured=SO(regex="(ab")), limits)
     with pytest.raises(InvalidRequest, match=r"^structured\.regex: .*unclosed group"):
-        validate_sampling(generation_pb2.SamplingParams(structured=SO(regex="(ab")), limits)
+        await check_spec(sampling.structured, checker)
     ok = validate_sampling(generation_pb2.SamplingParams(structured=SO(choice=generation_pb2.Choices(choices=["a"]))),
                            limits)
     assert ok.structured.choice.choices == ["a"]
+    await check_spec(ok.structured, checker)
 
 
 async def test_a_spec_reaches_both_workers_and_a_bad_one_none(cluster, client):

@@ -13,7 +13,8 @@ from pdserve.server.coordinator.chat_template import ChatTemplate
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.coordinator.openai.errors import ApiError
 from pdserve.server.coordinator.openai.tool_parsers import hermes, llama3_json, mistral
-from pdserve.server.coordinator.openai.tools import required_schema, tool_plan
+from pdserve.server.coordinator.openai.tools import check_tools_grammar, required_schema, tool_plan
+from tests.coordinator.test_structured_outputs import Checks
 
 F = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": F}},
@@ -58,9 +59,9 @@ def test_none_and_auto():
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}], "required", False,
      "tools[0].function.parameters", "Invalid type: foo"),
 ])
-def test_refusals_name_the_field(tools, choice, auto, param, words):
+async def test_refusals_name_the_field(tools, choice, auto, param, words):
     with pytest.raises(ApiError) as e:
-        tool_plan(tools, choice, None, auto, "hermes" if auto else None)
+        await check_tools_grammar(tool_plan(tools, choice, None, auto, "hermes" if auto else None), Checks())
     assert e.value.status == 400 and e.value.param == param and words in e.value.message, e.value.message
 
 

@@ -35,7 +35,8 @@ from pdserve.server import cluster_metrics, metrics, serving
 from pdserve.server.coordinator import http_server
 from pdserve.server.coordinator.body_limit import BodyLimit, BodyTooLarge, error_body
 from pdserve.server.coordinator.chat_template import ChatTemplate, ChatTemplateError
-from pdserve.server.coordinator.openai.tools import tool_plan
+from pdserve.server.coordinator.openai.structured import check_structured, structured_where
+from pdserve.server.coordinator.openai.tools import check_tools_grammar, tool_plan
 from pdserve.server.coordinator.openai.convert import (check_messages_size, check_prompt_size, chat_request,
                                                        completion_request, refuse_unsupported)
 from pdserve.server.coordinator.json_input import parse_checked
@@ -177,6 +178,8 @@ def create_app(front: Front) -> FastAPI:
                 generate, echo = await asyncio.to_thread(completion_request, *args)
             else:
                 generate, echo = completion_request(*args)
+        await check_structured(front.generation, generate.sampling.structured,
+                               structured_where(body.response_format, body.structured_outputs))
         handler = Handler(front, "completion", body, f"cmpl-{secrets.token_hex(12)}", echo)
         generate.request_id = handler.id
         return await handler.run(request, generate)
@@ -194,7 +197,8 @@ def create_app(front: Front) -> FastAPI:
                 param="messages",
             )
         plan = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, front.enable_auto_tool_choice,
-                         front.tool_call_parser)
+                         front.tool_call_parser, front.generation.checker.limits)
+        await check_tools_grammar(plan, front.generation)
         try:
             with client_input("messages"):
                 _, ids = await asyncio.to_thread(_render, front, body.messages, body.chat_template_kwargs,
@@ -205,6 +209,8 @@ def create_app(front: Front) -> FastAPI:
             ) from e
         with client_input():
             generate = chat_request(body, ids, front.max_model_len, plan)
+        await check_structured(front.generation, generate.sampling.structured,
+                               structured_where(body.response_format, body.structured_outputs) or "tool_choice")
         handler = Handler(front, "chat", body, f"chatcmpl-{secrets.token_hex(12)}",
                           tools=plan if plan and plan.mode != "none" else None)
         generate.request_id = handler.id

@@ -1,7 +1,8 @@
 """OpenAI tools: which calls a chat may answer with (`ToolPlan`), the grammar that holds `required` and a
 named choice to the functions' `parameters`, and the answer's `message.tool_calls`.
 
-- `tools`: rendered through the chat template's `tools` variable; each `parameters` schema checked.
+- `tools`: rendered through the chat template's `tools` variable; their number and schemas' bytes within the
+  limits (limits.py), each `parameters` schema checked by a grammar child (`check_tools`, awaited).
 - `tool_choice` "none": free text, never parsed. "auto" (the default with tools; needs
   `--enable-auto-tool-choice` and `--tool-call-parser`): free text, its calls parsed out (tool_parsers.py).
   "required": a JSON array of one or more `{"name", "parameters"}` calls (one when `parallel_tool_calls` is
@@ -12,6 +13,7 @@ Calls come back with ids and finish_reason `tool_calls`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 from dataclasses import dataclass
@@ -19,8 +21,9 @@ from typing import Any, Literal
 
 from pdserve.v1 import generation_pb2
 from pdserve.server.coordinator.openai.errors import ApiError
+from pdserve.server.coordinator.openai.structured import check_structured
 from pdserve.server.coordinator.openai.tool_parsers import PARSERS, Call, content_so_far
-from pdserve.server.structured.spec import spec_problem
+from pdserve.server.structured.limits import SpecLimits, check_spec, check_tools, schema_text
 
 Mode = Literal["none", "auto", "required", "named"]
 ANY_OBJECT = {"type": "object"}
@@ -80,12 +83,18 @@ def required_schema(schemas: dict[str, dict[str, Any]], parallel: bool) -> dict[
 
 
 def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
-              auto_enabled: bool, parser: str | None) -> ToolPlan | None:
-    """The request's plan (None: no tools); ApiError 400 naming the field when it cannot be served."""
+              auto_enabled: bool, parser: str | None, limits: SpecLimits | None = None) -> ToolPlan | None:
+    """The request's plan (None: no tools); ApiError 400 naming the field when it cannot be served or its tools
+    are over the `limits` (plain Python: the schemas' grammars are `check_tools`')."""
     if not tools:
         if tool_choice not in (None, "none"):
             raise ApiError(400, "tool_choice: needs tools", param="tool_choice")
         return None
+    limits = limits or SpecLimits()
+    try:
+        check_tools(tools, limits)
+    except ValueError as e:
+        raise ApiError(400, str(e), param=str(e).partition(":")[0]) from e
     schemas: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
@@ -97,9 +106,10 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bo
         where = f"tools[{i}].function.parameters"
         if not isinstance(schema, dict):
             raise ApiError(400, f"{where}: a JSON schema is an object", param=where)
-        problem = spec_problem(generation_pb2.StructuredOutput(json_schema=json.dumps(schema)), where=where)
-        if problem:
-            raise ApiError(400, problem, param=where)
+        try:
+            check_spec(generation_pb2.StructuredOutput(json_schema=schema_text(schema, where, limits)), where, limits)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=where) from e
         schemas[fn["name"]] = schema
     parallel = parallel_tool_calls is not False
     choice = "auto" if tool_choice is None else tool_choice
@@ -119,6 +129,18 @@ def tool_plan(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bo
         raise ApiError(400, 'tool_choice: "auto" needs the server started with --enable-auto-tool-choice and '
                             '--tool-call-parser', param="tool_choice")
     return ToolPlan(choice, tools, schemas, parallel=parallel, parser=parser)
+
+
+async def check_tools_grammar(plan: ToolPlan | None, generation: Any) -> None:
+    """Each tool's `parameters` schema checked by a grammar child of the coordinator, all at once (a schema
+    seen before is not checked again); ApiError 400 naming the first tool that fails."""
+    if plan is None:
+        return
+    where = {name: f"tools[{i}].function.parameters" for i, tool in reversed(list(enumerate(plan.tools)))
+             if (name := (tool.get("function") or {}).get("name")) in plan.schemas}
+    await asyncio.gather(*(check_structured(generation, generation_pb2.StructuredOutput(json_schema=json.dumps(schema)),
+                                            where[name])
+                           for name, schema in plan.schemas.items()))
 
 
 def tool_call(call: Call) -> dict[str, Any]:

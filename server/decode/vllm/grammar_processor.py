@@ -25,6 +25,7 @@ from pdserve.server.model.config import load_config
 from pdserve.server.structured.bitmask import unconstrained
 from pdserve.server.structured.constraint import Constraint
 from pdserve.server.structured.grammars import Grammars
+from pdserve.server.structured.limits import SpecLimits
 
 KEY = "pdserve_structured"
 """extra_args[KEY] = {"spec": the StructuredOutput's bytes in hex, "replay": outputs at the prompt's end}."""
@@ -51,7 +52,8 @@ class GrammarProcessor(LogitsProcessor):
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         model_dir = vllm_config.model_config.model
         config = load_config(model_dir)
-        self.grammars = Grammars.for_model(model_dir, config.vocab_size, tuple(config.eos_token_ids))
+        self.grammars = Grammars.for_model(model_dir, config.vocab_size, tuple(config.eos_token_ids),
+                                           limits=SpecLimits.unbounded())  # the decode worker applied its own
         self.rows: dict[int, _Row] = {}
         """Batch index -> its constrained request's state."""
 

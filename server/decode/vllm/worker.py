@@ -180,7 +180,7 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
                         eos_ids=frozenset(model_config.eos_token_ids), max_model_len=max_model_len,
                         staging=KvStaging(shared=tp > 1),
                         grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
-                                                    tuple(model_config.eos_token_ids)))
+                                                    tuple(model_config.eos_token_ids), **Grammars.options(config)))
     if engine.grammars is not None:
         engine.grammars.warm()
     log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s), tensor parallel %d, "
