@@ -33,7 +33,7 @@ from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.kv_events import KvEventRecorder
 from pdserve.kvcache.layout import blocks_behind_windows
 from pdserve.kvcache.prefix_cache import PrefixCache
-from pdserve.server.decode.sequence import SeqState, Sequence
+from pdserve.server.decode.sequence import Sequence, SeqState
 
 
 class QueueFull(Exception):
