@@ -27,16 +27,11 @@ from itertools import count
 import msgspec
 import zmq
 from pdserve.kvcache.kv_events import EventBatch
-from pdserve.kvcache.kv_events_config import KvEventsConfig
+from pdserve.kvcache.kv_events_config import KvEventsConfig, is_bind_endpoint
 
 log = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-
-
-def is_bind_endpoint(endpoint: str) -> bool:
-    """vLLM's rule: bind wildcard and ipc/inproc endpoints; connect to the rest."""
-    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 class ZmqEventPublisher:

@@ -53,16 +53,23 @@ class KvEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
     def for_worker(self, index: int) -> KvEventsConfig:
-        """The config of a launcher's index-th worker: tcp ports offset by index (a port of 0 left to the OS),
-        inproc/ipc endpoints suffixed, as vLLM's `offset_endpoint_port` does for data-parallel ranks."""
-        return replace(self, endpoint=offset_endpoint(self.endpoint, index),
-                       replay_endpoint=offset_endpoint(self.replay_endpoint, index))
+        """The config of a launcher's index-th worker: the endpoints it binds (the replay endpoint, and the PUB
+        endpoint when it binds) get their own: tcp ports offset by index (a port of 0 left to the OS), ipc/inproc
+        ones suffixed, as vLLM's `offset_endpoint_port` does for data-parallel ranks. A connecting endpoint (a
+        subscriber's bound socket) is every worker's."""
+        endpoint = offset_endpoint(self.endpoint, index) if is_bind_endpoint(self.endpoint) else self.endpoint
+        return replace(self, endpoint=endpoint, replay_endpoint=offset_endpoint(self.replay_endpoint, index))
 
     def topic_for(self, worker: str) -> str:
         return self.topic.replace(WORKER_PLACEHOLDER, worker)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
+
+
+def is_bind_endpoint(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard and ipc/inproc endpoints; connect to the rest."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
 def offset_endpoint(endpoint: str | None, index: int) -> str | None:

@@ -13,9 +13,9 @@ import zmq
 
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
-from pdserve.kvcache.kv_event_publisher import END_SEQ, ZmqEventPublisher, is_bind_endpoint
+from pdserve.kvcache.kv_event_publisher import END_SEQ, ZmqEventPublisher
 from pdserve.kvcache.kv_events import MEDIUM_CPU, KvEventRecorder
-from pdserve.kvcache.kv_events_config import KvEventsConfig, parse_kv_events_config
+from pdserve.kvcache.kv_events_config import KvEventsConfig, is_bind_endpoint, parse_kv_events_config
 from pdserve.kvcache.prefix_cache import PrefixCache
 from tests.kvcache.kv_events_helpers import Subscriber, chain, vllm_hash, wire
 
@@ -54,6 +54,9 @@ def test_unknown_algorithm_and_config_errors_name_the_fix():
     assert (third.endpoint, third.replay_endpoint) == ("tcp://*:5559", "tcp://*:5602")
     assert KvEventsConfig(True, endpoint="tcp://*:0").for_worker(3).endpoint == "tcp://*:0"
     assert KvEventsConfig(True, endpoint="ipc:///tmp/kv").for_worker(1).endpoint == "ipc:///tmp/kv_dp1"
+    # every worker connects to the one subscriber's socket; their replay sockets (bound) get a port each
+    shared = KvEventsConfig(True, endpoint="tcp://indexer:5557", replay_endpoint="tcp://*:5600").for_worker(1)
+    assert (shared.endpoint, shared.replay_endpoint) == ("tcp://indexer:5557", "tcp://*:5601")
 
 
 def test_bind_or_connect_as_vllm():
