@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import queue
+import threading
 import time
 
 import cbor2
@@ -39,6 +41,9 @@ def wire(h: bytes) -> int:
 
 
 class Subscriber:
+    """A SUB socket on its own thread, always polling, as a real subscriber is: libzmq sends a SUB's subscription
+    to a newly connected PUB only when the socket is used, and a PUB drops what no subscription asked for."""
+
     def __init__(self, topic: bytes = b"") -> None:
         self.ctx = zmq.Context.instance()
         self.sub = self.ctx.socket(zmq.SUB)
@@ -46,11 +51,33 @@ class Subscriber:
         port = self.sub.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.received: list[tuple[bytes, int, list]] = []
+        self.raw: queue.Queue[list[bytes]] = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self.sub.poll(20):
+                self.raw.put(self.sub.recv_multipart())
+        self.sub.close(linger=0)
+
+    def frames(self, timeout: float = 10.0) -> list[bytes]:
+        try:
+            return self.raw.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError("no KV event batch arrived") from None
+
+    def pending(self, timeout: float) -> bool:
+        """Whether a message arrives within `timeout` seconds (left queued)."""
+        deadline = time.monotonic() + timeout
+        while self.raw.empty() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self.raw.empty()
 
     def recv(self, timeout: float = 10.0) -> tuple[bytes, int, list]:
         """(topic, seq, [ts, events, dp_rank]) of the next message, frames checked by hand."""
-        assert self.sub.poll(int(timeout * 1000)), "no KV event batch arrived"
-        frames = self.sub.recv_multipart()
+        frames = self.frames(timeout)
         assert len(frames) == 3, frames
         topic, seq, payload = frames
         assert len(seq) == 8
@@ -66,12 +93,12 @@ class Subscriber:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             publisher.publish(KVEventBatch(ts=time.time(), events=[]))
-            if self.sub.poll(100):
+            if self.pending(0.1):
                 break
         else:
             raise AssertionError("the publisher never reached the subscriber")
         last = self.recv()[1]
-        while self.sub.poll(300):
+        while self.pending(0.3):
             last = self.recv()[1]
         return last
 
@@ -86,4 +113,5 @@ class Subscriber:
             got.append(msg)
 
     def close(self) -> None:
-        self.sub.close(linger=0)
+        self._stop.set()
+        self._thread.join(5)
