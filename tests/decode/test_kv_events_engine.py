@@ -9,6 +9,7 @@ from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher
 from pdserve.kvcache.kv_events import MEDIUM_GPU, KvEventRecorder
 from pdserve.kvcache.kv_events_config import KvEventsConfig
+
 from tests.decode.test_engine import _admit, _all_back, _drain, _engine
 from tests.kvcache.kv_events_helpers import Subscriber, chain, wire
 

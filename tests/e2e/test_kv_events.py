@@ -39,10 +39,10 @@ def test_pdserve_up_publishes_each_workers_blocks(tiny_model, tmp_path):
             hashes = [wire(h) for h in chain(prompt, 16)[:2]]
             assert generate(state["coordinator"], request(prompt, 4))
             first = until(hashes)
-            for topic in topics:
+            for topic, medium in topics.items():
                 assert first[topic][0] == {
                     "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None, "token_ids": prompt[:32],
-                    "block_size": 16, "lora_id": None, "medium": topics[topic], "lora_name": None, "group_idx": 0}
+                    "block_size": 16, "lora_id": None, "medium": medium, "lora_name": None, "group_idx": 0}
             assert generate(state["coordinator"], request(prompt, 4))  # a prefix hit on both tiers: nothing new
             other = [(11 * i) % 300 + 5 for i in range(40)]
             assert generate(state["coordinator"], request(other, 4))

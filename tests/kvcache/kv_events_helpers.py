@@ -13,7 +13,6 @@ import time
 import cbor2
 import msgspec
 import zmq
-
 from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher
 from pdserve.kvcache.kv_events import KVEventBatch
 
@@ -21,9 +20,9 @@ from pdserve.kvcache.kv_events import KVEventBatch
 def vllm_hash(parent: bytes | None, tokens: list[int], algo: str = "sha256") -> bytes:
     """vLLM 0.32's `hash_block_tokens`, written out: NONE_HASH from PYTHONHASHSEED or "vllm-none-hash"."""
     if algo == "sha256_cbor":
-        fn = lambda v: hashlib.sha256(cbor2.dumps(v, canonical=True)).digest()  # noqa: E731
+        fn = lambda v: hashlib.sha256(cbor2.dumps(v, canonical=True)).digest()
     else:
-        fn = lambda v: hashlib.sha256(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)).digest()  # noqa: E731
+        fn = lambda v: hashlib.sha256(pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)).digest()
     none_hash = fn(os.environ.get("PYTHONHASHSEED", "vllm-none-hash"))
     return fn((parent or none_hash, tuple(tokens), None))
 

@@ -10,13 +10,13 @@ import cbor2
 import msgspec
 import pytest
 import zmq
-
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.kv_event_publisher import END_SEQ, ZmqEventPublisher
 from pdserve.kvcache.kv_events import MEDIUM_CPU, KvEventRecorder
 from pdserve.kvcache.kv_events_config import KvEventsConfig, is_bind_endpoint, parse_kv_events_config
 from pdserve.kvcache.prefix_cache import PrefixCache
+
 from tests.kvcache.kv_events_helpers import Subscriber, chain, vllm_hash, wire
 
 
