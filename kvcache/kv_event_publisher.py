@@ -26,6 +26,7 @@ from itertools import count
 
 import msgspec
 import zmq
+
 from pdserve.kvcache.kv_events import EventBatch
 from pdserve.kvcache.kv_events_config import KvEventsConfig, is_bind_endpoint
 

@@ -18,6 +18,7 @@ Life of a prefix:
 from __future__ import annotations
 
 import numpy as np
+
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.kv_events import KvEventRecorder

@@ -13,6 +13,7 @@ import time
 import cbor2
 import msgspec
 import zmq
+
 from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher
 from pdserve.kvcache.kv_events import KVEventBatch
 

@@ -10,6 +10,7 @@ import cbor2
 import msgspec
 import pytest
 import zmq
+
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.kv_event_publisher import END_SEQ, ZmqEventPublisher

@@ -9,6 +9,7 @@ import os
 import subprocess
 
 import pytest
+
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher

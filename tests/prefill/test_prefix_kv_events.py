@@ -4,6 +4,7 @@ prompt, its blocks named by vLLM's hash; a lookup publishes nothing."""
 from __future__ import annotations
 
 import numpy as np
+
 from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher
 from pdserve.kvcache.kv_events import MEDIUM_CPU, KvEventRecorder
 from pdserve.kvcache.kv_events_config import KvEventsConfig
