@@ -1,46 +1,47 @@
-"""Prefix caching over a BlockPool: full blocks named by a hash chained over every token before them.
+"""Prefix caching over a BlockPool: full blocks named by vLLM's block hash, chained over every token before them.
 
-A full block's hash covers its own token ids and its parent's hash (vLLM's scheme), so equal hashes
-mean equal prefixes, not just equal blocks. A registered block keeps one reference held by the cache;
-while a sequence also holds it, it is in use. When only the cache holds it, it is evictable: it still
-counts as free capacity, and `allocate` evicts the least recently used such blocks when the pool's
-free list runs short. `enabled=False` keeps the same interface and caches nothing.
+A full block's hash covers its own token ids and its parent's hash, computed exactly as vLLM computes it for the
+configured `--prefix-caching-hash-algo` (`block_hash.BlockHasher`), so equal hashes mean equal prefixes and the
+name a block has here is the one vLLM, KV events and external routers give it. A registered block keeps one
+reference held by the cache; while a sequence also holds it, it is in use. When only the cache holds it, it is
+evictable: it still counts as free capacity, and `allocate` evicts the least recently used such blocks when the
+pool's free list runs short. `enabled=False` keeps the same interface and caches nothing.
+
+With a `KvEventRecorder` (`kv_events.py`), what the cache stores and evicts becomes KV events: each `register`
+call's newly cached blocks one `BlockStored` per consecutive run (a hit, a known hash: nothing), each eviction a
+`BlockRemoved`, a `clear` that empties the cache `AllBlocksCleared`. The worker flushes them once a step.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
+from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool, OutOfBlocks
+from pdserve.kvcache.kv_events import KvEventRecorder
 
-HASH_BYTES = 16
 
-
-def block_hashes(token_ids: list[int], block_size: int, limit: int | None = None) -> list[bytes]:
+def block_hashes(token_ids: list[int], block_size: int, limit: int | None = None,
+                 hasher: BlockHasher = DEFAULT_HASHER) -> list[bytes]:
     """The chained hash of each full block of token_ids (of the first `limit` blocks when given)."""
-    count = len(token_ids) // block_size if limit is None else min(limit, len(token_ids) // block_size)
-    return extend_hashes([], token_ids, block_size, count)
+    return hasher.hashes(token_ids, block_size, limit)
 
 
-def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, count: int) -> list[bytes]:
+def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, count: int,
+                  hasher: BlockHasher = DEFAULT_HASHER) -> list[bytes]:
     """`hashes`, the chained hashes of token_ids' first blocks, extended in place to its first `count` full
     blocks (at most as many as it holds); returns the first `count` of them."""
-    count = min(count, len(token_ids) // block_size)
-    parent = hashes[-1] if hashes else b""
-    for i in range(len(hashes), count):
-        block = token_ids[i * block_size : (i + 1) * block_size]
-        h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
-        h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in block))
-        parent = h.digest()
-        hashes.append(parent)
-    return hashes[:count]
+    return hasher.extend(hashes, token_ids, block_size, count)
 
 
 class PrefixCache:
-    def __init__(self, pool: BlockPool, enabled: bool = True) -> None:
+    def __init__(self, pool: BlockPool, enabled: bool = True, *, hasher: BlockHasher = DEFAULT_HASHER,
+                 events: KvEventRecorder | None = None) -> None:
         self.pool = pool
         self.enabled = enabled
+        self.hasher = hasher
+        """Names blocks: its callers hash their tokens with it (`hashes`, `extend`)."""
+        self.events = events if enabled else None
         self._by_hash: dict[bytes, int] = {}
         self._lru: OrderedDict[int, bytes] = OrderedDict()
         """Every cached block id -> its hash, least recently used first."""
@@ -79,16 +80,38 @@ class PrefixCache:
             self._lru.move_to_end(block_id)
         return hits
 
-    def register(self, block_ids: list[int], hashes: list[bytes]) -> None:
-        """Caches full blocks (their KV written) under their chained hashes; known hashes are skipped."""
+    def register(self, block_ids: list[int], hashes: list[bytes], token_ids: list[int] | None = None,
+                 parent: bytes | None = None) -> None:
+        """Caches full blocks (their KV written) under their chained hashes; known hashes are skipped.
+
+        token_ids: the blocks' tokens, parent: the hash before hashes[0] (None: the chain's first block); the
+        KV events' BlockStored carry them (needed only with a recorder)."""
         if not self.enabled:
             return
-        for block_id, h in zip(block_ids, hashes, strict=False):
+        run: list[bytes] = []
+        run_start = 0
+        for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=False)):
             if h in self._by_hash or block_id in self._lru:
+                self._stored(run, run_start, hashes, token_ids, parent, len(block_ids))
+                run = []
                 continue
+            if not run:
+                run_start = i
+            run.append(h)
             self.pool.incref([block_id])
             self._by_hash[h] = block_id
             self._lru[block_id] = h
+        self._stored(run, run_start, hashes, token_ids, parent, len(block_ids))
+
+    def _stored(self, run: list[bytes], start: int, hashes: list[bytes], token_ids: list[int] | None,
+                parent: bytes | None, num_blocks: int) -> None:
+        if not run or self.events is None:
+            return
+        if token_ids is None:
+            raise ValueError("PrefixCache.register: a cache that records KV events needs the blocks' token_ids")
+        block_size = len(token_ids) // num_blocks
+        self.events.stored(run, hashes[start - 1] if start else parent,
+                           token_ids[start * block_size : (start + len(run)) * block_size], block_size)
 
     def free(self, block_ids: list[int]) -> None:
         """Drops a sequence's references; its cached blocks become the most recently used."""
@@ -108,8 +131,9 @@ class PrefixCache:
             self.evict(short)
         return self.pool.allocate(n)
 
-    def evict(self, n: int) -> list[int]:
-        """Returns n evictable blocks to the pool, least recently used first; the ids evicted."""
+    def evict(self, n: int, announce: bool = True) -> list[int]:
+        """Returns n evictable blocks to the pool, least recently used first; the ids evicted (each a
+        BlockRemoved event unless `announce` is False)."""
         victims = []
         for block_id in self._lru:
             if len(victims) == n:
@@ -117,11 +141,18 @@ class PrefixCache:
             if self.pool.ref_count(block_id) == 1:
                 victims.append(block_id)
         for block_id in victims:
-            del self._by_hash[self._lru.pop(block_id)]
+            h = self._lru.pop(block_id)
+            del self._by_hash[h]
+            if self.events is not None and announce:
+                self.events.removed(h)
         self.pool.free(victims)
         self._evictable -= len(victims)
         return victims
 
     def clear(self) -> None:
-        """Evicts every evictable block."""
-        self.evict(self.num_evictable)
+        """Evicts every evictable block: one AllBlocksCleared event when that empties the cache (vLLM's
+        reset_prefix_cache), else a BlockRemoved each."""
+        empties = self.num_evictable == self.num_cached
+        self.evict(self.num_evictable, announce=not empties)
+        if empties and self.events is not None:
+            self.events.cleared()

@@ -96,6 +96,18 @@ class Cluster:
         return next((p for p in self.procs if p.popen.poll() is not None), None)
 
 
+def kv_events_args(args: list[str], index: int) -> list[str]:
+    """A worker's flags with its own KV event ports: --kv-events-config's endpoints offset by the worker's index
+    (decode workers 0.., then the prefill workers), as vLLM offsets them by data-parallel rank."""
+    if "--kv-events-config" not in args:
+        return list(args)
+    from pdserve.kvcache.kv_events_config import parse_kv_events_config
+
+    at = args.index("--kv-events-config") + 1
+    config = parse_kv_events_config(args[at])
+    return [*args[:at], config.for_worker(index).to_json(), *args[at + 1 :]]
+
+
 def _spawn(name: str, args: list[str], port: int, host: str, python: str = sys.executable,
            cpus: set[int] | None = None, metrics: bool = False) -> Proc:
     """cpus: the cores the process (every thread it starts) may run on; None: any. metrics: it serves its
@@ -192,7 +204,8 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
     coordinator_args = [*coordinator_args, *common_args]
     try:
         for i in range(prefill_workers):
-            cluster.prefill.append(_spawn(f"prefill-{i}", ["prefill", "--model", str(model_dir), *prefill_args],
+            own = kv_events_args(prefill_args, decode_workers + i)
+            cluster.prefill.append(_spawn(f"prefill-{i}", ["prefill", "--model", str(model_dir), *own],
                                           free_port(host), host, cpus=cpus.get("prefill"), metrics=metrics))
         # Workers on one host share its cores: torch's intra-op threads spin-wait, and two processes
         # each running as many threads as there are cores slow decode by 10-100x (benchmarks/README).
@@ -200,7 +213,8 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
             share = max(1, (os.cpu_count() or 1) // max(1, prefill_workers + decode_workers))
             decode_args = [*decode_args, "--threads", str(share)]
         for i in range(decode_workers):
-            cluster.decode.append(_spawn(f"decode-{i}", ["decode", "--model", str(model_dir), *decode_args],
+            own = kv_events_args(decode_args, i)
+            cluster.decode.append(_spawn(f"decode-{i}", ["decode", "--model", str(model_dir), *own],
                                          free_port(host), host, decode_python, cpus.get("decode"), metrics))
         wait_serving(cluster, cluster.procs, timeout)
         workers = [a for p in cluster.prefill for a in ("--prefill", p.address)]

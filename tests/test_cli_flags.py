@@ -4,10 +4,11 @@ settings, vLLM's spellings parse to pdserve's, and the help is the fields' docst
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
-from pdserve.server import cli
+from pdserve.server import cli, launcher
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.flags import config_to_argv, field_docs
@@ -177,6 +178,8 @@ UP_COMMAND_LINES = [
      "--max-prefill-chunk", "64", "--prefix-cache-bytes", "0", "--kv-cache-memory", "1GiB", "--decode-device", "cpu"],
     ["--decode-engine", "vllm", "--decode-weight-dtype", "bfloat16"],
     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'],
+    ["--kv-events-config", '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5600", "topic": "kv@{worker}"}',
+     "--prefix-caching-hash-algo", "sha256_cbor"],
 ]
 
 
@@ -202,6 +205,12 @@ def test_pdserve_up_hands_each_tier_the_config_it_built(tiny_model, up_argv):
     if "--speculative-config" in up_argv:
         assert decode.speculative is not None and (decode.speculative.num_speculative_tokens,
                                                    decode.speculative.prompt_lookup_max) == (4, 3)
+    if "--kv-events-config" in up_argv:  # both tiers publish; each worker binds its own ports (the launcher)
+        assert prefill.kv_events == decode.kv_events and decode.kv_events.topic == "kv@{worker}"
+        assert prefill.prefix_caching_hash_algo == decode.prefix_caching_hash_algo == "sha256_cbor"
+        argv = launcher.kv_events_args(config_to_argv(decode), 2)
+        mine = json.loads(argv[argv.index("--kv-events-config") + 1])
+        assert (mine["endpoint"], mine["replay_endpoint"]) == ("tcp://*:5559", "tcp://*:5602")
     if "--served-model-name" in up_argv:
         assert all(t.served_model_name == ("tiny", "alias") and t.max_model_len == 256 for t in tiers)
         assert (coordinator.http_port, coordinator.stall_timeout, coordinator.ttft_budget) == (8123, 5.0, 2.0)

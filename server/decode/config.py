@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.kvcache.block_hash import DEFAULT_HASH_ALGO, BlockHasher, PrefixCachingHashAlgo
+from pdserve.kvcache.kv_events_config import KvEventsConfig, parse_kv_events_config
 from pdserve.server.decode.device import parse_bytes, parse_device
 from pdserve.server.decode.spec.config import SpeculativeConfig, parse_speculative_config
 from pdserve.server.decode.spec.draft_checkpoint import check_draft_checkpoint
@@ -67,6 +69,14 @@ class DecodeConfig:
     """vLLM's flag: speculative decoding as a JSON object, e.g. '{"method": "ngram", "num_speculative_tokens":
     3, "prompt_lookup_max": 3}' or '{"method": "draft_model", "model": DIR, "num_speculative_tokens": 3}' (a draft
     checkpoint sharing the model's tokenizer; keys: server/decode/spec/config.py). Default: off."""
+    kv_events_config: str | None = None
+    """vLLM's flag: publish what the prefix cache stores and evicts as KV events (ZMQ, msgpack), a JSON object
+    of vLLM's keys, e.g. '{"enable_kv_cache_events": true, "endpoint": "tcp://router:5557", "topic":
+    "kv@{worker}@MODEL"}' ({worker}: this worker's address; keys: kvcache/kv_events_config.py). Default: off."""
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = DEFAULT_HASH_ALGO
+    """vLLM's flag: how a prefix-cache block's hash is computed, as vLLM computes it: sha256 (of the pickle),
+    sha256_cbor, xxhash, xxhash_cbor (need xxhash). The first block's parent derives from PYTHONHASHSEED (unset:
+    vLLM's fixed seed for sha256*, a random one for xxhash*): a fleet sharing a router sets the same value."""
     engine: DecodeEngine = "native"
     """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector (needs vLLM
     installed: pdserve[vllm], or make vllm-venv)."""
@@ -126,6 +136,11 @@ class DecodeConfig:
             raise ValueError("--speculative-config: disable_by_batch_size is pdserve's native engine's; vLLM 0.32's "
                              "speculative config has no such key (--engine vllm passes the n-gram keys to vLLM's "
                              "own speculation): drop it, or use --engine native")
+        events = parse_kv_events_config(self.kv_events_config)
+        if events is not None and events.enabled and self.engine == "vllm":
+            raise ValueError("--kv-events-config is built for --engine native so far (vLLM's engine publishes its "
+                             "own events through vLLM's config, not passed on yet); use --engine native")
+        BlockHasher(self.prefix_caching_hash_algo)  # refuses an unknown algorithm, or xxhash without the package
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
 
@@ -133,6 +148,11 @@ class DecodeConfig:
     def num_blocks(self) -> int | None:
         """The cache's blocks when --kv-cache-tokens gives them; None: sized from memory at start."""
         return None if self.kv_cache_tokens is None else -(-self.kv_cache_tokens // self.block_size)
+
+    @property
+    def kv_events(self) -> KvEventsConfig | None:
+        """--kv-events-config parsed (None: not given)."""
+        return parse_kv_events_config(self.kv_events_config)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

@@ -25,7 +25,9 @@ import logging
 
 import torch
 
+from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.codec import KvPiece
+from pdserve.kvcache.kv_events import KvEventRecorder
 from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
@@ -54,18 +56,21 @@ class DecodeEngine(Engine):
     def __init__(self, model: DecoderModel, layout: KvLayout, num_blocks: int, max_running: int, *,
                  max_queue: int = 256, enable_prefix_caching: bool = True, eos_ids: frozenset[int] = frozenset(),
                  max_model_len: int = 0, cuda_graphs: bool = False, grammars: Grammars | None = None,
-                 speculative: SpeculativeConfig | None = None, draft_model: DecoderModel | None = None):
+                 speculative: SpeculativeConfig | None = None, draft_model: DecoderModel | None = None,
+                 hasher: BlockHasher = DEFAULT_HASHER, kv_events: KvEventRecorder | None = None):
         """max_model_len: 0 takes the model's, capped by what the cache holds. The cache lives on the model's
         device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad);
         grammars: the model's structured-output grammars (None: structured requests are refused);
         speculative: verify proposed tokens in each step (`spec/speculator.py`; the pad block too);
-        draft_model: method draft_model's draft on the model's device (its KV cache gets as many blocks)."""
+        draft_model: method draft_model's draft on the model's device (its KV cache gets as many blocks);
+        hasher, kv_events: the prefix cache's block names and KV events (Scheduler), flushed once a step."""
         self.model = model
         self.grammars = grammars
         self.vocab_size = model.config.vocab_size
         self.layout = layout
         self.scheduler = Scheduler(num_blocks, layout.block_size, max_running, max_queue, enable_prefix_caching,
-                                   windows=layout.windows)
+                                   windows=layout.windows, hasher=hasher, kv_events=kv_events)
+        self.kv_events = kv_events
         self.pool = self.scheduler.pool
         device = model.embed.device
         # One block past the pool's: the pad of CUDA graphs and speculation, the null block of dropped entries.
@@ -265,6 +270,8 @@ class DecodeEngine(Engine):
         before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
         metrics.num_preemptions.inc(self.scheduler.num_preemptions - before)
+        if self.kv_events is not None:
+            self.kv_events.flush()  # what the last step (and admissions, arrivals) stored and evicted
         return batch
 
     async def _run(self, batch: list[Sequence], verify: VerifyFn | None = None) -> StepOut:

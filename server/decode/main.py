@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.kvcache.grpc_receiver import add_receiver_to_server
+from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher, open_publisher
 from pdserve.kvcache.receiver import KvReceiver
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import metrics, serving
@@ -36,6 +37,8 @@ class DecodeWorker:
     """The KvTransfer-only server (`--kv-port`), or None when KvTransfer shares the main port."""
     kv_port: int = 0
     registration: Memberships | None = None
+    kv_publisher: ZmqEventPublisher | None = None
+    """Publishes the prefix cache's KV events (--kv-events-config), or None."""
 
     async def drain(self, seconds: float) -> None:
         """No new Decode calls, the coordinator told; in-flight requests finish (up to `seconds`)."""
@@ -54,6 +57,8 @@ class DecodeWorker:
         if self.kv_server is not None:
             await self.kv_server.stop(grace)
         await self.engine.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
 
 
 def build_engine(config: DecodeConfig):
@@ -62,6 +67,19 @@ def build_engine(config: DecodeConfig):
 
         return build_vllm_engine(config)
     return build_native_engine(config)
+
+
+def open_kv_publisher(config: DecodeConfig, engine: Engine, address: str) -> ZmqEventPublisher | None:
+    """The KV events' publisher, its topic's {worker} this worker's address, set on the engine's recorder."""
+    recorder = getattr(engine, "kv_events", None)
+    if recorder is None:
+        return None
+    publisher = open_publisher(config.kv_events, address)
+    recorder.publisher = publisher
+    if publisher is not None:
+        log.info("KV events: publishing on %s (topic %r%s)", publisher.endpoint, publisher.topic.decode(),
+                 f", replay on {publisher.replay_endpoint}" if publisher.replay_endpoint else "")
+    return publisher
 
 
 async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> DecodeWorker:
@@ -83,6 +101,7 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         engine, receiver, fingerprint=digest, description=model_config.describe(),
         address=address, kv_address=kv_address,
     )
+    kv_publisher = open_kv_publisher(config, engine, address)
     worker_pb2_grpc.add_DecodeServicer_to_server(service, server)
     worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     await server.start()
@@ -96,7 +115,7 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("decode worker listening on %s:%d%s", config.host, port,
              f" (KV transfer on port {kv_port})" if kv_server is not None else "")
-    worker = DecodeWorker(server, service, engine, port, health, kv_server, kv_port)
+    worker = DecodeWorker(server, service, engine, port, health, kv_server, kv_port, kv_publisher=kv_publisher)
     if options.coordinator:
         await join(worker, options.coordinator, lambda: service.info())
     return worker

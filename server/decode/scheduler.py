@@ -31,9 +31,11 @@ from __future__ import annotations
 
 from collections import deque
 
+from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
+from pdserve.kvcache.kv_events import KvEventRecorder
 from pdserve.kvcache.layout import blocks_behind_windows
-from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes, extend_hashes
+from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.server.decode.sequence import Sequence, SeqState
 
 
@@ -43,8 +45,10 @@ class QueueFull(Exception):
 
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_running: int, max_queue: int,
-                 enable_prefix_caching: bool = True, windows: tuple[int, ...] = ()):
-        """windows: each layer's sliding window (0: full attention), as `KvLayout.windows`."""
+                 enable_prefix_caching: bool = True, windows: tuple[int, ...] = (), *,
+                 hasher: BlockHasher = DEFAULT_HASHER, kv_events: KvEventRecorder | None = None):
+        """windows: each layer's sliding window (0: full attention), as `KvLayout.windows`; hasher: names the
+        prefix cache's blocks (vLLM's hash); kv_events: records what the prefix cache stores and evicts."""
         self.block_size = block_size
         self.windows = windows
         self._widest = (max(windows),) if windows and all(windows) else ()
@@ -56,7 +60,7 @@ class Scheduler:
         self.max_running = max_running
         self.max_queue = max_queue
         self.pool = BlockPool(num_blocks)
-        self.cache = PrefixCache(self.pool, enable_prefix_caching)
+        self.cache = PrefixCache(self.pool, enable_prefix_caching, hasher=hasher, events=kv_events)
         self.waiting: deque[Sequence] = deque()
         self.loading: list[Sequence] = []
         """Admitted, waiting for their prompt's KV (never preempted: the KV is on its way)."""
@@ -116,7 +120,7 @@ class Scheduler:
             # A new prompt's last token is always computed: its logits give the first token; a prompt whose
             # logprobs are asked is computed whole (a local prefill needs every position's logits).
             reusable = kv_tokens if resuming else 0 if seq.sampling.HasField("prompt_logprobs") else kv_tokens - 1
-            hits = self.cache.lookup(block_hashes(seq.token_ids[:reusable], self.block_size))
+            hits = self.cache.lookup(self.cache.hasher.hashes(seq.token_ids[:reusable], self.block_size))
             num_cached = min(len(hits) * self.block_size, kv_tokens)
             # No block behind the windows of its first query: the prompt's first output when the prefill tier
             # sends the KV (it sends none there), else the first token computed here.
@@ -228,8 +232,7 @@ class Scheduler:
             return
         complete = min(end, self._complete_blocks(seq))
         if complete > start:
-            hashes = extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, complete)
-            self.cache.register(seq.block_table[start:complete], hashes[start:complete])
+            self._register(seq, start, complete)
         self.cache.free(seq.block_table[start:end])
         seq.block_table[start:end] = [self.null_block] * (end - start)
         seq.num_dropped_blocks = end
@@ -254,5 +257,10 @@ class Scheduler:
     def _cache_full_blocks(self, seq: Sequence) -> None:
         start, full = seq.num_dropped_blocks, self._complete_blocks(seq)  # dropped ones: cached when dropped
         if full > start:
-            hashes = extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, full)
-            self.cache.register(seq.block_table[start:full], hashes[start:full])
+            self._register(seq, start, full)
+
+    def _register(self, seq: Sequence, start: int, end: int) -> None:
+        """The sequence's blocks start..end (KV complete) enter the prefix cache under their hashes."""
+        hashes, bs = self.cache.hasher.extend(seq.block_hashes, seq.token_ids, self.block_size, end), self.block_size
+        self.cache.register(seq.block_table[start:end], hashes[start:end], seq.token_ids[start * bs : end * bs],
+                            hashes[start - 1] if start else None)

@@ -22,6 +22,8 @@ import time
 
 import torch
 
+from pdserve.kvcache.block_hash import BlockHasher
+from pdserve.kvcache.kv_events import MEDIUM_GPU, KvEventRecorder
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server import hardware
 from pdserve.server.decode import cpu_matmul, cpu_moe, cuda_moe
@@ -155,6 +157,9 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
                           enable_prefix_caching=config.enable_prefix_caching,
                           eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
                           cuda_graphs=cuda_graphs, speculative=config.speculative, draft_model=draft,
+                          hasher=BlockHasher(config.prefix_caching_hash_algo),
+                          kv_events=KvEventRecorder(MEDIUM_GPU) if config.kv_events and config.kv_events.enabled
+                          else None,
                           grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
                                                       tuple(model_config.eos_token_ids), **Grammars.options(config)))
     if engine.grammars is not None:

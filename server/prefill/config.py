@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.kvcache.block_hash import DEFAULT_HASH_ALGO, BlockHasher, PrefixCachingHashAlgo
+from pdserve.kvcache.kv_events_config import KvEventsConfig, parse_kv_events_config
 from pdserve.server.flags import flag
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder
 from pdserve.server.prefill.warmup import COMPILE_BEFORE_SERVING, CompileBeforeServing
@@ -29,6 +31,13 @@ class PrefillConfig:
     prefix_cache_bytes: int = 1 << 30
     """Host bytes of recently computed prefix KV kept for reuse (full blocks, hash-chained as the
     decode tier's prefix cache); a prompt whose prefix is held computes only the rest. 0: off."""
+    kv_events_config: str | None = None
+    """vLLM's flag: publish what the host prefix KV stores and evicts as KV events (medium "CPU"), a JSON object of
+    vLLM's keys, e.g. '{"enable_kv_cache_events": true, "endpoint": "tcp://router:5557", "topic":
+    "kv@{worker}@MODEL"}' ({worker}: this worker's address; keys: kvcache/kv_events_config.py). Default: off."""
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = DEFAULT_HASH_ALGO
+    """vLLM's flag: how a prefix block's hash is computed, as vLLM computes it (sha256, sha256_cbor, xxhash,
+    xxhash_cbor); the first block's parent derives from PYTHONHASHSEED (README "KV events")."""
     min_bucket: int = field(default=16, metadata=flag(cli=False))
     """Prompt lengths are padded to powers of two from this up, so XLA compiles few shapes."""
     weight_dtype: WeightDtype = "auto"
@@ -116,6 +125,8 @@ class PrefillConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.max_prefill_chunk is not None and self.max_prefill_chunk <= 0:
             raise ValueError(f"--max-prefill-chunk must be >= 1 token, got {self.max_prefill_chunk}")
+        parse_kv_events_config(self.kv_events_config)
+        BlockHasher(self.prefix_caching_hash_algo)  # refuses an unknown algorithm, or xxhash without the package
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {self.prefix_cache_bytes}")
         if self.max_batch_tokens < self.min_bucket:
@@ -131,6 +142,11 @@ class PrefillConfig:
         if self.process_id is not None and not 0 <= self.process_id < (self.num_processes or self.process_id + 1):
             raise ValueError(f"--process-id must lie in [0, --num-processes), got {self.process_id}")
         object.__setattr__(self, "served_model_name", tuple(self.served_model_name))
+
+    @property
+    def kv_events(self) -> KvEventsConfig | None:
+        """--kv-events-config parsed (None: not given)."""
+        return parse_kv_events_config(self.kv_events_config)
 
     @property
     def model_name(self) -> str:

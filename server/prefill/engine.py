@@ -45,6 +45,8 @@ import jax
 import numpy as np
 
 from pdserve.kvcache import quant as host_quant
+from pdserve.kvcache.block_hash import BlockHasher
+from pdserve.kvcache.kv_events import MEDIUM_CPU, KvEventRecorder
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.kvcache.tensors import KvTensors
 from pdserve.v1 import generation_pb2 as gen_pb
@@ -153,7 +155,10 @@ class PrefillEngine:
         its own programs first."""
         self.prefix = PrefixKv(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                head_dim=model_config.head_dim, dtype=np.dtype(self.dtype),
-                               budget_bytes=config.prefix_cache_bytes)
+                               budget_bytes=config.prefix_cache_bytes,
+                               hasher=BlockHasher(config.prefix_caching_hash_algo),
+                               kv_events=KvEventRecorder(MEDIUM_CPU) if config.kv_events and config.kv_events.enabled
+                               else None)
         buckets = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
         self.rates = PrefillRates(buckets)
         self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(

@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 
 from pdserve.kvcache.grpc_sender import GrpcKvTransport
+from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher, open_publisher
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import hardware, metrics, serving
 from pdserve.server.cache_dir import compile_cache_dir
@@ -47,6 +48,8 @@ class PrefillWorker:
     port: int
     health: object = None
     registration: Memberships | None = None
+    kv_publisher: ZmqEventPublisher | None = None
+    """Publishes the host prefix KV's events (--kv-events-config), or None."""
 
     async def drain(self, seconds: float) -> None:
         """No new Prefill calls, the coordinator told; running prefills and KV pushes finish."""
@@ -62,6 +65,8 @@ class PrefillWorker:
         if self.service.engine.compiling is not None:
             await asyncio.to_thread(self.service.engine.compiling.stop)
         self.service.engine.close()
+        if self.kv_publisher is not None:
+            self.kv_publisher.close()
 
 
 async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions(),
@@ -78,6 +83,11 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     service = PrefillService(engine, transport, model_config,
                              fingerprint=fingerprint(config.model_dir, model_config),
                              address=options.advertise_address or f"{config.host}:{port}", hardware=found)
+    kv_publisher = None
+    if engine.prefix.cache.events is not None:
+        kv_publisher = engine.prefix.cache.events.publisher = open_publisher(config.kv_events, service.address)
+        log.info("KV events: publishing on %s (topic %r%s)", kv_publisher.endpoint, kv_publisher.topic.decode(),
+                 f", replay on {kv_publisher.replay_endpoint}" if kv_publisher.replay_endpoint else "")
     worker_pb2_grpc.add_PrefillServicer_to_server(service, server)
     worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     await server.start()
@@ -90,7 +100,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("prefill worker listening on %s:%d", config.host, port)
-    worker = PrefillWorker(server, service, port, health)
+    worker = PrefillWorker(server, service, port, health, kv_publisher=kv_publisher)
     if options.coordinator:
         await join(worker, options.coordinator, service.info)
     return worker

@@ -1,13 +1,14 @@
 """PrefixKv: the KV of recently prefilled prompts' full blocks, kept by the prefill worker for reuse.
 
 The same scheme as the decode tier's prefix cache, and its code: logical blocks from a
-`kvcache.BlockPool` named by `kvcache.prefix_cache.block_hashes` (each block's hash chains over every
+`kvcache.BlockPool` named by vLLM's block hash (`kvcache.block_hash`: each block's hash chains over every
 token before it) and evicted least recently used by `PrefixCache`; the physical storage here is one
 host array per k and v, [blocks, L, block_size, Hkv, D] in the compute dtype, sized by the byte budget.
 
 Life of a prefix:
 1. `store(tokens, k, v)` after a prompt's prefill: its full blocks not cached yet are written (evicting
-   the least recently used blocks when the budget is full) and registered under their hashes.
+   the least recently used blocks when the budget is full) and registered under their hashes; with a
+   KV event recorder, what it stored and evicted is published as one batch (medium "CPU").
 2. `lookup(tokens)` for a new prompt: the KV of its longest cached prefix, copied out (so eviction
    cannot pull it from under a running prompt), always leaving at least the last token to compute
    (its logits give the first token). The prompt then prefills from there: chunked prefill whose
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
-from pdserve.kvcache.prefix_cache import PrefixCache, block_hashes
+from pdserve.kvcache.kv_events import KvEventRecorder
+from pdserve.kvcache.prefix_cache import PrefixCache
 
 BLOCK_SIZE = 16
 """Tokens per cached block (whatever the decode worker's block size: hits are rounded down to its)."""
@@ -27,12 +30,14 @@ BLOCK_SIZE = 16
 
 class PrefixKv:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype, budget_bytes: int,
-                 block_size: int = BLOCK_SIZE):
+                 block_size: int = BLOCK_SIZE, hasher: BlockHasher = DEFAULT_HASHER,
+                 kv_events: KvEventRecorder | None = None):
         self.block_size = block_size
         shape = (num_layers, block_size, num_kv_heads, head_dim)  # one block of all layers
         block_bytes = 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
         num_blocks = budget_bytes // block_bytes
-        self.cache = PrefixCache(BlockPool(max(num_blocks, 1)), enabled=num_blocks > 0)
+        self.cache = PrefixCache(BlockPool(max(num_blocks, 1)), enabled=num_blocks > 0, hasher=hasher,
+                                 events=kv_events)
         self.k = np.zeros((num_blocks, *shape), dtype)  # [N, L, bs, Hkv, D]
         self.v = np.zeros((num_blocks, *shape), dtype)
         self.hits = 0
@@ -51,7 +56,7 @@ class PrefixKv:
         block size, m < len(token_ids)); None when there is none."""
         if not self.enabled:
             return None
-        hashes = block_hashes(token_ids, self.block_size, limit=(len(token_ids) - 1) // self.block_size)
+        hashes = self.cache.hasher.hashes(token_ids, self.block_size, limit=(len(token_ids) - 1) // self.block_size)
         ids = self.cache.lookup(hashes)
         try:
             step = max(multiple_of // self.block_size, 1)
@@ -69,7 +74,7 @@ class PrefixKv:
         """Caches the full blocks of a prompt whose k, v [L, n >= full blocks' tokens, Hkv, D] are given."""
         if not self.enabled:
             return
-        hashes = block_hashes(token_ids, self.block_size)
+        hashes = self.cache.hasher.hashes(token_ids, self.block_size)
         held = self.cache.lookup(hashes)
         try:
             fresh = min(len(hashes) - len(held), self.cache.num_available)
@@ -81,5 +86,8 @@ class PrefixKv:
         for i, block_id in enumerate(new, start=len(held)):
             self.k[block_id] = k[:, i * bs : (i + 1) * bs]
             self.v[block_id] = v[:, i * bs : (i + 1) * bs]
-        self.cache.register(new, hashes[len(held) : len(held) + len(new)])
+        first, end = len(held), len(held) + len(new)
+        self.cache.register(new, hashes[first:end], token_ids[first * bs : end * bs], hashes[first - 1] if first else None)
         self.cache.free(held + new)
+        if self.cache.events is not None:
+            self.cache.events.flush()
