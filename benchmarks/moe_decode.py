@@ -31,19 +31,18 @@ import time
 from pathlib import Path
 
 import torch
-
 from pdserve.benchmarks.spec_decode import _with_close, random_prompts, run
 from pdserve.benchmarks.vllm_decode_rate import vllm_rates
 from pdserve.kvcache.layout import KvLayout
-from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server import hardware
+from pdserve.server.choices import CPU_MATMULS
 from pdserve.server.decode import cpu_matmul
 from pdserve.server.decode.engine import DecodeEngine
 from pdserve.server.decode.startup import prepare
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
-from pdserve.server.vocabulary import CPU_MATMULS
+from pdserve.v1 import generation_pb2 as gen_pb
 
 FAMILIES = ("mixtral", "qwen3_moe")
 BLOCK = 32  # vLLM's CPU attention's block; pdserve's engine takes it too

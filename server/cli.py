@@ -10,8 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.server.cache_dir import cache_dir
+from pdserve.server.choices import (
+    LOG_FORMATS,
+    VLLM_DTYPES,
+    VLLM_KV_CACHE_DTYPES,
+    VLLM_QUANTIZATIONS,
+    translate,
+)
 from pdserve.server.flags import add_flags, config_from_args, config_to_argv
-from pdserve.server.vocabulary import LOG_FORMATS, VLLM_DTYPES, VLLM_KV_CACHE_DTYPES, VLLM_QUANTIZATIONS, translate
 
 if TYPE_CHECKING:
     from pdserve.server.coordinator.config import CoordinatorConfig
@@ -349,7 +355,6 @@ def cmd_coordinator(args) -> int:
     from pdserve.server import serving
     from pdserve.server.coordinator.config import CoordinatorConfig
     from pdserve.server.coordinator.main import serve
-
     from pdserve.server.security import resolve_api_key
 
     model = _resolve_model(args)

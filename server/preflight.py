@@ -17,10 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdserve.server.choices import EngineKind
 from pdserve.server.model.config import ModelConfig, ModelLoadError, load_config
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.server.model.weights import checkpoint_files
-from pdserve.server.vocabulary import DecodeEngine
 
 _MISSING_MODULES = """import importlib.util, sys
 print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))"""
@@ -85,7 +85,7 @@ def check_vllm_model(config: ModelConfig) -> None:
                              f"vLLM connector is unchecked for it); use --decode-engine native, which does")
 
 
-def check_decode_tier(engine: DecodeEngine, python: str, device: str = "auto") -> None:
+def check_decode_tier(engine: EngineKind, python: str, device: str = "auto") -> None:
     """The decode workers' interpreter (--decode-python) exists and imports pdserve and its engine (torch,
     or vLLM), and torch there sees the --decode-device asked for."""
     needed = ["pdserve", "vllm"] if engine == "vllm" else ["pdserve", "torch"]

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import math
 
-from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.logprobs import MAX_LOGPROBS
+from pdserve.v1 import generation_pb2 as gen_pb
 
 DEFAULT_MAX_TOKENS = 16
 DEFAULT_TEMPERATURE = 1.0
@@ -31,7 +31,7 @@ MIN_TEMPERATURE = 1e-5
 def with_defaults(given: gen_pb.SamplingParams) -> gen_pb.SamplingParams:
     """What the workers get: max_tokens, temperature, top_p and top_k always set; a penalty, min_p or
     min_tokens only when it is on; seed and the logprobs fields only when the client set them; the
-    structured output as given (checked by structured/spec.py); skip_special_tokens only when off (the
+    structured output as given (checked by structured/output_spec.py); skip_special_tokens only when off (the
     coordinator's, for the text)."""
     sampling = gen_pb.SamplingParams(
         max_tokens=given.max_tokens if given.HasField("max_tokens") else DEFAULT_MAX_TOKENS,

@@ -172,10 +172,10 @@ CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET_FILE"
 MIN_SECRET_CHARS = 16
 ROLE_URI_PREFIX = "urn:pdserve:role:"
 """A worker certificate carries its role as a URI SAN: `urn:pdserve:role:decode`."""
-Role = str
+CallerRole = str
 ROLES = ("coordinator", "prefill", "decode", "operator")
 
-INTERNAL_CALLERS: dict[str, tuple[Role, ...]] = {
+INTERNAL_CALLERS: dict[str, tuple[CallerRole, ...]] = {
     "pdserve.v1.Registry/Register": ("prefill", "decode"),
     "pdserve.v1.Registry/Heartbeat": ("prefill", "decode"),
     "pdserve.v1.Registry": ("coordinator", "prefill", "decode", "operator"),
@@ -220,7 +220,7 @@ def cluster_secret_ok(metadata, secret: str) -> bool:
     return hmac.compare_digest(given.encode() if isinstance(given, str) else given, secret.encode())
 
 
-def peer_roles(context: grpc.aio.ServicerContext) -> set[Role]:
+def peer_roles(context: grpc.aio.ServicerContext) -> set[CallerRole]:
     """The roles in the caller's verified certificate's URI SANs (empty without a client certificate)."""
     auth = context.auth_context() or {}
     names = [*auth.get("x509_subject_alternative_name", ()), *auth.get("peer_uri", ())]
@@ -263,7 +263,7 @@ class ClusterAuth:
         return None
 
 
-def allowed_roles(method: str) -> tuple[Role, ...] | None:
+def allowed_roles(method: str) -> tuple[CallerRole, ...] | None:
     """The roles that may call a `/service/Method` path, or None for a public method."""
     service, _, name = method.lstrip("/").partition("/")
     return INTERNAL_CALLERS.get(f"{service}/{name}", INTERNAL_CALLERS.get(service))

@@ -34,16 +34,22 @@ from pdserve.benchmarks.plan.clock import VirtualClock
 from pdserve.benchmarks.plan.contention import Contention, HostCpu
 from pdserve.benchmarks.plan.profile import HandoffCost, Profile
 from pdserve.benchmarks.plan.workers import (
-    ColocatedWorker, DecodeSpec, DecodeWorker, PrefillSpec, PrefillWorker, SimPrefillJob, new_sequence,
+    ColocatedWorker,
+    DecodeSpec,
+    DecodeWorker,
+    PrefillSpec,
+    PrefillWorker,
+    SimPrefillJob,
+    new_sequence,
 )
 from pdserve.benchmarks.plan.workload import SimRequest
+from pdserve.server.choices import DecodePolicy, PrefillPolicy
 from pdserve.server.coordinator.admission import Deadline, RequestFailed
 from pdserve.server.coordinator.prefill_estimate import admit, ttft_budget_of
 from pdserve.server.coordinator.router import Router
 from pdserve.server.coordinator.worker_pool import Worker, WorkerPool
 from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence
-from pdserve.server.vocabulary import DecodePolicy, PrefillPolicy
 from pdserve.v1 import worker_pb2 as pb
 
 

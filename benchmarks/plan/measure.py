@@ -55,8 +55,8 @@ from pdserve.benchmarks.plan.contention import HostCpu, ProcessCpu
 from pdserve.benchmarks.plan.fit import nonneg_fit
 from pdserve.benchmarks.plan.procstat import Window, thread_run_seconds
 from pdserve.benchmarks.plan.profile import DecodeCost, DtypeRow, HandoffCost, PrefillCost, Profile
-from pdserve.server.prefill.shapes import bucket_length
 from pdserve.benchmarks.protocol import cpu_model
+from pdserve.server.prefill.shapes import bucket_length
 
 _START = time.perf_counter()
 PREFILL_ARGS = ["--compile-before-serving", "all"]
@@ -413,7 +413,6 @@ def _medians(rows: list[dict], key: str) -> list[dict]:
 def _peaks() -> dict:
     """One core's (each worker has one): what efficiency factors are measured against (roofline.py)."""
     import torch
-
     from pdserve.benchmarks import ceilings
 
     threads = torch.get_num_threads()
@@ -435,7 +434,6 @@ def _shape(config) -> dict:
 
 def _transfer_bytes_per_s(layout) -> float:
     import uvloop
-
     from pdserve.benchmarks.tiers import _transfer
     from pdserve.kvcache.layout import KvLayout
 
@@ -527,7 +525,7 @@ DEFAULT_DTYPES = "auto/auto,auto/int8,int8/auto"
 
 def parse_dtype_pairs(text: str) -> list[str]:
     """"W/KV,W/KV" -> ["W/KV", ...], each checked against the decode worker's choices."""
-    from pdserve.server.vocabulary import KV_DTYPES, WEIGHT_DTYPES
+    from pdserve.server.choices import KV_DTYPES, WEIGHT_DTYPES
 
     pairs = [t.strip() for t in text.split(",") if t.strip()]
     if not pairs:
@@ -561,10 +559,9 @@ def measure_dtype(model: Path, pair: str, vocab: int, plan: ProfilePlan, max_len
                   cpus: dict[str, set[int]] | None = None) -> dict:
     """The decode groups on a cluster whose decode worker runs at `pair`: {"rows", "kv_bytes_per_token",
     "kv_cache_tokens"}."""
-    from tqdm import tqdm
-
     from pdserve.benchmarks.clients import GrpcTarget
     from pdserve.server import launcher
+    from tqdm import tqdm
 
     log(f"decode at weight/KV dtypes {pair}: starting 1 prefill + 1 decode worker ({' '.join(dtype_args(pair))})")
     cluster = launcher.launch(model, prefill_workers=1, decode_workers=1, port=0, host="127.0.0.1",
@@ -597,11 +594,10 @@ def dtype_rows(measured: dict[str, dict], per_resumed_token_s: float) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tqdm import tqdm
-
     from pdserve.server import launcher
     from pdserve.server.cli import default_model_dir
     from pdserve.server.model.config import load_config
+    from tqdm import tqdm
 
     args = build_parser().parse_args(argv)
     if args.refit:

@@ -28,21 +28,26 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 import numpy as np
-
 from pdserve.benchmarks.plan.clock import VirtualClock
 from pdserve.benchmarks.plan.contention import Contention, HostCpu, Stepping
 from pdserve.benchmarks.plan.profile import Profile
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.scheduler import Scheduler
-from pdserve.server.decode.sequence import Sequence, SeqState
+from pdserve.server.decode.sequence import SeqState, Sequence
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.prefix_kv import BLOCK_SIZE, PrefixKv
 from pdserve.server.prefill.rates import PrefillRates
+from pdserve.server.prefill.scheduler import (
+    PREFILL_ORDERS,
+    PrefillOrder,
+    PrefillScheduler,
+    Segment,
+    packed_tokens,
+)
 from pdserve.server.prefill.shapes import bucket_length, padded, pow2, token_buckets
-from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder, PrefillScheduler, Segment, packed_tokens
 from pdserve.v1 import generation_pb2 as gen_pb
 
-Role = Literal["prefill", "decode", "colocated"]
+WorkerKind = Literal["prefill", "decode", "colocated"]
 
 
 def _default(config: type, name: str):
@@ -137,7 +142,7 @@ class _Stepper(abc.ABC):
     """One step at a time on the clock: `_take` picks the next step's work and its seconds (None: idle),
     `_complete` applies it when it ends; the step lasts its seconds over the worker's share of the host."""
 
-    role: Role
+    role: WorkerKind
 
     def __init__(self, name: str, clock: VirtualClock, profile: Profile, host: Contention | None = None) -> None:
         self.name = name
@@ -326,7 +331,7 @@ class DecodePart:
 
 
 class PrefillWorker(_Stepper):
-    role: Role = "prefill"
+    role: WorkerKind = "prefill"
 
     def __init__(self, name: str, clock: VirtualClock, profile: Profile, spec: PrefillSpec,
                  on_first_token: Callable[[SimPrefillJob], None], host: Contention | None = None) -> None:
@@ -348,7 +353,7 @@ class PrefillWorker(_Stepper):
 
 
 class DecodeWorker(_Stepper):
-    role: Role = "decode"
+    role: WorkerKind = "decode"
 
     def __init__(self, name: str, clock: VirtualClock, profile: Profile, spec: DecodeSpec,
                  on_admitted, on_token, on_finished, host: Contention | None = None) -> None:
@@ -363,7 +368,7 @@ class DecodeWorker(_Stepper):
 
 
 class ColocatedWorker(_Stepper):
-    role: Role = "colocated"
+    role: WorkerKind = "colocated"
 
     def __init__(self, name: str, clock: VirtualClock, profile: Profile, prefill_spec: PrefillSpec,
                  decode_spec: DecodeSpec, on_first_token, on_admitted, on_token, on_finished,

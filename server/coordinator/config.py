@@ -5,10 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.server.choices import (
+    DECODE_POLICIES,
+    DECODE_STREAMS,
+    PREFILL_POLICIES,
+    TOOL_CALL_PARSERS,
+    DecodePolicy,
+    DecodeStreams,
+    PrefillPolicy,
+    ToolCallParser,
+)
 from pdserve.server.flags import flag
 from pdserve.server.structured.limits import check_grammar_settings
-from pdserve.server.vocabulary import (DECODE_POLICIES, DECODE_STREAMS, PREFILL_POLICIES, TOOL_CALL_PARSERS,
-                                       DecodePolicy, DecodeStreams, PrefillPolicy, ToolCallParser)
 
 
 def _check_address(address: str, flag: str) -> None:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 from pdserve.kvcache.prefix_cache import block_hashes
 
 if TYPE_CHECKING:
+    from pdserve.server.choices import DecodePolicy, PrefillPolicy
     from pdserve.server.coordinator.worker_pool import Worker
-    from pdserve.server.vocabulary import DecodePolicy, PrefillPolicy
 
 PickPrefill = Callable[[list["Worker"]], "Worker | None"]
 """(workers) -> a worker or None."""

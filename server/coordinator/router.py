@@ -19,7 +19,7 @@ from pdserve.server import metrics
 from pdserve.server.coordinator.admission import Deadline, TierQueue
 from pdserve.server.coordinator.policies import DECODE_PICKERS, PREFILL_PICKERS
 from pdserve.server.coordinator.shared_prompt import Placement
-from pdserve.server.coordinator.worker_pool import Role, Worker, WorkerPool
+from pdserve.server.coordinator.worker_pool import Tier, Worker, WorkerPool
 
 
 class Router:
@@ -58,7 +58,7 @@ class Router:
             return placement.prefill
         return self.prefill_policy(room)
 
-    async def has_ready(self, role: Role, deadline: Deadline) -> bool:
+    async def has_ready(self, role: Tier, deadline: Deadline) -> bool:
         """Whether the tier has a ready worker, after waiting (within the deadline) for the health check of
         one that a call marked dead."""
         if not self.pool.ready(role):

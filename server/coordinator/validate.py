@@ -7,13 +7,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
-
-from pdserve.v1 import generation_pb2
 from pdserve.server import metrics, serving
 from pdserve.server.coordinator.admission import RequestFailed
 from pdserve.server.sampling_rules import sampling_problem, with_defaults
 from pdserve.server.structured.checker import ChecksBusy, SpecChecker
-from pdserve.server.structured.spec import SpecError
+from pdserve.server.structured.output_spec import SpecError
+from pdserve.v1 import generation_pb2
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 1024

@@ -25,15 +25,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import grpc
-
-from pdserve.v1 import worker_pb2, worker_pb2_grpc
 from pdserve.kvcache.layout import blocks_behind_windows
 from pdserve.server.coordinator.steps_stream import DECODE_CHANNEL_OPTIONS
 from pdserve.server.serving import channel
+from pdserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger("pdserve.coordinator")
 
-Role = Literal["prefill", "decode"]
+Tier = Literal["prefill", "decode"]
 State = Literal["ready", "draining", "dead"]
 
 
@@ -44,7 +43,7 @@ class RegistrationRefused(Exception):
 @dataclass(eq=False)
 class Worker:
     address: str
-    role: Role
+    role: Tier
     info: worker_pb2.WorkerInfo | None = None
     """The last GetInfo or heartbeat: load, KV layout, fingerprint."""
     inflight: int = 0
@@ -264,7 +263,7 @@ class WorkerPool:
 
     # ---- health ----------------------------------------------------------------
 
-    def ready(self, role: Role) -> list[Worker]:
+    def ready(self, role: Tier) -> list[Worker]:
         """The workers of a tier that take new work (ready, not draining)."""
         return [w for w in self.workers.values() if w.role == role and w.routable]
 
@@ -280,7 +279,7 @@ class WorkerPool:
             worker.failed_by_call = True
             await self._notify()
 
-    def awaiting_recheck(self, role: Role) -> bool:
+    def awaiting_recheck(self, role: Tier) -> bool:
         """A worker of the tier was marked dead by a call and its health has not been checked since."""
         return any(w.role == role and w.failed_by_call and not w.draining for w in self.workers.values())
 
@@ -293,7 +292,7 @@ class WorkerPool:
     def get_info_timeout(self) -> float:
         return max(1.0, 2 * self.refresh_seconds)
 
-    async def recheck(self, role: Role, timeout: float) -> None:
+    async def recheck(self, role: Tier, timeout: float) -> None:
         """Returns once the tier has a ready worker or none awaits its health check (that worker is back,
         or dead), or after `timeout` seconds."""
         end = time.monotonic() + timeout

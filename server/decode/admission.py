@@ -15,13 +15,12 @@ import asyncio
 from collections.abc import AsyncIterator, Container
 
 import grpc
-
-from pdserve.v1 import worker_pb2 as pb
 from pdserve.server import request_checks, serving
 from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, TokenSink
-from pdserve.server.structured.spec import SpecError
+from pdserve.server.structured.output_spec import SpecError
+from pdserve.v1 import worker_pb2 as pb
 
 QUEUED_EVERY_S = 1.0
 """While a request waits for blocks (queued, or preempted), a `queued` event this often: the worker is alive."""

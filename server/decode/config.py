@@ -7,12 +7,21 @@ from pathlib import Path
 
 from pdserve.kvcache.block_hash import DEFAULT_HASH_ALGO, BlockHasher, PrefixCachingHashAlgo
 from pdserve.kvcache.kv_events_config import KvEventsConfig, parse_kv_events_config
+from pdserve.server.choices import (
+    CPU_MATMULS,
+    DECODE_ENGINES,
+    KV_DTYPES,
+    WEIGHT_DTYPES,
+    CpuMatmul,
+    EngineKind,
+    KvDtypeChoice,
+    WeightDtype,
+)
 from pdserve.server.decode.device import parse_bytes, parse_device
 from pdserve.server.decode.spec.config import SpeculativeConfig, parse_speculative_config
 from pdserve.server.decode.spec.draft_checkpoint import check_draft_checkpoint
 from pdserve.server.flags import flag
 from pdserve.server.structured.limits import check_grammar_settings
-from pdserve.server.vocabulary import CPU_MATMULS, DECODE_ENGINES, KV_DTYPES, WEIGHT_DTYPES, CpuMatmul, DecodeEngine, KvDtypeChoice, WeightDtype
 
 
 @dataclass(frozen=True)
@@ -77,7 +86,7 @@ class DecodeConfig:
     """vLLM's flag: how a prefix-cache block's hash is computed, as vLLM computes it: sha256 (of the pickle),
     sha256_cbor, xxhash, xxhash_cbor (need xxhash). The first block's parent derives from PYTHONHASHSEED (unset:
     vLLM's fixed seed for sha256*, a random one for xxhash*): a fleet sharing a router sets the same value."""
-    engine: DecodeEngine = "native"
+    engine: EngineKind = "native"
     """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector (needs vLLM
     installed: pdserve[vllm], or make vllm-venv)."""
 

@@ -26,9 +26,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-
+from pdserve.server.choices import CPU_MATMULS
 from pdserve.server.hardware import Cpu, TorchCaps
-from pdserve.server.vocabulary import CPU_MATMULS
 
 HALF = (torch.bfloat16, torch.float16)
 PACKED = ("onednn", "float32-onednn")

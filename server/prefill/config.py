@@ -7,11 +7,11 @@ from pathlib import Path
 
 from pdserve.kvcache.block_hash import DEFAULT_HASH_ALGO, BlockHasher, PrefixCachingHashAlgo
 from pdserve.kvcache.kv_events_config import KvEventsConfig, parse_kv_events_config
+from pdserve.server.choices import WEIGHT_DTYPES, WeightDtype
 from pdserve.server.flags import flag
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder
 from pdserve.server.prefill.warmup import COMPILE_BEFORE_SERVING, CompileBeforeServing
 from pdserve.server.structured.limits import check_grammar_settings
-from pdserve.server.vocabulary import WEIGHT_DTYPES, WeightDtype
 
 
 @dataclass(frozen=True)

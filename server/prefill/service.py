@@ -19,20 +19,19 @@ import math
 import time
 
 import grpc
-
 from pdserve.kvcache.codec import kv_bytes
 from pdserve.kvcache.layout import NUMPY_DTYPES, KvLayout
 from pdserve.kvcache.sender import KvSender, KvTransport
-from pdserve.v1 import worker_pb2 as pb
-from pdserve.v1 import worker_pb2_grpc
-from pdserve.server.hardware import Hardware
 from pdserve.server import logs, metrics, request_checks
+from pdserve.server.hardware import Hardware
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.engine import PrefillEngine, PrefillJob
 from pdserve.server.prefill.push_budget import PushBudget
 from pdserve.server.structured.constraint import Constraint
 from pdserve.server.structured.grammars import request_constraint
-from pdserve.server.structured.spec import SpecError
+from pdserve.server.structured.output_spec import SpecError
+from pdserve.v1 import worker_pb2 as pb
+from pdserve.v1 import worker_pb2_grpc
 
 log = logging.getLogger("pdserve.prefill")
 

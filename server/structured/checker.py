@@ -16,12 +16,12 @@ import hashlib
 import threading
 from collections import OrderedDict
 
-from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server import metrics
 from pdserve.server.structured import child
 from pdserve.server.structured.limits import SpecLimits, check_spec
+from pdserve.server.structured.output_spec import SpecError
 from pdserve.server.structured.pool import ChildFailed, GrammarPool, JobError, PoolBusy, shared_pool
-from pdserve.server.structured.spec import SpecError
+from pdserve.v1 import generation_pb2 as gen_pb
 
 MAX_PASSED = 4096
 """Digests of passed specs remembered."""

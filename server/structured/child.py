@@ -26,10 +26,9 @@ def check(spec_bytes: bytes, where: str, field: str) -> str | None:
     """The job every tier runs: why the StructuredOutput cannot be enforced (a sentence starting with
     `where`), or None. With a tokenizer, a trial compile and the first mask too (what a worker will do)."""
     import numpy as np
-
-    from pdserve.v1 import generation_pb2 as gen_pb
     from pdserve.server.structured.bitmask import words
-    from pdserve.server.structured.spec import SpecError, one_line, spec_problem
+    from pdserve.server.structured.output_spec import SpecError, one_line, spec_problem
+    from pdserve.v1 import generation_pb2 as gen_pb
 
     spec = gen_pb.StructuredOutput.FromString(spec_bytes)
     problem = spec_problem(spec, field, where)

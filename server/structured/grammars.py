@@ -21,16 +21,15 @@ from collections import OrderedDict
 from pathlib import Path
 
 import llguidance
-
-from pdserve.v1 import generation_pb2 as gen_pb
-from pdserve.v1 import worker_pb2 as pb
 from pdserve.server import metrics
 from pdserve.server.structured.checker import SpecChecker
 from pdserve.server.structured.constraint import Constraint
-from pdserve.server.structured.lltokenizer import ll_tokenizer
 from pdserve.server.structured.limits import SpecLimits
+from pdserve.server.structured.lltokenizer import ll_tokenizer
+from pdserve.server.structured.output_spec import SpecError, grammar_of, kind_of, one_line
 from pdserve.server.structured.pool import DEFAULT_PROCESSES, shared_pool
-from pdserve.server.structured.spec import SpecError, grammar_of, kind_of, one_line
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
 
 DEFAULT_TIMEOUT_S = 10.0
 DEFAULT_CACHE_BYTES = 512 * 2**20

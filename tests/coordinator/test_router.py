@@ -7,13 +7,20 @@ import random
 
 import grpc
 import pytest
-
+from pdserve.server.choices import DECODE_POLICIES, PREFILL_POLICIES
 from pdserve.server.coordinator.admission import Deadline, RequestFailed, TierQueue
-from pdserve.server.coordinator.policies import (DECODE_PICKERS, LARGE_POOL, PREFILL_PICKERS, most_free_blocks,
-                                                 power_of_two, prefix_aware, route_key)
+from pdserve.server.coordinator.policies import (
+    DECODE_PICKERS,
+    LARGE_POOL,
+    PREFILL_PICKERS,
+    most_free_blocks,
+    power_of_two,
+    prefix_aware,
+    route_key,
+)
 from pdserve.server.coordinator.router import Router
 from pdserve.server.coordinator.worker_pool import Worker, WorkerPool
-from pdserve.server.vocabulary import DECODE_POLICIES, PREFILL_POLICIES
+
 from tests.coordinator.fakes import worker_info as info
 
 

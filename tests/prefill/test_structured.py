@@ -8,14 +8,14 @@ import re
 
 import jax.numpy as jnp
 import numpy as np
-
-from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.model.config import load_config
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.server.prefill.sampler import sample_jit
 from pdserve.server.prefill.step_packing import sampling_columns
 from pdserve.server.structured.bitmask import allowed_ids, unconstrained
 from pdserve.server.structured.grammars import Grammars
+from pdserve.v1 import generation_pb2 as gen_pb
+
 from tests.prefill.test_engine import _engine
 from tests.structured.vocab import WIDTH, grammars
 
@@ -85,10 +85,9 @@ async def test_the_service_replays_a_migrations_outputs_and_refuses_what_cannot_
     from types import SimpleNamespace
 
     import pytest
-
-    from pdserve.v1 import worker_pb2 as pb
     from pdserve.server.prefill.service import PrefillService
-    from pdserve.server.structured.spec import SpecError
+    from pdserve.server.structured.output_spec import SpecError
+    from pdserve.v1 import worker_pb2 as pb
 
     def request(spec, ids, n):
         return pb.PrefillRequest(token_ids=ids, sample_index=n, sampling=gen_pb.SamplingParams(structured=spec))

@@ -1,11 +1,10 @@
 import asyncio
 
-import numpy as np
 import pytest
-
-from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.structured.bitmask import allowed_ids, clear_from, unconstrained, words
-from pdserve.server.structured.spec import SpecError
+from pdserve.server.structured.output_spec import SpecError
+from pdserve.v1 import generation_pb2 as gen_pb
+
 from tests.structured.vocab import EOS, WIDTH, grammars
 
 

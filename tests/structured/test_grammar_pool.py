@@ -11,15 +11,15 @@ import signal
 import time
 
 import pytest
-
-from pdserve.v1 import generation_pb2 as gen_pb
-from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.structured.bitmask import allowed_ids, unconstrained
 from pdserve.server.structured.checker import SpecChecker
 from pdserve.server.structured.grammars import matcher_bytes
 from pdserve.server.structured.limits import SpecLimits
+from pdserve.server.structured.output_spec import SpecError, grammar_of
 from pdserve.server.structured.pool import ChildFailed, GrammarPool
-from pdserve.server.structured.spec import SpecError, grammar_of
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
+
 from tests.structured.test_limits import chained_defs, chained_rules
 from tests.structured.vocab import WIDTH, grammars
 
@@ -89,7 +89,6 @@ def test_a_timeout_kills_and_replaces_the_child(pool):
 
 async def test_a_full_queue_refuses_at_once_and_the_client_may_retry(pool):
     import grpc
-
     from pdserve.server.coordinator.admission import RequestFailed
     from pdserve.server.coordinator.validate import check_spec
     from pdserve.server.structured.pool import PoolBusy

@@ -9,13 +9,21 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.coordinator.config import CoordinatorConfig
 from pdserve.server.structured.checker import SpecChecker
-from pdserve.server.structured.limits import (LimitError, SpecLimits, check_spec, check_tools, count_defs,
-                                              grammar_rules, json_depth, schema_text, value_depth)
-from pdserve.server.structured.spec import SpecError
+from pdserve.server.structured.limits import (
+    LimitError,
+    SpecLimits,
+    check_spec,
+    check_tools,
+    count_defs,
+    grammar_rules,
+    json_depth,
+    schema_text,
+    value_depth,
+)
+from pdserve.server.structured.output_spec import SpecError
+from pdserve.v1 import generation_pb2 as gen_pb
 
 SO = gen_pb.StructuredOutput
 

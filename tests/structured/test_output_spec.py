@@ -1,7 +1,7 @@
 import json
 
+from pdserve.server.structured.output_spec import spec_problem
 from pdserve.v1 import generation_pb2 as gen_pb
-from pdserve.server.structured.spec import spec_problem
 
 
 def test_valid_specs_pass():

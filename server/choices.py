@@ -16,13 +16,12 @@ KvDtypeChoice = Literal["auto", "float32", "bfloat16", "float16", "fp8_e4m3", "i
 PrefillPolicy = Literal["least-queued"]
 DecodePolicy = Literal["prefix-aware", "most-free-blocks", "power-of-two"]
 LogFormat = Literal["text", "json"]
-Role = Literal["coordinator", "prefill", "decode"]
 DecodeStreams = Literal["batched", "per-request"]
 """How decode workers stream to the coordinator: batched (one message per step per connection, the
 workers' Steps stream) or per-request (one message per token per request, the pre-Steps wire)."""
 CpuMatmul = Literal["auto", "onednn", "plain", "float32", "float32-onednn"]
 """How a checkpoint's matmuls compute on a CPU decode worker (`server/decode/cpu_matmul.py`)."""
-DecodeEngine = Literal["native", "vllm"]
+EngineKind = Literal["native", "vllm"]
 """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
 ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
 """How a model writes tool calls in its text (vLLM's --tool-call-parser names; coordinator/openai/tool_parsers.py)."""
@@ -32,7 +31,7 @@ KV_DTYPES: tuple[str, ...] = get_args(KvDtypeChoice)
 PREFILL_POLICIES: tuple[str, ...] = get_args(PrefillPolicy)
 DECODE_POLICIES: tuple[str, ...] = get_args(DecodePolicy)
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
-DECODE_ENGINES: tuple[str, ...] = get_args(DecodeEngine)
+DECODE_ENGINES: tuple[str, ...] = get_args(EngineKind)
 CPU_MATMULS: tuple[str, ...] = get_args(CpuMatmul)
 DECODE_STREAMS: tuple[str, ...] = get_args(DecodeStreams)
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)

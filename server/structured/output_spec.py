@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 
 import llguidance
-
 from pdserve.v1 import generation_pb2 as gen_pb
 
 MAX_CHOICES = 1024
