@@ -238,7 +238,7 @@ class Attempt:
         if event == "reserved":
             return message.reserved.cached_blocks
         if event == "finished" and message.finished.reason == FinishReason.FINISH_REASON_ERROR:
-            raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address}: {message.finished.message}")
+            raise finish_failed(decode.address, message.finished)
         raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} sent {event!r} before 'reserved'")
 
     async def _read_call(self):
@@ -400,7 +400,7 @@ class Attempt:
         elif kind == "finished":
             finished = event.finished
             if finished.reason == FinishReason.FINISH_REASON_ERROR:
-                raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address}: {finished.message}")
+                raise finish_failed(decode.address, finished)
             if finished.reason == FinishReason.FINISH_REASON_UNSPECIFIED:
                 raise RequestFailed(grpc.StatusCode.INTERNAL, f"decode worker {decode.address} finished without a reason")
         else:
@@ -461,3 +461,17 @@ def _merged(events: list[DecodeEvent], max_tokens: int) -> list[DecodeEvent]:
         else:
             out.append(event)
     return out
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def finish_failed(address: str, finished: worker_pb2.Finished) -> RequestFailed:
+    """A decode worker's error finish as the client's status: the request's own fault (INVALID_ARGUMENT: its
+    grammar outgrew a parser limit) as the worker named it, anything else INTERNAL."""
+    code = _CODES.get(finished.status, grpc.StatusCode.INTERNAL)
+    if code in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN):
+        code = grpc.StatusCode.INTERNAL
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return RequestFailed(code, finished.message)
+    return RequestFailed(code, f"decode worker {address}: {finished.message}")

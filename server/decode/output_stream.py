@@ -40,8 +40,7 @@ async def stream_tokens(engine: Engine, seq: Sequence, events: asyncio.Queue[lis
         sent_logprobs = seq.logprobs[: len(ids)]
         del seq.logprobs[: len(ids)]
         yield pb.DecodeResponse(tokens=pb.TokenEvent(token_ids=ids, logprobs=sent_logprobs))
-    message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
-    yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason, message=message))
+    yield pb.DecodeResponse(finished=seq.finished_event())
 
 
 async def ride_steps(streams: Mapping[str, StepStream], stream_id: str, engine: Engine, seq: Sequence,

@@ -7,9 +7,13 @@ import enum
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import grpc
+
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.finish import blocked_ids, finish_reason
 from pdserve.server.structured.constraint import Constraint
+from pdserve.server.structured.output_spec import one_line
 
 
 class TokenSink(Protocol):
@@ -62,6 +66,9 @@ class Sequence:
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     """Resolves when the sequence holds its blocks (first admission only)."""
     finish_reason: int = gen_pb.FINISH_REASON_UNSPECIFIED
+    error: tuple[int, str] | None = None
+    """With FINISH_REASON_ERROR: (gRPC status code, message) when the request's own input ended it (its
+    grammar hit a parser limit); None: a server fault ("decode step failed", INTERNAL)."""
     events: TokenSink = field(default_factory=asyncio.Queue)
     """Where its output goes (the engine's `add` is given it): new token ids, then None when finished."""
     logprobs: list[gen_pb.TokenLogprob] = field(default_factory=list)
@@ -109,10 +116,18 @@ class Sequence:
         if self.constraint is not None and reason != gen_pb.FINISH_REASON_STOP:
             if not self.constraint.advance(token):
                 reason = gen_pb.FINISH_REASON_ERROR
+                self.error = grammar_failure(self.constraint, self.sample_index - 1)
             elif self.constraint.done:
                 reason = gen_pb.FINISH_REASON_STOP
         if reason != gen_pb.FINISH_REASON_UNSPECIFIED:
             self.finish(reason)
+
+    def finished_event(self) -> pb.Finished:
+        """The `finished` event this sequence ends with (its error's status and message, when it failed)."""
+        if self.finish_reason != gen_pb.FINISH_REASON_ERROR:
+            return pb.Finished(reason=self.finish_reason)
+        status, message = self.error or (grpc.StatusCode.INTERNAL.value[0], "decode step failed")
+        return pb.Finished(reason=self.finish_reason, message=message, status=status)
 
     def finish(self, reason: int) -> None:
         if self.state is not SeqState.FINISHED:
@@ -131,3 +146,14 @@ def admissible(request, sequences: dict, max_model_len: int) -> tuple[str, list[
         raise ValueError(f"a prompt of {len(prompt)} tokens leaves no room to generate within "
                          f"max_model_len {max_model_len}")
     return rid, prompt
+
+
+def grammar_failure(constraint: Constraint, index: int) -> tuple[int, str] | None:
+    """Why a grammar refused output token `index` (a masked draw never picks a refused token): the request's
+    fault when the grammar outgrew a parser limit (INVALID_ARGUMENT, naming the field), else None (a fault of
+    the server's)."""
+    if not constraint.hit_limit:
+        return None
+    return (grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            f"sampling.structured: grammar too complex: at output token {index} it exceeds a parser limit "
+            f"({one_line(constraint.error.split('<state>')[0])})")

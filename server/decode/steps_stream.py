@@ -120,8 +120,7 @@ class StepSink:
         stream = self.stream
         if ids is None:
             self.cut_off = stream.closed
-            message = "decode step failed" if seq.finish_reason == gen_pb.FINISH_REASON_ERROR else ""
-            self.send(finished=pb.Finished(reason=seq.finish_reason, message=message))
+            self.send(finished=seq.finished_event())
             stream.riders.pop(seq.request_id, None)
             self.done.set_result(None)
             return

@@ -22,9 +22,15 @@ _grammars: Any = None
 """The child's Grammars (isolated=False: it compiles directly), None on the coordinator."""
 
 
+TRIAL_TOKENS = 8
+"""How many tokens a check draws (each the lowest id the grammar allows next) after the trial compile: a
+grammar that outgrows llguidance's parser limits within them (20,000 alternatives sharing a prefix) is refused
+at the front instead of failing its request after the first token."""
+
+
 def check(spec_bytes: bytes, where: str, field: str) -> str | None:
     """The job every tier runs: why the StructuredOutput cannot be enforced (a sentence starting with
-    `where`), or None. With a tokenizer, a trial compile and the first mask too (what a worker will do)."""
+    `where`), or None. With a tokenizer, a trial compile, then TRIAL_TOKENS masked draws (what a worker will do)."""
     import numpy as np
     from pdserve.server.structured.bitmask import words
     from pdserve.server.structured.output_spec import SpecError, one_line, spec_problem
@@ -39,8 +45,18 @@ def check(spec_bytes: bytes, where: str, field: str) -> str | None:
     except SpecError as e:
         return str(e)
     row = np.zeros(words(_grammars.vocab_size), np.int32)
-    matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
-    return f"{where}: {one_line(matcher.get_error())}" if matcher.is_error() else None
+    for _ in range(TRIAL_TOKENS):
+        matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if matcher.is_error():
+            return f"{where}: {one_line(matcher.get_error().split('<state>')[0])}"
+        allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[: _grammars.vocab_size])
+        allowed = allowed[~np.isin(allowed, _grammars.eos_ids)]
+        if matcher.is_stopped() or not allowed.size:
+            return None
+        if not matcher.consume_token(int(allowed[0])) or matcher.is_error():
+            return (f"{where}: grammar too complex: a trial output exceeds a parser limit "
+                    f"({one_line(matcher.get_error().split('<state>')[0])})")
+    return None
 
 
 def _init(tokenizer_json: str | None, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
@@ -78,4 +94,8 @@ def _run(conn: Connection) -> None:
 
 
 if __name__ == "__main__":
-    _run(Connection(int(sys.argv[1])))
+    # run as the module a pickled job names (pdserve.server.structured.child.check), not as __main__: the
+    # tokenizer _init builds must be the one that module's jobs see
+    from pdserve.server.structured import child as _module
+
+    _module._run(Connection(int(sys.argv[1])))

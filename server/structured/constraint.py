@@ -44,3 +44,18 @@ class Constraint:
     @property
     def error(self) -> str:
         return self.matcher.get_error()
+
+    @property
+    def hit_limit(self) -> bool:
+        """The matcher is in error because the grammar outgrew one of llguidance's parser limits (a row's
+        items, lexer fuel, ...): the request's fault, never a token the mask allowed being refused."""
+        return is_limit_error(self.error)
+
+
+LIMIT_ERROR_MARKS = ("max is", "fuel", "limit", "too many", "too large", "too complex")
+"""Words llguidance's parser-limit errors carry ("Current row has 20001 items; max is 2000", "lexer fuel")."""
+
+
+def is_limit_error(message: str) -> bool:
+    message = message.lower()
+    return any(mark in message for mark in LIMIT_ERROR_MARKS)

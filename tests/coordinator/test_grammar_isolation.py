@@ -85,8 +85,20 @@ async def test_specs_that_crash_the_grammar_compiler_are_400_on_every_front(unli
     assert all(not r.sampling.structured.grammar for r in pools.decode.requests)
 
 
+def deep_schema(levels: int) -> dict:
+    """An object schema nesting `levels` objects (2 JSON levels each)."""
+    deep: dict = {"type": "object"}
+    for _ in range(levels):
+        deep = {"type": "object", "properties": {"a": deep}}
+    return deep
+
+
+def _tool(parameters: dict) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
+
+
 async def test_specs_over_the_limits_are_refused_naming_the_field_and_flag(model_dir):
-    pools = await start_fake_pools(model_dir, http_port=0, max_tools=2)
+    pools = await start_fake_pools(model_dir, http_port=0, max_tools=2, max_schema_depth=32)
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{pools.coordinator.http.port}",
                                      timeout=60) as client:
@@ -99,14 +111,14 @@ async def test_specs_over_the_limits_are_refused_naming_the_field_and_flag(model
                                                                "name": "x", "schema": chained_defs(700)}}})
             assert r.status_code == 400 and "701 $defs/definitions; the limit is 256 (--max-schema-defs)" in \
                 r.json()["error"]["message"], r.text
-            deep: dict = {"type": "object"}
-            for _ in range(300):
-                deep = {"type": "object", "properties": {"a": deep}}
-            tool = {"type": "function", "function": {"name": "f", "parameters": deep}}
             chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}
-            r = await client.post("/v1/chat/completions", json={**chat, "tools": [tool]})
+            r = await client.post("/v1/chat/completions", json={**chat, "tools": [_tool(deep_schema(20))]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text
-            assert "the limit is 128 (--max-schema-depth)" in r.json()["error"]["message"]
+            assert "the limit is 32 (--max-schema-depth)" in r.json()["error"]["message"]
+            # deeper than any request body may nest: refused while the body is read, naming the path
+            r = await client.post("/v1/chat/completions", json={**chat, "tools": [_tool(deep_schema(300))]})
+            assert r.status_code == 400 and r.json()["error"]["param"].startswith("tools[0].function.parameters")
+            assert "nested deeper than 128 levels" in r.json()["error"]["message"]
             small = {"type": "function", "function": {"name": "g", "parameters": {"type": "object"}}}
             r = await client.post("/v1/chat/completions", json={**chat, "tools": [small] * 3})
             assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text

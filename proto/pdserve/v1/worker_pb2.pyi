@@ -110,12 +110,14 @@ class TokenEvent(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Finished(_message.Message):
-    __slots__ = ("reason", "message")
+    __slots__ = ("reason", "message", "status")
     REASON_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
     reason: _generation_pb2.FinishReason
     message: str
-    def __init__(self, reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., message: _Optional[str] = ...) -> None: ...
+    status: int
+    def __init__(self, reason: _Optional[_Union[_generation_pb2.FinishReason, str]] = ..., message: _Optional[str] = ..., status: _Optional[int] = ...) -> None: ...
 
 class Queued(_message.Message):
     __slots__ = ("position",)
