@@ -20,10 +20,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from pdserve.benchmarks import datasets, report
-from pdserve.benchmarks.clients import GrpcTarget, OpenAITarget, RequestOutput, Target
-from pdserve.benchmarks.load import LoadSpec, arrival_offsets
-from pdserve.benchmarks.metrics import summarize
+from pdserve.benchmarks import report
+from pdserve.benchmarks.clients import GrpcTarget, OpenAITarget, Target
+from pdserve.server.plan import datasets
+from pdserve.server.plan.arrivals import LoadSpec, arrival_offsets
+from pdserve.server.plan.bench_flags import add_bench_flags, make_requests, prompt_count
+from pdserve.server.plan.run_summary import RequestOutput, format_summary, summarize
 
 
 @dataclass
@@ -174,123 +176,11 @@ def write_results(
     return doc
 
 
-def format_summary(s: dict, name: str = "") -> str:
-    lines = [
-        f"==== {name or 'result'} ====",
-        f"requests: {s['completed']} completed, {s['failed']} failed in {s['duration_s']:.2f} s",
-        f"request throughput: {s['request_throughput']:.3f} req/s   goodput: {s['goodput']:.3f} req/s   "
-        f"SLO attainment: {100 * s['slo_attainment']:.1f}%",
-        f"output throughput: {s['output_throughput']:.2f} tok/s   total: {s['total_token_throughput']:.2f} tok/s",
-        f"{'(ms)':<6}{'mean':>10}{'median':>10}{'p90':>10}{'p99':>10}",
-    ]
-    for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
-        st = s[key]
-        if st.get("n"):
-            lines.append(
-                f"{key[:-3].upper():<6}"
-                + "".join(f"{st[k]:>10.2f}" for k in ("mean", "median", "p90", "p99"))
-            )
-    for err, n in s.get("errors", {}).items():
-        lines.append(f"error x{n}: {err}")
-    return "\n".join(lines)
-
-
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or argparse.ArgumentParser(
         prog="pdserve bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    t = p.add_argument_group("target")
-    t.add_argument("--target", choices=["grpc", "openai"], default="grpc")
-    t.add_argument("--addr", default="127.0.0.1:50051", help="pdserve gRPC address (--target grpc)")
-    t.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI server (--target openai)")
-    t.add_argument("--model", help="model name for OpenAI requests (default: the first of /v1/models)")
-    t.add_argument("--api-key", help="bearer token for OpenAI requests")
-    t.add_argument("--timeout", type=float, default=None, help="per-request deadline in seconds")
-    d = p.add_argument_group("data")
-    d.add_argument("--dataset", choices=["synthetic", "sharegpt"], default="synthetic")
-    d.add_argument("--dataset-path", type=Path, help="ShareGPT JSON or JSONL file")
-    d.add_argument(
-        "--tokenizer", type=Path, help="tokenizer.json or model dir, to count ShareGPT prompt tokens"
-    )
-    d.add_argument("--input-len", type=int, default=128)
-    d.add_argument("--output-len", type=int, default=32)
-    d.add_argument("--length-dist", choices=["fixed", "uniform", "lognormal"], default="fixed")
-    d.add_argument("--range-ratio", type=float, default=0.5, help="uniform: lengths in len*(1 +- ratio)")
-    d.add_argument("--sigma", type=float, default=0.5, help="log-normal: sigma of log(length)")
-    d.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        help="synthetic token ids below this (default: from --tokenizer, else 500)",
-    )
-    d.add_argument("--seed", type=int, default=0)
-    ld = p.add_argument_group("load")
-    ld.add_argument(
-        "--num-prompts", type=int, default=None, help="requests to send (default 100 without --duration)"
-    )
-    ld.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
-    ld.add_argument(
-        "--request-rate", type=float, default=math.inf, help="requests/s (default inf: closed loop)"
-    )
-    ld.add_argument("--arrival", choices=["poisson", "constant"], default="poisson")
-    ld.add_argument("--concurrency", type=int, default=None, help="at most this many requests in flight")
-    ld.add_argument("--warmup", type=int, default=0, help="requests sent and discarded first (prompts of their own, "
-                    "not the measured ones)")
-    r = p.add_argument_group("results")
-    r.add_argument("--slo-ttft-ms", type=float, default=None)
-    r.add_argument("--slo-tpot-ms", type=float, default=None)
-    r.add_argument(
-        "--out", type=Path, default=None, help="results directory (default benchmarks/results/<time>)"
-    )
-    r.add_argument("--no-plots", action="store_true")
-    r.add_argument("--no-progress", action="store_true")
-    return p
-
-
-def _vocab_size(args) -> int:
-    if args.vocab_size:
-        return args.vocab_size
-    if args.tokenizer:
-        from tokenizers import Tokenizer
-
-        path = args.tokenizer / "tokenizer.json" if args.tokenizer.is_dir() else args.tokenizer
-        return Tokenizer.from_file(str(path)).get_vocab_size()
-    return 500
-
-
-def prompt_count(args) -> int:
-    """How many distinct requests a run draws: --num-prompts, else (a timed run) the arrivals its rate and
-    --duration give with room for Poisson's spread, else 1000 (a closed loop cycles through them). A timed
-    run that cycled would send the same prompts again, and a server's prefix cache would serve them."""
-    if args.num_prompts:
-        return args.num_prompts
-    if args.duration and math.isfinite(args.request_rate):
-        return max(1000, arrivals_bound(args.request_rate, args.duration))
-    return 1000
-
-
-def arrivals_bound(rate: float, duration: float) -> int:
-    """Poisson arrivals at `rate` over `duration` seconds, with room for the spread (mean + 6 sd + 16)."""
-    expected = rate * duration
-    return math.ceil(expected + 6 * math.sqrt(expected) + 16)
-
-
-def make_requests(args, n: int, seed: int | None = None) -> list[datasets.BenchRequest]:
-    seed = args.seed if seed is None else seed
-    if args.dataset == "sharegpt":
-        if not args.dataset_path:
-            raise SystemExit("--dataset sharegpt needs --dataset-path")
-        return datasets.sharegpt(args.dataset_path, n, tokenizer_path=args.tokenizer, seed=seed)
-    return datasets.synthetic(
-        n,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        vocab_size=_vocab_size(args),
-        dist=args.length_dist,
-        range_ratio=args.range_ratio,
-        sigma=args.sigma,
-        seed=seed,
-    )
+    return add_bench_flags(p)
 
 
 def make_target(args) -> Target:

@@ -9,35 +9,9 @@ from __future__ import annotations
 import abc
 import json
 import time
-from dataclasses import dataclass, field
 
-from pdserve.benchmarks.datasets import BenchRequest
-
-
-@dataclass
-class RequestOutput:
-    group: str
-    prompt_len: int
-    sent: float = 0.0  # perf_counter when the request was sent
-    chunk_times: list[float] = field(default_factory=list)  # perf_counter of each chunk with new tokens
-    chunk_tokens: list[int] = field(default_factory=list)  # new tokens in that chunk
-    done: float = 0.0  # perf_counter when the stream ended
-    output_len: int = 0  # generated tokens (the server's usage when it reports one)
-    success: bool = False
-    finish_reason: str = ""
-    error: str = ""
-
-    @property
-    def ttft(self) -> float:
-        return self.chunk_times[0] - self.sent
-
-    @property
-    def latency(self) -> float:
-        return self.done - self.sent
-
-    @property
-    def itl(self) -> list[float]:
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+from pdserve.server.plan.datasets import BenchRequest
+from pdserve.server.plan.run_summary import RequestOutput
 
 
 class Target(abc.ABC):

@@ -28,11 +28,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.benchmarks import datasets
-from pdserve.benchmarks.bench import Group, arrivals_bound, run_groups, warmup
+from pdserve.server.plan import datasets
+from pdserve.benchmarks.bench import Group, run_groups, warmup
+from pdserve.server.plan.bench_flags import arrivals_bound
 from pdserve.benchmarks.clients import Target
-from pdserve.benchmarks.load import LoadSpec
-from pdserve.benchmarks.metrics import summarize
+from pdserve.server.plan.arrivals import LoadSpec
+from pdserve.server.plan.run_summary import summarize
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, gate, load_average
 
 SYSTEMS = ("pdserve", "vllm", "vllm-pd")

@@ -141,8 +141,9 @@ class Pair:
 
 async def _generate(address: str, prompts: list[list[int]], max_tokens: int):
     """Every prompt sent at once through `Generate` (greedy, ignore_eos) -> their `RequestOutput`s."""
-    from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
-    from pdserve.benchmarks.datasets import BenchRequest
+    from pdserve.benchmarks.clients import GrpcTarget
+    from pdserve.server.plan.run_summary import RequestOutput
+    from pdserve.server.plan.datasets import BenchRequest
 
     target = GrpcTarget(address, timeout=300)
     outs = [RequestOutput("served", len(p)) for p in prompts]

@@ -76,8 +76,9 @@ def one_process(model_dir: Path, lengths: list[int], repeats: int) -> dict[int, 
 
 
 async def _disaggregated(address: str, vocab: int, lengths: list[int], repeats: int) -> dict[int, tuple[float, float]]:
-    from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
-    from pdserve.benchmarks.datasets import synthetic
+    from pdserve.benchmarks.clients import GrpcTarget
+    from pdserve.server.plan.run_summary import RequestOutput
+    from pdserve.server.plan.datasets import synthetic
 
     target = GrpcTarget(address, timeout=300)
     out = {}

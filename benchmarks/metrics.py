@@ -1,12 +1,5 @@
-"""Per-request latency metrics and run summaries, by vLLM's `bench serve` definitions.
-
-- TTFT: first chunk with tokens minus send time.
-- ITL: gaps between successive chunks with tokens (all requests' gaps pooled).
-- TPOT: (E2E - TTFT) / (output_len - 1), for requests with more than one output token.
-- E2E: stream end minus send time.
-- Throughputs divide by the run's wall time (first send to last stream end).
-- Goodput: requests/s that completed and met every SLO given (TTFT <= slo_ttft, TPOT <= slo_tpot;
-  a one-token request's TPOT counts as 0). SLO attainment: those requests / all requests sent.
+"""Benchmark-only run figures: the throughput over a run's time (its plots) and a sample scraped from /metrics.
+The per-request latencies and the run's summary are `pdserve.server.plan.run_summary`'s (`pdserve plan` shares them).
 """
 
 from __future__ import annotations
@@ -16,79 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pdserve.benchmarks.clients import RequestOutput
-
-PERCENTILES = (50, 90, 99)
-
-
-def tpot(o: RequestOutput) -> float | None:
-    return (o.latency - o.ttft) / (o.output_len - 1) if o.output_len > 1 else None
-
-
-def stats(values_s: Sequence[float], percentiles: Sequence[int] = PERCENTILES) -> dict[str, float]:
-    """mean, median, std and pNN of `values_s` (seconds), in milliseconds; np.percentile's linear rule."""
-    if len(values_s) == 0:
-        return {"n": 0}
-    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
-    out = {
-        "n": int(ms.size),
-        "mean": float(ms.mean()),
-        "median": float(np.median(ms)),
-        "std": float(ms.std()),
-    }
-    out.update({f"p{p}": float(np.percentile(ms, p)) for p in percentiles})
-    return out
-
-
-def meets_slo(o: RequestOutput, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
-    if not o.success:
-        return False
-    if slo_ttft_ms is not None and o.ttft * 1000.0 > slo_ttft_ms:
-        return False
-    t = tpot(o) or 0.0
-    return slo_tpot_ms is None or t * 1000.0 <= slo_tpot_ms
-
-
-def summarize(
-    outputs: Sequence[RequestOutput],
-    *,
-    slo_ttft_ms: float | None = None,
-    slo_tpot_ms: float | None = None,
-    duration: float | None = None,
-) -> dict:
-    """The run's figures. `duration` defaults to first send .. last stream end of `outputs`."""
-    ok = [o for o in outputs if o.success]
-    if duration is None:
-        duration = (max(o.done for o in outputs) - min(o.sent for o in outputs)) if outputs else 0.0
-    prompt_tokens = sum(o.prompt_len for o in ok)
-    output_tokens = sum(o.output_len for o in ok)
-    good = sum(meets_slo(o, slo_ttft_ms, slo_tpot_ms) for o in outputs)
-    per_s = (lambda x: x / duration) if duration > 0 else (lambda x: 0.0)
-    summary = {
-        "requests": len(outputs),
-        "completed": len(ok),
-        "failed": len(outputs) - len(ok),
-        "duration_s": duration,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
-        "request_throughput": per_s(len(ok)),
-        "output_throughput": per_s(output_tokens),
-        "total_token_throughput": per_s(prompt_tokens + output_tokens),
-        "ttft_ms": stats([o.ttft for o in ok]),
-        "tpot_ms": stats([t for o in ok if (t := tpot(o)) is not None]),
-        "itl_ms": stats([g for o in ok for g in o.itl]),
-        "e2el_ms": stats([o.latency for o in ok]),
-        "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
-        "good_requests": good,
-        "goodput": per_s(good),
-        "slo_attainment": good / len(outputs) if outputs else 0.0,
-    }
-    errors: dict[str, int] = {}
-    for o in outputs:
-        if not o.success:
-            errors[o.error[:120]] = errors.get(o.error[:120], 0) + 1
-    summary["errors"] = errors
-    return summary
+from pdserve.server.plan.run_summary import RequestOutput
 
 
 def throughput_timeline(

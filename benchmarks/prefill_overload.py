@@ -32,12 +32,15 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pdserve.benchmarks import datasets, protocol
+from pdserve.benchmarks import protocol
+from pdserve.server.plan import datasets
 from pdserve.benchmarks.bench import Group, run_groups
 from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
-from pdserve.benchmarks.clients import GrpcTarget, RequestOutput
-from pdserve.benchmarks.load import LoadSpec
-from pdserve.benchmarks.metrics import prometheus_value, stats
+from pdserve.benchmarks.clients import GrpcTarget
+from pdserve.server.plan.run_summary import RequestOutput
+from pdserve.server.plan.arrivals import LoadSpec
+from pdserve.benchmarks.metrics import prometheus_value
+from pdserve.server.plan.run_summary import stats
 from pdserve.benchmarks.servers import ROOT, Server, _spawn, _wait, pools_ready
 from pdserve.server.launcher import free_port
 from pdserve.server.cache_dir import cache_dir

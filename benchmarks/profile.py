@@ -38,8 +38,8 @@ from typing import Self
 
 from pdserve.benchmarks.bench import Group, run_groups, warmup
 from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
-from pdserve.benchmarks.datasets import synthetic
-from pdserve.benchmarks.load import LoadSpec
+from pdserve.server.plan.datasets import synthetic
+from pdserve.server.plan.arrivals import LoadSpec
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, gate
 from pdserve.server.cache_dir import cache_dir
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.benchmarks.clients import RequestOutput
-from pdserve.benchmarks.metrics import throughput_timeline, tpot
+from pdserve.server.plan.run_summary import RequestOutput
+from pdserve.benchmarks.metrics import throughput_timeline
+from pdserve.server.plan.run_summary import tpot
 
 
 def request_records(outputs: Sequence[RequestOutput], start: float) -> list[dict]:

@@ -44,11 +44,11 @@ import sys
 import time
 from pathlib import Path
 
-from pdserve.benchmarks import datasets
+from pdserve.server.plan import datasets
 from pdserve.benchmarks.bench import Group, run_groups, warmup, write_results
 from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.clients import Target
-from pdserve.benchmarks.load import LoadSpec
+from pdserve.server.plan.arrivals import LoadSpec
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_spread, gate, load_average, schedule, spread
 from pdserve.benchmarks.servers import ROOT, start_system, wait_for_compiles
 from pdserve.server.cache_dir import cache_dir

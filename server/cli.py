@@ -1,5 +1,5 @@
-"""The `pdserve` command: one subcommand per process role, plus `up`, `generate`, helpers, and those other
-packages add (COMMANDS: `pdserve bench`, the load generator)."""
+"""The `pdserve` command: one subcommand per process role, plus `up`, `generate`, `plan`, helpers, and those
+other packages add (COMMANDS: `pdserve bench`, the load generator)."""
 
 from __future__ import annotations
 
@@ -472,6 +472,12 @@ def cmd_added(args) -> int:
     return args.entry_point.load()(args.rest)
 
 
+def cmd_plan(args) -> int:
+    from pdserve.server.plan.cli import main as plan_main
+
+    return plan_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -571,9 +577,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=48)
     p.set_defaults(func=cmd_demo)
 
+    p = sub.add_parser("plan", add_help=False, help="profile the tiers, simulate a cluster, size the cheapest plans "
+                                                    "(`pdserve plan --help`: its commands)")
+    p.set_defaults(func=cmd_plan, takes_rest=True)  # its flags go to its own parsers (see main)
+
     for ep in _added_commands(set(sub.choices)):
         p = sub.add_parser(ep.name, add_help=False, help=f"{ep.value} (`pdserve {ep.name} --help`: its flags)")
-        p.set_defaults(func=cmd_added, entry_point=ep)  # its flags go to its own parser (see main)
+        p.set_defaults(func=cmd_added, entry_point=ep, takes_rest=True)  # its flags: its own parser (main)
     return parser
 
 
@@ -587,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if hasattr(args, "entry_point"):
+    if getattr(args, "takes_rest", False):
         args.rest = rest
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -73,7 +73,8 @@ def test_wheel_has_only_pdserve_at_top_level(tmp_path):
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"pdserve"}
     for needed in ("pdserve/v1/worker_pb2.py", "pdserve/server/cli.py", "pdserve/kvcache/layout.py",
-                   "pdserve/benchmarks/tiers.py", "pdserve/server/model/default/config.json"):
+                   "pdserve/benchmarks/tiers.py", "pdserve/server/model/default/config.json",
+                   "pdserve/server/plan/catalog.json"):
         assert needed in names, needed
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "pdserve = pdserve.server.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
@@ -107,8 +108,13 @@ def test_the_server_never_imports_the_benchmarks():
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.startswith("pdserve.benchmarks") for n in names), path
-    entry = _pyproject()["project"]["entry-points"]["pdserve.commands"]
-    assert entry == {"bench": "pdserve.benchmarks.bench:main", "plan": "pdserve.benchmarks.plan.cli:main"}
+        for node in ast.walk(tree):  # nor names one for importlib (the plan's measuring commands: entry points)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                assert not node.value.startswith("pdserve.benchmarks"), (path, node.value)
+    entries = _pyproject()["project"]["entry-points"]
+    assert entries["pdserve.commands"] == {"bench": "pdserve.benchmarks.bench:main"}
+    assert entries["pdserve.plan.commands"] == {"profile": "pdserve.benchmarks.plan.measure:main",
+                                                "validate": "pdserve.benchmarks.plan.validate:main"}
     code = ("import sys; from pdserve.server import cli; cli.build_parser(); "
             "print(sorted(m for m in sys.modules if m.startswith('pdserve.benchmarks')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

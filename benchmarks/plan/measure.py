@@ -51,10 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.benchmarks.plan import pinning
-from pdserve.benchmarks.plan.contention import HostCpu, ProcessCpu
+from pdserve.server.plan.contention import HostCpu, ProcessCpu
 from pdserve.benchmarks.plan.fit import nonneg_fit
 from pdserve.benchmarks.plan.procstat import Window, thread_run_seconds
-from pdserve.benchmarks.plan.profile import DecodeCost, DtypeRow, HandoffCost, PrefillCost, Profile
+from pdserve.server.plan.profile import DecodeCost, DtypeRow, HandoffCost, PrefillCost, Profile
 from pdserve.benchmarks.protocol import cpu_model
 from pdserve.server.prefill.shapes import bucket_length
 
@@ -109,7 +109,7 @@ QUICK = ProfilePlan(prefill_lengths=(16, 128, 448), repeats=2, decode_batches=(1
 
 
 async def _send(target, requests) -> list:
-    from pdserve.benchmarks.clients import RequestOutput
+    from pdserve.server.plan.run_summary import RequestOutput
 
     outs = [RequestOutput(group="profile", prompt_len=r.prompt_len) for r in requests]
     await asyncio.gather(*(target.send(r, o) for r, o in zip(requests, outs)))
@@ -121,7 +121,7 @@ async def _send(target, requests) -> list:
 
 
 def _synthetic(n: int, prompt_len: int, output_len: int, vocab: int, seed: int):
-    from pdserve.benchmarks.datasets import synthetic
+    from pdserve.server.plan.datasets import synthetic
 
     return synthetic(n, input_len=prompt_len, output_len=output_len, vocab_size=vocab, seed=seed)
 
@@ -129,7 +129,7 @@ def _synthetic(n: int, prompt_len: int, output_len: int, vocab: int, seed: int):
 async def _background(target, vocab: int, streams: int, output_len: int, stop: asyncio.Event) -> None:
     """`streams` requests decoding at all times until `stop`: the decode tier and the coordinator busy, as
     under load, while the prefill rows are measured (their CPU is the prefill worker's contention)."""
-    from pdserve.benchmarks.clients import RequestOutput
+    from pdserve.server.plan.run_summary import RequestOutput
 
     seed = 5000
     while not stop.is_set():

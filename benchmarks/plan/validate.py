@@ -27,7 +27,7 @@ from pathlib import Path
 from pdserve.benchmarks.plan import pinning
 from pdserve.benchmarks.plan.measure import PREFILL_ARGS
 from pdserve.benchmarks.plan.procstat import Window
-from pdserve.benchmarks.plan.profile import Profile
+from pdserve.server.plan.profile import Profile
 
 SHAPES = {"short": (64, 32), "long": (384, 32)}
 RATE_FACTORS = (0.3, 0.7, 1.4)
@@ -54,7 +54,7 @@ def host_argv(cores: float, external: float = 0.0, placement: dict[str, int] | N
 
 
 def predict(profile_path: Path, argv: list[str], max_model_len: int) -> dict:
-    from pdserve.benchmarks.plan import simulate_cli
+    from pdserve.server.plan import simulate_cli
 
     args = simulate_cli.build_parser().parse_args(
         ["--profile", str(profile_path), "--max-model-len", str(max_model_len), *argv])
@@ -64,8 +64,8 @@ def predict(profile_path: Path, argv: list[str], max_model_len: int) -> dict:
 def _late_ttft(profile_path: Path, argv: list[str], max_model_len: int) -> float:
     """The mean simulated TTFT (s) of the last quarter of the requests: it grows with the run once the
     cluster falls behind."""
-    from pdserve.benchmarks.plan import simulate_cli
-    from pdserve.benchmarks.plan.cluster import simulate
+    from pdserve.server.plan import simulate_cli
+    from pdserve.server.plan.cluster import simulate
 
     args = simulate_cli.build_parser().parse_args(
         ["--profile", str(profile_path), "--max-model-len", str(max_model_len), *argv])

@@ -1,5 +1,6 @@
 """What a decode engine offers the worker around it, whatever computes the tokens: the native `DecodeEngine`
-(`engine.py`), vLLM's engine behind `VllmEngine` (`vllm/engine.py`), the benchmarks' `FakeEngine`.
+(`engine.py`), vLLM's engine behind `VllmEngine` (`vllm/engine.py`), and `FakeEngine` (`fake_engine.py`),
+which computes nothing.
 
 Life cycle of a request, as the worker's `DecodeService` and `KvReceiver` drive it:
 1. `add(request, sink)` makes its Sequence (ValueError: bad or too long; QueueFull: no room, retry); once

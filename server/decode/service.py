@@ -1,7 +1,7 @@
 """The decode worker's gRPC face: Decode (stream), Abort, KV push, worker info.
 
 It serves any engine through the decode engine contract (`engine_api.Engine`): the native `DecodeEngine`,
-the vLLM adapter `VllmEngine`, the benchmarks' fake. A Decode call: admission (`admission.py`: the checks, the
+the vLLM adapter `VllmEngine`, `FakeEngine` (`fake_engine.py`). A Decode call: admission (`admission.py`: the checks, the
 engine's queue, the wait for blocks), its first token (`first_token.py`: the prefill worker's KV, or a local
 prefill), its output (`output_stream.py`: on the call, or riding a Steps stream)."""
 

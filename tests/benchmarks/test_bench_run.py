@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmarks import datasets
+from pdserve.server.plan import datasets
 from pdserve.benchmarks.bench import Group, run_groups
 from pdserve.benchmarks.clients import OpenAITarget
-from pdserve.benchmarks.load import LoadSpec
+from pdserve.server.plan.arrivals import LoadSpec
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -8,11 +8,13 @@ import math
 
 import pytest
 
-from pdserve.benchmarks import datasets
+from pdserve.server.plan import datasets
 from pdserve.benchmarks.bench import Group, run_groups
-from pdserve.benchmarks.clients import RequestOutput, Target
-from pdserve.benchmarks.load import LoadSpec, arrival_offsets
-from pdserve.benchmarks.metrics import prometheus_value, stats, summarize, throughput_timeline, tpot
+from pdserve.benchmarks.clients import Target
+from pdserve.server.plan.run_summary import RequestOutput
+from pdserve.server.plan.arrivals import LoadSpec, arrival_offsets
+from pdserve.benchmarks.metrics import prometheus_value, throughput_timeline
+from pdserve.server.plan.run_summary import stats, summarize, tpot
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-9)
 

@@ -8,16 +8,16 @@ import json
 
 import pytest
 
-from pdserve.benchmarks.plan import catalog
-from pdserve.benchmarks.plan.catalog import CatalogError
-from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
-from pdserve.benchmarks.plan.roofline import DEFAULT, DoesNotFit, Efficiency, chips_for, efficiency_of, project
+from pdserve.server.plan import catalog
+from pdserve.server.plan.catalog import CatalogError
+from pdserve.server.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
+from pdserve.server.plan.roofline import DEFAULT, DoesNotFit, Efficiency, chips_for, efficiency_of, project
 
 
 def _doc() -> dict:
     from importlib import resources
 
-    return json.loads(resources.files("pdserve.benchmarks.plan").joinpath("catalog.json").read_text())
+    return json.loads(resources.files("pdserve.server.plan").joinpath("catalog.json").read_text())
 
 
 def test_the_shipped_catalog_has_every_accelerator_the_issue_names():

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmarks.plan.cluster import ClusterSpec, simulate
-from pdserve.benchmarks.plan.contention import HostCpu
+from pdserve.server.plan.cluster import ClusterSpec, simulate
+from pdserve.server.plan.contention import HostCpu
 from pdserve.benchmarks.plan.measure import cold_fit
-from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile, ProfileError
-from pdserve.benchmarks.plan.workload import SimRequest
+from pdserve.server.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile, ProfileError
+from pdserve.server.plan.workload import SimRequest
 
 COLD = PrefillCost(0.25, 0.0, cold_after_s=0.5, cold_factors=((16, 2.0), (256, 4.0)))
 

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from pdserve.benchmarks.plan.cluster import ClusterSpec, simulate
-from pdserve.benchmarks.plan.contention import Contention, HostCpu, ProcessCpu, Stepping, fair_shares
+from pdserve.server.plan.cluster import ClusterSpec, simulate
+from pdserve.server.plan.contention import Contention, HostCpu, ProcessCpu, Stepping, fair_shares
 from pdserve.benchmarks.plan.procstat import Window
-from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
-from pdserve.benchmarks.plan.workload import SimRequest
+from pdserve.server.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
+from pdserve.server.plan.workload import SimRequest
 
 
 def test_fair_shares_give_nobody_more_than_it_asks():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile, ProfileError
+from pdserve.server.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile, ProfileError
 
 
 def _profile() -> Profile:
@@ -43,8 +43,8 @@ def test_missing_file_says_how_to_make_one(tmp_path):
 
 
 def _with_dtypes() -> Profile:
-    from pdserve.benchmarks.plan.contention import HostCpu, ProcessCpu
-    from pdserve.benchmarks.plan.profile import DtypeRow
+    from pdserve.server.plan.contention import HostCpu, ProcessCpu
+    from pdserve.server.plan.profile import DtypeRow
 
     return Profile("cpu", "tiny", PrefillCost(0.01, 1e-4), DecodeCost(0.005, 2e-4), HandoffCost(0.002, 1e9, 4096),
                    65536, host_cpu=HostCpu(prefill_threads=1.5, coordinator=ProcessCpu(0.002, 1e-4)),

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
+from pdserve.server.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
 
 
 def test_simulate_json_has_bench_keys(tmp_path):
@@ -39,7 +39,7 @@ def test_baseline_is_colocated_on_as_many_workers(tmp_path):
     free blocks counting the coordinator's reservations, then the first). r0 and r1 prefill alone: 0.25 s.
     r2 arrives as r0's step ends and joins the next step with r0's first decode: 1/16 + 1/4, TTFT 0.3125 s;
     r3 likewise beside r1's: 0.3125 s."""
-    from pdserve.benchmarks.plan import simulate_cli
+    from pdserve.server.plan import simulate_cli
 
     Profile("cpu", "tiny", PrefillCost(0.25, 0.0), DecodeCost(0.0625, 0.0), HandoffCost(0.0, 1e30, 0), 4096,
             "scripted").save(tmp_path / "p.json")
@@ -57,7 +57,7 @@ def test_baseline_is_colocated_on_as_many_workers(tmp_path):
 def test_host_and_dtype_flags_are_checked(tmp_path):
     import pytest
 
-    from pdserve.benchmarks.plan import simulate_cli
+    from pdserve.server.plan import simulate_cli
 
     Profile("cpu", "tiny", PrefillCost(0.25, 0.0), DecodeCost(0.0625, 0.0), HandoffCost(0.0, 1e30, 0), 4096,
             "scripted").save(tmp_path / "p.json")

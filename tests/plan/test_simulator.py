@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.benchmarks.plan.cluster import ClusterSpec, CoordinatorSpec, simulate
-from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
-from pdserve.benchmarks.plan.workers import DecodeSpec, PrefillSpec
+from pdserve.server.plan.cluster import ClusterSpec, CoordinatorSpec, simulate
+from pdserve.server.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
+from pdserve.server.plan.workers import DecodeSpec, PrefillSpec
 from pdserve.server.prefill.shapes import bucket_length
-from pdserve.benchmarks.plan.workload import SimRequest
+from pdserve.server.plan.workload import SimRequest
 
 
 def profile(prefill=PrefillCost(0.25, 0.0), decode=DecodeCost(0.0625, 0.0), handoff=HandoffCost(0.0, 1e30, 0),
@@ -122,9 +122,9 @@ def test_expected_wait_admission_refuses_past_the_ttft_budget():
 
 
 def test_same_inputs_same_results():
-    from pdserve.benchmarks.load import LoadSpec
-    from pdserve.benchmarks import datasets
-    from pdserve.benchmarks.plan.workload import from_bench_requests
+    from pdserve.server.plan.arrivals import LoadSpec
+    from pdserve.server.plan import datasets
+    from pdserve.server.plan.workload import from_bench_requests
 
     reqs = datasets.synthetic(50, input_len=64, output_len=8, vocab_size=500, dist="lognormal", seed=3)
     work = from_bench_requests(reqs, LoadSpec(rate=20.0, seed=3), max_requests=50, duration=None)

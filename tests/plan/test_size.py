@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from pdserve.benchmarks.plan import catalog
-from pdserve.benchmarks.plan.overlay import write_overlay
-from pdserve.benchmarks.plan.size import Plan, Slo, dtype_choices, pairings, verdict
+from pdserve.server.plan import catalog
+from pdserve.server.plan.overlay import write_overlay
+from pdserve.server.plan.size import Plan, Slo, dtype_choices, pairings, verdict
 
 
 def _plan(**kw) -> Plan:

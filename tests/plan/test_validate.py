@@ -38,7 +38,7 @@ def test_predict_only_puts_each_row_on_its_host(tmp_path):
     busy predict what 1 core of its own does; --host-cores 0 gives each worker cores of its own."""
     import json
 
-    from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
+    from pdserve.server.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
     from pdserve.benchmarks.plan.validate import build_parser, _predict_again
 
     profile = Profile("scripted", "m", PrefillCost(0.01, 1e-4), DecodeCost(0.004, 1e-4), HandoffCost(0.0, 1e9, 0),

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from pdserve.benchmarks import datasets
-from pdserve.benchmarks.load import LoadSpec, arrival_offsets
-from pdserve.benchmarks.plan.simulate_cli import build_parser
-from pdserve.benchmarks.plan.workload import WorkloadError, from_args, parse_trace
+from pdserve.server.plan import datasets
+from pdserve.server.plan.arrivals import LoadSpec, arrival_offsets
+from pdserve.server.plan.simulate_cli import build_parser
+from pdserve.server.plan.workload import WorkloadError, from_args, parse_trace
 
 
 def test_bench_flags_give_the_requests_bench_sends():

@@ -11,7 +11,25 @@ from __future__ import annotations
 import importlib
 import sys
 
-COMMANDS = {"profile": "measure", "simulate": "simulate_cli", "size": "size", "validate": "validate"}
+COMMANDS = {"profile": None, "simulate": "simulate_cli", "size": "size", "validate": None}
+"""Each command's module here; None: a command that drives a live cluster with the benchmarks' load
+generator, found under MEASURING (benchmarks/plan/: `measure.py`, `validate.py`)."""
+MEASURING = "pdserve.plan.commands"
+"""The entry-point group (pyproject.toml) of the commands that measure: the server never imports the
+benchmarks, which ship in the wheel beside it and register them there."""
+
+
+def _command(name: str):
+    """The command's `main(argv) -> int`."""
+    if COMMANDS[name] is not None:
+        return importlib.import_module(f"pdserve.server.plan.{COMMANDS[name]}").main
+    from importlib.metadata import entry_points
+
+    found = entry_points(group=MEASURING, name=name)
+    if not found:
+        raise SystemExit(f"pdserve plan {name}: this install registers no {MEASURING!r} entry point {name!r} "
+                         f"(pyproject.toml); install pdserve again (`pip install -e .` in a checkout)")
+    return next(iter(found)).load()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,9 +40,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdserve plan: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
             return 2
         return 0 if argv else 2
-    module = importlib.import_module(f"pdserve.benchmarks.plan.{COMMANDS[argv[0]]}")
+    command = _command(argv[0])
     try:
-        return module.main(argv[1:])
+        return command(argv[1:])
     except ValueError as e:
         print(f"pdserve plan {argv[0]}: error: {e}", file=sys.stderr)
         return 2

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pdserve.benchmarks.plan.size import Plan, Slo
+from pdserve.server.plan.size import Plan, Slo
 
 BASE = Path(__file__).resolve().parents[2] / "deploy" / "base"
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
-from pdserve.benchmarks.plan.contention import HostCpu
+from pdserve.server.plan.contention import HostCpu
 
 Source = Literal["measured", "projected", "scripted"]
 

@@ -135,7 +135,7 @@ def parse(doc: dict, name: str = "catalog") -> Catalog:
 def load(path: Path | None = None) -> Catalog:
     """The given catalog file, else the shipped one."""
     if path is None:
-        text = resources.files("pdserve.benchmarks.plan").joinpath("catalog.json").read_text()
+        text = resources.files("pdserve.server.plan").joinpath("catalog.json").read_text()
         name = "catalog.json"
     else:
         try:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, fields
 from typing import Literal
 
 import numpy as np
-from pdserve.benchmarks.plan.clock import VirtualClock
-from pdserve.benchmarks.plan.contention import Contention, HostCpu, Stepping
-from pdserve.benchmarks.plan.profile import Profile
+from pdserve.server.plan.clock import VirtualClock
+from pdserve.server.plan.contention import Contention, HostCpu, Stepping
+from pdserve.server.plan.profile import Profile
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.scheduler import Scheduler
 from pdserve.server.decode.sequence import SeqState, Sequence

@@ -28,12 +28,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdserve.benchmarks.clients import RequestOutput
-from pdserve.benchmarks.metrics import summarize
-from pdserve.benchmarks.plan.clock import VirtualClock
-from pdserve.benchmarks.plan.contention import Contention, HostCpu
-from pdserve.benchmarks.plan.profile import HandoffCost, Profile
-from pdserve.benchmarks.plan.workers import (
+from pdserve.server.plan.run_summary import RequestOutput
+from pdserve.server.plan.run_summary import summarize
+from pdserve.server.plan.clock import VirtualClock
+from pdserve.server.plan.contention import Contention, HostCpu
+from pdserve.server.plan.profile import HandoffCost, Profile
+from pdserve.server.plan.workers import (
     ColocatedWorker,
     DecodeSpec,
     DecodeWorker,
@@ -42,7 +42,7 @@ from pdserve.benchmarks.plan.workers import (
     SimPrefillJob,
     new_sequence,
 )
-from pdserve.benchmarks.plan.workload import SimRequest
+from pdserve.server.plan.workload import SimRequest
 from pdserve.server.choices import DecodePolicy, PrefillPolicy
 from pdserve.server.coordinator.admission import Deadline, RequestFailed
 from pdserve.server.coordinator.prefill_estimate import admit, ttft_budget_of

@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pdserve.benchmarks.plan.catalog import Accelerator, Dtype, ModelShape
-from pdserve.benchmarks.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
+from pdserve.server.plan.catalog import Accelerator, Dtype, ModelShape
+from pdserve.server.plan.profile import DecodeCost, HandoffCost, PrefillCost, Profile
 
 HBM_USABLE = 0.9
 """Of the HBM, what weights + KV may take (activations, workspace, CUDA graphs take the rest)."""

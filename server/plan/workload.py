@@ -21,8 +21,9 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.benchmarks import datasets
-from pdserve.benchmarks.load import LoadSpec, arrival_offsets
+from pdserve.server.plan import datasets
+from pdserve.server.plan.arrivals import LoadSpec, arrival_offsets
+from pdserve.server.plan.bench_flags import make_requests, prompt_count
 
 DEFAULT_VOCAB = 500
 """Token ids are drawn below this, as `pdserve bench` does without --tokenizer."""
@@ -56,7 +57,7 @@ class SimRequest:
 
 def from_bench_requests(requests: list[datasets.BenchRequest], load: LoadSpec, *, max_requests: int | None,
                         duration: float | None, vocab_size: int = DEFAULT_VOCAB) -> list[SimRequest]:
-    """What `benchmarks.bench._send_group` sends: requests[i % len] at the i-th arrival offset, until
+    """What `pdserve bench` sends (benchmarks/bench.py `_send_group`): requests[i % len] at the i-th arrival offset, until
     max_requests or the duration."""
     if max_requests is None and duration is None:
         raise WorkloadError("give --num-prompts or --duration")
@@ -75,8 +76,6 @@ def from_bench_requests(requests: list[datasets.BenchRequest], load: LoadSpec, *
 
 def from_args(args) -> list[SimRequest]:
     """The requests `pdserve bench` would send with these flags (its parser's names)."""
-    from pdserve.benchmarks.bench import make_requests, prompt_count
-
     for name in ("input_len", "output_len"):
         if getattr(args, name) < 1:
             raise WorkloadError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -17,11 +17,13 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from pdserve.benchmarks.plan.cluster import ClusterSpec, CoordinatorSpec, simulate
-from pdserve.benchmarks.plan.contention import HostCpu, parse_placement
-from pdserve.benchmarks.plan.profile import Profile
-from pdserve.benchmarks.plan.workers import DecodeSpec, PrefillSpec
-from pdserve.benchmarks.plan.workload import from_args, read_trace
+from pdserve.server.plan.bench_flags import add_bench_flags
+from pdserve.server.plan.cluster import ClusterSpec, CoordinatorSpec, simulate
+from pdserve.server.plan.contention import HostCpu, parse_placement
+from pdserve.server.plan.profile import Profile
+from pdserve.server.plan.run_summary import format_summary
+from pdserve.server.plan.workers import DecodeSpec, PrefillSpec
+from pdserve.server.plan.workload import from_args, read_trace
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS
 
 
@@ -96,11 +98,9 @@ def workload(args):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.benchmarks.bench import build_parser as bench_parser
-
     p = argparse.ArgumentParser(prog="pdserve plan simulate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_parser(p)  # the workload flags, exactly bench's (--timeout: the requests' deadline)
+    add_bench_flags(p)  # the workload flags, exactly bench's (--timeout: the requests' deadline)
     p.set_defaults(request_rate=None)
     s = p.add_argument_group("simulation")
     s.add_argument("--profile", type=Path, required=True, help="a profile file (`pdserve plan profile`)")
@@ -143,8 +143,6 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pdserve.benchmarks.bench import format_summary
-
     args = build_parser().parse_args(argv)
     summary = run(args)
     if args.json:

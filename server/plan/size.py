@@ -27,12 +27,12 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.benchmarks.plan import catalog as catalog_mod
-from pdserve.benchmarks.plan.catalog import Accelerator, Catalog, Dtype, ModelShape
-from pdserve.benchmarks.plan.cluster import simulate
-from pdserve.benchmarks.plan.profile import HandoffCost, Profile
-from pdserve.benchmarks.plan.roofline import DEFAULT, DoesNotFit, Efficiency, efficiency_of, project
-from pdserve.benchmarks.plan.workload import SimRequest
+from pdserve.server.plan import catalog as catalog_mod
+from pdserve.server.plan.catalog import Accelerator, Catalog, Dtype, ModelShape
+from pdserve.server.plan.cluster import simulate
+from pdserve.server.plan.profile import HandoffCost, Profile
+from pdserve.server.plan.roofline import DEFAULT, DoesNotFit, Efficiency, efficiency_of, project
+from pdserve.server.plan.workload import SimRequest
 
 
 TARGET_UTILISATION = 0.8
@@ -226,12 +226,12 @@ def format_plans(plans: list[Plan]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pdserve.benchmarks.bench import build_parser as bench_parser
-    from pdserve.benchmarks.plan.simulate_cli import add_cluster_flags
+    from pdserve.server.plan.bench_flags import add_bench_flags
+    from pdserve.server.plan.simulate_cli import add_cluster_flags
 
     p = argparse.ArgumentParser(prog="pdserve plan size", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_parser(p)
+    add_bench_flags(p)
     p.set_defaults(request_rate=None, duration=None)
     s = p.add_argument_group("sizing")
     s.add_argument("--model-shape", default="llama-3.1-8b", help="a model of the catalog's `models`")
@@ -306,7 +306,7 @@ def _efficiency(args) -> Efficiency:
 
 
 def run(args) -> tuple[list[Plan], Search]:
-    from pdserve.benchmarks.plan.simulate_cli import cluster_spec, workload
+    from pdserve.server.plan.simulate_cli import cluster_spec, workload
 
     slo = Slo(args.slo_ttft_ms or 0.0, args.slo_tpot_ms or 0.0, args.attainment, args.slo_itl_ms)
     if args.request_rate is None and not args.trace:
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.overlay:
         if not meeting:
             raise ValueError("no plan meets the SLOs: no overlay written; raise --max-workers or relax the SLOs")
-        from pdserve.benchmarks.plan.overlay import write_overlay
+        from pdserve.server.plan.overlay import write_overlay
 
         write_overlay(args.overlay, meeting[0], slo)
         print(f"overlay for the cheapest plan: {args.overlay} (kubectl kustomize {args.overlay})", file=sys.stderr)
