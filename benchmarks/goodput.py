@@ -4,7 +4,7 @@
         --duration 20 --slo-ttft-ms 1000 --slo-tpot-ms 100 [--model DIR] [--allow-noisy]
 
 Goodput is DistServe's metric: requests per second that completed and met both SLOs (TTFT <= --slo-ttft-ms
-and TPOT <= --slo-tpot-ms; benchmarks/metrics.py `summarize`, bench's own rule). For each system it starts
+and TPOT <= --slo-tpot-ms; server/plan/run_summary.py `summarize`, bench's own rule). For each system it starts
 the system once with servers.py's launcher (`pdserve`: JAX prefill on core 0, torch decode on core 1,
 the coordinator's OpenAI front; `vllm`: one colocated `vllm serve` on both cores; `vllm-pd`: vLLM's own P/D,
 two instances and ExampleConnector behind benchmarks/vllm_pd_proxy.py), warms it up on every prompt shape

@@ -3,7 +3,7 @@ and the context sizes a step compiles for.
 
 Every shape a prefill worker runs is one of these, so every program is compiled before serving (warmup.py)
 and a TPU never recompiles mid-traffic. The engine (`engine.py`), its runner and warm-up, and the planner's
-simulated prefill worker (`benchmarks/plan/workers.py`) all take them from here.
+simulated prefill worker (`server/plan/workers.py`) all take them from here.
 """
 
 from __future__ import annotations
