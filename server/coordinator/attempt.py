@@ -119,7 +119,7 @@ class Attempt:
         """`tokens` events, then `finished`; raises Lost or RequestFailed. Close it (aclosing) to end it."""
         try:
             cached_blocks = await self._reserve()
-            self._count_prefill(cached_blocks)
+            offered = self.prefill is not None and self.config.local_prefill_max_uncached > 0
             if self.prefill is None:
                 metrics.local_prefill_fallbacks.inc()
                 log.info("request %s: no prefill worker alive; decode worker %s prefills it", self.r.req.request_id,
@@ -129,6 +129,7 @@ class Attempt:
             else:
                 yield await self._run_prefill(cached_blocks)
             events = await self._first_events()
+            self._count_prefill(cached_blocks, offered)
             if self.r.leads:  # D's first event: the prompt's KV is there, its full blocks in D's prefix cache
                 self.r.shared.place(self.decode, self.prefill, len(self.r.req.prompt_ids))
             while True:
@@ -283,16 +284,13 @@ class Attempt:
 
     # ---- 2. prefill -------------------------------------------------------------------
 
-    def _count_prefill(self, cached_blocks: int) -> None:
-        """Where the prompt past D's cached blocks is prefilled: D's choice (conditional disaggregation) and the
-        tokens each tier takes."""
+    def _count_prefill(self, cached_blocks: int, offered: bool) -> None:
+        """The prompt's KV is on D: where the part past D's cached blocks was prefilled, counted (`offered`: D was
+        let choose, conditional disaggregation)."""
         uncached = max(len(self.prompt) - cached_blocks * self.decode.block_size(), 0)
-        if self.prefill is not None and self.config.local_prefill_max_uncached:
+        if offered:
             metrics.conditional_disagg.labels("local" if self.local_prefill else "remote").inc()
         metrics.uncached_prompt_tokens.labels("decode" if self.local_prefill else "prefill").inc(uncached)
-        if self.local_prefill and self.prefill is not None:
-            log.debug("request %s: decode worker %s holds %d of its %d prompt tokens and prefills the rest",
-                      self.r.req.request_id, self.decode.address, len(self.prompt) - uncached, len(self.prompt))
 
     async def _run_prefill(self, cached_blocks: int) -> worker_pb2.SequenceEvent:
         """The first token; the prefill worker then pushes the KV to the decode worker itself."""
