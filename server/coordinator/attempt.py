@@ -9,9 +9,9 @@
    No prefill worker alive, or D holds all but a short suffix of the prompt (conditional disaggregation: D
    applies the thresholds this attempt sends, `--conditional-disagg-*`, when it reserves, and `reserved` says
    what it chose): D prefills the prompt past its cached blocks, P is never called, and D's first event carries
-   the first token. Until D's first event, D
-   waits on P's KV or computes the prompt: that silence is not D's, so no --stall-timeout runs; the wait
-   ends when P or D goes down (the pool's health checks), when D reports the KV failed, or at the deadline.
+   the first token. Until D's first event, D waits on P's KV or computes the prompt: that silence is not D's, so
+   no --stall-timeout runs; the wait ends when P or D goes down (the pool's health checks), when D reports the KV
+   failed, or at the deadline.
 3. Stream: D's events (`tokens`..., then `finished`) as the proto's `SequenceEvent` oneof, from D's Steps
    stream (batched with the other requests on it) or from the call itself (one message per token). A
    reader behind the stream (still writing its previous response) gets the tokens that piled up merged
