@@ -207,7 +207,8 @@ UP_SHARED = ("served_model_name", "max_model_len", "grammar_processes", "grammar
 UP_WORKERS = ("grammar_cache_bytes",)
 """`pdserve up`'s flags that both worker tiers take."""
 UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", "max_coalesce", "decode_streams",
-                  "enable_auto_tool_choice", "tool_call_parser", "max_tools", "max_tool_schema_bytes")
+                  "enable_auto_tool_choice", "tool_call_parser", "max_tools", "max_tool_schema_bytes",
+                  "conditional_disagg_max_uncached", "conditional_disagg_min_cached")
 UP_PREFILL = ("tensor_parallel_size", "expert_parallel_size", "max_batch_tokens", "max_prefill_chunk",
               "prefix_cache_bytes", "kv_streams", "prefill_order", "compilation_cache", "compile_before_serving")
 UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager",

@@ -155,7 +155,16 @@ prefill_retries = _pd(Counter, "prefill_retries", "Prefills retried on another w
 prefill_prefix_cache_hits = _pd(Counter, "prefill_prefix_cache_hit_tokens",
                                 "Prompt tokens a prefill worker took from its prefix KV instead of computing")
 prefill_computed_tokens = _pd(Counter, "prefill_computed_tokens",
-                              "Prompt tokens a prefill worker computed (those from its prefix KV are not)")
+                              "Prompt tokens a worker computed: a prefill worker (those from its prefix KV are not), "
+                              "or a decode worker's local prefill (past the blocks its prefix cache held)")
+conditional_disagg = _pd(Counter, "conditional_disagg",
+                         "Prompts the coordinator let a decode worker prefill itself when it held all but a short "
+                         "suffix (--conditional-disagg-max-uncached), by where they were prefilled: local (the "
+                         "decode worker) or remote (the prefill tier)", ("where",))
+uncached_prompt_tokens = _pd(Counter, "uncached_prompt_tokens",
+                             "Prompt tokens past the blocks the decode worker had cached, by the tier that prefilled "
+                             "them: decode (a local prefill) or prefill (which may take more from its own prefix KV)",
+                             ("tier",))
 shared_prompt_choices = _pd(Counter, "shared_prompt_choices",
                             "Choices after the first of requests with n > 1, by where they went: shared (choice 0's "
                             "decode worker, reusing its prompt KV) or own (it had no room, or choice 0 placed none)",

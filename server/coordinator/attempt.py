@@ -5,10 +5,13 @@
    refuse for lack of room (RESOURCE_EXHAUSTED: another coordinator replica took the blocks first, or
    its own queue is full): that is never the client's failure: D counts as full in this coordinator's view
    until it next reports its load, and the attempt picks again (until the deadline).
-2. Prefill: P answers the first token, yielded at once, and pushes the KV to D itself. No prefill worker
-   alive: D prefills the prompt, and its first event carries the first token. Until D's first event, D
-   waits on P's KV or computes the prompt: that silence is not D's, so no --stall-timeout runs; the wait
-   ends when P or D goes down (the pool's health checks), when D reports the KV failed, or at the deadline.
+2. Prefill: P answers the first token, yielded at once, and pushes the KV to D itself (only the blocks D lacks).
+   No prefill worker alive, or D holds all but a short suffix of the prompt (conditional disaggregation: D
+   applies the thresholds this attempt sends, `--conditional-disagg-*`, when it reserves, and `reserved` says
+   what it chose): D prefills the prompt past its cached blocks, P is never called, and D's first event carries
+   the first token. Until D's first event, D waits on P's KV or computes the prompt: that silence is not D's, so
+   no --stall-timeout runs; the wait ends when P or D goes down (the pool's health checks), when D reports the KV
+   failed, or at the deadline.
 3. Stream: D's events (`tokens`..., then `finished`) as the proto's `SequenceEvent` oneof, from D's Steps
    stream (batched with the other requests on it) or from the call itself (one message per token). A
    reader behind the stream (still writing its previous response) gets the tokens that piled up merged
@@ -88,6 +91,10 @@ class AttemptConfig:
     """A new request whose expected prefill wait exceeds this is refused (prefill_estimate.py); 0: the deadline."""
     max_coalesce: int = 64
     """A stream behind its decode worker gets the tokens that piled up, up to this many, in one response."""
+    local_prefill_max_uncached: int = 0
+    """Conditional disaggregation (--conditional-disagg-max-uncached): a decode worker that lacks fewer than this
+    many of the prompt's tokens (and holds at least local_prefill_min_cached) prefills them itself; 0: off."""
+    local_prefill_min_cached: int = 1
 
 
 class Attempt:
@@ -105,18 +112,24 @@ class Attempt:
         self.route = Route()
         self._reserved_blocks = 0
         self._watcher: asyncio.Task[None] | None = None
+        self.local_prefill = False
+        """D computes the prompt itself (no prefill worker alive, or D chose to: conditional disaggregation)."""
 
     async def events(self) -> AsyncIterator[worker_pb2.SequenceEvent | DecodeEvent]:
         """`tokens` events, then `finished`; raises Lost or RequestFailed. Close it (aclosing) to end it."""
         try:
             cached_blocks = await self._reserve()
+            offered = self.prefill is not None and self.config.local_prefill_max_uncached > 0
             if self.prefill is None:
                 metrics.local_prefill_fallbacks.inc()
                 log.info("request %s: no prefill worker alive; decode worker %s prefills it", self.r.req.request_id,
                          self.decode.address)
+            elif self.local_prefill:  # D holds all but a short suffix: it computes that, P is never called
+                self.prefill = None
             else:
                 yield await self._run_prefill(cached_blocks)
             events = await self._first_events()
+            self._count_prefill(cached_blocks, offered)
             if self.r.leads:  # D's first event: the prompt's KV is there, its full blocks in D's prefix cache
                 self.r.shared.place(self.decode, self.prefill, len(self.r.req.prompt_ids))
             while True:
@@ -216,6 +229,8 @@ class Attempt:
                 num_output_tokens=len(r.outputs),
                 local_prefill=self.prefill is None,
                 steps_stream_id=self.steps.stream_id if self.steps is not None else "",
+                local_prefill_max_uncached=self.config.local_prefill_max_uncached if self.prefill is not None else 0,
+                local_prefill_min_cached=self.config.local_prefill_min_cached,
             ),
             timeout=r.deadline.check(),
         )
@@ -236,6 +251,7 @@ class Attempt:
             raise Lost(decode, f"decode worker {decode.address} ended the stream before reserving")
         event = message.WhichOneof("event")
         if event == "reserved":
+            self.local_prefill = self.prefill is None or message.reserved.local_prefill
             return message.reserved.cached_blocks
         if event == "finished" and message.finished.reason == FinishReason.FINISH_REASON_ERROR:
             raise finish_failed(decode.address, message.finished)
@@ -267,6 +283,14 @@ class Attempt:
             pass
 
     # ---- 2. prefill -------------------------------------------------------------------
+
+    def _count_prefill(self, cached_blocks: int, offered: bool) -> None:
+        """The prompt's KV is on D: where the part past D's cached blocks was prefilled, counted (`offered`: D was
+        let choose, conditional disaggregation)."""
+        uncached = max(len(self.prompt) - cached_blocks * self.decode.block_size(), 0)
+        if offered:
+            metrics.conditional_disagg.labels("local" if self.local_prefill else "remote").inc()
+        metrics.uncached_prompt_tokens.labels("decode" if self.local_prefill else "prefill").inc(uncached)
 
     async def _run_prefill(self, cached_blocks: int) -> worker_pb2.SequenceEvent:
         """The first token; the prefill worker then pushes the KV to the decode worker itself."""

@@ -56,6 +56,16 @@ class CoordinatorConfig:
     """Refuse (RESOURCE_EXHAUSTED) a request whose expected prefill wait (worst case) exceeds this many
     seconds; an admitted one's first token is due within it (the prefill worker runs it ahead of later
     work once its slack runs out); 0: only its deadline bounds the wait (`--ttft-budget`, prefill_estimate.py)."""
+    conditional_disagg_max_uncached: int = 2048
+    """Conditional disaggregation: a decode worker that holds at least --conditional-disagg-min-cached of a prompt's
+    tokens (a conversation's history, its answers included) and lacks fewer than this many prefills them itself, with
+    no prefill worker and no KV transfer (conditional disaggregation as Dynamo's and llm-d's routers do it, by the
+    uncached suffix's length); longer suffixes go to the prefill tier, which sends only the blocks the decode worker
+    lacks. 0: off, every prompt is prefilled on the prefill tier while one is alive."""
+    conditional_disagg_min_cached: int = 1
+    """How many of the prompt's tokens the decode worker must already hold for conditional disaggregation: 1 (the
+    default) takes any cached block, so a conversation's later turns stay local and a new prompt goes to the prefill
+    tier; 0 prefills every short prompt on the decode worker, cached or not."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     stall_timeout: float = 10.0
@@ -164,6 +174,10 @@ class CoordinatorConfig:
             raise ValueError(f"--stall-timeout must be > 0, got {self.stall_timeout}")
         if self.max_prompt_bytes <= 0:
             raise ValueError(f"--max-prompt-bytes must be > 0, got {self.max_prompt_bytes}")
+        for name in ("conditional_disagg_max_uncached", "conditional_disagg_min_cached"):
+            if not 0 <= getattr(self, name) < 2**32:  # a uint32 on the wire
+                raise ValueError(f"--{name.replace('_', '-')} must lie in [0, 2**32) tokens, got {getattr(self, name)}"
+                                 + (" (0 turns it off)" if name.endswith("uncached") else ""))
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.prefill_policy not in PREFILL_POLICIES:

@@ -100,7 +100,9 @@ async def start(config: CoordinatorConfig) -> Coordinator:
                                 default_timeout=config.default_timeout,
                                 max_migrations=config.max_migrations, stall_timeout=config.stall_timeout,
                                 ttft_budget=config.ttft_budget, decode_streams=config.decode_streams,
-                                max_coalesce=config.max_coalesce, checker=spec_checker(config))
+                                max_coalesce=config.max_coalesce, checker=spec_checker(config),
+                                conditional_disagg_max_uncached=config.conditional_disagg_max_uncached,
+                                conditional_disagg_min_cached=config.conditional_disagg_min_cached)
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, config.model_name, lambda: pool.serving,
                                               max_model_len), server)

@@ -74,6 +74,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         decode_streams: str = "batched",
         max_coalesce: int = 64,
         checker: SpecChecker | None = None,
+        conditional_disagg_max_uncached: int = 0,
+        conditional_disagg_min_cached: int = 1,
     ):
         self.tokenizer = tokenizer
         self.checker = checker or SpecChecker(field="structured")
@@ -84,7 +86,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.max_migrations = max_migrations
         self.max_retries = max_retries
         self.attempt_config = AttemptConfig(lease_seconds, limits.vocab_size, stall_timeout=stall_timeout,
-                                            ttft_budget=ttft_budget, max_coalesce=max_coalesce)
+                                            ttft_budget=ttft_budget, max_coalesce=max_coalesce,
+                                            local_prefill_max_uncached=conditional_disagg_max_uncached,
+                                            local_prefill_min_cached=conditional_disagg_min_cached)
         self.steps = StepsClients(enabled=decode_streams == "batched")
         """Each decode worker's Steps stream (batched: one message per step for all requests on it)."""
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())

@@ -80,6 +80,8 @@ async def until_admitted(engine: Engine, seq: Sequence) -> AsyncIterator[pb.Deco
         await asyncio.wait([seq.admitted], timeout=QUEUED_EVERY_S)
 
 
-def reserved(seq: Sequence) -> pb.DecodeResponse:
-    """What the admitted sequence holds: its blocks, those of them hit in the prefix cache."""
-    return pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(seq.block_table), cached_blocks=seq.num_hit_blocks))
+def reserved(seq: Sequence, local_prefill: bool = False) -> pb.DecodeResponse:
+    """What the admitted sequence holds: its blocks, those of them hit in the prefix cache; whether this worker
+    computes the rest of its prompt."""
+    return pb.DecodeResponse(reserved=pb.Reserved(num_blocks=len(seq.block_table), cached_blocks=seq.num_hit_blocks,
+                                                  local_prefill=local_prefill))

@@ -35,6 +35,7 @@ from pdserve.server import metrics
 from pdserve.server.sampling_rules import repetition_penalty_of, top_p_of
 from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.local_prefill_rule import LocalPrefillRule
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 from pdserve.server import logprobs
@@ -142,6 +143,7 @@ class DecodeEngine(Engine):
         rid, prompt = admissible(request, self.sequences, self.max_model_len)
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
                        num_prior_outputs=request.num_output_tokens, local_prefill=request.local_prefill,
+                       local_prefill_rule=LocalPrefillRule.of(request),
                        events=asyncio.Queue() if sink is None else sink,
                        constraint=request_constraint(self.grammars, request))
         admitted = self.scheduler.add(seq)
@@ -185,6 +187,7 @@ class DecodeEngine(Engine):
         start = seq.num_cached_tokens
         logits = self.model.prefill(torch.tensor(seq.prompt_ids[start:], dtype=torch.int64), seq.block_table,
                                     self.cache, start_pos=start)  # [S, V]
+        metrics.prefill_computed_tokens.inc(len(seq.prompt_ids) - start)
         token = self._sample(logits[-1:], [seq])
         p = seq.sampling
         if p.HasField("logprobs"):

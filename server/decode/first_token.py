@@ -1,5 +1,6 @@
 """Where an admitted request's first token comes from: its prompt's KV sent by a prefill worker (`KvArrival`),
-or its prompt computed on this worker when no prefill worker is alive (`LocalPrefill`).
+or its prompt computed on this worker (`LocalPrefill`): when no prefill worker is alive, or when this worker
+holds all but a short suffix of it (conditional disaggregation, `local_prefill_rule.py`).
 
 Life cycle: built once the sequence holds its blocks, before the call answers `reserved` (a `KvArrival` expects
 the transfer at once, so the prefill worker's chunks are taken from then on); then `first_token` waits for it,
@@ -58,9 +59,12 @@ class KvArrival:
 
 
 class LocalPrefill:
-    def __init__(self, engine: Engine, seq: Sequence):
+    def __init__(self, engine: Engine, seq: Sequence, fallback: bool = True):
+        """fallback: the request asked for it (no prefill worker alive), rather than the worker choosing it
+        (conditional disaggregation: `local_prefill_rule.py`)."""
         self.engine = engine
         self.seq = seq
+        self.fallback = fallback
 
     async def first_token(self, context: grpc.aio.ServicerContext) -> tuple[int, pb.TokenEvent]:
         """The first token this worker computes, and the event that sends it (with its logprob and the prompt's
@@ -71,7 +75,8 @@ class LocalPrefill:
         except Exception as e:
             log.exception("request %s: local prefill failed", seq.request_id)
             await context.abort(grpc.StatusCode.INTERNAL, f"local prefill of {seq.request_id} failed: {e!r}")
-        metrics.local_prefill_fallbacks.inc()
+        if self.fallback:
+            metrics.local_prefill_fallbacks.inc()
         event = pb.TokenEvent(token_ids=[first_token], logprobs=seq.logprobs[:1], prompt_logprobs=seq.prompt_logprobs)
         del seq.logprobs[:1]  # the first token's (vLLM may have sampled more already)
         return first_token, event

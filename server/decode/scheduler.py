@@ -5,8 +5,13 @@ A sequence's life here:
    `max_queue` new sequences wait; one more is QueueFull).
 2. `admit` takes sequences from the head of the queue, in order, while the running cap allows and
    their blocks fit: the prompt's blocks (cached prefix blocks reused, the rest fresh). The head that
-   does not fit blocks everyone behind it, so a big request is never starved by small ones.
-3. `start`: its KV arrived; it runs. Its full prompt blocks enter the prefix cache.
+   does not fit blocks everyone behind it, so a big request is never starved by small ones. A request
+   with a `local_prefill_rule` (conditional disaggregation) is marked `local_prefill` here when the
+   rule takes what the cache holds of its prompt: this worker then computes the rest.
+3. `start`: its KV arrived; it runs. Its full prompt blocks enter the prefix cache, and each later block (the
+   answer's) as soon as its KV is complete (`finished_step`: the step after its last token ran), so the next
+   turn of a conversation finds its history, the model's own answers included, cached here. Only accepted tokens
+   count: a rejected look-ahead slot's KV never completes a block.
 4. `schedule` before each step: every running sequence takes the next block when its next token
    crosses a block boundary. None free: the most recently admitted running sequence is preempted:
    its full blocks go to the prefix cache, the rest back to the pool, and it returns to the head of
@@ -122,9 +127,12 @@ class Scheduler:
             reusable = kv_tokens if resuming else 0 if seq.sampling.HasField("prompt_logprobs") else kv_tokens - 1
             hits = self.cache.lookup(self.cache.hasher.hashes(seq.token_ids[:reusable], self.block_size))
             num_cached = min(len(hits) * self.block_size, kv_tokens)
+            # Conditional disaggregation: a prompt this worker mostly holds is computed here.
+            local = seq.local_prefill or (not resuming and seq.local_prefill_rule is not None
+                                          and seq.local_prefill_rule.local(len(seq.prompt_ids), num_cached))
             # No block behind the windows of its first query: the prompt's first output when the prefill tier
             # sends the KV (it sends none there), else the first token computed here.
-            computed_here = resuming or seq.local_prefill
+            computed_here = resuming or local
             dropped = self.behind_window(num_cached if computed_here else len(seq.prompt_ids))
             if need - max(len(hits), dropped) > self.cache.num_available:
                 self.cache.free(hits)
@@ -141,6 +149,7 @@ class Scheduler:
                 self.running.append(seq)
             else:
                 seq.num_hit_blocks = len(hits)
+                seq.local_prefill = local
                 seq.state = SeqState.WAITING_KV
                 self.loading.append(seq)
             admitted.append(seq)
@@ -207,9 +216,15 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finished_step(self, seq: Sequence) -> None:
-        """The step wrote the KV of every token so far (call it before appending the token it sampled)."""
+        """The step wrote the KV of every token so far (call it before appending the token it sampled): a block
+        it completed (the answer's too) enters the prefix cache now, so a later prompt (the conversation's next
+        turn) reuses it."""
+        before = self._complete_blocks(seq)
         seq.num_cached_tokens = seq.num_tokens
         seq.resume_from = None
+        start, end = max(before, seq.num_dropped_blocks), self._complete_blocks(seq)
+        if end > start:
+            self._register(seq, start, end)
 
     def retire(self, seq: Sequence, keep_kv: bool = True) -> None:
         """Takes the sequence out of every list and drops its blocks (its written full blocks cached)."""

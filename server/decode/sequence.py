@@ -11,6 +11,7 @@ import grpc
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
+from pdserve.server.decode.local_prefill_rule import LocalPrefillRule
 from pdserve.server.finish import blocked_ids, finish_reason
 from pdserve.server.structured.constraint import Constraint
 from pdserve.server.structured.output_spec import one_line
@@ -56,8 +57,12 @@ class Sequence:
     their blocks went back to the pool (or were never taken) and the scheduler's null block stands in them,
     which no layer reads. 0 for a model with a full-attention layer."""
     local_prefill: bool = False
-    """Its prompt's KV is computed on this worker (`DecodeRequest.local_prefill`): one forward writes every
-    prompt position, so it takes a block for each, those behind the windows dropped after."""
+    """Its prompt's KV is computed on this worker (`DecodeRequest.local_prefill`, or chosen at admission by
+    `local_prefill_rule`): one forward writes every prompt position past its cached blocks, so it takes a block for
+    each, those behind the windows dropped after."""
+    local_prefill_rule: LocalPrefillRule | None = None
+    """Conditional disaggregation: the scheduler sets local_prefill at admission when this rule takes the prompt
+    (`local_prefill_rule.py`); None: the request decided (local_prefill)."""
     block_hashes: list[bytes] = field(default_factory=list)
     """The chained hashes of its leading full blocks, as far as the scheduler needed them (its tokens so far
     never change)."""

@@ -59,9 +59,12 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             if seq.state is SeqState.FINISHED:  # aborted while it waited
                 yield pb.DecodeResponse(finished=pb.Finished(reason=seq.finish_reason))
                 return
-            first = LocalPrefill(self.engine, seq) if request.local_prefill \
-                else KvArrival(self.receiver, seq, request, self.vocab_size)  # its KV expected from now on
-            yield reserved(seq)
+            # computed here (no prefill worker alive, or this worker holds all but a short suffix), or its KV
+            # expected from now on
+            local = request.local_prefill or seq.local_prefill
+            first = LocalPrefill(self.engine, seq, fallback=request.local_prefill) if local \
+                else KvArrival(self.receiver, seq, request, self.vocab_size)
+            yield reserved(seq, local)
             first_token, first_event = await first.first_token(context)
             if relay is not None:
                 await ride_steps(self.step_streams, request.steps_stream_id, self.engine, seq, relay, first_token,

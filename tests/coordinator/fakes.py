@@ -83,6 +83,10 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         """A local prefill's (DecodeRequest.local_prefill: no prefill worker) first token."""
         self.local_prefill: asyncio.Event | None = None
         """A local prefill computes until this is set (None: it ends at once)."""
+        self.cached_blocks = 0
+        """The prompt blocks `reserved` says its prefix cache held."""
+        self.chooses_local = False
+        """Offered conditional disaggregation (DecodeRequest.local_prefill_max_uncached), it prefills locally."""
         self.die_after: int | None = None
         """After this many events the worker dies (its server stops at once)."""
         self.server: grpc.aio.Server | None = None
@@ -126,9 +130,11 @@ class FakeDecode(worker_pb2_grpc.DecodeServicer):
         self._tokens[request.request_id] = request.transfer_token
         for i in range(self.queued):
             yield worker_pb2.DecodeResponse(queued=worker_pb2.Queued(position=self.queued - 1 - i))
-        yield worker_pb2.DecodeResponse(reserved=worker_pb2.Reserved(num_blocks=2))
+        local = request.local_prefill or (self.chooses_local and request.local_prefill_max_uncached > 0)
+        yield worker_pb2.DecodeResponse(reserved=worker_pb2.Reserved(num_blocks=2, cached_blocks=self.cached_blocks,
+                                                                     local_prefill=local))
         first: list[worker_pb2.TokenEvent] = []
-        if request.local_prefill:
+        if local:
             if self.local_prefill is not None:
                 await self.local_prefill.wait()
             first.append(worker_pb2.TokenEvent(token_ids=[self.local_first_token]))

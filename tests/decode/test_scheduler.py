@@ -96,7 +96,9 @@ async def test_lookahead_takes_free_blocks_and_trim_gives_back_exactly_those_pas
     assert s.reserve_lookahead(a, 2) == 2 and a.block_table == [0, 1, 2]  # positions 9, 10: block 2's room
     _step(s)  # a plain step: 10 tokens, nothing past the next token's block
     assert s.trim(a) == [] and a.block_table == [0, 1, 2]
-    assert s.cache.num_cached == 1  # the full prompt block, cached at start as before
+    # the full prompt block, cached at start, and block 1 once the step wrote its last position's KV (never the
+    # look-ahead blocks)
+    assert s.cache.num_cached == 2 and s.cache._by_hash == dict(zip(s.cache.hasher.hashes(a.token_ids, BS), [0, 1]))
     s.retire(a)
     assert _available(s) == 8
 

@@ -46,7 +46,8 @@ def test_a_two_process_slice_serves_greedy_parity_and_stops_with_process_0(tiny_
     expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in prompts]
     procs = Procs(model_dir, tmp_path, env={**devices(1), "JAX_LOG_COMPILES": "1"})
     try:
-        coordinator = procs.coordinator()
+        # conditional disaggregation off: the repeated prompts go to the slice again (its prefix KV is checked)
+        coordinator = procs.coordinator("coordinator", "--conditional-disagg-max-uncached", "0")
         procs.worker("decode", "decode", coordinator)
         leader, follower = start_slice(procs, coordinator, "--tensor-parallel-size", "2", "--max-prefill-chunk", "64",
                                        "--max-num-batched-tokens", "128")

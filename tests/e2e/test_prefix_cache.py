@@ -41,7 +41,10 @@ def http_port() -> int:
 def cluster(tiny_model, tmp_path_factory, http_port):
     procs = Procs(tiny_model("qwen2"), tmp_path_factory.mktemp("prefix"))
     try:
-        coordinator = procs.coordinator("coordinator", "--http-port", str(http_port))
+        # conditional disaggregation off: these tests follow the KV the prefill tier sends past the cached blocks
+        # (test_conditional_disagg.py follows the decode worker prefilling a short suffix itself)
+        coordinator = procs.coordinator("coordinator", "--http-port", str(http_port),
+                                        "--conditional-disagg-max-uncached", "0")
         procs.worker("p0", "prefill", coordinator)
         # 12 blocks of 16 tokens: two 40-token prompts growing to 160 tokens (10 blocks) cannot both fit
         procs.worker("d0", "decode", coordinator, "--kv-cache-tokens", str(12 * BLOCK), "--threads", "1")

@@ -70,7 +70,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., first_token_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "attempt", "prompt_token_ids", "sampling", "transfer_token", "lease_seconds", "num_output_tokens", "local_prefill", "steps_stream_id")
+    __slots__ = ("request_id", "attempt", "prompt_token_ids", "sampling", "transfer_token", "lease_seconds", "num_output_tokens", "local_prefill", "steps_stream_id", "local_prefill_max_uncached", "local_prefill_min_cached")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +80,8 @@ class DecodeRequest(_message.Message):
     NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     STEPS_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_MAX_UNCACHED_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_MIN_CACHED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -89,15 +91,19 @@ class DecodeRequest(_message.Message):
     num_output_tokens: int
     local_prefill: bool
     steps_stream_id: str
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., steps_stream_id: _Optional[str] = ...) -> None: ...
+    local_prefill_max_uncached: int
+    local_prefill_min_cached: int
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., steps_stream_id: _Optional[str] = ..., local_prefill_max_uncached: _Optional[int] = ..., local_prefill_min_cached: _Optional[int] = ...) -> None: ...
 
 class Reserved(_message.Message):
-    __slots__ = ("num_blocks", "cached_blocks")
+    __slots__ = ("num_blocks", "cached_blocks", "local_prefill")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     cached_blocks: int
-    def __init__(self, num_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    local_prefill: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("token_ids", "logprobs", "prompt_logprobs")
