@@ -56,12 +56,15 @@ class CoordinatorConfig:
     """Refuse (RESOURCE_EXHAUSTED) a request whose expected prefill wait (worst case) exceeds this many
     seconds; an admitted one's first token is due within it (the prefill worker runs it ahead of later
     work once its slack runs out); 0: only its deadline bounds the wait (`--ttft-budget`, prefill_estimate.py)."""
-    conditional_disagg_max_uncached: int = 2048
+    conditional_disagg_max_uncached: int = 0
     """Conditional disaggregation: a decode worker that holds at least --conditional-disagg-min-cached of a prompt's
     tokens (a conversation's history, its answers included) and lacks fewer than this many prefills them itself, with
     no prefill worker and no KV transfer (conditional disaggregation as Dynamo's and llm-d's routers do it, by the
     uncached suffix's length); longer suffixes go to the prefill tier, which sends only the blocks the decode worker
-    lacks. 0: off, every prompt is prefilled on the prefill tier while one is alive."""
+    lacks. 0 (the default): off, every prompt is prefilled on the prefill tier while one is alive; 2048 is Dynamo's
+    threshold. Off by default because it moves compute: the decode worker prefills in its own dtype and kernels
+    (a bf16 checkpoint's decode worker in bf16 where the prefill tier upcasts to fp32), so near-tied greedy tokens
+    can differ from the disaggregated path's, and the decode batch shares its steps with those prefills."""
     conditional_disagg_min_cached: int = 1
     """How many of the prompt's tokens the decode worker must already hold for conditional disaggregation: 1 (the
     default) takes any cached block, so a conversation's later turns stay local and a new prompt goes to the prefill

@@ -22,7 +22,7 @@ answer's alone."""
 def cluster(tiny_model, tmp_path_factory):
     procs = Procs(tiny_model("qwen2"), tmp_path_factory.mktemp("conversation"))
     try:
-        coordinator = procs.coordinator("coordinator")  # the default threshold: 2,048 uncached tokens
+        coordinator = procs.coordinator("coordinator", "--conditional-disagg-max-uncached", "2048")  # Dynamo's threshold
         p0 = procs.worker("p0", "prefill", coordinator)
         d0 = procs.worker("d0", "decode", coordinator, "--threads", "1")
         # a second coordinator over the same workers, with a threshold of 8 tokens
