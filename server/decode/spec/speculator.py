@@ -57,8 +57,8 @@ RunFn = Callable[[list[Sequence], VerifyFn | None], Awaitable[StepOut]]
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, model: DecoderModel, cache: PagedKvCache, scheduler: Scheduler,
-                 pad_block: int, draft_model: DecoderModel | None = None, runner: EagerRunner | CudaGraphRunner | None = None,
-                 released: Callable[[], None] = lambda: None):
+                 pad_block: int, draft_model: DecoderModel | None = None,
+                 runner: EagerRunner | CudaGraphRunner | None = None, released: Callable[[], None] = lambda: None):
         """draft_model: method draft_model's draft, already on the target's device; runner: what runs the verify
         forward (the engine's: CUDA graphs per (bucket, new tokens) there); None: the model eagerly; released:
         called on the event loop when a draft prompt prefill ends (its sequence's blocks no longer `in_use`)."""
