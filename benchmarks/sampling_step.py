@@ -6,9 +6,9 @@ A two-layer model of Qwen2.5-0.5B's layer shape (random weights, fp32) with a re
 sampling (penalties, grammar masks, sorts over the vocabulary, logprobs) is a visible share of the step. Each
 figure is the best of `--steps` calls of `DecodeEngine._step` on the same batch (the sequences do not advance:
 every call samples the same position), in ms. Mixes: `greedy` (every row temperature 0); `mixed` (rows in turn:
-greedy, seeded top-p with logprobs, top-k with presence, frequency and repetition penalties, min-p with
-min_tokens, unseeded temperature). Run it against two checkouts in turn to compare them: the engine's API is
-all it uses.
+seeded top-p with logprobs, top-k with presence, frequency and repetition penalties, min-p with min_tokens,
+unseeded temperature, greedy). Run it against two checkouts in turn to compare them (PYTHONPATH at each): the
+engine's API is all it uses.
 """
 
 from __future__ import annotations

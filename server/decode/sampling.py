@@ -73,6 +73,8 @@ class Penalties:
 
 @dataclass
 class SamplingBatch:
+    """What the sampler reads of each row of a step's logits [B, V] (row i: seqs[i] at its token indices[i])."""
+
     seqs: list[Sequence]
     """Each row's sequence."""
     temperature: torch.Tensor  # f32 [B] 0: greedy
@@ -120,8 +122,9 @@ class SamplingBatch:
     def plain(self) -> bool:
         """No row's logits depend on the tokens before its position (no penalty, min_tokens met): each row samples
         any later position alike but for its index (`positions`)."""
-        return not any(p.presence_penalty or p.frequency_penalty or repetition_penalty_of(p) != 1.0
-                       or i < p.min_tokens for p, i in ((s.sampling, i) for s, i in zip(self.seqs, self.indices)))
+        params = [s.sampling for s in self.seqs]
+        return not any(p.presence_penalty or p.frequency_penalty or repetition_penalty_of(p) != 1.0 or i < p.min_tokens
+                       for p, i in zip(params, self.indices))
 
     # ---- the math, on the step's logits ------------------------------------------
 
