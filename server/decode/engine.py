@@ -10,10 +10,10 @@ Life cycle of a request here:
 4. Each step: admit, schedule (a block on demand for every sequence crossing a block boundary,
    preempting the most recently admitted when none is free), speculate (with a speculator, its `step` is
    the one seam: proposals, their look-ahead blocks reserved by the scheduler, a verifier for the run), run
-   (re-prefilling resumed sequences first), sample (penalties and min_tokens first, then the structured-output
-   masks of the constrained sequences, one masked fill for the batch, none when no sequence is constrained;
-   logprobs of the raw logits beside), postprocess (stream, advance each grammar, retire the finished; the
-   scheduler trims the blocks of rejected look-ahead slots).
+   (re-prefilling resumed sequences first), sample with the step's one `SamplingBatch` (`sampling.py`: penalties
+   and min_tokens first, then the structured-output masks of the constrained sequences, one masked fill for the
+   batch, none when no sequence is constrained; logprobs of the raw logits beside), postprocess (stream, advance
+   each grammar, retire the finished; the scheduler trims the blocks of rejected look-ahead slots).
 5. A finished or aborted sequence's blocks go back (full ones stay in the prefix cache), after the
    step or local (or draft) prefill that may still be using them.
 """
@@ -32,20 +32,19 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server import metrics
-from pdserve.server.sampling_rules import repetition_penalty_of, top_p_of
 from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.local_prefill_rule import LocalPrefillRule
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 from pdserve.server import logprobs
-from pdserve.server.decode.sampler import apply_bitmask, apply_penalties, distribution, sample, token_logprobs
+from pdserve.server.decode.sampler import token_logprobs
+from pdserve.server.decode.sampling import SamplingBatch
 from pdserve.server.decode.scheduler import QueueFull, Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink, admissible
 from pdserve.server.decode.spec.config import SpeculativeConfig
 from pdserve.server.decode.spec.speculator import Speculator, StepOut, VerifyFn
 from pdserve.server.model.config import resolve_max_model_len
-from pdserve.server.structured.bitmask import unconstrained
 from pdserve.server.structured.grammars import Grammars, request_constraint
 
 log = logging.getLogger("pdserve.decode")
@@ -103,9 +102,8 @@ class DecodeEngine(Engine):
             if len(failed) < len(graphs.buckets):
                 self.runner = graphs
         self.speculator = None if speculative is None else Speculator(
-            speculative, model, self.cache, self.scheduler, pad_block=num_blocks, sample=self._sample,
-            logprobs=_logprobs, distribution=self._distribution, draft_model=draft_model, runner=self.runner,
-            released=self._retire_deferred)
+            speculative, model, self.cache, self.scheduler, pad_block=num_blocks, draft_model=draft_model,
+            runner=self.runner, released=self._retire_deferred)
         self.draft = self.speculator.draft if self.speculator else None
 
     @property
@@ -188,10 +186,11 @@ class DecodeEngine(Engine):
         logits = self.model.prefill(torch.tensor(seq.prompt_ids[start:], dtype=torch.int64), seq.block_table,
                                     self.cache, start_pos=start)  # [S, V]
         metrics.prefill_computed_tokens.inc(len(seq.prompt_ids) - start)
-        token = self._sample(logits[-1:], [seq])
+        sampling = SamplingBatch.of([seq], self.vocab_size)
+        token = sampling.sample(logits[-1:])
         p = seq.sampling
         if p.HasField("logprobs"):
-            seq.logprobs.append(_logprobs(logits[-1:], token, [p])[0])
+            seq.logprobs.append(sampling.logprobs(logits[-1:], token)[0])
         if p.HasField("prompt_logprobs") and len(seq.prompt_ids) > 1:
             ids = torch.tensor(seq.prompt_ids[start + 1 :], dtype=torch.int64)
             top = min(p.prompt_logprobs, logits.shape[-1])
@@ -295,14 +294,27 @@ class DecodeEngine(Engine):
 
     def _step(self, batch: list[Sequence], verify: VerifyFn | None = None) -> StepOut:
         """The tokens every sequence in the batch emits, and their logprobs (runs in a worker thread): one
-        each, or with a speculator's verifier, those its verify step accepts and the one after."""
+        each, or with a speculator's verifier, those its verify step accepts and the one after. The step's
+        sampling batch is built once, for the verifier or (while a device runs the forward) for the logits."""
         self._wait_for_copies(batch)
+        self._resume(batch)
+        if verify is not None:
+            return verify(batch, SamplingBatch.of(batch, self.vocab_size))
+        logits = self._decode(batch)  # [B, V]
+        sampling = SamplingBatch.of(batch, self.vocab_size)
+        next_ids = sampling.sample(logits)
+        lps = sampling.logprobs(logits, next_ids)
+        return [[t] for t in next_ids.tolist()], [[lp] for lp in lps]
+
+    def _resume(self, batch: list[Sequence]) -> None:
+        """The KV of preempted, readmitted sequences computed again, up to their last token."""
         for s in batch:
-            if s.resume_from is not None and s.resume_from < s.num_tokens - 1:  # preempted, readmitted
+            if s.resume_from is not None and s.resume_from < s.num_tokens - 1:
                 ids = torch.tensor(s.token_ids[s.resume_from : s.num_tokens - 1], dtype=torch.int64)
                 self.model.prefill(ids, s.block_table, self.cache, start_pos=s.resume_from)
-        if verify is not None:
-            return verify(batch)
+
+    def _decode(self, batch: list[Sequence]) -> torch.Tensor:
+        """The logits [B, V] after each sequence's last token (the forward writes its KV)."""
         last = torch.tensor([s.token_ids[-1] for s in batch], dtype=torch.int64)  # [B]
         positions = torch.tensor([s.num_tokens - 1 for s in batch], dtype=torch.int64)  # [B]
         width = max(len(s.block_table) for s in batch)
@@ -310,44 +322,13 @@ class DecodeEngine(Engine):
             [s.block_table + [s.block_table[0]] * (width - len(s.block_table)) for s in batch],
             dtype=torch.int64,
         )  # [B, M]
-        logits = self.runner.decode(last, positions, tables, positions + 1)  # [B, V]
-        next_ids = self._sample(logits, batch)
-        lps = _logprobs(logits, next_ids, [s.sampling for s in batch])
-        return [[t] for t in next_ids.tolist()], [[lp] for lp in lps]
+        return self.runner.decode(last, positions, tables, positions + 1)  # [B, V]
 
     def _wait_for_copies(self, batch: list[Sequence]) -> None:
         """The device's compute stream waits (on the device, not the host) for the batch's KV copies alone."""
         for s in batch:
             for copied in self._copies.pop(s.request_id, ()):
                 torch.cuda.current_stream(self.cache.device).wait_event(copied)
-
-    @staticmethod
-    def _sample(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
-        sp = [s.sampling for s in batch]
-        shaped = penalized(logits, batch)
-        masks = bitmasks(batch, logits.shape[-1])
-        return sample(
-            shaped if masks is None else apply_bitmask(shaped, masks),
-            torch.tensor([p.temperature for p in sp], dtype=torch.float32),
-            torch.tensor([p.top_k for p in sp], dtype=torch.int64),
-            torch.tensor([top_p_of(p) for p in sp], dtype=torch.float32),
-            [p.seed if p.HasField("seed") else None for p in sp],
-            [s.sample_index for s in batch],
-            torch.tensor([p.min_p for p in sp], dtype=torch.float32) if any(p.min_p for p in sp) else None,
-        )
-
-    @staticmethod
-    def _distribution(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
-        """The probabilities [B, V] `_sample` draws each row from (penalties and min_tokens applied; no
-        structured-output mask: a constrained sequence is never proposed for)."""
-        sp = [s.sampling for s in batch]
-        return distribution(
-            penalized(logits, batch),
-            torch.tensor([p.temperature for p in sp], dtype=torch.float32),
-            torch.tensor([p.top_k for p in sp], dtype=torch.int64),
-            torch.tensor([top_p_of(p) for p in sp], dtype=torch.float32),
-            torch.tensor([p.min_p for p in sp], dtype=torch.float32) if any(p.min_p for p in sp) else None,
-        )
 
     def _step_each(self, batch: list[Sequence]) -> tuple[list[list[int] | None], list]:
         """After a failed batched step: each sequence alone, so only those that fail alone fail (None).
@@ -404,45 +385,3 @@ class DecodeEngine(Engine):
             except asyncio.CancelledError:
                 pass
 
-
-def _logprobs(logits: torch.Tensor, next_ids: torch.Tensor, sp: list) -> list:
-    """A TokenLogprob for each row whose request asked for logprobs, else None."""
-    wanted = [p.logprobs if p.HasField("logprobs") else None for p in sp]
-    if all(w is None for w in wanted):
-        return [None] * len(sp)
-    top = min(max(w for w in wanted if w is not None), logits.shape[-1])
-    chosen, top_ids, top_lps = (t.cpu() for t in token_logprobs(logits, next_ids, top))
-    return [None if w is None else logprobs.token_logprob(t, c, ids.tolist(), lps.tolist(), w)
-            for w, t, c, ids, lps in zip(wanted, next_ids.tolist(), chosen.tolist(), top_ids, top_lps)]
-
-
-def bitmasks(batch: list[Sequence], vocab_size: int) -> torch.Tensor | None:
-    """int32 [B, ceil(V / 32)]: each constrained sequence's next-token mask, all ones for the others; None
-    when no sequence in the batch is constrained (sampling skips the mask)."""
-    if all(s.constraint is None for s in batch):
-        return None
-    masks = unconstrained(len(batch), vocab_size)
-    for row, s in zip(masks, batch):
-        if s.constraint is not None:
-            s.constraint.fill(row)
-    return torch.from_numpy(masks)
-
-
-def penalized(logits: torch.Tensor, batch: list[Sequence]) -> torch.Tensor:
-    """The logits with each request's penalties and min_tokens applied (the same logits when none asks)."""
-    sp = [s.sampling for s in batch]
-    if not any(_shapes_logits(s) for s in batch):
-        return logits
-    prompts, outputs = zip(*(s.prompt_and_outputs() for s in batch))
-    return apply_penalties(
-        logits, list(prompts), list(outputs),
-        [p.presence_penalty for p in sp], [p.frequency_penalty for p in sp],
-        [repetition_penalty_of(p) for p in sp],
-        [s.blocked_ids() for s in batch],
-    )
-
-
-def _shapes_logits(seq: Sequence) -> bool:
-    p = seq.sampling
-    return bool(p.presence_penalty or p.frequency_penalty or seq.blocked_ids()
-                or repetition_penalty_of(p) != 1.0)

@@ -38,8 +38,8 @@ def sample(
 ) -> torch.Tensor:
     """Next token ids int64 [B] from logits f32 [B, V]; temperature 0 is greedy, top_k 0 and min_p 0 are off.
 
-    The parameters [B] come on the host (the engine builds them from the requests), so choosing each
-    row's path never waits on the device.
+    The parameters [B] come on the host (`sampling.py`'s SamplingBatch builds them from the requests), so
+    choosing each row's path never waits on the device.
     """
     if not bool(torch.isfinite(temperature).all()):  # on the host: a row no validation caught fails its step
         raise ValueError(f"temperatures must be finite numbers, got {temperature.tolist()}")

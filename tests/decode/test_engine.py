@@ -12,6 +12,7 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.decode.engine import DecodeEngine, QueueFull
+from pdserve.server.decode.sampling import SamplingBatch
 from pdserve.server.decode.weights import build_model
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.model.config import load_config
@@ -196,5 +197,5 @@ async def test_an_unset_top_p_samples_the_whole_distribution_not_its_top_token()
     seqs = [Sequence(f"r{i}", [1], gen_pb.SamplingParams(temperature=1.0), frozenset(), 64) for i in range(2)]
     picked = set()
     for _ in range(40):  # 80 draws from 50 near-equal tokens: top-1 would give one
-        picked.update(DecodeEngine._sample(logits.clone(), seqs).tolist())
+        picked.update(SamplingBatch.of(seqs, 50).sample(logits.clone()).tolist())
     assert len(picked) > 10

@@ -11,7 +11,7 @@ import torch
 
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
-from pdserve.server.decode.engine import bitmasks
+from pdserve.server.decode.sampling import SamplingBatch
 from pdserve.server.model.config import load_config
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.server.structured.bitmask import allowed_ids
@@ -72,8 +72,8 @@ async def test_the_batch_mask_is_all_ones_for_free_rows_and_none_without_constra
     free = engine.add(pb.DecodeRequest(request_id="f", prompt_token_ids=[1, 2], sampling=_greedy(4)))
     choice = engine.add(pb.DecodeRequest(request_id="c", prompt_token_ids=[1, 2],
                                          sampling=_sampled(4, 0, choice=gen_pb.Choices(choices=["yes", "no"]))))
-    assert bitmasks([free], 512) is None
-    masks = bitmasks([free, choice], 512)
+    assert SamplingBatch.of([free], 512).bitmask is None
+    masks = SamplingBatch.of([free, choice], 512).bitmask
     assert masks.dtype == torch.int32 and masks.shape == (2, 16)
     assert allowed_ids(masks[0].numpy(), 512) == list(range(512))
     tok = Tokenizer.from_dir(path)

@@ -37,15 +37,10 @@ from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.sampler import pick
+from pdserve.server.decode.sampling import SamplingBatch
 from pdserve.server.decode.sequence import Sequence
-from pdserve.server.decode.spec.lookahead import Lookahead
 
 log = logging.getLogger("pdserve.decode")
-
-SampleFn = Callable[[torch.Tensor, list], torch.Tensor]
-"""(logits [R, V], sequences or Lookaheads) -> token ids [R]: the engine's sampler."""
-DistributionFn = Callable[[torch.Tensor, list], torch.Tensor]
-"""(logits [R, V], sequences or Lookaheads) -> the probabilities [R, V] the sampler draws from."""
 
 
 def draft_layout(model: DecoderModel, block_size: int) -> KvLayout:
@@ -53,7 +48,7 @@ def draft_layout(model: DecoderModel, block_size: int) -> KvLayout:
     return KvLayout.for_model(model.config, block_size, str(model.dtype).removeprefix("torch."))
 
 
-def drawn_from_q(seq: Sequence | Lookahead) -> bool:
+def drawn_from_q(seq: Sequence) -> bool:
     """Whether the sequence's drafts are drawn from the draft's distribution and verified by the general rule:
     sampled and unseeded. Greedy and seeded requests draw by the target's own draw rule (`rejection.py`)."""
     p = seq.sampling
@@ -61,16 +56,13 @@ def drawn_from_q(seq: Sequence | Lookahead) -> bool:
 
 
 class DraftProposer:
-    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, sample: SampleFn,
-                 distribution: DistributionFn, max_ragged: int = 8):
+    def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, max_ragged: int = 8):
         """num_blocks: the target cache's (the draft's gets the same, plus the pad block at num_blocks);
         max_ragged: a lag of more tokens than this is prefilled alone before the step's first draft forward."""
         self.model = model
         self.layout = draft_layout(model, block_size)
         self.cache = PagedKvCache(self.layout, num_blocks + 1, device=model.embed.device)
         self.pad_slot = num_blocks * block_size
-        self.sample = sample
-        self.distribution = distribution
         self.max_ragged = max_ragged
         self.prefilling: set[str] = set()
         """Request ids whose prompt `prefill_prompt` computes now, or queued (the engine keeps their blocks)."""
@@ -104,9 +96,11 @@ class DraftProposer:
         if seq.block_table[: len(table)] == table and seq.draft_len == 0:
             seq.draft_len = len(prompt)
 
-    def propose(self, batch: list[Sequence], lengths: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """In the step's thread: lengths[i] draft tokens for each sequence (their lookahead slots held), and for
-        those drawn from q (`drawn_from_q`) the distributions [lengths[i], V] they were drawn from."""
+    def propose(self, batch: list[Sequence], lengths: list[int], sampling: SamplingBatch
+                ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """In the step's thread: lengths[i] draft tokens for each sequence (their lookahead slots held), drawn with
+        the step's sampling batch (the batch's rows), and for those drawn from q (`drawn_from_q`) the distributions
+        [lengths[i], V] they were drawn from."""
         tokens: list[list[int]] = [[] for _ in batch]
         qs: list[list[torch.Tensor] | None] = [[] if n and drawn_from_q(s) else None for s, n in zip(batch, lengths)]
         rows = [i for i, n in enumerate(lengths) if n]
@@ -121,8 +115,8 @@ class DraftProposer:
         logits = self._first_forward(seqs)  # [R, V] after each sequence's last token
         live = list(range(len(seqs)))  # the rows of `logits`: indexes into seqs (and rows)
         for j in range(max(lengths)):
-            views = [Lookahead(seqs[r], list(tokens[rows[r]])) for r in live]
-            drafted = self._draw(logits, views, [qs[rows[r]] for r in live])
+            here = sampling.take([rows[r] for r in live], [tokens[rows[r]] for r in live])  # after their drafts so far
+            drafted = self._draw(logits, here, [qs[rows[r]] for r in live])
             for r, t in zip(live, drafted):
                 tokens[rows[r]].append(t)
             more = [(n, r) for n, r in enumerate(live) if lengths[rows[r]] > j + 1]
@@ -156,14 +150,15 @@ class DraftProposer:
         return self.model.decode(torch.tensor(drafted, dtype=torch.int64), positions, _tables(seqs), positions + 1,
                                  self.cache)
 
-    def _draw(self, logits: torch.Tensor, views: list[Lookahead], qs: list[list | None]) -> list[int]:
+    @staticmethod
+    def _draw(logits: torch.Tensor, sampling: SamplingBatch, qs: list[list | None]) -> list[int]:
         """Each row's next draft token: by the request's sampler and draw (greedy, seeded), or from q (its
         distribution appended to the row's list)."""
-        out = self.sample(logits, views).tolist()
+        out = sampling.sample(logits).tolist()
         general = [r for r, q in enumerate(qs) if q is not None]
         if general:
             index = torch.tensor(general, device=logits.device)
-            q = self.distribution(logits[index], [views[r] for r in general])  # [G, V]
+            q = sampling.take(general).distribution(logits[index])  # [G, V]
             picked = pick(q, torch.rand(len(general))).tolist()  # never a token of q 0
             for g, r in enumerate(general):
                 out[r] = picked[g]

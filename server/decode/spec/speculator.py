@@ -12,7 +12,10 @@ Each step, for the batch the scheduler gave (every sequence already holding a bl
    proposals; shorter rows padded, their pad entries writing a pad block no sequence reads), causal over the new
    positions; then the tokens the sampler draws at each position, accepted while they equal the proposals
    (`rejection.py`: exact for greedy, the target's distribution for sampling, seeded draws per token index as
-   without speculation; a draft drawn from q by the general rule).
+   without speculation; a draft drawn from q by the general rule). Every draw reads the step's one sampling batch
+   (`decode/sampling.py`), which the engine builds and hands to the verifier: at a later position, its rows with
+   the tokens accepted before it (`take`), or every position at once where no earlier token shapes the logits
+   (`positions`).
 3. `observe_step`: the step's seconds go to the policy. After the engine appended the accepted tokens (the stop
    rule checked on each, in order), the scheduler's `trim` gives back the blocks that held only rejected slots. A
    rejected token's KV is never read: every later step writes a position before it attends it, and attends only
@@ -30,37 +33,32 @@ from functools import partial
 import torch
 
 from pdserve.server import metrics
-from pdserve.server.sampling_rules import repetition_penalty_of
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
+from pdserve.server.decode.sampling import SamplingBatch
 from pdserve.server.decode.scheduler import Scheduler
 from pdserve.server.decode.sequence import Sequence, SeqState
 from pdserve.server.decode.spec.config import SpeculativeConfig
-from pdserve.server.decode.spec.draft import DistributionFn, DraftProposer
-from pdserve.server.decode.spec.lookahead import Lookahead
+from pdserve.server.decode.spec.draft import DraftProposer
 from pdserve.server.decode.spec.ngram import NgramProposer
 from pdserve.server.decode.spec.policy import SpecPolicy
 from pdserve.server.decode.spec.proposals import Proposals
 from pdserve.server.decode.spec.rejection import accept_or_resample, accepted
 
-SampleFn = Callable[[torch.Tensor, list], torch.Tensor]
-"""(logits [R, V], sequences or Lookaheads) -> token ids [R]: the engine's sampler."""
-LogprobsFn = Callable[[torch.Tensor, torch.Tensor, list], list]
-"""(logits [R, V], token ids [R], sampling params) -> a TokenLogprob or None per row."""
 StepOut = tuple[list[list[int]], list[list]]
 """The tokens each sequence of a step emits, and their logprobs (None where not asked)."""
-VerifyFn = Callable[[list[Sequence]], StepOut]
-"""(the step's batch) -> what it emits: the verify step of a plan, run by the engine in the step's thread."""
+VerifyFn = Callable[[list[Sequence], SamplingBatch], StepOut]
+"""(the step's batch, its sampling batch) -> what it emits: the verify step of a plan, run by the engine in the step's
+thread."""
 RunFn = Callable[[list[Sequence], VerifyFn | None], Awaitable[StepOut]]
 """(batch, verifier or None for a plain step) -> what the engine's run of the step emits."""
 
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, model: DecoderModel, cache: PagedKvCache, scheduler: Scheduler,
-                 pad_block: int, sample: SampleFn, logprobs: LogprobsFn, distribution: DistributionFn,
-                 draft_model: DecoderModel | None = None, runner: EagerRunner | CudaGraphRunner | None = None,
-                 released: Callable[[], None] = lambda: None):
+                 pad_block: int, draft_model: DecoderModel | None = None,
+                 runner: EagerRunner | CudaGraphRunner | None = None, released: Callable[[], None] = lambda: None):
         """draft_model: method draft_model's draft, already on the target's device; runner: what runs the verify
         forward (the engine's: CUDA graphs per (bucket, new tokens) there); None: the model eagerly; released:
         called on the event loop when a draft prompt prefill ends (its sequence's blocks no longer `in_use`)."""
@@ -76,14 +74,10 @@ class Speculator:
         self.cache = cache
         self.scheduler = scheduler
         self.pad_slot = pad_block * cache.block_size
-        self.sample = sample
-        self.logprobs = logprobs
-        self.distribution = distribution
         k = config.num_speculative_tokens
         self.proposer = NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max) \
             if draft_model is None else None
-        self.draft = None if draft_model is None else DraftProposer(draft_model, pad_block, cache.block_size, sample,
-                                                                   distribution)
+        self.draft = None if draft_model is None else DraftProposer(draft_model, pad_block, cache.block_size)
         self.released = released
         self.policy = SpecPolicy(k, config.disable_by_batch_size)
         self.num_drafts = self.num_draft_tokens = self.num_accepted = 0
@@ -142,10 +136,10 @@ class Speculator:
 
     # ---- 2. in the step's thread ---------------------------------------------------
 
-    def verify(self, batch: list[Sequence], plan: Proposals) -> StepOut:
+    def verify(self, batch: list[Sequence], sampling: SamplingBatch, plan: Proposals) -> StepOut:
         """The tokens each sequence emits (1 to len(proposal) + 1) and their logprobs (None where not asked)."""
         if self.draft is not None:
-            plan.tokens, plan.q = self.draft.propose(batch, plan.lengths)
+            plan.tokens, plan.q = self.draft.propose(batch, plan.lengths, sampling)
         proposals = plan.tokens
         B, S = len(batch), 1 + max(len(p) for p in proposals)
         tokens = torch.zeros(B, S, dtype=torch.int64)  # [B, S]
@@ -163,10 +157,10 @@ class Speculator:
                               dtype=torch.int64)  # [B, M]
         logits = self.runner.verify(tokens, positions, tables, context_lens, pad, self.pad_slot)  # [B, S, V]
 
-        if all(_plain(s) for s in batch) and all(q is None for q in plan.q):
-            out, lps = self._accept_at_once(batch, proposals, logits)
+        if sampling.plain and all(q is None for q in plan.q):
+            out, lps = self._accept_at_once(sampling, proposals, logits)
         else:
-            out, lps = self._accept_in_order(batch, proposals, logits, plan.q)
+            out, lps = self._accept_in_order(sampling, proposals, logits, plan.q)
         self._count(proposals, out)
         if self.draft is not None:  # the draft KV of the accepted tokens stays; of its last proposal, never written
             for s, p, emitted in zip(batch, proposals, out):
@@ -174,16 +168,17 @@ class Speculator:
                     s.draft_len = s.num_tokens + min(len(emitted) - 1, len(p) - 1)
         return out, lps
 
-    def _accept_at_once(self, batch: list[Sequence], proposals: list[list[int]], logits: torch.Tensor
+    @staticmethod
+    def _accept_at_once(sampling: SamplingBatch, proposals: list[list[int]], logits: torch.Tensor
                         ) -> tuple[list[list[int]], list[list]]:
         """No penalty or min_tokens shapes any position's logits: what the sampler draws at a position depends on
         the request and the token index alone, so all B x S positions are drawn in one call."""
         B, S, V = logits.shape
         flat = logits.reshape(B * S, V)  # [B S, V]
-        views = [Lookahead(s, [0] * j) for s in batch for j in range(S)]  # only their sample_index is read
-        picked = self.sample(flat, views)  # [B S]
+        at = sampling.positions(S)  # row i's position j: row i * S + j
+        picked = at.sample(flat)  # [B S]
         rows = picked.view(B, S).tolist()
-        row_lps = self.logprobs(flat, picked, [v.sampling for v in views])
+        row_lps = at.logprobs(flat, picked)
         out, lps = [], []
         for i, p in enumerate(proposals):
             n = accepted(p, rows[i]) + 1
@@ -191,33 +186,33 @@ class Speculator:
             lps.append(row_lps[i * S : i * S + n])
         return out, lps
 
-    def _accept_in_order(self, batch: list[Sequence], proposals: list[list[int]], logits: torch.Tensor,
+    @staticmethod
+    def _accept_in_order(sampling: SamplingBatch, proposals: list[list[int]], logits: torch.Tensor,
                          qs: list[torch.Tensor | None]) -> tuple[list[list[int]], list[list]]:
         """Position by position, each drawn with the penalties and min_tokens of the tokens accepted before it;
         a draft token drawn from q accepted or replaced by the general rule."""
-        views = [Lookahead(s) for s in batch]
-        out: list[list[int]] = [[] for _ in batch]
-        lps: list[list] = [[] for _ in batch]
-        alive = list(range(len(batch)))
+        out: list[list[int]] = [[] for _ in proposals]
+        lps: list[list] = [[] for _ in proposals]
+        alive = list(range(len(proposals)))
         for j in range(logits.shape[1]):
             rows = torch.tensor(alive)
             at = logits[rows.to(logits.device), j]  # [R, V]
-            picked = self.sample(at, [views[i] for i in alive])  # [R]
+            here = sampling.take(alive, [out[i] for i in alive])  # each row after the tokens it accepted
+            picked = here.sample(at)  # [R]
             general = [n for n, i in enumerate(alive) if qs[i] is not None and j < len(proposals[i])]
             if general:  # d ~ q: accepted with min(1, p / q), else drawn from norm(max(0, p - q))
                 index = torch.tensor(general, device=at.device)
-                p = self.distribution(at[index], [views[alive[n]] for n in general])  # [G, V]
+                p = here.take(general).distribution(at[index])  # [G, V]
                 q = torch.stack([qs[alive[n]][j] for n in general]).to(p.device)  # [G, V]
                 drafts = torch.tensor([proposals[alive[n]][j] for n in general])
                 _, tokens = accept_or_resample(p, q, drafts, torch.rand(len(general)))
                 picked = picked.clone()
                 picked[index] = tokens.to(picked.device)
-            row_lps = self.logprobs(at, picked, [batch[i].sampling for i in alive])
+            row_lps = here.logprobs(at, picked)
             still = []
             for i, t, lp in zip(alive, picked.tolist(), row_lps):
                 out[i].append(t)
                 lps[i].append(lp)
-                views[i].ahead.append(t)
                 if j < len(proposals[i]) and t == proposals[i][j]:
                     still.append(i)
             alive = still
@@ -251,13 +246,6 @@ class Speculator:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-
-def _plain(seq: Sequence) -> bool:
-    """No penalty, and min_tokens already met: nothing about the tokens before a position shapes its logits."""
-    p = seq.sampling
-    return not (p.presence_penalty or p.frequency_penalty or repetition_penalty_of(p) != 1.0
-                or seq.sample_index < p.min_tokens)
 
 
 def room(seq: Sequence, k: int) -> int:
