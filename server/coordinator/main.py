@@ -55,7 +55,6 @@ def kv_routing(config: CoordinatorConfig, pool: WorkerPool) -> tuple[KvRouting |
     index = KvIndex(config.kv_index_max_blocks)
     subscriber = KvSubscriber(index, hasher)
     pool.watchers.append(lambda workers: subscriber.set_sources(sources_of(workers)))
-    metrics.kv_index_blocks.set_function(index.num_blocks)
     subscriber.start()
     return KvRouting(index, hasher, config.kv_overlap_score_weight), subscriber
 
@@ -138,6 +137,8 @@ async def start(config: CoordinatorConfig) -> Coordinator:
         registry_server, _, registry_port = new_server([REGISTRY_SERVICE], config.registry_port, config.host)
         worker_pb2_grpc.add_RegistryServicer_to_server(registry, registry_server)
     metrics.identify(config.model_name, "coordinator", model.max_model_len)
+    if kv is not None:
+        metrics.kv_index_blocks.set_function(kv.index.num_blocks)
     serve_metrics(config.metrics_port, config.host)
     await pool.start()
     await server.start()
