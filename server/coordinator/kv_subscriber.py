@@ -74,6 +74,8 @@ class KvSubscriber:
     REPLAY_TIMEOUT = 2.0
     """Seconds a replay may take before its range counts as lost (the view resyncs)."""
     MAX_BATCHES_PER_POLL = 256
+    MAX_MESSAGE_BYTES = 64 << 20
+    """A larger frame from a worker is dropped by zmq (a gap, then a replay or a resync), never held in memory."""
 
     def __init__(self, index: KvIndex, hasher: BlockHasher) -> None:
         """hasher: names the prompts' blocks on this coordinator; a source whose probe hash it does not reproduce
@@ -144,6 +146,7 @@ class KvSubscriber:
             if worker in self._sources or not self._usable(worker, source):
                 continue
             sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.MAXMSGSIZE, self.MAX_MESSAGE_BYTES)
             sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
             sub.connect(source.endpoint)
             self._subs[worker], self._sources[worker] = sub, source
@@ -170,7 +173,7 @@ class KvSubscriber:
     def _refuse(self, worker: str, source: Source, why: str) -> None:
         if (worker, source.epoch) not in self._refused:
             self._refused.add((worker, source.epoch))
-            log.error("KV index: not reading %s worker %s's KV events: %s; it is routed to without them",
+            log.log(logging.WARNING if not source.endpoint else logging.ERROR,"KV index: not reading %s worker %s's KV events: %s; it is routed to without them",
                       source.tier, worker, why)
 
     def _drain(self, worker: str, sub: zmq.Socket) -> None:
@@ -207,6 +210,7 @@ class KvSubscriber:
         """vLLM's replay protocol: every buffered batch from `start`, up to the end marker; None without one in
         REPLAY_TIMEOUT."""
         dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.MAX_MESSAGE_BYTES)
         try:
             dealer.connect(endpoint)
             dealer.send_multipart((b"", start.to_bytes(8, "big")))
