@@ -173,7 +173,7 @@ migrations = _pd(Counter, "migrations", "Requests moved to another decode worker
 routing_decisions = _pd(Counter, "routing_decisions",
                         "Workers the coordinator picked, by tier and why: kv-index (the KV index says it holds the "
                         "prompt's longest prefix, at the least expected cost), kv-load (the index knows no worker holding "
-                        "any of it: by load), kv-index-partial (either, on a view known incomplete), shared-prompt (n > 1: "
+                        "any of it: by load), queue (none has room now: the shortest worker queue), kv-index-partial (either, on a view known incomplete), shared-prompt (n > 1: "
                         "choice 0's), rendezvous (no KV index: prefix-aware's hash), or the policy's name", ("tier", "reason"))
 kv_index_resyncs = _pd(Counter, "kv_index_resyncs",
                        "Gaps in a worker's KV event sequence, by outcome: replayed (its replay endpoint filled them) or "
