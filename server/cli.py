@@ -208,14 +208,17 @@ UP_WORKERS = ("grammar_cache_bytes",)
 """`pdserve up`'s flags that both worker tiers take."""
 UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", "max_coalesce", "decode_streams",
                   "enable_auto_tool_choice", "tool_call_parser", "max_tools", "max_tool_schema_bytes",
-                  "conditional_disagg_max_uncached", "conditional_disagg_min_cached")
+                  "conditional_disagg_max_uncached", "conditional_disagg_min_cached", "kv_events_subscribe",
+                  "kv_overlap_score_weight")
 UP_PREFILL = ("tensor_parallel_size", "expert_parallel_size", "max_batch_tokens", "max_prefill_chunk",
               "prefix_cache_bytes", "kv_streams", "prefill_order", "compilation_cache", "compile_before_serving")
 UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager",
              "speculative_config", "kv_events_config", "prefix_caching_hash_algo")
 UP_BOTH_WORKERS = ("kv_events_config", "prefix_caching_hash_algo")
 """Of UP_DECODE, the flags the prefill workers take too (their host prefix KV publishes and hashes alike); the
-launcher gives each worker its own event ports (`launcher.kv_events_args`)."""
+launcher gives each worker its own event ports (`launcher.kv_events_args`). The coordinator takes
+--prefix-caching-hash-algo too (it hashes prompts to look them up in its KV index, which reads the workers' events
+from the endpoints they advertise)."""
 """Beside these, up takes --prefill-weight-dtype, --decode-weight-dtype, --decode-device and --decode-engine:
 the workers' --weight-dtype, --device and --engine, prefixed by their tier (add_flags' prefix)."""
 VLLM_BLOCK_SIZE = 32
@@ -269,7 +272,7 @@ def _tier_configs(args, model: Path,
     try:
         return (
             config_from_args(CoordinatorConfig, args, only=UP_SHARED + UP_COORDINATOR, model_dir=model,
-                             http_port=http_port),
+                             http_port=http_port, prefix_caching_hash_algo=args.prefix_caching_hash_algo),
             config_from_args(PrefillConfig, args, only=UP_SHARED + UP_WORKERS + UP_PREFILL, model_dir=model,
                              weight_dtype=prefill_weights, **{k: getattr(args, k) for k in UP_BOTH_WORKERS}),
             config_from_args(DecodeConfig, args, only=UP_SHARED + UP_WORKERS + UP_DECODE, model_dir=model,

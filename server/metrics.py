@@ -170,6 +170,19 @@ shared_prompt_choices = _pd(Counter, "shared_prompt_choices",
                             "decode worker, reusing its prompt KV) or own (it had no room, or choice 0 placed none)",
                             ("route",))
 migrations = _pd(Counter, "migrations", "Requests moved to another decode worker mid-stream")
+routing_decisions = _pd(Counter, "routing_decisions",
+                        "Workers the coordinator picked, by tier and why: kv-index (the KV index says it holds the "
+                        "prompt's longest prefix, at the least expected cost), kv-load (the index knows no worker holding "
+                        "any of it: by load), queue (none has room now: the shortest worker queue), kv-index-partial (either, on a view known incomplete), shared-prompt (n > 1: "
+                        "choice 0's), rendezvous (no KV index: prefix-aware's hash), or the policy's name", ("tier", "reason"))
+kv_index_resyncs = _pd(Counter, "kv_index_resyncs",
+                       "Gaps in a worker's KV event sequence, by outcome: replayed (its replay endpoint filled them) or "
+                       "partial (it could not: the view was emptied and is a subset of what the worker holds)",
+                       ("outcome",))
+kv_index_blocks = _pd(Gauge, "kv_index_blocks", "Block hashes in the coordinator's KV index, every worker's view together")
+kv_index_workers = _pd(Gauge, "kv_index_workers",
+                       "Workers whose KV events the coordinator reads, by the state of its view: syncing (snapshot "
+                       "pending), live (exact as of the last batch), partial (known incomplete)", ("state",))
 vllm_kv_tokens_loaded = _pd(Counter, "vllm_kv_tokens_loaded",
                             "Prompt tokens whose KV the connector wrote into vLLM's cache")
 vllm_kv_load_failures = _pd(Counter, "vllm_kv_load_failures",
@@ -257,6 +270,9 @@ prefill_expected_wait = _pd(Histogram, "prefill_expected_wait_seconds",
 prefill_wait = _pd(Histogram, "prefill_wait_seconds", "A request's actual prefill wait: Prefill call to first token",
                    buckets=LATENCY_BUCKETS)
 kv_transfer_seconds = _pd(Histogram, "kv_transfer_seconds", "One request's KV transfer, header to end", buckets=LATENCY_BUCKETS)
+kv_index_event_lag = _pd(Histogram, "kv_index_event_lag_seconds",
+                         "A live KV event batch's age when the coordinator's index applied it (its timestamp to now)",
+                         buckets=LATENCY_BUCKETS)
 
 # ---- per request, in tokens (vLLM's; buckets 1-2-5 up to max_model_len, made by `identify`) ----
 request_prompt_tokens = Series()

@@ -160,7 +160,7 @@ class Attempt:
             decode = await router.decode(len(self.prompt), self.prompt, r.deadline, placement)
             self._hold(decode, placement)
             if self.prefill is None:
-                self.prefill = await router.prefill(r.deadline, placement)
+                self.prefill = await router.prefill(r.deadline, placement, self.prompt)
                 if self.prefill is not None and r.attempt == 0:  # a retry or migration is never refused
                     admit(self.prefill, len(self.prompt), r.deadline, self.config.ttft_budget)
             try:

@@ -15,6 +15,7 @@ from pdserve.server.choices import (
     PrefillPolicy,
     ToolCallParser,
 )
+from pdserve.kvcache.block_hash import DEFAULT_HASH_ALGO, BlockHasher, PrefixCachingHashAlgo
 from pdserve.server.flags import flag
 from pdserve.server.structured.limits import check_grammar_settings
 
@@ -69,6 +70,20 @@ class CoordinatorConfig:
     """How many of the prompt's tokens the decode worker must already hold for conditional disaggregation: 1 (the
     default) takes any cached block, so a conversation's later turns stay local and a new prompt goes to the prefill
     tier; 0 prefills every short prompt on the decode worker, cached or not."""
+    kv_events_subscribe: bool = True
+    """Read the KV events of every worker that publishes them (--kv-events-config on the workers: each advertises
+    its bound endpoint, replay endpoint and topic at registration and in GetInfo) into this coordinator's KV index,
+    and route by what each worker holds (kv_routing.py): the prefix-aware decode policy and the prefill pick go by
+    the least expected cost, rendezvous hashing and least-queued staying the fallback for workers that publish
+    nothing. On start each worker's view is read through its replay endpoint, so replicas converge on one view."""
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = DEFAULT_HASH_ALGO
+    """How the workers name KV blocks (vLLM's flag; give every process the same, and the same PYTHONHASHSEED): the
+    coordinator hashes prompts alike to look them up in its KV index."""
+    kv_overlap_score_weight: float = 1.0
+    """KV routing's weight of a block to compute (or to load) against a block of decode load (Dynamo's
+    --kv-overlap-score-weight): higher follows cached prefixes harder, 0 routes by load alone."""
+    kv_index_max_blocks: int = 1 << 19
+    """Block hashes the KV index keeps per worker (the oldest stored go first beyond it)."""
     max_migrations: int = 2
     """How often one request may move to another decode worker when its worker dies (`--max-migrations`)."""
     stall_timeout: float = 10.0
@@ -181,6 +196,11 @@ class CoordinatorConfig:
             if not 0 <= getattr(self, name) < 2**32:  # a uint32 on the wire
                 raise ValueError(f"--{name.replace('_', '-')} must lie in [0, 2**32) tokens, got {getattr(self, name)}"
                                  + (" (0 turns it off)" if name.endswith("uncached") else ""))
+        BlockHasher(self.prefix_caching_hash_algo)  # refuses an unknown algorithm, or xxhash without the package
+        if not self.kv_overlap_score_weight >= 0:
+            raise ValueError(f"--kv-overlap-score-weight must be >= 0, got {self.kv_overlap_score_weight}")
+        if self.kv_index_max_blocks < 1:
+            raise ValueError(f"--kv-index-max-blocks must be >= 1, got {self.kv_index_max_blocks}")
         if self.max_migrations < 0:
             raise ValueError(f"--max-migrations must be >= 0, got {self.max_migrations}")
         if self.prefill_policy not in PREFILL_POLICIES:

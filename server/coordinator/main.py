@@ -12,7 +12,11 @@ from grpc_health.v1 import health
 from pdserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 from pdserve.server.coordinator import kserve
 from pdserve.server.coordinator.config import CoordinatorConfig
+from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.server.coordinator.http_server import HttpServer
+from pdserve.server.coordinator.kv_index import KvIndex
+from pdserve.server.coordinator.kv_routing import KvRouting
+from pdserve.server.coordinator.kv_subscriber import KvSubscriber, sources_of
 from pdserve.server.coordinator.openai.app import serve_http
 from pdserve.server.coordinator.registry import SERVICE_NAME as REGISTRY_SERVICE
 from pdserve.server.coordinator.registry import RegistryService
@@ -42,6 +46,19 @@ def spec_checker(config: CoordinatorConfig) -> SpecChecker:
     return SpecChecker(SpecLimits.of(config), pool, field="structured")
 
 
+def kv_routing(config: CoordinatorConfig, pool: WorkerPool) -> tuple[KvRouting | None, KvSubscriber | None]:
+    """The KV index, fed by a subscriber (started now) that follows the pool's workers, and the routing by it;
+    (None, None) under --no-kv-events-subscribe."""
+    if not config.kv_events_subscribe:
+        return None, None
+    hasher = BlockHasher(config.prefix_caching_hash_algo)
+    index = KvIndex(config.kv_index_max_blocks)
+    subscriber = KvSubscriber(index, hasher)
+    pool.watchers.append(lambda workers: subscriber.set_sources(sources_of(workers)))
+    subscriber.start()
+    return KvRouting(index, hasher, config.kv_overlap_score_weight), subscriber
+
+
 @dataclass
 class Coordinator:
     config: CoordinatorConfig
@@ -55,6 +72,8 @@ class Coordinator:
     registry_server: grpc.aio.Server | None = None
     """The Registry alone on `registry_port` (an internal port), when set."""
     registry_port: int = 0
+    kv_subscriber: KvSubscriber | None = None
+    """Reads the workers' KV events into the KV index (--kv-events-subscribe)."""
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first (load balancers stop sending), then in-flight requests get `grace` seconds."""
@@ -65,6 +84,8 @@ class Coordinator:
         await self.service.steps.close()
         self.service.checker.pool.close()
         await self.pool.close()
+        if self.kv_subscriber is not None:
+            await asyncio.to_thread(self.kv_subscriber.close)
 
 
 async def start(config: CoordinatorConfig) -> Coordinator:
@@ -94,8 +115,9 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     max_model_len = resolve_max_model_len(model.max_model_len, config.max_model_len or 0)
     limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size,
                     max_prompt_bytes=config.max_prompt_bytes, max_token_bytes=tokenizer.max_token_bytes())
+    kv, subscriber = kv_routing(config, pool)
     router = Router(pool, prefill_policy=config.prefill_policy, decode_policy=config.decode_policy,
-                    max_queue=config.max_queue)
+                    max_queue=config.max_queue, kv=kv)
     service = GenerationService(tokenizer, limits, router, config.lease_seconds,
                                 default_timeout=config.default_timeout,
                                 max_migrations=config.max_migrations, stall_timeout=config.stall_timeout,
@@ -115,6 +137,8 @@ async def start(config: CoordinatorConfig) -> Coordinator:
         registry_server, _, registry_port = new_server([REGISTRY_SERVICE], config.registry_port, config.host)
         worker_pb2_grpc.add_RegistryServicer_to_server(registry, registry_server)
     metrics.identify(config.model_name, "coordinator", model.max_model_len)
+    if kv is not None:
+        metrics.kv_index_blocks.set_function(kv.index.num_blocks)
     serve_metrics(config.metrics_port, config.host)
     await pool.start()
     await server.start()
@@ -123,7 +147,8 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     http = None
     if config.http_port is not None:
         http = await serve_http(config, service, lambda: pool.serving, max_model_len)
-    return Coordinator(config, server, health_servicer, pool, port, service, http, registry_server, registry_port)
+    return Coordinator(config, server, health_servicer, pool, port, service, http, registry_server, registry_port,
+                       subscriber)
 
 
 async def serve(config: CoordinatorConfig, ready: asyncio.Event | None = None) -> None:

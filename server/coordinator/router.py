@@ -1,9 +1,12 @@
 """Which workers take a request, and what this coordinator holds on each until the next load report.
 
 1. Pick: a decode worker with room for the prompt's blocks, by the decode policy (policies.py); a
-   prefill worker under `prefill_inflight_per_worker` calls from here, by the prefill policy. A choice
+   prefill worker under `prefill_inflight_per_worker` calls from here, by the prefill policy. With the
+   KV index (`kv`: the workers publish KV events), the prefix-aware decode policy and the prefill pick
+   go by what each worker holds instead (kv_routing.py), the policies being the fallback. A choice
    of a request with n > 1 prefers where the leader's prompt KV is (shared_prompt.py). None with room:
-   the request waits in that tier's queue (admission.py) until one has, or its deadline passes.
+   the request waits in that tier's queue (admission.py) until one has, or its deadline passes. Each
+   pick is counted by its reason (`routing_decisions`).
 2. Hold: the picked decode worker counts the request (in flight, its blocks reserved) and the prefill
    worker the prompt (in flight, its tokens and length pending) from the pick on, so requests routed
    before the next load report see them taken.
@@ -17,7 +20,8 @@ from collections.abc import Iterator
 
 from pdserve.server import metrics
 from pdserve.server.coordinator.admission import Deadline, TierQueue
-from pdserve.server.coordinator.policies import DECODE_PICKERS, PREFILL_PICKERS
+from pdserve.server.coordinator.kv_routing import KvRouting
+from pdserve.server.coordinator.policies import DECODE_PICKERS, PREFILL_PICKERS, prefix_aware
 from pdserve.server.coordinator.shared_prompt import Placement
 from pdserve.server.coordinator.worker_pool import Tier, Worker, WorkerPool
 
@@ -31,10 +35,14 @@ class Router:
         decode_policy: str = "most-free-blocks",
         max_queue: int = 256,
         prefill_inflight_per_worker: int = 64,
+        kv: KvRouting | None = None,
     ):
         self.pool = pool
         self.prefill_policy = PREFILL_PICKERS[prefill_policy]
         self.decode_policy = DECODE_PICKERS[decode_policy]
+        self.prefill_policy_name, self.decode_policy_name = prefill_policy, decode_policy
+        self.kv = kv
+        """Routing by the KV index (None: the policies alone)."""
         self.prefill_inflight_per_worker = prefill_inflight_per_worker
         """A prefill worker with this many calls from this coordinator in flight takes no more for now."""
         self.decode_queue = TierQueue("decode", max_queue)
@@ -47,16 +55,26 @@ class Router:
         """A decode worker with room for a request whose KV holds `tokens`: the leader's when it has room
         for what is this choice's own, else by the decode policy."""
         if placement is not None and placement.takes(tokens):
-            return placement.decode
-        return self.decode_policy(self.pool.ready("decode"), tokens, prompt=prompt)
+            return _counted("decode", placement.decode, "shared-prompt")
+        workers = self.pool.ready("decode")
+        if self.kv is not None and prompt and self.decode_policy is prefix_aware:
+            picked = self.kv.pick_decode(workers, tokens, prompt)
+            if picked is not None:
+                return _counted("decode", *picked)
+        reason = "rendezvous" if self.decode_policy is prefix_aware else self.decode_policy_name
+        return _counted("decode", self.decode_policy(workers, tokens, prompt=prompt), reason)
 
-    def pick_prefill(self, placement: Placement | None = None) -> Worker | None:
+    def pick_prefill(self, placement: Placement | None = None, prompt: list[int] | None = None) -> Worker | None:
         """A prefill worker with a slot: the one that computed the leader's prompt (its prefix KV holds
-        it) when it has one, else by the prefill policy."""
+        it) when it has one, else the least expected cost by the KV index, else by the prefill policy."""
         room = [w for w in self.pool.ready("prefill") if w.inflight < self.prefill_inflight_per_worker]
         if placement is not None and placement.prefill in room:
-            return placement.prefill
-        return self.prefill_policy(room)
+            return _counted("prefill", placement.prefill, "shared-prompt")
+        if self.kv is not None and prompt:
+            picked = self.kv.pick_prefill(room, prompt)
+            if picked is not None:
+                return _counted("prefill", *picked)
+        return _counted("prefill", self.prefill_policy(room), self.prefill_policy_name)
 
     async def has_ready(self, role: Tier, deadline: Deadline) -> bool:
         """Whether the tier has a ready worker, after waiting (within the deadline) for the health check of
@@ -71,12 +89,13 @@ class Router:
         return await self.decode_queue.acquire(self.pool, lambda: self.pick_decode(tokens, prompt, placement),
                                                deadline)
 
-    async def prefill(self, deadline: Deadline, placement: Placement | None = None) -> Worker | None:
+    async def prefill(self, deadline: Deadline, placement: Placement | None = None,
+                      prompt: list[int] | None = None) -> Worker | None:
         """A prefill worker with a slot now, or after waiting in the prefill queue; None when no prefill
         worker is ready (the decode worker then prefills the prompt itself). Raises RequestFailed."""
         if not self.pool.ready("prefill"):
             return None
-        return await self.prefill_queue.acquire(self.pool, lambda: self.pick_prefill(placement), deadline)
+        return await self.prefill_queue.acquire(self.pool, lambda: self.pick_prefill(placement, prompt), deadline)
 
     # ---- 2. hold, 3. release ----------------------------------------------------
 
@@ -116,3 +135,10 @@ class Router:
     async def mark_failed(self, worker: Worker, reason: str) -> None:
         """A call found the worker unreachable or silent: no picks of it until its health check passes."""
         await self.pool.mark_failed(worker, reason)
+
+
+def _counted(tier: Tier, worker: Worker | None, reason: str) -> Worker | None:
+    """The pick, counted by tier and reason when there is one."""
+    if worker is not None:
+        metrics.routing_decisions.labels(tier, reason).inc()
+    return worker

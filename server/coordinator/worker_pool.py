@@ -184,6 +184,8 @@ class WorkerPool:
         self._serving: bool | None = None
         self._task: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
+        self.watchers: list[Callable[[dict[str, Worker]], None]] = []
+        """Called with the workers after every change of membership, state or load (the KV index's sources)."""
 
     # ---- membership ------------------------------------------------------------
 
@@ -361,6 +363,8 @@ class WorkerPool:
 
     async def _notify(self) -> None:
         self.poke()
+        for watch in self.watchers:
+            watch(self.workers)
         serving = self.serving
         if serving != self._serving:
             self._serving = serving

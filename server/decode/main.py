@@ -18,6 +18,7 @@ from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.service import DecodeService
 from pdserve.server.decode.startup import build_native_engine
+from pdserve.server.kv_events_source import kv_events_source
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.registration import Memberships, join, serve_until_signal
 
@@ -102,6 +103,9 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
         address=address, kv_address=kv_address,
     )
     kv_publisher = open_kv_publisher(config, engine, address)
+    if kv_publisher is not None:
+        service.kv_events = kv_events_source(kv_publisher, config.kv_events.endpoint, address,
+                                             engine.scheduler.cache.hasher, engine.layout.block_size)
     worker_pb2_grpc.add_DecodeServicer_to_server(service, server)
     worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     await server.start()

@@ -38,6 +38,8 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
         self.address = address
         self.kv_address = kv_address
         self.draining = False
+        self.kv_events: pb.KvEventsSource | None = None
+        """Where its KV events can be read (--kv-events-config), for the coordinator's index; None: off."""
         """SIGTERM: new Decode calls are refused (UNAVAILABLE), in-flight ones finish."""
         self.vocab_size = engine.vocab_size
         self.step_streams: dict[str, StepStream] = {}
@@ -128,5 +130,6 @@ class DecodeService(worker_pb2_grpc.DecodeServicer, worker_pb2_grpc.ControlServi
             draining=self.draining,
             kv_address=self.kv_address,
             hardware=engine.hardware.to_proto() if engine.hardware is not None else None,
+            kv_events=self.kv_events,
         )
 

@@ -33,6 +33,7 @@ from pdserve.server.prefill.service import PrefillService
 from pdserve.server.prefill.step_inputs import StepInputs
 from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params, start_distributed
 from pdserve.server.prefill.warmup import Warmup, cores
+from pdserve.server.kv_events_source import kv_events_source
 from pdserve.server.registration import Memberships, join, serve_until_signal
 from pdserve.server.structured.grammars import Grammars
 
@@ -86,6 +87,8 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     kv_publisher = None
     if engine.prefix.cache.events is not None:
         kv_publisher = engine.prefix.cache.events.publisher = open_publisher(config.kv_events, service.address)
+        service.kv_events = kv_events_source(kv_publisher, config.kv_events.endpoint, service.address,
+                                             engine.prefix.cache.hasher, engine.prefix.block_size)
         log.info("KV events: publishing on %s (topic %r%s)", kv_publisher.endpoint, kv_publisher.topic.decode(),
                  f", replay on {kv_publisher.replay_endpoint}" if kv_publisher.replay_endpoint else "")
     worker_pb2_grpc.add_PrefillServicer_to_server(service, server)

@@ -72,6 +72,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         self.fingerprint = pb.ModelFingerprint(digest=fingerprint, description=model_config.describe())
         self.address = address
         self.pushes: set[asyncio.Task] = set()
+        self.kv_events: pb.KvEventsSource | None = None
+        """Where its host prefix KV's events can be read (--kv-events-config), for the coordinator's index."""
         self.draining = False
         """SIGTERM: new Prefill calls are refused (UNAVAILABLE); running ones and their pushes finish."""
         self.active = 0
@@ -249,6 +251,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             prefill_order=self.engine.scheduler.order,
             prefill_deadlines=True,
             hardware=self.hardware.to_proto() if self.hardware is not None else None,
+            kv_events=self.kv_events,
         )
 
 

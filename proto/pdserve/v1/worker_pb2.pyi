@@ -308,7 +308,7 @@ class PrefillBucket(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., queued_prompts: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., expected_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len", "draining", "kv_address", "prefill_order", "prefill_deadlines", "hardware")
+    __slots__ = ("role", "address", "fingerprint", "kv_layout", "load", "max_model_len", "draining", "kv_address", "prefill_order", "prefill_deadlines", "hardware", "kv_events")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -320,6 +320,7 @@ class WorkerInfo(_message.Message):
     PREFILL_ORDER_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DEADLINES_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     role: str
     address: str
     fingerprint: ModelFingerprint
@@ -331,7 +332,26 @@ class WorkerInfo(_message.Message):
     prefill_order: str
     prefill_deadlines: bool
     hardware: Hardware
-    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_address: _Optional[str] = ..., prefill_order: _Optional[str] = ..., prefill_deadlines: _Optional[bool] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ...) -> None: ...
+    kv_events: KvEventsSource
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., kv_layout: _Optional[_Union[KvLayout, _Mapping]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., max_model_len: _Optional[int] = ..., draining: _Optional[bool] = ..., kv_address: _Optional[str] = ..., prefill_order: _Optional[str] = ..., prefill_deadlines: _Optional[bool] = ..., hardware: _Optional[_Union[Hardware, _Mapping]] = ..., kv_events: _Optional[_Union[KvEventsSource, _Mapping]] = ...) -> None: ...
+
+class KvEventsSource(_message.Message):
+    __slots__ = ("endpoint", "replay_endpoint", "topic", "hash_algo", "block_size", "probe_hash", "epoch")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_HASH_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    replay_endpoint: str
+    topic: str
+    hash_algo: str
+    block_size: int
+    probe_hash: int
+    epoch: int
+    def __init__(self, endpoint: _Optional[str] = ..., replay_endpoint: _Optional[str] = ..., topic: _Optional[str] = ..., hash_algo: _Optional[str] = ..., block_size: _Optional[int] = ..., probe_hash: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Hardware(_message.Message):
     __slots__ = ("cpu_model", "cpu_family", "cpu_features", "cpu_cap", "framework", "devices", "paths", "summary")
