@@ -13,16 +13,27 @@ Life of a prefix:
    cannot pull it from under a running prompt), always leaving at least the last token to compute
    (its logits give the first token). The prompt then prefills from there: chunked prefill whose
    first chunk's context is that prefix.
+
+With offload tiers (`kvcache/tiered_store.py`, `--kv-offloading-*`), each block the cache evicts is saved to them
+(its bytes copied at once, written by the store's saver thread), and `fetch(tokens)`, awaited before the prompt is
+queued, loads the blocks after the cached prefix that a tier holds (on a loader thread, while steps run) back into
+the cache, so `lookup` then finds them. A tier's block is the same bytes a decode worker's cache saves for the same
+layout (`kvcache/block_bytes.py`): through a shared directory each tier reads what the other stored.
 """
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 
+from pdserve.kvcache.block_bytes import unpack_block
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.kv_events import KvEventRecorder
+from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.prefix_cache import PrefixCache
+from pdserve.kvcache.tiered_store import TieredStore
 
 BLOCK_SIZE = 16
 """Tokens per cached block (whatever the decode worker's block size: hits are rounded down to its)."""
@@ -31,17 +42,22 @@ BLOCK_SIZE = 16
 class PrefixKv:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype, budget_bytes: int,
                  block_size: int = BLOCK_SIZE, hasher: BlockHasher = DEFAULT_HASHER,
-                 kv_events: KvEventRecorder | None = None):
+                 kv_events: KvEventRecorder | None = None, offload: TieredStore | None = None):
         self.block_size = block_size
+        self.layout = KvLayout.of(num_layers, num_kv_heads, head_dim, block_size, np.dtype(dtype).name)
+        """What a block's bytes hold in the offload tiers."""
         shape = (num_layers, block_size, num_kv_heads, head_dim)  # one block of all layers
         block_bytes = 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
         num_blocks = budget_bytes // block_bytes
+        self.offload = offload if num_blocks > 0 else None
         self.cache = PrefixCache(BlockPool(max(num_blocks, 1)), enabled=num_blocks > 0, hasher=hasher,
-                                 events=kv_events)
+                                 events=kv_events, spill=self._spill if self.offload is not None else None)
         self.k = np.zeros((num_blocks, *shape), dtype)  # [N, L, bs, Hkv, D]
         self.v = np.zeros((num_blocks, *shape), dtype)
         self.hits = 0
         """Prompt tokens served from the cache (not computed)."""
+        self.loaded_blocks = 0
+        """Blocks loaded back from the offload tiers."""
 
     @property
     def enabled(self) -> bool:
@@ -69,6 +85,44 @@ class PrefixKv:
             return k, v
         finally:
             self.cache.free(ids)
+
+    def _spill(self, evicted: list[tuple[int, bytes]]) -> None:
+        """Queues evicted blocks' bytes (block id, hash each) for the offload tiers."""
+        for block_id, h in evicted:
+            self.offload.save(h, self.k[block_id].tobytes() + self.v[block_id].tobytes())
+
+    async def fetch(self, token_ids: list[int]) -> int:
+        """Loads into the cache the blocks after its cached prefix of token_ids (those `lookup` may use) that the
+        offload tiers hold, up to the first that fails its check; how many it loaded."""
+        if self.offload is None:
+            return 0
+        hashes = self.cache.hasher.hashes(token_ids, self.block_size, limit=(len(token_ids) - 1) // self.block_size)
+        held = self.cache.lookup(hashes)
+        try:
+            wanted = hashes[len(held) : len(held) + self.offload.held_prefix(hashes[len(held):])]
+            if not wanted:
+                return 0
+            datas = await asyncio.wrap_future(self.offload.submit(self.offload.load, wanted))
+            blocks = []
+            for data in datas:
+                try:
+                    blocks.append(unpack_block(self.layout, data))
+                except ValueError:
+                    break
+            new = self.cache.allocate(min(len(blocks), self.cache.num_available))
+            for block_id, block in zip(new, blocks):
+                self.k[block_id], self.v[block_id] = block.k, block.v
+            first = len(held)
+            self.cache.register(new, hashes[first : first + len(new)],
+                                token_ids[first * self.block_size : (first + len(new)) * self.block_size],
+                                hashes[first - 1] if first else None)
+            self.cache.free(new)
+            self.loaded_blocks += len(new)
+            return len(new)
+        finally:
+            self.cache.free(held)
+            if self.cache.events is not None:
+                self.cache.events.flush()
 
     def store(self, token_ids: list[int], k: np.ndarray, v: np.ndarray) -> None:
         """Caches the full blocks of a prompt whose k, v [L, n >= full blocks' tokens, Hkv, D] are given."""

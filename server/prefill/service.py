@@ -149,6 +149,8 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         self.active += 1
         try:
             await self.budget.acquire(nbytes, len(ids))
+            if not request.sampling.HasField("prompt_logprobs"):  # (those compute every position)
+                await self.engine.prefix.fetch(ids)  # the prefix's blocks the offload tiers hold, into the prefix KV
             job = self.engine.enqueue(ids, request.sampling, request.sample_index, layout.dtype, layout.block_size,
                                       due=ttft_due(request, received), constraint=constraint)
             opened = asyncio.get_running_loop().create_future()
