@@ -58,7 +58,7 @@ from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import group_sizes
 from pdserve.server.prefill.model_runner import ModelRunner, StepOutputs
-from pdserve.server.prefill.prefix_kv import BLOCK_SIZE, PrefixKv
+from pdserve.server.prefill.prefix_kv import BLOCK_SIZE, Fetched, PrefixKv
 from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.replay import SliceLeader
 from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, packed_tokens
@@ -231,18 +231,19 @@ class PrefillEngine:
 
     def enqueue(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
                 kv_dtype: str, block_size: int = 16, due: float | None = None,
-                constraint: Constraint | None = None) -> PrefillJob:
+                constraint: Constraint | None = None, fetched: Fetched | None = None) -> PrefillJob:
         """Queues a prompt; its first token and KV arrive on the job. block_size: the target cache's,
         over which fp8_e4m3/int8 scales are computed (a power of two). due: when its first token is due
         (time.monotonic(); the TTFT budget it was admitted under), None: never urgent (scheduler.py).
-        constraint: the request's grammar state (Grammars.constraint, outputs so far replayed)."""
+        constraint: the request's grammar state (Grammars.constraint, outputs so far replayed); fetched: its blocks
+        the offload tiers held (`PrefixKv.fetch`, awaited just before)."""
         if not 0 < len(token_ids) <= self.max_model_len:  # no bucket fits: it would stop the loop
             raise ValueError(f"a prompt of {len(token_ids)} tokens; this worker takes 1 to {self.max_model_len}")
         if block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"KV block size {block_size} is not a power of two")
         job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size, constraint=constraint)
         if not sampling.HasField("prompt_logprobs"):  # those need every position's hidden state
-            hit = self.prefix.lookup(token_ids, multiple_of=block_size)
+            hit = self.prefix.lookup(token_ids, multiple_of=block_size, fetched=fetched)
             if hit is not None:
                 job.computed = hit[0].shape[1]
                 job.context = self._new_context(job)

@@ -144,11 +144,11 @@ def _hf_kv(path, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return k, v
 
 
-def _prefix_kv(path, shared) -> PrefixKv:
+def _prefix_kv(path, shared, blocks: int = 3) -> PrefixKv:
     config = load_config(path)
     block = 2 * config.num_layers * BS * config.num_kv_heads * config.head_dim * 4
     return PrefixKv(num_layers=config.num_layers, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-                    dtype=np.float32, budget_bytes=3 * block, block_size=BS, offload=TieredStore([shared]))
+                    dtype=np.float32, budget_bytes=blocks * block, block_size=BS, offload=TieredStore([shared]))
 
 
 async def test_a_decode_worker_loads_what_a_prefill_worker_saved_to_the_shared_directory(tiny_model, tmp_path):
@@ -177,11 +177,13 @@ async def test_a_prefill_worker_loads_what_a_decode_worker_saved_to_the_shared_d
         await _evict_first(engine)
     finally:
         await engine.close()
-    prefill = _prefix_kv(path, DiskStore(tmp_path, 0, _fp(path), name="shared", locality="REMOTE"))
+    # a prefix KV of one block: the prompt's second block is loaded for this prompt, not kept
+    prefill = _prefix_kv(path, DiskStore(tmp_path, 0, _fp(path), name="shared", locality="REMOTE"), blocks=1)
     try:
         assert prefill.lookup(FIRST) is None
-        assert await prefill.fetch(FIRST) == 2
-        k, v = prefill.lookup(FIRST)
+        fetched = await prefill.fetch(FIRST)
+        assert (fetched.start, len(fetched.blocks), prefill.cache.num_cached) == (0, 2, 1)
+        k, v = prefill.lookup(FIRST, fetched=fetched)
         hk, hv = _hf_kv(path, FIRST)
         assert k.shape == (hk.shape[0], 8, *hk.shape[2:])
         np.testing.assert_allclose(k, hk[:, :8], atol=1e-4)
