@@ -15,7 +15,7 @@ Life of a prefix:
    first chunk's context is that prefix.
 
 With offload tiers (`kvcache/tiered_store.py`, `--kv-offloading-*`), each block the cache evicts is saved to them
-(its bytes copied at once, written by the store's saver thread), and `fetch(tokens)`, awaited before the prompt is
+(its bytes copied at once, written by the store's saver thread), and so is each block `store` finds no room for, and `fetch(tokens)`, awaited before the prompt is
 queued, loads the blocks after the cached prefix that a tier holds (on a loader thread, while steps run), which
 `lookup` then continues the cached prefix with (and caches them as far as the budget allows). A tier's block is the same bytes a decode worker's cache saves for the same
 layout (`kvcache/block_bytes.py`): through a shared directory each tier reads what the other stored.
@@ -160,6 +160,10 @@ class PrefixKv:
             self.v[block_id] = v[:, i * bs : (i + 1) * bs]
         first, end = len(held), len(held) + len(new)
         self.cache.register(new, hashes[first:end], token_ids[first * bs : end * bs], hashes[first - 1] if first else None)
+        if self.offload is not None:  # the blocks past the budget go straight to the offload tiers
+            for i in range(end, len(hashes)):
+                self.offload.save(hashes[i], np.ascontiguousarray(k[:, i * bs : (i + 1) * bs], self.k.dtype).tobytes()
+                                  + np.ascontiguousarray(v[:, i * bs : (i + 1) * bs], self.v.dtype).tobytes())
         self.cache.free(held + new)
         if self.cache.events is not None:
             self.cache.events.flush()
