@@ -154,12 +154,14 @@ class DiskStore(BlockStore):
         size = HEADER.size + len(key) + len(data)
         if self.capacity_bytes and size > self.capacity_bytes:
             return False
+        path = self.file_for(key)
         with self._lock:
             if key in self._index:
-                self._index.move_to_end(key)
-                return True
+                if path.exists():
+                    self._index.move_to_end(key)
+                    return True
+                self._forget(key)  # another worker deleted it (a shared directory): written again
             self._make_room(size)
-        path = self.file_for(key)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         header = HEADER.pack(MAGIC, self.fingerprint, len(key), len(data), _digest(key, data))
         try:
