@@ -5,7 +5,9 @@ The structs mirror vLLM's field for field, so `msgspec.msgpack` encodes them byt
 (`{"type": "BlockStored", ...}`), fields equal to their default left out. pdserve fills what it knows:
 no LoRA adapter (lora_id / lora_name None), one KV cache group (group_idx 0), `medium` "GPU" for the decode
 tier's paged cache (whatever its device, as vLLM's block pool writes it) and "CPU" for the prefill tier's host
-prefix KV.
+prefix KV. The offload tiers under them (`offload_store.py`) record as vLLM's offloading connector does: medium
+"CPU" for host memory, "STORAGE" for a disk or shared directory (`locality` "LOCAL" / "REMOTE"), and, knowing a
+block only by its hash there, vLLM's placeholder payload (no token ids, no parent, block_size 0).
 
 Life of an event: the prefix cache (`prefix_cache.PrefixCache`) calls `stored` when it registers new blocks,
 `removed` when it evicts one, `cleared` when it drops them all; the worker's step calls `flush` once, which
@@ -16,6 +18,7 @@ that stored and evicted nothing publishes nothing (vLLM publishes no empty batch
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Any, Protocol
 
@@ -23,6 +26,7 @@ import msgspec
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 
 ExternalBlockHash = bytes | int
 
@@ -90,6 +94,8 @@ class KvEventRecorder:
         stored before a worker serves; a slice's replaying processes never open one)."""
         self.int_hashes = int_block_hashes() if int_hashes is None else int_hashes
         self.pending: list[KVCacheEvent] = []
+        self._lock = threading.Lock()
+        """The offload tiers record from their background threads; the worker flushes from its loop."""
 
     def wire(self, h: bytes) -> ExternalBlockHash:
         return int.from_bytes(h, "big") & ((1 << 64) - 1) if self.int_hashes else h
@@ -97,21 +103,34 @@ class KvEventRecorder:
     def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int) -> None:
         """Full blocks newly cached, consecutive in one chain (`parent`: the hash before the first; None at the
         chain's start), `token_ids` theirs."""
-        self.pending.append(BlockStored(
+        self._append(BlockStored(
             block_hashes=[self.wire(h) for h in hashes], parent_block_hash=None if parent is None else self.wire(parent),
             token_ids=list(token_ids), block_size=block_size, lora_id=None, medium=self.medium, lora_name=None,
             group_idx=0))
 
-    def removed(self, h: bytes) -> None:
-        self.pending.append(BlockRemoved(block_hashes=[self.wire(h)], medium=self.medium, group_idx=0))
+    def removed(self, h: bytes, medium: str | None = None, locality: str | None = None) -> None:
+        """A block evicted (from `medium`, this recorder's by default)."""
+        self._append(BlockRemoved(block_hashes=[self.wire(h)], medium=medium or self.medium, group_idx=0,
+                                  locality=locality))
+
+    def offloaded(self, h: bytes, medium: str, locality: str | None = None) -> None:
+        """A block stored in an offload tier, known there by its hash alone: vLLM's offloading connector's
+        placeholder BlockStored (no token ids, no parent, block_size 0)."""
+        self._append(BlockStored(block_hashes=[self.wire(h)], parent_block_hash=None, token_ids=[], block_size=0,
+                                 lora_id=None, medium=medium, lora_name=None, group_idx=0, locality=locality))
 
     def cleared(self) -> None:
-        self.pending.append(AllBlocksCleared())
+        self._append(AllBlocksCleared())
+
+    def _append(self, event: KVCacheEvent) -> None:
+        with self._lock:
+            self.pending.append(event)
 
     def flush(self) -> None:
         """Publishes the events since the last flush as one batch (none: nothing)."""
         if not self.pending:
             return
-        events, self.pending = self.pending, []
+        with self._lock:
+            events, self.pending = self.pending, []
         if self.publisher is not None:
             self.publisher.publish(KVEventBatch(ts=time.time(), events=events))

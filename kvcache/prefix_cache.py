@@ -10,11 +10,15 @@ pool's free list runs short. `enabled=False` keeps the same interface and caches
 With a `KvEventRecorder` (`kv_events.py`), what the cache stores and evicts becomes KV events: each `register`
 call's newly cached blocks one `BlockStored` per consecutive run (a hit, a known hash: nothing), each eviction a
 `BlockRemoved`, a `clear` that empties the cache `AllBlocksCleared`. The worker flushes them once a step.
+
+With a `spill` callback (the offload tiers, `tiered_store.py`), every evicted block is handed to it, (block id,
+hash) each, before its id returns to the pool: the worker copies its KV out while it is still intact.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool, OutOfBlocks
@@ -36,12 +40,15 @@ def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, co
 
 class PrefixCache:
     def __init__(self, pool: BlockPool, enabled: bool = True, *, hasher: BlockHasher = DEFAULT_HASHER,
-                 events: KvEventRecorder | None = None) -> None:
+                 events: KvEventRecorder | None = None,
+                 spill: Callable[[list[tuple[int, bytes]]], None] | None = None) -> None:
         self.pool = pool
         self.enabled = enabled
         self.hasher = hasher
         """Names blocks: its callers hash their tokens with it (`hashes`, `extend`)."""
         self.events = events if enabled else None
+        self.spill = spill
+        """Takes each evicted block's (id, hash) before the id is free again (the offload tiers' save)."""
         self._by_hash: dict[bytes, int] = {}
         self._lru: OrderedDict[int, bytes] = OrderedDict()
         """Every cached block id -> its hash, least recently used first."""
@@ -140,11 +147,15 @@ class PrefixCache:
                 break
             if self.pool.ref_count(block_id) == 1:
                 victims.append(block_id)
+        evicted = []
         for block_id in victims:
             h = self._lru.pop(block_id)
             del self._by_hash[h]
+            evicted.append((block_id, h))
             if self.events is not None and announce:
                 self.events.removed(h)
+        if self.spill is not None and evicted:
+            self.spill(evicted)
         self.pool.free(victims)
         self._evictable -= len(victims)
         return victims

@@ -210,11 +210,15 @@ UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", 
                   "enable_auto_tool_choice", "tool_call_parser", "max_tools", "max_tool_schema_bytes",
                   "conditional_disagg_max_uncached", "conditional_disagg_min_cached", "kv_events_subscribe",
                   "kv_overlap_score_weight")
+KV_OFFLOADING = ("kv_offloading_backend", "kv_offloading_size", "kv_offloading_disk_path", "kv_offloading_disk_size",
+                 "kv_offloading_shared_path", "kv_offloading_shared_size")
+"""The offload tiers' flags (`server/kv_offloading.py`): every worker of `pdserve up` takes them (each its own
+disk path under --kv-offloading-disk-path, `launcher.offloading_args`; the shared path as given)."""
 UP_PREFILL = ("tensor_parallel_size", "expert_parallel_size", "max_batch_tokens", "max_prefill_chunk",
               "prefix_cache_bytes", "kv_streams", "prefill_order", "compilation_cache", "compile_before_serving")
 UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager",
-             "speculative_config", "kv_events_config", "prefix_caching_hash_algo")
-UP_BOTH_WORKERS = ("kv_events_config", "prefix_caching_hash_algo")
+             "speculative_config", "kv_events_config", "prefix_caching_hash_algo", *KV_OFFLOADING)
+UP_BOTH_WORKERS = ("kv_events_config", "prefix_caching_hash_algo", *KV_OFFLOADING)
 """Of UP_DECODE, the flags the prefill workers take too (their host prefix KV publishes and hashes alike); the
 launcher gives each worker its own event ports (`launcher.kv_events_args`). The coordinator takes
 --prefix-caching-hash-algo too (it hashes prompts to look them up in its KV index, which reads the workers' events

@@ -108,6 +108,15 @@ def kv_events_args(args: list[str], index: int) -> list[str]:
     return [*args[:at], config.for_worker(index).to_json(), *args[at + 1 :]]
 
 
+def offloading_args(args: list[str], name: str) -> list[str]:
+    """A worker's flags with a disk tier of its own: --kv-offloading-disk-path's directory joined with the worker's
+    name (the shared path stays as given: every worker reads and writes it)."""
+    if "--kv-offloading-disk-path" not in args:
+        return list(args)
+    at = args.index("--kv-offloading-disk-path") + 1
+    return [*args[:at], str(Path(args[at]) / name), *args[at + 1 :]]
+
+
 def _spawn(name: str, args: list[str], port: int, host: str, python: str = sys.executable,
            cpus: set[int] | None = None, metrics: bool = False) -> Proc:
     """cpus: the cores the process (every thread it starts) may run on; None: any. metrics: it serves its
@@ -204,7 +213,7 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
     coordinator_args = [*coordinator_args, *common_args]
     try:
         for i in range(prefill_workers):
-            own = kv_events_args(prefill_args, decode_workers + i)
+            own = offloading_args(kv_events_args(prefill_args, decode_workers + i), f"prefill-{i}")
             cluster.prefill.append(_spawn(f"prefill-{i}", ["prefill", "--model", str(model_dir), *own],
                                           free_port(host), host, cpus=cpus.get("prefill"), metrics=metrics))
         # Workers on one host share its cores: torch's intra-op threads spin-wait, and two processes
@@ -213,7 +222,7 @@ def launch(model_dir: Path, *, prefill_workers: int, decode_workers: int, port: 
             share = max(1, (os.cpu_count() or 1) // max(1, prefill_workers + decode_workers))
             decode_args = [*decode_args, "--threads", str(share)]
         for i in range(decode_workers):
-            own = kv_events_args(decode_args, i)
+            own = offloading_args(kv_events_args(decode_args, i), f"decode-{i}")
             cluster.decode.append(_spawn(f"decode-{i}", ["decode", "--model", str(model_dir), *own],
                                          free_port(host), host, decode_python, cpus.get("decode"), metrics))
         wait_serving(cluster, cluster.procs, timeout)

@@ -336,3 +336,47 @@ def watch_kv_blocks(free: Callable[[], int], total: Callable[[], int]) -> None:
     kv_blocks_total.set_function(lambda: total())
     kv_blocks_used.set_function(lambda: total() - free())
     kv_cache_usage_perc.set_function(lambda: (total() - free()) / total() if total() else 0.0)
+
+
+_offload_stats: list[Callable[[], tuple[dict[str, dict[str, int]], int]]] = []
+"""The offload tiers' counters by tier and the saves dropped, read at scrape time (`watch_kv_offload`)."""
+_OFFLOAD_COUNTERS = {
+    "hits": "KV blocks loaded from an offload tier", "misses": "KV blocks an offload tier lacked",
+    "bytes_read": "KV bytes read from an offload tier", "bytes_written": "KV bytes written to an offload tier",
+    "saves": "KV blocks saved to an offload tier", "evictions": "KV blocks an offload tier evicted",
+    "rejected": "KV blocks that failed their checksum or length when read (dropped: a miss)",
+    "save_errors": "KV block saves an offload tier could not write (a full disk: a miss later)",
+}
+
+
+class _OffloadCollector:
+    """pdserve_kv_offload_* series, one per tier (host, disk, shared), from the live `TieredStore`."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        if not _offload_stats:
+            return
+        tiers, drops = _offload_stats[0]()
+        names = [*IDENTITY, "tier"]
+        for key, doc in _OFFLOAD_COUNTERS.items():
+            family = CounterMetricFamily(f"pdserve_kv_offload_{key}", doc, labels=names)
+            for tier, stats in tiers.items():
+                family.add_metric([_identity["model_name"], _identity["role"], tier], stats[key])
+            yield family
+        used = GaugeMetricFamily("pdserve_kv_offload_used_bytes", "Bytes an offload tier holds", labels=names)
+        for tier, stats in tiers.items():
+            used.add_metric([_identity["model_name"], _identity["role"], tier], stats["used_bytes"])
+        yield used
+        dropped = CounterMetricFamily("pdserve_kv_offload_save_drops", "KV block saves dropped because too many "
+                                      "waited (a miss later)", labels=list(IDENTITY))
+        dropped.add_metric([_identity["model_name"], _identity["role"]], drops)
+        yield dropped
+
+
+REGISTRY.register(_OffloadCollector())
+
+
+def watch_kv_offload(stats: Callable[[], tuple[dict[str, dict[str, int]], int]]) -> None:
+    """Exports the offload tiers' counters (`TieredStore.stats()`, its save drops) at scrape time."""
+    _offload_stats[:] = [stats]

@@ -76,6 +76,9 @@ def test_vllm_spellings_map_onto_pdserve_settings(tiny_model):
      "--engine native only"),
     (["decode", "--engine", "vllm", "--speculative-config", '{"method": "ngram", "disable_by_batch_size": 8}'],
      "vLLM 0.32's speculative config has no such key"),
+    (["decode", "--kv-offloading-size", "0"], "--kv-offloading-size must be > 0 GiB"),
+    (["prefill", "--kv-offloading-disk-path", "/a", "--kv-offloading-shared-path", "/a"], "give the shared one alone"),
+    (["decode", "--engine", "vllm", "--kv-offloading-size", "1"], "are built for --engine native so far"),
 ])
 def test_what_pdserve_cannot_serve_is_refused_naming_the_flag(tiny_model, argv, words):
     args = _parse(*argv, str(tiny_model("llama")))
@@ -180,6 +183,8 @@ UP_COMMAND_LINES = [
     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'],
     ["--kv-events-config", '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5600", "topic": "kv@{worker}"}',
      "--prefix-caching-hash-algo", "sha256_cbor"],
+    ["--kv-offloading-backend", "native", "--kv-offloading-size", "0.5", "--kv-offloading-disk-path", "/var/kv",
+     "--kv-offloading-disk-size", "2", "--kv-offloading-shared-path", "/mnt/kv", "--kv-offloading-shared-size", "8"],
 ]
 
 
@@ -211,6 +216,13 @@ def test_pdserve_up_hands_each_tier_the_config_it_built(tiny_model, up_argv):
         argv = launcher.kv_events_args(config_to_argv(decode), 2)
         mine = json.loads(argv[argv.index("--kv-events-config") + 1])
         assert (mine["endpoint"], mine["replay_endpoint"]) == ("tcp://*:5559", "tcp://*:5602")
+    if "--kv-offloading-size" in up_argv:  # both worker tiers; each worker its own disk directory, one shared
+        for tier in (prefill, decode):
+            assert (tier.kv_offloading_size, tier.kv_offloading_disk_size, tier.kv_offloading_shared_size) == (0.5, 2, 8)
+            assert (tier.kv_offloading_disk_path, tier.kv_offloading_shared_path) == ("/var/kv", "/mnt/kv")
+        argv = launcher.offloading_args(config_to_argv(decode), "decode-1")
+        assert argv[argv.index("--kv-offloading-disk-path") + 1] == "/var/kv/decode-1"
+        assert argv[argv.index("--kv-offloading-shared-path") + 1] == "/mnt/kv"
     if "--served-model-name" in up_argv:
         assert all(t.served_model_name == ("tiny", "alias") and t.max_model_len == 256 for t in tiers)
         assert (coordinator.http_port, coordinator.stall_timeout, coordinator.ttft_budget) == (8123, 5.0, 2.0)

@@ -30,7 +30,7 @@ from pdserve.server.coordinator.policies import _fits, _rank, _shortest_queue, r
 if TYPE_CHECKING:
     from pdserve.server.coordinator.worker_pool import Worker
 
-MEDIUM_LOAD_COST: dict[str, float] = {"GPU": 0.0, "CPU": 0.1, "DISK": 0.3}
+MEDIUM_LOAD_COST: dict[str, float] = {"GPU": 0.0, "CPU": 0.1, "STORAGE": 0.3, "DISK": 0.3}
 """The share of computing a block that loading it from this medium into the worker's cache costs: estimates (a
 host-to-device copy is ~10x cheaper than the block's prefill; a local disk read a few times dearer)."""
 UNKNOWN_MEDIUM_COST = 0.5

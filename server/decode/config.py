@@ -21,11 +21,14 @@ from pdserve.server.decode.device import parse_bytes, parse_device
 from pdserve.server.decode.spec.config import SpeculativeConfig, parse_speculative_config
 from pdserve.server.decode.spec.draft_checkpoint import check_draft_checkpoint
 from pdserve.server.flags import flag
+from pdserve.server.kv_offloading import KvOffloadingConfig
 from pdserve.server.structured.limits import check_grammar_settings
 
 
 @dataclass(frozen=True)
-class DecodeConfig:
+class DecodeConfig(KvOffloadingConfig):
+    """The decode worker's settings; the offload tiers' (`--kv-offloading-*`) come from KvOffloadingConfig."""
+
     model_dir: Path = field(metadata=flag(cli=False))
     port: int = 0
     """The gRPC port (Decode, Control, and KvTransfer unless --kv-port); 0 picks a free port."""
@@ -152,6 +155,10 @@ class DecodeConfig:
         BlockHasher(self.prefix_caching_hash_algo)  # refuses an unknown algorithm, or xxhash without the package
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
+        self.check_offloading()
+        if self.offloading and self.engine == "vllm":
+            raise ValueError("--kv-offloading-* are built for --engine native so far (vLLM's own offloading connector "
+                             "is not wired through yet); use --engine native")
 
     @property
     def num_blocks(self) -> int | None:

@@ -2,7 +2,8 @@
 
 Life cycle of a request here:
 1. `add(request, sink)` makes a Sequence and queues it; the scheduler admits it, in arrival order, once the
-   blocks for its prompt fit (cached prefix blocks reused): `seq.admitted` resolves.
+   blocks for its prompt fit (cached prefix blocks reused; with offload tiers, the blocks they hold loaded back
+   first, `kv_offload.py`, while other sequences step): `seq.admitted` resolves.
 2. Its prompt's KV arrives through the receiver, which writes it into those blocks (`write`), or the
    worker computes it itself (`prefill_locally`). With a draft model (draft_model speculation) the speculator
    computes the draft's prompt KV meanwhile, in a thread, into the same block ids of the draft's cache.
@@ -29,11 +30,13 @@ from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.kv_events import KvEventRecorder
 from pdserve.kvcache.layout import KvLayout
+from pdserve.kvcache.tiered_store import TieredStore
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server import metrics
 from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.kv_offload import KvOffload
 from pdserve.server.decode.local_prefill_rule import LocalPrefillRule
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
@@ -57,13 +60,15 @@ class DecodeEngine(Engine):
                  max_queue: int = 256, enable_prefix_caching: bool = True, eos_ids: frozenset[int] = frozenset(),
                  max_model_len: int = 0, cuda_graphs: bool = False, grammars: Grammars | None = None,
                  speculative: SpeculativeConfig | None = None, draft_model: DecoderModel | None = None,
-                 hasher: BlockHasher = DEFAULT_HASHER, kv_events: KvEventRecorder | None = None):
+                 hasher: BlockHasher = DEFAULT_HASHER, kv_events: KvEventRecorder | None = None,
+                 offload: TieredStore | None = None):
         """max_model_len: 0 takes the model's, capped by what the cache holds. The cache lives on the model's
         device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad);
         grammars: the model's structured-output grammars (None: structured requests are refused);
         speculative: verify proposed tokens in each step (`spec/speculator.py`; the pad block too);
         draft_model: method draft_model's draft on the model's device (its KV cache gets as many blocks);
-        hasher, kv_events: the prefix cache's block names and KV events (Scheduler), flushed once a step."""
+        hasher, kv_events: the prefix cache's block names and KV events (Scheduler), flushed once a step;
+        offload: the tiers under the prefix cache (`kv_offload.py`; not with a draft model, whose KV they lack)."""
         self.model = model
         self.grammars = grammars
         self.vocab_size = model.config.vocab_size
@@ -105,6 +110,11 @@ class DecodeEngine(Engine):
             speculative, model, self.cache, self.scheduler, pad_block=num_blocks, draft_model=draft_model,
             runner=self.runner, released=self._retire_deferred)
         self.draft = self.speculator.draft if self.speculator else None
+        self.offload = None if offload is None else KvOffload(offload, self.cache)
+        self._loads: set[asyncio.Future] = set()
+        """Admitted sequences' loads from the offload tiers in flight."""
+        if self.offload is not None and draft_model is None:
+            self.scheduler.use_offload(self.offload)
 
     @property
     def running(self) -> list[Sequence]:
@@ -223,14 +233,45 @@ class DecodeEngine(Engine):
 
     def _admitted(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            metrics.prefix_cache_queries.inc(len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1)
-            metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
-            if not seq.admitted.done():
-                seq.admitted.set_result(None)
-            if self.speculator is not None:
-                self.speculator.admitted(seq)  # a draft model's prompt prefill starts
+            if seq.offload_loads:
+                self._busy.add(seq.request_id)  # an abort meanwhile frees its blocks after the load
+                task = asyncio.ensure_future(self._load_offloaded(seq))
+                self._loads.add(task)
+                task.add_done_callback(self._loads.discard)
+            else:
+                self._announce(seq)
         if self.scheduler.running:
             self._wake()
+
+    def _announce(self, seq: Sequence) -> None:
+        """The sequence holds its blocks, their cached KV in place: its Decode call answers `reserved`."""
+        metrics.prefix_cache_queries.inc(len(seq.prompt_ids) if not seq.output_ids else seq.num_tokens - 1)
+        metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
+        if not seq.admitted.done():
+            seq.admitted.set_result(None)
+        if self.speculator is not None:
+            self.speculator.admitted(seq)  # a draft model's prompt prefill starts
+
+    async def _load_offloaded(self, seq: Sequence) -> None:
+        """Loads the sequence's blocks the offload tiers hold, then announces it; a block that failed to load and
+        those after it are no longer hits (the prefill tier sends them)."""
+        loads, seq.offload_loads = seq.offload_loads, []
+        try:
+            loaded, copies = await self.offload.load(loads)
+        except Exception:
+            log.exception("request %s: loading %d KV blocks from the offload tiers failed; computing them",
+                          seq.request_id, len(loads))
+            loaded, copies = 0, []
+        finally:
+            self._busy.discard(seq.request_id)
+        if copies:
+            self._copies.setdefault(seq.request_id, []).extend(copies)
+        if seq.state is SeqState.WAITING_KV:
+            if loaded < len(loads):
+                seq.num_hit_blocks -= len(loads) - loaded
+                seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_hit_blocks * self.layout.block_size)
+            self._announce(seq)
+        self._retire_deferred()
 
     def _in_use(self, rid: str) -> bool:
         """Whether a worker thread reads or writes the request's blocks now (a step, a local or draft prefill)."""
@@ -378,6 +419,8 @@ class DecodeEngine(Engine):
     async def close(self) -> None:
         if self.speculator is not None:
             self.speculator.close()
+        if self.offload is not None:
+            self.offload.close()
         if self._task is not None:
             self._task.cancel()
             try:

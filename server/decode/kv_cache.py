@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pdserve.kvcache.block_bytes import BlockKv
 from pdserve.kvcache.layout import QUANTIZED, KvLayout
 from pdserve.kvcache.quant import QMAX
 
@@ -209,6 +210,20 @@ class PagedKvCache:
             copied = torch.cuda.Event()
             copied.record(self._copy_stream)
         return copied
+
+    def block_bytes(self, block_ids: list[int]) -> list[bytes]:
+        """Each block's bytes as the offload tiers hold them (`kvcache.block_bytes`): one copy off the device."""
+        ids = torch.tensor(block_ids, dtype=torch.int64, device=self.device)
+        k, v = (_bits(t[:, ids].transpose(0, 1).contiguous().cpu()) for t in (self.k, self.v))  # [n, L, bs, Hkv, D]
+        if not self.quantized:
+            return [k[i].tobytes() + v[i].tobytes() for i in range(len(block_ids))]
+        ks, vs = (t[:, ids].transpose(0, 1).contiguous().cpu().numpy() for t in (self.k_scales, self.v_scales))
+        return [k[i].tobytes() + v[i].tobytes() + ks[i].tobytes() + vs[i].tobytes() for i in range(len(block_ids))]
+
+    def write_block(self, block_id: int, block: BlockKv):
+        """Writes one block's KV (and scales) as an offload tier gave it back; `write`'s return."""
+        scales = (None, None) if not self.quantized else (block.k_scales[:, None], block.v_scales[:, None])
+        return self.write([block_id], 0, 0, block.k, block.v, *scales)
 
     def read(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [L, T, Hkv, D] of a request's first num_tokens tokens (a copy)."""

@@ -7,7 +7,9 @@ A sequence's life here:
    their blocks fit: the prompt's blocks (cached prefix blocks reused, the rest fresh). The head that
    does not fit blocks everyone behind it, so a big request is never starved by small ones. A request
    with a `local_prefill_rule` (conditional disaggregation) is marked `local_prefill` here when the
-   rule takes what the cache holds of its prompt: this worker then computes the rest.
+   rule takes what the cache holds of its prompt: this worker then computes the rest. With offload tiers
+   (`kv_offload.py`), the blocks after the device cache's hits that a tier holds count as hits too: they get fresh
+   blocks, listed in `offload_loads`, which the engine loads before it announces the sequence admitted.
 3. `start`: its KV arrived; it runs. Its full prompt blocks enter the prefix cache, and each later block (the
    answer's) as soon as its KV is complete (`finished_step`: the step after its last token ran), so the next
    turn of a conversation finds its history, the model's own answers included, cached here. Only accepted tokens
@@ -35,6 +37,7 @@ read them all, and every layer's KV of a token shares one block id (`PagedKvCach
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
@@ -42,6 +45,14 @@ from pdserve.kvcache.kv_events import KvEventRecorder
 from pdserve.kvcache.layout import blocks_behind_windows
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.server.decode.sequence import Sequence, SeqState
+
+
+class Offload(Protocol):
+    """The offload tiers as the scheduler sees them (`kv_offload.KvOffload`)."""
+
+    def held(self, hashes: list[bytes]) -> int: ...
+
+    def spill(self, evicted: list[tuple[int, bytes]]) -> None: ...
 
 
 class QueueFull(Exception):
@@ -72,6 +83,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         """Decoding, in admission order (the last is preempted first)."""
         self.num_preemptions = 0
+        self.offload: Offload | None = None
+
+    def use_offload(self, offload: Offload) -> None:
+        """Evicted blocks go to the offload tiers; a new prompt's blocks they hold are loaded back (module step 2).
+        Not for a model whose every layer is windowed (its dropped blocks are never read again)."""
+        if self.cache.enabled and not self.drops_blocks:
+            self.offload = offload
+            self.cache.spill = offload.spill
 
     @property
     def num_free_blocks(self) -> int:
@@ -125,8 +144,10 @@ class Scheduler:
             # A new prompt's last token is always computed: its logits give the first token; a prompt whose
             # logprobs are asked is computed whole (a local prefill needs every position's logits).
             reusable = kv_tokens if resuming else 0 if seq.sampling.HasField("prompt_logprobs") else kv_tokens - 1
-            hits = self.cache.lookup(self.cache.hasher.hashes(seq.token_ids[:reusable], self.block_size))
-            num_cached = min(len(hits) * self.block_size, kv_tokens)
+            hashes = self.cache.hasher.hashes(seq.token_ids[:reusable], self.block_size)
+            hits = self.cache.lookup(hashes)
+            offloaded = self.offload.held(hashes[len(hits):]) if self.offload is not None and not resuming else 0
+            num_cached = min((len(hits) + offloaded) * self.block_size, kv_tokens)
             # Conditional disaggregation: a prompt this worker mostly holds is computed here.
             local = seq.local_prefill or (not resuming and seq.local_prefill_rule is not None
                                           and seq.local_prefill_rule.local(len(seq.prompt_ids), num_cached))
@@ -139,8 +160,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.cache.free(hits[:dropped])  # cached, but behind the window: this sequence reads none of them
-            seq.block_table = [self.null_block] * dropped + hits[dropped:] \
-                + self.cache.allocate(need - max(len(hits), dropped))
+            fresh = self.cache.allocate(need - max(len(hits), dropped))
+            seq.block_table = [self.null_block] * dropped + hits[dropped:] + fresh
             seq.num_dropped_blocks = dropped
             seq.num_cached_tokens = num_cached
             if resuming:
@@ -148,7 +169,8 @@ class Scheduler:
                 seq.state = SeqState.RUNNING
                 self.running.append(seq)
             else:
-                seq.num_hit_blocks = len(hits)
+                seq.num_hit_blocks = len(hits) + offloaded
+                seq.offload_loads = list(zip(fresh[:offloaded], hashes[len(hits) : len(hits) + offloaded]))
                 seq.local_prefill = local
                 seq.state = SeqState.WAITING_KV
                 self.loading.append(seq)

@@ -48,7 +48,10 @@ class Sequence:
     num_cached_tokens: int = 0
     """Leading tokens whose KV already sits in block_table (prefix-cache hits, or all KV written so far)."""
     num_hit_blocks: int = 0
-    """Leading blocks reused from the prefix cache when the sequence was admitted."""
+    """Leading blocks reused from the prefix cache when the sequence was admitted (those loaded from the offload
+    tiers included)."""
+    offload_loads: list[tuple[int, bytes]] = field(default_factory=list)
+    """Admitted, its blocks (block id, hash) to load from the offload tiers before it is announced admitted."""
     num_stale_blocks: int = 0
     """Leading blocks whose windowed layers' KV never arrived (the prefill tier sends no KV behind a sliding
     window; `KvLayout.stale_tokens`): no other sequence may reuse them from the prefix cache."""

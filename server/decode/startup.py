@@ -25,7 +25,8 @@ import torch
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.kv_events import MEDIUM_GPU, KvEventRecorder
 from pdserve.kvcache.layout import KvLayout
-from pdserve.server import hardware
+from pdserve.kvcache.tiered_store import TieredStore
+from pdserve.server import hardware, metrics
 from pdserve.server.decode import cpu_matmul, cpu_moe, cuda_moe
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.cuda_attention import have_triton
@@ -38,7 +39,9 @@ from pdserve.server.decode.model_runner import CudaGraphRunner
 from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, Linear, buffer_bytes
 from pdserve.server.decode.spec.draft import draft_layout
 from pdserve.server.decode.weights import build_model
+from pdserve.server.kv_offloading import open_offload
 from pdserve.server.model.config import ModelConfig, load_config
+from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
 from pdserve.server.structured.grammars import Grammars
 
@@ -153,13 +156,13 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
     draft_bytes = 0 if draft is None else PagedKvCache.bytes_per_block(draft_layout(draft, config.block_size))
     num_blocks, sized_by = cache_blocks(config, model, layout, device, cuda_graphs, draft_bytes)
     t0 = time.perf_counter()
+    kv_events = KvEventRecorder(MEDIUM_GPU) if config.kv_events and config.kv_events.enabled else None
+    offload = decode_offload(config, model_config, layout, kv_events, draft is not None)
     engine = DecodeEngine(model, layout, num_blocks, config.max_running, max_queue=config.max_queue,
                           enable_prefix_caching=config.enable_prefix_caching,
                           eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
                           cuda_graphs=cuda_graphs, speculative=config.speculative, draft_model=draft,
-                          hasher=BlockHasher(config.prefix_caching_hash_algo),
-                          kv_events=KvEventRecorder(MEDIUM_GPU) if config.kv_events and config.kv_events.enabled
-                          else None,
+                          hasher=BlockHasher(config.prefix_caching_hash_algo), kv_events=kv_events, offload=offload,
                           grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
                                                       tuple(model_config.eos_token_ids), **Grammars.options(config)))
     if engine.grammars is not None:
@@ -182,6 +185,22 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
                  "from measured step costs%s", spec.method, spec.num_speculative_tokens, how, verify,
                  f", off at batch >= {spec.disable_by_batch_size}" if spec.disable_by_batch_size else "")
     return engine, layout
+
+
+def decode_offload(config: DecodeConfig, model_config: ModelConfig, layout: KvLayout,
+                   kv_events: KvEventRecorder | None, drafting: bool) -> TieredStore | None:
+    """The offload tiers under the prefix cache (--kv-offloading-*), or None; logged in one line."""
+    if not config.offloading:
+        return None
+    if drafting or not config.enable_prefix_caching or layout.blocks_behind_windows(1 << 62):
+        why = ("a draft model's KV is not offloaded" if drafting else "--no-enable-prefix-caching" if not
+               config.enable_prefix_caching else "every layer is windowed")
+        log.warning("--kv-offloading-*: off on this decode worker (%s)", why)
+        return None
+    store = open_offload(config, layout, fingerprint(config.model_dir, model_config), kv_events)
+    metrics.watch_kv_offload(lambda: (store.stats(), store.save_drops))
+    log.info("KV offload tiers under the decode prefix cache: %s", store.describe())
+    return store
 
 
 def fuse_experts(model: DecoderModel, device: torch.device) -> None:

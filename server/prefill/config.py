@@ -9,13 +9,16 @@ from pdserve.kvcache.block_hash import DEFAULT_HASH_ALGO, BlockHasher, PrefixCac
 from pdserve.kvcache.kv_events_config import KvEventsConfig, parse_kv_events_config
 from pdserve.server.choices import WEIGHT_DTYPES, WeightDtype
 from pdserve.server.flags import flag
+from pdserve.server.kv_offloading import KvOffloadingConfig
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder
 from pdserve.server.prefill.warmup import COMPILE_BEFORE_SERVING, CompileBeforeServing
 from pdserve.server.structured.limits import check_grammar_settings
 
 
 @dataclass(frozen=True)
-class PrefillConfig:
+class PrefillConfig(KvOffloadingConfig):
+    """The prefill worker's settings; the offload tiers' (`--kv-offloading-*`) come from KvOffloadingConfig."""
+
     model_dir: Path = field(metadata=flag(cli=False))
     port: int = 0
     """The gRPC port; 0 picks a free port."""
@@ -129,6 +132,7 @@ class PrefillConfig:
         BlockHasher(self.prefix_caching_hash_algo)  # refuses an unknown algorithm, or xxhash without the package
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {self.prefix_cache_bytes}")
+        self.check_offloading()
         if self.max_batch_tokens < self.min_bucket:
             raise ValueError(f"--max-num-batched-tokens must be >= {self.min_bucket}, got {self.max_batch_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -47,15 +47,18 @@ import numpy as np
 from pdserve.kvcache import quant as host_quant
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.kv_events import MEDIUM_CPU, KvEventRecorder
-from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
+from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED, KvLayout
 from pdserve.kvcache.tensors import KvTensors
+from pdserve.kvcache.tiered_store import TieredStore
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server import logprobs, metrics
+from pdserve.server.kv_offloading import open_offload
+from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import group_sizes
 from pdserve.server.prefill.model_runner import ModelRunner, StepOutputs
-from pdserve.server.prefill.prefix_kv import PrefixKv
+from pdserve.server.prefill.prefix_kv import BLOCK_SIZE, Fetched, PrefixKv
 from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.replay import SliceLeader
 from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, packed_tokens
@@ -153,12 +156,12 @@ class PrefillEngine:
         self.compiling: Warmup | None = None
         """The start-up compiles still going on while the worker serves (warmup.py); a step makes sure of
         its own programs first."""
+        kv_events = KvEventRecorder(MEDIUM_CPU) if config.kv_events and config.kv_events.enabled else None
         self.prefix = PrefixKv(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                head_dim=model_config.head_dim, dtype=np.dtype(self.dtype),
                                budget_bytes=config.prefix_cache_bytes,
-                               hasher=BlockHasher(config.prefix_caching_hash_algo),
-                               kv_events=KvEventRecorder(MEDIUM_CPU) if config.kv_events and config.kv_events.enabled
-                               else None)
+                               hasher=BlockHasher(config.prefix_caching_hash_algo), kv_events=kv_events,
+                               offload=self._open_offload(kv_events))
         buckets = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
         self.rates = PrefillRates(buckets)
         self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(
@@ -175,10 +178,27 @@ class PrefillEngine:
         self._task: asyncio.Task | None = None
         self.batches = 0
 
+    def _open_offload(self, kv_events: KvEventRecorder | None) -> TieredStore | None:
+        """The offload tiers under the prefix KV (--kv-offloading-*), keyed by its blocks' layout; None when off."""
+        config, c = self.config, self.model_config
+        if not config.offloading:
+            return None
+        if not config.prefix_cache_bytes:
+            log.warning("--kv-offloading-*: off on this prefill worker (--prefix-cache-bytes 0 keeps no prefix KV)")
+            return None
+        layout = KvLayout.of(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, np.dtype(self.dtype).name)
+        store = open_offload(config, layout, fingerprint(config.model_dir, c), kv_events)
+        metrics.watch_kv_offload(lambda: (store.stats(), store.save_drops))
+        log.info("KV offload tiers under the prefill prefix KV: %s", store.describe())
+        return store
+
     def close(self) -> None:
-        """On process 0 of a slice: tells the other processes to stop (nothing to do on one process)."""
+        """On process 0 of a slice: tells the other processes to stop (nothing to do on one process); the offload
+        tiers' threads end after their queued saves."""
         if self.replay is not None:
             self.replay.stop()
+        if self.prefix.offload is not None:
+            self.prefix.offload.close()
 
     def _bucket(self, n: int) -> int:
         return bucket_length(min(n, self.max_len), self.max_len, self.config.min_bucket)
@@ -211,18 +231,19 @@ class PrefillEngine:
 
     def enqueue(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
                 kv_dtype: str, block_size: int = 16, due: float | None = None,
-                constraint: Constraint | None = None) -> PrefillJob:
+                constraint: Constraint | None = None, fetched: Fetched | None = None) -> PrefillJob:
         """Queues a prompt; its first token and KV arrive on the job. block_size: the target cache's,
         over which fp8_e4m3/int8 scales are computed (a power of two). due: when its first token is due
         (time.monotonic(); the TTFT budget it was admitted under), None: never urgent (scheduler.py).
-        constraint: the request's grammar state (Grammars.constraint, outputs so far replayed)."""
+        constraint: the request's grammar state (Grammars.constraint, outputs so far replayed); fetched: its blocks
+        the offload tiers held (`PrefixKv.fetch`, awaited just before)."""
         if not 0 < len(token_ids) <= self.max_model_len:  # no bucket fits: it would stop the loop
             raise ValueError(f"a prompt of {len(token_ids)} tokens; this worker takes 1 to {self.max_model_len}")
         if block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"KV block size {block_size} is not a power of two")
         job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size, constraint=constraint)
         if not sampling.HasField("prompt_logprobs"):  # those need every position's hidden state
-            hit = self.prefix.lookup(token_ids, multiple_of=block_size)
+            hit = self.prefix.lookup(token_ids, multiple_of=block_size, fetched=fetched)
             if hit is not None:
                 job.computed = hit[0].shape[1]
                 job.context = self._new_context(job)

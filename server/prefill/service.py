@@ -151,8 +151,10 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         self.active += 1
         try:
             await self.budget.acquire(nbytes, len(ids))
+            # the prompt's blocks the offload tiers hold after its cached prefix (those with prompt logprobs: none)
+            fetched = None if request.sampling.HasField("prompt_logprobs") else await self.engine.prefix.fetch(ids)
             job = self.engine.enqueue(ids, request.sampling, request.sample_index, layout.dtype, layout.block_size,
-                                      due=ttft_due(request, received), constraint=constraint)
+                                      due=ttft_due(request, received), constraint=constraint, fetched=fetched)
             opened = asyncio.get_running_loop().create_future()
             task = asyncio.create_task(self._push(request.target.address, header, layout, job, opened, nbytes))
             self.pushes.add(task)
