@@ -208,7 +208,7 @@ UP_WORKERS = ("grammar_cache_bytes",)
 """`pdserve up`'s flags that both worker tiers take."""
 UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", "max_coalesce", "decode_streams",
                   "enable_auto_tool_choice", "tool_call_parser", "max_tools", "max_tool_schema_bytes")
-UP_PREFILL = ("tensor_parallel_size", "expert_parallel_size", "max_batch_tokens", "max_prefill_chunk",
+UP_PREFILL = ("prefill_matmul", "tensor_parallel_size", "expert_parallel_size", "max_batch_tokens", "max_prefill_chunk",
               "prefix_cache_bytes", "kv_streams", "prefill_order", "compilation_cache", "compile_before_serving")
 UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager",
              "speculative_config", "kv_events_config", "prefix_caching_hash_algo")

@@ -139,6 +139,8 @@ class PrefillEngine:
         self.config = config
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0)
         self.max_len = pow2(self.max_model_len)
+        self.matmul_path = "xla"
+        """The layers' matmul path, as the start-up log names it (main.py sets it)."""
         self.runner = ModelRunner(model_config, params, group_sizes(model_config.num_layers, config.kv_layer_groups),
                                   config.max_batch_size, matmul)
         """The device programs (model_runner.py)."""

@@ -84,18 +84,20 @@ class OnednnWeights:
         out = dict(layers)
         for name in DENSE:
             if name in layers:
-                stack = np.asarray(layers[name].astype(F32))  # [L, ...]
-                ids = [self._add(stack[i], _CONTRACTED[name]) for i in range(stack.shape[0])]
-                out[name] = Resident(jnp.asarray(ids, jnp.int32), tuple(stack.shape[1:]))
+                out[name] = self.hold(np.asarray(layers[name].astype(F32)), CONTRACTED_AXES[name])
         return out
 
-    def _add(self, w: np.ndarray, k: int) -> int:
+    def hold(self, stack: np.ndarray, k: int) -> Resident:
+        """A stack of weights [L, K..., N...] whose k leading axes (after L) are contracted -> its handle."""
         torch = self._torch
-        k2d = w.reshape(int(np.prod(w.shape[:k])), -1)  # [K, N]
-        dense = torch.from_numpy(np.ascontiguousarray(k2d.T)).to(torch.bfloat16)  # [N, K]
-        self.packed.append(torch.ops.mkldnn._reorder_linear_weight(dense, None))
-        self.nbytes += dense.numel() * 2
-        return len(self.packed) - 1
+        ids = []
+        for w in stack:
+            k2d = w.reshape(int(np.prod(w.shape[:k])), -1)  # [K, N]
+            dense = torch.from_numpy(np.ascontiguousarray(k2d.T, np.float32)).to(torch.bfloat16)  # [N, K]
+            self.packed.append(torch.ops.mkldnn._reorder_linear_weight(dense, None))
+            self.nbytes += dense.numel() * 2
+            ids.append(len(self.packed) - 1)
+        return Resident(jnp.asarray(ids, jnp.int32), tuple(stack.shape[1:]))
 
     def linear(self, x: np.ndarray, index: np.ndarray) -> np.ndarray:
         """On the host: x bf16 [T, K] @ weight `index` -> bf16 [T, N] (oneDNN, fp32 accumulation)."""
@@ -117,7 +119,7 @@ class OnednnWeights:
         return y.reshape(*x.shape[:-k], *n_shape)
 
 
-_CONTRACTED = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+CONTRACTED_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 """Each dense weight's contracted leading axes (of one layer's weight), as prefill.quant's CONTRACTED."""
 
 onednn_linear_p = Primitive("pdserve_onednn_linear")
