@@ -44,8 +44,10 @@ def compute_dtype(config: ModelConfig, weight_dtype: str, backend: str | None = 
 
 
 def served_weight_dtype(requested: str, checkpoint_dtype: str, backend: str) -> str:
-    """The matmul weights' dtype a prefill worker serves: --weight-dtype, whose `auto` is the checkpoint's
-    dtype except for a bf16 checkpoint on the CPU backend, which is upcast to fp32 at load (exactly).
+    """The matmul weights' dtype a prefill worker serves where no matmul path is measured (matmul_choice.py
+    chooses on the CPU backend; this rule serves TPU/GPU, quantized weights' compute dtype and a slice of several
+    processes): --weight-dtype, whose `auto` is the checkpoint's dtype except for a bf16 checkpoint on the CPU
+    backend, which is upcast to fp32 at load (exactly).
 
     XLA:CPU multiplies bf16 operands with fp32 accumulation at about half its fp32 rate (no AMX path;
     benchmarks/README.md, "Prefill on one core"), so there fp32 is faster and no less exact: a 128-token
