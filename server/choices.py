@@ -21,6 +21,8 @@ DecodeStreams = Literal["batched", "per-request"]
 workers' Steps stream) or per-request (one message per token per request, the pre-Steps wire)."""
 CpuMatmul = Literal["auto", "onednn", "plain", "float32", "float32-onednn"]
 """How a checkpoint's matmuls compute on a CPU decode worker (`server/decode/cpu_matmul.py`)."""
+PrefillMatmul = Literal["auto", "xla-fp32", "xla-bf16", "onednn-bf16"]
+"""How a CPU prefill worker's layer matmuls compute (`server/prefill/matmul_choice.py`); auto: the fastest measured."""
 EngineKind = Literal["native", "vllm"]
 """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
 ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
@@ -33,6 +35,7 @@ DECODE_POLICIES: tuple[str, ...] = get_args(DecodePolicy)
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 DECODE_ENGINES: tuple[str, ...] = get_args(EngineKind)
 CPU_MATMULS: tuple[str, ...] = get_args(CpuMatmul)
+PREFILL_MATMULS: tuple[str, ...] = get_args(PrefillMatmul)
 DECODE_STREAMS: tuple[str, ...] = get_args(DecodeStreams)
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pdserve.kvcache.block_hash import DEFAULT_HASH_ALGO, BlockHasher, PrefixCachingHashAlgo
 from pdserve.kvcache.kv_events_config import KvEventsConfig, parse_kv_events_config
-from pdserve.server.choices import WEIGHT_DTYPES, WeightDtype
+from pdserve.server.choices import PREFILL_MATMULS, WEIGHT_DTYPES, PrefillMatmul, WeightDtype
 from pdserve.server.flags import flag
 from pdserve.server.kv_offloading import KvOffloadingConfig
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder
@@ -44,8 +44,13 @@ class PrefillConfig(KvOffloadingConfig):
     min_bucket: int = field(default=16, metadata=flag(cli=False))
     """Prompt lengths are padded to powers of two from this up, so XLA compiles few shapes."""
     weight_dtype: WeightDtype = "auto"
-    """auto: the checkpoint's dtype (a bf16 checkpoint on the CPU backend: fp32, XLA:CPU's faster matmul);
-    int8/fp8: weight-only, per-output-channel scales, quantized at load."""
+    """auto: the checkpoint's dtype (a bf16 checkpoint on the CPU backend: bf16 or fp32, as --prefill-matmul
+    chooses); int8/fp8: weight-only, per-output-channel scales, quantized at load."""
+    prefill_matmul: PrefillMatmul = "auto"
+    """How the layers' matmuls compute on the CPU backend (prefill/matmul_choice.py): auto measures the paths that
+    can serve the weights at start (cached per machine and model shape) and keeps the fastest exact-enough one;
+    xla-fp32, xla-bf16 (XLA:CPU) or onednn-bf16 (oneDNN's bf16 linear through torch: AMX, AVX512-bf16) force one.
+    A bf16 checkpoint may take any of them, an fp32 one computes in fp32. TPU/GPU: XLA in the weights' dtype."""
     max_model_len: int | None = None
     """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
     tensor_parallel_size: int | None = None
@@ -113,6 +118,11 @@ class PrefillConfig(KvOffloadingConfig):
             raise ValueError(f"--max-batch-size must be >= 1, got {self.max_batch_size}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
+        if self.prefill_matmul not in PREFILL_MATMULS:
+            raise ValueError(f"--prefill-matmul must be one of {', '.join(PREFILL_MATMULS)}, not {self.prefill_matmul!r}")
+        if self.prefill_matmul != "auto" and self.weight_dtype in ("int8", "fp8"):
+            raise ValueError(f"--prefill-matmul {self.prefill_matmul} chooses unquantized weights' matmuls; "
+                             f"--weight-dtype {self.weight_dtype} has its own: drop one of the two flags")
         if self.compile_before_serving not in COMPILE_BEFORE_SERVING:
             raise ValueError(f"--compile-before-serving must be one of {', '.join(COMPILE_BEFORE_SERVING)}, "
                              f"not {self.compile_before_serving!r}")

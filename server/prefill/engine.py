@@ -57,6 +57,7 @@ from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.model import group_sizes
+from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.model_runner import ModelRunner, StepOutputs
 from pdserve.server.prefill.prefix_kv import BLOCK_SIZE, Fetched, PrefixKv
 from pdserve.server.prefill.rates import PrefillRates
@@ -133,15 +134,18 @@ class PrefillJob:
 
 
 class PrefillEngine:
-    def __init__(self, model_config: ModelConfig, params, config: PrefillConfig, grammars: Grammars | None = None):
+    def __init__(self, model_config: ModelConfig, params, config: PrefillConfig, grammars: Grammars | None = None,
+                 matmul: Matmul = xla_matmul):
         """grammars: the model's structured-output grammars (None: structured requests are refused)."""
         self.model_config = model_config
         self.grammars = grammars
         self.config = config
         self.max_model_len = resolve_max_model_len(model_config.max_model_len, config.max_model_len or 0)
         self.max_len = pow2(self.max_model_len)
+        self.matmul_path = "xla"
+        """The layers' matmul path, as the start-up log names it (main.py sets it)."""
         self.runner = ModelRunner(model_config, params, group_sizes(model_config.num_layers, config.kv_layer_groups),
-                                  config.max_batch_size)
+                                  config.max_batch_size, matmul)
         """The device programs (model_runner.py)."""
         self.token_buckets = token_buckets(config.max_batch_tokens, config.max_batch_size, self.max_len,
                                            config.min_bucket)

@@ -20,11 +20,13 @@ from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher, open_publisher
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import hardware, metrics, serving
 from pdserve.server.cache_dir import compile_cache_dir
-from pdserve.server.model.config import load_config
+from pdserve.server.model.config import ModelConfig, load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
+from pdserve.server.prefill.matmul import OnednnWeights, xla_matmul
+from pdserve.server.prefill.matmul_choice import MatmulChoice, choose
 from pdserve.server.prefill.model import compute_dtype, load_params, served_weight_dtype
 from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
@@ -78,8 +80,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
                                 credentials=serving.channel_credentials(), interceptors=serving.channel_interceptors())
     model_config = engine.model_config
     found = hardware.Hardware(cpu=hardware.cpu(), jax=hardware.jax_probe(), device=jax.default_backend(),
-                              paths={"compute": f"{compute_dtype(model_config, str(engine.dtype), jax.default_backend())} "
-                                                f"matmuls on XLA:{jax.default_backend().upper()}"})
+                              paths={"matmuls": engine.matmul_path})
     log.info("prefill hardware: %s", found.describe())
     service = PrefillService(engine, transport, model_config,
                              fingerprint=fingerprint(config.model_dir, model_config),
@@ -121,11 +122,18 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         if jax.process_count() > 1 and jax.process_index() == 0:  # published now: followers look it up when ready
             leader = SliceLeader.listen(jax.process_count() - 1, coordinator_host(), _cluster_secret())
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
-    dtype = served_weight_dtype(config.weight_dtype, model_config.dtype, jax.default_backend())
-    t0 = time.perf_counter()
-    params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
     ep = config.expert_parallel_size
     tp = config.tensor_parallel_size or default_size(model_config, jax.device_count(), expert_parallel=ep)
+    choice = choose_matmul(config, model_config, devices=tp * ep * jax.process_count())
+    dtype = choice.dtype if choice else served_weight_dtype(config.weight_dtype, model_config.dtype,
+                                                            jax.default_backend())
+    t0 = time.perf_counter()
+    params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
+    matmul, held = xla_matmul, ""
+    if choice is not None and choice.path == "onednn-bf16":
+        bank = OnednnWeights(threads=cores())
+        params = dict(params, layers=bank.take(params["layers"]))
+        matmul, held = bank.matmul, f" + {bank.nbytes / 2**20:.1f} MiB prepacked for oneDNN"
     if config.tensor_parallel_size is None and tp * ep < jax.device_count():
         log.warning("sharding over %d of %d devices: the model's kv heads (%d) do not split over more",
                     tp * ep, jax.device_count(), model_config.num_kv_heads)
@@ -138,7 +146,11 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
     loaded = time.perf_counter() - t0
     grammars = Grammars.for_model(config.model_dir, params.get("lm_head", params["embed"]).shape[0],
                                   tuple(model_config.eos_token_ids), **Grammars.options(config))
-    engine = PrefillEngine(model_config, params, config, grammars=grammars)
+    engine = PrefillEngine(model_config, params, config, grammars=grammars, matmul=matmul)
+    engine.matmul_path = choice.describe() if choice else (f"xla-{'bf16' if dtype == 'bfloat16' else 'fp32'}"
+                                                           f" ({dtype} weights on XLA:{jax.default_backend().upper()})"
+                                                           if dtype in ("float32", "bfloat16") else
+                                                           f"XLA:{jax.default_backend().upper()} ({dtype} weights)")
     if grammars is not None:
         grammars.warm()
     warmup = Warmup(engine)
@@ -149,10 +161,11 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         before = "all"
     first = warmup.first(before)
     compile_s = warmup.compile(first, threads=cores(), progress=progress)
-    log.info("prefill model %s loaded in %.1f s (tensor parallel %d%s over %s); weights %.1f MiB (%s, compute %s); "
-             "%d of %d start-up programs (%d batch shapes) compiled in %.1f s%s", model_config.describe(), loaded, tp,
-             f" x expert parallel {ep}" if ep > 1 else "", jax.default_backend(), param_bytes(params) / 2**20, dtype,
-             compute_dtype(model_config, dtype, jax.default_backend()), len(first), len(warmup.jobs),
+    log.info("prefill model %s loaded in %.1f s (tensor parallel %d%s over %s); weights %.1f MiB%s (%s, compute %s, "
+             "matmuls %s); %d of %d start-up programs (%d batch shapes) compiled in %.1f s%s", model_config.describe(),
+             loaded, tp, f" x expert parallel {ep}" if ep > 1 else "", jax.default_backend(),
+             param_bytes(params) / 2**20, held, dtype, compute_dtype(model_config, dtype, jax.default_backend()),
+             engine.matmul_path.split(" (")[0], len(first), len(warmup.jobs),
              len(engine.shapes()), compile_s,
              "" if warmup.finished.is_set() else "; the others compile while it serves, when no prompt waits")
     if not warmup.finished.is_set():
@@ -162,6 +175,30 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         leader.accept()
         engine.replay = leader
     return engine
+
+
+def choose_matmul(config: PrefillConfig, model_config: ModelConfig, devices: int) -> MatmulChoice | None:
+    """The layers' matmul path on the CPU backend (matmul_choice.py), logged with its timings; None elsewhere
+    (TPU, GPU, a slice of several processes unless forced) and for quantized weights: XLA in the compute dtype
+    `served_weight_dtype` gives, as before."""
+    on_cpu = jax.default_backend() == "cpu"
+    if config.weight_dtype in ("int8", "fp8") or (config.prefill_matmul == "auto" and (
+            not on_cpu or jax.process_count() > 1)):  # a slice's processes must not each measure a different path
+        return None  # (PrefillConfig refuses a forced path beside quantized weights)
+    if not on_cpu and config.prefill_matmul == "onednn-bf16":
+        raise ValueError(f"--prefill-matmul onednn-bf16 runs on the CPU backend, not {jax.default_backend()}: pass "
+                         f"--prefill-matmul auto (XLA) there")
+    onednn_bf16 = False
+    maybe_bf16 = config.weight_dtype == "bfloat16" or config.weight_dtype == "auto" and model_config.dtype == "bfloat16"
+    if on_cpu and (maybe_bf16 or config.prefill_matmul == "onednn-bf16"):
+        try:
+            onednn_bf16 = hardware.torch_probe().onednn_bf16
+        except ImportError:  # a prefill image without torch: XLA only
+            log.info("prefill matmul: torch is not installed here, so oneDNN's path is not a candidate")
+    t0 = time.perf_counter()
+    choice = choose(config.prefill_matmul, config.weight_dtype, model_config, onednn_bf16, devices, cores())
+    log.info("prefill matmul: %s (chosen in %.1f s)", choice.describe(), time.perf_counter() - t0)
+    return choice
 
 
 def compilation_cache_dir(setting: str | Path) -> Path | None:

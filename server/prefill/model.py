@@ -1,7 +1,9 @@
 """The prefill model as pure JAX functions of (params, tokens): llama, mistral, qwen2, qwen3, gemma2, gemma3.
 
 Per-layer weights are stacked on a leading layer axis, so the layer loop is one `jax.lax.scan` and
-compile time does not grow with depth. Matmuls run in the compute dtype with fp32 accumulation;
+compile time does not grow with depth. The layers' linears call the `matmul` given at the edge
+(matmul.py: XLA's einsum by default, or oneDNN's on weights held outside JAX); matmuls run in the
+compute dtype with fp32 accumulation;
 norms, softmax and RoPE run in fp32. Shapes: B batch, S sequence, H hidden, V vocab, L layers,
 Hq/Hkv query/kv heads, G = Hq // Hkv, D head dim, I intermediate.
 """
@@ -20,6 +22,7 @@ from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
 from pdserve.server.model.weights import EXPERT_NAMES
 from pdserve.server.prefill.attention import NO_WINDOW, attention
+from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.moe import moe_mlp
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
 
@@ -41,8 +44,10 @@ def compute_dtype(config: ModelConfig, weight_dtype: str, backend: str | None = 
 
 
 def served_weight_dtype(requested: str, checkpoint_dtype: str, backend: str) -> str:
-    """The matmul weights' dtype a prefill worker serves: --weight-dtype, whose `auto` is the checkpoint's
-    dtype except for a bf16 checkpoint on the CPU backend, which is upcast to fp32 at load (exactly).
+    """The matmul weights' dtype a prefill worker serves where no matmul path is measured (matmul_choice.py
+    chooses on the CPU backend; this rule serves TPU/GPU, quantized weights' compute dtype and a slice of several
+    processes): --weight-dtype, whose `auto` is the checkpoint's dtype except for a bf16 checkpoint on the CPU
+    backend, which is upcast to fp32 at load (exactly).
 
     XLA:CPU multiplies bf16 operands with fp32 accumulation at about half its fp32 rate (no AMX path;
     benchmarks/README.md, "Prefill on one core"), so there fp32 is faster and no less exact: a 128-token
@@ -158,10 +163,6 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return (x32 * cos[:, :, None] + rotated * sin[:, :, None]).astype(x.dtype)
 
 
-def _mm(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
-    return jnp.einsum(spec, x, w, preferred_element_type=F32).astype(x.dtype)
-
-
 class Packing(NamedTuple):
     """Where each token of a (possibly packed, possibly chunked) step sits; see attention.py's rule.
 
@@ -183,7 +184,7 @@ class Packing(NamedTuple):
 
 
 def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing, x: jax.Array, p: Params,
-           context_k: jax.Array, context_v: jax.Array):
+           context_k: jax.Array, context_v: jax.Array, matmul: Matmul = xla_matmul):
     """One decoder layer. x [B, S, H], context k, v [B, C, Hkv, D] -> (x [B, S, H], (k, v) [B, S, Hkv, D]).
     cos, sin [B, S, D], or [2, B, S, D] (global, local) for a model whose windowed layers have their own RoPE."""
     eps = config.rms_norm_eps
@@ -191,9 +192,9 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
         cos, sin = cos[p["rope"]], sin[p["rope"]]
     w = partial(dequantize, p, dtype=x.dtype)  # int8/fp8 weights -> the compute dtype, fused by XLA
     h = _rms_norm(x, p["attn_norm"], eps)
-    q = _mm("bsh,hnd->bsnd", h, w("wq"))  # [B, S, Hq, D]
-    k = _mm("bsh,hnd->bsnd", h, w("wk"))  # [B, S, Hkv, D]
-    v = _mm("bsh,hnd->bsnd", h, w("wv"))  # [B, S, Hkv, D]
+    q = matmul("bsh,hnd->bsnd", h, w("wq"))  # [B, S, Hq, D]
+    k = matmul("bsh,hnd->bsnd", h, w("wk"))  # [B, S, Hkv, D]
+    v = matmul("bsh,hnd->bsnd", h, w("wv"))  # [B, S, Hkv, D]
     if config.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
@@ -206,7 +207,7 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg, p.get("window"),
                     own_keys_from=context_k.shape[1], scale=config.scale,
                     softcap=config.attn_softcap)  # [B, S, Hq, D]
-    attn = _mm("bsnd,ndh->bsh", out, w("wo"))  # [B, S, H]
+    attn = matmul("bsnd,ndh->bsh", out, w("wo"))  # [B, S, H]
     if "bo" in p:
         attn = attn + p["bo"]
     if config.sandwich_norms:
@@ -217,9 +218,9 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     if config.moe is not None:
         mlp = moe_mlp(h, w("router"), w("e_gate"), w("e_up"), w("e_down"), config.moe, act)  # [B, S, H]
     else:
-        gate = _mm("bsh,hi->bsi", h, w("w_gate"))  # [B, S, I]
-        up = _mm("bsh,hi->bsi", h, w("w_up"))  # [B, S, I]
-        mlp = _mm("bsi,ih->bsh", act(gate) * up, w("w_down"))
+        gate = matmul("bsh,hi->bsi", h, w("w_gate"))  # [B, S, I]
+        up = matmul("bsh,hi->bsi", h, w("w_up"))  # [B, S, I]
+        mlp = matmul("bsi,ih->bsh", act(gate) * up, w("w_down"))
     if config.sandwich_norms:
         mlp = _rms_norm(mlp, p["mlp_post_norm"], eps)
     return x + mlp, (k, v)
@@ -230,13 +231,13 @@ def _no_context(config: ModelConfig, layers: int, batch: int, dtype) -> tuple[ja
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
-def _hidden(params: Params, tokens: jax.Array, config: ModelConfig):
+def _hidden(params: Params, tokens: jax.Array, config: ModelConfig, matmul: Matmul = xla_matmul):
     """tokens [B, S] -> (hidden [B, S, H] before the final norm, k, v [L, B, S, Hkv, D])."""
     b, s = tokens.shape
     packing = Packing.plain(b, s)
     x, cos, sin = embed(params, tokens, packing.positions, config=config)
     context = _no_context(config, config.num_layers, b, x.dtype)
-    x, k, v = layer_group(params["layers"], x, cos, sin, packing, *context, config=config)
+    x, k, v = layer_group(params["layers"], x, cos, sin, packing, *context, config=config, matmul=matmul)
     return x, k, v
 
 
@@ -259,7 +260,7 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, config: Mo
 
 def layer_group(
     layers: Params, x: jax.Array, cos: jax.Array, sin: jax.Array, packing: Packing, context_k: jax.Array,
-    context_v: jax.Array, *, config: ModelConfig
+    context_v: jax.Array, *, config: ModelConfig, matmul: Matmul = xla_matmul
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The layers of one group: their own weight stack [size, ...] (`split_layers`), x [B, S, H],
     context k, v [size, B, C, Hkv, D] -> (x, k, v [size, B, S, Hkv, D]) of the new tokens.
@@ -272,7 +273,7 @@ def layer_group(
 
     def step(h: jax.Array, xs):
         p, ck, cv = xs
-        return _layer(config, cos, sin, packing, h, p, ck, cv)
+        return _layer(config, cos, sin, packing, h, p, ck, cv, matmul)
 
     x, (k, v) = jax.lax.scan(step, x, (layers, context_k, context_v))
     return x, k, v
@@ -309,22 +310,22 @@ def _logits(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
 
 
 def prefill(
-    params: Params, tokens: jax.Array, lengths: jax.Array, *, config: ModelConfig
+    params: Params, tokens: jax.Array, lengths: jax.Array, *, config: ModelConfig, matmul: Matmul = xla_matmul
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tokens int32[B, S] right-padded, lengths int32[B] -> (logits f32[B, V] at lengths-1, k, v).
 
     k, v [L, B, S, Hkv, D] in the compute dtype, k post-RoPE (HF rotate_half); positions at or after
     a row's length hold garbage. Right padding needs no mask beyond the causal one.
     """
-    x, k, v = _hidden(params, tokens, config)
+    x, k, v = _hidden(params, tokens, config, matmul)
     last = jnp.clip(lengths - 1, 0, tokens.shape[1] - 1)  # [B]
     x_last = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]  # [B, H]
     return _logits(params, x_last, config), k, v
 
 
-def make_prefill_fn(config: ModelConfig) -> Callable:
+def make_prefill_fn(config: ModelConfig, matmul: Matmul = xla_matmul) -> Callable:
     """The jitted prefill, called as fn(params, tokens, lengths); one compile per (B, S) shape."""
-    return jax.jit(partial(prefill, config=config))
+    return jax.jit(partial(prefill, config=config, matmul=matmul))
 
 
 def prompt_logprobs_head(
@@ -342,7 +343,8 @@ def prompt_logprobs_head(
     return chosen, top_ids, top_logprobs
 
 
-def forward_logits(params: Params, tokens: jax.Array, *, config: ModelConfig) -> jax.Array:
+def forward_logits(params: Params, tokens: jax.Array, *, config: ModelConfig,
+                   matmul: Matmul = xla_matmul) -> jax.Array:
     """Logits f32[B, S, V] at every position (for tests and benchmarks)."""
-    x, _, _ = _hidden(params, tokens, config)
+    x, _, _ = _hidden(params, tokens, config, matmul)
     return _logits(params, x, config)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.server import logprobs
 from pdserve.server.model.config import ModelConfig
+from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.model import Packing, embed, head, layer_group, prompt_logprobs_head, split_layers
 from pdserve.server.prefill.quant import quantize_kv_masked
 from pdserve.server.prefill.sampler import penalize, sample
@@ -48,7 +49,8 @@ class StepOutputs:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, params, groups: list[tuple[int, int]], max_batch_size: int):
+    def __init__(self, model_config: ModelConfig, params, groups: list[tuple[int, int]], max_batch_size: int,
+                 matmul: Matmul = xla_matmul):
         self.model_config = model_config
         self.groups = groups
         """(first layer, layers) of each group the prefill runs and ships as one."""
@@ -61,7 +63,7 @@ class ModelRunner:
         self.vocab_size = self.params.get("lm_head", self.params["embed"]).shape[0]
         out = host_readable(params)  # on a mesh that spans processes: outputs replicated, for process 0 to read
         self._embed = jax.jit(partial(embed, config=model_config), **out)
-        self._group = jax.jit(partial(layer_group, config=model_config), **out)
+        self._group = jax.jit(partial(layer_group, config=model_config, matmul=matmul), **out)
         self._head = jax.jit(partial(head, config=model_config), **out)
         self._penalize = jax.jit(penalize, **out)
         self._sample = jax.jit(sample, **out)

@@ -136,7 +136,7 @@ def test_quantized_weights_of_a_bf16_checkpoint_compute_in_fp32_only_on_cpu(tiny
 
 
 def test_served_bf16_checkpoint_on_cpu_computes_in_fp32_and_sends_bf16_kv(tiny_model):
-    """`pdserve prefill` (load_engine, --weight-dtype auto) on a bf16 checkpoint: fp32 weights equal to the
+    """`pdserve prefill --prefill-matmul xla-fp32` (load_engine) on a bf16 checkpoint: fp32 weights equal to the
     bf16 ones (the upcast is exact), the first token of fp32 transformers on those weights, bf16 KV."""
     import asyncio
 
@@ -145,7 +145,8 @@ def test_served_bf16_checkpoint_on_cpu_computes_in_fp32_and_sends_bf16_kv(tiny_m
     from pdserve.server.prefill.main import load_engine
 
     path = tiny_model("llama", "bfloat16")
-    engine = load_engine(PrefillConfig(model_dir=path, max_batch_size=1, max_model_len=64), progress=False)
+    engine = load_engine(PrefillConfig(model_dir=path, max_batch_size=1, max_model_len=64, prefill_matmul="xla-fp32"),
+                         progress=False)
     wq = engine.runner.group_layers[0]["wq"]
     assert wq.dtype == jnp.float32
     bf16 = load_params(load_config(path), load_weights(path), dtype="bfloat16")["layers"]["wq"]

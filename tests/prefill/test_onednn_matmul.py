@@ -1,0 +1,146 @@
+"""The onednn-bf16 prefill path (weights prepacked on the torch side, activations through a host callback)
+computes what the XLA paths and transformers compute; an AVX2-only machine falls back to XLA."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server import hardware
+from pdserve.server.model.config import load_config
+from pdserve.server.model.weights import load_weights
+from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.main import load_engine
+from pdserve.server.prefill.matmul import OnednnWeights, Resident, contraction
+from pdserve.server.prefill.model import forward_logits, load_params
+
+GREEDY = gen_pb.SamplingParams(max_tokens=1, temperature=0.0)
+needs_onednn = pytest.mark.skipif(not hardware.torch_probe().onednn_bf16,
+                                  reason="oneDNN runs no bf16 linear on this CPU (the XLA paths serve it)")
+
+
+def _ids(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(3, 200, n).astype(np.int32)
+
+
+def test_the_contraction_of_each_spec_the_model_uses():
+    assert contraction("bsh,hnd->bsnd", 3, 3) == 1
+    assert contraction("bsnd,ndh->bsh", 4, 3) == 2
+    assert contraction("bsi,ih->bsh", 3, 2) == 1
+    with pytest.raises(ValueError, match="trailing axes"):
+        contraction("bsh,nhd->bsnd", 3, 3)
+
+
+@needs_onednn
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_onednn_logits_match_transformers_bf16_and_xla_bf16(tiny_model, family):
+    path = tiny_model(family, "bfloat16")
+    config = load_config(path)
+    params = load_params(config, load_weights(path), dtype="bfloat16")
+    bank = OnednnWeights(threads=1)
+    held = dict(params, layers=bank.take(params["layers"]))
+    assert isinstance(held["layers"]["w_up"], Resident) and held["layers"]["w_up"].ids.shape == (config.num_layers,)
+    assert bank.nbytes == sum(np.asarray(params["layers"][n]).size * 2 for n in
+                              ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
+    ids = _ids(13, seed=5)
+    got = np.asarray(jax.jit(lambda p, t: forward_logits(p, t, config=config, matmul=bank.matmul))(
+        held, jnp.asarray(ids[None])))[0]
+    xla = np.asarray(forward_logits(params, jnp.asarray(ids[None]), config=config))[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        want = hf(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
+    # bf16 operands, fp32 accumulation on both sides: as close as XLA's bf16 path is (test_model.py's bound)
+    assert np.abs(got - xla).max() < 0.02
+    assert np.abs(got - want).max() < 0.05
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+
+
+@needs_onednn
+def test_a_served_onednn_engine_answers_as_the_xla_bf16_one(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    path = tiny_model("qwen2", "bfloat16")
+    settings = dict(model_dir=path, max_batch_size=1, max_model_len=64, compilation_cache="none")
+    onednn = load_engine(PrefillConfig(prefill_matmul="onednn-bf16", **settings), progress=False)
+    xla = load_engine(PrefillConfig(prefill_matmul="xla-bf16", **settings), progress=False)
+    assert isinstance(onednn.runner.group_layers[0]["wq"], Resident)
+    assert onednn.matmul_path == "onednn-bf16 (forced by --prefill-matmul)"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    prompts = [_ids(11 + seed * 7, seed).tolist() for seed in range(3)]
+
+    async def both():
+        return [(await onednn.submit(ids, GREEDY, 0, "bfloat16"), await xla.submit(ids, GREEDY, 0, "bfloat16"))
+                for ids in prompts]
+
+    for ids, (got, want) in zip(prompts, asyncio.run(both())):
+        assert str(got.k.dtype) == "bfloat16" and got.k.shape == want.k.shape
+        np.testing.assert_allclose(np.asarray(got.k, np.float32), np.asarray(want.k, np.float32), atol=0.05)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        top2 = torch.topk(logits, 2).values
+        if top2[0] - top2[1] > 0.05:  # a clear winner: every bf16 path must pick it
+            assert got.first_token == want.first_token == int(logits.argmax())
+
+
+def test_auto_on_an_fp32_checkpoint_stays_fp32_and_exact(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    path = tiny_model("llama")
+    engine = load_engine(PrefillConfig(model_dir=path, max_batch_size=1, max_model_len=64, compilation_cache="none"),
+                         progress=False)
+    assert engine.matmul_path.startswith("xla-fp32 (the only exact path for float32 weights")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [_ids(9 + seed, seed) for seed in range(3)]
+
+    async def firsts():
+        return [(await engine.submit(ids.tolist(), GREEDY, 0, "float32")).first_token for ids in prompts]
+
+    with torch.no_grad():
+        want = [int(hf(torch.tensor(ids[None].astype(np.int64))).logits[0, -1].argmax()) for ids in prompts]
+    assert asyncio.run(firsts()) == want
+    assert not (tmp_path / "prefill-matmul.json").exists()  # nothing measured, nothing cached
+
+
+_AVX2_CHILD = """
+import json, logging, sys
+from pdserve.server import hardware
+hardware.apply_cpu_cap()
+from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.main import load_engine
+settings = dict(model_dir=sys.argv[1], max_batch_size=1, max_model_len=64, compilation_cache="none")
+try:
+    load_engine(PrefillConfig(prefill_matmul="onednn-bf16", **settings), progress=False)
+    refused = ""
+except ValueError as e:
+    refused = str(e)
+engine = load_engine(PrefillConfig(**settings), progress=False)
+cache = json.loads(open(sys.argv[2] + "/prefill-matmul.json").read())
+print(json.dumps({"refused": refused, "path": engine.matmul_path, "onednn": hardware.torch_probe().onednn_bf16,
+                  "cached": [e["path"] for e in cache.values()], "timed": [sorted(e["timings"]) for e in cache.values()]}))
+"""
+
+
+def test_an_avx2_only_machine_measures_the_xla_paths_and_refuses_onednn(tiny_model, tmp_path):
+    """PDSERVE_CPU_ISA=avx2 caps oneDNN (hardware.apply_cpu_cap): the oneDNN path is no candidate, forcing it is
+    refused naming the flag, and auto measures and picks one of the XLA paths."""
+    env = dict(os.environ, PDSERVE_CPU_ISA="avx2", PDSERVE_CACHE=str(tmp_path))
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run([sys.executable, "-c", _AVX2_CHILD, str(tiny_model("llama", "bfloat16")), str(tmp_path)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["onednn"] is False
+    assert "--prefill-matmul onednn-bf16 cannot run: oneDNN runs no bf16 linear here" in found["refused"]
+    assert found["path"].split(" ")[0] in ("xla-fp32", "xla-bf16") and "fastest measured" in found["path"]
+    assert found["timed"] == [["xla-bf16", "xla-fp32"]]
+    assert found["cached"] == [found["path"].split(" ")[0]]
