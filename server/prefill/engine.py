@@ -12,8 +12,10 @@ Life cycle of a prompt here:
    longer than --max-prefill-chunk, or than what is left of the budget, runs over several steps
    (chunked prefill); a segment's context, the KV of its prompt's earlier tokens, goes beside the
    buffer (its own static bucket), and attention (attention.py) reads it. Every (tokens, context)
-   shape is one of `shapes()`, compiled at start (`warmup`; a serving worker compiles the rarer ones while
-   it serves, and a step whose shape is still waiting compiles it first: warmup.py).
+   shape is one of `shapes()`, and a step packs only into one already compiled (`compiled`): a serving
+   worker compiles the rarer ones while it serves (warmup.py), and meanwhile a prompt is cut into the
+   chunks a compiled shape holds, its context padded to a compiled bucket, so no step waits for a
+   compile (step_compiles.py counts any that does: `pdserve_prefill_compile_waits`).
    Each step's speed is measured for the coordinator's expected-wait admission (rates.py).
    `job.started` resolves at the first segment: the prompt's KV stream opens now, and the decode
    worker's lease with it.
@@ -60,8 +62,10 @@ from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.replay import SliceLeader
 from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, packed_tokens
 from pdserve.server.prefill.step_inputs import StepInputs
-from pdserve.server.prefill.shapes import bucket_length, context_buckets, padded, pow2, token_buckets
-from pdserve.server.prefill.step_packing import StepShape, step_inputs
+from pdserve.server.prefill.shapes import (CompiledShapes, StepShape, bucket_length, context_buckets, padded, pow2,
+                                           prompt_shapes, token_buckets)
+from pdserve.server.prefill.step_compiles import watch
+from pdserve.server.prefill.step_packing import step_inputs
 from pdserve.server.prefill.warmup import Warmup, cores
 from pdserve.server.structured.constraint import Constraint
 from pdserve.server.structured.grammars import Grammars
@@ -151,8 +155,9 @@ class PrefillEngine:
         self.replay: SliceLeader | None = None
         """On process 0 of a slice of several processes: sends each step to the others before running it."""
         self.compiling: Warmup | None = None
-        """The start-up compiles still going on while the worker serves (warmup.py); a step makes sure of
-        its own programs first."""
+        """The start-up compiles (warmup.py) of a worker that serves: what is compiled so far, the rest
+        compiling in the background. None: every shape counts as compiled (`warmup()` compiled them, or
+        each compiles on its first step)."""
         self.prefix = PrefixKv(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                head_dim=model_config.head_dim, dtype=np.dtype(self.dtype),
                                budget_bytes=config.prefix_cache_bytes,
@@ -161,10 +166,13 @@ class PrefillEngine:
                                else None)
         buckets = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
         self.rates = PrefillRates(buckets)
+        rows = [1 << i for i in range(pow2(config.max_batch_size).bit_length())]
+        self._every = CompiledShapes.every(self.token_buckets, self.context_buckets, rows, buckets)
         self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(
             config.prefill_order, bucket=self._bucket, max_batch_size=config.max_batch_size,
             max_batch_tokens=config.max_batch_tokens, max_chunk=config.max_prefill_chunk,
-            max_context=self.max_len, ageing_tokens_per_s=config.prefill_ageing, seconds=self.rates.seconds)
+            max_context=self.max_len, ageing_tokens_per_s=config.prefill_ageing, seconds=self.rates.seconds,
+            token_room=lambda context: self.compiled.room(context))
         self._shapes_run: set[StepShape] = set()
         """Every step shape run: a shape's first step compiles, so is not timed."""
         self.slots = 0
@@ -188,10 +196,25 @@ class PrefillEngine:
         power-of-two rows up to max_batch_size come with each)."""
         return [StepShape(t, c) for c in self.context_buckets for t in self.token_buckets]
 
+    @property
+    def compiled(self) -> CompiledShapes:
+        """The shapes a step may pack into (warmup.py's, growing as they compile)."""
+        return self.compiling.compiled if self.compiling is not None else self._every
+
     def step_shape(self, step: list[Segment]) -> StepShape:
-        """The smallest shape that holds the step's packed tokens and its context."""
+        """The smallest compiled shape that holds the step's packed tokens and its context (the scheduler
+        packed it to fit one; tells the background compiles the shape it would take with all compiled)."""
         tokens, context = packed_tokens(step), sum(s.start for s in step)
-        return StepShape(padded(self.token_buckets, tokens), padded(self.context_buckets, context))
+        wanted = StepShape(padded(self.token_buckets, tokens), padded(self.context_buckets, context))
+        if self.compiling is not None:
+            self.compiling.ask(wanted)
+        return self.compiled.step_shape(tokens, context) or wanted
+
+    def _penalized(self, rows: int, length: int) -> tuple[int, int]:
+        """The compiled (rows, prompt length) penalized sampling pads to (step_packing.py)."""
+        if self.compiling is not None:
+            self.compiling.ask(("penalized", rows, length))
+        return self.compiled.penalized_shape(rows, length) or (rows, length)
 
     @property
     def padding_share(self) -> float:
@@ -228,6 +251,9 @@ class PrefillEngine:
                 job.context = self._new_context(job)
                 job.context[0, :, : job.computed], job.context[1, :, : job.computed] = hit
                 metrics.prefill_prefix_cache_hits.inc(job.computed)
+        if self.compiling is not None and not self.compiling.finished.is_set():
+            self.compiling.ask(*prompt_shapes(job.num_tokens, job.computed, self.scheduler.max_chunk,
+                                              self.token_buckets, self.context_buckets))
         self.scheduler.add(job, due)
         self._wakeup.set()
         if self._task is None or self._task.done():
@@ -314,14 +340,17 @@ class PrefillEngine:
 
     def _run(self, step: list[Segment[PrefillJob]], shape: StepShape, loop: asyncio.AbstractEventLoop) -> None:
         """Runs one step (in a worker thread), handing each job its KV and, at its last segment, its first token."""
-        inputs, offsets = step_inputs(step, shape, self.model_config, self.dtype, self.vocab_size, self._bucket)
-        if self.compiling is not None:
-            self.compiling.ensure_step(shape, inputs)
+        inputs, offsets = step_inputs(step, shape, self.model_config, self.dtype, self.vocab_size, self._bucket,
+                                      self._penalized)
         keep = [s for s in step if not s.last or self.prefix.enabled]  # whose compute-dtype KV the host keeps
         for s in keep:
             if s.job.context is None:
                 s.job.context = self._new_context(s.job)
-        out = self.dispatch(inputs) if self.replay is None else self.replay.run(inputs, self.dispatch)
+        with watch() as compiles:
+            out = self.dispatch(inputs) if self.replay is None else self.replay.run(inputs, self.dispatch)
+        if compiles:
+            metrics.prefill_compile_waits.inc()
+            log.warning("prefill step of shape %s waited for %d program(s) to compile", shape, len(compiles))
         for _, _, k, v in out.kv if keep else ():
             k.copy_to_host_async()
             v.copy_to_host_async()

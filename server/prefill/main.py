@@ -97,6 +97,8 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     metrics.prefill_queued_seconds.set_function(lambda: queued_seconds(engine.load(waits=False)))
     metrics.prefill_padding_share.set_function(lambda: engine.padding_share)
     metrics.prefill_compiles_pending.set_function(lambda: engine.compiling.pending if engine.compiling else 0)
+    metrics.prefill_programs_compiled.set_function(lambda: engine.compiling.done if engine.compiling else 0)
+    metrics.prefill_programs_total.set_function(lambda: len(engine.compiling.jobs) if engine.compiling else 0)
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("prefill worker listening on %s:%d", config.host, port)
@@ -109,8 +111,8 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
 def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = False) -> PrefillEngine:
     """The model loaded (and sharded over the device mesh), every batch shape compiled; `serving`: only
     those --compile-before-serving names, the rest compiling in the background (warmup.py) while the
-    worker serves. On process 0 of a slice of several processes, once the others have connected, the
-    engine sends them every step."""
+    worker serves, its steps packed into the shapes compiled so far (`engine.compiling`). On process 0
+    of a slice of several processes, once the others have connected, the engine sends them every step."""
     use_compilation_cache(config.compilation_cache)  # before the first compile
     leader = None
     if start_distributed(config.coordinator_address, config.num_processes, config.process_id):
@@ -152,8 +154,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
              compute_dtype(model_config, dtype, jax.default_backend()), len(first), len(warmup.jobs),
              len(engine.shapes()), compile_s,
              "" if warmup.finished.is_set() else "; the others compile while it serves, when no prompt waits")
+    engine.compiling = warmup  # its programs' count and what is compiled, for the metrics and the steps
     if not warmup.finished.is_set():
-        engine.compiling = warmup
         warmup.start(threads=1)
     if leader is not None:
         leader.accept()
@@ -197,7 +199,7 @@ async def serve(config: PrefillConfig, options: serving.WorkerOptions = serving.
         return
     worker = await start(config, options, engine)
     log.info("prefill worker ready %.1f s after it began loading the model%s", time.perf_counter() - t0,
-             "" if engine.compiling is None else f"; {engine.compiling.pending} start-up programs left to compile")
+             "" if not engine.compiling.pending else f"; {engine.compiling.pending} start-up programs left to compile")
     await serve_until_signal(worker, "prefill", options.drain_seconds)
 
 
