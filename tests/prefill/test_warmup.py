@@ -287,29 +287,40 @@ RESTART = """
 import json, sys
 import jax, jax.monitoring
 from pathlib import Path
+from pdserve.server import cli
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.main import load_engine
 
 events = []
 jax.monitoring.register_event_listener(lambda e, **kw: events.append(e))
-load_engine(PrefillConfig(model_dir=Path(sys.argv[1]), max_batch_size=1, max_model_len=32, prefix_cache_bytes=0),
-            progress=False)
+jax.monitoring.register_event_duration_secs_listener(lambda e, d, **kw: events.append(e))
+args = cli.build_parser().parse_args(["prefill", "--model", sys.argv[1], "--compile-cache-dir", sys.argv[2],
+                                      "--max-batch-size", "1", "--max-model-len", "32", "--prefix-cache-bytes", "0"])
+config = cli._config(PrefillConfig, args, model_dir=Path(sys.argv[1]))
+engine = load_engine(config, progress=False, serving=True)  # the first set, then the rest in the background
+assert engine.compiling.finished.wait(600)
 print(json.dumps({"asked": events.count("/jax/compilation_cache/compile_requests_use_cache"),
-                  "hits": events.count("/jax/compilation_cache/cache_hits")}))
+                  "hits": events.count("/jax/compilation_cache/cache_hits"),
+                  "misses": events.count("/jax/compilation_cache/cache_misses"),
+                  "programs": len(engine.compiling.jobs), "cache": str(jax.config.jax_compilation_cache_dir)}))
 """
 
 
-def test_a_restart_finds_every_compile_in_the_machines_cache(tiny_model, tmp_path):
+def test_a_worker_restarted_on_the_same_compile_cache_dir_compiles_nothing(tiny_model, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_PERSISTENT_CACHE")}
-    env.update(PDSERVE_CACHE=str(tmp_path), JAX_PLATFORMS="cpu")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the default, as a user has it
+    env.update(PDSERVE_CACHE=str(tmp_path / "machine"), JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    shared = tmp_path / "shared-volume" / "jax"  # --compile-cache-dir: one directory for every worker
     runs = []
     for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", RESTART, str(tiny_model("llama"))], env=env, capture_output=True,
-                              text=True, timeout=600)
+        proc = subprocess.run([sys.executable, "-c", RESTART, str(tiny_model("llama")), str(shared)], env=env,
+                              capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     cold, warm = runs
-    assert cold["asked"] > 0 and cold["hits"] == 0
+    assert cold["cache"] == warm["cache"] == str(shared)
+    assert cold["asked"] > 0 and cold["hits"] == 0 and cold["misses"] == cold["asked"]
     assert warm["hits"] == warm["asked"] == cold["asked"]  # every program, however small and quick
-    assert any((tmp_path / "jax-compilation-cache").iterdir())
+    assert warm["misses"] == 0  # the restart compiles nothing new (XLA compiles only on a miss)
+    assert cold["programs"] == warm["programs"] > 0
+    assert any(shared.iterdir()) and not (tmp_path / "machine").exists()
