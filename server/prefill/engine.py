@@ -39,6 +39,7 @@ Life cycle of a prompt here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -303,7 +304,13 @@ class PrefillEngine:
                 self.compiling.resume()
             if not step:
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                if len(self.scheduler) and self.compiling is not None and not self.compiling.finished.is_set():
+                    # a prompt no compiled shape holds yet (blocks larger than the first set's context chunk):
+                    # tried again as the background compiles more
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), 0.1)
+                else:
+                    await self._wakeup.wait()
                 continue
             for s in step:
                 if not s.job.started.done():

@@ -86,3 +86,30 @@ async def test_long_prompts_right_after_ready_run_in_the_first_set_and_compile_n
     for g, w in zip(got, expected, strict=True):
         np.testing.assert_allclose(g.k, w.k, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(g.v, w.v, rtol=1e-5, atol=1e-5)
+
+
+async def test_a_prompt_no_compiled_shape_holds_runs_once_the_background_compiles_one(tiny_model, monkeypatch):
+    monkeypatch.setattr(warmup_module, "CONTEXT_CHUNK", 16)  # the context shape holds no 32-token block
+    path = tiny_model("llama")
+    model_config = load_config(path)
+    params = load_params(model_config, load_weights(path))
+    config = PrefillConfig(model_dir=path, max_batch_size=2, max_model_len=256)
+    engine = PrefillEngine(model_config, params, config)
+    warmup = Warmup(engine)
+    warmup.compile(warmup.first("common"), threads=2)
+    engine.compiling = warmup
+    assert {s for s in warmup.compiled.steps if s.context} == {StepShape(16, 256)}
+    rng = np.random.default_rng(6)
+    turn1 = rng.integers(3, 500, 100).tolist()
+    turn2 = turn1 + rng.integers(3, 500, 50).tolist()
+    first = await engine.submit(turn1, GREEDY, 0, "float32", block_size=32)
+    job = engine.enqueue(turn2, GREEDY, 0, "float32", block_size=32)  # 96 tokens cached: 54 to run with context
+    await asyncio.sleep(0.3)
+    assert not job.started.done()  # waits: no compiled shape holds a block of it beside its context
+    warmup.start()  # the shape it asked for compiles first
+    second = await asyncio.wait_for(job.first_token, 300)
+    warmup.stop()
+    assert StepShape(64, 256) in warmup.compiled.steps
+    reference = PrefillEngine(model_config, params, config)
+    want = [(await reference.submit(p, GREEDY, 0, "float32", block_size=32)).first_token for p in (turn1, turn2)]
+    assert [first.first_token, second] == want
