@@ -117,9 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     compiled = programs - engine.compiling.pending if engine.compiling is not None else None
     out = {"ready_s": round(ready_s, 1), "programs_at_ready": f"{compiled} of {programs}",
            **asyncio.run(_run(engine, args))}
-    waits = REGISTRY.get_sample_value("pdserve_prefill_compile_waits_total", {"model_name": "", "role": ""})
-    counted = hasattr(metrics, "prefill_compile_waits")  # the code measured counts them
-    out["compile_waits"] = (waits or 0.0) if counted else None
+    waits = sum(s.value for m in REGISTRY.collect() if m.name == "pdserve_prefill_compile_waits"
+                for s in m.samples if s.name.endswith("_total"))
+    out["compile_waits"] = waits if hasattr(metrics, "prefill_compile_waits") else None  # None: not counted
     print(json.dumps(out), flush=True)
 
 

@@ -99,6 +99,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     metrics.prefill_compiles_pending.set_function(lambda: engine.compiling.pending if engine.compiling else 0)
     metrics.prefill_programs_compiled.set_function(lambda: engine.compiling.done if engine.compiling else 0)
     metrics.prefill_programs_total.set_function(lambda: len(engine.compiling.jobs) if engine.compiling else 0)
+    metrics.prefill_compile_waits.inc(0)  # exported from the start, at 0
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("prefill worker listening on %s:%d", config.host, port)

@@ -29,7 +29,9 @@ PENALIZED = gen_pb.SamplingParams(max_tokens=4, temperature=0.0, repetition_pena
 
 
 def _compile_waits() -> float:
-    return REGISTRY.get_sample_value("pdserve_prefill_compile_waits_total", {"model_name": "", "role": ""}) or 0.0
+    """pdserve_prefill_compile_waits_total, whatever model and role the process named itself."""
+    return sum(s.value for m in REGISTRY.collect() if m.name == "pdserve_prefill_compile_waits"
+               for s in m.samples if s.name.endswith("_total"))
 
 
 async def _steps_done(engine: PrefillEngine, steps: int) -> None:
@@ -81,6 +83,7 @@ async def test_long_prompts_right_after_ready_run_in_the_first_set_and_compile_n
     expected = [await reference.submit(p, s, 0, "float32") for p, s in ((turn1, GREEDY), (turn2, GREEDY),
                                                                          (other, PENALIZED))]
     await _steps_done(reference, 3)
+    assert _compile_waits() == waits + 3  # the counter counts: each of its steps compiled its programs
     assert [r.first_token for r in got] == [r.first_token for r in expected]
     assert reference._shapes_run == {StepShape(256, 0), StepShape(512, 256), StepShape(512, 0)}
     for g, w in zip(got, expected, strict=True):
