@@ -42,7 +42,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
@@ -180,14 +181,18 @@ class PrefillEngine:
         """Token slots of every step run (the buffers' sizes)."""
         self.padding = 0
         """Of those, slots that held no prompt token."""
+        self._wire_compiler = ThreadPoolExecutor(1, thread_name_prefix="compile-wire")
+        self._wire_compiles: dict[tuple[int, tuple[str, int]], Future] = {}
+        """The wire formats' compiles asked for (`_formats_on_host`), by (token slots, format)."""
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches = 0
 
     def close(self) -> None:
-        """On process 0 of a slice: tells the other processes to stop (nothing to do on one process)."""
+        """On process 0 of a slice: tells the other processes to stop; drops the wire formats' compiles not begun."""
         if self.replay is not None:
             self.replay.stop()
+        self._wire_compiler.shutdown(wait=False, cancel_futures=True)
 
     def _bucket(self, n: int) -> int:
         return bucket_length(min(n, self.max_len), self.max_len, self.config.min_bucket)
@@ -349,6 +354,9 @@ class PrefillEngine:
         """Runs one step (in a worker thread), handing each job its KV and, at its last segment, its first token."""
         inputs, offsets = step_inputs(step, shape, self.model_config, self.dtype, self.vocab_size, self._bucket,
                                       self._penalized)
+        on_host = self._formats_on_host(shape, inputs.formats)
+        if on_host:
+            inputs = replace(inputs, formats=tuple(f for f in inputs.formats if f not in on_host))
         keep = [s for s in step if not s.last or self.prefix.enabled]  # whose compute-dtype KV the host keeps
         for s in keep:
             if s.job.context is None:
@@ -358,7 +366,7 @@ class PrefillEngine:
         if compiles:
             metrics.prefill_compile_waits.inc()
             log.warning("prefill step of shape %s waited for %d program(s) to compile", shape, len(compiles))
-        for _, _, k, v in out.kv if keep else ():
+        for _, _, k, v in out.kv if keep or on_host else ():
             k.copy_to_host_async()
             v.copy_to_host_async()
         if out.prompt_logprobs is not None:
@@ -378,14 +386,19 @@ class PrefillEngine:
 
         for start, wire, k, v in out.kv:
             host = {f: tuple(None if a is None else np.asarray(a) for a in arrays) for f, arrays in wire.items()}
-            if keep:
-                hk, hv = np.asarray(k), np.asarray(v)  # [l, 1, T, Hkv, D]
-                for s in keep:
-                    off = offsets[step.index(s)]
-                    s.job.context[0, start : start + hk.shape[0], s.start : s.end] = hk[:, 0, off : off + s.length]
-                    s.job.context[1, start : start + hk.shape[0], s.start : s.end] = hv[:, 0, off : off + s.length]
+            if keep or on_host:
+                ck, cv = np.asarray(k), np.asarray(v)  # [l, 1, T, Hkv, D] in the compute dtype
+            for s in keep:
+                off = offsets[step.index(s)]
+                s.job.context[0, start : start + ck.shape[0], s.start : s.end] = ck[:, 0, off : off + s.length]
+                s.job.context[1, start : start + ck.shape[0], s.start : s.end] = cv[:, 0, off : off + s.length]
             for i, s in enumerate(step):
                 job, off, bs = s.job, offsets[i], s.job.block_size
+                if (job.kv_dtype, bs) in on_host:  # the segment's tokens alone: its blocks are the buffer's
+                    piece = KvTensors(start, s.start, *_wire_format(ck[:, 0, off : off + s.length],
+                                                                    cv[:, 0, off : off + s.length], job))
+                    self._put(loop, job, piece)
+                    continue
                 hk, hv, hks, hvs = host[job.kv_dtype, bs]
                 b0, nb = off // bs, -(-s.length // bs)
                 piece = KvTensors(start, s.start, hk[:, 0, off : off + s.length], hv[:, 0, off : off + s.length],
@@ -413,11 +426,28 @@ class PrefillEngine:
     def _host_wire(self, job: PrefillJob, layer_start: int, token_start: int, token_end: int) -> KvTensors:
         """Tokens [token_start, token_end) of the job's host context (all layers) in its wire format."""
         k, v = (job.context[i, :, token_start:token_end] for i in (0, 1))  # [L, n, Hkv, D]
-        if job.kv_dtype in QUANTIZED:
-            (qk, ks), (qv, vs) = (host_quant.quantize(x.astype(np.float32), job.block_size, job.kv_dtype) for x in (k, v))
-            return KvTensors(layer_start, token_start, qk, qv, ks, vs)
-        wire = NUMPY_DTYPES[job.kv_dtype]
-        return KvTensors(layer_start, token_start, k.astype(wire), v.astype(wire))
+        return KvTensors(layer_start, token_start, *_wire_format(k, v, job))
+
+    def _formats_on_host(self, shape: StepShape, formats: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+        """The step's wire formats (dtype, block size: the decode workers', learned per request) whose device
+        programs a serving worker has not compiled for the shape yet: the host converts the KV to those
+        (`_wire_format`, kvcache/quant.py's reference) while one thread compiles them; none for an engine
+        whose every program compiles on its first step."""
+        if self.compiling is None:
+            return ()
+        missing = tuple(f for f in formats if not self.runner.wire_compiled(shape.tokens, f))
+        for fmt in missing:
+            if (shape.tokens, fmt) not in self._wire_compiles:
+                self._wire_compiles[shape.tokens, fmt] = self._wire_compiler.submit(self._compile_wire,
+                                                                                     shape.tokens, fmt)
+        return missing
+
+    def _compile_wire(self, tokens: int, fmt: tuple[str, int]) -> None:
+        try:
+            self.runner.compile_wire(tokens, fmt)
+        except Exception:
+            log.exception("prefill: compiling the KV's wire format %s for %d token slots failed; the host "
+                          "converts it", fmt, tokens)
 
     @staticmethod
     def _take_prompt_logprobs(step: list[Segment[PrefillJob]], offsets: list[int], computed: tuple) -> None:
@@ -461,6 +491,16 @@ class PrefillEngine:
         (A worker that serves compiles the common ones first and the rest while it serves: warmup.py.)"""
         plan = Warmup(self, shapes)
         return plan.compile(plan.jobs, threads=cores(), progress=progress)
+
+def _wire_format(k: np.ndarray, v: np.ndarray, job: PrefillJob) -> tuple:
+    """k, v [L, n, Hkv, D] on the host, the first on a block boundary, in the job's wire format: (k, v, k
+    scales, v scales), fp8_e4m3/int8 quantized by the numpy reference (kvcache/quant.py), scales None else."""
+    if job.kv_dtype in QUANTIZED:
+        (qk, ks), (qv, vs) = (host_quant.quantize(x.astype(np.float32), job.block_size, job.kv_dtype) for x in (k, v))
+        return qk, qv, ks, vs
+    wire = NUMPY_DTYPES[job.kv_dtype]
+    return k.astype(wire), v.astype(wire), None, None
+
 
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():

@@ -1,8 +1,8 @@
 """Right after ready, with only the first set compiled (warmup.py), long prompts are served from it: a
 second turn's suffix runs in chunks of the one compiled context shape, penalized sampling pads to its one
-compiled shape, and nothing compiles on the request path (JAX's own compile events, and
-`pdserve_prefill_compile_waits`), with the first tokens transformers' and the KV of an engine that
-compiles every shape."""
+compiled shape, fp8/int8 KV for the wire is quantized on the host until its programs compile, and nothing
+compiles on the request path (JAX's own compile events, and `pdserve_prefill_compile_waits`), with the first
+tokens transformers' and the KV of an engine that compiles every shape."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch
 import transformers
 from prometheus_client import REGISTRY
 
+from pdserve.kvcache.quant import dequantize as kv_dequantize
+from pdserve.kvcache.quant import error_bound
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
@@ -116,3 +118,37 @@ async def test_a_prompt_no_compiled_shape_holds_runs_once_the_background_compile
     reference = PrefillEngine(model_config, params, config)
     want = [(await reference.submit(p, GREEDY, 0, "float32", block_size=32)).first_token for p in (turn1, turn2)]
     assert [first.first_token, second] == want
+
+
+async def test_fp8_and_int8_kv_right_after_ready_is_quantized_on_the_host_while_its_programs_compile(tiny_model):
+    path = tiny_model("llama")
+    model_config = load_config(path)
+    params = load_params(model_config, load_weights(path))
+    config = PrefillConfig(model_dir=path, max_batch_size=2, max_model_len=256, prefix_cache_bytes=0)
+    engine = PrefillEngine(model_config, params, config)
+    warmup = Warmup(engine)
+    warmup.compile(warmup.first("common"), threads=2)
+    engine.compiling = warmup
+    prompt = np.random.default_rng(7).integers(3, 500, 100).tolist()
+    waits = _compile_waits()
+    got = {fmt: await engine.submit(prompt, GREEDY, 0, fmt, block_size=16) for fmt in ("fp8_e4m3", "int8")}
+    await _steps_done(engine, 2)
+    assert _compile_waits() == waits  # the wire formats compile on a thread of their own, not the step's
+    for fmt in got:  # the step's shape (128 slots) in each format, compiled beside it
+        await asyncio.wait_for(asyncio.wrap_future(engine._wire_compiles[128, (fmt, 16)]), 300)
+        assert engine.runner.wire_compiled(128, (fmt, 16))
+    after = {fmt: await engine.submit(prompt, GREEDY, 0, fmt, block_size=16) for fmt in got}  # on the device now
+    await _steps_done(engine, 4)
+    assert _compile_waits() == waits
+    exact = await engine.submit(prompt, GREEDY, 0, "float32")
+    for fmt, host in got.items():
+        device = after[fmt]
+        assert host.first_token == device.first_token == exact.first_token
+        assert host.k.dtype == device.k.dtype and host.k_scales.shape == device.k_scales.shape == (2, 7, 2)
+        # the numpy reference against XLA: scales to 1 ulp, the quantized values all but a few equal
+        np.testing.assert_allclose(host.k_scales, device.k_scales, rtol=2.5e-7, atol=0)
+        np.testing.assert_allclose(host.v_scales, device.v_scales, rtol=2.5e-7, atol=0)
+        for h, d, x, scales in ((host.k, device.k, exact.k, host.k_scales), (host.v, device.v, exact.v, host.v_scales)):
+            assert np.mean(h.view(np.int8) == d.view(np.int8)) > 0.99
+            got_x = kv_dequantize(h, scales, 16)
+            assert np.all(np.abs(got_x - x) <= error_bound(x, scales, 16, fmt))
