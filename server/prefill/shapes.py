@@ -11,6 +11,8 @@ prefill worker (`benchmarks/plan/workers.py`) all take them from here.
 
 from __future__ import annotations
 
+import bisect
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -90,8 +92,16 @@ class CompiledShapes:
     penalized sampling pads its rows and prompts to a compiled pair (`penalized_shape`)."""
 
     def __init__(self, steps: Iterable[StepShape] = (), penalized: Iterable[tuple[int, int]] = ()):
-        self.steps: frozenset[StepShape] = frozenset(steps)
         self.penalized: frozenset[tuple[int, int]] = frozenset(penalized)
+        self._set_steps(frozenset(steps))
+        self._adding = threading.Lock()
+        """Held while a set is replaced: compiles finishing on two threads at once both land."""
+
+    def _set_steps(self, steps: frozenset[StepShape]) -> None:
+        contexts = sorted({s.context for s in steps})
+        rooms = [max(s.tokens for s in steps if s.context >= c) for c in contexts]
+        self.steps = steps  # first: a step `room` packs always finds its shape in `steps`
+        self._rooms = (contexts, rooms)  # one assignment: a reader on another thread sees both lists or neither
 
     @classmethod
     def every(cls, token_sizes: Sequence[int], context_sizes: Sequence[int], rows: Sequence[int],
@@ -102,15 +112,18 @@ class CompiledShapes:
 
     def add(self, key: StepShape | tuple[int, int]) -> None:
         """A step shape, or penalized sampling's (rows, length), is compiled now."""
-        if isinstance(key, StepShape):
-            self.steps = self.steps | {key}
-        else:
-            self.penalized = self.penalized | {key}
+        with self._adding:
+            if isinstance(key, StepShape):
+                self._set_steps(self.steps | {key})
+            else:
+                self.penalized = self.penalized | {key}
 
     def room(self, context: int) -> int:
         """The most token slots a step reading `context` tokens of earlier KV may pack (0: no compiled
         shape holds that context)."""
-        return max((s.tokens for s in self.steps if s.context >= context), default=0)
+        contexts, rooms = self._rooms  # ascending contexts; the most token slots of a shape holding each
+        i = bisect.bisect_left(contexts, context)
+        return rooms[i] if i < len(rooms) else 0
 
     def step_shape(self, tokens: int, context: int) -> StepShape | None:
         """The smallest compiled shape (fewest token slots, then context slots) that holds a step of

@@ -4,6 +4,8 @@ compiled bucket; the exact steps and shapes for given compiled sets, by hand."""
 
 from __future__ import annotations
 
+import threading
+
 from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, packed_tokens
 from pdserve.server.prefill.shapes import CompiledShapes, StepShape, prompt_shapes
 
@@ -85,3 +87,14 @@ def test_a_prompt_asks_for_the_shapes_it_would_run_alone_with_every_shape_compil
     assert prompt_shapes(1000, 0, 256, TOKENS, CONTEXTS) == [
         StepShape(256, 0), StepShape(256, 256), StepShape(256, 1024), StepShape(256, 1024)]
     assert prompt_shapes(5, 0, 512, TOKENS, CONTEXTS) == [StepShape(16, 0)]
+
+
+def test_compiles_finishing_on_many_threads_at_once_all_land():
+    compiled = CompiledShapes()
+    shapes = [StepShape(t, c) for t in range(1, 201) for c in (0, 256)]
+    threads = [threading.Thread(target=lambda part=shapes[i::8]: [compiled.add(s) for s in part]) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert compiled.steps == set(shapes) and compiled.room(1) == compiled.room(256) == 200
