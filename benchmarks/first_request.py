@@ -37,6 +37,8 @@ def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--probes", type=int, default=8, help="short prompts timed back to back after the turns")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-batch-size", type=int, default=8)
+    p.add_argument("--max-prefill-chunk", type=int, help="chunked prefill: even the first prompt's later chunks "
+                                                         "read context (default: the token budget)")
     p.add_argument("--compile-cache-dir", type=Path, help="JAX's compile cache (default: a fresh, empty one)")
     return p.parse_args(argv)
 
@@ -109,7 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     cache = args.compile_cache_dir or Path(tempfile.mkdtemp(prefix="first-request-jax-cache-"))
     config = PrefillConfig(model_dir=args.model, max_model_len=args.max_model_len,
-                           max_batch_size=args.max_batch_size, compilation_cache=cache)
+                           max_batch_size=args.max_batch_size, max_prefill_chunk=args.max_prefill_chunk,
+                           compilation_cache=cache)
     t0 = time.perf_counter()
     engine = load_engine(config, progress=False, serving=True)
     ready_s = time.perf_counter() - t0

@@ -207,18 +207,23 @@ class PrefillEngine:
         """The shapes a step may pack into (warmup.py's, growing as they compile)."""
         return self.compiling.compiled if self.compiling is not None else self._every
 
+    @property
+    def _compiles_pending(self) -> bool:
+        """Start-up programs still compile in the background (what the traffic asks for counts)."""
+        return self.compiling is not None and not self.compiling.finished.is_set()
+
     def step_shape(self, step: list[Segment]) -> StepShape:
         """The smallest compiled shape that holds the step's packed tokens and its context (the scheduler
         packed it to fit one; tells the background compiles the shape it would take with all compiled)."""
         tokens, context = packed_tokens(step), sum(s.start for s in step)
         wanted = StepShape(padded(self.token_buckets, tokens), padded(self.context_buckets, context))
-        if self.compiling is not None:
+        if self._compiles_pending:
             self.compiling.ask(wanted)
         return self.compiled.step_shape(tokens, context) or wanted
 
     def _penalized(self, rows: int, length: int) -> tuple[int, int]:
         """The compiled (rows, prompt length) penalized sampling pads to (step_packing.py)."""
-        if self.compiling is not None:
+        if self._compiles_pending:
             self.compiling.ask(("penalized", rows, length))
         return self.compiled.penalized_shape(rows, length) or (rows, length)
 
@@ -257,7 +262,7 @@ class PrefillEngine:
                 job.context = self._new_context(job)
                 job.context[0, :, : job.computed], job.context[1, :, : job.computed] = hit
                 metrics.prefill_prefix_cache_hits.inc(job.computed)
-        if self.compiling is not None and not self.compiling.finished.is_set():
+        if self._compiles_pending:
             self.compiling.ask(*prompt_shapes(job.num_tokens, job.computed, self.scheduler.max_chunk,
                                               self.token_buckets, self.context_buckets))
         self.scheduler.add(job, due)
@@ -309,7 +314,7 @@ class PrefillEngine:
                 self.compiling.resume()
             if not step:
                 self._wakeup.clear()
-                if len(self.scheduler) and self.compiling is not None and not self.compiling.finished.is_set():
+                if len(self.scheduler) and self._compiles_pending:
                     # a prompt no compiled shape holds yet (blocks larger than the first set's context chunk):
                     # tried again as the background compiles more
                     with contextlib.suppress(TimeoutError):
