@@ -12,7 +12,9 @@ Life cycle of a prompt here:
    again: its first segment starts there.
 2. `next_step` takes the past-due prompts first (below), then walks the queue in key order, and gives
    each prompt one segment: the rest of the prompt, or as much of it as `max_chunk` and the budget
-   allow (a whole number of its blocks, so the KV it ships and caches starts on a block boundary). It
+   allow (a whole number of its blocks, so the KV it ships and caches starts on a block boundary); the
+   budget is the largest compiled shape's that holds the step's context (`token_room`), so a worker
+   still compiling runs only what it has compiled (shapes.py `CompiledShapes`). It
    stops at the first prompt that gets nothing. It skips a prompt whose segment would make a prompt
    due earlier miss its due time (below).
 3. `finish` takes the step back once it ran: each unfinished prompt returns to the queue with its

@@ -1,10 +1,10 @@
-"""Start-up compiles (warmup.py): what a plain prompt needs before the worker serves, the rest in the
-background while it serves; a step compiles its own programs when they are still waiting; the
-compile cache where a restart finds it.
+"""Start-up compiles (warmup.py): what serves any prompt before the worker serves, the rest in the
+background while it serves, the most asked for first (only those while steps run); what is compiled
+grows as each finishes; the compile cache where a restart finds it.
 
 A fake engine whose compiles can be held checks the order and who compiles what (each program once);
-the tiny model checks that prompts served while the background compiles get what a fully compiled
-engine gives, and that nothing compiles once the background is done."""
+the tiny model checks that prompts served before the background starts compile nothing and get what a
+fully compiled engine gives, and that nothing compiles once the background is done."""
 
 from __future__ import annotations
 
