@@ -142,6 +142,11 @@ prefill_padding_share = _pd(Gauge, "prefill_padding_share",
 prefill_compiles_pending = _pd(Gauge, "prefill_compiles_pending",
                                "Start-up programs (step shapes, samplers) the prefill worker has still to compile "
                                "while it serves; 0 once every shape is compiled")
+prefill_programs_compiled = _pd(Gauge, "prefill_programs_compiled",
+                                "Start-up programs (step shapes, samplers) the prefill worker has compiled; its steps "
+                                "pack only into those")
+prefill_programs_total = _pd(Gauge, "prefill_programs_total",
+                             "Start-up programs (step shapes, samplers) the prefill worker compiles in all")
 
 # ---- outcomes (counters) ---------------------------------------------------------
 request_success = _pd(Counter, "request_success", "Requests that finished, by finish reason", ("finished_reason",),
@@ -165,6 +170,9 @@ uncached_prompt_tokens = _pd(Counter, "uncached_prompt_tokens",
                              "Prompt tokens past the blocks the decode worker had cached, by the tier that prefilled "
                              "them: decode (a local prefill) or prefill (which may take more from its own prefix KV)",
                              ("tier",))
+prefill_compile_waits = _pd(Counter, "prefill_compile_waits",
+                            "Prefill steps that waited for a program to compile (0 while every step packs into "
+                            "compiled shapes)")
 shared_prompt_choices = _pd(Counter, "shared_prompt_choices",
                             "Choices after the first of requests with n > 1, by where they went: shared (choice 0's "
                             "decode worker, reusing its prompt KV) or own (it had no room, or choice 0 placed none)",

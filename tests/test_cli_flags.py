@@ -179,7 +179,7 @@ UP_COMMAND_LINES = [
     ["--quantization", "int8", "--prefill-weight-dtype", "fp8", "--kv-dtype", "int8", "--cpu-matmul", "float32",
      "--compilation-cache", "none", "--kv-streams", "2", "--prefill-order", "fifo", "--max-num-batched-tokens", "128",
      "--max-prefill-chunk", "64", "--prefix-cache-bytes", "0", "--kv-cache-memory", "1GiB", "--decode-device", "cpu"],
-    ["--decode-engine", "vllm", "--decode-weight-dtype", "bfloat16"],
+    ["--decode-engine", "vllm", "--decode-weight-dtype", "bfloat16", "--compile-cache-dir", "/shared/jax-cache"],
     ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'],
     ["--kv-events-config", '{"enable_kv_cache_events": true, "replay_endpoint": "tcp://*:5600", "topic": "kv@{worker}"}',
      "--prefix-caching-hash-algo", "sha256_cbor"],
@@ -200,6 +200,8 @@ def test_pdserve_up_hands_each_tier_the_config_it_built(tiny_model, up_argv):
     coordinator, prefill, decode = tiers
     if "--decode-engine" in up_argv:
         assert (decode.engine, decode.block_size, decode.weight_dtype) == ("vllm", cli.VLLM_BLOCK_SIZE, "bfloat16")
+    if "--compile-cache-dir" in up_argv:  # one directory for every prefill worker (its canonical spelling)
+        assert config_to_argv(prefill)[-2:] == ["--compilation-cache", "/shared/jax-cache"]
     if "--quantization" in up_argv:  # vLLM's spelling quantizes both tiers, over --prefill-weight-dtype
         assert (prefill.weight_dtype, decode.weight_dtype) == ("int8", "int8")
         assert (decode.kv_dtype, decode.device) == ("int8", "cpu")

@@ -61,15 +61,17 @@ class PrefillConfig(KvOffloadingConfig):
     ep x tp, sharding.py): each device holds num_experts / (ep x tp) whole experts, the attention and dense
     weights split over tp as without it (and replicated over ep). vLLM's --enable-expert-parallel takes
     EP = TP x DP; pdserve has no data-parallel axis, so the size is given. 1: the experts split over tp."""
-    compilation_cache: str | Path = "auto"
-    """JAX's persistent compilation cache, in which a restart (or a pod sharing the volume) finds the
-    start-up compiles instead of redoing them: auto: $JAX_COMPILATION_CACHE_DIR when set, else the
-    machine's ($PDSERVE_CACHE/jax-compilation-cache, ~/.cache/pdserve by default); a directory; none: off."""
+    compilation_cache: str | Path = field(default="auto", metadata=flag("--compilation-cache", "--compile-cache-dir"))
+    """JAX's persistent compilation cache, in which a restart (or a replacement worker, or every worker of a
+    deployment given one directory on a shared filesystem) finds the compiles instead of redoing them, so it
+    starts warm: auto: $JAX_COMPILATION_CACHE_DIR when set, else the machine's ($PDSERVE_CACHE/jax-compilation-cache,
+    ~/.cache/pdserve by default); a directory; none: off."""
     compile_before_serving: CompileBeforeServing = "common"
-    """What compiles before the worker serves: common: the step shapes of prompts without context and
-    sampling without penalties, the rest (chunked prompts' later chunks, cached prefixes' suffixes,
-    penalties) while it serves, on one thread while no prompt waits (a request that needs one first
-    compiles it); all: every shape (a slice of several processes always does)."""
+    """What compiles before the worker serves: common: what serves any prompt (every step shape without
+    context, one with the largest context, sampling, penalized sampling at its largest shape); the rest
+    compile on one thread while it serves, most asked for first, and meanwhile steps pack into the shapes
+    compiled (a long prompt in more chunks): no request waits for a compile; all: every shape (a slice of
+    several processes always does)."""
     coordinator_address: str | None = None
     """Multi-host slices: host:port of process 0's jax.distributed coordinator (or JAX_COORDINATOR_ADDRESS);
     every host runs this worker with the same flags: process 0 serves, the others replay its steps

@@ -12,8 +12,10 @@ Life cycle of a prompt here:
    longer than --max-prefill-chunk, or than what is left of the budget, runs over several steps
    (chunked prefill); a segment's context, the KV of its prompt's earlier tokens, goes beside the
    buffer (its own static bucket), and attention (attention.py) reads it. Every (tokens, context)
-   shape is one of `shapes()`, compiled at start (`warmup`; a serving worker compiles the rarer ones while
-   it serves, and a step whose shape is still waiting compiles it first: warmup.py).
+   shape is one of `shapes()`, and a step packs only into one already compiled (`compiled`): a serving
+   worker compiles the rarer ones while it serves (warmup.py), and meanwhile a prompt is cut into the
+   chunks a compiled shape holds, its context padded to a compiled bucket, so no step waits for a
+   compile (step_compiles.py counts any that does: `pdserve_prefill_compile_waits`).
    Each step's speed is measured for the coordinator's expected-wait admission (rates.py).
    `job.started` resolves at the first segment: the prompt's KV stream opens now, and the decode
    worker's lease with it.
@@ -37,9 +39,11 @@ Life cycle of a prompt here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 
 import jax
 import numpy as np
@@ -64,8 +68,10 @@ from pdserve.server.prefill.rates import PrefillRates
 from pdserve.server.prefill.replay import SliceLeader
 from pdserve.server.prefill.scheduler import PrefillScheduler, Segment, packed_tokens
 from pdserve.server.prefill.step_inputs import StepInputs
-from pdserve.server.prefill.shapes import bucket_length, context_buckets, padded, pow2, token_buckets
-from pdserve.server.prefill.step_packing import StepShape, step_inputs
+from pdserve.server.prefill.shapes import (CompiledShapes, StepShape, bucket_length, context_buckets, padded, pow2,
+                                           prompt_shapes, token_buckets)
+from pdserve.server.prefill.step_compiles import watch
+from pdserve.server.prefill.step_packing import step_inputs
 from pdserve.server.prefill.warmup import Warmup, cores
 from pdserve.server.structured.constraint import Constraint
 from pdserve.server.structured.grammars import Grammars
@@ -158,8 +164,9 @@ class PrefillEngine:
         self.replay: SliceLeader | None = None
         """On process 0 of a slice of several processes: sends each step to the others before running it."""
         self.compiling: Warmup | None = None
-        """The start-up compiles still going on while the worker serves (warmup.py); a step makes sure of
-        its own programs first."""
+        """The start-up compiles (warmup.py) of a worker that serves: what is compiled so far, the rest
+        compiling in the background. None: every shape counts as compiled (`warmup()` compiled them, or
+        each compiles on its first step)."""
         kv_events = KvEventRecorder(MEDIUM_CPU) if config.kv_events and config.kv_events.enabled else None
         self.prefix = PrefixKv(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                head_dim=model_config.head_dim, dtype=np.dtype(self.dtype),
@@ -168,16 +175,22 @@ class PrefillEngine:
                                offload=self._open_offload(kv_events))
         buckets = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
         self.rates = PrefillRates(buckets)
+        rows = [1 << i for i in range(pow2(config.max_batch_size).bit_length())]
+        self._every = CompiledShapes.every(self.token_buckets, self.context_buckets, rows, buckets)
         self.scheduler: PrefillScheduler[PrefillJob] = PrefillScheduler(
             config.prefill_order, bucket=self._bucket, max_batch_size=config.max_batch_size,
             max_batch_tokens=config.max_batch_tokens, max_chunk=config.max_prefill_chunk,
-            max_context=self.max_len, ageing_tokens_per_s=config.prefill_ageing, seconds=self.rates.seconds)
+            max_context=self.max_len, ageing_tokens_per_s=config.prefill_ageing, seconds=self.rates.seconds,
+            token_room=lambda context: self.compiled.room(context))
         self._shapes_run: set[StepShape] = set()
         """Every step shape run: a shape's first step compiles, so is not timed."""
         self.slots = 0
         """Token slots of every step run (the buffers' sizes)."""
         self.padding = 0
         """Of those, slots that held no prompt token."""
+        self._wire_compiler = ThreadPoolExecutor(1, thread_name_prefix="compile-wire")
+        self._wire_compiles: dict[tuple[int, tuple[str, int]], Future] = {}
+        """The wire formats' compiles asked for (`_formats_on_host`), by (token slots, format)."""
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches = 0
@@ -197,10 +210,11 @@ class PrefillEngine:
         return store
 
     def close(self) -> None:
-        """On process 0 of a slice: tells the other processes to stop (nothing to do on one process); the offload
-        tiers' threads end after their queued saves."""
+        """On process 0 of a slice: tells the other processes to stop; drops the wire formats' compiles not begun;
+        the offload tiers' threads end after their queued saves."""
         if self.replay is not None:
             self.replay.stop()
+        self._wire_compiler.shutdown(wait=False, cancel_futures=True)
         if self.prefix.offload is not None:
             self.prefix.offload.close()
 
@@ -212,10 +226,30 @@ class PrefillEngine:
         power-of-two rows up to max_batch_size come with each)."""
         return [StepShape(t, c) for c in self.context_buckets for t in self.token_buckets]
 
+    @property
+    def compiled(self) -> CompiledShapes:
+        """The shapes a step may pack into (warmup.py's, growing as they compile)."""
+        return self.compiling.compiled if self.compiling is not None else self._every
+
+    @property
+    def _compiles_pending(self) -> bool:
+        """Start-up programs still compile in the background (what the traffic asks for counts)."""
+        return self.compiling is not None and not self.compiling.finished.is_set()
+
     def step_shape(self, step: list[Segment]) -> StepShape:
-        """The smallest shape that holds the step's packed tokens and its context."""
+        """The smallest compiled shape that holds the step's packed tokens and its context (the scheduler
+        packed it to fit one; tells the background compiles the shape it would take with all compiled)."""
         tokens, context = packed_tokens(step), sum(s.start for s in step)
-        return StepShape(padded(self.token_buckets, tokens), padded(self.context_buckets, context))
+        wanted = StepShape(padded(self.token_buckets, tokens), padded(self.context_buckets, context))
+        if self._compiles_pending:
+            self.compiling.ask(wanted)
+        return self.compiled.step_shape(tokens, context) or wanted
+
+    def _penalized(self, rows: int, length: int) -> tuple[int, int]:
+        """The compiled (rows, prompt length) penalized sampling pads to (step_packing.py)."""
+        if self._compiles_pending:
+            self.compiling.ask(("penalized", rows, length))
+        return self.compiled.penalized_shape(rows, length) or (rows, length)
 
     @property
     def padding_share(self) -> float:
@@ -253,6 +287,9 @@ class PrefillEngine:
                 job.context = self._new_context(job)
                 job.context[0, :, : job.computed], job.context[1, :, : job.computed] = hit
                 metrics.prefill_prefix_cache_hits.inc(job.computed)
+        if self._compiles_pending:
+            self.compiling.ask(*prompt_shapes(job.num_tokens, job.computed, self.scheduler.max_chunk,
+                                              self.token_buckets, self.context_buckets))
         self.scheduler.add(job, due)
         self._wakeup.set()
         if self._task is None or self._task.done():
@@ -302,7 +339,13 @@ class PrefillEngine:
                 self.compiling.resume()
             if not step:
                 self._wakeup.clear()
-                await self._wakeup.wait()
+                if len(self.scheduler) and self._compiles_pending:
+                    # a prompt no compiled shape holds yet (blocks larger than the first set's context chunk):
+                    # tried again as the background compiles more
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), 0.1)
+                else:
+                    await self._wakeup.wait()
                 continue
             for s in step:
                 if not s.job.started.done():
@@ -339,15 +382,21 @@ class PrefillEngine:
 
     def _run(self, step: list[Segment[PrefillJob]], shape: StepShape, loop: asyncio.AbstractEventLoop) -> None:
         """Runs one step (in a worker thread), handing each job its KV and, at its last segment, its first token."""
-        inputs, offsets = step_inputs(step, shape, self.model_config, self.dtype, self.vocab_size, self._bucket)
-        if self.compiling is not None:
-            self.compiling.ensure_step(shape, inputs)
+        inputs, offsets = step_inputs(step, shape, self.model_config, self.dtype, self.vocab_size, self._bucket,
+                                      self._penalized)
+        on_host = self._formats_on_host(shape, inputs.formats)
+        if on_host:
+            inputs = replace(inputs, formats=tuple(f for f in inputs.formats if f not in on_host))
         keep = [s for s in step if not s.last or self.prefix.enabled]  # whose compute-dtype KV the host keeps
         for s in keep:
             if s.job.context is None:
                 s.job.context = self._new_context(s.job)
-        out = self.dispatch(inputs) if self.replay is None else self.replay.run(inputs, self.dispatch)
-        for _, _, k, v in out.kv if keep else ():
+        with watch() as compiles:
+            out = self.dispatch(inputs) if self.replay is None else self.replay.run(inputs, self.dispatch)
+        if compiles:
+            metrics.prefill_compile_waits.inc()
+            log.warning("prefill step of shape %s waited for %d program(s) to compile", shape, len(compiles))
+        for _, _, k, v in out.kv if keep or on_host else ():
             k.copy_to_host_async()
             v.copy_to_host_async()
         if out.prompt_logprobs is not None:
@@ -367,14 +416,19 @@ class PrefillEngine:
 
         for start, wire, k, v in out.kv:
             host = {f: tuple(None if a is None else np.asarray(a) for a in arrays) for f, arrays in wire.items()}
-            if keep:
-                hk, hv = np.asarray(k), np.asarray(v)  # [l, 1, T, Hkv, D]
-                for s in keep:
-                    off = offsets[step.index(s)]
-                    s.job.context[0, start : start + hk.shape[0], s.start : s.end] = hk[:, 0, off : off + s.length]
-                    s.job.context[1, start : start + hk.shape[0], s.start : s.end] = hv[:, 0, off : off + s.length]
+            if keep or on_host:
+                ck, cv = np.asarray(k), np.asarray(v)  # [l, 1, T, Hkv, D] in the compute dtype
+            for s in keep:
+                off = offsets[step.index(s)]
+                s.job.context[0, start : start + ck.shape[0], s.start : s.end] = ck[:, 0, off : off + s.length]
+                s.job.context[1, start : start + ck.shape[0], s.start : s.end] = cv[:, 0, off : off + s.length]
             for i, s in enumerate(step):
                 job, off, bs = s.job, offsets[i], s.job.block_size
+                if (job.kv_dtype, bs) in on_host:  # the segment's tokens alone: its blocks are the buffer's
+                    piece = KvTensors(start, s.start, *_wire_format(ck[:, 0, off : off + s.length],
+                                                                    cv[:, 0, off : off + s.length], job))
+                    self._put(loop, job, piece)
+                    continue
                 hk, hv, hks, hvs = host[job.kv_dtype, bs]
                 b0, nb = off // bs, -(-s.length // bs)
                 piece = KvTensors(start, s.start, hk[:, 0, off : off + s.length], hv[:, 0, off : off + s.length],
@@ -402,11 +456,28 @@ class PrefillEngine:
     def _host_wire(self, job: PrefillJob, layer_start: int, token_start: int, token_end: int) -> KvTensors:
         """Tokens [token_start, token_end) of the job's host context (all layers) in its wire format."""
         k, v = (job.context[i, :, token_start:token_end] for i in (0, 1))  # [L, n, Hkv, D]
-        if job.kv_dtype in QUANTIZED:
-            (qk, ks), (qv, vs) = (host_quant.quantize(x.astype(np.float32), job.block_size, job.kv_dtype) for x in (k, v))
-            return KvTensors(layer_start, token_start, qk, qv, ks, vs)
-        wire = NUMPY_DTYPES[job.kv_dtype]
-        return KvTensors(layer_start, token_start, k.astype(wire), v.astype(wire))
+        return KvTensors(layer_start, token_start, *_wire_format(k, v, job))
+
+    def _formats_on_host(self, shape: StepShape, formats: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
+        """The step's wire formats (dtype, block size: the decode workers', learned per request) whose device
+        programs a serving worker has not compiled for the shape yet: the host converts the KV to those
+        (`_wire_format`, kvcache/quant.py's reference) while one thread compiles them; none for an engine
+        whose every program compiles on its first step."""
+        if self.compiling is None:
+            return ()
+        missing = tuple(f for f in formats if not self.runner.wire_compiled(shape.tokens, f))
+        for fmt in missing:
+            if (shape.tokens, fmt) not in self._wire_compiles:
+                self._wire_compiles[shape.tokens, fmt] = self._wire_compiler.submit(self._compile_wire,
+                                                                                     shape.tokens, fmt)
+        return missing
+
+    def _compile_wire(self, tokens: int, fmt: tuple[str, int]) -> None:
+        try:
+            self.runner.compile_wire(tokens, fmt)
+        except Exception:
+            log.exception("prefill: compiling the KV's wire format %s for %d token slots failed; the host "
+                          "converts it", fmt, tokens)
 
     @staticmethod
     def _take_prompt_logprobs(step: list[Segment[PrefillJob]], offsets: list[int], computed: tuple) -> None:
@@ -450,6 +521,16 @@ class PrefillEngine:
         (A worker that serves compiles the common ones first and the rest while it serves: warmup.py.)"""
         plan = Warmup(self, shapes)
         return plan.compile(plan.jobs, threads=cores(), progress=progress)
+
+def _wire_format(k: np.ndarray, v: np.ndarray, job: PrefillJob) -> tuple:
+    """k, v [L, n, Hkv, D] on the host, the first on a block boundary, in the job's wire format: (k, v, k
+    scales, v scales), fp8_e4m3/int8 quantized by the numpy reference (kvcache/quant.py), scales None else."""
+    if job.kv_dtype in QUANTIZED:
+        (qk, ks), (qv, vs) = (host_quant.quantize(x.astype(np.float32), job.block_size, job.kv_dtype) for x in (k, v))
+        return qk, qv, ks, vs
+    wire = NUMPY_DTYPES[job.kv_dtype]
+    return k.astype(wire), v.astype(wire), None, None
+
 
 def _resolve(future: asyncio.Future, value) -> None:
     if not future.done():

@@ -101,6 +101,9 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     metrics.prefill_queued_seconds.set_function(lambda: queued_seconds(engine.load(waits=False)))
     metrics.prefill_padding_share.set_function(lambda: engine.padding_share)
     metrics.prefill_compiles_pending.set_function(lambda: engine.compiling.pending if engine.compiling else 0)
+    metrics.prefill_programs_compiled.set_function(lambda: engine.compiling.done if engine.compiling else 0)
+    metrics.prefill_programs_total.set_function(lambda: len(engine.compiling.jobs) if engine.compiling else 0)
+    metrics.prefill_compile_waits.inc(0)  # exported from the start, at 0
     metrics.num_requests_running.set_function(lambda: service.active)
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("prefill worker listening on %s:%d", config.host, port)
@@ -113,8 +116,8 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
 def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = False) -> PrefillEngine:
     """The model loaded (and sharded over the device mesh), every batch shape compiled; `serving`: only
     those --compile-before-serving names, the rest compiling in the background (warmup.py) while the
-    worker serves. On process 0 of a slice of several processes, once the others have connected, the
-    engine sends them every step."""
+    worker serves, its steps packed into the shapes compiled so far (`engine.compiling`). On process 0
+    of a slice of several processes, once the others have connected, the engine sends them every step."""
     use_compilation_cache(config.compilation_cache)  # before the first compile
     leader = None
     if start_distributed(config.coordinator_address, config.num_processes, config.process_id):
@@ -168,8 +171,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
              engine.matmul_path.split(" (")[0], len(first), len(warmup.jobs),
              len(engine.shapes()), compile_s,
              "" if warmup.finished.is_set() else "; the others compile while it serves, when no prompt waits")
+    engine.compiling = warmup  # its programs' count and what is compiled, for the metrics and the steps
     if not warmup.finished.is_set():
-        engine.compiling = warmup
         warmup.start(threads=1)
     if leader is not None:
         leader.accept()
@@ -237,7 +240,7 @@ async def serve(config: PrefillConfig, options: serving.WorkerOptions = serving.
         return
     worker = await start(config, options, engine)
     log.info("prefill worker ready %.1f s after it began loading the model%s", time.perf_counter() - t0,
-             "" if engine.compiling is None else f"; {engine.compiling.pending} start-up programs left to compile")
+             "" if not engine.compiling.pending else f"; {engine.compiling.pending} start-up programs left to compile")
     await serve_until_signal(worker, "prefill", options.drain_seconds)
 
 

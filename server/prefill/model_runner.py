@@ -71,6 +71,11 @@ class ModelRunner:
                                                 top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)), **out)
         self._quantize_kv = jax.jit(quantize_kv_masked, static_argnames=("block_size", "fmt"), **out)
         self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",), **out)
+        self._kv_avals: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}
+        """A layer group's k [l, 1, T, Hkv, D] as its program returns it, by (token slots, layers): what the
+        wire formats' programs take (`compile_wire`)."""
+        self._wire_compiled: set[tuple[int, str, int]] = set()
+        """(token slots, dtype, block size) of the wire formats `compile_wire` compiled."""
 
     def dispatch(self, inputs: StepInputs, to_host: bool = True) -> StepOutputs:
         """Dispatches one step's programs, in this order (on every process of a slice): embed, each layer
@@ -126,12 +131,35 @@ class ModelRunner:
                 done.add((size, x.sharding))
                 context = spec((size, 1, shape.context, c.num_kv_heads, c.head_dim), self.dtype)
                 x, k, _ = _avals(self._group.lower(layers, x, cos, sin, packing, context, context).compile())
+                self._kv_avals[shape.tokens, size] = k
                 for dtype in casts:
                     self._cast.lower(k, dtype=dtype).compile()
         logits = [_avals(self._head.lower(self.params, x, spec((r,), jnp.int32)).compile())[0]
                   for r in (1 << i for i in range(pow2(self.max_batch_size).bit_length()))]
         self._prompt_logprobs.lower(self.params, x, ints).compile()
         return logits  # [R, V] at each row count R
+
+    def wire_compiled(self, tokens: int, fmt: tuple[str, int]) -> bool:
+        """Whether a step of `tokens` slots (its shape compiled by `compile_step`) converts its KV to the wire
+        format `fmt` (dtype, block size) with programs compiled: the compute dtype needs none, float32 and
+        bfloat16 casts come with the step, the others once `compile_wire` compiled them."""
+        dtype, block_size = fmt
+        if dtype not in QUANTIZED and (jnp.dtype(dtype) == self.dtype or dtype in ("float32", "bfloat16")):
+            return True
+        return (tokens, dtype, block_size) in self._wire_compiled
+
+    def compile_wire(self, tokens: int, fmt: tuple[str, int]) -> None:
+        """The KV's conversion to the wire format `fmt` (dtype, block size: the decode workers', learned per
+        request) for a compiled step shape of `tokens` slots, every layer group's size."""
+        dtype, block_size = fmt
+        valid = jax.ShapeDtypeStruct((1, tokens), jnp.bool_)  # [1, T]
+        for size in sorted({size for _, size in self.groups}):
+            k = self._kv_avals[tokens, size]
+            if dtype in QUANTIZED:
+                self._quantize_kv.lower(k, valid, block_size=block_size, fmt=dtype).compile()
+            else:
+                self._cast.lower(k, dtype=dtype).compile()
+        self._wire_compiled.add((tokens, dtype, block_size))
 
     def compile_sample(self, logits: jax.ShapeDtypeStruct) -> None:
         """Sampling of the logits as the head returns them (no penalties)."""

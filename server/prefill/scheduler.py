@@ -12,7 +12,9 @@ Life cycle of a prompt here:
    again: its first segment starts there.
 2. `next_step` takes the past-due prompts first (below), then walks the queue in key order, and gives
    each prompt one segment: the rest of the prompt, or as much of it as `max_chunk` and the budget
-   allow (a whole number of its blocks, so the KV it ships and caches starts on a block boundary). It
+   allow (a whole number of its blocks, so the KV it ships and caches starts on a block boundary); the
+   budget is the largest compiled shape's that holds the step's context (`token_room`), so a worker
+   still compiling runs only what it has compiled (shapes.py `CompiledShapes`). It
    stops at the first prompt that gets nothing. It skips a prompt whose segment would make a prompt
    due earlier miss its due time (below).
 3. `finish` takes the step back once it ran: each unfinished prompt returns to the queue with its
@@ -178,13 +180,16 @@ class PrefillScheduler(Generic[J]):
         ageing_tokens_per_s: float = 32.0,
         seconds: Callable[[int, int], float] = _no_rate,
         clock: Callable[[], float] = time.monotonic,
+        token_room: Callable[[int], int] | None = None,
     ):
         """bucket(n): the length bucket an n-token prompt's queued work is reported under.
         max_chunk: most tokens of one prompt in a step (default the budget). max_context: most context
         tokens (earlier segments' KV) one step reads, all its prompts together (default unbounded).
         seconds(bucket, n): expected seconds to prefill n tokens of a prompt in that bucket (the
         worker's measured rates, rates.py); by default (and while nothing is measured) 0: due times
-        change nothing."""
+        change nothing. token_room(context): the most token slots a step reading `context` tokens of
+        earlier KV may pack (the shapes compiled so far, shapes.py `CompiledShapes.room`; default: the
+        budget): a prompt is cut into chunks that fit, one whose context fits no compiled shape waits."""
         if order not in PREFILL_ORDERS:
             raise ValueError(f"--prefill-order must be one of {', '.join(PREFILL_ORDERS)}, not {order!r}")
         if not ageing_tokens_per_s > 0:
@@ -198,6 +203,7 @@ class PrefillScheduler(Generic[J]):
         self.ageing_tokens_per_s = ageing_tokens_per_s
         self.seconds = seconds
         self.clock = clock
+        self.token_room = token_room
         self._waiting: list[_Entry[J]] = []
         self._seq = itertools.count()
         self._running: list[_Entry[J]] = []
@@ -253,7 +259,7 @@ class PrefillScheduler(Generic[J]):
             if len(step) == self.max_batch_size:
                 break
             job = entry.job
-            segment = self._segment(step, job)
+            segment = self._segment(step, job, context + job.computed)
             if segment is None or (step and self.max_context is not None
                                    and context + job.computed > self.max_context):
                 break
@@ -324,7 +330,8 @@ class PrefillScheduler(Generic[J]):
         shadow: PrefillScheduler[_Shadow] = PrefillScheduler(
             self.order, bucket=self.bucket, max_batch_size=self.max_batch_size,
             max_batch_tokens=self.max_batch_tokens, max_chunk=self.max_chunk, max_context=self.max_context,
-            ageing_tokens_per_s=self.ageing_tokens_per_s, seconds=self.seconds, clock=clock)
+            ageing_tokens_per_s=self.ageing_tokens_per_s, seconds=self.seconds, clock=clock,
+            token_room=self.token_room)
         running = {id(s.job): s.end for s in self._step}  # where the running step leaves its prompts
         queued = [*self._running, *self._waiting]
         for entry in queued:
@@ -348,11 +355,15 @@ class PrefillScheduler(Generic[J]):
             if probe.computed == num_tokens or not step:
                 return waited
 
-    def _segment(self, step: list[Segment[J]], job: J) -> Segment[J] | None:
-        """job's segment if it joins `step`: as much of its rest as the chunk and the budget allow."""
+    def _segment(self, step: list[Segment[J]], job: J, context: int) -> Segment[J] | None:
+        """job's segment if it joins `step`, which then reads `context` tokens of earlier KV: as much of its
+        rest as the chunk and the budget (of a compiled shape that holds that context) allow."""
         remaining = job.num_tokens - job.computed
         align = max([job.block_size, *(s.job.block_size for s in step)])  # block sizes are powers of two
-        room = self.max_batch_tokens - sum(aligned(s.length, align) for s in step)
+        budget = self.max_batch_tokens
+        if self.token_room is not None:
+            budget = min(budget, self.token_room(context))
+        room = budget - sum(aligned(s.length, align) for s in step)
         n = min(remaining, max(self.max_chunk // job.block_size, 1) * job.block_size)
         if aligned(n, align) > room:
             n = room // align * align  # whole blocks: this is not the prompt's last segment

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -24,21 +23,11 @@ from pdserve.server.finish import blocked_ids
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.model import Packing
 from pdserve.server.prefill.scheduler import Segment, aligned
-from pdserve.server.prefill.shapes import pow2
+from pdserve.server.prefill.shapes import StepShape, pow2
 from pdserve.server.prefill.step_inputs import StepInputs
 from pdserve.server.sampling_rules import repetition_penalty_of, top_p_of
 from pdserve.server.structured.bitmask import unconstrained
 from pdserve.server.structured.constraint import Constraint
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """The static shape of one step: XLA compiles each once."""
-
-    tokens: int
-    """The packed buffer's token slots (a token bucket)."""
-    context: int
-    """Context slots (a context bucket; 0 when no segment has earlier tokens)."""
 
 
 class Job(Protocol):
@@ -57,18 +46,25 @@ class Job(Protocol):
 
 
 def step_inputs(step: list[Segment[Job]], shape: StepShape, model_config: ModelConfig, dtype, vocab_size: int,
-                bucket: Callable[[int], int]) -> tuple[StepInputs, list[int]]:
+                bucket: Callable[[int], int],
+                penalized: Callable[[int, int], tuple[int, int]] | None = None) -> tuple[StepInputs, list[int]]:
     """The step's device work as host arrays, and each segment's offset in the token buffer. dtype: the
-    compute dtype (the context's); bucket: a prompt length's bucket (the penalties' padded prompts)."""
+    compute dtype (the context's); bucket: a prompt length's bucket (the penalties' padded prompts);
+    penalized(rows, length): the compiled (rows, length) penalized sampling pads those to (default: as they are)."""
     tokens, packing, context, offsets = pack(step, shape, model_config, dtype)
     finishing = [(i, s) for i, s in enumerate(step) if s.last]
     head_rows = penalties = sampling = ahead = None
     if finishing:
         rows = pow2(len(finishing))
-        head_rows = np.zeros((rows,), np.int32)
-        head_rows[: len(finishing)] = [offsets[i] + s.length - 1 for i, s in finishing]
         jobs = [s.job for _, s in finishing]
         penalties = penalty_columns(jobs, rows, vocab_size, model_config.eos_token_ids, bucket)
+        if penalties is not None and penalized is not None:
+            compiled_rows, length = penalized(rows, penalties[0].shape[1])
+            if (compiled_rows, length) != (rows, penalties[0].shape[1]):
+                rows = compiled_rows
+                penalties = penalty_columns(jobs, rows, vocab_size, model_config.eos_token_ids, lambda n: length)
+        head_rows = np.zeros((rows,), np.int32)
+        head_rows[: len(finishing)] = [offsets[i] + s.length - 1 for i, s in finishing]
         sampling = sampling_columns(jobs, rows, vocab_size)
     if any(s.job.sampling.HasField("prompt_logprobs") for s in step):  # this pass's hidden state
         ahead = next_tokens(step, offsets, shape)

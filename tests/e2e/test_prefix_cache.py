@@ -68,7 +68,11 @@ def test_a_cached_prefix_is_not_sent_again_and_gives_transformers_tokens(cluster
     assert sent_second == per_token * (len(second) - 5 * BLOCK)  # only the tokens after the cached blocks
     assert counter(d, "pdserve_prefix_cache_hits_total") == 5 * BLOCK
     # the prefill worker computed only the 4 tokens after the same 5 blocks: the rest from its prefix KV
-    assert counter(cluster.procs["p0"].metrics(), "pdserve_prefill_prefix_cache_hit_tokens_total") == 5 * BLOCK
+    p0 = cluster.procs["p0"].metrics()
+    assert counter(p0, "pdserve_prefill_prefix_cache_hit_tokens_total") == 5 * BLOCK
+    # its steps ran only compiled programs, whatever the background had compiled by then
+    assert p0["pdserve_prefill_compile_waits_total"] == 0
+    assert 0 < p0["pdserve_prefill_programs_compiled"] <= p0["pdserve_prefill_programs_total"]
     free, total = wait_blocks_free([d0])[0]
     assert free == total  # cached blocks no sequence holds count as free
 
