@@ -11,8 +11,8 @@ fp32 pipeline (fp32 weights on both tiers, fp32 KV) on the same checkpoint and t
 - greedy agreement: how many greedy tokens from each prompt match fp32's before the first difference,
 - perplexity of the fixed text (a stretch of the Python standard library).
 
-    .venv/bin/python -m pdserve.benchmarks.accuracy                       # both models, writes benchmarks/results/
-    .venv/bin/python -m pdserve.benchmarks.accuracy --models trained --prompts 4   # quicker
+    .venv/bin/python -m pdserve.benchmarks.engine.accuracy                       # both models, writes benchmarks/results/
+    .venv/bin/python -m pdserve.benchmarks.engine.accuracy --models trained --prompts 4   # quicker
 
 Models: `trained` is the embedded default model (server/model/default, made by benchmarks.train_tiny),
 whose distributions are peaked like a real model's; `qwen-shape` is a random-weight model of
@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from pdserve.benchmarks.paths import EMBEDDED_MODEL
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED, KvLayout
 from pdserve.server.decode.kv_cache import TORCH_DTYPES, PagedKvCache
 from pdserve.server.decode.weights import build_model
@@ -62,7 +63,7 @@ SETTINGS: list[Setting] = [
     ("fp8", "fp8", "fp8_e4m3"),
     ("int8", "fp8", "fp8_e4m3"),
 ]
-DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "server" / "model" / "default"
+DEFAULT_MODEL = EMBEDDED_MODEL
 QWEN_SHAPE = dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2,
                   vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
                   tie_word_embeddings=True, initializer_range=0.02)
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=cache_dir())
     args = p.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    results = {"command": "python -m pdserve.benchmarks.accuracy " + " ".join(argv if argv is not None else sys.argv[1:]),
+    results = {"command": "python -m pdserve.benchmarks.engine.accuracy " + " ".join(argv if argv is not None else sys.argv[1:]),
                "prompts": args.prompts, "prompt_len": args.prompt_len, "text_len": args.text_len,
                "greedy_steps": args.greedy_steps, "baseline": list(BASELINE), "models": {}}
     text = fixed_text(args.trained_model, args.prompts, args.prompt_len + args.text_len)

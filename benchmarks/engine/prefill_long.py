@@ -1,12 +1,12 @@
 """Long prompts on the prefill engine: peak host memory and time vs prompt length, whole and chunked.
 
-    .venv/bin/python -m pdserve.benchmarks.prefill_long --lengths 2048,4096,8192,16384 --chunk 2048
+    .venv/bin/python -m pdserve.benchmarks.engine.prefill_long --lengths 2048,4096,8192,16384 --chunk 2048
 
 The model: Qwen2.5-0.5B's shape with --layers layers (random weights), run in float32 on the CPU.
 Each (length, chunk) point runs in its own process: the engine loads, compiles the step shapes the
 prompt needs (untimed), then prefills one prompt of that length through `PrefillEngine.submit`.
 Reported: seconds, the peak RSS above the RSS just before the prompt (sampled every 5 ms,
-benchmarks/prefill.py's PeakRss), and that peak per 1k tokens (flat or falling when memory is linear
+benchmarks/engine/prefill.py's PeakRss), and that peak per 1k tokens (flat or falling when memory is linear
 in the length). For scale, the score matrix the old whole-matrix attention built, fp32 [Hq, S, S] per
 layer, is printed beside it.
 """
@@ -28,7 +28,7 @@ def measure(model_dir: str, length: int, chunk: int) -> dict:
     """In this process: the peak RSS growth and seconds of one `length`-token prefill in chunks of `chunk`."""
     import numpy as np
 
-    from pdserve.benchmarks.prefill import PeakRss
+    from pdserve.benchmarks.engine.prefill import PeakRss
     from pdserve.v1 import generation_pb2 as gen_pb
     from pdserve.server.model.config import load_config
     from pdserve.server.model.weights import load_weights
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n, chunk in points:
         print(f"== {n} tokens, chunks of {chunk} ...", file=sys.stderr, flush=True)
-        out = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.prefill_long", "--one", f"{model}:{n}:{chunk}"],
+        out = subprocess.run([sys.executable, "-m", "pdserve.benchmarks.engine.prefill_long", "--one", f"{model}:{n}:{chunk}"],
                              capture_output=True, text=True)
         if out.returncode:
             print(out.stderr[-3000:], file=sys.stderr)

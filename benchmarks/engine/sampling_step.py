@@ -1,6 +1,6 @@
 """The native decode engine's whole step (forward, sampling, logprobs) on CPU, by sampling mix and batch.
 
-    .venv/bin/python -m pdserve.benchmarks.sampling_step [--batches 1 16] [--steps 30] [--vocab 32000]
+    .venv/bin/python -m pdserve.benchmarks.engine.sampling_step [--batches 1 16] [--steps 30] [--vocab 32000]
 
 A two-layer model of Qwen2.5-0.5B's layer shape (random weights, fp32) with a real-sized vocabulary, so that
 sampling (penalties, grammar masks, sorts over the vocabulary, logprobs) is a visible share of the step. Each
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from pdserve.benchmarks.decode_step import random_qwen_shape
+from pdserve.benchmarks.engine.decode_step import random_qwen_shape
 from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb

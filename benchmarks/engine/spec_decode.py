@@ -1,7 +1,7 @@
 """Speculative decoding (n-gram, draft model) on the native decode engine: decode tokens/s at batch 1, 4 and 16,
 with and without speculation, on a repetitive and a non-repetitive workload, with the acceptance rate, in one run.
 
-    .venv/bin/python -m pdserve.benchmarks.spec_decode [--model DIR] [--threads 1] [--methods ngram draft-small
+    .venv/bin/python -m pdserve.benchmarks.engine.spec_decode [--model DIR] [--threads 1] [--methods ngram draft-small
         draft-self] [--no-vllm] [--out runs/spec.json]
 
 The engine is the served one (`DecodeEngine`, eager CPU steps, fp32), fed as the worker feeds it: every
@@ -49,7 +49,8 @@ from pathlib import Path
 
 import torch
 
-from pdserve.benchmarks.vllm_decode_rate import vllm_rates
+from pdserve.benchmarks.engine.vllm_decode_rate import vllm_rates
+from pdserve.benchmarks.paths import EMBEDDED_MODEL
 from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
@@ -60,7 +61,7 @@ from pdserve.server.model.config import load_config
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.server.model.weights import load_weights
 
-EMBEDDED = Path(__file__).resolve().parent.parent / "server" / "model" / "default"
+EMBEDDED = EMBEDDED_MODEL
 
 
 def _sources() -> list[str]:

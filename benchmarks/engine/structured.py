@@ -8,7 +8,7 @@ token budget holds, so no constrained stream ends early and both phases run the 
 prompt is prefilled on the decode engine itself (local prefill) before its phase is timed: ITL is the gap
 between a stream's consecutive tokens, every stream of the phase pooled.
 
-    python -m pdserve.benchmarks.structured --out results/structured [--layers 24] [--tokens 32] [--reps 3]
+    python -m pdserve.benchmarks.engine.structured --out results/structured [--layers 24] [--tokens 32] [--reps 3]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `vllm_rates` (called by `moe_decode.py` and `spec_decode.py`, from pdserve's venv) runs this file with
 .venv-vllm's python (that venv need not have pdserve installed), bound to core 0 (its process pinned there, VLLM_CPU_OMP_THREADS_BIND=0):
 
-    .venv-vllm/bin/python benchmarks/vllm_decode_rate.py --model DIR --runs runs.json --max-tokens 64 \
+    .venv-vllm/bin/python benchmarks/engine/vllm_decode_rate.py --model DIR --runs runs.json --max-tokens 64 \
         [--speculative-config JSON] --out rates.json
 
 runs.json is a list of runs, each a list of prompts (token ids); one engine runs them in turn. In a run every
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # run as a file: no pdserve import
 
 
 def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, repeats: int, work: Path,
@@ -34,7 +34,7 @@ def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, re
     runs_file, out = work / "runs.json", work / "vllm-rates.json"
     runs_file.write_text(json.dumps([r for r in runs for _ in range(repeats)]))
     out.unlink(missing_ok=True)
-    # -P: this file's folder (benchmarks/, whose profile.py would shadow the standard library's) off sys.path
+    # -P: this file's folder (benchmarks/engine/) off sys.path: its modules would shadow top-level ones of their names
     cmd = [str(VLLM_PYTHON), "-P", str(Path(__file__)), "--model", str(model_dir), "--runs", str(runs_file),
            "--max-tokens", str(max_tokens), "--out", str(out)]
     if speculative_config:

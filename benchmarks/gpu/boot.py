@@ -5,12 +5,12 @@ The device image (torch 2.11 + CUDA 13, JAX 0.11, Triton, transformers, promethe
 grpcio 1.84) reaches no package registry. What pdserve needs beyond it travels with the command as the exact
 wheels of `WHEELS` (~13 MB of the 64 MiB a run may carry), downloaded here first:
 
-    python benchmarks/gpu_boot.py download               # here: pip download the wheels into .whl/ (ignored)
+    python benchmarks/gpu/boot.py download               # here: pip download the wheels into .whl/ (ignored)
     run(command="python3 benchmarks/gpu.py --out $OUT", carry=[".whl"])   # there
 
 `benchmarks/gpu.py` calls `carry(.whl)` before it imports anything else: every wheel is unpacked (a wheel is a
 zip of what site-packages gets) into a temporary directory put first on sys.path, and on PYTHONPATH for the
-processes it starts, so the carried grpcio/protobuf win over the image's. `python benchmarks/gpu_boot.py cli
+processes it starts, so the carried grpcio/protobuf win over the image's. `python benchmarks/gpu/boot.py cli
 ARGS` runs `pdserve ARGS` from the checkout (the served pair's workers and coordinator).
 
 Standard library only: it runs before anything is importable.
@@ -29,7 +29,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 """The checkout."""
 
 WHEELS: dict[str, str] = {
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         for module, version in versions().items():
             print(f"{module}: {version}")
         return 0
-    print("usage: gpu_boot.py download [DIR] | cli PDSERVE_ARGS... | versions", file=sys.stderr)
+    print("usage: benchmarks/gpu/boot.py download [DIR] | cli PDSERVE_ARGS... | versions", file=sys.stderr)
     return 2
 
 

@@ -1,8 +1,8 @@
 """Prefill MFU of the served path (PrefillEngine, JAX) on a GPU, against the bf16 matmul rate measured
 in the same run.
 
-    python -m pdserve.benchmarks.gpu_prefill --out DIR         # on the H200 (benchmarks/gpu.py calls run())
-    python -m pdserve.benchmarks.gpu_prefill --dry-run         # anywhere: a tiny model at tiny lengths, on CPU
+    python -m pdserve.benchmarks.gpu.prefill --out DIR         # on the H200 (benchmarks/gpu.py calls run())
+    python -m pdserve.benchmarks.gpu.prefill --dry-run         # anywhere: a tiny model at tiny lengths, on CPU
 
 1. A Llama-3-8B-shaped model (32 layers, hidden 4096, 32 q / 8 kv heads, MLP 14336, vocab 128256) with
    random bf16 weights made on the device (no checkpoint, no download), in load_params' layout (the
@@ -13,7 +13,7 @@ in the same run.
    fp32 accumulation: the MLP's widest matmul at the same token count), then one prompt of T tokens
    from enqueue to its first token, repetition after repetition (one untimed first).
    MFU = model FLOPs / time / the matmul rate; also against the H200's dense bf16 peak (989 TFLOP/s).
-   FLOPs as benchmarks/prefill.py counts them (weights x 2T + causal attention + the last lm_head row).
+   FLOPs as benchmarks/engine/prefill.py counts them (weights x 2T + causal attention + the last lm_head row).
 Memory: XLA_PYTHON_CLIENT_PREALLOCATE=false (set here unless the caller set it before importing jax).
 """
 
@@ -27,6 +27,8 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from pdserve.benchmarks.paths import RESULTS
 
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -119,7 +121,7 @@ def run(out_dir: str | Path, *, dry_run: bool = False, lengths: tuple[int, ...] 
 
     import jax
 
-    from pdserve.benchmarks.prefill import prefill_flops
+    from pdserve.benchmarks.engine.prefill import prefill_flops
     from pdserve.v1 import generation_pb2 as gen_pb
     from pdserve.server.model.config import parse_config
     from pdserve.server.prefill.config import PrefillConfig
@@ -192,8 +194,8 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_prefill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "gpu_prefill")
+    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.gpu.prefill", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=RESULTS / "gpu_prefill")
     p.add_argument("--dry-run", action="store_true", help="a tiny model at tiny lengths on CPU: checks it end to end")
     p.add_argument("--lengths", help="comma-separated prompt lengths (default 512,4096,16384; dry run 32,64,128)")
     p.add_argument("--reps", type=int, default=3)

@@ -1,13 +1,14 @@
 """pdserve on one GPU (the lent H200): every figure beside a ceiling measured in the same run, correctness first,
 and a run that cannot lose its results.
 
-    python benchmarks/gpu_boot.py download                               # here, once: the wheels to carry
+    python benchmarks/gpu/boot.py download                               # here, once: the wheels to carry
     python3 benchmarks/gpu.py --out "$OUT"                                # there, carry=[".whl"]: no install
     python benchmarks/gpu.py --device cpu --dry-run --out /tmp/gpu        # tiny sizes, every stage, any machine
 
-Run from a checkout as a file, it finds the `pdserve` package in the checkout itself and first unpacks the
-wheels in .whl/ (`gpu_boot.carry`: what the device image lacks, e.g. grpcio >= 1.85.1 for the generated stubs),
-then prints the version and place of everything it imports.
+`benchmarks/gpu.py`, run as a file from a checkout, finds the `pdserve` package in the checkout itself and runs
+this module (`python -m pdserve.benchmarks.gpu` where pdserve is installed), which first unpacks the wheels in
+.whl/ (`boot.carry`: what the device image lacks, e.g. grpcio >= 1.85.1 for the generated stubs), then prints
+the version and place of everything it imports.
 
 Life of a run, inside one budget (--time-limit, 500 s for one 600 s device call):
 1. Each stage runs in its own process (`--stage NAME`), under a deadline derived from what is left of the budget
@@ -22,12 +23,12 @@ Life of a run, inside one budget (--time-limit, 500 s for one 600 s device call)
    weights compute); `decode` (the served engine, `startup.engine_for_model`, for a random Llama-3-8B-shape bf16
    model: batch 1 against the weight-streaming floor (target 0.85), batch 64 at 4k against the bandwidth
    roofline (target 0.7), each row naming the runner its steps took, graphs or eager; fp8 weights against bf16
-   at batch 1, target faster); `kernels` (`gpu_kernels`: the paged kernel's verify form against the reference
+   at batch 1, target faster); `kernels` (`gpu/kernels.py`: the paged kernel's verify form against the reference
    and the fused MoE kernels and torch's grouped matmul step against the grouped loop, then verify attention time
    vs k against the single-query kernel, and the fused MoE step of a Mixtral-shape layer vs batch against the
-   read bandwidth, beside torch's grouped matmul); `prefill` (`gpu_prefill.run`: the served JAX path's MFU at 512 and 4k tokens),
+   read bandwidth, beside torch's grouped matmul); `prefill` (`gpu/prefill.py`'s `run`: the served JAX path's MFU at 512 and 4k tokens),
    then `prefill-16k` on its own (only once the 512 and 4k rows are in); `handoff` (KvSender -> KvReceiver ->
-   the decode cache on the device, against raw grpcio); `served` (`gpu_served`: a prefill worker, a decode
+   the decode cache on the device, against raw grpcio); `served` (`gpu/served.py`: a prefill worker, a decode
    worker and a coordinator as processes, greedy parity with transformers, TTFT/ITL through the gRPC API).
 4. A row with a target reads met or MISSED only when the checks it rests on passed; else `unverified`.
 Exit status: 0 when every check passed and every stage ended, else 1.
@@ -35,33 +36,26 @@ Exit status: 0 when every check passed and every stage ended, else 1.
 
 from __future__ import annotations
 
-import importlib.util
+import argparse
+import asyncio
+import gc
+import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-if __package__ in (None, ""):  # run as a file from a checkout: the package is the checkout itself
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]  # benchmarks/datasets.py etc.
-    _spec = importlib.util.spec_from_file_location("pdserve_gpu_boot", _here / "gpu_boot.py")
-    gpu_boot = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(gpu_boot)
-    gpu_boot.checkout_package()
-else:
-    from pdserve.benchmarks import gpu_boot
+from pdserve.benchmarks.gpu import boot as gpu_boot
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import subprocess  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import traceback  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from dataclasses import asdict, dataclass, fields  # noqa: E402
+SCRIPT = Path(__file__).resolve().parents[1] / "gpu.py"
+"""`benchmarks/gpu.py`, the file each stage's process runs (as the device runs the whole: no install needed)."""
 
 GB = 1e9
 _T0 = time.perf_counter()
@@ -222,7 +216,7 @@ class StageResult:
 def ceilings(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
     import torch
 
-    from pdserve.benchmarks.gpu_decode import _best
+    from pdserve.benchmarks.gpu.decode import _best
 
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -256,7 +250,7 @@ def ceilings(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
 
 
 def correctness(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
-    from pdserve.benchmarks import gpu_checks
+    from pdserve.benchmarks.gpu import checks as gpu_checks
     from pdserve.server.decode.cuda_attention import have_triton
 
     interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
@@ -273,7 +267,7 @@ def correctness(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
 async def _decode(plan: Plan, config, device, out: StageResult) -> None:
     import torch
 
-    from pdserve.benchmarks import gpu_decode
+    from pdserve.benchmarks.gpu import decode as gpu_decode
     from pdserve.server.decode.config import DecodeConfig
     from pdserve.server.decode.quant import quantize
     from pdserve.server.decode.startup import engine_for_model
@@ -356,14 +350,14 @@ def decode(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
 
 
 async def _point(engine, batch: int, ctx: int, plan: Plan, kv):
-    from pdserve.benchmarks import gpu_decode
+    from pdserve.benchmarks.gpu import decode as gpu_decode
 
     return await gpu_decode.run_point(engine, batch, ctx, plan.warmup, plan.steps, kv, seed=batch * 7919 + ctx, log=log)
 
 
 def _prefill(out: StageResult, dry_run: bool, lengths: tuple[int, ...] | None) -> None:
-    """benchmarks/gpu_prefill.py's served-path MFU (`gpu_prefill.run`), its files beside the stage's."""
-    from pdserve.benchmarks import gpu_prefill
+    """benchmarks/gpu/prefill.py's served-path MFU (its `run`), its files beside the stage's."""
+    from pdserve.benchmarks.gpu import prefill as gpu_prefill
 
     log(f"prefill: gpu_prefill.run at lengths {lengths or 'its own'}")
     result = gpu_prefill.run(out.path.parent, dry_run=dry_run, lengths=lengths,
@@ -389,10 +383,10 @@ async def _handoff(config, plan: Plan, device, out: StageResult) -> None:
     import numpy as np
     import torch
 
-    from pdserve.benchmarks import kv_push
+    from pdserve.benchmarks.kv import push as kv_push
     from pdserve.benchmarks.ceilings import grpc_loopback_gbps
-    from pdserve.benchmarks.gpu_checks import Check
-    from pdserve.benchmarks.gpu_decode import random_kv
+    from pdserve.benchmarks.gpu.checks import Check
+    from pdserve.benchmarks.gpu.decode import random_kv
     from pdserve.kvcache.layout import KvLayout
     from pdserve.kvcache.receiver import KvReceiver
     from pdserve.kvcache.grpc_sender import GrpcKvTransport
@@ -443,8 +437,8 @@ def handoff(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
 
 
 def kernels(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
-    from pdserve.benchmarks import gpu_kernels
-    from pdserve.benchmarks.gpu_checks import Check
+    from pdserve.benchmarks.gpu import kernels as gpu_kernels
+    from pdserve.benchmarks.gpu.checks import Check
 
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         out.note("kernels: skipped (a CPU without TRITON_INTERPRET=1)")
@@ -453,7 +447,7 @@ def kernels(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
 
 
 def served(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
-    from pdserve.benchmarks import gpu_served
+    from pdserve.benchmarks.gpu import served as gpu_served
 
     gpu_served.run(out, device, dry_run=dry_run, row_type=Row, log=log)
 
@@ -565,7 +559,7 @@ def _launch(stage: Stage, args, work: Path, report: Report, seconds: float, logf
     part_path = work / f"{stage.name}.json"
     context = work / "context.json"
     context.write_text(json.dumps({"ceilings": report.doc["ceilings"], "checks": report.doc["checks"]}))
-    cmd = [sys.executable, *(["-S"] if sys.flags.no_site else []), str(Path(__file__).resolve()), "--stage", stage.name,
+    cmd = [sys.executable, *(["-S"] if sys.flags.no_site else []), str(SCRIPT), "--stage", stage.name,
            "--stage-out", str(part_path), "--context", str(context), "--deadline", f"{max(seconds - 10, 1):.1f}",
            "--device", args.device, *(["--dry-run"] if args.dry_run else []),
            *(a for i in args.inject for a in ("--inject", i))]
@@ -604,7 +598,7 @@ def orchestrate(args) -> int:
     missing = [m for m in gpu_boot.REQUIRED if str(env.get(m, "")).startswith("missing")]
     if missing:
         report.doc["notes"].append(f"cannot start: {', '.join(missing)} missing; carry them as wheels "
-                                   f"(benchmarks/gpu_boot.py download, carry=['.whl'])")
+                                   f"(benchmarks/gpu/boot.py download, carry=['.whl'])")
         report.write()
         log(report.doc["notes"][-1])
         return 2

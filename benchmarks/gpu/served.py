@@ -1,5 +1,5 @@
 """The served pair on the device, `benchmarks/gpu.py`'s `served` stage: a prefill worker (JAX), a decode worker
-(torch) and a coordinator, each its own process on this host (`gpu_boot.py cli ROLE`: the checkout's
+(torch) and a coordinator, each its own process on this host (`boot.py cli ROLE`: the checkout's
 `pdserve`, the carried wheels), driven through the public gRPC API as a client would.
 
 1. Parity: a tiny random llama checkpoint (fp32, `make_tiny_model`) served by the pair on the device; the greedy
@@ -36,7 +36,7 @@ OUTPUT_TOKENS = 32
 POINTS = ((1024, 1), (1024, 32), (4096, 1), (4096, 32))
 """(prompt tokens, batch), in the order they run."""
 DRY_POINTS = ((16, 1), (48, 4))
-BOOT = Path(__file__).resolve().parent / "gpu_boot.py"
+BOOT = Path(__file__).resolve().parent / "boot.py"
 
 
 @dataclass
@@ -244,11 +244,11 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def run(out, device, *, dry_run: bool, row_type, log) -> None:
-    """The stage: `out` is gpu.py's StageResult (rows, checks and notes saved as they come)."""
+    """The stage: `out` is run.py's StageResult (rows, checks and notes saved as they come)."""
     import numpy as np
 
-    from pdserve.benchmarks.gpu import LLAMA3_8B, TINY
-    from pdserve.benchmarks.gpu_checks import Check
+    from pdserve.benchmarks.gpu.run import LLAMA3_8B, TINY
+    from pdserve.benchmarks.gpu.checks import Check
     from pdserve.server.model.tiny import make_tiny_model
 
     dev = "cuda" if device.type == "cuda" else "cpu"

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Literal
 
-from pdserve.benchmarks import hostile_payloads as hp
-from pdserve.benchmarks.hostile_send import Outcome, Ports
+from pdserve.benchmarks.hostile import payloads as hp
+from pdserve.benchmarks.hostile.send import Outcome, Ports
 from pdserve.server.security import CLUSTER_SECRET_HEADER
 from pdserve.v1 import generation_pb2 as gen_pb
 from tritonclient.grpc import service_pb2

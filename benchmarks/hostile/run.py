@@ -7,7 +7,7 @@
 Life cycle:
 1. Starts `pdserve up` on 127.0.0.1 (the embedded model unless --model; 1 prefill + 1 decode worker; the
    OpenAI HTTP front, pdserve.v1.Generation and KServe v2 on the coordinator's gRPC port), or attaches to one.
-2. Builds every family's cases once (`hostile_families.py`: deep/wide/long schemas, Lark and regex bombs,
+2. Builds every family's cases once (`families.py`: deep/wide/long schemas, Lark and regex bombs,
    huge tool lists, deep JSON, bad UTF-8, integers past int64, NaN/inf, oversized bodies and messages,
    malformed protobufs, wrong types, internal ports without the cluster credential).
 3. Sends --requests of them, families in turn, --concurrency at a time, each with a deadline; meanwhile
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import grpc
 import httpx
-from pdserve.benchmarks.hostile_families import GENERATE, Case, Targets, families
-from pdserve.benchmarks.hostile_send import Outcome, Ports
+from pdserve.benchmarks.hostile.families import GENERATE, Case, Targets, families
+from pdserve.benchmarks.hostile.send import Outcome, Ports
 from pdserve.benchmarks.servers import UpCluster, pdserve_up
 from pdserve.v1 import generation_pb2 as gen_pb
 from tqdm import tqdm
@@ -280,7 +280,8 @@ def table(report: Report) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.hostile", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--deadline", type=float, default=60.0, help="seconds a request may take before it counts as a hang")

@@ -1,7 +1,7 @@
 """The latency the P/D handoff adds: the same model, prefilled and decoded in one process vs through
 `pdserve up` (coordinator + prefill worker + decode worker, KV over gRPC).
 
-    python -m pdserve.benchmarks.handoff [--model DIR] [--lengths 128,448] [--repeats 5] [--kv-streams 2]
+    python -m pdserve.benchmarks.kv.handoff [--model DIR] [--lengths 128,448] [--repeats 5] [--kv-streams 2]
 
 One process: the prefill tier's jitted JAX prefill (the engine's bucket padding, batch 1) gives the
 first token; its KV goes, as numpy, straight into the decode tier's `PagedKvCache`; one
@@ -100,7 +100,7 @@ async def _disaggregated(address: str, vocab: int, lengths: list[int], repeats: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.handoff", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.kv.handoff", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="checkpoint (default: pdserve's embedded tiny model)")
     p.add_argument("--lengths", default="128,448")

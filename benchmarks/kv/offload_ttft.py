@@ -1,6 +1,6 @@
 """Repeat-prompt TTFT with the host offload tier and without, when neither tier's memory holds two prompts' KV.
 
-    .venv/bin/python -m pdserve.benchmarks.kv_offload_ttft [--model DIR] [--prompt 400] [--rounds 5]
+    .venv/bin/python -m pdserve.benchmarks.kv.offload_ttft [--model DIR] [--prompt 400] [--rounds 5]
         [--up-args '--decode-weight-dtype float32']
 
 Two `pdserve up` clusters (one prefill, one decode worker each) run side by side: "host" with
@@ -28,7 +28,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.benchmarks.servers import pdserve_up
-from pdserve.benchmarks.spec_decode import EMBEDDED
+from pdserve.benchmarks.engine.spec_decode import EMBEDDED
 from pdserve.server.client import build_request, stream
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tokenizer import Tokenizer

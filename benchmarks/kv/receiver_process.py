@@ -1,4 +1,4 @@
-"""A ReceivingSide in a process of its own, on a core of its own: the decode worker of benchmarks.kv_stream.
+"""A ReceivingSide in a process of its own, on a core of its own: the decode worker of benchmarks.kv.stream.
 
     side = await ReceiverProcess.start(layout, num_tokens, nbytes, core=1)
     cpu0 = await side.begin(system, request_id, token); ...; cpu1, digest = await side.end(system, request_id)
@@ -142,7 +142,7 @@ def _main(conn: Connection, layout: KvLayout, num_tokens: int, nbytes: int, core
 
 
 async def _serve(conn: Connection, layout: KvLayout, num_tokens: int, nbytes: int) -> None:
-    from pdserve.benchmarks.receiving_side import ReceivingSide
+    from pdserve.benchmarks.kv.receiving_side import ReceivingSide
 
     pipe = _Pipe(conn)
     try:

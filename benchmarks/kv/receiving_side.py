@@ -1,11 +1,11 @@
-"""The receiving half of benchmarks.kv_stream's transfer: what a decode worker holds, for three systems.
+"""The receiving half of benchmarks.kv.stream's transfer: what a decode worker holds, for three systems.
 
 - "pdserve": a KvReceiver writing a PagedKvCache (`kv_push.serve_receiver`, `kv_push.CacheSink`);
 - "raw grpcio": a `ceilings.LoopbackServer` that only counts the bytes;
 - "grpcio + copies": a `ceilings.LoopbackServer` copying each message into its place in an array.
 
 Start it in the event loop of the process that owns this side (the sender's own, or a process of its
-own: `benchmarks.receiver_process`). Per repetition:
+own: `benchmarks.kv.receiver_process`). Per repetition:
 1. `begin(system, request_id, token)` clears what the system writes (the cache, the array), registers
    the transfer (pdserve) and returns this process's CPU time (every thread);
 2. the sender moves the bytes to `addresses[system]`;
@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from pdserve.benchmarks import kv_push
+from pdserve.benchmarks.kv import push as kv_push
 from pdserve.benchmarks.ceilings import LoopbackServer
 from pdserve.kvcache.layout import KvLayout
 
@@ -43,7 +43,7 @@ class ReceivingSide:
     """The three systems' servers on 127.0.0.1, in this process's event loop."""
 
     own_process = False
-    """True for benchmarks.receiver_process's proxy: its CPU time is not this process's."""
+    """True for benchmarks.kv.receiver_process's proxy: its CPU time is not this process's."""
 
     def __init__(self, layout: KvLayout, num_tokens: int, nbytes: int) -> None:
         """nbytes: what one repetition moves (the copies server's array)."""

@@ -1,7 +1,7 @@
 """The KV handoff at wire speed: the transfer against raw grpcio with the receiver in a process of its own,
 parallel streams, and how much of the transfer layer-wise streaming hides behind the prefill.
 
-    python -m pdserve.benchmarks.kv_stream [--streams 1,2,4] [--tokens 2048] [--layers 24] [--groups 1,4]
+    python -m pdserve.benchmarks.kv.stream [--streams 1,2,4] [--tokens 2048] [--layers 24] [--groups 1,4]
         [--one-process] [--no-pin]
 
 1. Transfer: a --tokens prompt's bf16 KV at Qwen2.5-0.5B's KV shape (24 layers x 2 kv heads x 64:
@@ -43,7 +43,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pdserve.benchmarks import ceilings, kv_push, protocol, receiver_process, receiving_side
+from pdserve.benchmarks import ceilings, protocol
+from pdserve.benchmarks.kv import push as kv_push
+from pdserve.benchmarks.kv import receiver_process, receiving_side
 from pdserve.kvcache.codec import MAX_CHUNK_BYTES
 from pdserve.kvcache.layout import KvLayout
 
@@ -240,7 +242,7 @@ async def overlap(model_dir: Path, num_tokens: int, groups: list[int], streams: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.kv_stream", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.kv.stream", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--streams", default="1,2,4")
     p.add_argument("--tokens", type=int, default=2048)

@@ -1,5 +1,5 @@
 """KV bytes one request sends over the handoff, and the decode cache's blocks it holds, for sliding-window models,
-against the same model with every layer global: `python -m pdserve.benchmarks.window_kv [--json OUT]`.
+against the same model with every layer global: `python -m pdserve.benchmarks.kv.window [--json OUT]`.
 
 Each bytes row runs the real handoff in memory (kvcache/local.py: the sender plans the pieces, the receiver's
 state machine checks them and counts the bytes it stores) for a prompt of 4x the window, on two shapes:

@@ -1,7 +1,7 @@
 """What conditional disaggregation does to a conversation's later turns: TTFT by turn and the prompt tokens each tier
 computes, with --conditional-disagg-max-uncached at its default (on) and 0 (off), in one run.
 
-    .venv/bin/python -m pdserve.benchmarks.conversation_ttft [--model DIR] [--conversations 4] [--turns 4]
+    .venv/bin/python -m pdserve.benchmarks.load.conversation_ttft [--model DIR] [--conversations 4] [--turns 4]
         [--up-args '--decode-weight-dtype float32']
 
 Two `pdserve up` clusters (one prefill worker, one decode worker each) run side by side, one with the feature off.
@@ -28,7 +28,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.benchmarks.servers import pdserve_up
-from pdserve.benchmarks.spec_decode import EMBEDDED
+from pdserve.benchmarks.engine.spec_decode import EMBEDDED
 from pdserve.server.client import build_request, stream
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tokenizer import Tokenizer

@@ -1,6 +1,6 @@
 """Tokens/s one coordinator process relays to many concurrent streams: before and after batched streams.
 
-    python -m pdserve.benchmarks.coordinator [--streams 256 1024] [--fronts grpc sse] [--seconds 10]
+    python -m pdserve.benchmarks.load.coordinator [--streams 256 1024] [--fronts grpc sse] [--seconds 10]
         [--baseline-rev REV] [--out results/coordinator.json]
 
 One fake prefill + decode worker process (`fake_workers.py`: no compute, tokens as fast as the coordinator
@@ -47,10 +47,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from pdserve.benchmarks.stream_count import StreamCount
+from pdserve.benchmarks.load.stream_count import StreamCount
+from pdserve.benchmarks.paths import ROOT
 from pdserve.server.launcher import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 BASELINE_REV = "590e462"
 """main just before batched decode streams (issue 18): per-request decode streams, a response per token."""
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -106,7 +106,7 @@ def _baseline_tree(rev: str, into: Path) -> Path:
     """`rev`'s source as an importable `pdserve` package under `into` (PYTHONPATH=into)."""
     src = into / "src"
     src.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev], check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
     pkg = into / "pdserve"
     shutil.copytree(src / "proto" / "pdserve", pkg)
@@ -229,7 +229,7 @@ class SseClients:
                 "stream": True, "stream_options": {"include_usage": True}}
         shares = [streams // processes + (i < streams % processes) for i in range(processes)]
         return cls([await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "pdserve.benchmarks.sse_client", "--port", str(port), "--streams", str(n),
+            sys.executable, "-m", "pdserve.benchmarks.load.sse_client", "--port", str(port), "--streams", str(n),
             "--body", json.dumps(body), "--ramp-s", str(0.002 * processes),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE) for n in shares if n])
 
@@ -239,7 +239,7 @@ class SseClients:
             line = await p.stdout.readline()
             if not line:
                 raise SystemExit(f"an SSE client process (pid {p.pid}) exited with {await p.wait()}: its "
-                                 "error is above; fix it, or run `python -m pdserve.benchmarks.sse_client` alone")
+                                 "error is above; fix it, or run `python -m pdserve.benchmarks.load.sse_client` alone")
             parts.append(json.loads(line))
         return StreamCount.total(parts)
 
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     token = _one_char_token(model_dir)
     load = os.getloadavg()
     prefill_port, decode_port = free_port(), free_port()
-    workers = subprocess.Popen([sys.executable, "-m", "pdserve.benchmarks.fake_workers", "--prefill-port",
+    workers = subprocess.Popen([sys.executable, "-m", "pdserve.benchmarks.load.fake_workers", "--prefill-port",
                                 str(prefill_port), "--decode-port", str(decode_port), "--vocab-size", str(vocab_size),
                                 "--token", str(token)])
     tmp = Path(tempfile.mkdtemp(prefix="pdserve-bench-coordinator-"))

@@ -1,13 +1,13 @@
 """A prefill worker and a decode worker that compute nothing and generate tokens as fast as asked.
 
-For measuring what the coordinator costs per token (`benchmarks/coordinator.py`). The decode worker is
+For measuring what the coordinator costs per token (`benchmarks/load/coordinator.py`). The decode worker is
 pdserve's own `DecodeService` (so both wires, per-request and batched `Steps`, are the real ones) over the
 decode tier's `FakeEngine` (server/decode/fake_engine.py): every step appends one token (always `token`) to
 every running sequence, and a step runs every `step_ms` (0: as soon as the previous step's output has been
 handed to gRPC: never more than a couple of steps ahead of the coordinator). The prefill worker answers the
 first token at once and hands the "KV" to the decode worker in the same process (no bytes move).
 
-    python -m pdserve.benchmarks.fake_workers --prefill-port P --decode-port D [--step-ms 0] [--token 42]
+    python -m pdserve.benchmarks.load.fake_workers --prefill-port P --decode-port D [--step-ms 0] [--token 42]
 """
 
 from __future__ import annotations

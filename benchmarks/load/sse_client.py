@@ -18,7 +18,7 @@ As a process of its own (the benchmark runs one or several, so their CPU is meas
 coordinator's and the benchmark's), on uvloop: each line on stdin asks for the counts so far (one JSON
 line on stdout); the end of stdin stops the streams, and the final counts follow.
 
-    python -m pdserve.benchmarks.sse_client --port P --streams N --body '{"model": ..., "stream": true, ...}'
+    python -m pdserve.benchmarks.load.sse_client --port P --streams N --body '{"model": ..., "stream": true, ...}'
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import asyncio
 import json
 import sys
 
-from pdserve.benchmarks.stream_count import StreamCount
+from pdserve.benchmarks.load.stream_count import StreamCount
 
 _HEAD, _SIZE, _DATA, _DATA_END, _TRAILER, _BODY, _CLOSED = range(7)
 """Where the response parser is: headers; a chunk's size line, its data, the CRLF after it; the trailer

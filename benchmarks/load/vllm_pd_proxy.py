@@ -1,6 +1,6 @@
 """The proxy in front of vLLM's own disaggregated prefill/decode (the side-by-side's `vllm-pd` peer).
 
-    python -m pdserve.benchmarks.vllm_pd_proxy --prefill http://127.0.0.1:P --decode http://127.0.0.1:D --port N
+    python -m pdserve.benchmarks.load.vllm_pd_proxy --prefill http://127.0.0.1:P --decode http://127.0.0.1:D --port N
 
 Each `/v1/completions` request goes first to the prefill instance with `max_tokens: 1` (not streamed:
 its KV lands in the connector's storage), then, unchanged, to the decode instance, whose stream is

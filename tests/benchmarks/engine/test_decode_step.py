@@ -1,4 +1,4 @@
-"""benchmarks.decode_step's reservation part, at a tiny size: the rows it writes and the table."""
+"""benchmarks.engine.decode_step's reservation part, at a tiny size: the rows it writes and the table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from pdserve.benchmarks import decode_step
+from pdserve.benchmarks.engine import decode_step
 
 
 def test_random_qwen_shape_builds_a_model_that_decodes():

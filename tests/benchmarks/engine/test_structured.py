@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.benchmarks.structured import SCHEMA, STREAMS, compile_times, phase
+from pdserve.benchmarks.engine.structured import SCHEMA, STREAMS, compile_times, phase
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server.decode.engine import DecodeEngine
 from pdserve.server.decode.weights import build_model
@@ -33,7 +33,7 @@ async def test_both_phases_run_every_stream_to_the_budget(tiny_model):
 
 
 def test_mask_cost_is_measured(tiny_model):
-    from pdserve.benchmarks.structured import mask_cost
+    from pdserve.benchmarks.engine.structured import mask_cost
 
     path = tiny_model("qwen2")
     config = load_config(path)

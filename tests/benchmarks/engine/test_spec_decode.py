@@ -1,10 +1,10 @@
-"""benchmarks.spec_decode at a tiny size: one row per workload, batch and method, speculation's tokens equal off's."""
+"""benchmarks.engine.spec_decode at a tiny size: one row per workload, batch and method, speculation's tokens equal off's."""
 
 from __future__ import annotations
 
 import json
 
-from pdserve.benchmarks import spec_decode
+from pdserve.benchmarks.engine import spec_decode
 
 
 def test_a_tiny_run_writes_its_rows_and_speculation_changes_no_token(tiny_model, tmp_path):

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_prefill.py end to end on CPU (--dry-run): a tiny model at tiny lengths, its random
+"""benchmarks/gpu/prefill.py end to end on CPU (--dry-run): a tiny model at tiny lengths, its random
 params in load_params' layout, every row measured and written."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.benchmarks import gpu_prefill
-from pdserve.benchmarks.prefill import prefill_flops
+from pdserve.benchmarks.gpu import prefill as gpu_prefill
+from pdserve.benchmarks.engine.prefill import prefill_flops
 
 
 def test_dry_run_measures_every_length(tmp_path):

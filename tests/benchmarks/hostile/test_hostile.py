@@ -10,10 +10,10 @@ import json
 import grpc
 import pytest
 from google.protobuf.message import DecodeError
-from pdserve.benchmarks import hostile_payloads as hp
-from pdserve.benchmarks.hostile import run_hostile, schedule, table
-from pdserve.benchmarks.hostile_families import FAMILIES, Case, Targets, families
-from pdserve.benchmarks.hostile_send import Outcome, _grpc_outcome, _http_outcome
+from pdserve.benchmarks.hostile import payloads as hp
+from pdserve.benchmarks.hostile.run import run_hostile, schedule, table
+from pdserve.benchmarks.hostile.families import FAMILIES, Case, Targets, families
+from pdserve.benchmarks.hostile.send import Outcome, _grpc_outcome, _http_outcome
 from pdserve.benchmarks.servers import pdserve_up
 from pdserve.v1 import generation_pb2 as gen_pb
 

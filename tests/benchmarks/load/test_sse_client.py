@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 
-from pdserve.benchmarks.sse_client import SseConnection, completion_request
-from pdserve.benchmarks.stream_count import StreamCount
+from pdserve.benchmarks.load.sse_client import SseConnection, completion_request
+from pdserve.benchmarks.load.stream_count import StreamCount
 
 REQUEST = completion_request("127.0.0.1", 8000, {"model": "m", "prompt": [1], "max_tokens": 5, "stream": True})
 

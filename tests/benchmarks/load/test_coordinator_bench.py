@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pdserve.benchmarks import coordinator as bench
+from pdserve.benchmarks.load import coordinator as bench
 
 
 def test_every_coordinator_relays_every_token_it_was_sent_without_errors(tmp_path):

@@ -1,8 +1,8 @@
-"""benchmarks.window_kv: a windowed model's KV bytes per request fall with the window, within the bound."""
+"""benchmarks.kv.window: a windowed model's KV bytes per request fall with the window, within the bound."""
 
 from __future__ import annotations
 
-from pdserve.benchmarks import window_kv
+from pdserve.benchmarks.kv import window as window_kv
 
 
 async def test_a_prompt_of_4x_the_window_sends_the_global_share_and_one_window_per_local_layer():

@@ -1,8 +1,8 @@
-"""benchmarks/prefill.py's padding probe: one packed step of mixed lengths through the served engine."""
+"""benchmarks/engine/prefill.py's padding probe: one packed step of mixed lengths through the served engine."""
 
 from __future__ import annotations
 
-from pdserve.benchmarks.prefill import padding_probe, padding_table
+from pdserve.benchmarks.engine.prefill import padding_probe, padding_table
 
 
 def test_mixed_prompts_pack_into_one_step_with_the_padding_of_its_buffer(tiny_model):

@@ -8,7 +8,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pdserve.benchmarks.servers import CompileWatch, pending_compiles
-from pdserve.benchmarks.side_by_side import ROWS, startup, table
+from pdserve.benchmarks.load.side_by_side import ROWS, startup, table
 
 
 def test_startup_is_seconds_from_the_start():

@@ -1,6 +1,6 @@
-"""benchmarks/profile.py's classifier on stacks shaped like py-spy's collapsed output."""
+"""benchmarks/load/profile.py's classifier on stacks shaped like py-spy's collapsed output."""
 
-from pdserve.benchmarks.profile import breakdown, classify
+from pdserve.benchmarks.load.profile import breakdown, classify
 
 PY = "_step (pdserve/server/decode/engine.py:220)"
 FWD = "forward (pdserve/server/decode/model.py:80)"

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.benchmarks import gpu_boot
-from pdserve.benchmarks.gpu import Row
+from pdserve.benchmarks.gpu import boot as gpu_boot
+from pdserve.benchmarks.gpu.run import Row
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _probe_wheel(directory: Path, name: str = "pdserve_probe_carried", version: str = "1.0") -> Path:

@@ -1,4 +1,4 @@
-"""benchmarks.moe_layer at a tiny size: a row per path and dtype, a time per batch, the paths' layers computing
+"""benchmarks.engine.moe_layer at a tiny size: a row per path and dtype, a time per batch, the paths' layers computing
 the same step."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from pdserve.benchmarks import moe_layer
+from pdserve.benchmarks.engine import moe_layer
 
 
 def test_a_tiny_run_prints_every_path_at_every_batch(capsys):
