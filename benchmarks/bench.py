@@ -7,7 +7,7 @@
 
 Writes results.json, latency_cdf.png and throughput.png into --out and prints a summary.
 A run is one or more groups of requests, each with its own load (see `Group`); the CLI runs one,
-benchmarks.side_by_side runs a decode-heavy group beside a prefill-burst group.
+benchmarks.load.side_by_side runs a decode-heavy group beside a prefill-burst group.
 """
 
 from __future__ import annotations

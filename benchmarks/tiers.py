@@ -257,7 +257,7 @@ def _decode_steps(model, cache, block_tables, first_token: int, prompt_len: int,
 
 async def _transfer(layout, digest: str, num_tokens: int, repeats: int) -> tuple[float, float, int]:
     """(KV transfer seconds, raw grpcio loopback GB/s of the same bytes, bytes) in one event loop."""
-    from pdserve.benchmarks import kv_push
+    from pdserve.benchmarks.kv import push as kv_push
     from pdserve.kvcache.receiver import KvReceiver
     from pdserve.kvcache.grpc_sender import GrpcKvTransport
     from pdserve.server.decode.kv_cache import PagedKvCache

@@ -9,7 +9,7 @@ chosen by measurement once at start (`prepare`), the choice logged in one line.
 - `loop` (`moe.MoeMlp`'s own step, the fallback): one matmul pair per chosen expert through its `Linear`s, so
   whatever they compute with applies: oneDNN prepacked weights, torch's weight-only int8 kernel, fp8 dequantized.
 
-Measured (benchmarks/moe_layer.py, AMD EPYC with AVX-512 and avx512_bf16, no AMX, torch 2.13, one thread, a layer
+Measured (benchmarks/engine/moe_layer.py, AMD EPYC with AVX-512 and avx512_bf16, no AMX, torch 2.13, one thread, a layer
 of d 512, 8 experts of 1024, top 2, the paths taking turns on a loaded machine): torch 2.13's CPU `_grouped_mm`
 runs a plain matmul per group, within a few percent of the loop over plain weights, while oneDNN's prepacked
 weights make the loop 1.5-2x faster in fp32 and 1.3-1.6x in bf16 at 1-16 tokens (the loop's own Python costs

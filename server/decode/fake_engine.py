@@ -4,7 +4,7 @@ Every step appends `token` to every running sequence (its first token is whateve
 prefill tier's); a step runs every `step_s` seconds (0: as soon as the streams have taken the last step's
 tokens: never more than BACKLOG_STEPS ahead of the slowest). It holds no KV (`write` drops it) and never runs
 out of blocks, so what it measures is everything around an engine: the worker's service, its two wires
-(per-request and batched `Steps`), the coordinator (`benchmarks/fake_workers.py`, `benchmarks/coordinator.py`).
+(per-request and batched `Steps`), the coordinator (`benchmarks/load/fake_workers.py`, `benchmarks/load/coordinator.py`).
 """
 
 from __future__ import annotations

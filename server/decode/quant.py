@@ -6,7 +6,7 @@ scale = absmax over the input dimension / qmax (127 for int8, 448 for fp8).
 On CUDA (`cuda_linear`): fp8 through `torch._scaled_mm` on devices of compute capability 8.9+, int8
 through torch's weight-only int8 kernel where it runs there; elsewhere dequantized per call (memory only).
 
-How each runs on CPU (measured on one core, benchmarks/decode_step.py): bf16/fp16 weights are
+How each runs on CPU (measured on one core, benchmarks/engine/decode_step.py): bf16/fp16 weights are
 prepacked for oneDNN at load (`Linear.prepack`, `DecoderModel.prepack`; ~1.5x the streaming rate of torch's default linear at 1-16
 rows); int8 runs through torch's weight-only int8 kernel (`_weight_int8pack_mm`, scales applied to the
 output), never dequantized; fp8 has no CPU kernel (`_scaled_mm` on CPU and fp8 -> bf16 conversion both

@@ -92,7 +92,7 @@ class PrefillConfig(KvOffloadingConfig):
     """Host bytes of KV held by pushes in flight (same rule); a prompt whose KV alone exceeds it is refused."""
     prefill_order: PrefillOrder = "shortest-first"
     """Which queued prompt runs next (`--prefill-order`, scheduler.py): shortest-first keeps short prompts'
-    TTFT from waiting behind long ones (benchmarks/prefill_overload.py); fifo: by arrival."""
+    TTFT from waiting behind long ones (benchmarks/load/prefill_overload.py); fifo: by arrival."""
     prefill_ageing: float = 32.0
     """shortest-first: a prompt of n tokens waits at most n / this seconds for prompts that arrive later
     (1536 tokens: 48 s). Faster ageing turns the order back into fifo once the backlog is longer than

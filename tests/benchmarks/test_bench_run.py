@@ -179,7 +179,7 @@ def test_gpu_script_runs_end_to_end_dry(tmp_path):
     assert targets == {"steps/s B=1 ctx=16 vs weight-streaming floor": 0.85, "tokens/s B=4 ctx=48 vs roofline": 0.7,
                        "steps/s B=1 ctx=16 fp8 vs bf16 (fp8 weights dequantized per matmul on cpu: the format "
                        "saves memory only)": 1.0,
-                       # the kernels stage (benchmarks/gpu_kernels.py): verify attention and the fused MoE
+                       # the kernels stage (benchmarks/gpu/kernels.py): verify attention and the fused MoE
                        "verify k=3 B=2 ctx=40: single-query time / verify time (target: k + 1 tokens for <= 1.5x "
                        "one token's attention)": 1 / 1.5,
                        "batch 1 (2 of 8 experts chosen): chosen weights read vs bandwidth": 0.6,

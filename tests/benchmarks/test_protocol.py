@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pdserve.benchmarks import protocol
-from pdserve.benchmarks.side_by_side import PER_CORE_ROWS, ROWS, table
+from pdserve.benchmarks.load.side_by_side import PER_CORE_ROWS, ROWS, table
 
 
 def test_schedule_alternates_and_rotates():

@@ -7,7 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
-from pdserve.benchmarks.accuracy import Pipeline
+from pdserve.benchmarks.engine.accuracy import Pipeline
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from tests.e2e.cluster import internal_metadata, pdserve_up, wait_all_blocks_free, worker_info
