@@ -115,6 +115,7 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     max_model_len = resolve_max_model_len(model.max_model_len, config.max_model_len or 0)
     limits = Limits(max_model_len=max_model_len, vocab_size=model.vocab_size,
                     max_prompt_bytes=config.max_prompt_bytes, max_token_bytes=tokenizer.max_token_bytes())
+    metrics.identify(config.model_name, "coordinator", model.max_model_len)  # before the KV subscriber reports
     kv, subscriber = kv_routing(config, pool)
     router = Router(pool, prefill_policy=config.prefill_policy, decode_policy=config.decode_policy,
                     max_queue=config.max_queue, kv=kv)
@@ -136,7 +137,6 @@ async def start(config: CoordinatorConfig) -> Coordinator:
     else:  # the public port then serves the public services only
         registry_server, _, registry_port = new_server([REGISTRY_SERVICE], config.registry_port, config.host)
         worker_pb2_grpc.add_RegistryServicer_to_server(registry, registry_server)
-    metrics.identify(config.model_name, "coordinator", model.max_model_len)
     if kv is not None:
         metrics.kv_index_blocks.set_function(kv.index.num_blocks)
     serve_metrics(config.metrics_port, config.host)
