@@ -40,6 +40,7 @@ class Server:
     logs: list[Path]
     facts: object = None  # () -> dict: what the system says of itself after the run (vllm-pd: KV loaded)
     compile_watch: CompileWatch | None = None  # pdserve: when its prefill worker had compiled every shape
+    url: str = ""  # vllm: its OpenAI HTTP server, e.g. http://127.0.0.1:8000
 
     def died(self) -> str | None:
         """Which of its processes exited while it should have been serving, with its log's last error."""
@@ -74,7 +75,7 @@ def _spawn(
         cwd=ROOT,
         start_new_session=True,
         preexec_fn=pin,
-        env=dict(os.environ, **(env or {})),
+        env={k: v for k, v in dict(os.environ, **(env or {})).items() if v is not None},  # None: unset
     )
 
 
@@ -135,23 +136,25 @@ def _http_ready(url: str):
 
 
 def _vllm_proc(model: Path, dtype: str, log: Path, max_model_len: int, bind: str, cores: set[int] | None,
-               extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
+               extra: list[str] = (), env: dict | None = None) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [str(VLLM), "serve", str(model), "--dtype", dtype, "--enforce-eager", "--max-model-len",
            str(max_model_len), "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port),
            *extra]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "2"}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": "2", **(env or {})}
     return _spawn(cmd, log, cores, env), f"http://127.0.0.1:{port}"
 
 
-def start_vllm(model: Path, dtype: str, out: Path, max_model_len: int, one_core: bool = False) -> Server:
-    """vLLM colocated: on both cores, or every process of it bound to core 0 (`one_core`)."""
+def start_vllm(model: Path, dtype: str, out: Path, max_model_len: int, one_core: bool = False,
+               extra: list[str] = (), env: dict | None = None) -> Server:
+    """vLLM colocated: on both cores, or every process of it bound to core 0 (`one_core`); `extra`: more `vllm
+    serve` flags, `env` more environment (a None value unsets: VLLM_CPU_KVCACHE_SPACE=None lets --kv-cache-memory-bytes decide)."""
     if not VLLM.exists():
         raise SystemExit(f"{VLLM} is missing: run `make vllm-venv` first")
     log = out / "vllm.log"
     proc, url = _vllm_proc(model, dtype, log, max_model_len, "0" if one_core else "0-1",
-                           {0} if one_core else None)
-    server = Server("vllm", [proc], lambda: OpenAITarget(url, model="bench", timeout=600), [log])
+                           {0} if one_core else None, list(extra), env)
+    server = Server("vllm", [proc], lambda: OpenAITarget(url, model="bench", timeout=600), [log], url=url)
     try:
         _wait(_http_ready(f"{url}/v1/models"), [proc], [log], 900, "vllm serve")
     except BaseException:
