@@ -192,7 +192,8 @@ class PagedKvCache:
         for cache, src in ((self.k, k), (self.v, v)):
             # On CPU, numpy copies (a plain memcpy): torch's multi-threaded copy_ collapses when the
             # cores are busy with other work, and this runs beside the decode loop.
-            dst = _bits(cache)[layers].reshape(num_layers, -1, *src.shape[2:])  # [l, N * bs, Hkv, D], a view
+            dst = _bits(cache)[layers].reshape(num_layers, self.num_blocks * self.block_size, *src.shape[2:])  # a view
+            # [l, N * bs, Hkv, D]
             src = np.ascontiguousarray(src).view(dst.dtype)
             # Whole runs of consecutive block ids are one strided copy each (no scatter, no index tensor).
             for run_start, run_len, block_id in runs:
@@ -244,7 +245,7 @@ class PagedKvCache:
         blocks = torch.tensor(table, dtype=torch.int64, device=self.device)
         L, _, _, H, D = self.k.shape
         k = self.k[:, blocks].reshape(L, -1, H, D)[:, :num_tokens]  # [L, T, Hkv, D]
-        v = self.v[:, blocks].reshape(L, -1, H, self.v.shape[-1])[:, :num_tokens]
+        v = self.v[:, blocks].flatten(1, 2)[:, :num_tokens]  # [L, T, Hkv, D | 0]
         return k, v
 
     def read_scales(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
