@@ -81,7 +81,7 @@ DEFAULTS: dict[Family, dict[str, Any]] = {
     "qwen3_moe": _family((151936, 2048, 6144, 24, 32, 4, None, 32768), hidden_act="silu", attention_bias=False,
                          **_QWEN_WINDOWS, decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
                          num_experts=128, norm_topk_prob=False, mlp_only_layers=None),
-    # head_dim: transformers sets it to qk_rope_head_dim whatever config.json says (pdserve never reads it)
+    # head_dim: transformers 5 writes qk_rope_head_dim there (V2 reads nothing else; pdserve refuses another in V3)
     "deepseek_v2": _family((102400, 4096, 11008, 32, 32, None, None, 2048), **_DEEPSEEK, q_lora_rank=1536,
                            moe_intermediate_size=1407, n_routed_experts=64, num_experts_per_tok=None,
                            n_shared_experts=2, first_k_dense_replace=0, routed_scaling_factor=1.0,
@@ -482,6 +482,11 @@ def _mla_from(family: Family, raw: dict[str, Any]) -> MlaConfig | None:
     mla = MlaConfig(kv_lora_rank=int(raw["kv_lora_rank"]), q_lora_rank=None if q_lora is None else int(q_lora),
                     qk_nope_head_dim=int(raw["qk_nope_head_dim"]), qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
                     v_head_dim=int(raw["v_head_dim"]), rope_pairs=pairs)
+    head_dim = raw.get("head_dim")  # V2's config class overwrites it with qk_rope_head_dim; V3's keeps it
+    if family == "deepseek_v3" and head_dim is not None and int(head_dim) != mla.qk_rope_head_dim:
+        raise _refused(f"head_dim {head_dim} (qk_rope_head_dim {mla.qk_rope_head_dim})",
+                       "DeepSeek-V3's head_dim is its rotary width (transformers 5 writes qk_rope_head_dim there and "
+                       "rotates that many dimensions, failing on any other); drop it or set it to qk_rope_head_dim")
     if mla.qk_rope_head_dim % 2:
         raise _refused(f"qk_rope_head_dim {mla.qk_rope_head_dim}", "RoPE rotates pairs of dimensions: it must be even")
     return mla
