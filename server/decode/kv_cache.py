@@ -156,8 +156,9 @@ class PagedKvCache:
         heads = (layout.num_kv_heads, layout.head_dim)
         v_heads = (layout.num_kv_heads, layout.value_dim)
         if k.shape[:2] != v.shape[:2] or k.ndim != 4 or k.shape[2:] != heads or v.shape[2:] != v_heads:
-            raise ValueError(f"k {k.shape} and v {v.shape} must be [layers, tokens, *{heads}] and "
-                             f"[layers, tokens, *{v_heads}]")
+            both = f"must both be [layers, tokens, *{heads}]" if not layout.latent else \
+                f"must be [layers, tokens, *{heads}] and [layers, tokens, *{v_heads}] (a latent has no V)"
+            raise ValueError(f"k {k.shape} and v {v.shape} {both}")
         if k.dtype != layout.np_dtype or v.dtype != layout.np_dtype:
             raise ValueError(f"k/v are {k.dtype}/{v.dtype}; this cache holds {layout.dtype}")
         num_layers, n = k.shape[:2]
