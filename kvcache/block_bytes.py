@@ -66,7 +66,8 @@ def unpack_block(layout: KvLayout, data: bytes | memoryview) -> BlockKv:
 
 def layout_fingerprint(layout: KvLayout, model_fingerprint: str) -> str:
     """32 hex digits naming the model and what a block's bytes hold (layers, heads, head dim, block size,
-    dtype, scales); sliding windows leave the bytes alone and the model's fingerprint covers them."""
-    text = "|".join(map(str, (model_fingerprint, layout.num_layers, layout.num_kv_heads, layout.head_dim,
-                              layout.block_size, layout.dtype, layout.scale_granularity)))
+    dtype, scales, an MLA latent's kind); sliding windows leave the bytes alone and the model's fingerprint covers them."""
+    parts = (model_fingerprint, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size,
+             layout.dtype, layout.scale_granularity) + ((layout.kind,) if layout.latent else ())
+    text = "|".join(map(str, parts))
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()

@@ -12,6 +12,9 @@ from pdserve.v1 import worker_pb2 as pb
 
 KvDtype = Literal["float32", "bfloat16", "float16", "fp8_e4m3", "int8"]
 ScaleGranularity = Literal["none", "block_head"]
+LayoutKind = Literal["heads", "mla_latent"]
+"""What a token's KV is: heads (K and V, num_kv_heads x head_dim each) or mla_latent (multi-head latent
+attention: one latent of head_dim values, num_kv_heads 1, K only: no V is cached or sent)."""
 
 NUMPY_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),
@@ -46,6 +49,7 @@ class KvLayout:
     scale_granularity: ScaleGranularity = "none"
     windows: tuple[int, ...] = ()
     """Each layer's sliding window (0: full attention); () when no layer has one."""
+    kind: LayoutKind = "heads"
 
     def __post_init__(self) -> None:
         if self.dtype not in NUMPY_DTYPES:
@@ -58,20 +62,36 @@ class KvLayout:
         if self.windows and bad:
             raise ValueError(f"layer windows {list(self.windows)}: one per layer ({self.num_layers}), >= 0, "
                              f"some > 0")
+        if self.kind not in ("heads", "mla_latent"):
+            raise ValueError(f"KV layout kind {self.kind!r} is not heads or mla_latent")
+        if self.latent and self.num_kv_heads != 1:
+            raise ValueError(f"an mla_latent layout has one latent per token (num_kv_heads 1), not {self.num_kv_heads}")
 
     @classmethod
     def of(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: KvDtype,
-           windows: tuple[int | None, ...] = ()) -> KvLayout:
+           windows: tuple[int | None, ...] = (), kind: LayoutKind = "heads") -> KvLayout:
         """The layout of a cache of `dtype`, with the scales that dtype carries; windows: each layer's sliding
         window (None or 0: full attention), as ModelConfig.layer_windows gives them."""
         return cls(num_layers, num_kv_heads, head_dim, block_size, dtype, cls.scales_for(dtype),
-                   tuple(w or 0 for w in windows))
+                   tuple(w or 0 for w in windows), kind)
 
     @classmethod
     def for_model(cls, model: ModelShape, block_size: int, dtype: KvDtype) -> KvLayout:
-        """The layout of a model's cache (server/model/config.py ModelConfig, or anything with its shape)."""
+        """The layout of a model's cache (server/model/config.py ModelConfig, or anything with its shape): an
+        MLA model's (`mla` set) is its latent, num_kv_heads 1 and head_dim the latent's width."""
+        kind: LayoutKind = "heads" if getattr(model, "mla", None) is None else "mla_latent"
         return cls.of(num_layers=model.num_layers, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                      block_size=block_size, dtype=dtype, windows=model.layer_windows)
+                      block_size=block_size, dtype=dtype, windows=model.layer_windows, kind=kind)
+
+    @property
+    def latent(self) -> bool:
+        """The cache holds MLA latents: K only."""
+        return self.kind == "mla_latent"
+
+    @property
+    def value_dim(self) -> int:
+        """Each head's V width: head_dim, or 0 for a latent (no V)."""
+        return 0 if self.latent else self.head_dim
 
     @staticmethod
     def scales_for(dtype: str) -> ScaleGranularity:
@@ -84,8 +104,8 @@ class KvLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V bytes of one token over all layers (scales excluded)."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.np_dtype.itemsize
+        """K and V bytes of one token over all layers (scales excluded); a latent's K only."""
+        return (self.head_dim + self.value_dim) * self.num_layers * self.num_kv_heads * self.np_dtype.itemsize
 
     def num_blocks(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -108,6 +128,7 @@ class KvLayout:
             f"layers={self.num_layers} kv_heads={self.num_kv_heads} head_dim={self.head_dim} "
             f"block_size={self.block_size} dtype={self.dtype} scales={self.scale_granularity}"
             + (f" windows={','.join(map(str, self.windows))}" if self.windows else "")
+            + (" kind=mla_latent" if self.latent else "")
         )
 
     def to_proto(self) -> pb.KvLayout:
@@ -119,6 +140,7 @@ class KvLayout:
             dtype=self.dtype,
             scale_granularity=self.scale_granularity,
             layer_windows=self.windows,
+            layout_kind="" if self.kind == "heads" else self.kind,
         )
 
     @classmethod
@@ -131,6 +153,7 @@ class KvLayout:
             dtype=msg.dtype,  # type: ignore[arg-type]
             scale_granularity=msg.scale_granularity or "none",  # type: ignore[arg-type]
             windows=tuple(msg.layer_windows),
+            kind=msg.layout_kind or "heads",  # type: ignore[arg-type]
         )
 
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 DEFAULT_FAMILY = "llama"
 TINY_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3", "mixtral",
-                 "qwen3_moe")
+                 "qwen3_moe", "deepseek_v2", "deepseek_v3")
 """make-tiny-model's --family choices (server/model/tiny.py `Family`)."""
 
 
@@ -232,6 +232,7 @@ VLLM_BLOCK_SIZE = 32
 
 def cmd_up(args) -> int:
     from pdserve.server import launcher, preflight
+    from pdserve.server.model.config import prefill_tier_gap
 
     if args.coordinators < 1:
         raise SystemExit(f"pdserve up: error: --coordinators must be >= 1, got {args.coordinators}")
@@ -240,6 +241,9 @@ def cmd_up(args) -> int:
                          f"{args.prefill_workers} and {args.decode_workers}")
     model = _resolve_model(args) or default_model_dir()
     served = preflight.check_model(model, args.max_model_len)  # first: the other refusals assume a model
+    if args.prefill_workers and (gap := prefill_tier_gap(served)) is not None:
+        print(f"pdserve up: starting 0 prefill workers, not {args.prefill_workers}: {gap}", file=sys.stderr)
+        args.prefill_workers = 0
     http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
     coordinator, prefill, decode = _tier_configs(args, model, http_port)
     _preflight(args, served, prefill, decode)

@@ -4,6 +4,9 @@ Token t of a request lives in block `block_table[t // block_size]` at offset `t 
 flat slot is `block_id * block_size + offset`. The model stores through `store` and attention reads
 a batch's context blocks through `context_blocks`; the transfer receiver writes prompt KV through `write`.
 
+An MLA model's cache (`KvLayout.latent`) holds one latent per token and layer in `k` ([.., 1, latent]); `v` is
+empty ([.., 1, 0]: no bytes), and so are its scales, so every path below moves the latent alone.
+
 Quantized caches (fp8_e4m3, int8) hold one float32 scale per block per kv head beside the blocks
 (`k_scales`, `v_scales` [L, N, Hkv]; x ≈ q * scale, as `kvcache.quant` defines). `write` stores the
 prefill tier's bytes and scales as they came, never re-quantizing them. `store` quantizes the tokens
@@ -67,6 +70,11 @@ def _pinned(array: np.ndarray) -> torch.Tensor:
     return staged
 
 
+def _value_heads(layout: KvLayout) -> int:
+    """V's heads, and so V's scales per block: none for a latent."""
+    return 0 if layout.latent else layout.num_kv_heads
+
+
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """(index of the first, length, first block id) of each run of consecutive block ids."""
     runs: list[tuple[int, int, int]] = []
@@ -94,7 +102,7 @@ class PagedKvCache:
         self.dtype = (TORCH_DTYPES | QUANTIZED_TORCH_DTYPES)[layout.dtype]
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
-        self.v = torch.zeros(shape, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D]
+        self.v = torch.zeros(*shape[:-1], layout.value_dim, dtype=self.dtype, device=device)  # [L, N, bs, Hkv, D | 0]
         self._k_slots, self._v_slots = (t.flatten(1, 2) for t in (self.k, self.v))  # [L, N bs, Hkv, D] views
         self._copy_stream = torch.cuda.Stream(device) if torch.device(device).type == "cuda" else None
         """CUDA: where received KV is copied onto the device (`_write_device`)."""
@@ -104,7 +112,7 @@ class PagedKvCache:
             self.qmax = QMAX[layout.dtype]
             scale_shape = (layout.num_layers, num_blocks, layout.num_kv_heads)
             self.k_scales = torch.zeros(scale_shape, dtype=torch.float32, device=device)
-            self.v_scales = torch.zeros(scale_shape, dtype=torch.float32, device=device)
+            self.v_scales = torch.zeros(*scale_shape[:-1], _value_heads(layout), dtype=torch.float32, device=device)
 
     @property
     def device(self) -> torch.device:
@@ -112,8 +120,10 @@ class PagedKvCache:
 
     @staticmethod
     def bytes_per_block(layout: KvLayout) -> int:
-        """K and V of one block over all layers, plus its float32 scales (2 x L x Hkv x 4 bytes) when quantized."""
-        scales = 2 * layout.num_layers * layout.num_kv_heads * 4 if layout.dtype in QUANTIZED else 0
+        """K and V of one block over all layers, plus its float32 scales (2 x L x Hkv x 4 bytes; a latent's
+        L x 4) when quantized."""
+        heads = layout.num_kv_heads + _value_heads(layout)
+        scales = heads * layout.num_layers * 4 if layout.dtype in QUANTIZED else 0
         return layout.bytes_per_token * layout.block_size + scales
 
     @staticmethod
@@ -144,8 +154,11 @@ class PagedKvCache:
         """
         layout = self.layout
         heads = (layout.num_kv_heads, layout.head_dim)
-        if k.shape != v.shape or k.ndim != 4 or k.shape[2:] != heads:
-            raise ValueError(f"k {k.shape} and v {v.shape} must both be [layers, tokens, *{heads}]")
+        v_heads = (layout.num_kv_heads, layout.value_dim)
+        if k.shape[:2] != v.shape[:2] or k.ndim != 4 or k.shape[2:] != heads or v.shape[2:] != v_heads:
+            both = f"must both be [layers, tokens, *{heads}]" if not layout.latent else \
+                f"must be [layers, tokens, *{heads}] and [layers, tokens, *{v_heads}] (a latent has no V)"
+            raise ValueError(f"k {k.shape} and v {v.shape} {both}")
         if k.dtype != layout.np_dtype or v.dtype != layout.np_dtype:
             raise ValueError(f"k/v are {k.dtype}/{v.dtype}; this cache holds {layout.dtype}")
         num_layers, n = k.shape[:2]
@@ -160,8 +173,9 @@ class PagedKvCache:
         layers = slice(layer_start, layer_start + num_layers)
         if self.quantized:
             covered = layout.num_blocks(n)
-            scale_shape = (num_layers, covered, layout.num_kv_heads)
-            for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            for name, scales, count in (("k_scales", k_scales, layout.num_kv_heads),
+                                        ("v_scales", v_scales, _value_heads(layout))):
+                scale_shape = (num_layers, covered, count)
                 if scales is None or scales.shape != scale_shape or scales.dtype != np.float32:
                     got = "nothing" if scales is None else f"{scales.dtype} {scales.shape}"
                     raise ValueError(f"{layout.dtype} KV needs {name} float32 {scale_shape}, got {got}")
@@ -179,7 +193,8 @@ class PagedKvCache:
         for cache, src in ((self.k, k), (self.v, v)):
             # On CPU, numpy copies (a plain memcpy): torch's multi-threaded copy_ collapses when the
             # cores are busy with other work, and this runs beside the decode loop.
-            dst = _bits(cache)[layers].reshape(num_layers, -1, *heads)  # [l, N * bs, Hkv, D], a view
+            dst = _bits(cache)[layers].reshape(num_layers, self.num_blocks * self.block_size, *src.shape[2:])  # a view
+            # [l, N * bs, Hkv, D]
             src = np.ascontiguousarray(src).view(dst.dtype)
             # Whole runs of consecutive block ids are one strided copy each (no scatter, no index tensor).
             for run_start, run_len, block_id in runs:
@@ -226,12 +241,12 @@ class PagedKvCache:
         return self.write([block_id], 0, 0, block.k, block.v, *scales)
 
     def read(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [L, T, Hkv, D] of a request's first num_tokens tokens (a copy)."""
+        """K and V [L, T, Hkv, D] of a request's first num_tokens tokens (a copy; a latent's V [L, T, 1, 0])."""
         table = block_table[: self.layout.num_blocks(num_tokens)]
         blocks = torch.tensor(table, dtype=torch.int64, device=self.device)
         L, _, _, H, D = self.k.shape
         k = self.k[:, blocks].reshape(L, -1, H, D)[:, :num_tokens]  # [L, T, Hkv, D]
-        v = self.v[:, blocks].reshape(L, -1, H, D)[:, :num_tokens]
+        v = self.v[:, blocks].flatten(1, 2)[:, :num_tokens]  # [L, T, Hkv, D | 0]
         return k, v
 
     def read_scales(self, block_table: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,7 +272,8 @@ class PagedKvCache:
         rows = slots if slots.ndim == 2 else slots[:, None]  # [B, S]
         k, v = k.reshape(rows.numel(), *k.shape[-2:]), v.reshape(rows.numel(), *v.shape[-2:])  # [n, Hkv, D]
         self._store_quantized(self.k[layer], self.k_scales[layer], rows, k)
-        self._store_quantized(self.v[layer], self.v_scales[layer], rows, v)
+        if not self.layout.latent:
+            self._store_quantized(self.v[layer], self.v_scales[layer], rows, v)
 
     def _store_quantized(self, data: torch.Tensor, scales: torch.Tensor, rows: torch.Tensor, x: torch.Tensor):
         """data [N, bs, Hkv, D] and scales [N, Hkv] of one layer; x [B S, Hkv, D] for slots rows [B, S].

@@ -37,13 +37,15 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
-def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, attention_factor: float = 1.0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin with its first half negated) [B, S, 1, D] in dtype for positions [B, S], from fp32 angles
-    as transformers computes them."""
+    as transformers computes them, both multiplied by attention_factor (YaRN's) in fp32 when it is not 1."""
     freqs = positions[..., None].float() * inv_freq.float()  # [B, S, D / 2]
     cos = torch.cat((freqs, freqs), dim=-1).cos()  # [B, S, D]
     sin = freqs.sin()  # [B, S, D / 2]
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
     return cos.to(dtype)[:, :, None], torch.cat((-sin, sin), dim=-1).to(dtype)[:, :, None]
 
 
@@ -121,7 +123,7 @@ class DecoderModel(nn.Module):
         self.embed = nn.Buffer(torch.empty(V, d, dtype=dtype, device=device))  # [V, d]
         tied = config.tie_word_embeddings
         self.untied_lm_head = None if tied else nn.Buffer(torch.empty(V, d, dtype=dtype, device=device))  # [V, d]
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i, dtype, device) for i in range(config.num_layers))
         self.norm = nn.Buffer(torch.empty(d, dtype=dtype, device=device))  # [d]
         self.inv_freq = nn.Buffer(torch.from_numpy(inv_freq(config)).to(device))  # [D / 2] float32
         self.local_inv_freq = None if config.local_rope is None else \
@@ -131,6 +133,12 @@ class DecoderModel(nn.Module):
         self.paged_kernel = False
         """Decode (one new token per sequence) and verify steps (k + 1) attend through the CUDA paged kernel
         (`cuda_attention`); set where the model runs, by the worker's start-up."""
+
+    @staticmethod
+    def make_layer(config: ModelConfig, index: int, dtype: torch.dtype, device: torch.device | str | None
+                   ) -> nn.Module:
+        """Layer `index`, empty (`DeepseekModel` makes its own)."""
+        return DecoderLayer(config, index, dtype, device)
 
     def fuse_experts(self) -> int:
         """Every mixture-of-experts layer's step through the fused CUDA kernels (`MoeMlp.fuse`); returns how many."""
@@ -163,7 +171,7 @@ class DecoderModel(nn.Module):
         cache: PagedKvCache,
     ) -> torch.Tensor:
         c = self.config
-        tables = [rope_tables(context.positions, self.inv_freq, self.dtype)]  # ([B, S, 1, D], [B, S, 1, D])
+        tables = [rope_tables(context.positions, self.inv_freq, self.dtype, c.rope.attention_factor)]  # [B, S, 1, D] x 2
         if self.local_inv_freq is not None:
             tables.append(rope_tables(context.positions, self.local_inv_freq, self.dtype))
         x = F.embedding(token_ids, self.embed)  # [B, S, d]
@@ -184,7 +192,8 @@ class DecoderModel(nn.Module):
         groups = c.num_heads // c.num_kv_heads
         return PagedContext.build(positions, block_tables, context_lens, cache.block_size, self.embed.device,
                                   self.dtype, groups=groups,
-                                  paged_kernel=kernel and self.paged_kernel and takes(positions.shape[1], groups),
+                                  paged_kernel=kernel and self.paged_kernel and c.mla is None
+                                  and takes(positions.shape[1], groups),
                                   window=c.sliding_window if c.layer_windows else None)
 
     @torch.inference_mode()

@@ -1,7 +1,8 @@
-"""The mixture-of-experts MLP of the decode tier (Mixtral, Qwen3-MoE): one grouped expert step per forward.
+"""The mixture-of-experts MLP of the decode tier (Mixtral, Qwen3-MoE, DeepSeek): one grouped expert step per forward.
 
 The router picks each token's top k experts (softmax in fp32 over all of them, then the top k, renormalised
-when the family does). The batch's token copies are sorted by expert, and each expert the step chose runs
+when the family does; DeepSeek-V3: sigmoid scores, chosen with a correction bias among the best groups of
+experts, scaled by routed_scaling_factor). The batch's token copies are sorted by expert, and each expert the step chose runs
 once over all its rows: its weights are read once per step, whatever the batch, and experts no token chose
 are not read at all. Each expert is a pair of `Linear`s (gate|up fused, down), so int8/fp8 weights
 (`quant.quantize`) and oneDNN prepacking apply to them as to the dense layers; the router stays in the
@@ -28,12 +29,35 @@ from pdserve.server.decode.quant import Linear
 from pdserve.server.model.config import MoeConfig
 
 
-def route(logits: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (weights f32 [T, k], experts int64 [T, k])."""
-    weights, experts = logits.float().softmax(-1).topk(moe.top_k, dim=-1)
+def route(logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights f32 [T, k], experts int64 [T, k]). bias [E] (DeepSeek-V3's correction
+    bias) is added to the scores to choose the experts only; the weights are the scores themselves."""
+    if moe.scoring == "softmax" and moe.num_groups == 1 and bias is None:
+        weights, experts = logits.float().softmax(-1).topk(moe.top_k, dim=-1)
+    else:
+        scores = logits.float().softmax(-1) if moe.scoring == "softmax" else logits.float().sigmoid()  # [T, E]
+        choice = scores if bias is None else scores + bias.float()
+        if moe.num_groups > 1:
+            choice = _in_best_groups(choice, moe)
+        experts = choice.topk(moe.top_k, dim=-1)[1]  # [T, k]
+        weights = scores.gather(1, experts)
     if moe.renormalize:
-        weights = weights / weights.sum(-1, keepdim=True)
+        # DeepSeek-V3 (sigmoid scores) guards the sum as transformers does; softmax's never needs it
+        weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if moe.scoring == "sigmoid" else 0.0))
+    if moe.routed_scale != 1.0:
+        weights = weights * moe.routed_scale
     return weights, experts
+
+
+def _in_best_groups(choice: torch.Tensor, moe: MoeConfig) -> torch.Tensor:
+    """choice [T, E] with the experts outside each token's `topk_groups` best groups set to -inf; a group's
+    score is its best expert's (V2) or the sum of its best two (V3)."""
+    T, E = choice.shape
+    grouped = choice.view(T, moe.num_groups, E // moe.num_groups)  # [T, G, E / G]
+    group_scores = grouped.max(-1).values if moe.group_score == "max" else grouped.topk(2, dim=-1)[0].sum(-1)
+    best = group_scores.topk(moe.topk_groups, dim=-1)[1]  # [T, topk_groups]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # [T, G]
+    return grouped.masked_fill(~keep[..., None], float("-inf")).view(T, E)
 
 
 class MoeMlp(nn.Module):
@@ -44,6 +68,8 @@ class MoeMlp(nn.Module):
         self.act = act
         E, I = moe.num_experts, moe.intermediate_size
         self.router = nn.Buffer(torch.empty(E, hidden, dtype=dtype, device=device))  # [E, d]
+        self.correction_bias = nn.Buffer(torch.empty(E, dtype=torch.float32, device=device)) \
+            if moe.correction_bias else None  # [E] DeepSeek-V3's e_score_correction_bias (choice only)
         self.gate_up = nn.ModuleList(Linear(hidden, 2 * I, False, dtype, device) for _ in range(E))  # [2 I, d] each
         self.down = nn.ModuleList(Linear(I, hidden, False, dtype, device) for _ in range(E))  # [d, I] each
         self.fused = None
@@ -72,7 +98,7 @@ class MoeMlp(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, d] -> [B, S, d]
         flat = x.reshape(-1, x.shape[-1])  # [T, d]
-        weights, experts = route(F.linear(flat, self.router), self.moe)  # [T, k] each
+        weights, experts = route(F.linear(flat, self.router), self.moe, self.correction_bias)  # [T, k] each
         if self.fused is not None:
             from pdserve.server.decode.cuda_moe import fused_experts
 

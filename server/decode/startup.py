@@ -192,9 +192,10 @@ def decode_offload(config: DecodeConfig, model_config: ModelConfig, layout: KvLa
     """The offload tiers under the prefix cache (--kv-offloading-*), or None; logged in one line."""
     if not config.offloading:
         return None
-    if drafting or not config.enable_prefix_caching or layout.blocks_behind_windows(1 << 62):
+    if drafting or not config.enable_prefix_caching or layout.blocks_behind_windows(1 << 62) or layout.latent:
         why = ("a draft model's KV is not offloaded" if drafting else "--no-enable-prefix-caching" if not
-               config.enable_prefix_caching else "every layer is windowed")
+               config.enable_prefix_caching else "MLA latents are not offloaded yet (issue 42)" if layout.latent
+               else "every layer is windowed")
         log.warning("--kv-offloading-*: off on this decode worker (%s)", why)
         return None
     store = open_offload(config, layout, fingerprint(config.model_dir, model_config), kv_events)

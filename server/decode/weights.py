@@ -100,8 +100,15 @@ def build_model(
 ) -> DecoderModel:
     """The model on the device with the checkpoint's weights, its linears quantized when weight_format is set
     (from the loaded values: the checkpoint's own when dtype holds them exactly)."""
-    model = DecoderModel(config, dtype, device)
-    load_weights(model, tensors)
+    if config.mla is not None:
+        from pdserve.server.decode.deepseek import DeepseekModel
+        from pdserve.server.decode.deepseek_weights import load_deepseek_weights
+
+        model = DeepseekModel(config, dtype, device)
+        load_deepseek_weights(model, tensors)
+    else:
+        model = DecoderModel(config, dtype, device)
+        load_weights(model, tensors)
     if weight_format is not None:
         quantize(model, weight_format)
     return model.eval()

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe"]
+log = logging.getLogger("pdserve.model")
+
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "deepseek_v2",
+                 "deepseek_v3"]
 
 ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
@@ -18,13 +23,13 @@ ARCHITECTURES: dict[str, Family] = {
     "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 
 
 UNSUPPORTED: dict[str, tuple[str, str]] = {
-    "DeepseekV2ForCausalLM": ("multi-head latent attention (MLA)", "Qwen3MoeForCausalLM"),
-    "DeepseekV3ForCausalLM": ("multi-head latent attention (MLA)", "Qwen3MoeForCausalLM"),
-    "KimiK2ForCausalLM": ("multi-head latent attention (MLA)", "Qwen3MoeForCausalLM"),
+    "KimiK2ForCausalLM": ("multi-head latent attention (MLA) under Kimi's own names", "DeepseekV3ForCausalLM"),
     "JambaForCausalLM": ("a hybrid of Mamba and attention layers", "MixtralForCausalLM"),
     "MambaForCausalLM": ("Mamba state-space layers", "MistralForCausalLM"),
     "Mamba2ForCausalLM": ("Mamba state-space layers", "MistralForCausalLM"),
@@ -54,6 +59,8 @@ def _family(sizes: tuple, **fields: Any) -> dict[str, Any]:
 _GEMMA = {"hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "attention_bias": False,
           "query_pre_attn_scalar": 256, "sliding_window": 4096, "use_bidirectional_attention": None}
 _QWEN_WINDOWS = {"use_sliding_window": False, "sliding_window": 4096}
+_DEEPSEEK = {"hidden_act": "silu", "attention_bias": False, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+             "v_head_dim": 128, "kv_lora_rank": 512}
 
 DEFAULTS: dict[Family, dict[str, Any]] = {
     # (vocab, hidden, intermediate, layers, heads, kv heads (None: heads), head_dim (None: hidden // heads), positions)
@@ -74,21 +81,35 @@ DEFAULTS: dict[Family, dict[str, Any]] = {
     "qwen3_moe": _family((151936, 2048, 6144, 24, 32, 4, None, 32768), hidden_act="silu", attention_bias=False,
                          **_QWEN_WINDOWS, decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
                          num_experts=128, norm_topk_prob=False, mlp_only_layers=None),
+    # head_dim: transformers 5 writes qk_rope_head_dim there (V2 reads nothing else; pdserve refuses another in V3)
+    "deepseek_v2": _family((102400, 4096, 11008, 32, 32, None, None, 2048), **_DEEPSEEK, q_lora_rank=1536,
+                           moe_intermediate_size=1407, n_routed_experts=64, num_experts_per_tok=None,
+                           n_shared_experts=2, first_k_dense_replace=0, routed_scaling_factor=1.0,
+                           norm_topk_prob=False, topk_method="greedy", n_group=None, topk_group=None,
+                           mlp_bias=False),
+    "deepseek_v3": _family((129280, 7168, 18432, 61, 128, 128, None, 4096), **_DEEPSEEK, q_lora_rank=1536,
+                           moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=8,
+                           n_shared_experts=1, first_k_dense_replace=3, routed_scaling_factor=2.5,
+                           norm_topk_prob=True, n_group=8, topk_group=4, rope_interleave=True),
 }
 """What a config.json that omits a field means: the default of the family's transformers config class
 (`Gemma2Config().attn_logit_softcapping` is 50.0, ...) for each field pdserve reads. transformers' config
 classes import torch, which pdserve's model code does not, so they are mirrored here;
 tests/model/test_config_fields.py compares this table to the classes."""
 
-_ALIASES: dict[str, str] = {"num_local_experts": "num_experts"}
-"""Qwen3-MoE's fields under the other name transformers 5 writes (its attribute_map): read as the first."""
+_ALIASES: dict[str, dict[str, str]] = {
+    "qwen3_moe": {"num_local_experts": "num_experts"},
+    "deepseek_v2": {"num_experts": "n_routed_experts"},
+    "deepseek_v3": {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"},
+}
+"""Fields under the other name transformers writes or reads (the class's attribute_map): read as the second."""
 
 
 def with_defaults(family: Family, raw: dict[str, Any]) -> dict[str, Any]:
     """config.json's fields over the family's transformers defaults (`DEFAULTS`); a field set to null stays
     null, as transformers keeps it."""
-    if family == "qwen3_moe":
-        raw = {_ALIASES.get(k, k): v for k, v in raw.items()}
+    aliases = _ALIASES.get(family, {})
+    raw = {aliases.get(k, k): v for k, v in raw.items()}
     return {**DEFAULTS[family], **raw}
 
 
@@ -99,11 +120,19 @@ class ModelLoadError(ValueError):
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    kind: Literal["default", "llama3", "linear"] = "default"
+    kind: Literal["default", "llama3", "linear", "yarn"] = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0
+    """YaRN: the rotations bounding the frequencies kept as they are (extrapolated)."""
+    beta_slow: float = 1.0
+    """YaRN: the rotations bounding the frequencies interpolated (divided by factor)."""
+    truncate: bool = True
+    """YaRN: the correction range rounded outwards to whole dimensions."""
+    attention_factor: float = 1.0
+    """cos and sin multiplied by it (YaRN's: mscale(factor, mscale) / mscale(factor, mscale_all_dim))."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +145,49 @@ class MoeConfig:
     intermediate_size: int
     """Each expert's."""
     renormalize: bool
-    """The top k probabilities divided by their sum (Mixtral always; Qwen3-MoE iff norm_topk_prob)."""
+    """The top k probabilities divided by their sum (Mixtral always; Qwen3-MoE and DeepSeek-V3 iff
+    norm_topk_prob; DeepSeek-V2 never)."""
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    """How router logits become scores: softmax over all experts, or each expert's sigmoid (DeepSeek-V3)."""
+    num_groups: int = 1
+    """Group-limited routing (DeepSeek's n_group): the experts in this many equal groups, of which only the
+    `topk_groups` best are chosen from; 1: no groups."""
+    topk_groups: int = 1
+    group_score: Literal["max", "top2_sum"] = "max"
+    """A group's score: its best expert's (DeepSeek-V2 group_limited_greedy) or the sum of its best two
+    (DeepSeek-V3, with the correction bias)."""
+    correction_bias: bool = False
+    """DeepSeek-V3's e_score_correction_bias: added to the scores to choose the experts, never to weigh them."""
+    routed_scale: float = 1.0
+    """The chosen experts' weights multiplied by it (DeepSeek's routed_scaling_factor)."""
+    shared_intermediate_size: int = 0
+    """A dense MLP of this size over every token, added to the experts' sum (DeepSeek's shared experts:
+    moe_intermediate_size x n_shared_experts); 0: none."""
+    dense_layers: int = 0
+    """The first layers have a dense MLP of intermediate_size instead (DeepSeek's first_k_dense_replace)."""
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3). Each token caches one latent of `kv_lora_rank` values
+    (kv_a_layernorm of kv_a_proj_with_mqa's first outputs) and one rotated key of `qk_rope_head_dim` values shared
+    by every head; heads expand them through kv_b_proj (decode absorbs it into the query and the output)."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    """None: the query is one projection (q_proj, V2-Lite); else q_a_proj, q_a_layernorm, q_b_proj."""
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_pairs: Literal["halves", "deinterleaved", "interleaved"]
+    """How the rope dimensions are rotated and laid out: halves (HF's rotate_half: V3 with rope_interleave
+    false); deinterleaved (pairs (x[2i], x[2i+1]) rotated and written as [evens | odds]: V3's rope_interleave);
+    interleaved (the same pairs written back in place: V2)."""
+
+    @property
+    def latent_dim(self) -> int:
+        """Values a token caches per layer: the latent and the rotated key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -166,8 +237,17 @@ class ModelConfig:
     local_rope: RopeConfig | None = None
     """The windowed layers' own RoPE (Gemma 3's rope_local_base_freq); None: every layer uses `rope`."""
     moe: MoeConfig | None = None
-    """Every layer's MLP is a mixture of experts (Mixtral, Qwen3-MoE); None: a dense MLP."""
+    """Every layer's MLP is a mixture of experts (Mixtral, Qwen3-MoE; DeepSeek's from `moe.dense_layers` on);
+    None: a dense MLP."""
+    mla: MlaConfig | None = None
+    """Multi-head latent attention (DeepSeek): then num_kv_heads is 1 and head_dim the latent's width
+    (`MlaConfig.latent_dim`), the shape of what the KV cache holds per token and layer (K only, no V)."""
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dimensions RoPE rotates (MLA: qk_rope_head_dim; else the head's)."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     @property
     def scale(self) -> float:
@@ -205,6 +285,7 @@ class ModelConfig:
             f"{self.family} L={self.num_layers} d={self.hidden_size} heads={self.num_heads}/"
             f"{self.num_kv_heads}x{self.head_dim} vocab={self.vocab_size} {self.dtype}"
             + ("" if self.moe is None else f" experts={self.moe.top_k}/{self.moe.num_experts}")
+            + ("" if self.mla is None else f" mla latent={self.mla.kv_lora_rank}+{self.mla.qk_rope_head_dim}")
         )
 
 
@@ -225,7 +306,7 @@ def _gemma3_ropes(raw: dict[str, Any]) -> tuple[RopeConfig, RopeConfig]:
     return _rope_from(raw), _rope_from({"rope_theta": raw["rope_local_base_freq"]})
 
 
-def _rope_from(raw: dict[str, Any]) -> RopeConfig:
+def _rope_from(raw: dict[str, Any], yarn: bool = False) -> RopeConfig:
     # transformers 5 writes `rope_parameters`; transformers 4 writes `rope_theta` + `rope_scaling`.
     # A missing rope_theta is the family's (`DEFAULTS`: transformers' default_theta), else 10000.
     params = dict(raw.get("rope_parameters") or {})
@@ -250,10 +331,45 @@ def _rope_from(raw: dict[str, Any]) -> RopeConfig:
             high_freq_factor=float(merged["high_freq_factor"]),
             original_max_position_embeddings=int(merged["original_max_position_embeddings"]),
         )
+    if kind == "yarn" and yarn:
+        return _yarn(float(theta), merged, int(raw["max_position_embeddings"]))
     where = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     key = "rope_type" if "rope_type" in merged else "type"
-    raise _refused(f"{where}.{key} {kind!r}", "pdserve implements the default, linear and llama3 RoPE only "
+    served = "default, linear, llama3 and (for DeepSeek) yarn" if yarn else "default, linear and llama3 (yarn for " \
+        "DeepSeek only)"
+    raise _refused(f"{where}.{key} {kind!r}", f"pdserve implements the {served} RoPE only "
                    "(other types change the positions' angles, so would be served wrong)")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale, as transformers' (and DeepSeek's) get_mscale computes it."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(theta: float, params: dict[str, Any], max_positions: int) -> RopeConfig:
+    """YaRN as transformers' _compute_yarn_parameters reads its parameters."""
+    original = int(params["original_max_position_embeddings"])
+    factor = float(params["factor"]) if params.get("factor") is not None else max_positions / original
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None:
+        attention_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) \
+            if mscale and mscale_all_dim else yarn_mscale(factor)
+    return RopeConfig(theta=theta, kind="yarn", factor=factor, original_max_position_embeddings=original,
+                      beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                      truncate=bool(params.get("truncate", True)), attention_factor=float(attention_factor))
+
+
+def _mla_scale(raw: dict[str, Any], head_dim: int) -> float:
+    """MLA's softmax scale (transformers' yarn_apply_mscale): (nope + rope) ** -0.5, times
+    mscale(factor, mscale_all_dim) squared under a scaled RoPE that sets mscale_all_dim."""
+    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    scale = head_dim**-0.5
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind != "default" and params.get("mscale_all_dim"):
+        m = yarn_mscale(float(params["factor"]), params["mscale_all_dim"])
+        scale = scale * m * m
+    return scale
 
 
 def _layer_windows(family: Family, raw: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
@@ -321,6 +437,8 @@ def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
         if raw.get(cap) is not None:
             raise _refused(f"{cap} {raw[cap]}", f"transformers' {family} does not soft-cap (Gemma 2 does)")
+    if family in ("deepseek_v2", "deepseek_v3"):
+        _refuse_unimplemented_mla(family, raw)
     if family in ("llama", "qwen3", "qwen3_moe") and raw.get("attention_bias"):
         raise _refused("attention_bias true", "pdserve's decode tier does not implement the o_proj bias it "
                        "brings (q/k/v biases are implemented)")
@@ -328,7 +446,72 @@ def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
         raise _refused("mlp_bias true", "pdserve does not implement biases on the MLP's projections")
 
 
+def _refuse_unimplemented_mla(family: Family, raw: dict[str, Any]) -> None:
+    """DeepSeek's fields that change what transformers computes in ways pdserve's MLA does not; the MTP layers
+    (num_nextn_predict_layers), which transformers' forward never runs, are left out with a log line."""
+    if raw.get("attention_bias"):
+        raise _refused("attention_bias true", "pdserve's MLA has no biases on q_a_proj, kv_a_proj_with_mqa, o_proj")
+    if raw.get("mlp_bias"):
+        raise _refused("mlp_bias true", "pdserve does not implement biases on the MLP's projections")
+    heads, kv_heads = raw["num_attention_heads"], raw["num_key_value_heads"]
+    if kv_heads is not None and kv_heads != heads:
+        raise _refused(f"num_key_value_heads {kv_heads} (num_attention_heads {heads})",
+                       "MLA expands its latent into every query head; transformers' DeepSeek breaks when these differ")
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise _refused(f"moe_layer_freq {raw['moe_layer_freq']}", "transformers' DeepSeek puts experts in every "
+                       "layer from first_k_dense_replace on (it ignores the field; DeepSeek's own code would skip "
+                       "layers), so which this checkpoint means is unknown; pdserve serves moe_layer_freq 1")
+    scoring = "sigmoid" if family == "deepseek_v3" else "softmax"
+    if raw.get("scoring_func", scoring) != scoring:
+        raise _refused(f"scoring_func {raw['scoring_func']!r}", f"transformers' {family} routes by {scoring} scores")
+    methods = ("noaux_tc",) if family == "deepseek_v3" else ("greedy", "group_limited_greedy")
+    if (raw.get("topk_method") or methods[0]) not in methods:
+        raise _refused(f"topk_method {raw['topk_method']!r}", f"transformers' {family} routes by "
+                       f"{' or '.join(methods)}")
+    if raw.get("num_nextn_predict_layers"):
+        log.info("%s: the checkpoint's %d multi-token-prediction (MTP) layer(s) are not loaded (pdserve serves the "
+                 "main model; transformers' forward does not run them either)", family,
+                 raw["num_nextn_predict_layers"])
+
+
+def _mla_from(family: Family, raw: dict[str, Any]) -> MlaConfig | None:
+    if family not in ("deepseek_v2", "deepseek_v3"):
+        return None
+    q_lora = raw["q_lora_rank"]
+    pairs = "interleaved" if family == "deepseek_v2" else "deinterleaved" if raw["rope_interleave"] else "halves"
+    mla = MlaConfig(kv_lora_rank=int(raw["kv_lora_rank"]), q_lora_rank=None if q_lora is None else int(q_lora),
+                    qk_nope_head_dim=int(raw["qk_nope_head_dim"]), qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
+                    v_head_dim=int(raw["v_head_dim"]), rope_pairs=pairs)
+    head_dim = raw.get("head_dim")  # V2's config class overwrites it with qk_rope_head_dim; V3's keeps it
+    if family == "deepseek_v3" and head_dim is not None and int(head_dim) != mla.qk_rope_head_dim:
+        raise _refused(f"head_dim {head_dim} (qk_rope_head_dim {mla.qk_rope_head_dim})",
+                       "DeepSeek-V3's head_dim is its rotary width (transformers 5 writes qk_rope_head_dim there and "
+                       "rotates that many dimensions, failing on any other); drop it or set it to qk_rope_head_dim")
+    if mla.qk_rope_head_dim % 2:
+        raise _refused(f"qk_rope_head_dim {mla.qk_rope_head_dim}", "RoPE rotates pairs of dimensions: it must be even")
+    return mla
+
+
+def _deepseek_moe(family: Family, raw: dict[str, Any]) -> MoeConfig:
+    if raw["num_experts_per_tok"] is None:
+        raise _refused("num_experts_per_tok null", "a DeepSeek MoE routes each token to that many experts")
+    v3 = family == "deepseek_v3"
+    groups = int(raw["n_group"] or 1) if v3 or raw["topk_method"] == "group_limited_greedy" else 1
+    experts = int(raw["n_routed_experts"])
+    if experts % groups:
+        raise _refused(f"n_group {groups}", f"the {experts} routed experts must split into equal groups")
+    return MoeConfig(experts, int(raw["num_experts_per_tok"]), int(raw["moe_intermediate_size"]),
+                     renormalize=v3 and bool(raw["norm_topk_prob"]), scoring="sigmoid" if v3 else "softmax",
+                     num_groups=groups, topk_groups=int(raw["topk_group"] or 1) if groups > 1 else 1,
+                     group_score="top2_sum" if v3 else "max", correction_bias=v3,
+                     routed_scale=float(raw["routed_scaling_factor"]),
+                     shared_intermediate_size=int(raw["moe_intermediate_size"]) * int(raw["n_shared_experts"] or 0),
+                     dense_layers=int(raw["first_k_dense_replace"] or 0))
+
+
 def _moe_from(family: Family, raw: dict[str, Any]) -> MoeConfig | None:
+    if family in ("deepseek_v2", "deepseek_v3"):
+        return _deepseek_moe(family, raw)
     if family == "mixtral":
         return MoeConfig(int(raw["num_local_experts"]), int(raw["num_experts_per_tok"]), int(raw["intermediate_size"]),
                          renormalize=True)
@@ -375,7 +558,8 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
     try:
         num_heads = int(fields["num_attention_heads"])
         hidden = int(fields["hidden_size"])
-        head_dim = int(fields.get("head_dim") or hidden // num_heads)
+        mla = _mla_from(family, fields)
+        head_dim = mla.latent_dim if mla else int(fields.get("head_dim") or hidden // num_heads)
         num_layers = int(fields["num_hidden_layers"])
         windows = _layer_windows(family, fields, num_layers)
         dtype_key = "torch_dtype" if raw.get("torch_dtype") else "dtype"
@@ -383,8 +567,9 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
         if dtype not in ("float32", "bfloat16", "float16"):
             raise _refused(f"{dtype_key} {dtype!r}", "pdserve serves float32, bfloat16 and float16 weights")
         gemma = family in ("gemma2", "gemma3")
-        rope, local_rope = _gemma3_ropes(fields) if family == "gemma3" else (_rope_from(fields), None)
+        rope, local_rope = _gemma3_ropes(fields) if family == "gemma3" else (_rope_from(fields, mla is not None), None)
         scalar = fields["query_pre_attn_scalar"] if gemma else None
+        qk_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim if mla else 0
         return ModelConfig(
             family=family,
             vocab_size=int(fields["vocab_size"]),
@@ -392,7 +577,7 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
             intermediate_size=int(fields["intermediate_size"]),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=int(fields["num_key_value_heads"] or num_heads),
+            num_kv_heads=1 if mla else int(fields["num_key_value_heads"] or num_heads),
             head_dim=head_dim,
             rms_norm_eps=float(fields["rms_norm_eps"]),
             rope=rope,
@@ -408,12 +593,13 @@ def parse_config(raw: dict[str, Any], model_dir: Path = Path(".")) -> ModelConfi
             hidden_act="gelu_tanh" if gemma else "silu",
             norm_offset=gemma,
             sandwich_norms=gemma,
-            attn_scale=None if scalar is None else float(scalar) ** -0.5,
+            attn_scale=_mla_scale(fields, qk_dim) if mla else None if scalar is None else float(scalar) ** -0.5,
             attn_softcap=_cap(fields, "attn_logit_softcapping") if family == "gemma2" else None,
             final_softcap=_cap(fields, "final_logit_softcapping") if gemma else None,
             embed_scale=hidden**0.5 if gemma else None,
             local_rope=local_rope,
             moe=_moe_from(family, fields),
+            mla=mla,
             raw=raw,
         )
     except KeyError as e:
@@ -437,6 +623,17 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from e
     return parse_config(raw, model_dir)
+
+
+def prefill_tier_gap(config: ModelConfig) -> str | None:
+    """Why the JAX prefill tier cannot compute this model yet (None: it can): the words its workers refuse it in
+    at start, and `pdserve up` logs when it starts none for it."""
+    if config.mla is None:
+        return None
+    return (f"{config.family}: the JAX prefill tier does not compute multi-head latent attention (MLA) yet (issue 42's "
+            f"first stage serves DeepSeek-V2/V3 on the decode tier only, each decode worker prefilling its own "
+            f"prompts); run no prefill workers for this model (pdserve up --prefill-workers 0, which up chooses by "
+            f"itself for it)")
 
 
 def served_model_name(model_dir: str | Path) -> str:

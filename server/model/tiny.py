@@ -12,9 +12,13 @@ from pathlib import Path
 from typing import Literal
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "mistral-windowed", "gemma2", "gemma3", "mixtral", "qwen3_moe",
-                 "gemma2-defaults", "gemma3-softcapped"]
+                 "gemma2-defaults", "gemma3-softcapped", "deepseek_v2", "deepseek_v3"]
 """The checkpoints made here: one per served family, and "mistral-windowed", a Mistral whose every layer has
-a sliding window of WINDOW tokens (prompts longer than it are a few words). The Gemmas alternate windowed
+a sliding window of WINDOW tokens (prompts longer than it are a few words). The DeepSeeks (multi-head latent
+attention, v_head_dim unlike the qk heads', a dense first layer then 8 routed experts, 2 per token, and shared
+experts): "deepseek_v3" with q_lora_rank, YaRN (mscale != mscale_all_dim: both YaRN factors count),
+sigmoid routing limited to 2 of 4 groups with a non-zero correction bias; "deepseek_v2" without q_lora_rank,
+softmax greedy routing, interleaved RoPE. The Gemmas alternate windowed
 (local) and global layers with the same window, over 4 layers. The MoEs have 8 experts, 2 per token
 (Mixtral renormalises the two; this Qwen3-MoE does not: norm_topk_prob false).
 
@@ -183,6 +187,18 @@ def _hf_config(family: Family, vocab_size: int, eos_id: int, bos_id: int, shape:
         types = ["sliding_attention"] * 3 + ["full_attention"]
         caps = {"final_logit_softcapping": 15.0} if family == "gemma3-softcapped" else {}
         return transformers.Gemma3TextConfig(**gemma, layer_types=types, rope_parameters=rope, **caps)
+    if family in ("deepseek_v2", "deepseek_v3"):
+        mla = dict(common, num_hidden_layers=(shape or {}).get("num_hidden_layers", 3), num_key_value_heads=4,
+                   kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
+                   num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+        mla.pop("head_dim")  # transformers sets it to qk_rope_head_dim
+        if family == "deepseek_v2":
+            return transformers.DeepseekV2Config(**mla, q_lora_rank=None, n_shared_experts=2, topk_method="greedy",
+                                                 rope_theta=10000.0)
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.7,
+                "original_max_position_embeddings": mla["max_position_embeddings"] // 4}
+        return transformers.DeepseekV3Config(**mla, q_lora_rank=48, n_shared_experts=1, n_group=4, topk_group=2,
+                                             norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=yarn)
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(Family.__args__)}")
 
 
@@ -234,6 +250,11 @@ def make_tiny_model(
                     w.normal_(0.0, 0.2)
             if family in OMITTED or family == "gemma3-softcapped":
                 _sharpened(model)
+    if family == "deepseek_v3":  # a correction bias that changes which experts are chosen
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.5)
     model = model.to(getattr(torch, dtype)).eval()
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out, **kwargs)

@@ -38,6 +38,7 @@ EXPERT_NAMES = {
     "qwen3_moe": {"router": "mlp.gate", "gate": "mlp.experts.{e}.gate_proj.weight",
                   "up": "mlp.experts.{e}.up_proj.weight", "down": "mlp.experts.{e}.down_proj.weight"},
 }
+EXPERT_NAMES["deepseek_v2"] = EXPERT_NAMES["deepseek_v3"] = EXPERT_NAMES["qwen3_moe"]
 """Each MoE family's checkpoint names (per layer) of the router and of expert e's projections."""
 
 

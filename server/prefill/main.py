@@ -20,7 +20,7 @@ from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher, open_publisher
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import hardware, metrics, serving
 from pdserve.server.cache_dir import compile_cache_dir
-from pdserve.server.model.config import ModelConfig, load_config
+from pdserve.server.model.config import ModelConfig, ModelLoadError, load_config, prefill_tier_gap
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
@@ -125,6 +125,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         if jax.process_count() > 1 and jax.process_index() == 0:  # published now: followers look it up when ready
             leader = SliceLeader.listen(jax.process_count() - 1, coordinator_host(), _cluster_secret())
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
+    if (gap := prefill_tier_gap(model_config)) is not None:
+        raise ModelLoadError(gap)
     ep = config.expert_parallel_size
     tp = config.tensor_parallel_size or default_size(model_config, jax.device_count(), expert_parallel=ep)
     choice = choose_matmul(config, model_config, devices=tp * ep * jax.process_count())

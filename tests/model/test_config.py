@@ -85,7 +85,7 @@ def test_unsupported_architecture_is_named(tmp_path, tiny_model):
 
 
 @pytest.mark.parametrize("arch, words", [
-    ("DeepseekV3ForCausalLM", r"multi-head latent attention \(MLA\).* nearest it serves is Qwen3MoeForCausalLM"),
+    ("KimiK2ForCausalLM", r"multi-head latent attention \(MLA\).* nearest it serves is DeepseekV3ForCausalLM"),
     ("JambaForCausalLM", "a hybrid of Mamba and attention layers.* nearest it serves is MixtralForCausalLM"),
     ("Gemma3ForConditionalGeneration", r"a multimodal model \(vision tower\).* nearest it serves is Gemma3ForCausalLM"),
 ])

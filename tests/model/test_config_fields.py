@@ -25,12 +25,17 @@ from pdserve.server.model.config import ARCHITECTURES, DEFAULTS, ModelLoadError,
 
 CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "gemma2": "Gemma2Config", "gemma3": "Gemma3TextConfig", "mixtral": "MixtralConfig",
-           "qwen3_moe": "Qwen3MoeConfig"}
+           "qwen3_moe": "Qwen3MoeConfig", "deepseek_v2": "DeepseekV2Config", "deepseek_v3": "DeepseekV3Config"}
 ARCH = {family: arch for arch, family in ARCHITECTURES.items()}
 SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 96, "max_position_embeddings": 128}
 MOE_SHAPE = {"mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
              "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}}
+_MLA_SHAPE = {"num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_nope_head_dim": 8,
+              "qk_rope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 8, "num_experts_per_tok": 2,
+              "moe_intermediate_size": 16, "first_k_dense_replace": 1}
+MOE_SHAPE["deepseek_v2"] = _MLA_SHAPE
+MOE_SHAPE["deepseek_v3"] = dict(_MLA_SHAPE, n_group=2, topk_group=1)
 DROP = object()
 """As a value: the field removed from config.json."""
 Probe = Any | Callable[[Any], Any]
@@ -183,6 +188,42 @@ FAMILY: dict[str, dict[str, tuple[Treatment, ...]]] = {
                                                    "every layer when use_sliding_window", 1,
                                                    {"use_sliding_window": True, "sliding_window": 24}),)},
 }
+_MLA: dict[str, tuple[Treatment, ...]] = {
+    **_DENSE, "attention_bias": (Refused(True, match="attention_bias true"),),
+    "num_key_value_heads": (Refused(2, match="num_key_value_heads 2"),),
+    "num_attention_heads": (Used(double, {"num_key_value_heads": None}),),
+    "qk_head_dim": (Irrelevant("transformers derives it from qk_nope_head_dim + qk_rope_head_dim", double),),
+    "rope_parameters": (Used({"rope_type": "default", "rope_theta": 12345.0}),
+                        Used({"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 1.0,
+                              "mscale_all_dim": 0.7, "original_max_position_embeddings": 32}),
+                        Refused({"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}, match="'dynamic'")),
+    "kv_lora_rank": (Used(double),), "q_lora_rank": (Used(double), Used(lambda v: None)),
+    "qk_nope_head_dim": (Used(double),), "qk_rope_head_dim": (Used(double, {"head_dim": DROP}),
+                                                            Refused(lambda v: 7, {"head_dim": DROP})),
+    "v_head_dim": (Used(double),), "moe_intermediate_size": (Used(double),), "n_routed_experts": (Used(double),),
+    "num_experts_per_tok": (Used(1),), "n_shared_experts": (Used(lambda v: 3),), "first_k_dense_replace": (Used(0),),
+    "routed_scaling_factor": (Used(2.0),), "output_router_logits": (_ROUTER_LOGITS,),
+    "pretraining_tp": (Irrelevant("transformers 5's DeepSeek does not read it", 2),),
+    # what DeepSeek's own checkpoints write beside the class's fields
+    "moe_layer_freq": (Refused(2),),
+}
+
+FAMILY["deepseek_v2"] = {
+    **_MLA, "head_dim": (Irrelevant("transformers' DeepseekV2Config overwrites it with qk_rope_head_dim", double),), "mlp_bias": (Refused(True, match="mlp_bias true"),),
+    "norm_topk_prob": (Irrelevant("transformers' DeepSeek-V2 router never renormalises", flip),),
+    "topk_method": (Used("group_limited_greedy", {"n_group": 2, "topk_group": 1}), Refused("noaux_tc")),
+    "n_group": (Irrelevant("read by group_limited_greedy routing only (greedy here)", 4),
+                Used(4, {"topk_method": "group_limited_greedy", "topk_group": 1})),
+    "topk_group": (Irrelevant("read by group_limited_greedy routing only (greedy here)", 2),
+                   Used(1, {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2})),
+    "scoring_func": (Refused("sigmoid"),),
+}
+FAMILY["deepseek_v3"] = {
+    **_MLA, "head_dim": (Refused(double, match="head_dim 16 \\(qk_rope_head_dim 8\\)"),), "norm_topk_prob": (Used(flip),), "n_group": (Used(4),), "topk_group": (Used(2),),
+    "rope_interleave": (Used(flip),),
+    "num_nextn_predict_layers": (Irrelevant("the MTP layers: transformers' forward never runs them", 2),),
+    "topk_method": (Refused("greedy"),), "scoring_func": (Refused("softmax"),),
+}
 
 
 def _treatments(family: str) -> dict[str, tuple[Treatment, ...]]:
@@ -197,7 +238,7 @@ def _config_class(family: str):
 
 def _base(family: str) -> dict[str, Any]:
     """A small config.json of the family as transformers 5 writes it."""
-    config = _config_class(family)(**SHAPE, **MOE_SHAPE.get(family, {}), architectures=[ARCH[family]])
+    config = _config_class(family)(**{**SHAPE, **MOE_SHAPE.get(family, {})}, architectures=[ARCH[family]])
     return config.to_dict()
 
 
@@ -316,8 +357,9 @@ def test_an_omitted_field_means_what_transformers_reads_it_as(tmp_path, family, 
 
     try:
         theirs = _config_class(family).from_dict(raw).to_dict()
-    except StrictDataclassError:  # transformers refuses it (26 layers by default, layer_types of 2): so does pdserve
-        with pytest.raises(ModelLoadError):
-            parse_config(raw, tmp_path)
+        expected = parse_config(theirs, tmp_path)
+    except (StrictDataclassError, ModelLoadError):  # transformers refuses it (26 layers by default, layer_types of
+        with pytest.raises(ModelLoadError):  # 2), or pdserve what it makes of it (DeepSeek-V3's 128 kv heads of 4):
+            parse_config(raw, tmp_path)  # so does pdserve the omission
         return
-    assert parse_config(raw, tmp_path) == parse_config(theirs, tmp_path)
+    assert parse_config(raw, tmp_path) == expected

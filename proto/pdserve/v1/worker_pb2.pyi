@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "scale_granularity", "layer_windows")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "scale_granularity", "layer_windows", "layout_kind")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -16,6 +16,7 @@ class KvLayout(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SCALE_GRANULARITY_FIELD_NUMBER: _ClassVar[int]
     LAYER_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_KIND_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -23,7 +24,8 @@ class KvLayout(_message.Message):
     dtype: str
     scale_granularity: str
     layer_windows: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., scale_granularity: _Optional[str] = ..., layer_windows: _Optional[_Iterable[int]] = ...) -> None: ...
+    layout_kind: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., scale_granularity: _Optional[str] = ..., layer_windows: _Optional[_Iterable[int]] = ..., layout_kind: _Optional[str] = ...) -> None: ...
 
 class KvTarget(_message.Message):
     __slots__ = ("address", "layout", "cached_blocks")
