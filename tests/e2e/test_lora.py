@@ -43,17 +43,11 @@ def no_leaked_blocks(cluster):
 
 async def _complete(sdk: openai.AsyncOpenAI, model: str, prompt: list[int]):
     return await sdk.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                                        extra_body={"ignore_eos": True})
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
 def _sdk(cluster) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{cluster['http']}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def _ids(text_completion, tokenizer_base) -> list[int]:
-    from pdserve.server.model.tokenizer import Tokenizer
-
-    return Tokenizer.from_dir(tokenizer_base).encode(text_completion.choices[0].text, add_special_tokens=False)
 
 
 async def test_a_concurrent_mixed_batch_gives_each_request_peft_tokens(cluster, tiny_loras):
@@ -70,6 +64,7 @@ async def test_a_concurrent_mixed_batch_gives_each_request_peft_tokens(cluster, 
         expected = peft_greedy(base, None if name == "base" else loras[name], PROMPTS[name], MAX_TOKENS)
         assert answer.usage.completion_tokens == MAX_TOKENS
         assert _token_ids(answer) == expected, name
+        assert answer.choices[0].prompt_token_ids == PROMPTS[name]
 
 
 def _token_ids(answer) -> list[int]:
@@ -119,3 +114,43 @@ async def test_bad_adapters_are_refused_at_load_and_the_server_serves_on(cluster
             await _complete(sdk, "w", PROMPTS["base"])
         answer = await _complete(sdk, "ada", PROMPTS["ada"])
         assert _token_ids(answer) == peft_greedy(base, loras["ada"], PROMPTS["ada"], MAX_TOKENS)
+
+
+def test_grpc_and_kserve_take_the_adapter_by_name(cluster, tiny_loras):
+    """pdserve.v1's `lora_name` and KServe's `model_name` select an adapter; an unknown one is NOT_FOUND."""
+    import grpc
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    from pdserve.server.client import build_request, stream
+    from pdserve.server.model.tokenizer import Tokenizer
+
+    base, loras = tiny_loras
+    request = build_request(token_ids=PROMPTS["bob"], max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    request.lora_name = "bob"
+    got = [t for r in stream(cluster["coordinator"], request, timeout=120) for t in r.token_ids]
+    expected = peft_greedy(base, loras["bob"], PROMPTS["bob"], MAX_TOKENS)
+    assert got == expected
+    request.lora_name = "nobody"
+    with pytest.raises(grpc.RpcError) as e:
+        list(stream(cluster["coordinator"], request, timeout=120))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "The model `nobody` does not exist." in e.value.details()
+
+    tokenizer = Tokenizer.from_dir(base)
+    prompt = tokenizer.decode(PROMPTS["ada"], skip_special_tokens=False)
+    ids = tokenizer.encode(prompt)  # what the server tokenizes the text to
+    client = triton_grpc.InferenceServerClient(cluster["coordinator"])
+    try:
+        assert client.is_model_ready("ada")
+        text_input = triton_grpc.InferInput("text_input", [1], "BYTES")
+        text_input.set_data_from_numpy(np.array([prompt.encode()], dtype=object))
+        sampling = triton_grpc.InferInput("sampling_parameters", [1], "BYTES")
+        params = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        sampling.set_data_from_numpy(np.array([json.dumps(params).encode()], dtype=object))
+        result = client.infer("ada", [text_input, sampling])
+        text = result.as_numpy("text_output")[0].decode()
+        assert result.get_response().model_name == "ada"
+        expected_text = tokenizer.decode(peft_greedy(base, loras["ada"], ids, MAX_TOKENS))
+        assert text.endswith(expected_text)
+    finally:
+        client.close()
