@@ -90,8 +90,9 @@ def load_lora(name: str, path: str | Path, config: ModelConfig, max_rank: int) -
 def _rank_and_scaling(raw: dict, where: str, max_rank: int) -> tuple[int, float]:
     if not isinstance(raw, dict) or raw.get("peft_type", "LORA") != "LORA":
         raise LoraLoadError(f"{where}: not a LoRA adapter (peft_type {raw.get('peft_type')!r}; pdserve serves LORA)")
-    for setting, off in (("use_dora", False), ("bias", "none"), ("modules_to_save", None), ("fan_in_fan_out", False),
-                         ("rank_pattern", {}), ("alpha_pattern", {})):
+    for setting, off in (("use_dora", False), ("bias", "none"), ("lora_bias", False), ("modules_to_save", None),
+                         ("fan_in_fan_out", False), ("rank_pattern", {}), ("alpha_pattern", {}),
+                         ("layer_replication", None), ("trainable_token_indices", None)):
         if raw.get(setting, off) not in (off, None, {}, False):
             raise LoraLoadError(f"{where}: {setting}={raw[setting]!r} is not served (train the adapter with "
                                 f"{setting}={off!r})")
