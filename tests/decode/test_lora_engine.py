@@ -122,3 +122,20 @@ async def test_an_adapter_request_on_a_worker_without_lora_is_refused(tiny_model
     with pytest.raises(ValueError, match="start it with --enable-lora"):
         engine.add(_request("x", [1, 2, 3], 2, AdapterKey(1, "ada", "/nowhere")))
     await engine.close()
+
+
+async def test_preempted_adapter_sequences_recompute_with_their_adapter(tiny_loras):
+    """Too few blocks for three sequences at once: the scheduler preempts, and a readmitted sequence's KV is
+    computed again with its own adapter (its tokens stay peft's)."""
+    base, loras = tiny_loras
+    keys = _keys(loras)
+    config = load_config(base)
+    model = build_model(config, load_weights(base))
+    layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=4, dtype="float32")
+    slots = LoraSlots(config, 2, 3, 16, torch.float32, torch.device("cpu"))
+    engine = DecodeEngine(model, layout, num_blocks=16, max_running=3, lora=slots, enable_prefix_caching=False)
+    seqs = await asyncio.gather(*(_run(engine, n, PROMPTS[n], 30, keys[n]) for n in ("ada", "bob", "cy")))
+    assert engine.scheduler.num_preemptions > 0
+    for seq in seqs:
+        assert seq.output_ids == peft_greedy(base, loras[seq.lora.key.name], seq.prompt_ids, 30), seq.request_id
+    await engine.close()

@@ -154,3 +154,16 @@ def test_grpc_and_kserve_take_the_adapter_by_name(cluster, tiny_loras):
         assert text.endswith(expected_text)
     finally:
         client.close()
+
+
+async def test_a_streamed_chat_with_an_adapter_carries_its_name_and_token_ids(cluster, tiny_loras):
+    base, loras = tiny_loras
+    async with _sdk(cluster) as sdk:
+        chunks = [c async for c in await sdk.chat.completions.create(
+            model="bob", messages=[{"role": "user", "content": "hello there"}], max_tokens=MAX_TOKENS, temperature=0,
+            stream=True, extra_body={"ignore_eos": True, "return_token_ids": True})]
+    assert {c.model for c in chunks} == {"bob"}
+    prompt = chunks[0].prompt_token_ids
+    assert prompt and all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    got = [t for c in chunks for choice in c.choices for t in (choice.token_ids or [])]
+    assert got == peft_greedy(base, loras["bob"], prompt, MAX_TOKENS)

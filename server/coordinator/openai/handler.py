@@ -338,7 +338,8 @@ class Handler:
                     continue
                 if templates is not None and response.text and not response.finish_reason and not is_first[i]:
                     yield templates[i].render(response.text)
-                elif response.text or response.finish_reason or response.logprobs or is_first[i]:
+                elif response.text or response.finish_reason or response.logprobs or is_first[i] or \
+                        (self.prompt_ids is not None and response.token_ids):  # return_token_ids: every id
                     choice = self.choice(response.text, outcome.finish_reason, first=is_first[i],
                                          logprobs=self._logprobs(response, is_first[i], i),
                                          stop_reason=outcome.stop_reason, index=i, token_ids=response.token_ids)
