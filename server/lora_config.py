@@ -47,7 +47,8 @@ def parse_lora_modules(specs: tuple[str, ...]) -> tuple[LoraModule, ...]:
             raise ValueError(f"--lora-modules: {item}: name and path must be non-empty strings")
     names = [m.name for m in modules]
     if len(set(names)) != len(names):
-        raise ValueError(f"--lora-modules names an adapter twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"--lora-modules names an adapter twice: {', '.join(twice)}")
     return tuple(modules)
 
 

@@ -30,7 +30,8 @@ def make_tiny_lora(base_dir: str | Path, out_dir: str | Path, *, rank: int, targ
     return out
 
 
-def peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None, prompt_ids: list[int], max_tokens: int) -> list[int]:
+def peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None, prompt_ids: list[int],
+                max_tokens: int) -> list[int]:
     """transformers' greedy tokens after prompt_ids with the adapter applied by peft (None: the base model's)."""
     import torch
     import transformers
