@@ -7,8 +7,8 @@ NONE_HASH, the first block's parent, is `hash_fn(seed)`: the seed is PYTHONHASHS
 "vllm-none-hash" for the sha256 algorithms (every process agrees) and random per process for the xxhash ones
 (vLLM's choice: their seed must stay secret). A router, vLLM workers and pdserve workers agree on a block's
 name when they share the algorithm and the seed (PYTHONHASHSEED: set it fleet-wide, or leave it unset with a
-sha256 algorithm). `extra_keys` is None here: pdserve serves no LoRA adapter, multimodal input or cache salt
-yet.
+sha256 algorithm). `extra_keys` is None for the base model; a LoRA adapter's blocks carry vLLM's
+`("lora", name, path)` (`adapter_key.AdapterKey`), so KV computed with one adapter never names another's block.
 """
 
 from __future__ import annotations
@@ -71,22 +71,25 @@ class BlockHasher:
         self.none_hash = self.fn(none_hash_seed(algo))
         """The first block's parent (vLLM's NONE_HASH), fixed for this hasher's life."""
 
-    def block(self, parent: bytes | None, token_ids: Sequence[int]) -> bytes:
-        """One block's hash (vLLM's `hash_block_tokens` with no extra keys)."""
-        return self.fn((parent or self.none_hash, tuple(token_ids), None))
+    def block(self, parent: bytes | None, token_ids: Sequence[int], extra_keys: tuple | None = None) -> bytes:
+        """One block's hash (vLLM's `hash_block_tokens`); extra_keys: the LoRA adapter's (`adapter_key.py`)."""
+        return self.fn((parent or self.none_hash, tuple(token_ids), extra_keys))
 
-    def hashes(self, token_ids: list[int], block_size: int, limit: int | None = None) -> list[bytes]:
+    def hashes(self, token_ids: list[int], block_size: int, limit: int | None = None,
+               extra_keys: tuple | None = None) -> list[bytes]:
         """The chained hash of each full block of token_ids (of the first `limit` blocks when given)."""
         full = len(token_ids) // block_size
-        return self.extend([], token_ids, block_size, full if limit is None else min(limit, full))
+        return self.extend([], token_ids, block_size, full if limit is None else min(limit, full), extra_keys)
 
-    def extend(self, hashes: list[bytes], token_ids: list[int], block_size: int, count: int) -> list[bytes]:
+    def extend(self, hashes: list[bytes], token_ids: list[int], block_size: int, count: int,
+               extra_keys: tuple | None = None) -> list[bytes]:
         """`hashes`, the chained hashes of token_ids' first blocks, extended in place to its first `count`
-        full blocks (at most as many as it holds); returns the first `count` of them."""
+        full blocks (at most as many as it holds); returns the first `count` of them. extra_keys: every
+        block's (a request's LoRA adapter: the same for each of its blocks)."""
         count = min(count, len(token_ids) // block_size)
         parent = hashes[-1] if hashes else None
         for i in range(len(hashes), count):
-            parent = self.block(parent, token_ids[i * block_size : (i + 1) * block_size])
+            parent = self.block(parent, token_ids[i * block_size : (i + 1) * block_size], extra_keys)
             hashes.append(parent)
         return hashes[:count]
 

@@ -3,7 +3,8 @@
 The structs mirror vLLM's field for field, so `msgspec.msgpack` encodes them byte for byte as vLLM does: a
 `KVEventBatch` is an array `[ts, events, data_parallel_rank]`; each event a map tagged by its class name
 (`{"type": "BlockStored", ...}`), fields equal to their default left out. pdserve fills what it knows:
-no LoRA adapter (lora_id / lora_name None), one KV cache group (group_idx 0), `medium` "GPU" for the decode
+the LoRA adapter of a stored block's request (lora_id, lora_name and untagged extra_keys as vLLM's; None for
+the base model: `adapter_key.AdapterKey`), one KV cache group (group_idx 0), `medium` "GPU" for the decode
 tier's paged cache (whatever its device, as vLLM's block pool writes it) and "CPU" for the prefill tier's host
 prefix KV. The offload tiers under them (`offload_store.py`) record as vLLM's offloading connector does: medium
 "CPU" for host memory, "STORAGE" for a disk or shared directory (`locality` "LOCAL" / "REMOTE"), and, knowing a
@@ -23,6 +24,8 @@ import time
 from typing import Any, Protocol
 
 import msgspec
+
+from pdserve.kvcache.adapter_key import AdapterKey
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -100,13 +103,15 @@ class KvEventRecorder:
     def wire(self, h: bytes) -> ExternalBlockHash:
         return int.from_bytes(h, "big") & ((1 << 64) - 1) if self.int_hashes else h
 
-    def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int) -> None:
+    def stored(self, hashes: list[bytes], parent: bytes | None, token_ids: list[int], block_size: int,
+               adapter: AdapterKey | None = None) -> None:
         """Full blocks newly cached, consecutive in one chain (`parent`: the hash before the first; None at the
-        chain's start), `token_ids` theirs."""
+        chain's start), `token_ids` theirs; adapter: the LoRA adapter their KV was computed with."""
         self._append(BlockStored(
             block_hashes=[self.wire(h) for h in hashes], parent_block_hash=None if parent is None else self.wire(parent),
-            token_ids=list(token_ids), block_size=block_size, lora_id=None, medium=self.medium, lora_name=None,
-            group_idx=0))
+            token_ids=list(token_ids), block_size=block_size, lora_id=None if adapter is None else adapter.id,
+            medium=self.medium, lora_name=None if adapter is None else adapter.name,
+            extra_keys=None if adapter is None else [adapter.event_extra_keys] * len(hashes), group_idx=0))
 
     def removed(self, h: bytes, medium: str | None = None, locality: str | None = None) -> None:
         """A block evicted (from `medium`, this recorder's by default)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 
+from pdserve.kvcache.adapter_key import AdapterKey
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool, OutOfBlocks
 from pdserve.kvcache.kv_events import KvEventRecorder
@@ -88,18 +89,19 @@ class PrefixCache:
         return hits
 
     def register(self, block_ids: list[int], hashes: list[bytes], token_ids: list[int] | None = None,
-                 parent: bytes | None = None) -> None:
+                 parent: bytes | None = None, adapter: AdapterKey | None = None) -> None:
         """Caches full blocks (their KV written) under their chained hashes; known hashes are skipped.
 
-        token_ids: the blocks' tokens, parent: the hash before hashes[0] (None: the chain's first block); the
-        KV events' BlockStored carry them (needed only with a recorder)."""
+        token_ids: the blocks' tokens, parent: the hash before hashes[0] (None: the chain's first block), adapter:
+        the LoRA adapter their KV was computed with (its key is in the hashes already); the KV events'
+        BlockStored carry them (needed only with a recorder)."""
         if not self.enabled:
             return
         run: list[bytes] = []
         run_start = 0
         for i, (block_id, h) in enumerate(zip(block_ids, hashes, strict=False)):
             if h in self._by_hash or block_id in self._lru:
-                self._stored(run, run_start, hashes, token_ids, parent, len(block_ids))
+                self._stored(run, run_start, hashes, token_ids, parent, len(block_ids), adapter)
                 run = []
                 continue
             if not run:
@@ -108,17 +110,17 @@ class PrefixCache:
             self.pool.incref([block_id])
             self._by_hash[h] = block_id
             self._lru[block_id] = h
-        self._stored(run, run_start, hashes, token_ids, parent, len(block_ids))
+        self._stored(run, run_start, hashes, token_ids, parent, len(block_ids), adapter)
 
     def _stored(self, run: list[bytes], start: int, hashes: list[bytes], token_ids: list[int] | None,
-                parent: bytes | None, num_blocks: int) -> None:
+                parent: bytes | None, num_blocks: int, adapter: AdapterKey | None = None) -> None:
         if not run or self.events is None:
             return
         if token_ids is None:
             raise ValueError("PrefixCache.register: a cache that records KV events needs the blocks' token_ids")
         block_size = len(token_ids) // num_blocks
         self.events.stored(run, hashes[start - 1] if start else parent,
-                           token_ids[start * block_size : (start + len(run)) * block_size], block_size)
+                           token_ids[start * block_size : (start + len(run)) * block_size], block_size, adapter)
 
     def free(self, block_ids: list[int]) -> None:
         """Drops a sequence's references; its cached blocks become the most recently used."""

@@ -122,6 +122,10 @@ def _new_future() -> asyncio.Future[int]:
     return asyncio.get_running_loop().create_future()
 
 
+def _adapter(lora_name: str) -> str:
+    return f"LoRA adapter {lora_name!r}" if lora_name else "the base model"
+
+
 @dataclass(eq=False)
 class Transfer:
     request_id: str
@@ -151,6 +155,8 @@ class Transfer:
     started: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     cached_blocks: int = 0
     """Leading blocks the decode worker holds already (prefix cache); no stream sends them."""
+    lora_name: str = ""
+    """The LoRA adapter the KV must have been computed with ("": the base model)."""
 
     @property
     def seconds(self) -> float:
@@ -215,10 +221,11 @@ class KvReceiver:
         self._pool = concurrent.futures.ThreadPoolExecutor(write_threads, thread_name_prefix="kv-write")
 
     def expect(self, request_id: str, attempt: int, transfer_token: bytes, num_tokens: int,
-               cached_blocks: int = 0) -> Transfer:
+               cached_blocks: int = 0, lora_name: str = "") -> Transfer:
         """Registers a transfer; a higher attempt replaces the old one and cuts off its stream.
 
-        cached_blocks: leading blocks already held; their KV must not be sent.
+        cached_blocks: leading blocks already held; their KV must not be sent. lora_name: the LoRA adapter the KV
+        must have been computed with ("": the base model); a header naming another is refused.
         """
         if not transfer_token:
             raise ValueError(f"request {request_id!r}: a transfer token is required")
@@ -239,7 +246,7 @@ class KvReceiver:
         if not 0 <= cached_blocks <= self.layout.num_blocks(num_tokens):
             raise ValueError(f"request {request_id!r}: {cached_blocks} cached blocks, more than the prompt has")
         transfer = Transfer(request_id, attempt, bytes(transfer_token), num_tokens,
-                            cached_blocks=cached_blocks)
+                            cached_blocks=cached_blocks, lora_name=lora_name)
         self._transfers[request_id] = transfer
         return transfer
 
@@ -392,6 +399,13 @@ class KvReceiver:
             )
         except HandshakeError as e:
             raise Refusal(Status.FAILED_PRECONDITION, str(e), transfer) from None
+        if header.lora_name != transfer.lora_name:
+            raise Refusal(
+                Status.FAILED_PRECONDITION,
+                f"request {request_id!r}: the KV was computed with {_adapter(header.lora_name)}, this decode worker "
+                f"decodes it with {_adapter(transfer.lora_name)}; KV belongs to its adapter: prefill with the same one",
+                transfer,
+            )
         if header.num_tokens != transfer.num_tokens:
             raise Refusal(
                 Status.INVALID_ARGUMENT,

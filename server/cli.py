@@ -204,6 +204,10 @@ def _check_model(model_dir: Path, max_model_len: int | None = None) -> None:
 UP_SHARED = ("served_model_name", "max_model_len", "grammar_processes", "grammar_timeout", "max_spec_bytes",
              "max_schema_depth", "max_schema_defs", "max_grammar_rules")
 """`pdserve up`'s flags that every tier takes."""
+UP_LORA_COORDINATOR = ("enable_lora", "lora_modules", "max_lora_rank")
+UP_LORA_DECODE = ("enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_dtype")
+"""vLLM's LoRA flags (`server/lora_config.py`): the coordinator checks and names the adapters, the decode workers
+compute with them (the prefill workers take none: an adapter's prompt is prefilled by its decode worker)."""
 UP_WORKERS = ("grammar_cache_bytes",)
 """`pdserve up`'s flags that both worker tiers take."""
 UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", "max_coalesce", "decode_streams",
@@ -279,11 +283,13 @@ def _tier_configs(args, model: Path,
     vllm = {"block_size": VLLM_BLOCK_SIZE} if args.decode_engine == "vllm" else {}
     try:
         return (
-            config_from_args(CoordinatorConfig, args, only=UP_SHARED + UP_COORDINATOR, model_dir=model,
+            config_from_args(CoordinatorConfig, args, only=UP_SHARED + UP_COORDINATOR + UP_LORA_COORDINATOR,
+                             model_dir=model,
                              http_port=http_port, prefix_caching_hash_algo=args.prefix_caching_hash_algo),
             config_from_args(PrefillConfig, args, only=UP_SHARED + UP_WORKERS + UP_PREFILL, model_dir=model,
                              weight_dtype=prefill_weights, **{k: getattr(args, k) for k in UP_BOTH_WORKERS}),
-            config_from_args(DecodeConfig, args, only=UP_SHARED + UP_WORKERS + UP_DECODE, model_dir=model,
+            config_from_args(DecodeConfig, args, only=UP_SHARED + UP_WORKERS + UP_DECODE + UP_LORA_DECODE,
+                             model_dir=model,
                              weight_dtype=decode_dtypes["decode_weight_dtype"], kv_dtype=decode_dtypes["kv_dtype"],
                              device=args.decode_device, engine=args.decode_engine, **vllm),
         )
@@ -517,6 +523,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("every tier")
     add_flags(g, CoordinatorConfig, only=UP_SHARED)
     add_flags(g, PrefillConfig, only=UP_WORKERS)
+    g = p.add_argument_group("LoRA adapters (vLLM's flags; the prefill tier applies none yet: the decode worker "
+                             "prefills an adapter's prompt)")
+    add_flags(g, CoordinatorConfig, only=UP_LORA_COORDINATOR)
+    add_flags(g, DecodeConfig, only=tuple(f for f in UP_LORA_DECODE if f not in UP_LORA_COORDINATOR))
     g = p.add_argument_group("the coordinator (its flags)")
     add_flags(g, CoordinatorConfig, only=UP_COORDINATOR)
     g = p.add_argument_group("the prefill workers (their flags)")

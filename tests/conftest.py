@@ -69,3 +69,26 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # program compiles once per machine rather than once per worker.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"pdserve-tests-jax-cache-{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+LORA_SPECS = {
+    "ada": dict(rank=8, targets=("q_proj", "v_proj", "down_proj"), seed=1),
+    "bob": dict(rank=16, targets=("k_proj", "o_proj", "gate_proj", "up_proj"), seed=2, use_rslora=True),
+    "cy": dict(rank=4, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), seed=3),
+}
+"""The tiny llama's PEFT adapters: different ranks (8, 16 with rsLoRA, 4) and target modules."""
+
+
+@pytest.fixture(scope="session")
+def tiny_loras(tiny_model) -> tuple[Path, dict[str, Path]]:
+    """(the tiny llama's directory, {adapter name: its PEFT folder}) for LORA_SPECS, built once with peft."""
+    from pdserve.server.model.tiny_lora import make_tiny_lora
+
+    base = tiny_model("llama")
+    out = {}
+    for name, spec in LORA_SPECS.items():
+        folder = base.parent / f"llama-lora-{name}"
+        if not (folder / "adapter_model.safetensors").exists():
+            make_tiny_lora(base, folder, **spec)
+        out[name] = folder
+    return base, out

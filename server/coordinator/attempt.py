@@ -120,7 +120,10 @@ class Attempt:
         try:
             cached_blocks = await self._reserve()
             offered = self.prefill is not None and self.config.local_prefill_max_uncached > 0
-            if self.prefill is None:
+            if self.r.req.lora is not None:
+                log.info("request %s: LoRA adapter %r: decode worker %s prefills it (the prefill tier applies no "
+                         "adapter yet)", self.r.req.request_id, self.r.req.lora.name, self.decode.address)
+            elif self.prefill is None:
                 metrics.local_prefill_fallbacks.inc()
                 log.info("request %s: no prefill worker alive; decode worker %s prefills it", self.r.req.request_id,
                          self.decode.address)
@@ -159,7 +162,7 @@ class Attempt:
                 raise r.no_worker_left("decode")
             decode = await router.decode(len(self.prompt), self.prompt, r.deadline, placement)
             self._hold(decode, placement)
-            if self.prefill is None:
+            if self.prefill is None and r.req.lora is None:  # an adapter's prompt: its decode worker computes it
                 self.prefill = await router.prefill(r.deadline, placement, self.prompt)
                 if self.prefill is not None and r.attempt == 0:  # a retry or migration is never refused
                     admit(self.prefill, len(self.prompt), r.deadline, self.config.ttft_budget)
@@ -231,6 +234,7 @@ class Attempt:
                 steps_stream_id=self.steps.stream_id if self.steps is not None else "",
                 local_prefill_max_uncached=self.config.local_prefill_max_uncached if self.prefill is not None else 0,
                 local_prefill_min_cached=self.config.local_prefill_min_cached,
+                lora=None if r.req.lora is None else r.req.lora.proto(),
             ),
             timeout=r.deadline.check(),
         )

@@ -17,6 +17,7 @@ from pdserve.server.choices import (
 )
 from pdserve.kvcache.block_hash import DEFAULT_HASH_ALGO, BlockHasher, PrefixCachingHashAlgo
 from pdserve.server.flags import flag
+from pdserve.server.lora_config import check_max_lora_rank, parse_lora_modules
 from pdserve.server.structured.limits import check_grammar_settings
 
 
@@ -142,6 +143,15 @@ class CoordinatorConfig:
     """OpenAI tools in one request."""
     max_tool_schema_bytes: int = 256 * 1024
     """One request's tool `parameters` schemas together, as JSON bytes."""
+    enable_lora: bool = False
+    """vLLM's flag: serve LoRA adapters, which a request names as its model (the decode workers need it too)."""
+    lora_modules: tuple[str, ...] = ()
+    """vLLM's flag: adapters served from the start, each name=path or '{"name": ..., "path": ...,
+    "base_model_name": ...}' (a PEFT checkpoint's folder: adapter_config.json + adapter_model.safetensors).
+    With VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, POST /v1/load_lora_adapter and /v1/unload_lora_adapter change them."""
+    max_lora_rank: int = 16
+    """vLLM's flag: the largest adapter rank served, one of 1, 8, 16, 32, 64, 128, 256, 320, 512 (a larger one is
+    refused at load)."""
 
     def __post_init__(self) -> None:
         check_grammar_settings(self)
@@ -218,6 +228,11 @@ class CoordinatorConfig:
         if self.max_coalesce < 1:
             raise ValueError(f"--max-coalesce must be >= 1 token, got {self.max_coalesce}")
         self.served_model_name = tuple(self.served_model_name)
+        self.lora_modules = tuple(self.lora_modules)
+        parse_lora_modules(self.lora_modules)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        check_max_lora_rank(self.max_lora_rank)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
 

@@ -426,7 +426,12 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
         return service_pb2.ModelConfigResponse(config=config)
 
     def _known(self, name: str, version_: str) -> bool:
-        return name == self.model_name and version_ in ("", MODEL_VERSION)
+        """The served model, or a LoRA adapter it serves (--enable-lora), by name."""
+        return (name == self.model_name or self._adapter(name)) and version_ in ("", MODEL_VERSION)
+
+    def _adapter(self, name: str) -> bool:
+        adapters = getattr(self.generation, "adapters", None)
+        return bool(name) and adapters is not None and adapters.get(name) is not None
 
     async def _check_model(self, name: str, version_: str, context: grpc.aio.ServicerContext) -> None:
         if not self._known(name, version_):
@@ -439,9 +444,10 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
     # --- inference ---
 
     async def _run(
-        self, inference: Inference, timeout: float | None
+        self, inference: Inference, timeout: float | None, model: str
     ) -> AsyncIterator[service_pb2.ModelInferResponse]:
-        """The request's responses: text deltas when streaming, else one with the whole text."""
+        """The request's responses: text deltas when streaming, else one with the whole text. model: the name the
+        request gave (a LoRA adapter's runs with it)."""
         kind = inference.sampling.structured.WhichOneof("kind")
         if kind:  # checked by a grammar child of this process; the refusal names KServe's field
             try:
@@ -449,9 +455,9 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
                                                  f"structured_outputs.{'json' if kind == 'json_schema' else kind}")
             except InvalidRequest as e:
                 raise BadInput(str(e)) from e
-        stream = self.generation.stream(
-            inference.generate_request(), _min_timeout(timeout, inference.timeout)
-        )
+        generate = inference.generate_request()
+        generate.lora_name = "" if model == self.model_name else model
+        stream = self.generation.stream(generate, _min_timeout(timeout, inference.timeout))
         text = "" if inference.stream or inference.exclude_input else inference.prompt
         logprobs: list[generation_pb2.TokenLogprob] = []
         async with contextlib.aclosing(stream):
@@ -468,13 +474,13 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
                     )
                 if inference.stream:
                     if out.text or out.finish_reason:
-                        yield _infer_response(self.model_name, inference, out, bool(out.finish_reason),
+                        yield _infer_response(model, inference, out, bool(out.finish_reason),
                                               self._token_text)
                     continue
                 text += out.text
                 if out.finish_reason:
                     out.text = text
-                    yield _infer_response(self.model_name, inference, out, True, self._token_text)
+                    yield _infer_response(model, inference, out, True, self._token_text)
 
     def _token_text(self, token_id: int) -> str:
         tokenizer = self.generation.tokenizer
@@ -489,7 +495,7 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
             inference = await parse_request(request)
             if inference.stream:
                 raise BadInput("stream=true needs ModelStreamInfer (decoupled); ModelInfer answers once")
-            responses = [r async for r in self._run(inference, context.time_remaining())]
+            responses = [r async for r in self._run(inference, context.time_remaining(), request.model_name)]
         except (BadInput, InvalidRequest) as e:
             _count(e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
@@ -539,7 +545,7 @@ class KServeService(service_pb2_grpc.GRPCInferenceServiceServicer):
             return
         try:
             inference = await parse_request(request)
-            async for response in self._run(inference, timeout):
+            async for response in self._run(inference, timeout, request.model_name):
                 emit(service_pb2.ModelStreamInferResponse(infer_response=response))
         except (BadInput, InvalidRequest) as e:
             _count(e)

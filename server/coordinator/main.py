@@ -24,7 +24,9 @@ from pdserve.server.coordinator.router import Router
 from pdserve.server.coordinator.service import GenerationService
 from pdserve.server.coordinator.validate import Limits
 from pdserve.server.coordinator.worker_pool import Worker, WorkerPool
-from pdserve.server.model.config import load_config, resolve_max_model_len
+from pdserve.server.coordinator.adapters import Adapters
+from pdserve.server.lora_config import parse_lora_modules
+from pdserve.server.model.config import ModelConfig, load_config, resolve_max_model_len
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.server import metrics
 from pdserve.server.metrics import serve_metrics
@@ -88,6 +90,17 @@ class Coordinator:
             await asyncio.to_thread(self.kv_subscriber.close)
 
 
+def lora_adapters(config: CoordinatorConfig, model: ModelConfig) -> Adapters | None:
+    """--enable-lora's adapters, each of --lora-modules checked (a bad one stops the start, naming it, as vLLM's
+    init_static_loras does); None without the flag."""
+    if not config.enable_lora:
+        return None
+    adapters = Adapters(model, config.max_lora_rank)
+    for module in parse_lora_modules(config.lora_modules):
+        adapters.add(module)
+    return adapters
+
+
 async def start(config: CoordinatorConfig) -> Coordinator:
     """Loads the tokenizer and limits, polls the workers once, and starts serving."""
     model = load_config(config.model_dir).limited_to(config.max_model_len)
@@ -125,7 +138,8 @@ async def start(config: CoordinatorConfig) -> Coordinator:
                                 ttft_budget=config.ttft_budget, decode_streams=config.decode_streams,
                                 max_coalesce=config.max_coalesce, checker=spec_checker(config),
                                 conditional_disagg_max_uncached=config.conditional_disagg_max_uncached,
-                                conditional_disagg_min_cached=config.conditional_disagg_min_cached)
+                                conditional_disagg_min_cached=config.conditional_disagg_min_cached,
+                                adapters=lora_adapters(config, model))
     generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
     kserve.add_to_server(kserve.KServeService(service, config.model_name, lambda: pool.serving,
                                               max_model_len), server)

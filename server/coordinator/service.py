@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -35,7 +36,9 @@ import grpc
 
 from pdserve.v1 import generation_pb2, generation_pb2_grpc
 from pdserve.server import logs, metrics
+from pdserve.server.coordinator.adapters import Adapter, Adapters
 from pdserve.server.coordinator.admission import Deadline, RequestFailed
+from pdserve.server.coordinator.json_input import printable
 from pdserve.server.coordinator.attempt import Attempt, AttemptConfig, Lost
 from pdserve.server.coordinator.detokenizer import Completion
 from pdserve.server.coordinator.request_state import RequestState
@@ -76,6 +79,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         checker: SpecChecker | None = None,
         conditional_disagg_max_uncached: int = 0,
         conditional_disagg_min_cached: int = 1,
+        adapters: Adapters | None = None,
     ):
         self.tokenizer = tokenizer
         self.checker = checker or SpecChecker(field="structured")
@@ -92,6 +96,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.steps = StepsClients(enabled=decode_streams == "batched")
         """Each decode worker's Steps stream (batched: one message per step for all requests on it)."""
         self.eos_ids = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self.adapters = adapters
+        """The LoRA adapters served (--enable-lora); None: a request naming one is NOT_FOUND."""
 
     async def Generate(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -141,11 +147,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             except CLIENT_INPUT_ERRORS as e:  # reading the client's input failed past the field checks
                 log.warning("validating a request raised %r past the field checks", e)
                 raise InvalidRequest(f"request: cannot be read ({type(e).__name__}: {str(e)[:200]})") from e
+            valid = dataclasses.replace(valid, lora=self.adapter(request.lora_name))
             await self.check_spec(valid.sampling.structured)
             return valid
         except InvalidRequest:
             metrics.request_failure.labels(grpc.StatusCode.INVALID_ARGUMENT.name).inc()
             raise
+
+    def adapter(self, name: str) -> Adapter | None:
+        """The LoRA adapter a request names (None for ""); NOT_FOUND, vLLM's words, for one not served."""
+        if not name:
+            return None
+        adapter = None if self.adapters is None else self.adapters.get(name)
+        if adapter is None:
+            metrics.request_failure.labels(grpc.StatusCode.NOT_FOUND.name).inc()
+            raise RequestFailed(grpc.StatusCode.NOT_FOUND, f"The model `{printable(name)}` does not exist.")
+        return adapter
 
     async def check_spec(self, spec: generation_pb2.StructuredOutput, where: str | None = None) -> None:
         """A structured-output spec checked in a grammar child, off the event loop (a front names its own

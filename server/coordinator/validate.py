@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from pdserve.server import metrics, serving
@@ -13,6 +13,9 @@ from pdserve.server.sampling_rules import sampling_problem, with_defaults
 from pdserve.server.structured.checker import ChecksBusy, SpecChecker
 from pdserve.server.structured.output_spec import SpecError
 from pdserve.v1 import generation_pb2
+
+if TYPE_CHECKING:
+    from pdserve.server.coordinator.adapters import Adapter
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_BYTES = 1024
@@ -52,6 +55,8 @@ class ValidRequest:
     prompt_ids: list[int]
     sampling: generation_pb2.SamplingParams
     """Every optional field but `seed` set; `seed` only when the client set it."""
+    lora: Adapter | None = None
+    """The LoRA adapter it names (`GenerateRequest.lora_name`), resolved by the service; None: the base model."""
 
 
 def validate_sampling(given: generation_pb2.SamplingParams, limits: Limits) -> generation_pb2.SamplingParams:

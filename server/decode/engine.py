@@ -9,7 +9,8 @@ Life cycle of a request here:
    computes the draft's prompt KV meanwhile, in a thread, into the same block ids of the draft's cache.
 3. `start` puts the sequence, with the first token (sampled by prefill), into the running set.
 4. Each step: admit, schedule (a block on demand for every sequence crossing a block boundary,
-   preempting the most recently admitted when none is free), speculate (with a speculator, its `step` is
+   preempting the most recently admitted when none is free; with LoRA adapters, the sequences of at most
+   --max-loras adapters, `lora.py`), speculate (with a speculator, its `step` is
    the one seam: proposals, their look-ahead blocks reserved by the scheduler, a verifier for the run), run
    (re-prefilling resumed sequences first), sample with the step's one `SamplingBatch` (`sampling.py`: penalties
    and min_tokens first, then the structured-output masks of the constrained sequences, one masked fill for the
@@ -26,6 +27,7 @@ import logging
 
 import torch
 
+from pdserve.kvcache.adapter_key import AdapterKey
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.codec import KvPiece
 from pdserve.kvcache.kv_events import KvEventRecorder
@@ -38,6 +40,7 @@ from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.kv_cache import PagedKvCache
 from pdserve.server.decode.kv_offload import KvOffload
 from pdserve.server.decode.local_prefill_rule import LocalPrefillRule
+from pdserve.server.decode.lora import LoraAdapter, LoraRows, LoraSlots
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner, EagerRunner
 from pdserve.server import logprobs
@@ -61,14 +64,18 @@ class DecodeEngine(Engine):
                  max_model_len: int = 0, cuda_graphs: bool = False, grammars: Grammars | None = None,
                  speculative: SpeculativeConfig | None = None, draft_model: DecoderModel | None = None,
                  hasher: BlockHasher = DEFAULT_HASHER, kv_events: KvEventRecorder | None = None,
-                 offload: TieredStore | None = None):
+                 offload: TieredStore | None = None, lora: LoraSlots | None = None):
         """max_model_len: 0 takes the model's, capped by what the cache holds. The cache lives on the model's
         device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad);
         grammars: the model's structured-output grammars (None: structured requests are refused);
         speculative: verify proposed tokens in each step (`spec/speculator.py`; the pad block too);
         draft_model: method draft_model's draft on the model's device (its KV cache gets as many blocks);
         hasher, kv_events: the prefix cache's block names and KV events (Scheduler), flushed once a step;
-        offload: the tiers under the prefix cache (`kv_offload.py`; not with a draft model, whose KV they lack)."""
+        offload: the tiers under the prefix cache (`kv_offload.py`; not with a draft model, whose KV they lack);
+        lora: the LoRA adapters' slots (--enable-lora; None: a request naming an adapter is refused)."""
+        if lora is not None and speculative is not None:
+            raise ValueError("--enable-lora does not combine with --speculative-config yet; drop one of them")
+        self.lora = lora
         self.model = model
         self.grammars = grammars
         self.vocab_size = model.config.vocab_size
@@ -149,15 +156,28 @@ class DecodeEngine(Engine):
     def add(self, request: pb.DecodeRequest, sink: TokenSink | None = None) -> Sequence:
         """Queues the request; raises ValueError (bad or too long) or QueueFull."""
         rid, prompt = admissible(request, self.sequences, self.max_model_len)
+        adapter = self._adapter(request)
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
-                       num_prior_outputs=request.num_output_tokens, local_prefill=request.local_prefill,
+                       num_prior_outputs=request.num_output_tokens,
+                       # the prefill tier applies no adapter yet: an adapter's prompt is computed here
+                       local_prefill=request.local_prefill or adapter is not None,
                        local_prefill_rule=LocalPrefillRule.of(request),
                        events=asyncio.Queue() if sink is None else sink,
-                       constraint=request_constraint(self.grammars, request))
+                       constraint=request_constraint(self.grammars, request), lora=adapter)
         admitted = self.scheduler.add(seq)
         self.sequences[rid] = seq
         self._admitted(admitted)
         return seq
+
+    def _adapter(self, request: pb.DecodeRequest) -> LoraAdapter | None:
+        """The request's LoRA adapter packed (loaded on a miss); None for the base model; ValueError if this worker
+        serves no adapters or it cannot be loaded."""
+        if not request.HasField("lora"):
+            return None
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {request.lora.name!r}: this decode worker serves no LoRA adapters; "
+                             f"start it with --enable-lora")
+        return self.lora.adapter(AdapterKey(request.lora.id, request.lora.name, request.lora.path))
 
     def _free(self, seq: Sequence) -> None:
         self._retire(seq)
@@ -194,7 +214,7 @@ class DecodeEngine(Engine):
         (a sequence asking prompt logprobs reuses no cached prefix: every position's logits are computed)."""
         start = seq.num_cached_tokens
         logits = self.model.prefill(torch.tensor(seq.prompt_ids[start:], dtype=torch.int64), seq.block_table,
-                                    self.cache, start_pos=start)  # [S, V]
+                                    self.cache, start_pos=start, lora=self._lora_of(seq))  # [S, V]
         metrics.prefill_computed_tokens.inc(len(seq.prompt_ids) - start)
         sampling = SamplingBatch.of([seq], self.vocab_size)
         token = sampling.sample(logits[-1:])
@@ -312,6 +332,8 @@ class DecodeEngine(Engine):
     def _schedule(self) -> list[Sequence]:
         before = self.scheduler.num_preemptions
         batch = self.scheduler.schedule()
+        if self.lora is not None:  # the sequences of at most --max-loras adapters; the rest wait a step
+            batch = [s for s, fits in zip(batch, self.lora.fit([s.lora for s in batch])) if fits]
         metrics.num_preemptions.inc(self.scheduler.num_preemptions - before)
         if self.kv_events is not None:
             self.kv_events.flush()  # what the last step (and admissions, arrivals) stored and evicted
@@ -352,7 +374,7 @@ class DecodeEngine(Engine):
         for s in batch:
             if s.resume_from is not None and s.resume_from < s.num_tokens - 1:
                 ids = torch.tensor(s.token_ids[s.resume_from : s.num_tokens - 1], dtype=torch.int64)
-                self.model.prefill(ids, s.block_table, self.cache, start_pos=s.resume_from)
+                self.model.prefill(ids, s.block_table, self.cache, start_pos=s.resume_from, lora=self._lora_of(s))
 
     def _decode(self, batch: list[Sequence]) -> torch.Tensor:
         """The logits [B, V] after each sequence's last token (the forward writes its KV)."""
@@ -363,7 +385,12 @@ class DecodeEngine(Engine):
             [s.block_table + [s.block_table[0]] * (width - len(s.block_table)) for s in batch],
             dtype=torch.int64,
         )  # [B, M]
-        return self.runner.decode(last, positions, tables, positions + 1)  # [B, V]
+        lora = None if self.lora is None else self.lora.rows([s.lora for s in batch])
+        return self.runner.decode(last, positions, tables, positions + 1, lora)  # [B, V]
+
+    def _lora_of(self, seq: Sequence) -> LoraRows | None:
+        """One sequence's adapter for a forward of its own (a local prefill, a recompute)."""
+        return None if seq.lora is None else seq.lora.rows(self.model.embed.device)
 
     def _wait_for_copies(self, batch: list[Sequence]) -> None:
         """The device's compute stream waits (on the device, not the host) for the batch's KV copies alone."""

@@ -31,7 +31,8 @@ class KvArrival:
         self.lease = request.lease_seconds or 30.0
         self.vocab_size = vocab_size
         self.transfer = receiver.expect(seq.request_id, request.attempt, request.transfer_token, len(seq.prompt_ids),
-                                        cached_blocks=seq.num_hit_blocks)
+                                        cached_blocks=seq.num_hit_blocks,
+                                        lora_name="" if seq.lora is None else seq.lora.key.name)
 
     async def first_token(self, context: grpc.aio.ServicerContext) -> tuple[int, None]:
         """The prefill worker's first token, once the prompt's KV is in its blocks (the stale blocks of a windowed

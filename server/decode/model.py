@@ -4,7 +4,8 @@ A layer with a sliding window attends through its context's `local` view (only t
 
 Every forward writes the new tokens' K (post-RoPE, HF rotate_half convention) and V into the cache,
 then attends over the cache, so prompt KV computed here and KV received from the prefill tier are read
-the same way. Numerics follow transformers: RMSNorm in fp32, RoPE cos/sin from fp32 frequencies.
+the same way. A forward given `LoraRows` adds each row's LoRA adapter delta to every matmul it targets
+(`lora.py`: base rows get exactly zero). Numerics follow transformers: RMSNorm in fp32, RoPE cos/sin from fp32 frequencies.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from pdserve.server.decode.attention import PagedContext, paged_attention
 from pdserve.server.decode.cuda_attention import takes
 from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.lora import LoraRows
 from pdserve.server.decode.moe import MoeMlp
 from pdserve.server.decode.quant import Linear, WeightFormat
 from pdserve.server.model.config import ModelConfig
@@ -83,11 +85,13 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,  # [B, S, 1, D] first half negated (`rope_tables`)
         context: PagedContext,
         cache: PagedKvCache,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         c = self.config
         B, S, _ = x.shape
         eps = c.rms_norm_eps
-        qkv = self.wqkv(rms_norm(x, self.attn_norm, eps))  # [B, S, (H + 2 Hkv) D]
+        h = rms_norm(x, self.attn_norm, eps)
+        qkv = self._linear("wqkv", h, lora)  # [B, S, (H + 2 Hkv) D]
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
         qk, v = qkv.unflatten(-1, (H + 2 * Hkv, D)).split([H + Hkv, Hkv], dim=2)  # [B, S, H + Hkv | Hkv, D]
         if self.qk_norm is not None:
@@ -97,17 +101,22 @@ class DecoderLayer(nn.Module):
         cache.store(self.index, context.slots, k, v)
         view = context if self.window is None else context.local  # a windowed layer reads only its window
         out = paged_attention(q, cache, self.index, view, c.scale, c.attn_softcap)  # [B, S, H, D]
-        attn = self.wo(out.reshape(B, S, -1))
+        attn = self._linear("wo", out.reshape(B, S, -1), lora)
         x = x + (attn if self.attn_post_norm is None else rms_norm(attn, self.attn_post_norm, eps))
 
         h = rms_norm(x, self.mlp_norm, eps)
         if self.experts is not None:
             mlp = self.experts(h)  # [B, S, d]
         else:
-            gate, up = self.w_gate_up(h).chunk(2, dim=-1)  # [B, S, I] each
+            gate, up = self._linear("w_gate_up", h, lora).chunk(2, dim=-1)  # [B, S, I] each
             act = F.silu(gate) if c.hidden_act == "silu" else F.gelu(gate, approximate="tanh")
-            mlp = self.w_down(act * up)
+            mlp = self._linear("w_down", act * up, lora)
         return x + (mlp if self.mlp_post_norm is None else rms_norm(mlp, self.mlp_post_norm, eps))
+
+    def _linear(self, name: str, x: torch.Tensor, lora: LoraRows | None) -> torch.Tensor:
+        """The matmul `name` of x [B, S, in], each row's LoRA delta added when the forward has adapters."""
+        y = getattr(self, name)(x)
+        return y if lora is None else lora.apply(self.index, name, x, y)
 
 
 class DecoderModel(nn.Module):
@@ -169,6 +178,7 @@ class DecoderModel(nn.Module):
         token_ids: torch.Tensor,  # [B, S]
         context: PagedContext,
         cache: PagedKvCache,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
         c = self.config
         tables = [rope_tables(context.positions, self.inv_freq, self.dtype, c.rope.attention_factor)]  # [B, S, 1, D] x 2
@@ -178,7 +188,7 @@ class DecoderModel(nn.Module):
         if c.embed_scale is not None:
             x = x * torch.tensor(c.embed_scale, dtype=x.dtype)
         for layer in self.layers:
-            x = layer(x, *tables[layer.local_rope], context, cache)
+            x = layer(x, *tables[layer.local_rope], context, cache, lora)
         x = rms_norm(x, self.norm, c.rms_norm_eps)
         logits = (F.linear(x, self.lm_head) if self.packed_head is None else self.packed_head(x)).float()  # [B, S, V]
         cap = c.final_softcap
@@ -198,9 +208,11 @@ class DecoderModel(nn.Module):
 
     @torch.inference_mode()
     def prefill(
-        self, token_ids: torch.Tensor, block_table: list[int], cache: PagedKvCache, start_pos: int = 0
+        self, token_ids: torch.Tensor, block_table: list[int], cache: PagedKvCache, start_pos: int = 0,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
-        """Logits f32 [S, V] of S new tokens of one sequence whose first start_pos tokens are cached."""
+        """Logits f32 [S, V] of S new tokens of one sequence whose first start_pos tokens are cached (lora: its
+        adapter, one row)."""
         total = start_pos + token_ids.shape[0]
         num_blocks = -(-total // cache.block_size)
         if num_blocks > len(block_table):
@@ -208,7 +220,7 @@ class DecoderModel(nn.Module):
         table = torch.tensor(block_table[:num_blocks], dtype=torch.int64)[None]  # [1, M]
         positions = torch.arange(start_pos, total)[None]  # [1, S]
         context = self._context(positions, table, torch.tensor([total]), cache)
-        return self._forward(token_ids.to(self.embed.device)[None], context, cache)[0]
+        return self._forward(token_ids.to(self.embed.device)[None], context, cache, lora)[0]
 
     @torch.inference_mode()
     def decode(
@@ -218,14 +230,16 @@ class DecoderModel(nn.Module):
         block_tables: torch.Tensor,
         context_lens: torch.Tensor,
         cache: PagedKvCache,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
-        """Logits f32 [B, V] of one new token per sequence, at positions [B], attending context_lens [B].
+        """Logits f32 [B, V] of one new token per sequence, at positions [B], attending context_lens [B]; lora:
+        each row's adapter (`LoraSlots.rows`).
 
         Only the blocks the contexts hold are read: tables and lengths given on the host are cut there to
         the longest context (see `PagedContext.build`), whatever width the tables have.
         """
         context = self._context(positions[:, None], block_tables, context_lens, cache, kernel=True)
-        return self._forward(token_ids.to(self.embed.device)[:, None], context, cache)[:, 0]
+        return self._forward(token_ids.to(self.embed.device)[:, None], context, cache, lora)[:, 0]
 
     @torch.inference_mode()
     def verify(

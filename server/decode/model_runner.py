@@ -22,6 +22,7 @@ import torch
 
 from pdserve.server import metrics
 from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.lora import LoraRows
 from pdserve.server.decode.model import DecoderModel
 
 log = logging.getLogger("pdserve.decode")
@@ -53,10 +54,11 @@ class EagerRunner:
         return "eager"
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor) -> torch.Tensor:
-        """Logits f32 [B, V] for token_ids, positions, context_lens [B] and block_tables [B, M] (host tensors)."""
+               context_lens: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        """Logits f32 [B, V] for token_ids, positions, context_lens [B] and block_tables [B, M] (host tensors);
+        lora: each row's LoRA adapter."""
         self.steps["eager"] += 1
-        return self.model.decode(token_ids, positions, block_tables, context_lens, self.cache)
+        return self.model.decode(token_ids, positions, block_tables, context_lens, self.cache, lora)
 
     def verify(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
                context_lens: torch.Tensor, pad_slots: torch.Tensor, pad_slot: int) -> torch.Tensor:
@@ -296,13 +298,14 @@ class CudaGraphRunner:
         return self.verify_outputs[(bucket, new)][:B]
 
     def decode(self, token_ids: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor,
-               context_lens: torch.Tensor) -> torch.Tensor:
-        """As `EagerRunner.decode`; the logits are a view of the bucket's output, valid until the next step."""
+               context_lens: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+        """As `EagerRunner.decode`; the logits are a view of the bucket's output, valid until the next step. A
+        step with LoRA adapters runs eagerly (no graph holds their gather yet)."""
         B, width = block_tables.shape
-        kind = self.kind(B, width)
+        kind = "eager" if lora is not None else self.kind(B, width)
         self.steps[kind] += 1
         if kind == "eager":
-            return self.eager.decode(token_ids, positions, block_tables, context_lens)
+            return self.eager.decode(token_ids, positions, block_tables, context_lens, lora)
         bucket = bucket_for(B, self.buckets)
         self.inputs.fill(bucket, token_ids, positions, block_tables, context_lens)
         self.inputs.upload(bucket)

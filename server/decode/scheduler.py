@@ -39,6 +39,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Protocol
 
+from pdserve.kvcache.adapter_key import extra_keys
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.kv_events import KvEventRecorder
@@ -144,7 +145,8 @@ class Scheduler:
             # A new prompt's last token is always computed: its logits give the first token; a prompt whose
             # logprobs are asked is computed whole (a local prefill needs every position's logits).
             reusable = kv_tokens if resuming else 0 if seq.sampling.HasField("prompt_logprobs") else kv_tokens - 1
-            hashes = self.cache.hasher.hashes(seq.token_ids[:reusable], self.block_size)
+            hashes = self.cache.hasher.hashes(seq.token_ids[:reusable], self.block_size,
+                                              extra_keys=extra_keys(seq.adapter_key))
             hits = self.cache.lookup(hashes)
             offloaded = self.offload.held(hashes[len(hits):]) if self.offload is not None and not resuming else 0
             num_cached = min((len(hits) + offloaded) * self.block_size, kv_tokens)
@@ -298,6 +300,8 @@ class Scheduler:
 
     def _register(self, seq: Sequence, start: int, end: int) -> None:
         """The sequence's blocks start..end (KV complete) enter the prefix cache under their hashes."""
-        hashes, bs = self.cache.hasher.extend(seq.block_hashes, seq.token_ids, self.block_size, end), self.block_size
+        hashes = self.cache.hasher.extend(seq.block_hashes, seq.token_ids, self.block_size, end,
+                                          extra_keys(seq.adapter_key))
+        bs = self.block_size
         self.cache.register(seq.block_table[start:end], hashes[start:end], seq.token_ids[start * bs : end * bs],
-                            hashes[start - 1] if start else None)
+                            hashes[start - 1] if start else None, seq.adapter_key)

@@ -5,16 +5,20 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
+from pdserve.kvcache.adapter_key import AdapterKey
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.decode.local_prefill_rule import LocalPrefillRule
 from pdserve.server.finish import blocked_ids, finish_reason
 from pdserve.server.structured.constraint import Constraint
 from pdserve.server.structured.output_spec import one_line
+
+if TYPE_CHECKING:
+    from pdserve.server.decode.lora import LoraAdapter
 
 
 class TokenSink(Protocol):
@@ -88,6 +92,13 @@ class Sequence:
     draft_len: int = 0
     """draft_model speculation: leading tokens whose draft-model KV is in the draft's cache, at the same block
     ids (`spec/draft.py`); back to 0 when the blocks go."""
+    lora: LoraAdapter | None = None
+    """The LoRA adapter it decodes with (`DecodeRequest.lora`, packed by `lora.LoraSlots`); None: the base model.
+    Its key enters every block hash of the sequence (KV belongs to its adapter)."""
+
+    @property
+    def adapter_key(self) -> AdapterKey | None:
+        return None if self.lora is None else self.lora.key
 
     @property
     def token_ids(self) -> list[int]:

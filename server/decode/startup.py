@@ -34,6 +34,7 @@ from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_ca
                                           parse_bytes, profile_step, resolve_device)
 from pdserve.server.decode.engine import DecodeEngine
 from pdserve.server.decode.kv_cache import TORCH_DTYPES, PagedKvCache
+from pdserve.server.decode.lora import LoraSlots
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner
 from pdserve.server.decode.quant import QUANTIZED_WEIGHTS, Linear, buffer_bytes
@@ -163,6 +164,7 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
                           eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
                           cuda_graphs=cuda_graphs, speculative=config.speculative, draft_model=draft,
                           hasher=BlockHasher(config.prefix_caching_hash_algo), kv_events=kv_events, offload=offload,
+                          lora=lora_slots(config, model),
                           grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
                                                       tuple(model_config.eos_token_ids), **Grammars.options(config)))
     if engine.grammars is not None:
@@ -238,3 +240,16 @@ def cache_blocks(config: DecodeConfig, model: DecoderModel, layout: KvLayout, de
                               extra_block_bytes=draft_bytes)
     return blocks, (f"--gpu-memory-utilization {utilization} of {total / 2**30:.1f} GiB; weights + a step at batch "
                     f"{config.max_running} peaked at {peak / 2**30:.2f} GiB, other memory {other / 2**30:.2f} GiB")
+
+
+def lora_slots(config: DecodeConfig, model: DecoderModel) -> LoraSlots | None:
+    """The LoRA adapters' device slots and host LRU under --enable-lora (None without it)."""
+    if not config.enable_lora:
+        return None
+    dtype = model.dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+    slots = LoraSlots(model.config, config.max_loras, config.cpu_loras, config.max_lora_rank, dtype,
+                      model.embed.device)
+    log.info("LoRA: %d device slots (--max-loras), %d adapters in host memory (--max-cpu-loras), rank <= %d, %s; "
+             "steps with adapters run eagerly", config.max_loras, config.cpu_loras, config.max_lora_rank,
+             str(dtype).removeprefix("torch."))
+    return slots

@@ -562,3 +562,26 @@ async def test_the_state_machine_alone_refuses_a_stranger_and_fails_on_a_mismatc
     with pytest.raises(TransferError) as failure:
         await transfer.done
     assert (failure.value.status, failure.value.code) == (Status.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT)
+
+
+@pytest.mark.parametrize("expected, sent, words", [
+    ("ada", "", "the KV was computed with the base model, this decode worker decodes it with LoRA adapter 'ada'"),
+    ("", "bob", "the KV was computed with LoRA adapter 'bob', this decode worker decodes it with the base model"),
+    ("ada", "bob", "the KV was computed with LoRA adapter 'bob', this decode worker decodes it with LoRA adapter 'ada'"),
+])
+async def test_kv_computed_with_another_adapter_is_refused(h, expected, sent, words):
+    transfer = h.receiver.expect("r1", 0, TOKEN, NUM_TOKENS, lora_name=expected)
+    k, v, _, _ = random_kv(LAYOUT, NUM_TOKENS)
+    err = await refused(h.send(k, v, lora_name=sent))
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.details() == f"request 'r1': {words}; KV belongs to its adapter: prefill with the same one"
+    with pytest.raises(TransferError):
+        await transfer.done
+    assert h.sink.writes == []
+
+
+async def test_kv_of_the_expected_adapter_is_taken(h):
+    transfer = h.receiver.expect("r1", 0, TOKEN, NUM_TOKENS, lora_name="ada")
+    k, v, _, _ = random_kv(LAYOUT, NUM_TOKENS)
+    await h.send(k, v, first_token_id=7, lora_name="ada")
+    assert await transfer.done == 7

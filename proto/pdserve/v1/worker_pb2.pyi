@@ -72,7 +72,7 @@ class PrefillResponse(_message.Message):
     def __init__(self, first_token_id: _Optional[int] = ..., prefill_seconds: _Optional[float] = ..., first_token_logprob: _Optional[_Union[_generation_pb2.TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "attempt", "prompt_token_ids", "sampling", "transfer_token", "lease_seconds", "num_output_tokens", "local_prefill", "steps_stream_id", "local_prefill_max_uncached", "local_prefill_min_cached")
+    __slots__ = ("request_id", "attempt", "prompt_token_ids", "sampling", "transfer_token", "lease_seconds", "num_output_tokens", "local_prefill", "steps_stream_id", "local_prefill_max_uncached", "local_prefill_min_cached", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class DecodeRequest(_message.Message):
     STEPS_STREAM_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_MAX_UNCACHED_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_MIN_CACHED_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -95,7 +96,18 @@ class DecodeRequest(_message.Message):
     steps_stream_id: str
     local_prefill_max_uncached: int
     local_prefill_min_cached: int
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., steps_stream_id: _Optional[str] = ..., local_prefill_max_uncached: _Optional[int] = ..., local_prefill_min_cached: _Optional[int] = ...) -> None: ...
+    lora: LoraAdapter
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., lease_seconds: _Optional[float] = ..., num_output_tokens: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., steps_stream_id: _Optional[str] = ..., local_prefill_max_uncached: _Optional[int] = ..., local_prefill_min_cached: _Optional[int] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "id", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    id: int
+    path: str
+    def __init__(self, name: _Optional[str] = ..., id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class Reserved(_message.Message):
     __slots__ = ("num_blocks", "cached_blocks", "local_prefill")
@@ -190,7 +202,7 @@ class ModelFingerprint(_message.Message):
     def __init__(self, digest: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
 
 class KvHeader(_message.Message):
-    __slots__ = ("request_id", "attempt", "transfer_token", "fingerprint", "layout", "num_tokens", "protocol_version", "stream_index", "num_streams", "cached_blocks")
+    __slots__ = ("request_id", "attempt", "transfer_token", "fingerprint", "layout", "num_tokens", "protocol_version", "stream_index", "num_streams", "cached_blocks", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -201,6 +213,7 @@ class KvHeader(_message.Message):
     STREAM_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_STREAMS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     transfer_token: bytes
@@ -211,7 +224,8 @@ class KvHeader(_message.Message):
     stream_index: int
     num_streams: int
     cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., stream_index: _Optional[int] = ..., num_streams: _Optional[int] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., transfer_token: _Optional[bytes] = ..., fingerprint: _Optional[_Union[ModelFingerprint, _Mapping]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., num_tokens: _Optional[int] = ..., protocol_version: _Optional[int] = ..., stream_index: _Optional[int] = ..., num_streams: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class KvBlocks(_message.Message):
     __slots__ = ("layer_start", "layer_count", "token_start", "token_count", "k", "v", "k_scales", "v_scales")

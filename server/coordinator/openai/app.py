@@ -43,6 +43,7 @@ from pdserve.server.coordinator.json_input import parse_checked
 from pdserve.server.coordinator.openai.errors import ApiError, client_input, internal_error, validation_message
 from pdserve.server.coordinator.openai.front import Front
 from pdserve.server.coordinator.openai.handler import Handler
+from pdserve.server.coordinator.openai.lora_routes import add_lora_routes, lora_card, runtime_lora_updating
 from pdserve.server.coordinator.openai.protocol import (ChatRequest, CompletionRequest, DetokenizeRequest,
                                                         TokenizeRequest)
 from pdserve.server.coordinator.service import GenerationService
@@ -166,11 +167,15 @@ def create_app(front: Front) -> FastAPI:
             "parent": None,
             "max_model_len": front.max_model_len,
         }
-        return {"object": "list", "data": [card]}
+        adapters = front.adapters or ()
+        return {"object": "list", "data": [card, *(lora_card(front, a) for a in adapters)]}
+
+    if front.adapters is not None and runtime_lora_updating():
+        add_lora_routes(app, front, authenticate)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        front.check_model(body.model)
+        lora = front.check_model(body.model)
         with client_input():
             refuse_unsupported(body)
             args = (body, front.generation.tokenizer, front.generation.limits.vocab_size, front.max_model_len)
@@ -180,13 +185,14 @@ def create_app(front: Front) -> FastAPI:
                 generate, echo = completion_request(*args)
         await check_structured(front.generation, generate.sampling.structured,
                                structured_where(body.response_format, body.structured_outputs))
-        handler = Handler(front, "completion", body, f"cmpl-{secrets.token_hex(12)}", echo)
+        handler = Handler(front, "completion", body, f"cmpl-{secrets.token_hex(12)}", echo, lora=lora)
         generate.request_id = handler.id
+        generate.lora_name = lora or ""
         return await handler.run(request, generate)
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request) -> Response:
-        front.check_model(body.model)
+        lora = front.check_model(body.model)
         with client_input():
             refuse_unsupported(body)
         if front.chat is None:
@@ -212,8 +218,9 @@ def create_app(front: Front) -> FastAPI:
         await check_structured(front.generation, generate.sampling.structured,
                                structured_where(body.response_format, body.structured_outputs) or "tool_choice")
         handler = Handler(front, "chat", body, f"chatcmpl-{secrets.token_hex(12)}",
-                          tools=plan if plan and plan.mode != "none" else None)
+                          tools=plan if plan and plan.mode != "none" else None, lora=lora)
         generate.request_id = handler.id
+        generate.lora_name = lora or ""
         return await handler.run(request, generate)
 
     app.include_router(v1)

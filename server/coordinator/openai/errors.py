@@ -43,7 +43,7 @@ HTTP_STATUS = {
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "invalid_request_error",
-    404: "invalid_request_error",
+    404: "NotFoundError",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
@@ -58,8 +58,11 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        type: str | None = None,
     ):
         super().__init__(message)
+        self.type = type
+        """The error's `type` (default: the status's, ERROR_TYPES)."""
         self.status = status
         self.message = message
         self.param = param
@@ -71,7 +74,7 @@ class ApiError(Exception):
         return {
             "error": {
                 "message": self.message,
-                "type": ERROR_TYPES.get(self.status, "server_error"),
+                "type": self.type or ERROR_TYPES.get(self.status, "server_error"),
                 "param": self.param,
                 "code": self.status,
             }
@@ -100,7 +103,7 @@ def api_error(e: InvalidRequest | RequestFailed | ChatTemplateError) -> ApiError
     retry_ms = dict(e.metadata).get(RETRY_HINT)
     if status == 429 and retry_ms is not None and retry_ms.isdigit():
         headers["Retry-After"] = str(max(1, math.ceil(int(retry_ms) / 1000)))
-    error = ApiError(status, e.details, headers=headers)
+    error = ApiError(status, e.details, param="model" if status == 404 else None, headers=headers)
     error.counted = True
     return error
 

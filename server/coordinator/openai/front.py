@@ -10,6 +10,7 @@ from typing import Any
 from tokenizers import Tokenizer as HfTokenizer
 
 from pdserve.server.cluster_metrics import Target
+from pdserve.server.coordinator.adapters import Adapters
 from pdserve.server.coordinator.chat_template import ChatTemplate
 from pdserve.server.coordinator.json_input import printable
 from pdserve.server.coordinator.openai.errors import ApiError
@@ -53,13 +54,20 @@ class Front:
             return table[token_id]
         return self.token_text(token_id).encode()
 
-    def check_model(self, model: str) -> None:
-        if model != self.model_name and model not in self.aliases:
-            raise ApiError(
-                404,
-                f"The model `{printable(model)}` does not exist; this server serves `{self.model_name}`",
-                param="model",
-            )
+    @property
+    def adapters(self) -> Adapters | None:
+        """The LoRA adapters served (--enable-lora), None without."""
+        return getattr(self.generation, "adapters", None)
+
+    def check_model(self, model: str) -> str | None:
+        """The LoRA adapter `model` names (None: the base model, by any of its names); vLLM's 404 for a name
+        served by neither."""
+        if model == self.model_name or model in self.aliases:
+            return None
+        adapters = self.adapters
+        if adapters is not None and adapters.get(model) is not None:
+            return model
+        raise ApiError(404, f"The model `{printable(model)}` does not exist.", param="model")
 
 
 @lru_cache(maxsize=65536)

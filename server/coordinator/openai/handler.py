@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,6 +49,7 @@ class Outcome:
     """vLLM's: the stop string or stop token id that ended the output (None for EOS or length)."""
     logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[generation_pb2.TokenLogprob] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -59,6 +60,7 @@ class Outcome:
             self.pieces.append(response.text)
         self.logprobs.extend(response.logprobs)
         self.prompt_logprobs.extend(response.prompt_logprobs)
+        self.token_ids.extend(response.token_ids)
         if response.finish_reason:
             self.finish_reason = finish_name(response.finish_reason)
             self.prompt_tokens = response.usage.prompt_tokens
@@ -120,8 +122,10 @@ class Handler:
     """
 
     def __init__(self, front: Front, kind: Kind, req: SamplingFields, request_id: str,
-                 echo: Echo | None = None, tools: ToolPlan | None = None):
+                 echo: Echo | None = None, tools: ToolPlan | None = None, lora: str | None = None):
         self.front = front
+        self.model = lora or front.model_name
+        """The answer's `model`: the LoRA adapter's name when the request runs one (as vLLM answers)."""
         self.tools = tools
         """A chat whose answer may hold tool calls (not "none"): they are parsed from each choice's whole text."""
         self.kind = kind
@@ -131,6 +135,8 @@ class Handler:
         self.object = "text_completion" if kind == "completion" else "chat.completion"
         self.echo = echo
         """Completions with `echo`: the prompt's text and ids, put in front of the output."""
+        self.prompt_ids: list[int] | None = None
+        """The prompt's ids, set by `run` when return_token_ids asks for them."""
         self.completion_logprobs = [CompletionLogprobs(front.token_text) for _ in range(req.n)] \
             if kind == "completion" and req.logprobs is not None else None
 
@@ -151,7 +157,16 @@ class Handler:
 
     def choice(self, text: str | None, finish_reason: str | None, first: bool = False,
                logprobs: dict[str, Any] | None = None, stop_reason: str | int | None = None,
-               index: int = 0) -> dict[str, Any]:
+               index: int = 0, token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+        out = self._choice(text, finish_reason, first, logprobs, stop_reason, index)
+        if self.prompt_ids is not None:  # return_token_ids, as vLLM places them
+            if self.kind == "completion":
+                out["prompt_token_ids"] = self.prompt_ids if first else None
+            out["token_ids"] = list(token_ids or ())
+        return out
+
+    def _choice(self, text: str | None, finish_reason: str | None, first: bool,
+                logprobs: dict[str, Any] | None, stop_reason: str | int | None, index: int) -> dict[str, Any]:
         if self.kind == "completion":
             if first and self.echo is not None:
                 text = self.echo[0] + (text or "")
@@ -203,9 +218,12 @@ class Handler:
             "id": self.id,
             "object": obj,
             "created": self.created,
-            "model": self.front.model_name,
+            "model": self.model,
             "choices": choices,
         }
+        if self.kind == "chat" and self.prompt_ids is not None and (not chunk or choices and "role" in
+                                                                     choices[0].get("delta", {})):
+            out["prompt_token_ids"] = self.prompt_ids  # vLLM: the whole answer's, or the first chunk's
         if not chunk or self.include_usage:
             out["usage"] = usage
         return out
@@ -225,7 +243,16 @@ class Handler:
             out.append(one)
         return out
 
+    def prompt_token_ids(self, generate: generation_pb2.GenerateRequest) -> list[int] | None:
+        """The prompt's ids when `return_token_ids` asks for them (a text prompt tokenized as validation does)."""
+        if not self.req.return_token_ids:
+            return None
+        if generate.WhichOneof("prompt") == "token_ids":
+            return list(generate.token_ids.ids)
+        return self.front.generation.tokenizer.encode(generate.text)
+
     async def run(self, http: Request, generate: generation_pb2.GenerateRequest) -> Response:
+        self.prompt_ids = self.prompt_token_ids(generate)
         shared = SharedPrompt() if self.req.n > 1 else None
         choices = Choices([self.front.generation.stream(g, self.front.timeout, shared=shared, choice=i)
                             for i, g in enumerate(self._requests(generate))])
@@ -258,7 +285,7 @@ class Handler:
         finally:
             await choices.close()
         body = [self.choice(o.text, o.finish_reason, first=True, logprobs=self._logprobs(o, True, i),
-                            stop_reason=o.stop_reason, index=i) for i, o in enumerate(outcomes)]
+                            stop_reason=o.stop_reason, index=i, token_ids=o.token_ids) for i, o in enumerate(outcomes)]
         return JSONResponse(self.body(body, usage(outcomes), False))
 
     def text_chunk(self, index: int) -> TextChunk:
@@ -268,7 +295,8 @@ class Handler:
     @property
     def plain(self) -> bool:
         """No logprobs asked for: a chunk that only adds text can be rendered from its TextChunk."""
-        return self.completion_logprobs is None and not (self.kind == "chat" and self.req.logprobs)
+        return self.completion_logprobs is None and not (self.kind == "chat" and self.req.logprobs) \
+            and not self.req.return_token_ids
 
     async def events(self, choices: Choices, early: list[Item]) -> AsyncIterator[bytes]:
         """SSE chunks, the choices' interleaved; cancelled (client gone) or not, closing the choices
@@ -310,10 +338,11 @@ class Handler:
                     continue
                 if templates is not None and response.text and not response.finish_reason and not is_first[i]:
                     yield templates[i].render(response.text)
-                elif response.text or response.finish_reason or response.logprobs or is_first[i]:
+                elif response.text or response.finish_reason or response.logprobs or is_first[i] or \
+                        (self.prompt_ids is not None and response.token_ids):  # return_token_ids: every id
                     choice = self.choice(response.text, outcome.finish_reason, first=is_first[i],
                                          logprobs=self._logprobs(response, is_first[i], i),
-                                         stop_reason=outcome.stop_reason, index=i)
+                                         stop_reason=outcome.stop_reason, index=i, token_ids=response.token_ids)
                     yield sse_event(self.body([choice], None, True))
                     is_first[i] = False
         finally:

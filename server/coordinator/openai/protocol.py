@@ -28,6 +28,9 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool | None = None
+    """vLLM's: the answer carries each choice's output `token_ids` and the `prompt_token_ids` (in streaming, the
+    prompt's in the first chunk, each chunk its new ids)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None

