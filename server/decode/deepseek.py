@@ -10,6 +10,7 @@ from torch import nn
 
 from pdserve.server.decode.attention import PagedContext
 from pdserve.server.decode.kv_cache import PagedKvCache
+from pdserve.server.decode.lora import LoraRows
 from pdserve.server.decode.mla import MlaAttention
 from pdserve.server.decode.model import DecoderModel, rms_norm
 from pdserve.server.decode.moe import MoeMlp
@@ -56,7 +57,10 @@ class DeepseekLayer(nn.Module):
         sin: torch.Tensor,  # [B, S, 1, R] first half negated
         context: PagedContext,
         cache: PagedKvCache,
+        lora: LoraRows | None = None,
     ) -> torch.Tensor:
+        if lora is not None:  # refused at start (`startup.lora_slots`): never reached with adapters
+            raise ValueError("LoRA adapters are not served for DeepSeek models yet")
         eps = self.config.rms_norm_eps
         x = x + self.attn(rms_norm(x, self.attn_norm, eps), cos, sin, context, cache)
         h = rms_norm(x, self.mlp_norm, eps)

@@ -246,6 +246,9 @@ def lora_slots(config: DecodeConfig, model: DecoderModel) -> LoraSlots | None:
     """The LoRA adapters' device slots and host LRU under --enable-lora (None without it)."""
     if not config.enable_lora:
         return None
+    if model.config.mla is not None:
+        raise ValueError(f"--enable-lora: LoRA adapters are not served for {model.config.family} (latent attention) "
+                         "models yet; serve it without --enable-lora")
     dtype = model.dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
     slots = LoraSlots(model.config, config.max_loras, config.cpu_loras, config.max_lora_rank, dtype,
                       model.embed.device)

@@ -72,6 +72,17 @@ class PrefillWorker:
             self.kv_publisher.close()
 
 
+def compute_path(engine: PrefillEngine) -> str:
+    """What the layers' matmuls compute in, and where: "float32 matmuls on XLA:CPU", "bfloat16 matmuls on XLA:TPU",
+    or "bfloat16 matmuls on oneDNN (the rest on XLA:CPU)" (`--prefill-matmul onednn-bf16`)."""
+    backend = jax.default_backend().upper()
+    if engine.matmul_path.startswith("onednn"):
+        return f"bfloat16 matmuls on oneDNN (the rest on XLA:{backend})"
+    dtype = "bfloat16" if engine.matmul_path.startswith("xla-bf16") else \
+        compute_dtype(engine.model_config, str(engine.dtype), jax.default_backend())
+    return f"{dtype} matmuls on XLA:{backend}"
+
+
 async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.WorkerOptions(),
                 engine: PrefillEngine | None = None) -> PrefillWorker:
     engine = engine or load_engine(config)
@@ -80,7 +91,7 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
                                 credentials=serving.channel_credentials(), interceptors=serving.channel_interceptors())
     model_config = engine.model_config
     found = hardware.Hardware(cpu=hardware.cpu(), jax=hardware.jax_probe(), device=jax.default_backend(),
-                              paths={"matmuls": engine.matmul_path})
+                              paths={"compute": compute_path(engine), "matmuls": engine.matmul_path})
     log.info("prefill hardware: %s", found.describe())
     service = PrefillService(engine, transport, model_config,
                              fingerprint=fingerprint(config.model_dir, model_config),

@@ -23,7 +23,7 @@ def test_a_bf16_checkpoint_serves_on_an_avx2_cpu_with_transformers_tokens(tiny_m
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     prompts = PROMPTS[:4]
     expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in prompts]
-    with pdserve_up(model_dir, tmp_path, prefill_workers=1, decode_workers=1, extra_args=["--cpu-matmul", "float32"],
+    with pdserve_up(model_dir, tmp_path, prefill_workers=1, decode_workers=1, extra_args=["--cpu-matmul", "float32", "--prefill-matmul", "xla-fp32"],
                     env={"PDSERVE_CPU_ISA": "avx2"}) as state:
         with ThreadPoolExecutor(len(prompts)) as pool:
             got = list(pool.map(lambda p: generate_ids(state["coordinator"], p), prompts))
