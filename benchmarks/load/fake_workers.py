@@ -44,7 +44,8 @@ class FakeReceiver:
         self.layout = layout
         self.transfers: dict[str, FakeTransfer] = {}
 
-    def expect(self, request_id: str, attempt: int, token: bytes, num_tokens: int, cached_blocks: int = 0):
+    def expect(self, request_id: str, attempt: int, token: bytes, num_tokens: int, cached_blocks: int = 0,
+               lora_name: str = ""):
         transfer = self.transfers[request_id] = FakeTransfer()
         return transfer
 

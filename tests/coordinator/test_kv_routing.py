@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY
 
+from pdserve.server import metrics
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.kv_events import BlockStored, KVEventBatch
 from pdserve.server.coordinator.kv_index import KvIndex
@@ -41,8 +42,9 @@ def _index(holds: dict[str, list[tuple[int, str]]], tiers: dict[str, str] | None
 
 
 def _decisions(tier: str, reason: str) -> float:
+    identity = dict(metrics._identity)  # whatever an earlier test in this process named it
     return REGISTRY.get_sample_value("pdserve_routing_decisions_total",
-                                     {"model_name": "", "role": "", "tier": tier, "reason": reason}) or 0.0
+                                     {**identity, "tier": tier, "reason": reason}) or 0.0
 
 
 def _rendezvous_pick(workers: list[Worker]) -> Worker:

@@ -19,7 +19,10 @@ def secured(tiny_model, tmp_path_factory):
     procs = Procs(tiny_model("llama"), tmp_path_factory.mktemp("secured"), cluster_secret=SECRET)
     procs.http_port = free_port()
     try:
+        # heartbeats may lapse for longer than the stall timeout: a frozen worker's streams then migrate by the
+        # stall path test_stall.py counts, never first by its missed heartbeats (Procs' default: 2 s)
         coordinator = procs.coordinator("coordinator", "--stall-timeout", str(STALL_TIMEOUT),
+                                        "--heartbeat-timeout", str(3 * STALL_TIMEOUT),
                                         "--http-port", str(procs.http_port))
         procs.worker("p0", "prefill", coordinator, wait=False)
         procs.worker("d0", "decode", coordinator, "--kv-cache-tokens", "4096")
