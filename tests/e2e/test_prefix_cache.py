@@ -19,7 +19,7 @@ from pdserve.server.launcher import free_port
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc
-from tests.e2e.procs import Procs, Stream, counter, generate, request, wait_blocks_free
+from tests.e2e.procs import Procs, Stream, counter, generate, request, wait_blocks_free, wait_until
 
 BLOCK = 16
 
@@ -97,6 +97,10 @@ def test_constrained_sequences_preempted_on_a_small_cache_keep_their_grammar(clu
     tok = Tokenizer.from_dir(cluster.model_dir)
     pattern = "[a-z]{110}"  # each sequence 40 + up to 110 tokens: three cannot fit 12 blocks together
     prompts = [[(17 * i + k) % 500 + 3 for i in range(40)] for k in range(3)]
+    # the prefill worker's background compiles done: its prefills are not staggered by them, so the three
+    # sequences decode at once (one finishing before the last arrives would leave no preemption to test)
+    p0 = cluster.procs["p0"]
+    wait_until(lambda: counter(p0.metrics(), "pdserve_prefill_compiles_pending") == 0, "p0's compiles done", timeout=300)
     preempted = counter(d0.metrics(), "pdserve_num_preemptions_total")
     streams = [Stream(coordinator.address, gen_pb.GenerateRequest(
         token_ids=gen_pb.TokenIds(ids=p), sampling=gen_pb.SamplingParams(
