@@ -10,6 +10,7 @@ import abc
 import json
 import time
 
+from pdserve.server.client import build_request, stream
 from pdserve.server.plan.datasets import BenchRequest
 from pdserve.server.plan.run_summary import RequestOutput
 
@@ -160,3 +161,15 @@ class OpenAITarget(Target):
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def greedy_ttft(addr: str, prompt: list[int], max_tokens: int) -> tuple[float | None, list[int]]:
+    """Seconds to the first token and the greedy answer of one gRPC request for `prompt`'s token ids."""
+    t0 = time.perf_counter()
+    first, tokens = None, []
+    for msg in stream(addr, build_request(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                      timeout=300):
+        if first is None and msg.token_ids:
+            first = time.perf_counter() - t0
+        tokens.extend(msg.token_ids)
+    return first, tokens

@@ -20,33 +20,20 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.benchmarks.clients import greedy_ttft as ttft
 from pdserve.benchmarks.servers import pdserve_up
 from pdserve.benchmarks.engine.spec_decode import EMBEDDED
-from pdserve.server.client import build_request, stream
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tokenizer import Tokenizer
 
 TEXT = Path(json.__file__).read_text()
 """Where the prompts' tokens come from: stdlib source, as the embedded model was trained on."""
-
-
-def ttft(addr: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
-    """Seconds to the first token and the greedy answer of one request."""
-    t0 = time.perf_counter()
-    first, tokens = None, []
-    for msg in stream(addr, build_request(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                      timeout=300):
-        if first is None and msg.token_ids:
-            first = time.perf_counter() - t0
-        tokens.extend(msg.token_ids)
-    return first, tokens
 
 
 def counters(metrics_url: str) -> dict[str, float]:

@@ -20,16 +20,16 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.benchmarks.clients import greedy_ttft
+from pdserve.server.client import build_request, stream
 from pdserve.benchmarks.servers import pdserve_up
 from pdserve.benchmarks.engine.spec_decode import EMBEDDED
-from pdserve.server.client import build_request, stream
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tokenizer import Tokenizer
 
@@ -52,13 +52,7 @@ def computed_tokens(metrics_url: str) -> dict[str, float]:
 def turn(addr: str, metrics_url: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int], dict[str, float]]:
     """(seconds to the first token, the answer, the prompt tokens each tier computed) of one greedy request."""
     before = computed_tokens(metrics_url)
-    t0 = time.perf_counter()
-    ttft, tokens = None, []
-    for msg in stream(addr, build_request(token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                      timeout=300):
-        if ttft is None and msg.token_ids:
-            ttft = time.perf_counter() - t0
-        tokens.extend(msg.token_ids)
+    ttft, tokens = greedy_ttft(addr, prompt, max_tokens)
     after = computed_tokens(metrics_url)
     return ttft, tokens, {k: after[k] - before[k] for k in after}
 
