@@ -7,7 +7,6 @@ import asyncio
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -156,41 +155,3 @@ async def test_openai_target_streams_and_counts():
         (o.success, o.prompt_len, o.output_len, len(o.chunk_times), o.finish_reason) for o in result.outputs
     ] == [(True, 9, 5, 5, "length")] * 6
     assert all(len(o.itl) == 4 and o.ttft > 0 for o in result.outputs)
-
-
-def test_gpu_script_runs_end_to_end_dry(tmp_path):
-    """benchmarks/gpu.py --device cpu --dry-run, run as a file (as on the device, no install): every stage of
-    the H200 script at tiny sizes on this CPU (the paged kernel under Triton's interpreter when triton is
-    installed), its checks passing, the JSON and markdown written, the table printed last. The CUDA graphs,
-    pinned copies, fp8 matmuls and the speed targets need the GPU run itself."""
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
-    proc = subprocess.run(
-        [sys.executable, str(script), "--device", "cpu", "--dry-run", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    doc = json.loads((tmp_path / "gpu.json").read_text())
-    measures = [r["measure"] for r in doc["rows"]]
-    for b, ctx in ((1, 16), (4, 48)):
-        assert f"tokens/s B={b} ctx={ctx} vs roofline" in measures and f"ms/step B={b} ctx={ctx}" in measures
-    targets = {r["measure"]: r["target"] for r in doc["rows"] if r["target"] is not None}
-    assert targets == {"steps/s B=1 ctx=16 vs weight-streaming floor": 0.85, "tokens/s B=4 ctx=48 vs roofline": 0.7,
-                       "steps/s B=1 ctx=16 fp8 vs bf16 (fp8 weights dequantized per matmul on cpu: the format "
-                       "saves memory only)": 1.0,
-                       # the kernels stage (benchmarks/gpu/kernels.py): verify attention and the fused MoE
-                       "verify k=3 B=2 ctx=40: single-query time / verify time (target: k + 1 tokens for <= 1.5x "
-                       "one token's attention)": 1 / 1.5,
-                       "batch 1 (2 of 8 experts chosen): chosen weights read vs bandwidth": 0.6,
-                       "batch 1: grouped-loop time / fused time": 1.0,
-                       "batch 5: grouped-loop time / fused time": 1.0}
-    assert any(r["section"] == "kv-handoff" for r in doc["rows"]) and any(r["section"] == "prefill" for r in doc["rows"])
-    names = [c["name"] for c in doc["checks"]]
-    assert all(c["passed"] for c in doc["checks"]), doc["checks"]
-    assert "received KV written bit-exactly (100 tokens, 7 scattered blocks)" in names
-    assert any(n.startswith("greedy tokens = transformers' (cpu, eager") for n in names)
-    assert all(r["value"] > 0 for r in doc["rows"])
-    checks_table = (tmp_path / "gpu.md").read_text().split("| check | group | result | detail |")[1]  # after the stages'
-    assert checks_table.count("| ok |") == len(names)
-    assert proc.stdout.splitlines()[0].split()[:2] == ["section", "measure"]  # the table is printed last, alone

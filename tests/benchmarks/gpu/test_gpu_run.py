@@ -95,10 +95,12 @@ def _bare_env(**extra: str) -> dict[str, str]:
     return dict(env, PYTHONPATH=os.pathsep.join(site.getsitepackages()), PYTHONUNBUFFERED="1", **extra)
 
 
-def test_dry_run_from_a_bare_checkout(tmp_path):
+@pytest.fixture(scope="module")
+def bare_dry_run(tmp_path_factory):
     """`python3 benchmarks/gpu.py --dry-run` the way the device runs it: a fresh interpreter that cannot import
-    pdserve (-S: the editable install's .pth unread), only the checkout on disk and the carried wheels;
-    every stage in its own process, each finding the carried wheels first on its path; every check passes."""
+    pdserve (-S: the editable install's .pth unread), only the checkout on disk and the carried wheels. One run
+    (about half a minute) read by the tests below: (the process, gpu.json, the output folder)."""
+    tmp_path = tmp_path_factory.mktemp("gpu-dry")
     env = _bare_env()
     probe = subprocess.run([sys.executable, "-S", "-c", "import importlib.util as u; print(u.find_spec('pdserve'))"],
                            env=env, capture_output=True, text=True, cwd=ROOT)
@@ -109,6 +111,12 @@ def test_dry_run_from_a_bare_checkout(tmp_path):
                           "--wheels", str(tmp_path / "whl"), "--time-limit", "480"],
                          env=env, capture_output=True, text=True, cwd=ROOT, timeout=560)
     doc = json.loads((out / "gpu.json").read_text())
+    return run, doc, out
+
+
+def test_dry_run_from_a_bare_checkout(bare_dry_run):
+    """Every stage in its own process, each finding the carried wheels first on its path; every check passes."""
+    run, doc, out = bare_dry_run
     assert run.returncode == 0, f"{doc['stages']}\n{run.stderr[-4000:]}"
     assert "versions: numpy" in run.stderr.splitlines()[0] or "versions: numpy" in run.stderr  # reported first
     assert doc["carried_wheels"] == ["pdserve-probe-carried==1.0"]
@@ -151,3 +159,34 @@ def test_a_failed_or_overrun_stage_leaves_the_earlier_rows(tmp_path):
     assert "correctness: injected: this stage hangs" in doc["notes"]
     md = (out / "gpu.md").read_text()
     assert "| correctness | overran |" in md and "injected failure of stage handoff" in md
+
+
+def test_the_dry_run_has_every_stages_rows_targets_and_checks(bare_dry_run):
+    """benchmarks/gpu.py --device cpu --dry-run, run as a file (as on the device, no install): every stage of
+    the H200 script at tiny sizes on this CPU (the paged kernel under Triton's interpreter when triton is
+    installed), its checks passing, the JSON and markdown written, the table printed last. The CUDA graphs,
+    pinned copies, fp8 matmuls and the speed targets need the GPU run itself."""
+    proc, doc, out = bare_dry_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    measures = [r["measure"] for r in doc["rows"]]
+    for b, ctx in ((1, 16), (4, 48)):
+        assert f"tokens/s B={b} ctx={ctx} vs roofline" in measures and f"ms/step B={b} ctx={ctx}" in measures
+    targets = {r["measure"]: r["target"] for r in doc["rows"] if r["target"] is not None}
+    assert targets == {"steps/s B=1 ctx=16 vs weight-streaming floor": 0.85, "tokens/s B=4 ctx=48 vs roofline": 0.7,
+                       "steps/s B=1 ctx=16 fp8 vs bf16 (fp8 weights dequantized per matmul on cpu: the format "
+                       "saves memory only)": 1.0,
+                       # the kernels stage (benchmarks/gpu/kernels.py): verify attention and the fused MoE
+                       "verify k=3 B=2 ctx=40: single-query time / verify time (target: k + 1 tokens for <= 1.5x "
+                       "one token's attention)": 1 / 1.5,
+                       "batch 1 (2 of 8 experts chosen): chosen weights read vs bandwidth": 0.6,
+                       "batch 1: grouped-loop time / fused time": 1.0,
+                       "batch 5: grouped-loop time / fused time": 1.0}
+    assert any(r["section"] == "kv-handoff" for r in doc["rows"]) and any(r["section"] == "prefill" for r in doc["rows"])
+    names = [c["name"] for c in doc["checks"]]
+    assert all(c["passed"] for c in doc["checks"]), doc["checks"]
+    assert "received KV written bit-exactly (100 tokens, 7 scattered blocks)" in names
+    assert any(n.startswith("greedy tokens = transformers' (cpu, eager") for n in names)
+    assert all(r["value"] > 0 for r in doc["rows"])
+    checks_table = (out / "gpu.md").read_text().split("| check | group | result | detail |")[1]  # after the stages'
+    assert checks_table.count("| ok |") == len(names)
+    assert proc.stdout.splitlines()[0].split()[:2] == ["section", "measure"]  # the table is printed last, alone
