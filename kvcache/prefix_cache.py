@@ -71,13 +71,13 @@ class PrefixCache:
 
     @property
     def num_evictable(self) -> int:
-        """Cached blocks no sequence holds."""
-        return self._evictable
+        """Cached blocks no sequence holds, and tails."""
+        return self._evictable + len(self.tails)
 
     @property
     def num_available(self) -> int:
-        """Blocks `allocate` can hand out: free ones, evictable ones and tails."""
-        return self.pool.num_free + self.num_evictable + len(self.tails)
+        """Blocks `allocate` can hand out: free ones and evictable ones (tails too)."""
+        return self.pool.num_free + self.num_evictable
 
     def keep_tail(self, tail: Tail) -> None:
         """Keeps a partial block's KV as a tail, taking over the reference its caller holds to the block (a tail
@@ -152,7 +152,7 @@ class PrefixCache:
         """n fresh blocks, evicting tails, then least recently used cached blocks, as needed; all or nothing."""
         short = n - self.pool.num_free
         if short > 0:
-            if short > self.num_evictable + len(self.tails):
+            if short > self.num_evictable:
                 raise OutOfBlocks(n, self.num_available, self.pool.num_total)
             tails = self.tails.evict(short)
             self.pool.free(tails)
@@ -186,7 +186,7 @@ class PrefixCache:
         """Evicts every evictable block and every tail: one AllBlocksCleared event when that empties the cache
         (vLLM's reset_prefix_cache), else a BlockRemoved each."""
         self.pool.free(self.tails.evict(len(self.tails)))
-        empties = self.num_evictable == self.num_cached
-        self.evict(self.num_evictable, announce=not empties)
+        empties = self._evictable == self.num_cached
+        self.evict(self._evictable, announce=not empties)
         if empties and self.events is not None:
             self.events.cleared()

@@ -31,7 +31,7 @@ def _step(s: Scheduler, token: int = 9) -> list[Sequence]:
 
 
 def _available(s: Scheduler) -> int:
-    return s.cache.num_available
+    return s.pool.num_free + s.cache.num_evictable
 
 
 async def test_blocks_are_taken_when_a_token_crosses_a_block_boundary():
