@@ -13,6 +13,9 @@ call's newly cached blocks one `BlockStored` per consecutive run (a hit, a known
 
 With a `spill` callback (the offload tiers, `tiered_store.py`), every evicted block is handed to it, (block id,
 hash) each, before its id returns to the pool: the worker copies its KV out while it is still intact.
+
+With `max_tails`, ended sequences' last partial blocks are kept too (`tail_cache.py`: `keep_tail`, `take_tail`),
+each counted as available capacity and evicted before any full block when blocks are needed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pdserve.kvcache.adapter_key import AdapterKey
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool, OutOfBlocks
 from pdserve.kvcache.kv_events import KvEventRecorder
+from pdserve.kvcache.tail_cache import Tail, TailCache
 
 
 def block_hashes(token_ids: list[int], block_size: int, limit: int | None = None,
@@ -42,7 +46,8 @@ def extend_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, co
 class PrefixCache:
     def __init__(self, pool: BlockPool, enabled: bool = True, *, hasher: BlockHasher = DEFAULT_HASHER,
                  events: KvEventRecorder | None = None,
-                 spill: Callable[[list[tuple[int, bytes]]], None] | None = None) -> None:
+                 spill: Callable[[list[tuple[int, bytes]]], None] | None = None, max_tails: int = 0) -> None:
+        """max_tails: at most this many partial blocks kept as tails (0: none)."""
         self.pool = pool
         self.enabled = enabled
         self.hasher = hasher
@@ -56,6 +61,8 @@ class PrefixCache:
         self._evictable = 0
         """Cached blocks no sequence holds (ref count 1: the cache's own), kept as references change: the
         decode scheduler asks for it before every block it hands out."""
+        self.tails = TailCache(max_tails if enabled else 0)
+        """Ended sequences' last partial blocks, each block held by the tail alone."""
 
     @property
     def num_cached(self) -> int:
@@ -64,13 +71,23 @@ class PrefixCache:
 
     @property
     def num_evictable(self) -> int:
-        """Cached blocks no sequence holds."""
-        return self._evictable
+        """Cached blocks no sequence holds, and tails."""
+        return self._evictable + len(self.tails)
 
     @property
     def num_available(self) -> int:
-        """Blocks `allocate` can hand out: free ones and evictable ones."""
+        """Blocks `allocate` can hand out: free ones and evictable ones (tails too)."""
         return self.pool.num_free + self.num_evictable
+
+    def keep_tail(self, tail: Tail) -> None:
+        """Keeps a partial block's KV as a tail, taking over the reference its caller holds to the block (a tail
+        equal to a kept one, or one past the bound, has it freed)."""
+        self.pool.free(self.tails.add(tail))
+
+    def take_tail(self, parent: bytes | None, extra_keys: tuple | None, tokens: list[int]) -> Tail | None:
+        """The longest kept tail after the chain `parent` (and adapter) whose tokens begin `tokens`, taken out: its
+        block's reference is the caller's until it gives the tail back (`keep_tail`) or frees it."""
+        return self.tails.take(parent, extra_keys, tokens) if self.enabled else None
 
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The cached blocks of the longest cached prefix of `hashes`, one reference each taken."""
@@ -132,12 +149,15 @@ class PrefixCache:
                 self._lru.move_to_end(block_id)
 
     def allocate(self, n: int) -> list[int]:
-        """n fresh blocks, evicting least recently used cached blocks as needed; all or nothing."""
+        """n fresh blocks, evicting tails, then least recently used cached blocks, as needed; all or nothing."""
         short = n - self.pool.num_free
         if short > 0:
             if short > self.num_evictable:
                 raise OutOfBlocks(n, self.num_available, self.pool.num_total)
-            self.evict(short)
+            tails = self.tails.evict(short)
+            self.pool.free(tails)
+            if short > len(tails):
+                self.evict(short - len(tails))
         return self.pool.allocate(n)
 
     def evict(self, n: int, announce: bool = True) -> list[int]:
@@ -163,9 +183,10 @@ class PrefixCache:
         return victims
 
     def clear(self) -> None:
-        """Evicts every evictable block: one AllBlocksCleared event when that empties the cache (vLLM's
-        reset_prefix_cache), else a BlockRemoved each."""
-        empties = self.num_evictable == self.num_cached
-        self.evict(self.num_evictable, announce=not empties)
+        """Evicts every evictable block and every tail: one AllBlocksCleared event when that empties the cache
+        (vLLM's reset_prefix_cache), else a BlockRemoved each."""
+        self.pool.free(self.tails.evict(len(self.tails)))
+        empties = self._evictable == self.num_cached
+        self.evict(self._evictable, announce=not empties)
         if empties and self.events is not None:
             self.events.cleared()

@@ -4,12 +4,14 @@ A worker whose publisher binds (the default `tcp://*:5557`, offset per worker by
 socket with its wildcard host replaced by the host of its own address, beside its replay socket, its topic and how
 it names blocks (algorithm, block size, and a probe hash that tells the coordinator whether PYTHONHASHSEED agrees).
 A publisher that connects out to an external subscriber's socket advertises no endpoint: no coordinator can
-subscribe to it (its replay socket still serves snapshots).
+subscribe to it (its replay socket still serves snapshots). The vLLM decode engine's publisher is vLLM's own, inside
+its engine core: what it bound is read back from vLLM (`EventStream`, built by `decode/vllm/worker.py`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher
@@ -17,6 +19,16 @@ from pdserve.kvcache.kv_events_config import is_bind_endpoint
 from pdserve.v1 import worker_pb2 as pb
 
 WILDCARD_HOSTS = ("*", "0.0.0.0", "[::]", "::", "[::0]")
+
+
+@dataclass(frozen=True)
+class EventStream:
+    """A publisher pdserve did not open (vLLM's): where it publishes, as `ZmqEventPublisher` says it."""
+
+    endpoint: str
+    """Its PUB socket's endpoint: the bound one (a port of 0 resolved), or the one it connects to."""
+    replay_endpoint: str | None
+    topic: bytes
 
 
 def probe_hash(hasher: BlockHasher, block_size: int) -> int:
@@ -37,7 +49,7 @@ def reachable(endpoint: str | None, address: str) -> str:
     return f"tcp://{host}:{port}"
 
 
-def kv_events_source(publisher: ZmqEventPublisher, configured_endpoint: str, address: str, hasher: BlockHasher,
+def kv_events_source(publisher: ZmqEventPublisher | EventStream, configured_endpoint: str, address: str, hasher: BlockHasher,
                      block_size: int) -> pb.KvEventsSource:
     """The source a worker with `publisher` (opened from `configured_endpoint`) at `address` advertises."""
     bound = is_bind_endpoint(configured_endpoint)

@@ -150,10 +150,7 @@ class DecodeConfig(KvOffloadingConfig, LoraConfig):
             raise ValueError("--speculative-config: disable_by_batch_size is pdserve's native engine's; vLLM 0.32's "
                              "speculative config has no such key (--engine vllm passes the n-gram keys to vLLM's "
                              "own speculation): drop it, or use --engine native")
-        events = parse_kv_events_config(self.kv_events_config)
-        if events is not None and events.enabled and self.engine == "vllm":
-            raise ValueError("--kv-events-config is built for --engine native so far (vLLM's engine publishes its "
-                             "own events through vLLM's config, not passed on yet); use --engine native")
+        parse_kv_events_config(self.kv_events_config)  # --engine vllm passes it to vLLM's engine (`vllm/worker.py`)
         BlockHasher(self.prefix_caching_hash_algo)  # refuses an unknown algorithm, or xxhash without the package
         if self.max_queue < 0:
             raise ValueError(f"--max-queue must be >= 0, got {self.max_queue}")

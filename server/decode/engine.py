@@ -12,7 +12,7 @@ Life cycle of a request here:
    preempting the most recently admitted when none is free; with LoRA adapters, the sequences of at most
    --max-loras adapters, `lora.py`), speculate (with a speculator, its `step` is
    the one seam: proposals, their look-ahead blocks reserved by the scheduler, a verifier for the run), run
-   (re-prefilling resumed sequences first), sample with the step's one `SamplingBatch` (`sampling.py`: penalties
+   (re-prefilling resumed sequences first, from after any kept tail they took: `kvcache/tail_cache.py`), sample with the step's one `SamplingBatch` (`sampling.py`: penalties
    and min_tokens first, then the structured-output masks of the constrained sequences, one masked fill for the
    batch, none when no sequence is constrained; logprobs of the raw logits beside), postprocess (stream, advance
    each grammar, retire the finished; the scheduler trims the blocks of rejected look-ahead slots).
@@ -80,8 +80,10 @@ class DecodeEngine(Engine):
         self.grammars = grammars
         self.vocab_size = model.config.vocab_size
         self.layout = layout
+        # A draft model's cache would lack a kept tail's KV: no tails with one.
         self.scheduler = Scheduler(num_blocks, layout.block_size, max_running, max_queue, enable_prefix_caching,
-                                   windows=layout.windows, hasher=hasher, kv_events=kv_events)
+                                   windows=layout.windows, hasher=hasher, kv_events=kv_events,
+                                   max_tails=0 if draft_model is not None else None)
         self.kv_events = kv_events
         self.pool = self.scheduler.pool
         device = model.embed.device
@@ -253,6 +255,9 @@ class DecodeEngine(Engine):
 
     def _admitted(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
+            if seq.tail_copy is not None:  # a kept tail's KV into its own block, before anything computes past it
+                self.cache.copy_block(seq.tail_copy[0].block_id, seq.tail_copy[1])
+                self.scheduler.tail_copied(seq)
             if seq.offload_loads:
                 self._busy.add(seq.request_id)  # an abort meanwhile frees its blocks after the load
                 task = asyncio.ensure_future(self._load_offloaded(seq))

@@ -235,6 +235,11 @@ class PagedKvCache:
         ks, vs = (t[:, ids].transpose(0, 1).contiguous().cpu().numpy() for t in (self.k_scales, self.v_scales))
         return [k[i].tobytes() + v[i].tobytes() + ks[i].tobytes() + vs[i].tobytes() for i in range(len(block_ids))]
 
+    def copy_block(self, src: int, dst: int) -> None:
+        """Block dst's KV (every layer, scales too) becomes block src's: a kept tail's copy on write."""
+        for t in (self.k, self.v) if self.k_scales is None else (self.k, self.v, self.k_scales, self.v_scales):
+            t[:, dst] = t[:, src]
+
     def write_block(self, block_id: int, block: BlockKv):
         """Writes one block's KV (and scales) as an offload tier gave it back; `write`'s return."""
         scales = (None, None) if not self.quantized else (block.k_scales[:, None], block.v_scales[:, None])

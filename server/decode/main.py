@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.grpc_receiver import add_receiver_to_server
 from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher, open_publisher
 from pdserve.kvcache.receiver import KvReceiver
@@ -62,11 +63,12 @@ class DecodeWorker:
             self.kv_publisher.close()
 
 
-def build_engine(config: DecodeConfig):
+def build_engine(config: DecodeConfig, address: str = ""):
+    """address: the worker's advertised one (the `{worker}` of --kv-events-config's topic, for vLLM's publisher)."""
     if config.engine == "vllm":
         from pdserve.server.decode.vllm.worker import build_vllm_engine
 
-        return build_vllm_engine(config)
+        return build_vllm_engine(config, address)
     return build_native_engine(config)
 
 
@@ -84,11 +86,11 @@ def open_kv_publisher(config: DecodeConfig, engine: Engine, address: str) -> Zmq
 
 
 async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.WorkerOptions()) -> DecodeWorker:
-    model_config, engine, layout = build_engine(config)
-    digest = fingerprint(config.model_dir, model_config)
-    receiver = KvReceiver(layout, digest, engine)
     server, health, port = serving.new_server(SERVICES, config.port, config.host)
     address = options.advertise_address or f"{config.host}:{port}"
+    model_config, engine, layout = build_engine(config, address)
+    digest = fingerprint(config.model_dir, model_config)
+    receiver = KvReceiver(layout, digest, engine)
     kv_server, kv_port, kv_address = None, port, ""
     if options.kv_port is not None:  # KvTransfer alone on its own port (a NetworkPolicy opens it to prefill)
         kv_server = grpc.aio.server(options=serving.CHANNEL_OPTIONS,
@@ -106,6 +108,9 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
     if kv_publisher is not None:
         service.kv_events = kv_events_source(kv_publisher, config.kv_events.endpoint, address,
                                              engine.scheduler.cache.hasher, engine.layout.block_size)
+    elif getattr(engine, "kv_event_stream", None) is not None:  # vLLM's engine publishes its own (`vllm/worker.py`)
+        service.kv_events = kv_events_source(engine.kv_event_stream, config.kv_events.endpoint, address,
+                                             BlockHasher(config.prefix_caching_hash_algo), engine.layout.block_size)
     worker_pb2_grpc.add_DecodeServicer_to_server(service, server)
     worker_pb2_grpc.add_ControlServicer_to_server(service, server)
     await server.start()

@@ -9,7 +9,11 @@ A sequence's life here:
    with a `local_prefill_rule` (conditional disaggregation) is marked `local_prefill` here when the
    rule takes what the cache holds of its prompt: this worker then computes the rest. With offload tiers
    (`kv_offload.py`), the blocks after the device cache's hits that a tier holds count as hits too: they get fresh
-   blocks, listed in `offload_loads`, which the engine loads before it announces the sequence admitted.
+   blocks, listed in `offload_loads`, which the engine loads before it announces the sequence admitted. A sequence
+   computed here (a local prefill, a readmitted one) also takes a kept tail (`kvcache/tail_cache.py`) whose tokens
+   follow those blocks: its KV is copied into the sequence's next fresh block (`tail_copy`, done by the engine, then
+   `tail_copied`) and the prompt is computed from after it. (A prompt the prefill tier computes takes none: the
+   prefill worker computes and sends that block whole.)
 3. `start`: its KV arrived; it runs. Its full prompt blocks enter the prefix cache, and each later block (the
    answer's) as soon as its KV is complete (`finished_step`: the step after its last token ran), so the next
    turn of a conversation finds its history, the model's own answers included, cached here. Only accepted tokens
@@ -21,7 +25,8 @@ A sequence's life here:
    With speculation, `reserve_lookahead` then gives a sequence blocks for the step's look-ahead slots from the
    free ones (never preempting, never evicting a cached block: a proposal that does not fit is shortened), and
    `trim`, after the step's tokens are appended, takes back those that held only rejected slots.
-5. `retire`: finished or aborted; its full blocks with KV are cached, every reference dropped.
+5. `retire`: finished or aborted; its full blocks with KV are cached, its last partial block with KV kept as a
+   tail (as on preemption), every other reference dropped.
 
 Sliding windows: when every layer of the model is windowed (Mistral with `sliding_window`), a block wholly
 behind the widest window is never read again. Admission takes no block for a new prompt's blocks behind the
@@ -45,6 +50,7 @@ from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.kv_events import KvEventRecorder
 from pdserve.kvcache.layout import blocks_behind_windows
 from pdserve.kvcache.prefix_cache import PrefixCache
+from pdserve.kvcache.tail_cache import Tail
 from pdserve.server.decode.sequence import Sequence, SeqState
 
 
@@ -63,9 +69,12 @@ class QueueFull(Exception):
 class Scheduler:
     def __init__(self, num_blocks: int, block_size: int, max_running: int, max_queue: int,
                  enable_prefix_caching: bool = True, windows: tuple[int, ...] = (), *,
-                 hasher: BlockHasher = DEFAULT_HASHER, kv_events: KvEventRecorder | None = None):
+                 hasher: BlockHasher = DEFAULT_HASHER, kv_events: KvEventRecorder | None = None,
+                 max_tails: int | None = None):
         """windows: each layer's sliding window (0: full attention), as `KvLayout.windows`; hasher: names the
-        prefix cache's blocks (vLLM's hash); kv_events: records what the prefix cache stores and evicts."""
+        prefix cache's blocks (vLLM's hash); kv_events: records what the prefix cache stores and evicts;
+        max_tails: ended sequences' partial blocks kept (None: a quarter of the blocks; none when every layer is
+        windowed)."""
         self.block_size = block_size
         self.windows = windows
         self._widest = (max(windows),) if windows and all(windows) else ()
@@ -77,7 +86,10 @@ class Scheduler:
         self.max_running = max_running
         self.max_queue = max_queue
         self.pool = BlockPool(num_blocks)
-        self.cache = PrefixCache(self.pool, enable_prefix_caching, hasher=hasher, events=kv_events)
+        if max_tails is None:
+            max_tails = 0 if self._widest else num_blocks // 4
+        self.cache = PrefixCache(self.pool, enable_prefix_caching, hasher=hasher, events=kv_events,
+                                 max_tails=max_tails)
         self.waiting: deque[Sequence] = deque()
         self.loading: list[Sequence] = []
         """Admitted, waiting for their prompt's KV (never preempted: the KV is on its way)."""
@@ -149,16 +161,24 @@ class Scheduler:
                                               extra_keys=extra_keys(seq.adapter_key))
             hits = self.cache.lookup(hashes)
             offloaded = self.offload.held(hashes[len(hits):]) if self.offload is not None and not resuming else 0
-            num_cached = min((len(hits) + offloaded) * self.block_size, kv_tokens)
+            held = len(hits) + offloaded
+            tail = self.cache.take_tail(hashes[held - 1] if held else None, extra_keys(seq.adapter_key),
+                                        seq.token_ids[held * self.block_size : reusable])
+            num_cached = min(held * self.block_size + (len(tail.tokens) if tail else 0), kv_tokens)
             # Conditional disaggregation: a prompt this worker mostly holds is computed here.
             local = seq.local_prefill or (not resuming and seq.local_prefill_rule is not None
                                           and seq.local_prefill_rule.local(len(seq.prompt_ids), num_cached))
             # No block behind the windows of its first query: the prompt's first output when the prefill tier
             # sends the KV (it sends none there), else the first token computed here.
             computed_here = resuming or local
+            if tail is not None and not computed_here:  # the prefill tier computes and sends its block whole
+                self.cache.keep_tail(tail)
+                tail, num_cached = None, min(held * self.block_size, kv_tokens)
             dropped = self.behind_window(num_cached if computed_here else len(seq.prompt_ids))
             if need - max(len(hits), dropped) > self.cache.num_available:
                 self.cache.free(hits)
+                if tail is not None:
+                    self.cache.keep_tail(tail)
                 break
             self.waiting.popleft()
             self.cache.free(hits[:dropped])  # cached, but behind the window: this sequence reads none of them
@@ -166,6 +186,7 @@ class Scheduler:
             seq.block_table = [self.null_block] * dropped + hits[dropped:] + fresh
             seq.num_dropped_blocks = dropped
             seq.num_cached_tokens = num_cached
+            seq.tail_copy = None if tail is None else (tail, seq.block_table[held])
             if resuming:
                 seq.resume_from = seq.num_cached_tokens
                 seq.state = SeqState.RUNNING
@@ -178,6 +199,12 @@ class Scheduler:
                 self.loading.append(seq)
             admitted.append(seq)
         return admitted
+
+    def tail_copied(self, seq: Sequence) -> None:
+        """The engine copied the sequence's tail (`tail_copy`) into its block: the tail goes back to the cache."""
+        if seq.tail_copy is not None:
+            self.cache.keep_tail(seq.tail_copy[0])
+            seq.tail_copy = None
 
     # ---- running -----------------------------------------------------------------
 
@@ -277,9 +304,15 @@ class Scheduler:
         seq.num_dropped_blocks = end
 
     def _release_blocks(self, seq: Sequence) -> None:
+        if seq.tail_copy is not None:  # never copied: its block lacks the tail's KV (the tail itself is intact)
+            seq.num_cached_tokens -= seq.num_cached_tokens % self.block_size
+            self.tail_copied(seq)
         self._cache_full_blocks(seq)
+        tail = self._tail(seq)
         if seq.block_table:
-            self.cache.free(seq.block_table[seq.num_dropped_blocks :])
+            self.cache.free([b for b in seq.block_table[seq.num_dropped_blocks :] if tail is None or b != tail.block_id])
+        if tail is not None:
+            self.cache.keep_tail(tail)
         seq.block_table = []
         seq.num_dropped_blocks = 0
         seq.num_cached_tokens = 0
@@ -292,6 +325,21 @@ class Scheduler:
         if seq.num_stale_blocks > seq.num_hit_blocks:  # its own blocks lack KV behind the windows: keep the hits
             full = min(full, seq.num_hit_blocks)
         return full
+
+    def _tail(self, seq: Sequence) -> Tail | None:
+        """The sequence's last partial block with KV as a tail: when the cache keeps tails, the block is the
+        sequence's alone and every block before it is complete."""
+        full, n = divmod(seq.num_cached_tokens, self.block_size)
+        if (not n or not self.cache.tails.max_blocks or not self.cache.enabled or full < seq.num_dropped_blocks
+                or full >= len(seq.block_table) or self._complete_blocks(seq) != full or seq.num_stale_blocks):
+            return None
+        block_id = seq.block_table[full]
+        if block_id == self.null_block or self.pool.ref_count(block_id) != 1:
+            return None
+        keys = extra_keys(seq.adapter_key)
+        hashes = self.cache.hasher.extend(seq.block_hashes, seq.token_ids, self.block_size, full, keys)
+        return Tail(block_id, hashes[full - 1] if full else None, keys,
+                    tuple(seq.token_ids[full * self.block_size : seq.num_cached_tokens]))
 
     def _cache_full_blocks(self, seq: Sequence) -> None:
         start, full = seq.num_dropped_blocks, self._complete_blocks(seq)  # dropped ones: cached when dropped

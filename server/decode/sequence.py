@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from pdserve.kvcache.adapter_key import AdapterKey
+from pdserve.kvcache.tail_cache import Tail
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.server.decode.local_prefill_rule import LocalPrefillRule
@@ -56,6 +57,9 @@ class Sequence:
     tiers included)."""
     offload_loads: list[tuple[int, bytes]] = field(default_factory=list)
     """Admitted, its blocks (block id, hash) to load from the offload tiers before it is announced admitted."""
+    tail_copy: tuple[Tail, int] | None = None
+    """Admitted after a kept tail (`kvcache/tail_cache.py`): the tail, its block held by this sequence, whose KV the
+    engine copies into the block id given before the sequence computes past it (`Scheduler.tail_copied`)."""
     num_stale_blocks: int = 0
     """Leading blocks whose windowed layers' KV never arrived (the prefill tier sends no KV behind a sliding
     window; `KvLayout.stale_tokens`): no other sequence may reuse them from the prefix cache."""

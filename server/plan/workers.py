@@ -289,6 +289,7 @@ class DecodePart:
     def _admitted(self, seqs: list[Sequence]) -> None:
         """First admissions wait for their KV; a preempted sequence readmitted just runs on."""
         for seq in seqs:
+            self.scheduler.tail_copied(seq)  # the engine copies a kept tail's KV here; nothing to copy in a model
             if seq.state is SeqState.WAITING_KV:
                 self.on_admitted(seq)
 

@@ -104,7 +104,7 @@ async def test_lookahead_takes_free_blocks_and_trim_gives_back_exactly_those_pas
 
 
 async def test_lookahead_is_cut_to_the_free_blocks_never_preempting_nor_evicting():
-    s = Scheduler(num_blocks=5, block_size=BS, max_running=4, max_queue=4)
+    s = Scheduler(num_blocks=5, block_size=BS, max_running=4, max_queue=4, max_tails=0)  # full blocks alone (tails: test_scheduler_tails.py)
     p = _seq("p", [1, 1, 1, 1, 2])
     s.add(p)
     _run(s, p)
@@ -143,7 +143,7 @@ async def test_waiters_are_admitted_in_arrival_order():
 
 
 async def test_a_shared_prefix_reuses_cached_blocks_and_lru_evicts():
-    s = Scheduler(num_blocks=6, block_size=BS, max_running=8, max_queue=8)
+    s = Scheduler(num_blocks=6, block_size=BS, max_running=8, max_queue=8, max_tails=0)  # full blocks alone (tails: test_scheduler_tails.py)
     system = list(range(100, 108))  # 2 full blocks
     a = _seq("a", system + [1, 2, 3])
     s.add(a)
@@ -162,7 +162,7 @@ async def test_a_shared_prefix_reuses_cached_blocks_and_lru_evicts():
 
 
 async def test_lru_eviction_order_and_a_whole_prompt_never_hits_its_last_token():
-    s = Scheduler(num_blocks=4, block_size=BS, max_running=8, max_queue=8)
+    s = Scheduler(num_blocks=4, block_size=BS, max_running=8, max_queue=8, max_tails=0)  # full blocks alone (tails: test_scheduler_tails.py)
     p, q = [1, 1, 1, 1, 2], [3, 3, 3, 3, 4]
     for rid, prompt in (("p", p), ("q", q)):
         seq = _seq(rid, prompt)

@@ -45,14 +45,15 @@ def _counters(procs: Procs, coordinator: str) -> dict[str, float]:
     }
 
 
-def _turns(procs: Procs, coordinator: str, seed: int, new: int) -> tuple[list[int], dict[str, float], dict[str, float]]:
-    """Turn 1 (a fresh 40-token prompt), then turn 2 (its history and `new` tokens); turn 2's prompt and the
-    counters' changes over turn 1 and over turn 2."""
+def _turns(procs: Procs, coordinator: str, seed: int, new: int, answer_len: int = ANSWER
+           ) -> tuple[list[int], dict[str, float], dict[str, float]]:
+    """Turn 1 (a fresh 40-token prompt, an answer of answer_len), then turn 2 (its history and `new` tokens); turn 2's
+    prompt and the counters' changes over turn 1 and over turn 2."""
     address = procs.procs[coordinator].address
     prompt = [(seed * i + 5) % 400 + 3 for i in range(40)]
     before = _counters(procs, coordinator)
-    answer = generate(address, request(prompt, ANSWER))
-    assert answer == hf_greedy(procs.model_dir, prompt, ANSWER)
+    answer = generate(address, request(prompt, answer_len))
+    assert answer == hf_greedy(procs.model_dir, prompt, answer_len)
     middle = _counters(procs, coordinator)
     turn2 = prompt + answer + [(seed * i + 7) % 400 + 3 for i in range(new)]
     assert generate(address, request(turn2, 8)) == hf_greedy(procs.model_dir, turn2, 8)
@@ -80,3 +81,13 @@ def test_a_long_next_turn_goes_to_the_prefill_tier_which_sends_only_what_decode_
     assert len(turn2) == 93 and second["d0 hits"] == 5 * BLOCK
     assert (second["local"], second["remote"], second["d0 computed"]) == (0, 1, 0)
     assert second["p0 computed"] == 93 - 2 * BLOCK and second["d0 received"] == per_token * 13
+
+
+def test_a_history_ending_mid_block_is_computed_from_its_kept_tail(cluster):
+    """Turn 1's 40 + 30 tokens, KV for 69: 4 full blocks and 5 tokens of a fifth, kept as a tail when turn 1 ends;
+    turn 2 computes only the answer's last token and its 6 new ones (without the tail: those 5 too)."""
+    turn2, first, second = _turns(cluster, "coordinator", seed=13, new=6, answer_len=30)
+    assert first["remote"] == 1
+    assert len(turn2) == 76 and second["d0 hits"] == 69
+    assert (second["local"], second["remote"], second["d0 computed"], second["p0 computed"], second["d0 received"]) \
+        == (1, 0, 7, 0, 0)

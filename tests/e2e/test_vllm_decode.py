@@ -7,6 +7,7 @@ missing .venv-vllm fails the module instead of skipping it. One cluster per chec
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +25,10 @@ from pdserve.server.client import open_channel
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tiny import WINDOW
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free, worker_info
-from tests.e2e.procs import Procs, Stream, counter, list_workers, request, wait_blocks_free, wait_until
+from tests.e2e.procs import Procs, Stream, counter, generate, list_workers, request, wait_blocks_free, wait_until
+from tests.e2e.test_prefix_cache import hf_greedy as hf_greedy_n
 from tests.e2e.test_parity import LONG_PROMPTS, MAX_TOKENS, PROMPTS, generate_ids, hf_greedy
+from tests.kvcache.kv_events_helpers import chain, wire
 from tests.vllm_python import VLLM_PYTHON, require_vllm_python
 
 VLLM_ARGS = ("--engine", "vllm", "--block-size", "32", "--kv-cache-tokens", "8192")
@@ -423,3 +426,60 @@ def test_ngram_speculation_through_vllm_decode_keeps_greedy_and_counts_on_metric
         assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
     finally:
         clusters.release("llama", "--speculative-config", SPEC)
+
+
+def _replay(endpoint: str, timeout_ms: int = 10_000) -> list[tuple[bytes, int, list]]:
+    """Every batch a publisher's replay socket holds, from 0: (topic, seq, [ts, events, rank]) each."""
+    import msgspec
+    import zmq
+
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while dealer.poll(timeout_ms):
+            _, topic, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                return got
+            got.append((topic, int.from_bytes(seq, "big"), msgspec.msgpack.decode(payload)))
+        raise AssertionError(f"no end marker from the replay socket {endpoint}")
+    finally:
+        dealer.close(linger=0)
+
+
+def test_vllm_decode_publishes_its_blocks_as_kv_events_the_coordinator_reads(clusters, tiny_model):
+    """--kv-events-config through to vLLM's engine: the worker advertises vLLM's publisher (its topic's {worker}
+    this worker), a prompt's full blocks appear as BlockStored under vLLM's hashes, a repeated prompt (a hit in
+    vLLM's prefix cache, on with events; the connector writes none of its blocks) stores nothing new and keeps
+    transformers' tokens, and the coordinator's KV index reads the stream."""
+    pub, replay = free_port(), free_port()
+    config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
+                         "replay_endpoint": f"tcp://*:{replay}", "topic": "kv@{worker}@tiny"})
+    procs = clusters.get("llama", "--kv-events-config", config)
+    try:
+        coord, decode = procs.procs["coordinator"], procs.procs["d0"]
+        source = info(decode).kv_events
+        assert (source.endpoint, source.replay_endpoint) == (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
+        assert (source.topic, source.block_size, source.hash_algo) == (f"kv@{decode.address}@tiny", 32, "sha256")
+        prompt = [(7 * i) % 300 + 3 for i in range(70)]  # 2 full blocks of 32
+        want = hf_greedy_n(tiny_model("llama"), prompt, MAX_TOKENS)
+        assert generate(coord.address, request(prompt, MAX_TOKENS)) == want
+        hashes = [wire(h) for h in chain(prompt, 32)[:2]]
+
+        def stored() -> list[dict]:
+            return [e for topic, _, (_, events, _) in _replay(source.replay_endpoint) for e in events
+                    if topic == source.topic.encode() and e["type"] == "BlockStored"]
+
+        wait_until(lambda: [h for e in stored() for h in e["block_hashes"]][:2] == hashes, "the prompt's blocks", 30)
+        first = stored()[0]
+        assert first["block_hashes"][:2] == hashes and first["parent_block_hash"] is None
+        assert first["token_ids"][:64] == prompt[:64] and first["block_size"] == 32 and first["medium"] == "GPU"
+        before = len(stored())
+        assert generate(coord.address, request(prompt, MAX_TOKENS)) == want  # vLLM's prefix cache holds 2 blocks
+        assert not {h for e in stored()[before:] for h in e["block_hashes"]} & set(hashes)
+        assert counter(decode.metrics(), "pdserve_vllm_kv_load_failures_total") == 0
+        wait_until(lambda: counter(coord.metrics(), "pdserve_kv_index_blocks") >= 2, "the coordinator's index", 30)
+        assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
+    finally:
+        clusters.release("llama", "--kv-events-config", config)

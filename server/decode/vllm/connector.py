@@ -10,7 +10,7 @@ Life of one request through the connector:
 1. The engine seals the request's stage (`staging.py`) into `STAGED[vllm_id]` and adds the request
    (prompt + first token) with `kv_transfer_params={PARAMS_KEY: vllm_id}`.
 2. Scheduler side: `get_num_new_matched_tokens` says every prompt token but the first token is loadable,
-   synchronously; `update_state_after_alloc` takes the stage with the block ids vLLM gave the prompt (a
+   synchronously (past vLLM's own prefix-cache hit, when its cache is on: with --kv-events-config); `update_state_after_alloc` takes the stage with the block ids vLLM gave the prompt (a
    table per KV cache group: the connector takes vLLM's hybrid allocator, whose sliding-window groups hold
    null blocks behind the window, where the prefill tier sent nothing: `KvLayout.stale_tokens`);
    `build_connector_meta` passes (block ids, stage) to every rank: for T > 1 the stage is a shared-memory
@@ -66,6 +66,9 @@ class KvLoad:
     """The prompt's blocks in token order, one list per KV cache group (null blocks behind a window)."""
     staged: Staged | None
     """None: nothing was staged for it (the load fails over to recomputation)."""
+    skip_tokens: int = 0
+    """Leading prompt tokens vLLM's prefix cache held (with --kv-events-config its cache is on): their blocks may
+    be other requests' too, and hold this KV already; nothing is written there."""
 
 
 @dataclass
@@ -118,7 +121,8 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens > 0:  # vLLM adds a suffix to request ids: the params carry pdserve's key
             self._asked.add(request.request_id)
             key = request.kv_transfer_params[PARAMS_KEY]
-            self._to_load[key] = KvLoad([list(ids) for ids in blocks.get_block_ids()], STAGED.pop(key, None))
+            local = len(request.prompt_token_ids) - 1 - num_external_tokens  # vLLM's prefix-cache hit
+            self._to_load[key] = KvLoad([list(ids) for ids in blocks.get_block_ids()], STAGED.pop(key, None), local)
 
     def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
         # Steps run one at a time: a stage still here from an earlier step was read by every rank whose
@@ -177,7 +181,7 @@ class PdserveConnector(KVConnectorBase_V1, SupportsHMA):
                 if load.staged is None:
                     raise KeyError(f"no staged KV for {vllm_id}")
                 for piece in load.staged.read(self._rank, self._tp):
-                    self._writer.write(load.block_ids, piece)
+                    self._writer.write(load.block_ids, piece, load.skip_tokens)
             except Exception:
                 log.exception("rank %d could not load the KV of %s into vLLM's blocks; vLLM recomputes them",
                               self._rank, vllm_id)

@@ -37,6 +37,7 @@ from pdserve.server.decode.engine_api import Engine
 from pdserve.server.decode.scheduler import QueueFull
 from pdserve.server.decode.sequence import Sequence, SeqState, TokenSink, admissible
 from pdserve.server.decode.vllm.staging import KvStaging, Stage, Staged
+from pdserve.server.kv_events_source import EventStream
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.structured.grammars import Grammars, request_constraint
 from pdserve.v1 import generation_pb2 as gen_pb
@@ -110,6 +111,8 @@ class VllmEngine(Engine):
         self.steps = 0
         self._blocks_for = blocks_for or layout.num_blocks
         self.grammar_refusal = grammar_refusal
+        self.kv_event_stream: EventStream | None = None
+        """Where vLLM's engine core publishes its KV events (--kv-events-config; set by `worker.py`), or None."""
         self._sampling_params = sampling_params
         self._connector_staged = staged
         self._params_key = params_key

@@ -50,8 +50,9 @@ class PagedKvWriter:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def write(self, block_ids: tuple[list[int], ...], piece: KvPiece) -> None:
-        """Writes every layer of the piece into its group's blocks (block_ids[g]: group g's, in token order)."""
+    def write(self, block_ids: tuple[list[int], ...], piece: KvPiece, skip_tokens: int = 0) -> None:
+        """Writes every layer of the piece into its group's blocks (block_ids[g]: group g's, in token order), but
+        its tokens before skip_tokens (held in vLLM's prefix cache already)."""
         k, v = numpy_to_torch(piece.k), numpy_to_torch(piece.v)  # [l, n, Hkv, D]
         if k.dtype != self.dtype:
             raise ValueError(f"the piece holds {k.dtype} KV, vLLM computes in {self.dtype}")
@@ -67,21 +68,21 @@ class PagedKvWriter:
             layer = piece.layer_start + i
             group = self.groups[layer]
             if group not in slots_of:
-                slots_of[group] = self._slots(block_ids[group], self.block_sizes[group], tokens, layer)
+                slots_of[group] = self._slots(block_ids[group], self.block_sizes[group], tokens, layer, skip_tokens)
             slots, keep = slots_of[group]
             if not len(slots):
                 continue
             impl = self.layers[layer].impl
             impl.do_kv_cache_update(self.layers[layer], k[i, keep], v[i, keep], self.caches[layer], slots)
 
-    def _slots(self, blocks: list[int], block_size: int, tokens: torch.Tensor,
-               layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(slots [m], the piece's token indices [m] they hold): the tokens in real blocks (a null block is
-        behind the layer's window: vLLM never reads it)."""
+    def _slots(self, blocks: list[int], block_size: int, tokens: torch.Tensor, layer: int,
+               skip_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [m], the piece's token indices [m] they hold): the tokens from skip_tokens on in real blocks (a
+        null block is behind the layer's window: vLLM never reads it)."""
         if int(tokens[-1]) // block_size >= len(blocks):
             raise ValueError(f"piece tokens up to {int(tokens[-1])} exceed the request's {len(blocks)} blocks "
                              f"(layer {layer})")
         table = torch.tensor(blocks, dtype=torch.int64)[tokens // block_size]  # [n]
-        keep = torch.nonzero(table != NULL_BLOCK).flatten()  # [m]
+        keep = torch.nonzero((table != NULL_BLOCK) & (tokens >= skip_tokens)).flatten()  # [m]
         slots = table[keep] * block_size + tokens[keep] % block_size
         return slots.to(self.device), keep.to(self.device)

@@ -24,6 +24,7 @@ from pdserve.server.decode.spec.config import SpeculativeConfig
 from pdserve.server.decode.vllm.cache_groups import CacheGroups
 from pdserve.server.decode.vllm.engine import VllmEngine
 from pdserve.server.decode.vllm.staging import KvStaging
+from pdserve.server.kv_events_source import EventStream
 from pdserve.server.model.config import ModelConfig, load_config, resolve_max_model_len
 from pdserve.server.structured.grammars import Grammars
 
@@ -115,7 +116,21 @@ def _bind_cpu_ranks(tp: int) -> None:
         log.info("VLLM_CPU_OMP_THREADS_BIND=%s: %d ranks over %d NUMA node(s)", bind, tp, nodes)
 
 
-def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, KvLayout]:
+def vllm_kv_events_config(config: DecodeConfig, address: str):
+    """vLLM's KVEventsConfig for pdserve's --kv-events-config (its topic's `{worker}` this worker's address, as
+    pdserve's own publisher names it), or None when events are off."""
+    from vllm.config import KVEventsConfig
+
+    events = config.kv_events
+    if events is None or not events.enabled:
+        return None
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=events.endpoint,
+                          replay_endpoint=events.replay_endpoint, buffer_steps=events.buffer_steps, hwm=events.hwm,
+                          max_queue_size=events.max_queue_size, topic=events.topic_for(address))
+
+
+def build_vllm_engine(config: DecodeConfig, address: str = "") -> tuple[ModelConfig, VllmEngine, KvLayout]:
+    """address: this worker's advertised address (the `{worker}` in --kv-events-config's topic)."""
     check_supported(config)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core here: the connector meets our receiver
     from vllm.config import KVTransferConfig
@@ -141,6 +156,9 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
     if current_platform.is_cpu():
         _bind_cpu_ranks(tp)
     t0 = time.perf_counter()
+    # KV events: vLLM's block pool publishes what its prefix cache stores and evicts, so the cache is on with them
+    # (the connector then writes only the prompt's blocks vLLM does not hold already)
+    kv_events = vllm_kv_events_config(config, address)
     args = EngineArgs(
         model=str(config.model_dir),
         dtype=dtype,
@@ -148,7 +166,9 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
         num_gpu_blocks_override=num_blocks,
         max_num_seqs=config.max_running,
         max_model_len=max_model_len,
-        enable_prefix_caching=False,  # every prompt's KV comes from prefill; nothing to share
+        enable_prefix_caching=kv_events is not None and config.enable_prefix_caching,
+        prefix_caching_hash_algo=config.prefix_caching_hash_algo,
+        kv_events_config=kv_events,
         skip_tokenizer_init=True,
         enforce_eager=True,  # no CUDA graphs / compile: starts ~60 s sooner; see README for GPU pools
         async_scheduling=False,
@@ -181,6 +201,12 @@ def build_vllm_engine(config: DecodeConfig) -> tuple[ModelConfig, VllmEngine, Kv
                         staging=KvStaging(shared=tp > 1),
                         grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
                                                     tuple(model_config.eos_token_ids), **Grammars.options(config)))
+    if kv_events is not None:
+        published = scheduler.get_kv_event_publisher_config()  # a bound port of 0 resolved
+        engine.kv_event_stream = EventStream(published.endpoint, published.replay_endpoint, published.topic.encode())
+        log.info("KV events: vLLM publishes on %s (topic %r%s)%s", published.endpoint, published.topic,
+                 f", replay on {published.replay_endpoint}" if published.replay_endpoint else "",
+                 "" if config.enable_prefix_caching else "; --no-enable-prefix-caching: vLLM's cache stores nothing")
     if engine.grammars is not None:
         engine.grammars.warm()
     log.info("vLLM decode engine for %s ready in %.1f s: %d KV blocks x %d tokens (%s), tensor parallel %d, "

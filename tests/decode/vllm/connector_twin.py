@@ -202,6 +202,23 @@ def main() -> int:
     assert counter("pdserve_vllm_kv_tokens_loaded_total") - loaded == n and staging.files() == []
     checks += 1
 
+    # 7. vLLM's prefix cache held the prompt's first block (on with --kv-events-config): the connector offers the
+    # rest, and writes nothing into the held block (another request's too), every later token as in 1.
+    ranks = [Rank(0), Rank(1)]
+    stage(staging, "g", k, v)
+    req = request("g", n)
+    assert scheduler.get_num_new_matched_tokens(req, BLOCK) == (n - BLOCK, False)
+    blocks = [7, 2, 11, 5]
+    scheduler.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (blocks,)), n - BLOCK)
+    out = step(scheduler, ranks, scheduler.build_connector_meta(None), aggregator)
+    assert not out.invalid_block_ids and out.kv_connector_worker_meta.reads == {"g": 2}
+    for r, rank in enumerate(ranks):
+        got_k, got_v = rank.kv_at(slots_of(blocks, n))
+        assert not got_k[:, :BLOCK].any() and not got_v[:, :BLOCK].any(), f"rank {r} wrote the held block"
+        assert got_k[:, BLOCK:].tobytes() == k[:, BLOCK:, r:r + 1].tobytes(), f"rank {r}'s K"
+        assert got_v[:, BLOCK:].tobytes() == v[:, BLOCK:, r:r + 1].tobytes(), f"rank {r}'s V"
+    checks += 1
+
     staging.close()
     assert list(root.iterdir()) == []
     print(f"ok: {checks} checks")

@@ -16,4 +16,4 @@ def test_each_rank_loads_its_kv_heads_and_every_stage_is_released():
     run = subprocess.run([str(VLLM_PYTHON), str(TWIN)], capture_output=True, text=True, timeout=600,
                          cwd=Path(__file__).resolve().parents[3])
     assert run.returncode == 0, f"{TWIN.name} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
-    assert run.stdout.splitlines()[-1] == "ok: 6 checks"
+    assert run.stdout.splitlines()[-1] == "ok: 7 checks"
