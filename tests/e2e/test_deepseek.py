@@ -40,7 +40,7 @@ def test_pdserve_up_serves_deepseek_greedy_as_transformers(tiny_model, tmp_path,
     layers = load_config(path).num_layers
     port = free_port("127.0.0.1")
     with pdserve_up(path, tmp_path, prefill_workers=2, decode_workers=2,
-                    extra_args=["--metrics-port", str(port)]) as addresses:
+                    extra_args=["--metrics-port", str(port), "--max-model-len", "128"]) as addresses:
         assert len(addresses["prefill"]) == 2 and len(addresses["decode"]) == 2
         for prompt in PROMPTS:
             assert generate(addresses["coordinator"], request(prompt, 8)) == _hf_greedy(path, prompt, 8)
