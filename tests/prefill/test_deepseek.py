@@ -119,3 +119,66 @@ def test_routing_is_the_decode_tiers(tiny_model, family):
         biased, unbiased = (np.sort(np.asarray(jax_route(jnp.asarray(logits), moe, b)[1]), -1)
                             for b in (jnp.asarray(bias), None))
         assert not np.array_equal(biased, unbiased)
+
+
+class _CacheSink:
+    """The decode tier's receive path: each received piece written into a latent `PagedKvCache`, scales too."""
+
+    def __init__(self, cache, table: list[int]) -> None:
+        self.cache, self.table = cache, table
+
+    def write(self, request_id, piece) -> None:
+        self.cache.write(self.table, piece.layer_start, piece.token_start, piece.k, piece.v, piece.k_scales,
+                         piece.v_scales)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8", "fp8_e4m3"])
+async def test_the_wire_carries_the_latent_alone_into_the_decode_cache(tiny_model, kv_dtype):
+    """A real PrefillService pushes to a real KvReceiver writing the decode tier's latent cache: the bytes received
+    per token per layer are (kv_lora_rank + qk_rope_head_dim) x the dtype's size, plus one float32 scale per block
+    per layer for int8/fp8 (no V, no V scales); the cache then holds transformers' entries (within the format's
+    rounding)."""
+    import torch
+
+    from pdserve.kvcache.layout import KvLayout
+    from pdserve.kvcache.local import LocalKvTransport
+    from pdserve.kvcache.receiver import KvReceiver
+    from pdserve.server.decode.kv_cache import PagedKvCache
+    from pdserve.server.model.fingerprint import fingerprint
+    from pdserve.server.prefill.service import PrefillService
+    from pdserve.v1 import worker_pb2 as pb
+
+    from .test_push import TOKEN, Context
+
+    path = tiny_model("deepseek_v3")
+    config = load_config(path)
+    engine = _engine(path, kv_layer_groups=2, prefix_cache_bytes=0)
+    layout = KvLayout.for_model(config, 16, kv_dtype)
+    prompt = PROMPTS[2]  # 41 tokens: 3 blocks of 16
+    table = [2, 0, 1]
+    cache = PagedKvCache(layout, 4)
+    digest = fingerprint(path, config)
+    receiver = KvReceiver(layout, digest, _CacheSink(cache, table))
+    service = PrefillService(engine, LocalKvTransport({"d": receiver}, num_streams=2), config, fingerprint=digest)
+    transfer = receiver.expect("r", 0, TOKEN, len(prompt))
+    reply = await service.Prefill(pb.PrefillRequest(
+        request_id="r", attempt=0, token_ids=prompt, sampling=GREEDY, transfer_token=TOKEN,
+        target=pb.KvTarget(address="d", layout=layout.to_proto())), Context())
+    first, entries = _transformers(path, prompt)
+    assert reply.first_token_id == first
+    assert await asyncio.wait_for(transfer.done, 30) == first
+    size = {"float32": 4, "bfloat16": 2, "int8": 1, "fp8_e4m3": 1}[kv_dtype]
+    scales = 3 * 4 if kv_dtype in ("int8", "fp8_e4m3") else 0  # 3 blocks x one float32, per layer
+    assert transfer.bytes_received == config.num_layers * (len(prompt) * (32 + 16) * size + scales)
+    k, v = cache.read(table, len(prompt))  # [L, T, 1, C + R] as stored (int8/fp8: beside its scales)
+    assert v.shape == (config.num_layers, len(prompt), 1, 0)
+    if kv_dtype in ("int8", "fp8_e4m3"):
+        k_scales, v_scales = cache.read_scales(table, len(prompt))
+        assert tuple(v_scales.shape) == (config.num_layers, 3, 0)
+        got = host_quant.dequantize(k.float().numpy(), k_scales.numpy(), 16)[:, :, 0]
+        _, want_scales = host_quant.quantize(entries[:, :, None], 16, kv_dtype)
+        bound = host_quant.error_bound(entries[:, :, None], want_scales, 16, kv_dtype)[:, :, 0]
+        assert np.all(np.abs(got - entries) <= bound + 1e-5)
+    else:
+        tol = 1e-5 if kv_dtype == "float32" else 1e-2
+        np.testing.assert_allclose(k[:, :, 0].to(torch.float32).numpy(), entries, atol=tol, rtol=tol)
