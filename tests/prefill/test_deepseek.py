@@ -182,3 +182,42 @@ async def test_the_wire_carries_the_latent_alone_into_the_decode_cache(tiny_mode
     else:
         tol = 1e-5 if kv_dtype == "float32" else 1e-2
         np.testing.assert_allclose(k[:, :, 0].to(torch.float32).numpy(), entries, atol=tol, rtol=tol)
+
+
+async def test_a_decode_target_holding_heads_of_the_latents_shape_is_refused(tiny_model):
+    """The handshake's layout kind: a target whose layout has the latent's shape but kind heads (a decode worker
+    that would read the entries as K and V) is refused before anything is computed, naming both kinds."""
+    import grpc
+
+    from pdserve.kvcache.layout import KvLayout
+    from pdserve.kvcache.local import LocalKvTransport
+    from pdserve.server.prefill.service import PrefillService
+    from pdserve.v1 import worker_pb2 as pb
+
+    from .test_push import TOKEN, Aborted, Context
+
+    path = tiny_model("deepseek_v3")
+    config = load_config(path)
+    engine = _engine(path)
+    service = PrefillService(engine, LocalKvTransport({}), config, fingerprint="f")
+    heads = KvLayout.of(config.num_layers, 1, 32 + 16, 16, "float32")
+    with pytest.raises(Aborted) as refused:
+        await service.Prefill(pb.PrefillRequest(
+            request_id="r", attempt=0, token_ids=[1, 2, 3], sampling=GREEDY, transfer_token=TOKEN,
+            target=pb.KvTarget(address="d", layout=heads.to_proto())), Context())
+    assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "KV layout is of kind heads, this prefill worker's model computes mla_latent" in refused.value.details
+    assert engine.batches == 0
+
+
+def test_what_the_prefill_tier_does_not_do_for_latent_attention_is_refused_at_start(tiny_model):
+    from pdserve.server.model.config import ModelLoadError
+    from pdserve.server.prefill.main import _check_latent_attention
+
+    path = tiny_model("deepseek_v2")
+    config = load_config(path)
+    _check_latent_attention(config, PrefillConfig(model_dir=path), devices=1)  # the default serves
+    with pytest.raises(ModelLoadError, match="on one device only .* --tensor-parallel-size 1 --expert-parallel-size 1"):
+        _check_latent_attention(config, PrefillConfig(model_dir=path), devices=2)
+    with pytest.raises(ModelLoadError, match="--weight-dtype int8: .* use --weight-dtype auto"):
+        _check_latent_attention(config, PrefillConfig(model_dir=path, weight_dtype="int8"), devices=1)
