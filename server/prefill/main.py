@@ -26,7 +26,7 @@ from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
 from pdserve.server.prefill.matmul import OnednnWeights, xla_matmul
-from pdserve.server.prefill.matmul_choice import MatmulChoice, choose
+from pdserve.server.prefill.matmul_choice import PATH_DTYPES, MatmulChoice, choose
 from pdserve.server.prefill.model import compute_dtype, load_params, served_weight_dtype
 from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
@@ -130,6 +130,9 @@ def _check_latent_attention(model_config: ModelConfig, config: PrefillConfig, de
         raise ModelLoadError(f"{model_config.family}: the prefill tier computes latent attention (MLA) on one device "
                              f"only (the expert-parallel split of its experts is not built); run each prefill "
                              f"worker with --tensor-parallel-size 1 --expert-parallel-size 1 in one process")
+    if config.prefill_matmul == "onednn-bf16":
+        raise ModelLoadError(f"--prefill-matmul onednn-bf16: the prefill tier computes {model_config.family}'s latent "
+                             f"attention with XLA's matmuls only; pass --prefill-matmul auto, xla-fp32 or xla-bf16")
     if config.weight_dtype not in ("auto", "float32", "bfloat16"):
         raise ModelLoadError(f"--weight-dtype {config.weight_dtype}: the prefill tier serves {model_config.family} "
                              f"(latent attention) with float32 or bfloat16 weights only; use --weight-dtype auto")
@@ -153,8 +156,9 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         _check_latent_attention(model_config, config, tp * ep * jax.process_count())
     choice = None if model_config.mla is not None else choose_matmul(config, model_config,
                                                                       devices=tp * ep * jax.process_count())
-    dtype = choice.dtype if choice else served_weight_dtype(config.weight_dtype, model_config.dtype,
-                                                            jax.default_backend())
+    forced = PATH_DTYPES.get(config.prefill_matmul) if model_config.mla is not None else None  # xla-fp32/-bf16
+    dtype = choice.dtype if choice else forced or served_weight_dtype(config.weight_dtype, model_config.dtype,
+                                                                      jax.default_backend())
     t0 = time.perf_counter()
     params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
     matmul, held = xla_matmul, ""

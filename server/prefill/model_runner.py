@@ -40,7 +40,8 @@ class StepOutputs:
     """chosen [1, T], top ids and logprobs [1, T, top], when a prompt asks for them."""
     kv: list[tuple[int, dict[tuple[str, int], tuple], jax.Array, jax.Array]]
     """Each layer group's first layer, its KV in each wire format (k, v, k scales, v scales; scales None
-    unquantized), and its k, v [l, 1, T, Hkv, D] in the compute dtype."""
+    unquantized; v and its scales None for an MLA model's latent entries), and its k, v [l, 1, T, Hkv, D] in the
+    compute dtype (an MLA model's v [l, 1, T, 1, 0])."""
 
     def wait(self) -> None:
         """Returns when every program of the step has run (what a slice's follower waits for)."""

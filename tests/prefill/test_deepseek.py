@@ -221,3 +221,5 @@ def test_what_the_prefill_tier_does_not_do_for_latent_attention_is_refused_at_st
         _check_latent_attention(config, PrefillConfig(model_dir=path), devices=2)
     with pytest.raises(ModelLoadError, match="--weight-dtype int8: .* use --weight-dtype auto"):
         _check_latent_attention(config, PrefillConfig(model_dir=path, weight_dtype="int8"), devices=1)
+    with pytest.raises(ModelLoadError, match="--prefill-matmul onednn-bf16: .* pass --prefill-matmul auto"):
+        _check_latent_attention(config, PrefillConfig(model_dir=path, prefill_matmul="onednn-bf16"), devices=1)
