@@ -223,3 +223,31 @@ def test_what_the_prefill_tier_does_not_do_for_latent_attention_is_refused_at_st
         _check_latent_attention(config, PrefillConfig(model_dir=path, weight_dtype="int8"), devices=1)
     with pytest.raises(ModelLoadError, match="--prefill-matmul onednn-bf16: .* pass --prefill-matmul auto"):
         _check_latent_attention(config, PrefillConfig(model_dir=path, prefill_matmul="onednn-bf16"), devices=1)
+
+
+async def test_latent_blocks_spill_to_an_offload_tier_and_come_back_as_entries():
+    """The prefill tier's prefix KV of a latent model: a block evicted past the budget is saved to the host tier as
+    the latent entries alone (one block of 3 layers x 16 tokens x 48 fp32 values), and comes back as them, V empty."""
+    from pdserve.kvcache.block_bytes import block_nbytes
+    from pdserve.kvcache.host_store import HostStore
+    from pdserve.kvcache.tiered_store import TieredStore
+    from pdserve.server.prefill.prefix_kv import PrefixKv
+
+    block = 3 * 16 * 48 * 4
+    offload = TieredStore([HostStore(1 << 20)])
+    prefix = PrefixKv(num_layers=3, num_kv_heads=1, head_dim=48, dtype=np.float32, budget_bytes=2 * block,
+                      offload=offload, kind="mla_latent")
+    assert block_nbytes(prefix.layout) == block and prefix.v.shape == (2, 3, 16, 1, 0)
+    rng = np.random.default_rng(0)
+    first, second = list(range(1, 34)), list(range(100, 133))  # 2 full blocks each
+    k1, k2 = (rng.standard_normal((3, 33, 1, 48), dtype=np.float32) for _ in range(2))
+    empty = np.zeros((3, 33, 1, 0), np.float32)
+    prefix.store(first, k1, empty)
+    prefix.store(second, k2, empty)  # evicts the first prompt's blocks: spilled to the host tier
+    assert offload.wait_saved(10)
+    assert prefix.lookup(first, 16) is None
+    fetched = await prefix.fetch(first)
+    assert fetched is not None and fetched.start == 0 and len(fetched.blocks) == 2
+    k, v = prefix.lookup(first, 16, fetched=fetched)
+    assert k.tobytes() == k1[:, :32].tobytes() and v.shape == (3, 32, 1, 0)
+    offload.close()
