@@ -2,7 +2,8 @@
 
 A piece is the KV of layers [layer_start, +l) for tokens [token_start, +n). Its bytes are the arrays'
 raw C-order bytes in the layout's dtype, so bf16 and fp8 travel bit-exact. Quantized dtypes carry
-float32 scales [l, blocks covered, Hkv] beside them.
+float32 scales [l, blocks covered, Hkv] beside them. An MLA latent layout's V is empty ([l, n, 1, 0], and its
+scales [l, blocks, 0]): a piece carries the latent entries alone.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def decode_blocks(layout: KvLayout, msg: pb.KvBlocks) -> KvPiece:
         raise ValueError(f"{where}: token_start must be a multiple of the block size {layout.block_size}")
     kv_shape = (lc, tc, layout.num_kv_heads, layout.head_dim)
     k = _view(where, "k", msg.k, layout.np_dtype, kv_shape, layout.dtype)  # read each field once: upb copies
-    v = _view(where, "v", msg.v, layout.np_dtype, kv_shape, layout.dtype)
+    v = _view(where, "v", msg.v, layout.np_dtype, (*kv_shape[:3], layout.value_dim), layout.dtype)
     k_scales_bytes, v_scales_bytes = msg.k_scales, msg.v_scales
     if layout.dtype not in QUANTIZED:
         if k_scales_bytes or v_scales_bytes:
@@ -158,7 +159,7 @@ def decode_blocks(layout: KvLayout, msg: pb.KvBlocks) -> KvPiece:
         return KvPiece(msg.layer_start, msg.token_start, k, v, None, None)
     scale_shape = (lc, layout.num_blocks(tc), layout.num_kv_heads)
     k_scales = _view(where, "k_scales", k_scales_bytes, _SCALE_DTYPE, scale_shape, "float32")
-    v_scales = _view(where, "v_scales", v_scales_bytes, _SCALE_DTYPE, scale_shape, "float32")
+    v_scales = _view(where, "v_scales", v_scales_bytes, _SCALE_DTYPE, (*scale_shape[:2], layout.value_heads), "float32")
     return KvPiece(msg.layer_start, msg.token_start, k, v, k_scales, v_scales)
 
 
@@ -194,10 +195,11 @@ def kv_bytes(layout: KvLayout, num_tokens: int) -> int:
 
 
 def _piece_payload(layout: KvLayout, num_layers: int, num_tokens: int) -> int:
-    kv = 2 * num_layers * num_tokens * layout.num_kv_heads * layout.head_dim * layout.np_dtype.itemsize
+    kv = num_layers * num_tokens * layout.num_kv_heads * (layout.head_dim + layout.value_dim) * layout.np_dtype.itemsize
     if layout.dtype not in QUANTIZED:
         return kv
-    return kv + 2 * num_layers * layout.num_blocks(num_tokens) * layout.num_kv_heads * _SCALE_DTYPE.itemsize
+    heads = layout.num_kv_heads + layout.value_heads
+    return kv + num_layers * layout.num_blocks(num_tokens) * heads * _SCALE_DTYPE.itemsize
 
 
 def _check_group(layout: KvLayout, kv: KvTensors) -> None:
@@ -213,8 +215,9 @@ def _check_group(layout: KvLayout, kv: KvTensors) -> None:
 def _check_arrays(
     layout: KvLayout, k: np.ndarray, v: np.ndarray, k_scales: np.ndarray | None, v_scales: np.ndarray | None
 ) -> int:
-    if k.ndim != 4 or k.shape != v.shape:
-        raise ValueError(f"k and v must both be [L, T, Hkv, D], got {k.shape} and {v.shape}")
+    if k.ndim != 4 or v.shape != (*k.shape[:3], layout.value_dim):
+        want = "both be [L, T, Hkv, D]" if not layout.latent else "be [L, T, 1, latent] and [L, T, 1, 0] (no V)"
+        raise ValueError(f"k and v must {want}, got {k.shape} and {v.shape}")
     num_layers, num_tokens, heads, head_dim = k.shape
     if (num_layers, heads, head_dim) != (layout.num_layers, layout.num_kv_heads, layout.head_dim):
         raise ValueError(
@@ -227,8 +230,8 @@ def _check_arrays(
         if k_scales is not None or v_scales is not None:
             raise ValueError(f"{layout.dtype} KV takes no scales")
         return num_tokens
-    scale_shape = (num_layers, layout.num_blocks(num_tokens), heads)
-    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+    for name, scales, count in (("k_scales", k_scales, heads), ("v_scales", v_scales, layout.value_heads)):
+        scale_shape = (num_layers, layout.num_blocks(num_tokens), count)
         if scales is None or scales.shape != scale_shape or scales.dtype != _SCALE_DTYPE:
             got = "nothing" if scales is None else f"{scales.dtype} {scales.shape}"
             raise ValueError(

@@ -93,6 +93,11 @@ class KvLayout:
         """Each head's V width: head_dim, or 0 for a latent (no V)."""
         return 0 if self.latent else self.head_dim
 
+    @property
+    def value_heads(self) -> int:
+        """V's heads, and so V's scales per block: num_kv_heads, or 0 for a latent (its V [.., 1, 0] has none)."""
+        return 0 if self.latent else self.num_kv_heads
+
     @staticmethod
     def scales_for(dtype: str) -> ScaleGranularity:
         """Quantized dtypes carry a float32 scale per block per kv head; the others none."""

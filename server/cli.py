@@ -236,7 +236,6 @@ VLLM_BLOCK_SIZE = 32
 
 def cmd_up(args) -> int:
     from pdserve.server import launcher, preflight
-    from pdserve.server.model.config import prefill_tier_gap
 
     if args.coordinators < 1:
         raise SystemExit(f"pdserve up: error: --coordinators must be >= 1, got {args.coordinators}")
@@ -245,9 +244,6 @@ def cmd_up(args) -> int:
                          f"{args.prefill_workers} and {args.decode_workers}")
     model = _resolve_model(args) or default_model_dir()
     served = preflight.check_model(model, args.max_model_len)  # first: the other refusals assume a model
-    if args.prefill_workers and (gap := prefill_tier_gap(served)) is not None:
-        print(f"pdserve up: starting 0 prefill workers, not {args.prefill_workers}: {gap}", file=sys.stderr)
-        args.prefill_workers = 0
     http_port = launcher.free_port(args.host) if args.http_port == 0 else args.http_port
     coordinator, prefill, decode = _tier_configs(args, model, http_port)
     _preflight(args, served, prefill, decode)

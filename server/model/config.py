@@ -625,17 +625,6 @@ def load_config(model_dir: str | Path) -> ModelConfig:
     return parse_config(raw, model_dir)
 
 
-def prefill_tier_gap(config: ModelConfig) -> str | None:
-    """Why the JAX prefill tier cannot compute this model yet (None: it can): the words its workers refuse it in
-    at start, and `pdserve up` logs when it starts none for it."""
-    if config.mla is None:
-        return None
-    return (f"{config.family}: the JAX prefill tier does not compute multi-head latent attention (MLA) yet (issue 42's "
-            f"first stage serves DeepSeek-V2/V3 on the decode tier only, each decode worker prefilling its own "
-            f"prompts); run no prefill workers for this model (pdserve up --prefill-workers 0, which up chooses by "
-            f"itself for it)")
-
-
 def served_model_name(model_dir: str | Path) -> str:
     """The name clients give `model` by default: the checkpoint directory's name."""
     return Path(model_dir).resolve().name

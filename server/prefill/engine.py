@@ -51,7 +51,7 @@ import numpy as np
 from pdserve.kvcache import quant as host_quant
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.kv_events import MEDIUM_CPU, KvEventRecorder
-from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED, KvLayout
+from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED, KvLayout, LayoutKind
 from pdserve.kvcache.tensors import KvTensors
 from pdserve.kvcache.tiered_store import TieredStore
 from pdserve.v1 import generation_pb2 as gen_pb
@@ -116,7 +116,8 @@ class PrefillJob:
     """Leading tokens whose KV went to `kv`."""
     context: np.ndarray | None = None
     """[2, L, T, Hkv, D] in the compute dtype: k and v of tokens [0, computed), for later segments and
-    the prefix KV; None while neither needs it."""
+    the prefix KV (an MLA model's latent entries in k; its v, [.., :0], holds nothing); None while neither
+    needs it."""
     prompt_lp: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
     """When prompt logprobs are asked: chosen [T], top ids and logprobs [T, top], filled segment by segment."""
     constraint: Constraint | None = None
@@ -161,6 +162,10 @@ class PrefillEngine:
         """Context sizes a step compiles for (shapes.py): only 0 when no step reads earlier KV."""
         self.dtype = self.runner.dtype
         self.vocab_size = self.runner.vocab_size
+        self.layout_kind: LayoutKind = "heads" if model_config.mla is None else "mla_latent"
+        """What a token's KV is: K and V heads, or (DeepSeek) one MLA latent entry with no V."""
+        self.value_dim = 0 if model_config.mla is not None else model_config.head_dim
+        """The width of a token's V (0: a latent's): the columns of a job's context[1] that hold it."""
         self.replay: SliceLeader | None = None
         """On process 0 of a slice of several processes: sends each step to the others before running it."""
         self.compiling: Warmup | None = None
@@ -172,7 +177,7 @@ class PrefillEngine:
                                head_dim=model_config.head_dim, dtype=np.dtype(self.dtype),
                                budget_bytes=config.prefix_cache_bytes,
                                hasher=BlockHasher(config.prefix_caching_hash_algo), kv_events=kv_events,
-                               offload=self._open_offload(kv_events))
+                               offload=self._open_offload(kv_events), kind=self.layout_kind)
         buckets = sorted({self._bucket(1 << i) for i in range(self.max_len.bit_length())})
         self.rates = PrefillRates(buckets)
         rows = [1 << i for i in range(pow2(config.max_batch_size).bit_length())]
@@ -203,7 +208,8 @@ class PrefillEngine:
         if not config.prefix_cache_bytes:
             log.warning("--kv-offloading-*: off on this prefill worker (--prefix-cache-bytes 0 keeps no prefix KV)")
             return None
-        layout = KvLayout.of(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, np.dtype(self.dtype).name)
+        layout = KvLayout.of(c.num_layers, c.num_kv_heads, c.head_dim, BLOCK_SIZE, np.dtype(self.dtype).name,
+                             kind=self.layout_kind)
         store = open_offload(config, layout, fingerprint(config.model_dir, c), kv_events)
         metrics.watch_kv_offload(lambda: (store.stats(), store.save_drops))
         log.info("KV offload tiers under the prefill prefix KV: %s", store.describe())
@@ -285,7 +291,7 @@ class PrefillEngine:
             if hit is not None:
                 job.computed = hit[0].shape[1]
                 job.context = self._new_context(job)
-                job.context[0, :, : job.computed], job.context[1, :, : job.computed] = hit
+                job.context[0, :, : job.computed], job.context[1, :, : job.computed, :, : self.value_dim] = hit
                 metrics.prefill_prefix_cache_hits.inc(job.computed)
         if self._compiles_pending:
             self.compiling.ask(*prompt_shapes(job.num_tokens, job.computed, self.scheduler.max_chunk,
@@ -316,10 +322,11 @@ class PrefillEngine:
             raise
         c, n = self.model_config, len(token_ids)
         shape = (c.num_layers, n, c.num_kv_heads, c.head_dim)
-        k, v = np.zeros(shape, pieces[0].k.dtype), np.zeros(shape, pieces[0].v.dtype)
+        k, v = np.zeros(shape, pieces[0].k.dtype), np.zeros((*shape[:3], self.value_dim), pieces[0].v.dtype)
         quantized = pieces[0].k_scales is not None
         scales_shape = (c.num_layers, -(-n // block_size), c.num_kv_heads)
-        ks, vs = (np.zeros(scales_shape, np.float32), np.zeros(scales_shape, np.float32)) if quantized else (None, None)
+        v_scales_shape = (*scales_shape[:2], c.num_kv_heads if self.value_dim else 0)
+        ks, vs = (np.zeros(scales_shape, np.float32), np.zeros(v_scales_shape, np.float32)) if quantized else (None, None)
         for p in pieces:
             layers, tokens = slice(p.layer_start, p.layer_start + p.num_layers), slice(p.token_start, p.token_start + p.num_tokens)
             k[layers, tokens], v[layers, tokens] = p.k, p.v
@@ -421,7 +428,8 @@ class PrefillEngine:
             for s in keep:
                 off = offsets[step.index(s)]
                 s.job.context[0, start : start + ck.shape[0], s.start : s.end] = ck[:, 0, off : off + s.length]
-                s.job.context[1, start : start + ck.shape[0], s.start : s.end] = cv[:, 0, off : off + s.length]
+                s.job.context[1, start : start + ck.shape[0], s.start : s.end, :, : self.value_dim] = \
+                    cv[:, 0, off : off + s.length]
             for i, s in enumerate(step):
                 job, off, bs = s.job, offsets[i], s.job.block_size
                 if (job.kv_dtype, bs) in on_host:  # the segment's tokens alone: its blocks are the buffer's
@@ -431,9 +439,13 @@ class PrefillEngine:
                     continue
                 hk, hv, hks, hvs = host[job.kv_dtype, bs]
                 b0, nb = off // bs, -(-s.length // bs)
-                piece = KvTensors(start, s.start, hk[:, 0, off : off + s.length], hv[:, 0, off : off + s.length],
-                                  None if hks is None else hks[:, 0, b0 : b0 + nb],
-                                  None if hvs is None else hvs[:, 0, b0 : b0 + nb])
+                hk, hks = hk[:, 0, off : off + s.length], None if hks is None else hks[:, 0, b0 : b0 + nb]
+                if hv is None:  # an MLA latent: no V, no V scales
+                    v0, vs0 = _no_value(hk, hks)
+                    piece = KvTensors(start, s.start, hk, v0, hks, vs0)
+                else:
+                    piece = KvTensors(start, s.start, hk, hv[:, 0, off : off + s.length], hks,
+                                      None if hvs is None else hvs[:, 0, b0 : b0 + nb])
                 self._put(loop, job, piece)
         for s in step:
             s.job.computed = s.job.sent = s.end
@@ -447,7 +459,7 @@ class PrefillEngine:
 
     def _store_prefix(self, token_ids: list[int], context: np.ndarray) -> None:
         """On the event loop's thread, where lookups run too."""
-        self.prefix.store(token_ids, context[0], context[1])
+        self.prefix.store(token_ids, context[0], context[1, ..., : self.value_dim])
 
     @staticmethod
     def _put(loop: asyncio.AbstractEventLoop, job: PrefillJob, item) -> None:
@@ -455,8 +467,8 @@ class PrefillEngine:
 
     def _host_wire(self, job: PrefillJob, layer_start: int, token_start: int, token_end: int) -> KvTensors:
         """Tokens [token_start, token_end) of the job's host context (all layers) in its wire format."""
-        k, v = (job.context[i, :, token_start:token_end] for i in (0, 1))  # [L, n, Hkv, D]
-        return KvTensors(layer_start, token_start, *_wire_format(k, v, job))
+        k, v = job.context[0, :, token_start:token_end], job.context[1, :, token_start:token_end, :, : self.value_dim]
+        return KvTensors(layer_start, token_start, *_wire_format(k, v, job))  # [L, n, Hkv, D], v [.., D | 0]
 
     def _formats_on_host(self, shape: StepShape, formats: tuple[tuple[str, int], ...]) -> tuple[tuple[str, int], ...]:
         """The step's wire formats (dtype, block size: the decode workers', learned per request) whose device
@@ -526,10 +538,20 @@ def _wire_format(k: np.ndarray, v: np.ndarray, job: PrefillJob) -> tuple:
     """k, v [L, n, Hkv, D] on the host, the first on a block boundary, in the job's wire format: (k, v, k
     scales, v scales), fp8_e4m3/int8 quantized by the numpy reference (kvcache/quant.py), scales None else."""
     if job.kv_dtype in QUANTIZED:
-        (qk, ks), (qv, vs) = (host_quant.quantize(x.astype(np.float32), job.block_size, job.kv_dtype) for x in (k, v))
+        qk, ks = host_quant.quantize(k.astype(np.float32), job.block_size, job.kv_dtype)
+        if v.shape[-1] == 0:  # an MLA latent
+            v0, vs0 = _no_value(qk, ks)
+            return qk, v0, ks, vs0
+        qv, vs = host_quant.quantize(v.astype(np.float32), job.block_size, job.kv_dtype)
         return qk, qv, ks, vs
     wire = NUMPY_DTYPES[job.kv_dtype]
     return k.astype(wire), v.astype(wire), None, None
+
+
+def _no_value(k: np.ndarray, k_scales: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """The V and V scales of MLA latent entries k [l, n, 1, D] (scales [l, blocks, 1]): empty, [l, n, 1, 0] and
+    [l, blocks, 0], in k's dtype and float32."""
+    return np.zeros((*k.shape[:3], 0), k.dtype), None if k_scales is None else np.zeros((*k_scales.shape[:2], 0), np.float32)
 
 
 def _resolve(future: asyncio.Future, value) -> None:

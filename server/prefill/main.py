@@ -20,13 +20,13 @@ from pdserve.kvcache.kv_event_publisher import ZmqEventPublisher, open_publisher
 from pdserve.v1 import worker_pb2_grpc
 from pdserve.server import hardware, metrics, serving
 from pdserve.server.cache_dir import compile_cache_dir
-from pdserve.server.model.config import ModelConfig, ModelLoadError, load_config, prefill_tier_gap
+from pdserve.server.model.config import ModelConfig, ModelLoadError, load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
 from pdserve.server.prefill.matmul import OnednnWeights, xla_matmul
-from pdserve.server.prefill.matmul_choice import MatmulChoice, choose
+from pdserve.server.prefill.matmul_choice import PATH_DTYPES, MatmulChoice, choose
 from pdserve.server.prefill.model import compute_dtype, load_params, served_weight_dtype
 from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
@@ -124,6 +124,20 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     return worker
 
 
+def _check_latent_attention(model_config: ModelConfig, config: PrefillConfig, devices: int) -> None:
+    """What the prefill tier does not do for DeepSeek's latent attention yet, refused at start (ModelLoadError)."""
+    if devices > 1:
+        raise ModelLoadError(f"{model_config.family}: the prefill tier computes latent attention (MLA) on one device "
+                             f"only (the expert-parallel split of its experts is not built); run each prefill "
+                             f"worker with --tensor-parallel-size 1 --expert-parallel-size 1 in one process")
+    if config.prefill_matmul == "onednn-bf16":
+        raise ModelLoadError(f"--prefill-matmul onednn-bf16: the prefill tier computes {model_config.family}'s latent "
+                             f"attention with XLA's matmuls only; pass --prefill-matmul auto, xla-fp32 or xla-bf16")
+    if config.weight_dtype not in ("auto", "float32", "bfloat16"):
+        raise ModelLoadError(f"--weight-dtype {config.weight_dtype}: the prefill tier serves {model_config.family} "
+                             f"(latent attention) with float32 or bfloat16 weights only; use --weight-dtype auto")
+
+
 def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = False) -> PrefillEngine:
     """The model loaded (and sharded over the device mesh), every batch shape compiled; `serving`: only
     those --compile-before-serving names, the rest compiling in the background (warmup.py) while the
@@ -136,13 +150,15 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         if jax.process_count() > 1 and jax.process_index() == 0:  # published now: followers look it up when ready
             leader = SliceLeader.listen(jax.process_count() - 1, coordinator_host(), _cluster_secret())
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
-    if (gap := prefill_tier_gap(model_config)) is not None:
-        raise ModelLoadError(gap)
     ep = config.expert_parallel_size
     tp = config.tensor_parallel_size or default_size(model_config, jax.device_count(), expert_parallel=ep)
-    choice = choose_matmul(config, model_config, devices=tp * ep * jax.process_count())
-    dtype = choice.dtype if choice else served_weight_dtype(config.weight_dtype, model_config.dtype,
-                                                            jax.default_backend())
+    if model_config.mla is not None:
+        _check_latent_attention(model_config, config, tp * ep * jax.process_count())
+    choice = None if model_config.mla is not None else choose_matmul(config, model_config,
+                                                                      devices=tp * ep * jax.process_count())
+    forced = PATH_DTYPES.get(config.prefill_matmul) if model_config.mla is not None else None  # xla-fp32/-bf16
+    dtype = choice.dtype if choice else forced or served_weight_dtype(config.weight_dtype, model_config.dtype,
+                                                                      jax.default_backend())
     t0 = time.perf_counter()
     params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
     matmul, held = xla_matmul, ""

@@ -1,4 +1,5 @@
-"""The prefill model as pure JAX functions of (params, tokens): llama, mistral, qwen2, qwen3, gemma2, gemma3.
+"""The prefill model as pure JAX functions of (params, tokens): llama, mistral, qwen2, qwen3, gemma2, gemma3, mixtral,
+qwen3_moe; DeepSeek-V2/V3's layers and params are deepseek.py's (the hooks below hand them over).
 
 Per-layer weights are stacked on a leading layer axis, so the layer loop is one `jax.lax.scan` and
 compile time does not grow with depth. The layers' linears call the `matmul` given at the edge
@@ -22,6 +23,7 @@ from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
 from pdserve.server.model.weights import EXPERT_NAMES
 from pdserve.server.prefill.attention import NO_WINDOW, attention
+from pdserve.server.prefill.deepseek import deepseek_layer_group, load_deepseek_params, split_deepseek_layers
 from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.moe import moe_mlp
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
@@ -73,6 +75,11 @@ def load_params(config: ModelConfig, weights: dict[str, np.ndarray], dtype: str 
         raise ValueError(f"prefill dtype {dtype!r} is not supported (float32, bfloat16, int8, fp8)")
     quantized = dtype in WEIGHT_FORMATS
     dt = jnp.dtype(compute_dtype(config, dtype, backend or jax.default_backend()))
+    if config.mla is not None:
+        if quantized:
+            raise ValueError(f"--weight-dtype {dtype}: the prefill tier serves {config.family} (latent attention) "
+                             f"with float32 or bfloat16 weights only; use --weight-dtype auto")
+        return load_deepseek_params(config, weights, dt)
     hq, hkv, d = config.num_heads, config.num_kv_heads, config.head_dim
 
     def get(name: str) -> np.ndarray:
@@ -250,6 +257,8 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, config: Mo
     angles = positions.astype(F32)[None, ..., None] * freqs[:, None, None]  # [R, B, S, D/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [R, B, S, D]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if config.rope.attention_factor != 1.0:  # YaRN's (DeepSeek): cos and sin scaled in fp32, as transformers does
+        cos, sin = cos * config.rope.attention_factor, sin * config.rope.attention_factor
     if config.local_rope is None:
         cos, sin = cos[0], sin[0]
     x = jnp.take(params["embed"], tokens, axis=0, mode="clip")  # [B, S, H]
@@ -269,7 +278,11 @@ def layer_group(
     stack of all L layers by a traced layer index instead (`dynamic_index_in_dim` in the scan body)
     made XLA:CPU copy weights on every call: ~0.4 s a layer on the Qwen2.5-0.5B shape, whatever the
     prompt length (a 32-token prefill took 3.4 s on one core, vLLM's 0.36 s).
+
+    DeepSeek's (MLA): `deepseek.deepseek_layer_group`; k is then the latent entries [size, B, S, 1, C + R], v empty.
     """
+    if config.mla is not None:
+        return deepseek_layer_group(layers, x, cos, sin, packing, context_k, context_v, config=config)
 
     def step(h: jax.Array, xs):
         p, ck, cv = xs
@@ -281,7 +294,10 @@ def layer_group(
 
 def split_layers(layers: Params, groups: list[tuple[int, int]]) -> list[Params]:
     """The stack of every layer [L, ...] -> one stack per (first layer, layers) group (a slice keeps
-    the stack's sharding of the other axes). A single group of all layers is the stack itself."""
+    the stack's sharding of the other axes). A single group of all layers is the stack itself; DeepSeek's two
+    stacks (dense and MoE layers) split by `deepseek.split_deepseek_layers`."""
+    if set(layers) == {"dense", "moe"}:
+        return split_deepseek_layers(layers, groups)
     num_layers = next(iter(jax.tree.leaves(layers))).shape[0]
     if groups == [(0, num_layers)]:
         return [layers]

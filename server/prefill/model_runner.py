@@ -40,7 +40,8 @@ class StepOutputs:
     """chosen [1, T], top ids and logprobs [1, T, top], when a prompt asks for them."""
     kv: list[tuple[int, dict[tuple[str, int], tuple], jax.Array, jax.Array]]
     """Each layer group's first layer, its KV in each wire format (k, v, k scales, v scales; scales None
-    unquantized), and its k, v [l, 1, T, Hkv, D] in the compute dtype."""
+    unquantized; v and its scales None for an MLA model's latent entries), and its k, v [l, 1, T, Hkv, D] in the
+    compute dtype (an MLA model's v [l, 1, T, 1, 0])."""
 
     def wait(self) -> None:
         """Returns when every program of the step has run (what a slice's follower waits for)."""
@@ -103,14 +104,17 @@ class ModelRunner:
         return StepOutputs(logits, first, prompt_lp, wire)
 
     def to_wire(self, k: jax.Array, v: jax.Array, valid, dtype: str, block_size: int, to_host: bool = True):
-        """(k, v, k_scales, v_scales) in the wire format, (`to_host`) already copying to the host."""
+        """(k, v, k_scales, v_scales) in the wire format, (`to_host`) already copying to the host; v and v_scales
+        None for an MLA model's latent entries (v [.., 0])."""
+        latent = v.shape[-1] == 0  # an MLA model's entries: no V (None here; the engine's pieces carry it empty)
         if dtype in QUANTIZED:  # on the device, over the real tokens' blocks
             qk, k_scales = self._quantize_kv(k, valid, block_size=block_size, fmt=dtype)
-            qv, v_scales = self._quantize_kv(v, valid, block_size=block_size, fmt=dtype)
+            qv, v_scales = (None, None) if latent else self._quantize_kv(v, valid, block_size=block_size, fmt=dtype)
             arrays = (qk, qv, k_scales, v_scales)
         else:
             same = k.dtype == NUMPY_DTYPES[dtype]
-            arrays = (k, v, None, None) if same else (self._cast(k, dtype=dtype), self._cast(v, dtype=dtype), None, None)
+            cast = (lambda a: a) if same else partial(self._cast, dtype=dtype)  # noqa: E731
+            arrays = (cast(k), None if latent else cast(v), None, None)
         for a in arrays if to_host else ():
             if a is not None:
                 a.copy_to_host_async()

@@ -32,7 +32,7 @@ from pdserve.kvcache.block_bytes import BlockKv, unpack_block
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
 from pdserve.kvcache.kv_events import KvEventRecorder
-from pdserve.kvcache.layout import KvLayout
+from pdserve.kvcache.layout import KvLayout, LayoutKind
 from pdserve.kvcache.prefix_cache import PrefixCache
 from pdserve.kvcache.tiered_store import TieredStore
 
@@ -51,18 +51,19 @@ BLOCK_SIZE = 16
 class PrefixKv:
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, dtype, budget_bytes: int,
                  block_size: int = BLOCK_SIZE, hasher: BlockHasher = DEFAULT_HASHER,
-                 kv_events: KvEventRecorder | None = None, offload: TieredStore | None = None):
+                 kv_events: KvEventRecorder | None = None, offload: TieredStore | None = None,
+                 kind: LayoutKind = "heads"):
+        """kind mla_latent: each block holds MLA latent entries (num_kv_heads 1, head_dim the entry's width), no V."""
         self.block_size = block_size
-        self.layout = KvLayout.of(num_layers, num_kv_heads, head_dim, block_size, np.dtype(dtype).name)
+        self.layout = KvLayout.of(num_layers, num_kv_heads, head_dim, block_size, np.dtype(dtype).name, kind=kind)
         """What a block's bytes hold in the offload tiers."""
         shape = (num_layers, block_size, num_kv_heads, head_dim)  # one block of all layers
-        block_bytes = 2 * int(np.prod(shape)) * np.dtype(dtype).itemsize
-        num_blocks = budget_bytes // block_bytes
+        num_blocks = budget_bytes // (self.layout.bytes_per_token * block_size)
         self.offload = offload if num_blocks > 0 else None
         self.cache = PrefixCache(BlockPool(max(num_blocks, 1)), enabled=num_blocks > 0, hasher=hasher,
                                  events=kv_events, spill=self._spill if self.offload is not None else None)
         self.k = np.zeros((num_blocks, *shape), dtype)  # [N, L, bs, Hkv, D]
-        self.v = np.zeros((num_blocks, *shape), dtype)
+        self.v = np.zeros((num_blocks, *shape[:3], self.layout.value_dim), dtype)  # [N, L, bs, Hkv, D | 0]
         self.hits = 0
         """Prompt tokens served from the cache (not computed)."""
         self.loaded_blocks = 0

@@ -99,6 +99,10 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             show = lambda ws: ",".join(map(str, ws)) or "none"  # noqa: E731
             return (f"decode worker's KV layout has layer windows {show(layout.windows)}, this prefill worker's "
                     f"model {show(windows)}: both tiers must serve the same checkpoint (and pdserve release)")
+        kind = "heads" if c.mla is None else "mla_latent"
+        if layout.kind != kind:
+            return (f"decode worker's KV layout is of kind {layout.kind}, this prefill worker's model computes "
+                    f"{kind}: both tiers must serve the same checkpoint (and pdserve release)")
         if layout.dtype not in WIRE_DTYPES:
             return (f"decode worker wants KV dtype {layout.dtype}; this prefill worker sends "
                     f"{', '.join(WIRE_DTYPES)}")
