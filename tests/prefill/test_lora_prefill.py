@@ -168,3 +168,26 @@ def test_a_worker_without_lora_refuses_an_adapter_and_lora_flags_are_checked(tin
         PrefillConfig(model_dir=tmp_path, enable_lora=True, max_loras=2, max_cpu_loras=1)
     with pytest.raises(ValueError, match="--enable-lora is served by a prefill worker of one process"):
         PrefillConfig(model_dir=tmp_path, enable_lora=True, num_processes=2)
+
+
+async def test_after_warmup_steps_mixing_adapters_compile_nothing(tiny_loras):
+    """Adapters entering and leaving slots, chunked prompts and cached prefixes: the programs warm-up compiled
+    (with their LoRA inputs) are the ones every step runs."""
+    from tests.prefill.test_compiles import compiles
+
+    base, loras = tiny_loras
+    engine = _engine(base, enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=16, max_batch_size=4,
+                     max_model_len=128, max_prefill_chunk=32, max_batch_tokens=64)
+    engine.warmup()
+    before = compiles()
+    rng = np.random.default_rng(0)
+    names = ["ada", "base", "bob", "cy", "ada", "cy", "base", "bob"]
+    prompts = [rng.integers(3, 500, n).tolist() for n in (5, 40, 17, 70, 33, 9, 100, 64)]
+    for wave in range(2):  # the second wave hits the prefixes the first cached
+        results = await asyncio.gather(*(engine.submit(p, GREEDY, 0, "float32", adapter=_adapter(engine, loras, n))
+                                         for n, p in zip(names, prompts)))
+        assert [r.k.shape[1] for r in results] == [len(p) for p in prompts]
+    assert engine.prefix.hits > 0
+    assert compiles() == before, f"{compiles() - before} compilations on the request path"
+    for name, prompt, got in zip(names, prompts, results):
+        assert got.first_token == int(np.argmax(_peft(base, None if name == "base" else loras[name], prompt)[0]))
