@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from functools import cache
 
+import grpc
 import numpy as np
 import pytest
 
@@ -18,6 +19,9 @@ from pdserve.server.prefill.engine import PrefillEngine
 from pdserve.server.prefill.model import load_params
 from pdserve.server.prefill.step_compiles import watch
 from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.v1 import worker_pb2 as pb
+from tests.prefill.test_compiles import compiles
+from tests.prefill.test_push import TOKEN, Aborted, Context, Rig, Sink
 
 GREEDY = gen_pb.SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=0, logprobs=0)
 PROMPTS = {"base": [5, 17, 33, 41, 9, 12, 100, 7, 8, 9, 10],
@@ -173,8 +177,6 @@ def test_a_worker_without_lora_refuses_an_adapter_and_lora_flags_are_checked(tin
 async def test_after_warmup_steps_mixing_adapters_compile_nothing(tiny_loras):
     """Adapters entering and leaving slots, chunked prompts and cached prefixes: the programs warm-up compiled
     (with their LoRA inputs) are the ones every step runs."""
-    from tests.prefill.test_compiles import compiles
-
     base, loras = tiny_loras
     engine = _engine(base, enable_lora=True, max_loras=2, max_cpu_loras=3, max_lora_rank=16, max_batch_size=4,
                      max_model_len=128, max_prefill_chunk=32, max_batch_tokens=64)
@@ -191,3 +193,44 @@ async def test_after_warmup_steps_mixing_adapters_compile_nothing(tiny_loras):
     assert compiles() == before, f"{compiles() - before} compilations on the request path"
     for name, prompt, got in zip(names, prompts, results):
         assert got.first_token == int(np.argmax(_peft(base, None if name == "base" else loras[name], prompt)[0]))
+
+
+async def test_the_prefill_worker_loads_the_requests_adapter_and_its_kv_header_names_it(tiny_loras, tmp_path):
+    """A PrefillRequest naming an adapter: loaded from its path, the KV (peft's) reaches a receiver that expects that
+    adapter; a receiver expecting another refuses it; a bad path and a worker without --enable-lora are refused."""
+    base, loras = tiny_loras
+    sink = Sink()
+    rig = Rig(base, sink, enable_lora=True, max_loras=1, max_lora_rank=16)
+    prompt = PROMPTS["bob"]
+
+    def request(rid: str, name: str, path) -> pb.PrefillRequest:
+        r = rig.request(rid, prompt)
+        r.lora.CopyFrom(pb.LoraAdapter(name=name, id=KEYS.get(name, 9), path=str(path)))
+        return r
+
+    transfer = rig.receiver.expect("r1", 0, TOKEN, len(prompt), lora_name="bob")
+    answer = await rig.service.Prefill(request("r1", "bob", loras["bob"]), Context())
+    assert await asyncio.wait_for(transfer.done, 30) == answer.first_token_id
+    logprobs, k, v = _peft(base, loras["bob"], prompt)
+    assert answer.first_token_id == int(np.argmax(logprobs))
+    got_k, got_v = sink.assemble(sink.writes, rig.layout, len(prompt))
+    np.testing.assert_allclose(got_k, k, atol=3e-5 * float(np.abs(k).max()), rtol=1e-4)
+    np.testing.assert_allclose(got_v, v, atol=3e-5 * float(np.abs(v).max()), rtol=1e-4)
+
+    wrong = rig.receiver.expect("r2", 0, TOKEN, len(prompt), lora_name="ada")  # the decode worker decodes with ada
+    with pytest.raises(Aborted) as refused:
+        await rig.service.Prefill(request("r2", "bob", loras["bob"]), Context())
+    assert "KV belongs to its adapter" in refused.value.details
+    assert wrong.state.value != "done" and not any(rid == "r2" for rid, _, _ in sink.writes)  # no KV of bob for ada
+
+    with pytest.raises(Aborted) as missing:
+        await rig.service.Prefill(request("r3", "nope", tmp_path), Context())
+    assert missing.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert missing.value.details == f"Loading lora nope failed: No adapter found for {tmp_path}"
+
+    plain = Rig(base, Sink())
+    with pytest.raises(Aborted) as off:
+        r = plain.request("r4", prompt)
+        r.lora.CopyFrom(pb.LoraAdapter(name="bob", id=2, path=str(loras["bob"])))
+        await plain.service.Prefill(r, Context())
+    assert off.value.code == grpc.StatusCode.FAILED_PRECONDITION and "start it with --enable-lora" in off.value.details
