@@ -234,3 +234,32 @@ async def test_the_prefill_worker_loads_the_requests_adapter_and_its_kv_header_n
         r.lora.CopyFrom(pb.LoraAdapter(name="bob", id=2, path=str(loras["bob"])))
         await plain.service.Prefill(r, Context())
     assert off.value.code == grpc.StatusCode.FAILED_PRECONDITION and "start it with --enable-lora" in off.value.details
+
+
+def test_a_steps_lora_slots_are_packed_per_token_and_travel_with_its_arrays(tiny_model):
+    """Each segment's slot fills its tokens (padding and base segments 0); a slice's replay carries the column."""
+    from pdserve.server.prefill.scheduler import Segment
+    from pdserve.server.prefill.shapes import StepShape
+    from pdserve.server.prefill.step_inputs import StepInputs
+    from pdserve.server.prefill.step_packing import step_inputs
+    from tests.prefill.jobs import Job
+
+    config = load_config(tiny_model("llama"))
+
+    class Prompt(Job):
+        token_ids, sampling, sample_index, kv_dtype, context, constraint = [], GREEDY, 0, "float32", None, None
+
+    jobs = [Prompt(name, n) for name, n in (("a", 5), ("base", 3), ("b", 16))]
+    for job in jobs:
+        job.token_ids = list(range(3, 3 + job.num_tokens))
+    step = [Segment(job, 0, job.num_tokens) for job in jobs]
+    inputs, offsets = step_inputs(step, StepShape(64, 0), config, np.float32, config.vocab_size, lambda n: 16,
+                                  lora_slots=[2, 0, 1])
+    assert offsets == [0, 16, 32]
+    want = np.zeros((1, 64), np.int32)
+    want[0, 0:5], want[0, 32:48] = 2, 1
+    np.testing.assert_array_equal(inputs.lora_slots, want)
+    back = StepInputs.from_arrays(inputs.arrays(), inputs.formats)
+    np.testing.assert_array_equal(back.lora_slots, want)
+    plain, _ = step_inputs(step, StepShape(64, 0), config, np.float32, config.vocab_size, lambda n: 16)
+    assert plain.lora_slots is None and "lora_slots" not in plain.arrays()
