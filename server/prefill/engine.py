@@ -50,6 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pdserve.kvcache import quant as host_quant
@@ -219,7 +220,7 @@ class PrefillEngine:
         if model_config.mla is not None:
             raise ValueError(f"--enable-lora: LoRA adapters are not served for {model_config.family} (latent "
                              "attention) models yet; serve it without --enable-lora")
-        dtype = compute_dtype if config.lora_dtype == "auto" else np.dtype(config.lora_dtype)
+        dtype = compute_dtype if config.lora_dtype == "auto" else jnp.dtype(config.lora_dtype)
         lora = PrefillLoras(model_config, groups, config.max_loras, config.cpu_loras, config.max_lora_rank, dtype)
         log.info("LoRA: %d device slots (--max-loras), %d adapters in host memory (--max-cpu-loras), rank <= %d, %s; "
                  "slot stacks %.1f MiB", config.max_loras, config.cpu_loras, config.max_lora_rank, np.dtype(dtype).name,

@@ -263,3 +263,13 @@ def test_a_steps_lora_slots_are_packed_per_token_and_travel_with_its_arrays(tiny
     np.testing.assert_array_equal(back.lora_slots, want)
     plain, _ = step_inputs(step, StepShape(64, 0), config, np.float32, config.vocab_size, lambda n: 16)
     assert plain.lora_slots is None and "lora_slots" not in plain.arrays()
+
+
+async def test_bfloat16_adapters_serve_an_fp32_model_close_to_peft(tiny_loras):
+    """--lora-dtype bfloat16: the slots hold bf16 matrices (half the bytes), the first token still peft's."""
+    base, loras = tiny_loras
+    engine = _engine(base, enable_lora=True, max_loras=1, max_lora_rank=16, lora_dtype="bfloat16")
+    a, _ = next(iter(engine.lora.stacks[0].values()))
+    assert str(a.dtype) == "bfloat16"
+    got = await engine.submit(PROMPTS["ada"], GREEDY, 0, "float32", adapter=_adapter(engine, loras, "ada"))
+    assert got.first_token == int(np.argmax(_peft(base, loras["ada"], PROMPTS["ada"])[0]))
