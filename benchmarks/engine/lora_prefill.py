@@ -9,8 +9,9 @@ The protocol (benchmarks/protocol.py): the machine and its load are recorded; a 
    --model, and writes 4 random PEFT adapters of it (ranks 8, 16, 8, 16; attention only, MLP only, all seven
    projections, q/v: what vLLM's LoRA benchmarks mix).
 2. In this process, two prefill engines of the same model and step budget (--prompts prompts of --tokens tokens,
-   packed into one step): `off` without --enable-lora (the programs base-only servers run), `on` with
-   --enable-lora --max-loras 4 --max-lora-rank 16. Each step's programs compile on an untimed first step.
+   packed into one step, one layer group, so both read the same weights): `off` without --enable-lora (the programs
+   base-only servers run), `on` with --enable-lora --max-loras 4 --max-lora-rank 16. Each step's programs compile
+   on an untimed first step.
 3. Repetition after repetition, side by side in one run: the step of base prompts on `off`, the same step on `on`
    (every token in slot 0), and the same prompts on `on`, each naming one of the 4 adapters in turn (all four
    in the step). Each is timed from enqueue to the last prompt's KV on the host.
@@ -83,8 +84,10 @@ def measure(model: Path, adapters: dict[str, Path], prompts: int, tokens: int, r
 
     mc = load_config(model)
     params = load_params(mc, load_weights(model), "float32")  # the CPU backend serves a bf16 checkpoint in fp32
+    # the same prompts repeat: each step computes them all (no prefix KV); one layer group: both engines read the
+    # same weight arrays (a split into groups copies them), so two fit where one would
     common = dict(model_dir=model, max_batch_size=prompts, max_model_len=tokens, max_batch_tokens=prompts * tokens,
-                  prefix_cache_bytes=0)  # the same prompts repeat: each step computes them all
+                  prefix_cache_bytes=0, kv_layer_groups=1)
     engines = {"off": PrefillEngine(mc, params, PrefillConfig(**common)),
                "on": PrefillEngine(mc, params, PrefillConfig(**common, enable_lora=True, max_loras=len(adapters),
                                                              max_lora_rank=16))}

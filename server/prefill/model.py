@@ -283,11 +283,11 @@ def layer_group(
 
         x, (k, v) = jax.lax.scan(step, x, (layers, context_k, context_v))
         return x, k, v
-    stacks, onehot = one_layer(lora)
+    stacks, onehot, active = one_layer(lora)
 
     def lora_step(h: jax.Array, xs):
         p, ck, cv, layer_stacks = xs
-        return _layer(config, cos, sin, packing, h, p, ck, cv, matmul, LayerLora(layer_stacks, onehot))
+        return _layer(config, cos, sin, packing, h, p, ck, cv, matmul, LayerLora(layer_stacks, onehot, active))
 
     x, (k, v) = jax.lax.scan(lora_step, x, (layers, context_k, context_v, stacks))
     return x, k, v
