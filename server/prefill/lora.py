@@ -58,7 +58,6 @@ class PrefillAdapter:
             packed[proj] = (a.astype(dtype), b.astype(dtype))
         return cls(key, packed, ckpt.rank)
 
-
     def layers(self, start: int, size: int, config: ModelConfig, max_rank: int) -> Stacks:
         """Its matrices of layers [start, start + size) for every projection (zeros where it targets none): one
         pytree shape whatever it targets, so writing it into a slot is one program per layer group size."""
@@ -79,8 +78,11 @@ class PrefillAdapter:
 
 def _write_slot(stacks: Stacks, slot: jax.Array, adapter: Stacks) -> Stacks:
     """The stacks with slot `slot` holding `adapter`'s matrices [size, ...] of each projection."""
-    return {proj: (a.at[:, slot].set(adapter[proj][0].astype(a.dtype)), b.at[:, slot].set(adapter[proj][1].astype(b.dtype)))
-            for proj, (a, b) in stacks.items()}
+    out = {}
+    for proj, (a, b) in stacks.items():  # a [size, N, in, R], b [size, N, R, out]
+        new_a, new_b = adapter[proj]  # [size, in, R], [size, R, out]
+        out[proj] = (a.at[:, slot].set(new_a.astype(a.dtype)), b.at[:, slot].set(new_b.astype(b.dtype)))
+    return out
 
 
 class PrefillLoras:
