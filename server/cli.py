@@ -205,9 +205,9 @@ UP_SHARED = ("served_model_name", "max_model_len", "grammar_processes", "grammar
              "max_schema_depth", "max_schema_defs", "max_grammar_rules")
 """`pdserve up`'s flags that every tier takes."""
 UP_LORA_COORDINATOR = ("enable_lora", "lora_modules", "max_lora_rank")
-UP_LORA_DECODE = ("enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_dtype")
-"""vLLM's LoRA flags (`server/lora_config.py`): the coordinator checks and names the adapters, the decode workers
-compute with them (the prefill workers take none: an adapter's prompt is prefilled by its decode worker)."""
+UP_LORA_WORKERS = ("enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "lora_dtype")
+"""vLLM's LoRA flags (`server/lora_config.py`): the coordinator checks and names the adapters, the prefill and
+decode workers compute with them (each loads an adapter from its path on a request's first use)."""
 UP_WORKERS = ("grammar_cache_bytes",)
 """`pdserve up`'s flags that both worker tiers take."""
 UP_COORDINATOR = ("http_port", "chat_template", "ttft_budget", "stall_timeout", "max_coalesce", "decode_streams",
@@ -282,9 +282,10 @@ def _tier_configs(args, model: Path,
             config_from_args(CoordinatorConfig, args, only=UP_SHARED + UP_COORDINATOR + UP_LORA_COORDINATOR,
                              model_dir=model,
                              http_port=http_port, prefix_caching_hash_algo=args.prefix_caching_hash_algo),
-            config_from_args(PrefillConfig, args, only=UP_SHARED + UP_WORKERS + UP_PREFILL, model_dir=model,
+            config_from_args(PrefillConfig, args, only=UP_SHARED + UP_WORKERS + UP_PREFILL + UP_LORA_WORKERS,
+                             model_dir=model,
                              weight_dtype=prefill_weights, **{k: getattr(args, k) for k in UP_BOTH_WORKERS}),
-            config_from_args(DecodeConfig, args, only=UP_SHARED + UP_WORKERS + UP_DECODE + UP_LORA_DECODE,
+            config_from_args(DecodeConfig, args, only=UP_SHARED + UP_WORKERS + UP_DECODE + UP_LORA_WORKERS,
                              model_dir=model,
                              weight_dtype=decode_dtypes["decode_weight_dtype"], kv_dtype=decode_dtypes["kv_dtype"],
                              device=args.decode_device, engine=args.decode_engine, **vllm),
@@ -519,10 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("every tier")
     add_flags(g, CoordinatorConfig, only=UP_SHARED)
     add_flags(g, PrefillConfig, only=UP_WORKERS)
-    g = p.add_argument_group("LoRA adapters (vLLM's flags; the prefill tier applies none yet: the decode worker "
-                             "prefills an adapter's prompt)")
+    g = p.add_argument_group("LoRA adapters (vLLM's flags; both worker tiers compute with them)")
     add_flags(g, CoordinatorConfig, only=UP_LORA_COORDINATOR)
-    add_flags(g, DecodeConfig, only=tuple(f for f in UP_LORA_DECODE if f not in UP_LORA_COORDINATOR))
+    add_flags(g, DecodeConfig, only=tuple(f for f in UP_LORA_WORKERS if f not in UP_LORA_COORDINATOR))
     g = p.add_argument_group("the coordinator (its flags)")
     add_flags(g, CoordinatorConfig, only=UP_COORDINATOR)
     g = p.add_argument_group("the prefill workers (their flags)")

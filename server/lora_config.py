@@ -1,7 +1,7 @@
 """The LoRA flags, vLLM 0.32's spelling and meaning (`vllm/config/lora.py`, `--lora-modules` of its OpenAI server):
 the coordinator takes --enable-lora, --lora-modules and --max-lora-rank (which adapters it serves, checked at load),
-the decode workers `LoraConfig`'s (adapters per step, in host memory, their rank and dtype); `pdserve up` passes
-each tier its own.
+the prefill and decode workers `LoraConfig`'s (adapters per step, in host memory, their rank and dtype); `pdserve up`
+passes each tier its own.
 """
 
 from __future__ import annotations
@@ -59,19 +59,19 @@ def check_max_lora_rank(rank: int) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class LoraConfig:
-    """vLLM's LoRA flags of the decode worker (a mixin of its config)."""
+    """vLLM's LoRA flags of a prefill or decode worker (a mixin of its config)."""
 
     enable_lora: bool = False
     """vLLM's flag: serve LoRA adapters (a request names one as its model; the coordinator says where it is)."""
     max_loras: int = 1
-    """vLLM's flag: the most adapters in one decode step (device slots); more wait a step."""
+    """vLLM's flag: the most adapters in one prefill or decode step (device slots); more wait a step."""
     max_cpu_loras: int | None = None
     """vLLM's flag: adapters kept in host memory (>= --max-loras; default --max-loras); the least recently used
     beyond it is evicted, never refused."""
     max_lora_rank: int = 16
     """vLLM's flag: the largest adapter rank served, one of 1, 8, 16, 32, 64, 128, 256, 320, 512."""
     lora_dtype: LoraDtype = "auto"
-    """vLLM's flag: the adapters' dtype on the decode tier (auto: the model's compute dtype)."""
+    """vLLM's flag: the adapters' dtype on the workers (auto: the model's compute dtype)."""
 
     def check_lora(self) -> None:
         """Refuses what vLLM refuses (call from __post_init__)."""

@@ -33,7 +33,11 @@ def test_pdserve_up_hands_each_tier_its_lora_settings(tiny_model):
     assert (coordinator.enable_lora, coordinator.lora_modules, coordinator.max_lora_rank) == (True, ("ada=/a", bob), 64)
     assert (decode.enable_lora, decode.max_loras, decode.cpu_loras, decode.max_lora_rank, decode.lora_dtype) == \
         (True, 2, 4, 64, "bfloat16")
-    assert not hasattr(prefill, "enable_lora")
+    for worker in (prefill, decode):  # both worker tiers compute with the adapters
+        assert (worker.enable_lora, worker.max_loras, worker.cpu_loras, worker.max_lora_rank, worker.lora_dtype) == \
+            (True, 2, 4, 64, "bfloat16")
+        argv = config_to_argv(worker)
+        assert "--max-cpu-loras" in argv and "--enable-lora" in argv and "--lora-modules" not in argv
     assert config_to_argv(coordinator)[-6:] == ["--enable-lora", "--lora-modules", "ada=/a", bob, "--max-lora-rank",
                                                 "64"]
     assert "--max-cpu-loras" in config_to_argv(decode) and "--lora-modules" not in config_to_argv(decode)

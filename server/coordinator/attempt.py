@@ -120,10 +120,7 @@ class Attempt:
         try:
             cached_blocks = await self._reserve()
             offered = self.prefill is not None and self.config.local_prefill_max_uncached > 0
-            if self.r.req.lora is not None:
-                log.info("request %s: LoRA adapter %r: decode worker %s prefills it (the prefill tier applies no "
-                         "adapter yet)", self.r.req.request_id, self.r.req.lora.name, self.decode.address)
-            elif self.prefill is None:
+            if self.prefill is None:
                 metrics.local_prefill_fallbacks.inc()
                 log.info("request %s: no prefill worker alive; decode worker %s prefills it", self.r.req.request_id,
                          self.decode.address)
@@ -162,7 +159,7 @@ class Attempt:
                 raise r.no_worker_left("decode")
             decode = await router.decode(len(self.prompt), self.prompt, r.deadline, placement)
             self._hold(decode, placement)
-            if self.prefill is None and r.req.lora is None:  # an adapter's prompt: its decode worker computes it
+            if self.prefill is None:
                 self.prefill = await router.prefill(r.deadline, placement, self.prompt)
                 if self.prefill is not None and r.attempt == 0:  # a retry or migration is never refused
                     admit(self.prefill, len(self.prompt), r.deadline, self.config.ttft_budget)
@@ -312,6 +309,7 @@ class Attempt:
                 sample_index=len(r.outputs),
                 ttft_budget_seconds=ttft_budget_of(r.deadline, self.config.ttft_budget),
                 arrived_seconds_ago=r.deadline.seconds - r.deadline.remaining(),
+                lora=None if r.req.lora is None else r.req.lora.proto(),
             ),
             timeout=r.deadline.check(),
         )

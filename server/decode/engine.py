@@ -161,8 +161,7 @@ class DecodeEngine(Engine):
         adapter = self._adapter(request)
         seq = Sequence(rid, prompt, request.sampling, self.eos_ids, self.max_model_len,
                        num_prior_outputs=request.num_output_tokens,
-                       # the prefill tier applies no adapter yet: an adapter's prompt is computed here
-                       local_prefill=request.local_prefill or adapter is not None,
+                       local_prefill=request.local_prefill,
                        local_prefill_rule=LocalPrefillRule.of(request),
                        events=asyncio.Queue() if sink is None else sink,
                        constraint=request_constraint(self.grammars, request), lora=adapter)

@@ -10,14 +10,16 @@ from pdserve.kvcache.kv_events_config import KvEventsConfig, parse_kv_events_con
 from pdserve.server.choices import PREFILL_MATMULS, WEIGHT_DTYPES, PrefillMatmul, WeightDtype
 from pdserve.server.flags import flag
 from pdserve.server.kv_offloading import KvOffloadingConfig
+from pdserve.server.lora_config import LoraConfig
 from pdserve.server.prefill.scheduler import PREFILL_ORDERS, PrefillOrder
 from pdserve.server.prefill.warmup import COMPILE_BEFORE_SERVING, CompileBeforeServing
 from pdserve.server.structured.limits import check_grammar_settings
 
 
 @dataclass(frozen=True)
-class PrefillConfig(KvOffloadingConfig):
-    """The prefill worker's settings; the offload tiers' (`--kv-offloading-*`) come from KvOffloadingConfig."""
+class PrefillConfig(KvOffloadingConfig, LoraConfig):
+    """The prefill worker's settings; the offload tiers' (`--kv-offloading-*`) come from KvOffloadingConfig, the
+    LoRA adapters' (`--enable-lora`, `--max-loras`, ...: the decode workers' flags) from LoraConfig."""
 
     model_dir: Path = field(metadata=flag(cli=False))
     port: int = 0
@@ -145,6 +147,11 @@ class PrefillConfig(KvOffloadingConfig):
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"--prefix-cache-bytes must be >= 0 (0 turns it off), got {self.prefix_cache_bytes}")
         self.check_offloading()
+        self.check_lora()
+        if self.enable_lora and (self.num_processes or 1) > 1:
+            raise ValueError("--enable-lora is served by a prefill worker of one process so far (a slice of several "
+                             "processes would need every process to load each adapter); drop --num-processes or "
+                             "--enable-lora")
         if self.max_batch_tokens < self.min_bucket:
             raise ValueError(f"--max-num-batched-tokens must be >= {self.min_bucket}, got {self.max_batch_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:

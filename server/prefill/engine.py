@@ -34,6 +34,10 @@ Life cycle of a prompt here:
    KvTensors (the group's layers, the segment's tokens) on `job.kv`, so a long prompt's KV leaves
    chunk by chunk while the next chunk computes; after its last segment, None. A finished prompt's
    full blocks go into the prefix KV.
+
+With --enable-lora, a prompt may name a LoRA adapter (lora.py): its blocks hash the adapter's extra key in the prefix
+KV (a prefix cached under one adapter is never another's, nor the base model's), a step packs the prompts of at most
+--max-loras adapters beside base ones, and each token's adapter slot goes into the step (lora_rows.py).
 """
 
 from __future__ import annotations
@@ -46,9 +50,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from pdserve.kvcache import quant as host_quant
+from pdserve.kvcache.adapter_key import AdapterKey
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.kv_events import MEDIUM_CPU, KvEventRecorder
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED, KvLayout, LayoutKind
@@ -60,6 +66,7 @@ from pdserve.server.kv_offloading import open_offload
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.lora import PrefillAdapter, PrefillLoras
 from pdserve.server.prefill.model import group_sizes
 from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.model_runner import ModelRunner, StepOutputs
@@ -122,6 +129,13 @@ class PrefillJob:
     """When prompt logprobs are asked: chosen [T], top ids and logprobs [T, top], filled segment by segment."""
     constraint: Constraint | None = None
     """sampling.structured's matcher after the outputs so far (a migration's): the first token's mask."""
+    adapter: PrefillAdapter | None = None
+    """The LoRA adapter it prefills with (packed on the host, held for the job's life); None: the base model."""
+
+    @property
+    def adapter_key(self) -> AdapterKey | None:
+        """What the scheduler counts against --max-loras, and the prefix KV hashes into its blocks."""
+        return None if self.adapter is None else self.adapter.key
 
     def cancel(self) -> None:
         """Drops the job if it is still queued; a running step finishes without it."""
@@ -151,8 +165,10 @@ class PrefillEngine:
         self.max_len = pow2(self.max_model_len)
         self.matmul_path = "xla"
         """The layers' matmul path, as the start-up log names it (main.py sets it)."""
-        self.runner = ModelRunner(model_config, params, group_sizes(model_config.num_layers, config.kv_layer_groups),
-                                  config.max_batch_size, matmul)
+        groups = group_sizes(model_config.num_layers, config.kv_layer_groups)
+        self.lora = self._lora_slots(model_config, config, groups, params["embed"].dtype)
+        """The LoRA adapters' host LRU and device slots (--enable-lora; None: a prompt naming one is refused)."""
+        self.runner = ModelRunner(model_config, params, groups, config.max_batch_size, matmul, self.lora)
         """The device programs (model_runner.py)."""
         self.token_buckets = token_buckets(config.max_batch_tokens, config.max_batch_size, self.max_len,
                                            config.min_bucket)
@@ -186,7 +202,8 @@ class PrefillEngine:
             config.prefill_order, bucket=self._bucket, max_batch_size=config.max_batch_size,
             max_batch_tokens=config.max_batch_tokens, max_chunk=config.max_prefill_chunk,
             max_context=self.max_len, ageing_tokens_per_s=config.prefill_ageing, seconds=self.rates.seconds,
-            token_room=lambda context: self.compiled.room(context))
+            token_room=lambda context: self.compiled.room(context),
+            max_adapters=config.max_loras if self.lora is not None else None)
         self._shapes_run: set[StepShape] = set()
         """Every step shape run: a shape's first step compiles, so is not timed."""
         self.slots = 0
@@ -199,6 +216,21 @@ class PrefillEngine:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.batches = 0
+
+    @staticmethod
+    def _lora_slots(model_config: ModelConfig, config: PrefillConfig, groups: list[tuple[int, int]],
+                    compute_dtype) -> PrefillLoras | None:
+        if not config.enable_lora:
+            return None
+        if model_config.mla is not None:
+            raise ValueError(f"--enable-lora: LoRA adapters are not served for {model_config.family} (latent "
+                             "attention) models yet; serve it without --enable-lora")
+        dtype = compute_dtype if config.lora_dtype == "auto" else jnp.dtype(config.lora_dtype)
+        lora = PrefillLoras(model_config, groups, config.max_loras, config.cpu_loras, config.max_lora_rank, dtype)
+        log.info("LoRA: %d device slots (--max-loras), %d adapters in host memory (--max-cpu-loras), rank <= %d, %s; "
+                 "slot stacks %.1f MiB", config.max_loras, config.cpu_loras, config.max_lora_rank, np.dtype(dtype).name,
+                 lora.nbytes / 2**20)
+        return lora
 
     def _open_offload(self, kv_events: KvEventRecorder | None) -> TieredStore | None:
         """The offload tiers under the prefix KV (--kv-offloading-*), keyed by its blocks' layout; None when off."""
@@ -275,19 +307,24 @@ class PrefillEngine:
 
     def enqueue(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
                 kv_dtype: str, block_size: int = 16, due: float | None = None,
-                constraint: Constraint | None = None, fetched: Fetched | None = None) -> PrefillJob:
+                constraint: Constraint | None = None, fetched: Fetched | None = None,
+                adapter: PrefillAdapter | None = None) -> PrefillJob:
         """Queues a prompt; its first token and KV arrive on the job. block_size: the target cache's,
         over which fp8_e4m3/int8 scales are computed (a power of two). due: when its first token is due
         (time.monotonic(); the TTFT budget it was admitted under), None: never urgent (scheduler.py).
         constraint: the request's grammar state (Grammars.constraint, outputs so far replayed); fetched: its blocks
-        the offload tiers held (`PrefixKv.fetch`, awaited just before)."""
+        the offload tiers held (`PrefixKv.fetch`, awaited just before); adapter: the LoRA adapter it prefills with
+        (`self.lora.adapter`, loaded just before; None: the base model)."""
         if not 0 < len(token_ids) <= self.max_model_len:  # no bucket fits: it would stop the loop
             raise ValueError(f"a prompt of {len(token_ids)} tokens; this worker takes 1 to {self.max_model_len}")
         if block_size <= 0 or block_size & (block_size - 1):
             raise ValueError(f"KV block size {block_size} is not a power of two")
-        job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size, constraint=constraint)
+        if adapter is not None and self.lora is None:
+            raise ValueError(f"LoRA adapter {adapter.key.name!r}: this prefill worker serves no LoRA adapters; start it "
+                             f"with --enable-lora")
+        job = PrefillJob(token_ids, sampling, sample_index, kv_dtype, block_size, constraint=constraint, adapter=adapter)
         if not sampling.HasField("prompt_logprobs"):  # those need every position's hidden state
-            hit = self.prefix.lookup(token_ids, multiple_of=block_size, fetched=fetched)
+            hit = self.prefix.lookup(token_ids, multiple_of=block_size, fetched=fetched, adapter=job.adapter_key)
             if hit is not None:
                 job.computed = hit[0].shape[1]
                 job.context = self._new_context(job)
@@ -307,9 +344,11 @@ class PrefillEngine:
         return np.zeros((2, c.num_layers, job.num_tokens, c.num_kv_heads, c.head_dim), np.dtype(self.dtype))
 
     async def submit(self, token_ids: list[int], sampling: gen_pb.SamplingParams, sample_index: int,
-                     kv_dtype: str, block_size: int = 16, constraint: Constraint | None = None) -> PrefillResult:
+                     kv_dtype: str, block_size: int = 16, constraint: Constraint | None = None,
+                     adapter: PrefillAdapter | None = None) -> PrefillResult:
         """The whole result at once: the first token and the KV of all layers."""
-        job = self.enqueue(token_ids, sampling, sample_index, kv_dtype, block_size, constraint=constraint)
+        job = self.enqueue(token_ids, sampling, sample_index, kv_dtype, block_size, constraint=constraint,
+                           adapter=adapter)
         try:
             first = await job.first_token
             pieces: list[KvTensors] = []
@@ -389,8 +428,9 @@ class PrefillEngine:
 
     def _run(self, step: list[Segment[PrefillJob]], shape: StepShape, loop: asyncio.AbstractEventLoop) -> None:
         """Runs one step (in a worker thread), handing each job its KV and, at its last segment, its first token."""
+        slots = None if self.lora is None else self.lora.slots([s.job.adapter for s in step])
         inputs, offsets = step_inputs(step, shape, self.model_config, self.dtype, self.vocab_size, self._bucket,
-                                      self._penalized)
+                                      self._penalized, slots)
         on_host = self._formats_on_host(shape, inputs.formats)
         if on_host:
             inputs = replace(inputs, formats=tuple(f for f in inputs.formats if f not in on_host))
@@ -453,13 +493,13 @@ class PrefillEngine:
                 if s.job.prompt_lp is not None:
                     self._finish_prompt_logprobs(s.job)
                 if s.job.context is not None and self.prefix.enabled:
-                    loop.call_soon_threadsafe(self._store_prefix, s.job.token_ids, s.job.context)
+                    loop.call_soon_threadsafe(self._store_prefix, s.job.token_ids, s.job.context, s.job.adapter_key)
                 s.job.context = None
                 self._put(loop, s.job, None)
 
-    def _store_prefix(self, token_ids: list[int], context: np.ndarray) -> None:
+    def _store_prefix(self, token_ids: list[int], context: np.ndarray, adapter: AdapterKey | None) -> None:
         """On the event loop's thread, where lookups run too."""
-        self.prefix.store(token_ids, context[0], context[1, ..., : self.value_dim])
+        self.prefix.store(token_ids, context[0], context[1, ..., : self.value_dim], adapter)
 
     @staticmethod
     def _put(loop: asyncio.AbstractEventLoop, job: PrefillJob, item) -> None:

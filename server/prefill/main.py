@@ -149,6 +149,9 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         log.info("joined a %d-process slice as process %d", jax.process_count(), jax.process_index())
         if jax.process_count() > 1 and jax.process_index() == 0:  # published now: followers look it up when ready
             leader = SliceLeader.listen(jax.process_count() - 1, coordinator_host(), _cluster_secret())
+    if config.enable_lora and jax.process_count() > 1:  # a TPU slice found without --num-processes
+        raise ValueError("--enable-lora is served by a prefill worker of one process so far; this slice has "
+                         f"{jax.process_count()}: serve adapters from single-host prefill workers")
     model_config = load_config(config.model_dir).limited_to(config.max_model_len)
     ep = config.expert_parallel_size
     tp = config.tensor_parallel_size or default_size(model_config, jax.device_count(), expert_parallel=ep)

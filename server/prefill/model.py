@@ -24,6 +24,7 @@ from pdserve.server.model.rope import inv_freq
 from pdserve.server.model.weights import EXPERT_NAMES
 from pdserve.server.prefill.attention import NO_WINDOW, attention
 from pdserve.server.prefill.deepseek import deepseek_layer_group, load_deepseek_params, split_deepseek_layers
+from pdserve.server.prefill.lora_rows import LayerLora, LoraRows, add_delta, one_layer
 from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.moe import moe_mlp
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
@@ -191,17 +192,19 @@ class Packing(NamedTuple):
 
 
 def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing, x: jax.Array, p: Params,
-           context_k: jax.Array, context_v: jax.Array, matmul: Matmul = xla_matmul):
+           context_k: jax.Array, context_v: jax.Array, matmul: Matmul = xla_matmul, lora: LayerLora | None = None):
     """One decoder layer. x [B, S, H], context k, v [B, C, Hkv, D] -> (x [B, S, H], (k, v) [B, S, Hkv, D]).
-    cos, sin [B, S, D], or [2, B, S, D] (global, local) for a model whose windowed layers have their own RoPE."""
+    cos, sin [B, S, D], or [2, B, S, D] (global, local) for a model whose windowed layers have their own RoPE.
+    lora: the tokens' LoRA adapters (lora_rows.py), whose deltas join the projections they target."""
     eps = config.rms_norm_eps
+    delta = partial(add_delta, lora)
     if "rope" in p:
         cos, sin = cos[p["rope"]], sin[p["rope"]]
     w = partial(dequantize, p, dtype=x.dtype)  # int8/fp8 weights -> the compute dtype, fused by XLA
     h = _rms_norm(x, p["attn_norm"], eps)
-    q = matmul("bsh,hnd->bsnd", h, w("wq"))  # [B, S, Hq, D]
-    k = matmul("bsh,hnd->bsnd", h, w("wk"))  # [B, S, Hkv, D]
-    v = matmul("bsh,hnd->bsnd", h, w("wv"))  # [B, S, Hkv, D]
+    q = delta("q_proj", h, matmul("bsh,hnd->bsnd", h, w("wq")))  # [B, S, Hq, D]
+    k = delta("k_proj", h, matmul("bsh,hnd->bsnd", h, w("wk")))  # [B, S, Hkv, D]
+    v = delta("v_proj", h, matmul("bsh,hnd->bsnd", h, w("wv")))  # [B, S, Hkv, D]
     if config.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
@@ -214,7 +217,7 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg, p.get("window"),
                     own_keys_from=context_k.shape[1], scale=config.scale,
                     softcap=config.attn_softcap)  # [B, S, Hq, D]
-    attn = matmul("bsnd,ndh->bsh", out, w("wo"))  # [B, S, H]
+    attn = delta("o_proj", out, matmul("bsnd,ndh->bsh", out, w("wo")))  # [B, S, H]
     if "bo" in p:
         attn = attn + p["bo"]
     if config.sandwich_norms:
@@ -225,9 +228,10 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     if config.moe is not None:
         mlp = moe_mlp(h, w("router"), w("e_gate"), w("e_up"), w("e_down"), config.moe, act)  # [B, S, H]
     else:
-        gate = matmul("bsh,hi->bsi", h, w("w_gate"))  # [B, S, I]
-        up = matmul("bsh,hi->bsi", h, w("w_up"))  # [B, S, I]
-        mlp = matmul("bsi,ih->bsh", act(gate) * up, w("w_down"))
+        gate = delta("gate_proj", h, matmul("bsh,hi->bsi", h, w("w_gate")))  # [B, S, I]
+        up = delta("up_proj", h, matmul("bsh,hi->bsi", h, w("w_up")))  # [B, S, I]
+        hidden = act(gate) * up
+        mlp = delta("down_proj", hidden, matmul("bsi,ih->bsh", hidden, w("w_down")))
     if config.sandwich_norms:
         mlp = _rms_norm(mlp, p["mlp_post_norm"], eps)
     return x + mlp, (k, v)
@@ -269,10 +273,11 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, config: Mo
 
 def layer_group(
     layers: Params, x: jax.Array, cos: jax.Array, sin: jax.Array, packing: Packing, context_k: jax.Array,
-    context_v: jax.Array, *, config: ModelConfig, matmul: Matmul = xla_matmul
+    context_v: jax.Array, lora: LoraRows | None = None, *, config: ModelConfig, matmul: Matmul = xla_matmul
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The layers of one group: their own weight stack [size, ...] (`split_layers`), x [B, S, H],
-    context k, v [size, B, C, Hkv, D] -> (x, k, v [size, B, S, Hkv, D]) of the new tokens.
+    context k, v [size, B, C, Hkv, D] -> (x, k, v [size, B, S, Hkv, D]) of the new tokens. lora: the group's LoRA
+    slot stacks [size, N, ...] and each token's slot (None, without --enable-lora: the program has no LoRA input).
 
     `lax.scan` over the group's stack, each step reading its layer as the scan's slice. Indexing one
     stack of all L layers by a traced layer index instead (`dynamic_index_in_dim` in the scan body)
@@ -284,11 +289,20 @@ def layer_group(
     if config.mla is not None:
         return deepseek_layer_group(layers, x, cos, sin, packing, context_k, context_v, config=config)
 
-    def step(h: jax.Array, xs):
-        p, ck, cv = xs
-        return _layer(config, cos, sin, packing, h, p, ck, cv, matmul)
+    if lora is None:
+        def step(h: jax.Array, xs):
+            p, ck, cv = xs
+            return _layer(config, cos, sin, packing, h, p, ck, cv, matmul)
 
-    x, (k, v) = jax.lax.scan(step, x, (layers, context_k, context_v))
+        x, (k, v) = jax.lax.scan(step, x, (layers, context_k, context_v))
+        return x, k, v
+    stacks, onehot, active = one_layer(lora)
+
+    def lora_step(h: jax.Array, xs):
+        p, ck, cv, layer_stacks = xs
+        return _layer(config, cos, sin, packing, h, p, ck, cv, matmul, LayerLora(layer_stacks, onehot, active))
+
+    x, (k, v) = jax.lax.scan(lora_step, x, (layers, context_k, context_v, stacks))
     return x, k, v
 
 

@@ -18,6 +18,8 @@ import jax.numpy as jnp
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.server import logprobs
 from pdserve.server.model.config import ModelConfig
+from pdserve.server.prefill.lora import PrefillLoras
+from pdserve.server.prefill.lora_rows import LoraRows
 from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.model import Packing, embed, head, layer_group, prompt_logprobs_head, split_layers
 from pdserve.server.prefill.quant import quantize_kv_masked
@@ -51,8 +53,11 @@ class StepOutputs:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params, groups: list[tuple[int, int]], max_batch_size: int,
-                 matmul: Matmul = xla_matmul):
+                 matmul: Matmul = xla_matmul, lora: PrefillLoras | None = None):
+        """lora: the LoRA adapters' device slots (--enable-lora): every layer group's program then takes their
+        stacks and each token's slot; None: the programs have no LoRA input at all."""
         self.model_config = model_config
+        self.lora = lora
         self.groups = groups
         """(first layer, layers) of each group the prefill runs and ships as one."""
         self.group_layers = split_layers(params["layers"], groups)
@@ -87,9 +92,9 @@ class ModelRunner:
         x, cos, sin = self._embed(self.params, inputs.tokens, packing.positions)  # [1, T, H], [1, T, D] x2
         kv = []  # (first layer, k, v [l, 1, T, Hkv, D]) of each group, on the device
         # The groups are dispatched back to back: XLA runs them while the host goes on.
-        for (start, size), layers in zip(self.groups, self.group_layers):
+        for g, ((start, size), layers) in enumerate(zip(self.groups, self.group_layers)):
             x, k, v = self._group(layers, x, cos, sin, packing, inputs.context[0, start : start + size],
-                                  inputs.context[1, start : start + size])
+                                  inputs.context[1, start : start + size], self._lora_rows(g, inputs.lora_slots))
             kv.append((start, k, v))
         logits = first = prompt_lp = None
         if inputs.head_rows is not None:
@@ -102,6 +107,14 @@ class ModelRunner:
         wire = [(start, {f: self.to_wire(k, v, valid, *f, to_host=to_host) for f in inputs.formats}, k, v)
                 for start, k, v in kv]
         return StepOutputs(logits, first, prompt_lp, wire)
+
+    def _lora_rows(self, group: int, slots) -> LoraRows | None:
+        """Layer group `group`'s LoRA input: its slot stacks and the tokens' slots [1, T] (None without LoRA)."""
+        if self.lora is None:
+            return None
+        if slots is None:
+            raise ValueError("a step without LoRA slots on a worker with --enable-lora (every step packs them)")
+        return LoraRows(self.lora.stacks[group], slots)
 
     def to_wire(self, k: jax.Array, v: jax.Array, valid, dtype: str, block_size: int, to_host: bool = True):
         """(k, v, k_scales, v_scales) in the wire format, (`to_host`) already copying to the host; v and v_scales
@@ -130,11 +143,13 @@ class ModelRunner:
         x, cos, sin = _avals(self._embed.lower(self.params, ints, ints).compile())
         casts = {d for d in ("float32", "bfloat16") if jnp.dtype(d) != x.dtype}
         done = set()  # (size, x's sharding): the groups' programs differ only in these
-        for (_, size), layers in zip(self.groups, self.group_layers):  # each group's x comes from the one before
+        slots = spec((1, shape.tokens), jnp.int32)
+        for g, ((_, size), layers) in enumerate(zip(self.groups, self.group_layers)):  # x comes from the group before
             if (size, x.sharding) not in done:
                 done.add((size, x.sharding))
                 context = spec((size, 1, shape.context, c.num_kv_heads, c.head_dim), self.dtype)
-                x, k, _ = _avals(self._group.lower(layers, x, cos, sin, packing, context, context).compile())
+                lora = self._lora_rows(g, slots)
+                x, k, _ = _avals(self._group.lower(layers, x, cos, sin, packing, context, context, lora).compile())
                 self._kv_avals[shape.tokens, size] = k
                 for dtype in casts:
                     self._cast.lower(k, dtype=dtype).compile()

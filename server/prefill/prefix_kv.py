@@ -14,6 +14,9 @@ Life of a prefix:
    (its logits give the first token). The prompt then prefills from there: chunked prefill whose
    first chunk's context is that prefix.
 
+A LoRA adapter's prompt hashes its blocks with the adapter's extra key (`kvcache/adapter_key.py`, as vLLM's and the
+decode tier's do): its KV is found only by prompts of the same adapter, and its KV events name it.
+
 With offload tiers (`kvcache/tiered_store.py`, `--kv-offloading-*`), each block the cache evicts is saved to them
 (its bytes copied at once, written by the store's saver thread), and so is each block `store` finds no room for, and `fetch(tokens)`, awaited before the prompt is
 queued, loads the blocks after the cached prefix that a tier holds (on a loader thread, while steps run), which
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.kvcache.adapter_key import AdapterKey, extra_keys
 from pdserve.kvcache.block_bytes import BlockKv, unpack_block
 from pdserve.kvcache.block_hash import DEFAULT_HASHER, BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
@@ -77,13 +81,14 @@ class PrefixKv:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def lookup(self, token_ids: list[int], multiple_of: int = 1, fetched: Fetched | None = None
-               ) -> tuple[np.ndarray, np.ndarray] | None:
+    def lookup(self, token_ids: list[int], multiple_of: int = 1, fetched: Fetched | None = None,
+               adapter: AdapterKey | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """k, v [L, m, Hkv, D] of the longest cached prefix (m a multiple of `multiple_of` and of the
-        block size, m < len(token_ids)), continued by the blocks `fetch` loaded after it; None when there is none."""
+        block size, m < len(token_ids)) computed with `adapter` (None: the base model), continued by the blocks
+        `fetch` loaded after it; None when there is none."""
         if not self.enabled:
             return None
-        hashes = self.cache.hasher.hashes(token_ids, self.block_size, limit=(len(token_ids) - 1) // self.block_size)
+        hashes = self._hashes(token_ids, adapter, limit=(len(token_ids) - 1) // self.block_size)
         ids = self.cache.lookup(hashes)
         try:
             blocks = [(self.k[b], self.v[b]) for b in ids]  # each [L, bs, Hkv, D]
@@ -100,19 +105,22 @@ class PrefixKv:
         finally:
             self.cache.free(ids)
 
+    def _hashes(self, token_ids: list[int], adapter: AdapterKey | None, limit: int | None = None) -> list[bytes]:
+        return self.cache.hasher.hashes(token_ids, self.block_size, limit=limit, extra_keys=extra_keys(adapter))
+
     def _spill(self, evicted: list[tuple[int, bytes]]) -> None:
         """Queues evicted blocks' bytes (block id, hash each) for the offload tiers."""
         for block_id, h in evicted:
             self.offload.save(h, self.k[block_id].tobytes() + self.v[block_id].tobytes())
 
-    async def fetch(self, token_ids: list[int]) -> Fetched | None:
+    async def fetch(self, token_ids: list[int], adapter: AdapterKey | None = None) -> Fetched | None:
         """The blocks after the cached prefix of token_ids (those `lookup` may use) that the offload tiers hold, up
         to the first that fails its check, loaded on a loader thread; also cached here as far as the budget allows.
         None when there are none. Hand it to `lookup` at once (no await between): the prefix it follows is then
         still cached."""
         if self.offload is None:
             return None
-        hashes = self.cache.hasher.hashes(token_ids, self.block_size, limit=(len(token_ids) - 1) // self.block_size)
+        hashes = self._hashes(token_ids, adapter, limit=(len(token_ids) - 1) // self.block_size)
         held = self.cache.lookup(hashes)
         try:
             wanted = hashes[len(held) : len(held) + self.offload.held_prefix(hashes[len(held):])]
@@ -125,7 +133,7 @@ class PrefixKv:
                     blocks.append(unpack_block(self.layout, data))
                 except ValueError:
                     break
-            self._cache_loaded(token_ids, hashes, len(held), blocks)
+            self._cache_loaded(token_ids, hashes, len(held), blocks, adapter)
             self.loaded_blocks += len(blocks)
             return Fetched(len(held), blocks) if blocks else None
         finally:
@@ -133,21 +141,23 @@ class PrefixKv:
             if self.cache.events is not None:
                 self.cache.events.flush()
 
-    def _cache_loaded(self, token_ids: list[int], hashes: list[bytes], first: int, blocks: list[BlockKv]) -> None:
+    def _cache_loaded(self, token_ids: list[int], hashes: list[bytes], first: int, blocks: list[BlockKv],
+                      adapter: AdapterKey | None = None) -> None:
         """Caches loaded blocks (the first of them block `first` of the prompt) as far as the budget allows."""
         new = self.cache.allocate(min(len(blocks), self.cache.num_available))
         for block_id, block in zip(new, blocks):
             self.k[block_id], self.v[block_id] = block.k, block.v
         bs = self.block_size
         self.cache.register(new, hashes[first : first + len(new)], token_ids[first * bs : (first + len(new)) * bs],
-                            hashes[first - 1] if first else None)
+                            hashes[first - 1] if first else None, adapter)
         self.cache.free(new)
 
-    def store(self, token_ids: list[int], k: np.ndarray, v: np.ndarray) -> None:
-        """Caches the full blocks of a prompt whose k, v [L, n >= full blocks' tokens, Hkv, D] are given."""
+    def store(self, token_ids: list[int], k: np.ndarray, v: np.ndarray, adapter: AdapterKey | None = None) -> None:
+        """Caches the full blocks of a prompt whose k, v [L, n >= full blocks' tokens, Hkv, D] are given, computed
+        with `adapter` (None: the base model)."""
         if not self.enabled:
             return
-        hashes = self.cache.hasher.hashes(token_ids, self.block_size)
+        hashes = self._hashes(token_ids, adapter)
         held = self.cache.lookup(hashes)
         try:
             fresh = min(len(hashes) - len(held), self.cache.num_available)
@@ -160,7 +170,8 @@ class PrefixKv:
             self.k[block_id] = k[:, i * bs : (i + 1) * bs]
             self.v[block_id] = v[:, i * bs : (i + 1) * bs]
         first, end = len(held), len(held) + len(new)
-        self.cache.register(new, hashes[first:end], token_ids[first * bs : end * bs], hashes[first - 1] if first else None)
+        self.cache.register(new, hashes[first:end], token_ids[first * bs : end * bs], hashes[first - 1] if first else None,
+                            adapter)
         if self.offload is not None:  # the blocks past the budget go straight to the offload tiers
             for i in range(end, len(hashes)):
                 self.offload.save(hashes[i], np.ascontiguousarray(k[:, i * bs : (i + 1) * bs], self.k.dtype).tobytes()

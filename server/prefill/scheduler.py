@@ -16,7 +16,8 @@ Life cycle of a prompt here:
    budget is the largest compiled shape's that holds the step's context (`token_room`), so a worker
    still compiling runs only what it has compiled (shapes.py `CompiledShapes`). It
    stops at the first prompt that gets nothing. It skips a prompt whose segment would make a prompt
-   due earlier miss its due time (below).
+   due earlier miss its due time (below), and (`max_adapters`, --max-loras) a prompt of a LoRA adapter once
+   the step holds that many others: it waits a step, as on the decode tier.
 3. `finish` takes the step back once it ran: each unfinished prompt returns to the queue with its
    key; until it ends, its remaining tokens count as queued work.
 
@@ -181,6 +182,7 @@ class PrefillScheduler(Generic[J]):
         seconds: Callable[[int, int], float] = _no_rate,
         clock: Callable[[], float] = time.monotonic,
         token_room: Callable[[int], int] | None = None,
+        max_adapters: int | None = None,
     ):
         """bucket(n): the length bucket an n-token prompt's queued work is reported under.
         max_chunk: most tokens of one prompt in a step (default the budget). max_context: most context
@@ -189,7 +191,9 @@ class PrefillScheduler(Generic[J]):
         worker's measured rates, rates.py); by default (and while nothing is measured) 0: due times
         change nothing. token_room(context): the most token slots a step reading `context` tokens of
         earlier KV may pack (the shapes compiled so far, shapes.py `CompiledShapes.room`; default: the
-        budget): a prompt is cut into chunks that fit, one whose context fits no compiled shape waits."""
+        budget): a prompt is cut into chunks that fit, one whose context fits no compiled shape waits.
+        max_adapters: most distinct LoRA adapters (a job's `adapter_key`, None for the base model) in one step
+        (--max-loras; None: jobs name none)."""
         if order not in PREFILL_ORDERS:
             raise ValueError(f"--prefill-order must be one of {', '.join(PREFILL_ORDERS)}, not {order!r}")
         if not ageing_tokens_per_s > 0:
@@ -204,6 +208,7 @@ class PrefillScheduler(Generic[J]):
         self.seconds = seconds
         self.clock = clock
         self.token_room = token_room
+        self.max_adapters = max_adapters
         self._waiting: list[_Entry[J]] = []
         self._seq = itertools.count()
         self._running: list[_Entry[J]] = []
@@ -255,10 +260,14 @@ class PrefillScheduler(Generic[J]):
         step: list[Segment[J]] = []
         taken: list[_Entry[J]] = []
         context = 0
+        adapters: set = set()
         for entry in [*late, *sorted((e for e in self._waiting if id(e) not in late_ids), key=_queue_order)]:
             if len(step) == self.max_batch_size:
                 break
             job = entry.job
+            adapter = getattr(job, "adapter_key", None)
+            if adapter is not None and adapter not in adapters and len(adapters) == self.max_adapters:
+                continue  # the step's adapter slots are taken: it waits a step
             segment = self._segment(step, job, context + job.computed)
             if segment is None or (step and self.max_context is not None
                                    and context + job.computed > self.max_context):
@@ -273,6 +282,8 @@ class PrefillScheduler(Generic[J]):
             step.append(segment)
             taken.append(entry)
             context += job.computed
+            if adapter is not None:
+                adapters.add(adapter)
         taken_ids = {id(e) for e in taken}
         self._waiting = [e for e in self._waiting if id(e) not in taken_ids]
         self._running.extend(taken)

@@ -1,7 +1,8 @@
 """The prefill worker's gRPC face: Prefill returns the first token while the KV streams to the decode worker.
 
 Life of a Prefill call:
-1. Check the target's KV format; wait for room in the push budget (count and host bytes in flight).
+1. Check the target's KV format; load the request's LoRA adapter (from its path on a miss, lora.py); wait for room
+   in the push budget (count and host bytes in flight).
 2. Queue the prompt in the engine, due when the TTFT budget it was admitted under ends (`ttft_due`).
    When the engine begins it, the push opens its KV streams to the
    decode worker with the header: the decode worker's lease starts now, not while the prompt queued.
@@ -19,13 +20,16 @@ import math
 import time
 
 import grpc
+from pdserve.kvcache.adapter_key import AdapterKey
 from pdserve.kvcache.codec import kv_bytes
 from pdserve.kvcache.layout import NUMPY_DTYPES, KvLayout
 from pdserve.kvcache.sender import KvSender, KvTransport
 from pdserve.server import logs, metrics, request_checks
 from pdserve.server.hardware import Hardware
 from pdserve.server.model.config import ModelConfig
+from pdserve.server.model.lora import LoraLoadError
 from pdserve.server.prefill.engine import PrefillEngine, PrefillJob
+from pdserve.server.prefill.lora import PrefillAdapter
 from pdserve.server.prefill.push_budget import PushBudget
 from pdserve.server.structured.constraint import Constraint
 from pdserve.server.structured.grammars import request_constraint
@@ -142,6 +146,7 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             constraint = await self._constraint(request)
         except (SpecError, ValueError) as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        adapter = await self._adapter(request, context)
         nbytes = kv_bytes(layout, len(ids))
         too_big = self.budget.too_big(nbytes)
         if too_big:
@@ -150,15 +155,18 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
             request_id=request.request_id, attempt=request.attempt, transfer_token=request.transfer_token,
             fingerprint=self.fingerprint, layout=layout.to_proto(), num_tokens=len(ids),
             cached_blocks=request.target.cached_blocks,  # the decode worker's prefix-cache hits: not sent
+            lora_name=request.lora.name,  # the decode worker refuses KV of another adapter than its request's
         )
         t0 = time.perf_counter()
         self.active += 1
         try:
             await self.budget.acquire(nbytes, len(ids))
             # the prompt's blocks the offload tiers hold after its cached prefix (those with prompt logprobs: none)
-            fetched = None if request.sampling.HasField("prompt_logprobs") else await self.engine.prefix.fetch(ids)
+            key = None if adapter is None else adapter.key
+            fetched = None if request.sampling.HasField("prompt_logprobs") else await self.engine.prefix.fetch(ids, key)
             job = self.engine.enqueue(ids, request.sampling, request.sample_index, layout.dtype, layout.block_size,
-                                      due=ttft_due(request, received), constraint=constraint, fetched=fetched)
+                                      due=ttft_due(request, received), constraint=constraint, fetched=fetched,
+                                      adapter=adapter)
             opened = asyncio.get_running_loop().create_future()
             task = asyncio.create_task(self._push(request.target.address, header, layout, job, opened, nbytes))
             self.pushes.add(task)
@@ -188,6 +196,23 @@ class PrefillService(worker_pb2_grpc.PrefillServicer, worker_pb2_grpc.ControlSer
         if job.first_logprob is not None:
             response.first_token_logprob.CopyFrom(job.first_logprob)
         return response
+
+    async def _adapter(self, request: pb.PrefillRequest, context) -> PrefillAdapter | None:
+        """The request's LoRA adapter packed on the host (loaded off the event loop on a miss); None for the base
+        model. Aborts the call when this worker serves no adapters or the adapter cannot be loaded."""
+        if not request.HasField("lora"):
+            return None
+        lora = request.lora
+        if self.engine.lora is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"LoRA adapter {lora.name!r}: this prefill worker serves no LoRA adapters; start it "
+                                f"with --enable-lora")
+        if not lora.name or not lora.path:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "lora.name and lora.path must both be set")
+        try:
+            return await asyncio.to_thread(self.engine.lora.adapter, AdapterKey(lora.id, lora.name, lora.path))
+        except LoraLoadError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _request_problem(self, request: pb.PrefillRequest) -> str | None:
         """What is wrong with a PrefillRequest, whoever sent it (INVALID_ARGUMENT), or None."""

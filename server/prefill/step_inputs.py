@@ -35,12 +35,15 @@ class StepInputs:
     """`sampler.sample`'s columns after the logits (with head_rows)."""
     next_tokens: np.ndarray | None = None
     """int32 [1, T]: the token each position predicts, when a prompt asks for prompt logprobs."""
+    lora_slots: np.ndarray | None = None
+    """int32 [1, T]: each token's LoRA device slot (0: the base model, and padding), under --enable-lora (every
+    step then has it, base-only ones all zeros: one program either way); None without it."""
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by a flat name (`packing.segments`, `sampling.3`): what the replay sends."""
         out = {"tokens": self.tokens, "context": self.context,
                **{f"packing.{name}": a for name, a in self.packing._asdict().items()}}
-        for name in ("head_rows", "next_tokens"):
+        for name in ("head_rows", "next_tokens", "lora_slots"):
             if (a := getattr(self, name)) is not None:
                 out[name] = a
         for name in ("penalties", "sampling"):
@@ -57,4 +60,4 @@ class StepInputs:
 
         packing = Packing(*(arrays[f"packing.{name}"] for name in Packing._fields))
         return cls(arrays["tokens"], packing, arrays["context"], tuple(formats), arrays.get("head_rows"),
-                   tuple_of("penalties"), tuple_of("sampling"), arrays.get("next_tokens"))
+                   tuple_of("penalties"), tuple_of("sampling"), arrays.get("next_tokens"), arrays.get("lora_slots"))

@@ -47,11 +47,18 @@ class Job(Protocol):
 
 def step_inputs(step: list[Segment[Job]], shape: StepShape, model_config: ModelConfig, dtype, vocab_size: int,
                 bucket: Callable[[int], int],
-                penalized: Callable[[int, int], tuple[int, int]] | None = None) -> tuple[StepInputs, list[int]]:
+                penalized: Callable[[int, int], tuple[int, int]] | None = None,
+                lora_slots: Sequence[int] | None = None) -> tuple[StepInputs, list[int]]:
     """The step's device work as host arrays, and each segment's offset in the token buffer. dtype: the
     compute dtype (the context's); bucket: a prompt length's bucket (the penalties' padded prompts);
-    penalized(rows, length): the compiled (rows, length) penalized sampling pads those to (default: as they are)."""
+    penalized(rows, length): the compiled (rows, length) penalized sampling pads those to (default: as they are);
+    lora_slots: each segment's LoRA device slot under --enable-lora (None without it)."""
     tokens, packing, context, offsets = pack(step, shape, model_config, dtype)
+    slots = None
+    if lora_slots is not None:
+        slots = np.zeros((1, shape.tokens), np.int32)  # [1, T]
+        for s, off, slot in zip(step, offsets, lora_slots, strict=True):
+            slots[0, off : off + s.length] = slot
     finishing = [(i, s) for i, s in enumerate(step) if s.last]
     head_rows = penalties = sampling = ahead = None
     if finishing:
@@ -69,7 +76,7 @@ def step_inputs(step: list[Segment[Job]], shape: StepShape, model_config: ModelC
     if any(s.job.sampling.HasField("prompt_logprobs") for s in step):  # this pass's hidden state
         ahead = next_tokens(step, offsets, shape)
     formats = tuple(sorted({(s.job.kv_dtype, s.job.block_size) for s in step}))
-    return StepInputs(tokens, packing, context, formats, head_rows, penalties, sampling, ahead), offsets
+    return StepInputs(tokens, packing, context, formats, head_rows, penalties, sampling, ahead, slots), offsets
 
 
 def pack(step: list[Segment[Job]], shape: StepShape, model_config: ModelConfig, dtype):

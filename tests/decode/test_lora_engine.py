@@ -37,13 +37,14 @@ def _engine(base, max_loras: int, max_cpu_loras: int, **kw) -> DecodeEngine:
 def _request(rid: str, prompt: list[int], max_tokens: int, adapter: AdapterKey | None) -> pb.DecodeRequest:
     sampling = gen_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, ignore_eos=True)
     lora = None if adapter is None else pb.LoraAdapter(name=adapter.name, id=adapter.id, path=adapter.path)
-    return pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, lora=lora)
+    # computed here (the prefill tier computes adapter prompts too; these tests drive the decode tier alone)
+    return pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, lora=lora, local_prefill=True)
 
 
 async def _run(engine: DecodeEngine, rid: str, prompt: list[int], n: int, adapter: AdapterKey | None) -> Sequence:
     seq = engine.add(_request(rid, prompt, n, adapter))
     await seq.admitted
-    assert seq.local_prefill == (adapter is not None) or seq.local_prefill
+    assert seq.local_prefill
     engine.start(seq, await engine.prefill_locally(seq))
     while await seq.events.get() is not None:
         pass

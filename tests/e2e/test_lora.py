@@ -1,16 +1,20 @@
 """LoRA adapters through `pdserve up --enable-lora` (2 prefill + 2 decode workers) and the openai SDK, as vLLM
 serves them: a concurrent batch mixing the base model and two adapters (ranks 8 and 16, different target modules)
-gives each request transformers + peft's greedy tokens; an adapter loaded at runtime serves, unloaded it is a 404;
-bad adapters are refused at load while the server serves on."""
+gives each request transformers + peft's greedy tokens, every prompt prefilled by the prefill tier (the decode
+workers compute none); an adapter loaded at runtime serves, unloaded it is a 404; bad adapters are refused at load
+while the server serves on."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
+import urllib.request
+
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tiny_lora import make_tiny_lora, peft_greedy
@@ -46,12 +50,26 @@ async def _complete(sdk: openai.AsyncOpenAI, model: str, prompt: list[int]):
                                         extra_body={"ignore_eos": True, "return_token_ids": True})
 
 
+def _computed_tokens(cluster) -> dict[str, float]:
+    """Prompt tokens each tier's workers computed (pdserve_prefill_computed_tokens_total: a prefill worker's, or a
+    decode worker's local prefill), summed over the tier."""
+    out = {"prefill": 0.0, "decode": 0.0}
+    for name, address in cluster["metrics"].items():
+        tier = name.split("-")[0]
+        if tier in out:
+            text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+            out[tier] += sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+                             if s.name == "pdserve_prefill_computed_tokens_total")
+    return out
+
+
 def _sdk(cluster) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{cluster['http']}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 async def test_a_concurrent_mixed_batch_gives_each_request_peft_tokens(cluster, tiny_loras):
     base, loras = tiny_loras
+    before = _computed_tokens(cluster)
     async with _sdk(cluster) as sdk:
         models = {m.id: m for m in (await sdk.models.list()).data}
         assert set(models) == {base.name, "ada", "bob"}
@@ -65,6 +83,9 @@ async def test_a_concurrent_mixed_batch_gives_each_request_peft_tokens(cluster, 
         assert answer.usage.completion_tokens == MAX_TOKENS
         assert _token_ids(answer) == expected, name
         assert answer.choices[0].prompt_token_ids == PROMPTS[name]
+    after = _computed_tokens(cluster)  # the prefill tier computed every prompt, the adapters' too
+    assert after["decode"] == before["decode"] == 0
+    assert after["prefill"] - before["prefill"] == sum(len(PROMPTS[n]) for n in names)  # none is a full block
 
 
 def _token_ids(answer) -> list[int]:

@@ -46,3 +46,27 @@ def test_prefix_kv_publishes_stores_and_evictions():
     finally:
         publisher.close()
         sub.close()
+
+
+def test_an_adapters_blocks_hash_its_key_and_their_events_name_it():
+    """A LoRA adapter's prompt: its blocks hash vLLM's extra key ("lora", name, path), so the same tokens under
+    the base model or another adapter find nothing, and its BlockStored event carries lora_id, lora_name."""
+    from pdserve.kvcache.adapter_key import AdapterKey
+    from pdserve.kvcache.block_hash import DEFAULT_HASHER
+    from pdserve.kvcache.kv_events import BlockStored
+
+    published = []
+    recorder = KvEventRecorder(MEDIUM_CPU, type("Sink", (), {"publish": lambda self, b: published.append(b)})())
+    prefix = PrefixKv(num_layers=2, num_kv_heads=1, head_dim=2, dtype=np.float32, budget_bytes=1 << 16, block_size=4,
+                      kv_events=recorder)
+    ada, bob = AdapterKey(1, "ada", "/a"), AdapterKey(2, "bob", "/b")
+    tokens = list(range(1, 12))  # 2 full blocks
+    k = np.arange(2 * 11 * 2, dtype=np.float32).reshape(2, 11, 1, 2)
+    prefix.store(tokens, k, k + 1, ada)
+    assert prefix.lookup(tokens + [99]) is None and prefix.lookup(tokens + [99], adapter=bob) is None
+    hit = prefix.lookup(tokens + [99], adapter=ada)
+    assert hit is not None and np.array_equal(hit[0], k[:, :8])
+    (stored,) = [e for batch in published for e in batch.events if isinstance(e, BlockStored)]
+    assert (stored.lora_id, stored.lora_name, stored.extra_keys) == (1, "ada", [("ada",), ("ada",)])
+    first = DEFAULT_HASHER.block(None, tokens[:4], (("lora", "ada", "/a"),))
+    assert stored.block_hashes[0] == wire(first) and first != DEFAULT_HASHER.block(None, tokens[:4])

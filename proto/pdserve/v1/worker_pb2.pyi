@@ -38,7 +38,7 @@ class KvTarget(_message.Message):
     def __init__(self, address: _Optional[str] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., cached_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "attempt", "token_ids", "sampling", "target", "transfer_token", "sample_index", "ttft_budget_seconds", "arrived_seconds_ago")
+    __slots__ = ("request_id", "attempt", "token_ids", "sampling", "target", "transfer_token", "sample_index", "ttft_budget_seconds", "arrived_seconds_ago", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class PrefillRequest(_message.Message):
     SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TTFT_BUDGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ARRIVED_SECONDS_AGO_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     attempt: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -57,7 +58,8 @@ class PrefillRequest(_message.Message):
     sample_index: int
     ttft_budget_seconds: float
     arrived_seconds_ago: float
-    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., sample_index: _Optional[int] = ..., ttft_budget_seconds: _Optional[float] = ..., arrived_seconds_ago: _Optional[float] = ...) -> None: ...
+    lora: LoraAdapter
+    def __init__(self, request_id: _Optional[str] = ..., attempt: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KvTarget, _Mapping]] = ..., transfer_token: _Optional[bytes] = ..., sample_index: _Optional[int] = ..., ttft_budget_seconds: _Optional[float] = ..., arrived_seconds_ago: _Optional[float] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "prefill_seconds", "first_token_logprob", "prompt_logprobs")
