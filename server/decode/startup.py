@@ -43,6 +43,7 @@ from pdserve.server.decode.weights import build_model
 from pdserve.server.kv_offloading import open_offload
 from pdserve.server.model.config import ModelConfig, load_config
 from pdserve.server.model.fingerprint import fingerprint
+from pdserve.server.model.fp8_checkpoint import load_note
 from pdserve.server.model.weights import load_weights
 from pdserve.server.structured.grammars import Grammars
 
@@ -87,6 +88,8 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
     found = hardware.Hardware(cpu=hardware.cpu(), torch=hardware.torch_probe(), device=str(device), paths=paths)
     log.info("decode hardware: %s", found.describe())
     t0 = time.perf_counter()
+    if note := load_note(config.model_dir, "decode", compute_dtype, device.type):
+        log.info("%s", note)
     model = build_model(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
                         weight_format=weight_dtype if quantized else None, device=device)
     prepared = prepare(model, path)
