@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best (per CPU second) is kept")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--no-vllm", action="store_true", help="pdserve's rows only")
-    ap.add_argument("--model", type=Path, help="an existing checkpoint of this shape (else one is written)")
+    ap.add_argument("--model", type=Path, help="an existing DeepSeek checkpoint (else one of V2-Lite's shape is "
+                    "written)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     dtype = getattr(torch, args.dtype)
@@ -118,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f} at start", flush=True)
     t0 = time.perf_counter()
     model_dir = args.model or make_checkpoint(work / "v2-lite-shape", args.layers, dtype)
-    layers = load_config(model_dir).num_layers
-    print(f"V2-Lite shape, {layers} layers ({layers - 1} MoE), {args.dtype}: {model_dir} "
-          f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    runs = [random_prompts(V2_LITE["vocab_size"], b, PROMPT_TOKENS, seed=b) for b in args.batches]
+    config = load_config(model_dir)
+    layers = config.num_layers
+    print(f"{config.describe()}, {args.dtype}: {model_dir} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    runs = [random_prompts(config.vocab_size, b, PROMPT_TOKENS, seed=b) for b in args.batches]
     ours = pdserve_rates(model_dir, runs, args.max_tokens, args.repeats, dtype)
     theirs = "--no-vllm" if args.no_vllm else vllm_rates(model_dir, runs, args.max_tokens, args.repeats, work,
                                                          dtype=args.dtype, kv_cache_bytes=512 * 2**20)

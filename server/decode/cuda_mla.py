@@ -172,6 +172,7 @@ def paged_mla_decode(
         scale, tiles_per_split,
         H=H, H_PAD=h_pad, C=C, C_PAD=c_pad, R=R, R_PAD=r_pad, BS=bs, TILE_N=tile, QUANT=quant,
         IEEE=q_latent.dtype == torch.float32, PARTIAL=partial,
+        num_warps=8 if h_pad * c_pad >= 16384 else 4,  # the [H, C] f32 accumulator spread over more registers
     )
     if not partial:
         return out

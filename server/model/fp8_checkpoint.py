@@ -37,7 +37,8 @@ class Fp8Blocks:
     block: tuple[int, int] | None
     """[rows, cols] one scale covers; None: one scale per tensor."""
     not_converted: tuple[str, ...] = ()
-    """modules_to_not_convert: module names (or regexes, or suffixes, as transformers matches them) stored unquantized."""
+    """modules_to_not_convert: module names (or regexes, or suffixes, as transformers matches them) stored
+    unquantized."""
 
     @classmethod
     def from_config(cls, quant: Any) -> Fp8Blocks:
@@ -120,7 +121,8 @@ class DequantizedTensors(Mapping[str, np.ndarray]):
             if name.endswith(SCALE_SUFFIX):
                 weight = name[: -len(SCALE_SUFFIX)]
                 if weight not in stored:
-                    raise ModelLoadError(f"the checkpoint holds {name} but no {weight}: it is incomplete; re-download it")
+                    raise ModelLoadError(f"the checkpoint holds {name} but no {weight}: it is incomplete; "
+                                         "re-download it")
                 if stored[weight].dtype != FP8:
                     raise ModelLoadError(f"{weight} is {stored[weight].dtype}, not float8_e4m3fn, yet has a "
                                          f"{SCALE_SUFFIX}: the checkpoint is not the fp8 one config.json describes")
