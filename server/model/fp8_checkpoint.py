@@ -160,5 +160,7 @@ def load_note(model_dir: str | Path, tier: str, dtype: str, device: str) -> str 
     scheme = scheme_of(model_dir)
     if scheme is None:
         return None
+    hint = " (its fp8 matmul with per-channel scales: --quantization fp8, which requantizes them)" \
+        if device == "cuda" else ""
     return (f"{tier} weights: {scheme.describe()} dequantized to {dtype} at load: the {tier} tier has no "
-            f"block-scaled fp8 matmul on {device}, so the weights are not kept fp8")
+            f"block-scaled fp8 matmul on {device}, so the weights are not kept fp8{hint}")

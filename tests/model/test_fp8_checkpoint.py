@@ -63,6 +63,9 @@ def test_the_tiers_log_that_they_dequantize(tiny_fp8_pair):
     assert load_note(fp8, "decode", "bfloat16", "cpu") == (
         "decode weights: fp8 e4m3 checkpoint (128x128 block scales) dequantized to bfloat16 at load: the decode tier "
         "has no block-scaled fp8 matmul on cpu, so the weights are not kept fp8")
+    assert load_note(fp8, "decode", "bfloat16", "cuda").endswith(
+        "on cuda, so the weights are not kept fp8 (its fp8 matmul with per-channel scales: --quantization fp8, which "
+        "requantizes them)")
     assert load_note(twin, "decode", "float32", "cpu") is None
 
 
