@@ -59,6 +59,11 @@ class Fp8Blocks:
         skip = quant.get("modules_to_not_convert") or ()
         if not isinstance(skip, (list, tuple)) or not all(isinstance(s, str) for s in skip):
             raise ValueError(f"modules_to_not_convert {skip!r}: expected a list of module names")
+        for pattern in skip:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"modules_to_not_convert entry {pattern!r} is not a valid pattern ({e})") from e
         return cls(tuple(block) if block is not None else None, tuple(skip))
 
     def describe(self) -> str:

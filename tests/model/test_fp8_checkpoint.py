@@ -108,6 +108,7 @@ def test_a_malformed_checkpoint_is_refused(tiny_fp8_pair, tmp_path, edit, words)
     ({"fmt": "e5m2"}, r"fmt 'e5m2': only e4m3"),
     ({"activation_scheme": "static"}, r"activation_scheme 'static': static activation scales are not applied"),
     ({"weight_block_size": [128]}, r"weight_block_size \[128\]: expected two positive integers"),
+    ({"modules_to_not_convert": ["lm_head", "layers.(1"]}, r"modules_to_not_convert entry 'layers.\(1' is not a valid"),
     ({"quant_method": "gptq"}, r"quant_method 'gptq': pdserve loads fp8 .* --quantization fp8 or int8"),
 ])
 def test_a_quantization_config_pdserve_does_not_serve_is_refused(tiny_fp8_pair, tmp_path, change, words):
