@@ -110,47 +110,52 @@ def checks(device, dry_run: bool, check_type) -> list:
     return out
 
 
-def rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -> None:
-    """Per-layer decode attention times at V2-Lite's shape: the kernel, the gathered torch path, expanded heads."""
+def _point(shape: dict, batch: int, ctx: int, kv_dtype: str, dtype: torch.dtype, device, timed
+           ) -> tuple[float, float, float, int]:
+    """Seconds per layer of (the absorbed kernel, the gathered torch path, expanded heads) at one point, and the
+    latent bytes the kernel reads; every tensor freed on return."""
     from pdserve.server.decode.attention import PagedContext
     from pdserve.server.decode.cuda_mla import paged_mla_decode
     from pdserve.server.decode.mla import latent_attention
 
-    shape = TINY if dry_run else V2_LITE
     H, C, R, bs = shape["H"], shape["C"], shape["R"], shape["bs"]
+    scale = (shape["nope"] + R) ** -0.5
+    width = -(-ctx // bs)
+    cache = _cache(shape, kv_dtype, batch * width, device)
+    tables = torch.arange(batch * width, device=device).view(batch, width)
+    lens = torch.full((batch,), ctx, device=device)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    q = torch.randn(batch, 1, H, C + R, generator=g).to(device, dtype)
+    q_latent, q_rope = q[:, 0, :, :C], q[:, 0, :, C:]
+    kernel = timed(lambda: paged_mla_decode(q_latent, q_rope, cache.k[0], tables, lens, scale))
+    context = PagedContext.build(lens[:, None] - 1, tables, lens, bs, device, dtype, groups=H)
+    gathered = timed(lambda: latent_attention(q, cache, 0, context, scale, C))
+    k = torch.randn(batch, H, ctx, shape["nope"] + R, generator=g).to(device, dtype)  # [B, H, T, nope + R]
+    v = torch.randn(batch, H, ctx, shape["V"], generator=g).to(device, dtype)  # [B, H, T, V]
+    qe = torch.randn(batch, H, 1, shape["nope"] + R, generator=g).to(device, dtype)
+    expanded = timed(lambda: torch.nn.functional.scaled_dot_product_attention(qe, k, v, scale=scale))
+    return kernel, gathered, expanded, batch * ctx * (C + R) * cache.k.element_size()
+
+
+def rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -> None:
+    """Per-layer decode attention times at V2-Lite's shape: the kernel, the gathered torch path, expanded heads."""
+    shape = TINY if dry_run else V2_LITE
     cuda = device.type == "cuda"
     kv_dtype, dtype = ("bfloat16", torch.bfloat16) if cuda else ("float32", torch.float32)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     reps, runs = (1, 1) if dry_run else (50, 3)
-    scale = (shape["nope"] + R) ** -0.5
+    section = "mla decode"
     for batch, ctx in (((2, 40),) if dry_run else ((1, 4096), (16, 4096), (64, 4096))):
         if not out.allows(f"MLA decode B={batch} ctx={ctx}", 1 if dry_run else 15):
             return
-        width = -(-ctx // bs)
-        cache = _cache(shape, kv_dtype, batch * width, device)
-        tables = torch.arange(batch * width, device=device).view(batch, width)
-        lens = torch.full((batch,), ctx, device=device)
-        g = torch.Generator(device="cpu").manual_seed(3)
-        q = torch.randn(batch, 1, H, C + R, generator=g).to(device, dtype)
-        q_latent, q_rope = q[:, 0, :, :C], q[:, 0, :, C:]
-        kernel = _timed(lambda: paged_mla_decode(q_latent, q_rope, cache.k[0], tables, lens, scale), reps, sync, runs)
-        context = PagedContext.build(lens[:, None] - 1, tables, lens, bs, device, dtype, groups=H)
-        gathered = _timed(lambda: latent_attention(q, cache, 0, context, scale, C), reps, sync, runs)
-        k = torch.randn(batch, H, ctx, shape["nope"] + R, generator=g).to(device, dtype)
-        v = torch.randn(batch, H, ctx, shape["V"], generator=g).to(device, dtype)
-        qe = torch.randn(batch, H, 1, shape["nope"] + R, generator=g).to(device, dtype)
-        expanded = _timed(lambda: torch.nn.functional.scaled_dot_product_attention(qe, k, v, scale=scale), reps,
-                          sync, runs)
-        del k, v
-        latent_bytes = batch * ctx * (C + R) * cache.k.element_size()
-        section = "mla decode"
+        kernel, gathered, expanded, latent_bytes = _point(shape, batch, ctx, kv_dtype, dtype, device,
+                                                          lambda fn: _timed(fn, reps, sync, runs))
         out.row(row_type(section, f"absorbed MLA kernel B={batch} ctx={ctx}: us per layer vs the gathered torch path",
                          kernel * 1e6, gathered * 1e6, "us", needs=("mla-kernel",)),
                 row_type(section, f"expanded heads (SDPA over dense K/V) B={batch} ctx={ctx}: us per layer vs the "
                          f"absorbed kernel", expanded * 1e6, kernel * 1e6, "us"),
                 row_type(section, f"absorbed MLA kernel B={batch} ctx={ctx}: latent read vs bandwidth", latent_bytes
                          / kernel / 1e9, read_gbps, "GB/s", needs=("mla-kernel",)))
-        del cache
 
 
 def run(out, device, dry_run: bool, row_type, check_type, log) -> None:
