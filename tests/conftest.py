@@ -32,6 +32,22 @@ def tiny_model(tiny_models_dir):
 
 
 @pytest.fixture(scope="session")
+def tiny_fp8_pair(tiny_models_dir, tiny_model):
+    """tiny_fp8_pair(family) -> (fp8 checkpoint, its float32 twin): the tiny checkpoint's `*_proj` weights in fp8
+    e4m3 with 128x128 block scales as DeepSeek-V3 ships them, layer 0's o_proj left float32 through
+    modules_to_not_convert; the twin holds fp8 x scale (server/model/tiny_fp8.py; built once)."""
+    from pdserve.server.model.tiny_fp8 import make_fp8_pair
+
+    def build(family: str) -> tuple[Path, Path]:
+        fp8, twin = tiny_models_dir / f"{family}-fp8", tiny_models_dir / f"{family}-fp8-twin"
+        if not (twin / "config.json").exists():
+            make_fp8_pair(tiny_model(family), fp8, twin, not_converted=["model.layers.0.self_attn.o_proj"])
+        return fp8, twin
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def tiny_draft(tiny_models_dir):
     """tiny_draft(family) -> a smaller checkpoint (server/model/tiny.py DRAFT_SHAPE, its own random weights) with
     the tiny models' tokenizer: a draft model for draft_model speculation (built once)."""

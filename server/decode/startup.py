@@ -27,13 +27,13 @@ from pdserve.kvcache.kv_events import MEDIUM_GPU, KvEventRecorder
 from pdserve.kvcache.layout import KvLayout
 from pdserve.kvcache.tiered_store import TieredStore
 from pdserve.server import hardware, metrics
-from pdserve.server.decode import cpu_matmul, cpu_moe, cuda_moe
+from pdserve.server.decode import cpu_matmul, cpu_moe, cuda_mla, cuda_moe
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.cuda_attention import have_triton
 from pdserve.server.decode.device import (DEFAULT_GPU_MEMORY_UTILIZATION, cpu_cache_blocks, gpu_cache_blocks,
                                           parse_bytes, profile_step, resolve_device)
 from pdserve.server.decode.engine import DecodeEngine
-from pdserve.server.decode.kv_cache import TORCH_DTYPES, PagedKvCache
+from pdserve.server.decode.kv_cache import QUANTIZED_TORCH_DTYPES, TORCH_DTYPES, PagedKvCache
 from pdserve.server.decode.lora import LoraSlots
 from pdserve.server.decode.model import DecoderModel
 from pdserve.server.decode.model_runner import CudaGraphRunner
@@ -43,6 +43,7 @@ from pdserve.server.decode.weights import build_model
 from pdserve.server.kv_offloading import open_offload
 from pdserve.server.model.config import ModelConfig, load_config
 from pdserve.server.model.fingerprint import fingerprint
+from pdserve.server.model.fp8_checkpoint import load_note
 from pdserve.server.model.weights import load_weights
 from pdserve.server.structured.grammars import Grammars
 
@@ -87,6 +88,8 @@ def build_native_engine(config: DecodeConfig) -> tuple[ModelConfig, DecodeEngine
     found = hardware.Hardware(cpu=hardware.cpu(), torch=hardware.torch_probe(), device=str(device), paths=paths)
     log.info("decode hardware: %s", found.describe())
     t0 = time.perf_counter()
+    if note := load_note(config.model_dir, "decode", compute_dtype, device.type):
+        log.info("%s", note)
     model = build_model(model_config, load_weights(config.model_dir), dtype=TORCH_DTYPES[compute_dtype],
                         weight_format=weight_dtype if quantized else None, device=device)
     prepared = prepare(model, path)
@@ -141,6 +144,15 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
     compute_dtype = str(model.dtype).removeprefix("torch.")
     kv_dtype = compute_dtype if config.kv_dtype == "auto" else config.kv_dtype  # auto: the model's compute dtype
     model.paged_kernel = device.type == "cuda" and have_triton()
+    if model.paged_kernel and model_config.mla is not None:
+        kv_torch = (TORCH_DTYPES | QUANTIZED_TORCH_DTYPES)[kv_dtype]
+        mla = model_config.mla
+        if why := cuda_mla.self_check(model_config.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim,
+                                      config.block_size, model.dtype, kv_torch, device):
+            log.warning("%s: latent attention decodes through the reference path (gathered blocks)", why)
+            model.paged_kernel = False
+        else:
+            log.info("latent attention decodes through the MLA Triton kernel (cuda_mla), checked on this shape")
     if draft is not None:
         draft.paged_kernel = model.paged_kernel
     if device.type == "cuda" and not model.paged_kernel:

@@ -413,10 +413,13 @@ def _refuse_unimplemented(family: Family, raw: dict[str, Any]) -> None:
     mlp_bias) are ignored here too."""
     quant = raw.get("quantization_config")
     if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise _refused(f"quantization_config (quant_method {method!r})",
-                       "pdserve does not load pre-quantized checkpoints; serve the unquantized checkpoint "
-                       "and quantize at load with --quantization fp8 or int8")
+        from pdserve.server.model.fp8_checkpoint import Fp8Blocks
+
+        try:
+            Fp8Blocks.from_config(quant)
+        except ValueError as e:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+            raise _refused(f"quantization_config (quant_method {method!r})", str(e)) from e
     if family in ("gemma2", "gemma3"):
         act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu_tanh"):

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
 from pdserve.server.model.config import ModelLoadError
+from pdserve.server.model.fp8_checkpoint import DequantizedTensors, scheme_of
 
 _DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64),
@@ -97,9 +99,11 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def load_weights(model_dir: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of the checkpoint, by its HF name, in the dtype it is stored in."""
+def load_weights(model_dir: str | Path, dtype: np.dtype | None = None) -> Mapping[str, np.ndarray]:
+    """Every tensor of the checkpoint, by its HF name, in the dtype it is stored in; in an fp8 block-scaled
+    checkpoint (`fp8_checkpoint`) each fp8 weight dequantized when read, into dtype (default float32)."""
     weights: dict[str, np.ndarray] = {}
     for path in checkpoint_files(model_dir):
         weights.update(read_safetensors(path))
-    return weights
+    scheme = scheme_of(model_dir)
+    return weights if scheme is None else DequantizedTensors(weights, scheme, dtype)

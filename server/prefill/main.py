@@ -22,6 +22,7 @@ from pdserve.server import hardware, metrics, serving
 from pdserve.server.cache_dir import compile_cache_dir
 from pdserve.server.model.config import ModelConfig, ModelLoadError, load_config
 from pdserve.server.model.fingerprint import fingerprint
+from pdserve.server.model.fp8_checkpoint import load_note
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
@@ -163,6 +164,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
     dtype = choice.dtype if choice else forced or served_weight_dtype(config.weight_dtype, model_config.dtype,
                                                                       jax.default_backend())
     t0 = time.perf_counter()
+    if note := load_note(config.model_dir, "prefill", str(dtype), jax.default_backend()):
+        log.info("%s", note)
     params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
     matmul, held = xla_matmul, ""
     if choice is not None and choice.path == "onednn-bf16":

@@ -40,6 +40,17 @@ async def test_greedy_tokens_match_transformers_in_one_batch(tiny_model, family)
     await engine.close()
 
 
+async def test_an_fp8_block_scaled_checkpoint_decodes_as_transformers_runs_its_dequantized_twin(tiny_fp8_pair):
+    fp8, twin = tiny_fp8_pair("deepseek_v3")
+    engine = _engine(fp8)
+    seqs = [await _admit(engine, f"r{i}", prompt, 10) for i, prompt in enumerate(PROMPTS)]
+    got = await asyncio.gather(*(_drain(s) for s in seqs))
+    for seq, tokens in zip(seqs, got):
+        assert [seq.output_ids[0], *tokens] == _hf_greedy(twin, seq.prompt_ids, 10)
+    assert _all_back(engine)
+    await engine.close()
+
+
 @pytest.mark.parametrize("family", DEEPSEEK)
 def test_the_cache_holds_transformers_latent_and_rotated_key_only(tiny_model, family):
     """Per token and layer one entry of kv_lora_rank + qk_rope_head_dim values, no V: the kv_a_layernorm'd

@@ -49,3 +49,16 @@ def test_pdserve_up_serves_deepseek_greedy_as_transformers(tiny_model, tmp_path,
         sent = _by_role(port, "pdserve_kv_transfer_bytes_total")
         assert sent["prefill"] == sent["decode"] == tokens * layers * (32 + 16) * 4
     assert "starting 2 prefill and 2 decode workers" in (tmp_path / "up.log").read_text()
+
+
+def test_pdserve_up_serves_an_fp8_deepseek_as_transformers_runs_its_dequantized_twin(tiny_fp8_pair, tmp_path):
+    """DeepSeek-V3's own checkpoint format (fp8 e4m3 weights, 128x128 block scales): both tiers dequantize it
+    at load; their greedy tokens are transformers' on the float32 twin (fp8 x scale)."""
+    from .cluster import pdserve_up
+
+    fp8, twin = tiny_fp8_pair("deepseek_v3")
+    with pdserve_up(fp8, tmp_path, prefill_workers=1, decode_workers=1,
+                    extra_args=["--max-model-len", "128"]) as addresses:
+        assert len(addresses["prefill"]) == 1
+        for prompt in PROMPTS:
+            assert generate(addresses["coordinator"], request(prompt, 8)) == _hf_greedy(twin, prompt, 8)

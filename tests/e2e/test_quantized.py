@@ -101,3 +101,16 @@ def healthy(address: str) -> bool:
     except grpc.RpcError:
         return False
     return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_an_fp8_block_scaled_llama_serves_on_both_tiers_as_transformers_runs_its_twin(tiny_fp8_pair, tmp_path):
+    """A checkpoint in DeepSeek-V3's fp8 format (e4m3 weights, 128x128 block scales) on another family: the prefill
+    worker (first token, the KV sent) and the decode worker both dequantize it at load; the greedy tokens are
+    transformers' on the float32 twin."""
+    from tests.decode.test_engine import _hf_greedy
+
+    fp8, twin = tiny_fp8_pair("llama")
+    with pdserve_up(fp8, tmp_path, prefill_workers=1, decode_workers=1) as state:
+        assert len(state["prefill"]) == 1
+        for prompt in PROMPTS:
+            assert generate(state["coordinator"], request(prompt, MAX_TOKENS)) == _hf_greedy(twin, prompt, MAX_TOKENS)

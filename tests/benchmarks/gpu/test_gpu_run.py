@@ -121,15 +121,16 @@ def test_dry_run_from_a_bare_checkout(bare_dry_run):
     assert "versions: numpy" in run.stderr.splitlines()[0] or "versions: numpy" in run.stderr  # reported first
     assert doc["carried_wheels"] == ["pdserve-probe-carried==1.0"]
     site_dir = doc["environment"]["carried_site"]
-    assert [s["stage"] for s in doc["stages"]] == ["ceilings", "correctness", "decode", "kernels", "prefill",
-                                                   "handoff", "prefill-16k", "served"]
+    assert [s["stage"] for s in doc["stages"]] == ["ceilings", "correctness", "decode", "kernels", "mla",
+                                                   "prefill", "handoff", "prefill-16k", "served"]
     assert all(s["status"] == "ok" and s["sys_path_first"] == site_dir for s in doc["stages"]), doc["stages"]
     groups = {c["group"] for c in doc["checks"]}
     assert all(c["passed"] for c in doc["checks"])
-    assert {"kernel", "eager", "kv", "handoff", "served", "verify-kernel", "moe-kernel", "moe-grouped"} <= groups
+    assert {"kernel", "eager", "kv", "handoff", "served", "verify-kernel", "moe-kernel", "moe-grouped",
+            "mla-kernel"} <= groups
     sections = {r["section"] for r in doc["rows"]}
-    assert {"ceiling", "decode bf16", "decode fp8", "verify attention", "fused moe", "grouped moe", "prefill",
-            "kv-handoff", "served"} <= sections
+    assert {"ceiling", "decode bf16", "decode fp8", "verify attention", "fused moe", "grouped moe", "mla decode",
+            "prefill", "kv-handoff", "served"} <= sections
     verify = [r["measure"] for r in doc["rows"] if r["section"] == "verify attention"]
     assert any("verify k=1 " in m for m in verify) and any("verify k=7 " in m for m in verify)
     prefill = [r["measure"] for r in doc["rows"] if r["section"] == "prefill"]
