@@ -166,6 +166,8 @@ class DecodeEngine(Engine):
                        constraint=request_constraint(self.grammars, request), lora=adapter)
         admitted = self.scheduler.add(seq)
         self.sequences[rid] = seq
+        if adapter is not None:
+            metrics.lora_requests.labels(adapter.key.name).inc()
         self._admitted(admitted)
         return seq
 

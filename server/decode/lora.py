@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.kvcache.adapter_key import AdapterKey
+from pdserve.server import metrics
 from pdserve.server.decode import cuda_lora
 from pdserve.server.decode.cuda_lora import Bgmv
 from pdserve.server.model.config import ModelConfig
@@ -149,8 +150,10 @@ class LoraSlots:
                 evicted, _ = self.host.popitem(last=False)
                 log.info("LoRA adapter %r evicted from host memory (--max-cpu-loras %d)", evicted.name,
                          self.max_cpu_loras)
+        seconds = time.perf_counter() - began
+        metrics.lora_load_seconds.observe(seconds)
         log.info("LoRA adapter %r (id %d, rank %d, %s) loaded from %s in %.1f ms", key.name, key.id, ckpt.rank,
-                 "/".join(ckpt.targets), key.path, (time.perf_counter() - began) * 1e3)
+                 "/".join(ckpt.targets), key.path, seconds * 1e3)
         return packed
 
     def fit(self, adapters: Seq[LoraAdapter | None]) -> list[bool]:
@@ -193,3 +196,13 @@ class LoraSlots:
         slot = self.resident.pop(victim)
         log.info("LoRA adapter %r left device slot %d (--max-loras %d)", victim.name, slot, self.max_loras)
         return slot
+
+
+def adapters_in_flight(running: Seq, sequences: dict) -> tuple[list[str], list[str]]:
+    """(the adapters of the running sequences, those of the others: waiting for their KV, blocks or a step's slot),
+    each name once, in the order of their first sequence (vllm:lora_requests_info's labels). Read from the
+    metrics server's thread: copies first, the event loop may change them meanwhile."""
+    running, waiting = list(running), list(sequences.values())
+    ids = {id(s) for s in running}
+    names = list(dict.fromkeys(s.lora.key.name for s in running if s.lora is not None))
+    return names, list(dict.fromkeys(s.lora.key.name for s in waiting if s.lora is not None and id(s) not in ids))
