@@ -156,6 +156,12 @@ class LoraSlots:
                  "/".join(ckpt.targets), key.path, seconds * 1e3)
         return packed
 
+    def held(self) -> tuple[list[AdapterKey], list[AdapterKey]]:
+        """(the adapters in device slots, those packed in host memory), least recently used first: what the worker
+        advertises in its load reports (`WorkerLoad.device_loras`, `host_loras`) for the coordinator's routing."""
+        with self._lock:
+            return list(self.resident), list(self.host)
+
     def fit(self, adapters: Seq[LoraAdapter | None]) -> list[bool]:
         """Which rows one step can take: every base row, and the rows of the first max_loras distinct adapters."""
         taken: set[AdapterKey] = set()
