@@ -4,7 +4,9 @@ CPU runs the same math as two `bmm`s over the gathered matrices, `lora.LoraRows.
 For M rows x [M, in] (a step's tokens), each with its adapter's device slot [M], and one fused module's stacks
 A [slots, in, R], B [slots, R, out] (R = k x --max-lora-rank, `lora.LoraAdapter.pack`):
 
-1. `shrink` (a program per (row, tile of R)): v[m] = x[m] @ A[slot[m]], accumulated in fp32 into v [M, R] f32;
+1. `shrink` (a program per (row, tile of R, slice of `in`)): v[m] = x[m] @ A[slot[m]], accumulated in fp32 and
+   the slices' sums added atomically into v [M, R] f32 (split-K, as punica's shrink: a decode batch has few rows,
+   so one program per row would leave most of a GPU idle while each walked all of `in`);
 2. `expand` (a program per (row, tile of out)): out[m] = y[m] + v[m] @ B[slot[m]], y the base matmul's output.
 
 A row in slot 0 (the base model) reads neither A nor B: `shrink` returns at once, `expand` copies y, so its
@@ -24,6 +26,8 @@ import torch
 
 BLOCK_K = 64
 """Input columns one iteration of `shrink` reads."""
+SPLIT_K = 256
+"""Input columns one `shrink` program sums (its slice of `in`)."""
 BLOCK_N = 64
 """Output columns one `expand` program writes."""
 
@@ -39,20 +43,21 @@ def _kernels():
 
     @triton.jit
     def shrink(X, A, SLOT, V, K, R, stride_x, stride_as, stride_ak, stride_v,
-               BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-        """V[m, r tile] = X[m] @ A[SLOT[m], :, r tile] in fp32; nothing for slot 0."""
+               BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
+        """V[m, r tile] += X[m, k slice] @ A[SLOT[m], k slice, r tile] in fp32 (V zeroed); nothing for slot 0."""
         m = tl.program_id(0).to(tl.int64)
         s = tl.load(SLOT + m).to(tl.int64)
         if s != 0:
             r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+            first = tl.program_id(2) * SPLIT_K
             acc = tl.zeros([BLOCK_R], tl.float32)
-            for start in range(0, K, BLOCK_K):
+            for start in range(first, first + SPLIT_K, BLOCK_K):
                 k = start + tl.arange(0, BLOCK_K)
                 x = tl.load(X + m * stride_x + k, mask=k < K, other=0.0).to(tl.float32)  # [BLOCK_K]
                 a = tl.load(A + s * stride_as + k[:, None] * stride_ak + r[None, :],
                             mask=(k[:, None] < K) & (r[None, :] < R), other=0.0).to(tl.float32)  # [BLOCK_K, BLOCK_R]
                 acc += tl.sum(x[:, None] * a, 0)
-            tl.store(V + m * stride_v + r, acc, mask=r < R)
+            tl.atomic_add(V + m * stride_v + r, acc, mask=r < R)
 
     @triton.jit
     def expand(V, B, Y, SLOT, OUT, N, R, stride_v, stride_bs, stride_br, stride_y, stride_out,
@@ -98,11 +103,12 @@ def bgmv(x: torch.Tensor, y: torch.Tensor, slot: torch.Tensor, a: torch.Tensor, 
     slots = slot.repeat_interleave(S) if S > 1 else slot  # [M]
     M = B_ * S
     block_r = _block_r(R)
-    v = torch.empty(M, R, dtype=torch.float32, device=x.device)
+    v = torch.zeros(M, R, dtype=torch.float32, device=x.device)
     out = torch.empty(M, N, dtype=y.dtype, device=y.device)
     shrink, expand = _kernels()
-    shrink[(M, -(-R // block_r))](rows, a, slots, v, K, R, rows.stride(0), a.stride(0), a.stride(1), v.stride(0),
-                                  BLOCK_K=BLOCK_K, BLOCK_R=block_r)
+    shrink[(M, -(-R // block_r), -(-K // SPLIT_K))](rows, a, slots, v, K, R, rows.stride(0), a.stride(0),
+                                                    a.stride(1), v.stride(0), BLOCK_K=BLOCK_K, BLOCK_R=block_r,
+                                                    SPLIT_K=SPLIT_K)
     expand[(M, -(-N // BLOCK_N))](v, b, base, slots, out, N, R, v.stride(0), b.stride(0), b.stride(1),
                                   base.stride(0), out.stride(0), BLOCK_N=BLOCK_N, BLOCK_R=block_r)
     return out.reshape(y.shape)

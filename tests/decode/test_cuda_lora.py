@@ -39,7 +39,7 @@ def _stacks(slots: int, fan_in: int, rank: int, out: int, dtype: torch.dtype, se
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("rows", "tokens", "fan_in", "rank", "out"), [
     (6, 1, 96, 48, 200),  # decode rows; a fused rank of 3 x 16; a ragged last output tile
-    (5, 1, 130, 8, 64),  # a ragged input tile; one rank tile smaller than BLOCK_R
+    (5, 1, 600, 8, 64),  # three slices of the input (split-K), the last ragged; a rank tile smaller than BLOCK_R
     (1, 7, 64, 96, 72),  # a local prefill's row: 7 tokens reading one slot; two rank tiles
 ])
 def test_bgmv_gives_the_torch_paths_sums(dtype, rows, tokens, fan_in, rank, out):
