@@ -1,5 +1,5 @@
 """The decode tier's LoRA deltas on CUDA as two Triton kernels (punica's BGMV: batched gather matrix-vector; the
-CPU runs the same math as two `bmm`s over the gathered matrices, `lora.LoraRows.apply`).
+CPU runs the same sums as two dense matmuls over the used slots, `lora.bgmv_dense`).
 
 For M rows x [M, in] (a step's tokens), each with its adapter's device slot [M], and one fused module's stacks
 A [slots, in, R], B [slots, R, out] (R = k x --max-lora-rank, `lora.LoraAdapter.pack`):
@@ -89,7 +89,7 @@ def _block_r(rank: int) -> int:
 def bgmv(x: torch.Tensor, y: torch.Tensor, slot: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """y [B, S, out] (the base matmul of x [B, S, in]) plus each row's adapter delta (x @ A[slot]) @ B[slot], in a
     new tensor of y's dtype; every token of row i reads slot[i]. A [slots, in, R], B [slots, R, out] with unit
-    stride in their last dimension (a layer's view of `LoraSlots.stacks`)."""
+    stride in their last dimension (a layer's stacks of `LoraSlots.stacks`, A's viewed slot-first)."""
     B_, S, K = x.shape
     N, R = y.shape[-1], a.shape[-1]
     rows = x.reshape(B_ * S, K)
@@ -116,7 +116,7 @@ def bgmv(x: torch.Tensor, y: torch.Tensor, slot: torch.Tensor, a: torch.Tensor, 
 
 def bgmv_torch(x: torch.Tensor, y: torch.Tensor, slot: torch.Tensor, a: torch.Tensor, b: torch.Tensor
                ) -> torch.Tensor:
-    """The same sum by two `bmm`s over the gathered matrices (the CPU's path, the kernels' reference)."""
+    """The same sums by two `bmm`s over each row's gathered A and B: the kernels' reference."""
     delta = torch.bmm(torch.bmm(x.to(a.dtype), a[slot]), b[slot])  # [B, S, out]
     return y + delta.to(y.dtype)
 

@@ -91,3 +91,24 @@ def test_a_mixed_decode_step_through_the_kernels_gives_the_torch_paths_logits(ti
     assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
     assert torch.equal(got[1], plain[1])
+
+
+@needs_triton
+def test_a_local_prefill_through_the_kernels_applies_its_adapter(tiny_loras):
+    """One adapter alone (`LoraAdapter.rows`: a local prefill's 9 tokens) sits in slot 1 of its own stacks, slot 0
+    the zeros, so the kernels (which skip slot 0) apply it: the logits the dense path gives, not the base model's."""
+    base, loras = tiny_loras
+    config = load_config(base)
+    model = build_model(config, load_weights(base))
+    cache = PagedKvCache(KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, 4, "float32"), 16)
+    slots = LoraSlots(config, 1, 1, 16, torch.float32, torch.device("cpu"))
+    dense = slots.adapter(AdapterKey(1, "bob", str(loras["bob"]))).rows(torch.device("cpu"))
+    assert dense.kernel is None and dense.slot.tolist() == [1]
+    kernel = LoraRows(dense.slot, dense.stacks, cuda_lora.bgmv)
+    ids = torch.tensor([11, 22, 33, 44, 55, 66, 77, 88, 99])
+    with torch.inference_mode():
+        want = model.prefill(ids, [0, 1, 2], cache, lora=dense)
+        got = model.prefill(ids, [3, 4, 5], cache, lora=kernel)
+        plain = model.prefill(ids, [6, 7, 8], cache)
+    assert ((got - want).abs().max() / want.abs().max()).item() < 1e-4
+    assert not torch.allclose(got, plain, atol=1e-3)
