@@ -83,7 +83,7 @@ def lora_rows(device, out, dry_run: bool, row_type, timed, sync) -> None:
         layer[name] = (w, *_stacks(fan_in, fan_out, k * RANK, dtype, device, seed=i),
                        torch.randn(batch, 1, fan_in, generator=g).to(device, dtype))
     slot = (torch.arange(batch) % ADAPTERS + 1).to(device)  # 4 rows per adapter, no base row
-    mask = slot_mask(slot, 1, dtype)
+    mask = slot_mask(slot, 1)
     in_first = {name: a.transpose(0, 1).contiguous() for name, (_, a, _, _) in layer.items()}  # LoraSlots' layout
 
     def step(bgmv) -> None:

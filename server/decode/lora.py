@@ -105,7 +105,7 @@ class LoraRows:
     stacks: dict[str, tuple[torch.Tensor, torch.Tensor]]
     kernel: Bgmv | None = None
     _masks: dict = field(default_factory=dict, repr=False)
-    """The dense path's one-hot masks [B S, n, 1] by (S, dtype), made once per forward."""
+    """The dense path's one-hot masks [B S, n, 1] by S, made once per forward."""
 
     def apply(self, layer: int, module: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [B, S, out] (the base matmul of x [B, S, in]) plus each row's adapter delta (BGMV)."""
@@ -115,17 +115,17 @@ class LoraRows:
         a, b = stack[0][layer], stack[1][layer]  # [in, slots, k R], [slots, k R, out]
         if self.kernel is not None:
             return self.kernel(x, y, self.slot, a.transpose(0, 1), b)  # A viewed [slots, in, k R], no copy
-        key = (x.shape[1], a.dtype)
-        if key not in self._masks:
-            self._masks[key] = slot_mask(self.slot, x.shape[1], a.dtype)
-        return bgmv_dense(x, y, self._masks[key], a, b)
+        tokens = x.shape[1]
+        if tokens not in self._masks:
+            self._masks[tokens] = slot_mask(self.slot, tokens)
+        return bgmv_dense(x, y, self._masks[tokens], a, b)
 
 
-def slot_mask(slot: torch.Tensor, tokens: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B tokens, n, 1]: 1 in each row's slot among slots 1..n (n: the highest slot a row reads), else 0 (slot 0,
-    the base model, in none)."""
+def slot_mask(slot: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[B tokens, n, 1] bool: each row's slot among slots 1..n (n: the highest slot a row reads); slot 0 (the base
+    model) none."""
     n = max(int(slot.max().item()), 1)
-    onehot = torch.nn.functional.one_hot(slot, n + 1)[:, 1:].to(dtype)  # [B, n]
+    onehot = torch.nn.functional.one_hot(slot, n + 1)[:, 1:].bool()  # [B, n]
     return onehot.repeat_interleave(tokens, dim=0)[:, :, None]
 
 
@@ -136,7 +136,8 @@ def bgmv_dense(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor, a: torch.Te
     B, S, fan_in = x.shape
     n, rank = mask.shape[1], a.shape[-1]
     shrunk = x.reshape(B * S, fan_in).to(a.dtype) @ a[:, 1 : 1 + n].reshape(fan_in, n * rank)  # [B S, n k R]
-    masked = (shrunk.view(B * S, n, rank) * mask).view(B * S, n * rank)
+    # selected, not multiplied: another adapter's overflow (inf x 0 = nan) never reaches a row
+    masked = torch.where(mask, shrunk.view(B * S, n, rank), 0).view(B * S, n * rank)
     delta = masked @ b[1 : 1 + n].reshape(n * rank, -1)  # [B S, out]
     return y + delta.view(*y.shape).to(y.dtype)
 
