@@ -25,7 +25,7 @@ def test_a_tiny_run_gives_base_and_mixed_itl_for_both_engines(tiny_model, tmp_pa
         assert isinstance(row, dict), row  # a string: why the engine did not run
         for kind in ("base", "mixed"):
             assert row[kind]["steps"] == 4, row  # 5 tokens: the first from the prefill, then 4 decode steps
-            assert row[kind]["itl_ms"] > 0
+            assert row[kind]["itl_ms"] > 0 and row[kind]["cpu_ms_per_step"] > 0
     assert sorted(p.name for p in base.parent.glob(f"{base.name}-lora-r8-*")) == \
         [f"{base.name}-lora-r8-0", f"{base.name}-lora-r8-1"]
 
