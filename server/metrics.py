@@ -195,6 +195,10 @@ vllm_kv_tokens_loaded = _pd(Counter, "vllm_kv_tokens_loaded",
                             "Prompt tokens whose KV the connector wrote into vLLM's cache")
 vllm_kv_load_failures = _pd(Counter, "vllm_kv_load_failures",
                             "Requests whose pushed KV vLLM could not load (it recomputed them)")
+lora_requests = _pd(Counter, "lora_requests", "Requests a decode worker took for each LoRA adapter (base-model "
+                    "requests are not counted)", ("lora_name",))
+lora_load_seconds = _pd(Histogram, "lora_load_seconds", "LoRA adapter loads from disk (read, checked, packed for "
+                        "the fused matmuls), each also logged in ms", buckets=LATENCY_BUCKETS)
 local_prefill_fallbacks = _pd(Counter, "local_prefill_fallbacks", "Prompts prefilled on a decode worker (no prefill worker alive)")
 num_preemptions = _pd(Counter, "num_preemptions", "Decode sequences preempted (blocks freed, re-prefilled later)",
                       vllm="num_preemptions")
@@ -388,3 +392,39 @@ REGISTRY.register(_OffloadCollector())
 def watch_kv_offload(stats: Callable[[], tuple[dict[str, dict[str, int]], int]]) -> None:
     """Exports the offload tiers' counters (`TieredStore.stats()`, its save drops) at scrape time."""
     _offload_stats[:] = [stats]
+
+
+_lora_state: list[tuple[int, Callable[[], tuple[list[str], list[str]]]]] = []
+"""--max-loras and the adapters of the running and the waiting requests, read at scrape time (`watch_lora`)."""
+
+
+class _LoraInfoCollector:
+    """vllm:lora_requests_info as vLLM 0.32 defines it (vllm/v1/metrics/loggers.py): a gauge whose value is the
+    time it was read (vLLM's set_to_current_time) and whose labels carry the state, max_lora (--max-loras),
+    waiting_lora_adapters and running_lora_adapters (the adapters' names, comma-joined in the order their first
+    request came, "" for none); beside this process's identity. Read live at each scrape: one series, never a stale
+    one (vLLM's keeps every past label set, a reader takes the newest)."""
+
+    def collect(self):
+        import time
+
+        from prometheus_client.core import GaugeMetricFamily
+
+        if not _lora_state:
+            return
+        max_loras, state = _lora_state[0]
+        running, waiting = state()
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=[*IDENTITY, "max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+        family.add_metric([_identity["model_name"], _identity["role"], str(max_loras), ",".join(waiting),
+                           ",".join(running)], time.time())
+        yield family
+
+
+REGISTRY.register(_LoraInfoCollector())
+
+
+def watch_lora(max_loras: int, state: Callable[[], tuple[list[str], list[str]]]) -> None:
+    """Exports vllm:lora_requests_info (--enable-lora only, as vLLM): state() -> (the adapters of the running
+    requests, those of the waiting ones), each name once."""
+    _lora_state[:] = [(max_loras, state)]

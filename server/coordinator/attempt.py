@@ -157,7 +157,7 @@ class Attempt:
         while True:
             if not await router.has_ready("decode", r.deadline):  # one marked dead by a call may be back
                 raise r.no_worker_left("decode")
-            decode = await router.decode(len(self.prompt), self.prompt, r.deadline, placement)
+            decode = await router.decode(len(self.prompt), self.prompt, r.deadline, placement, r.req.lora)
             self._hold(decode, placement)
             if self.prefill is None:
                 self.prefill = await router.prefill(r.deadline, placement, self.prompt)

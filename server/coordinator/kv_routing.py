@@ -9,6 +9,9 @@ active blocks):
   disaggregation, the worker computes them): they are also the blocks the prefill tier transfers. A held block
   costs its medium's share of a compute (`MEDIUM_LOAD_COST`: 0 on the worker's own device cache, more from host
   memory or disk, an unknown medium the most), and active blocks are the KV blocks in use there (the decode load).
+  A LoRA adapter's request looks its prefix up under the adapter's block hashes (vLLM's extra key, as the workers
+  hash and publish its blocks) and adds what making the adapter usable there costs (lora_routing.py: nothing in a
+  device slot, a few blocks from host memory, more from disk).
 - Prefill: `weight x tokens to compute + queued prefill tokens`, the tokens past the worker's held prefix (its host
   prefix KV's events) against its queue.
 Ties go to the prompt's rendezvous order (policies.prefix_aware's), so every replica places a cold prompt alike.
@@ -23,11 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pdserve.kvcache.adapter_key import AdapterKey
 from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.server.coordinator.kv_index import KvIndex
+from pdserve.server.coordinator.lora_routing import ADAPTER_LOAD_COST, residency
 from pdserve.server.coordinator.policies import _fits, _rank, _shortest_queue, route_key
 
 if TYPE_CHECKING:
+    from pdserve.server.coordinator.adapters import Adapter
     from pdserve.server.coordinator.worker_pool import Worker
 
 MEDIUM_LOAD_COST: dict[str, float] = {"GPU": 0.0, "CPU": 0.1, "STORAGE": 0.3, "DISK": 0.3}
@@ -53,6 +59,8 @@ class Estimate:
     queue: float
     """Decode: the worker's KV blocks in use; prefill: its queued prompt tokens."""
     cost: float
+    adapter: str = ""
+    """Decode, a LoRA adapter's request: where the worker holds it (device | host | disk); "" for the base model."""
 
 
 def medium_cost(media: tuple[str, ...], tier: str) -> float:
@@ -72,43 +80,56 @@ class KvRouting:
         """The index has a view of the worker (its snapshot read: live or partial)."""
         return self.index.state(worker.address) in ("live", "partial")
 
-    def estimate(self, worker: Worker, prompt: list[int], hashes: dict[int, list[bytes]]) -> Estimate:
-        """The prompt's cost on `worker`; `hashes` caches the prompt's block hashes per block size."""
+    def estimate(self, worker: Worker, prompt: list[int], hashes: dict[int, list[bytes]],
+                 adapter: Adapter | None = None) -> Estimate:
+        """The prompt's cost on `worker` (for `adapter`'s request: its blocks' hashes, and its load there);
+        `hashes` caches the prompt's block hashes per block size."""
         tier = worker.role
         view = self.index.views.get(worker.address)
         block_size = view.block_size if view is not None else worker.block_size()
         if block_size not in hashes:  # the last token is always computed: its block is never looked up
-            hashes[block_size] = self.hasher.hashes(prompt, block_size, limit=(len(prompt) - 1) // block_size)
+            extra = None if adapter is None else AdapterKey(adapter.id, adapter.name, adapter.path).extra_keys
+            hashes[block_size] = self.hasher.hashes(prompt, block_size, limit=(len(prompt) - 1) // block_size,
+                                                    extra_keys=extra)
         cached, media = self.index.longest_prefix(worker.address, hashes[block_size])
         compute = -(-len(prompt) // block_size) - cached
         load = sum(medium_cost(m, tier) for m in media)
+        where = ""
         if tier == "decode":
             queue = float(worker.info.load.total_kv_blocks - worker.free_kv_blocks()) if worker.info else 0.0
-            cost = self.overlap_weight * (compute + load) + queue
+            lora = 0.0
+            if adapter is not None:
+                where = residency(worker, adapter)
+                lora = ADAPTER_LOAD_COST[where]
+            cost = self.overlap_weight * (compute + load + lora) + queue
         else:
             queue = float(worker.queued_prefill_tokens())
             cost = self.overlap_weight * max(len(prompt) - (cached - load) * block_size, 0) + queue
-        return Estimate(worker, cached, compute, load, queue, cost)
+        return Estimate(worker, cached, compute, load, queue, cost, where)
 
-    def _least(self, workers: list[Worker], prompt: list[int]) -> tuple[Estimate, str]:
+    def _least(self, workers: list[Worker], prompt: list[int], adapter: Adapter | None = None
+               ) -> tuple[Estimate, str]:
         hashes: dict[int, list[bytes]] = {}
-        estimates = [self.estimate(w, prompt, hashes) for w in workers]
+        estimates = [self.estimate(w, prompt, hashes, adapter) for w in workers]
         key = route_key(prompt, workers[0].block_size())
         rank = (lambda e: _rank(key, e.worker)) if key is not None else (lambda e: e.worker.address.encode())
         best = min(estimates, key=lambda e: (e.cost, tuple(-b for b in rank(e))))
         exact = all(self.index.state(e.worker.address) == "live" for e in estimates)
-        reason = "kv-index" if best.cached_blocks else "kv-load"
+        reason = "kv-index" if best.cached_blocks else f"lora-{best.adapter}" if best.adapter in ("device", "host") \
+            else "kv-load"
         return best, reason if exact else "kv-index-partial"
 
-    def pick_decode(self, workers: list[Worker], tokens: int, prompt: list[int]) -> tuple[Worker | None, str] | None:
-        """The decode worker of least expected cost among those with room for `tokens`, and why; None when the
-        index knows none of `workers` (the caller's policy decides)."""
+    def pick_decode(self, workers: list[Worker], tokens: int, prompt: list[int], adapter: Adapter | None = None
+                    ) -> tuple[Worker | None, str] | None:
+        """The decode worker of least expected cost among those with room for `tokens` (for `adapter`'s request:
+        its prefix and its load), and why; None when the index knows none of `workers` (the caller's policy
+        decides)."""
         if not prompt or not any(self.known(w) for w in workers):
             return None
         fitting = [w for w in workers if _fits(w, tokens)]
         if not fitting:
             return _shortest_queue(workers), "queue"
-        best, reason = self._least(fitting, prompt)
+        best, reason = self._least(fitting, prompt, adapter)
         return best.worker, reason
 
     def pick_prefill(self, workers: list[Worker], prompt: list[int]) -> tuple[Worker, str] | None:

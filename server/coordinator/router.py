@@ -4,7 +4,9 @@
    prefill worker under `prefill_inflight_per_worker` calls from here, by the prefill policy. With the
    KV index (`kv`: the workers publish KV events), the prefix-aware decode policy and the prefill pick
    go by what each worker holds instead (kv_routing.py), the policies being the fallback. A choice
-   of a request with n > 1 prefers where the leader's prompt KV is (shared_prompt.py). None with room:
+   of a request with n > 1 prefers where the leader's prompt KV is (shared_prompt.py). A LoRA adapter's request
+   prefers the decode workers holding the adapter, in a device slot then in host memory (lora_routing.py; with
+   the KV index, as a cost beside its prefix's). None with room:
    the request waits in that tier's queue (admission.py) until one has, or its deadline passes. Each
    pick is counted by its reason (`routing_decisions`).
 2. Hold: the picked decode worker counts the request (in flight, its blocks reserved) and the prefill
@@ -17,13 +19,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from pdserve.server import metrics
 from pdserve.server.coordinator.admission import Deadline, TierQueue
 from pdserve.server.coordinator.kv_routing import KvRouting
+from pdserve.server.coordinator.lora_routing import holders
 from pdserve.server.coordinator.policies import DECODE_PICKERS, PREFILL_PICKERS, prefix_aware
 from pdserve.server.coordinator.shared_prompt import Placement
 from pdserve.server.coordinator.worker_pool import Tier, Worker, WorkerPool
+
+if TYPE_CHECKING:
+    from pdserve.server.coordinator.adapters import Adapter
 
 
 class Router:
@@ -51,17 +58,22 @@ class Router:
     # ---- 1. pick ----------------------------------------------------------------
 
     def pick_decode(self, tokens: int = 0, prompt: list[int] | None = None,
-                    placement: Placement | None = None) -> Worker | None:
+                    placement: Placement | None = None, adapter: Adapter | None = None) -> Worker | None:
         """A decode worker with room for a request whose KV holds `tokens`: the leader's when it has room
-        for what is this choice's own, else by the decode policy."""
+        for what is this choice's own, else by the KV index, else by the decode policy (for a LoRA adapter's
+        request, among the workers holding it first)."""
         if placement is not None and placement.takes(tokens):
             return _counted("decode", placement.decode, "shared-prompt")
         workers = self.pool.ready("decode")
         if self.kv is not None and prompt and self.decode_policy is prefix_aware:
-            picked = self.kv.pick_decode(workers, tokens, prompt)
+            picked = self.kv.pick_decode(workers, tokens, prompt, adapter)
             if picked is not None:
                 return _counted("decode", *picked)
         reason = "rendezvous" if self.decode_policy is prefix_aware else self.decode_policy_name
+        if adapter is not None and workers:
+            workers, where = holders(workers, adapter, tokens)
+            if where != "disk":
+                reason = f"lora-{where}"
         return _counted("decode", self.decode_policy(workers, tokens, prompt=prompt), reason)
 
     def pick_prefill(self, placement: Placement | None = None, prompt: list[int] | None = None) -> Worker | None:
@@ -84,10 +96,10 @@ class Router:
         return bool(self.pool.ready(role))
 
     async def decode(self, tokens: int, prompt: list[int], deadline: Deadline,
-                     placement: Placement | None = None) -> Worker:
+                     placement: Placement | None = None, adapter: Adapter | None = None) -> Worker:
         """A decode worker with room now, or after waiting in the decode queue; raises RequestFailed."""
-        return await self.decode_queue.acquire(self.pool, lambda: self.pick_decode(tokens, prompt, placement),
-                                               deadline)
+        return await self.decode_queue.acquire(
+            self.pool, lambda: self.pick_decode(tokens, prompt, placement, adapter), deadline)
 
     async def prefill(self, deadline: Deadline, placement: Placement | None = None,
                       prompt: list[int] | None = None) -> Worker | None:

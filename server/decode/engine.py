@@ -151,7 +151,16 @@ class DecodeEngine(Engine):
             max_running_requests=self.max_running,
             max_waiting_requests=scheduler.max_queue,
             cached_kv_blocks=scheduler.cache.num_cached,
+            **self._loras_held(),
         )
+
+    def _loras_held(self) -> dict[str, list[pb.LoraAdapter]]:
+        """The load report's adapters (--enable-lora): in device slots, and packed in host memory."""
+        if self.lora is None:
+            return {}
+        device, host = self.lora.held()
+        return {"device_loras": [pb.LoraAdapter(name=k.name, id=k.id, path=k.path) for k in device],
+                "host_loras": [pb.LoraAdapter(name=k.name, id=k.id, path=k.path) for k in host]}
 
     # ---- requests ---------------------------------------------------------------
 
@@ -167,6 +176,8 @@ class DecodeEngine(Engine):
                        constraint=request_constraint(self.grammars, request), lora=adapter)
         admitted = self.scheduler.add(seq)
         self.sequences[rid] = seq
+        if adapter is not None:
+            metrics.lora_requests.labels(adapter.key.name).inc()
         self._admitted(admitted)
         return seq
 

@@ -17,6 +17,7 @@ from pdserve.server import metrics, serving
 from pdserve.server.malformed import MalformedInterceptor
 from pdserve.server.decode.config import DecodeConfig
 from pdserve.server.decode.engine_api import Engine
+from pdserve.server.decode.lora import adapters_in_flight
 from pdserve.server.decode.service import DecodeService
 from pdserve.server.decode.startup import build_native_engine
 from pdserve.server.kv_events_source import kv_events_source
@@ -121,6 +122,8 @@ async def start(config: DecodeConfig, options: serving.WorkerOptions = serving.W
     metrics.watch_kv_blocks(lambda: engine.num_free_blocks, lambda: engine.num_total_blocks)
     metrics.num_requests_running.set_function(lambda: len(engine.running))
     metrics.num_requests_waiting.set_function(lambda: len(engine.sequences) - len(engine.running))
+    if getattr(engine, "lora", None) is not None:  # --enable-lora (the vLLM engine serves no adapters yet)
+        metrics.watch_lora(engine.lora.max_loras, lambda: adapters_in_flight(engine.running, engine.sequences))
     metrics.serve_metrics(options.metrics_port, config.host)
     log.info("decode worker listening on %s:%d%s", config.host, port,
              f" (KV transfer on port {kv_port})" if kv_server is not None else "")

@@ -265,6 +265,7 @@ def lora_slots(config: DecodeConfig, model: DecoderModel) -> LoraSlots | None:
     slots = LoraSlots(model.config, config.max_loras, config.cpu_loras, config.max_lora_rank, dtype,
                       model.embed.device)
     log.info("LoRA: %d device slots (--max-loras), %d adapters in host memory (--max-cpu-loras), rank <= %d, %s; "
-             "steps with adapters run eagerly", config.max_loras, config.cpu_loras, config.max_lora_rank,
-             str(dtype).removeprefix("torch."))
+             "steps with adapters run eagerly; deltas by %s (%s)", config.max_loras, config.cpu_loras,
+             config.max_lora_rank, str(dtype).removeprefix("torch."),
+             "the Triton BGMV kernels" if slots.kernel else "gathered bmm", slots.kernel_why)
     return slots

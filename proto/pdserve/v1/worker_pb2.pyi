@@ -290,7 +290,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queued_prefill_tokens", "running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "max_running_requests", "prefill_buckets", "max_waiting_requests", "cached_kv_blocks")
+    __slots__ = ("queued_prefill_tokens", "running_requests", "waiting_requests", "free_kv_blocks", "total_kv_blocks", "max_running_requests", "prefill_buckets", "max_waiting_requests", "cached_kv_blocks", "device_loras", "host_loras")
     QUEUED_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +300,8 @@ class WorkerLoad(_message.Message):
     PREFILL_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     MAX_WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CACHED_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_LORAS_FIELD_NUMBER: _ClassVar[int]
+    HOST_LORAS_FIELD_NUMBER: _ClassVar[int]
     queued_prefill_tokens: int
     running_requests: int
     waiting_requests: int
@@ -309,7 +311,9 @@ class WorkerLoad(_message.Message):
     prefill_buckets: _containers.RepeatedCompositeFieldContainer[PrefillBucket]
     max_waiting_requests: int
     cached_kv_blocks: int
-    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[_Union[PrefillBucket, _Mapping]]] = ..., max_waiting_requests: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ...) -> None: ...
+    device_loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    host_loras: _containers.RepeatedCompositeFieldContainer[LoraAdapter]
+    def __init__(self, queued_prefill_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_running_requests: _Optional[int] = ..., prefill_buckets: _Optional[_Iterable[_Union[PrefillBucket, _Mapping]]] = ..., max_waiting_requests: _Optional[int] = ..., cached_kv_blocks: _Optional[int] = ..., device_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ..., host_loras: _Optional[_Iterable[_Union[LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class PrefillBucket(_message.Message):
     __slots__ = ("max_tokens", "queued_tokens", "queued_prompts", "tokens_per_second", "expected_wait_seconds")

@@ -127,9 +127,10 @@ def test_dry_run_from_a_bare_checkout(bare_dry_run):
     groups = {c["group"] for c in doc["checks"]}
     assert all(c["passed"] for c in doc["checks"])
     assert {"kernel", "eager", "kv", "handoff", "served", "verify-kernel", "moe-kernel", "moe-grouped",
-            "mla-kernel"} <= groups
+            "mla-kernel", "lora-kernel"} <= groups
     sections = {r["section"] for r in doc["rows"]}
     assert {"ceiling", "decode bf16", "decode fp8", "verify attention", "fused moe", "grouped moe", "mla decode",
+            "lora bgmv",
             "prefill", "kv-handoff", "served"} <= sections
     verify = [r["measure"] for r in doc["rows"] if r["section"] == "verify attention"]
     assert any("verify k=1 " in m for m in verify) and any("verify k=7 " in m for m in verify)
