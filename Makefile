@@ -33,8 +33,11 @@ demo: install
 	$(VENV)/bin/pdserve demo
 
 # The vLLM decode tests need .venv-vllm; here they fail rather than skip when it is missing.
+# Two pytest-xdist workers, a test file per worker at a time (a file's shared cluster starts once); TEST_WORKERS=1
+# runs the suite in one process, TEST_WORKERS=4 on a larger machine.
+TEST_WORKERS ?= 2
 test: install vllm-venv
-	PDSERVE_REQUIRE_VLLM=1 $(PY) -m pytest -q
+	PDSERVE_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 bench: install
 	$(PY) -m pdserve.benchmarks.tiers

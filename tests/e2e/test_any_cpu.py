@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 
 from pdserve.server import hardware
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free, worker_info
-from tests.e2e.test_parity import PROMPTS, generate_ids, hf_greedy
+from tests.e2e.parity_cases import PROMPTS, generate_ids, hf_greedy
 
 pytestmark = pytest.mark.skipif(hardware.cpu().arch != "x86_64",
                                 reason=f"PDSERVE_CPU_ISA caps x86_64 CPUs; this one is {hardware.cpu().arch}")

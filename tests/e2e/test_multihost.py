@@ -16,7 +16,7 @@ from pdserve.server.client import stream
 from pdserve.server.launcher import free_port
 from pdserve.server.prefill.prefix_kv import BLOCK_SIZE
 from tests.e2e.procs import Proc, Procs, counter, request
-from tests.e2e.test_parity import LONG_PROMPTS, PROMPTS, generate_ids, hf_greedy
+from tests.e2e.parity_cases import LONG_PROMPTS, PROMPTS, generate_ids, hf_greedy
 
 def devices(n: int) -> dict[str, str]:
     """The environment of processes with n CPU devices each."""

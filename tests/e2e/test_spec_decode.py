@@ -16,7 +16,7 @@ from pdserve.server.client import build_request, stream
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
 from tests.e2e.procs import (Procs, Stream, blocks, counter, generate, list_workers, request, wait_blocks_free,
                              wait_until)
-from tests.e2e.test_parity import SPEC, hf_greedy
+from tests.e2e.parity_cases import SPEC, hf_greedy
 
 PROMPTS = [
     "def f(x):\n    return x * 2\n\ndef g(x):\n    return",
@@ -24,7 +24,7 @@ PROMPTS = [
     "import os\nimport sys\nimport os\n",
     "for i in range(10):\n    print(i)\n",
 ]
-MAX_TOKENS = 12  # what test_parity.hf_greedy generates
+MAX_TOKENS = 12  # what parity_cases.hf_greedy generates
 
 
 def _ids(addr: str, prompt: str) -> list[int]:

@@ -27,7 +27,7 @@ from pdserve.server.model.tiny import WINDOW
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free, worker_info
 from tests.e2e.procs import Procs, Stream, counter, generate, list_workers, request, wait_blocks_free, wait_until
 from tests.e2e.test_prefix_cache import hf_greedy as hf_greedy_n
-from tests.e2e.test_parity import LONG_PROMPTS, MAX_TOKENS, PROMPTS, generate_ids, hf_greedy
+from tests.e2e.parity_cases import LONG_PROMPTS, MAX_TOKENS, PROMPTS, generate_ids, hf_greedy
 from tests.kvcache.kv_events_helpers import chain, wire
 from tests.vllm_python import VLLM_PYTHON, require_vllm_python
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
-from tests.e2e.test_parity import generate_ids, hf_greedy
+from tests.e2e.parity_cases import generate_ids, hf_greedy
 
 SHARED = "def handler(request, response):\n    status = request.status\n    body = response.body\n" * 2
 
