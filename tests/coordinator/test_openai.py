@@ -71,7 +71,7 @@ async def client(cluster):
 
 
 def sdk(cluster: Cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{cluster.base}/v1", api_key="unused", max_retries=0)
+    return openai.AsyncOpenAI(base_url=f"{cluster.base}/v1", api_key="unused", max_retries=0, timeout=30)
 
 
 async def test_completion_without_stream(cluster, client):
