@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
@@ -39,7 +38,8 @@ from pdserve.server import metrics
 from pdserve.server.decode import cuda_lora
 from pdserve.server.decode.cuda_lora import Bgmv
 from pdserve.server.model.config import ModelConfig
-from pdserve.server.model.lora import LoraCheckpoint, load_lora, projection_shapes
+from pdserve.server.model.lora import LoraCheckpoint, projection_shapes
+from pdserve.server.model.lora_host import HostAdapters
 
 log = logging.getLogger("pdserve.decode")
 
@@ -152,11 +152,13 @@ class LoraSlots:
             raise ValueError(f"--max-cpu-loras ({max_cpu_loras}) must be >= --max-loras ({max_loras})")
         self.config, self.max_loras, self.max_cpu_loras, self.max_rank = config, max_loras, max_cpu_loras, max_rank
         self.dtype, self.device = dtype, device
-        self.host: OrderedDict[AdapterKey, LoraAdapter] = OrderedDict()
+        self.host: HostAdapters[LoraAdapter] = HostAdapters(
+            config, max_cpu_loras, max_rank, lambda key, ckpt: LoraAdapter.pack(key, ckpt, config, max_rank, dtype),
+            log, metrics.lora_load_seconds.observe)
         self.resident: OrderedDict[AdapterKey, int] = OrderedDict()
         """Adapter -> its device slot (1..max_loras), least recently used first."""
         self._lock = threading.Lock()
-        """`adapter` runs on the event loop and in local prefills' threads."""
+        """`held` reads the slots for the load reports."""
         shapes, R = projection_shapes(config), max_rank
         self.stacks: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for module, projs in fused_modules(config).items():
@@ -169,27 +171,8 @@ class LoraSlots:
         """The CUDA kernels where they run (None: the torch path), and why."""
 
     def adapter(self, key: AdapterKey) -> LoraAdapter:
-        """The adapter packed on the host: from the LRU, else loaded from its path (LoraLoadError if it cannot
-        be: the request is refused, the worker serves on)."""
-        with self._lock:
-            packed = self.host.get(key)
-            if packed is not None:
-                self.host.move_to_end(key)
-                return packed
-        began = time.perf_counter()
-        ckpt = load_lora(key.name, key.path, self.config, self.max_rank)
-        packed = LoraAdapter.pack(key, ckpt, self.config, self.max_rank, self.dtype)
-        with self._lock:
-            self.host[key] = packed
-            while len(self.host) > self.max_cpu_loras:
-                evicted, _ = self.host.popitem(last=False)
-                log.info("LoRA adapter %r evicted from host memory (--max-cpu-loras %d)", evicted.name,
-                         self.max_cpu_loras)
-        seconds = time.perf_counter() - began
-        metrics.lora_load_seconds.observe(seconds)
-        log.info("LoRA adapter %r (id %d, rank %d, %s) loaded from %s in %.1f ms", key.name, key.id, ckpt.rank,
-                 "/".join(ckpt.targets), key.path, seconds * 1e3)
-        return packed
+        """The adapter packed on the host (`HostAdapters.get`)."""
+        return self.host.get(key)
 
     def held(self) -> tuple[list[AdapterKey], list[AdapterKey]]:
         """(the adapters in device slots, those packed in host memory), least recently used first: what the worker

@@ -16,8 +16,6 @@ does not target (or a layer it skips) stays zeros.
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,7 +26,8 @@ import numpy as np
 
 from pdserve.kvcache.adapter_key import AdapterKey
 from pdserve.server.model.config import ModelConfig
-from pdserve.server.model.lora import LoraCheckpoint, load_lora, projection_shapes
+from pdserve.server.model.lora import LoraCheckpoint, projection_shapes
+from pdserve.server.model.lora_host import HostAdapters
 from pdserve.server.prefill.lora_rows import Stacks
 
 log = logging.getLogger("pdserve.prefill")
@@ -96,11 +95,11 @@ class PrefillLoras:
         self.config, self.groups = config, groups
         self.max_loras, self.max_cpu_loras, self.max_rank = max_loras, max_cpu_loras, max_rank
         self.dtype = np.dtype(dtype)
-        self.host: OrderedDict[AdapterKey, PrefillAdapter] = OrderedDict()
+        self.host: HostAdapters[PrefillAdapter] = HostAdapters(
+            config, max_cpu_loras, max_rank, lambda key, ckpt: PrefillAdapter.pack(key, ckpt, config, max_rank,
+                                                                                  self.dtype), log)
         self.resident: OrderedDict[AdapterKey, int] = OrderedDict()
         """Adapter -> its device slot (1..max_loras), least recently used first."""
-        self._lock = threading.Lock()
-        """`adapter` runs in the service's loading threads."""
         shapes, n = projection_shapes(config), max_loras + 1
         self.stacks: list[Stacks] = [
             {proj: (jnp.zeros((size, n, fan_in, max_rank), self.dtype), jnp.zeros((size, n, max_rank, fan_out),
@@ -118,25 +117,8 @@ class PrefillLoras:
         return sum(a.nbytes + b.nbytes for stacks in self.stacks for a, b in stacks.values())
 
     def adapter(self, key: AdapterKey) -> PrefillAdapter:
-        """The adapter packed on the host: from the LRU, else loaded from its path (LoraLoadError if it cannot
-        be: the request is refused, the worker serves on)."""
-        with self._lock:
-            packed = self.host.get(key)
-            if packed is not None:
-                self.host.move_to_end(key)
-                return packed
-        began = time.perf_counter()
-        ckpt = load_lora(key.name, key.path, self.config, self.max_rank)
-        packed = PrefillAdapter.pack(key, ckpt, self.config, self.max_rank, self.dtype)
-        with self._lock:
-            self.host[key] = packed
-            while len(self.host) > self.max_cpu_loras:
-                evicted, _ = self.host.popitem(last=False)
-                log.info("LoRA adapter %r evicted from host memory (--max-cpu-loras %d)", evicted.name,
-                         self.max_cpu_loras)
-        log.info("LoRA adapter %r (id %d, rank %d, %s) loaded from %s in %.1f ms", key.name, key.id, ckpt.rank,
-                 "/".join(ckpt.targets), key.path, (time.perf_counter() - began) * 1e3)
-        return packed
+        """The adapter packed on the host (`HostAdapters.get`)."""
+        return self.host.get(key)
 
     def slots(self, adapters: Sequence[PrefillAdapter | None]) -> list[int]:
         """Each segment's device slot (0: the base model), loading the adapters not resident into the least
