@@ -31,8 +31,9 @@ class Cluster:
         return out
 
     def free_blocks(self) -> tuple[int, int]:
-        pool = self.decode.engine.pool
-        return pool.num_free, pool.num_total
+        """(blocks free or evictable: cached blocks no sequence holds and ended sequences' tails, all blocks)."""
+        engine = self.decode.engine
+        return engine.num_free_blocks, engine.pool.num_total
 
     async def stop(self) -> None:
         await self.channel.close()
