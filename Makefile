@@ -33,11 +33,12 @@ demo: install
 	$(VENV)/bin/pdserve demo
 
 # The vLLM decode tests need .venv-vllm; here they fail rather than skip when it is missing.
-# Two pytest-xdist workers, a test file per worker at a time (a file's shared cluster starts once); TEST_WORKERS=1
-# runs the suite in one process, TEST_WORKERS=4 on a larger machine.
-TEST_WORKERS ?= 2
+# One process: on 2 cores two pytest-xdist workers took as long (20:18 against 20:15; the suite's servers use both
+# cores already). On a larger machine: make test PYTEST_ARGS="-n 4 --dist loadfile" (a file per worker at a time,
+# so a file's shared cluster starts once).
+PYTEST_ARGS ?=
 test: install vllm-venv
-	PDSERVE_REQUIRE_VLLM=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=10
+	PDSERVE_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=10 $(PYTEST_ARGS)
 
 bench: install
 	$(PY) -m pdserve.benchmarks.tiers
