@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import msgspec
 
 from pdserve.kvcache.adapter_key import AdapterKey
+from pdserve.kvcache.tail_cache import is_tail_key
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
@@ -114,13 +115,18 @@ class KvEventRecorder:
             extra_keys=None if adapter is None else [adapter.event_extra_keys] * len(hashes), group_idx=0))
 
     def removed(self, h: bytes, medium: str | None = None, locality: str | None = None) -> None:
-        """A block evicted (from `medium`, this recorder's by default)."""
+        """A block evicted (from `medium`, this recorder's by default); a tail's key (`tail_cache.tail_key`, no
+        vLLM block) none."""
+        if is_tail_key(h):
+            return
         self._append(BlockRemoved(block_hashes=[self.wire(h)], medium=medium or self.medium, group_idx=0,
                                   locality=locality))
 
     def offloaded(self, h: bytes, medium: str, locality: str | None = None) -> None:
         """A block stored in an offload tier, known there by its hash alone: vLLM's offloading connector's
-        placeholder BlockStored (no token ids, no parent, block_size 0)."""
+        placeholder BlockStored (no token ids, no parent, block_size 0); a tail's key none."""
+        if is_tail_key(h):
+            return
         self._append(BlockStored(block_hashes=[self.wire(h)], parent_block_hash=None, token_ids=[], block_size=0,
                                  lora_id=None, medium=medium, lora_name=None, group_idx=0, locality=locality))
 

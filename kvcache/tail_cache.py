@@ -9,12 +9,22 @@ copied into a fresh block of the new sequence (which writes after it: copy on wr
 (`add`) unchanged. A tail's block is never in a block table, so its KV never changes while it is here; it leaves
 (its block freed) when the LRU bound is passed or when blocks are needed (`PrefixCache.allocate` evicts tails
 first). Tails are not full blocks: no KV event names them.
+
+With offload tiers, a tail that leaves is handed to `TailCache.spill` first (its block still intact): the decode
+worker saves its KV under `tail_key`, a name of its own that no full block's hash can take, and a later turn loads
+it back from there (`server/decode/kv_offload.py`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+
+TAIL_KEY_PREFIX = b"pdserve-tail:"
+"""Begins every tail's key in the offload tiers: with the 32-byte digest after it, 45 bytes, a length no block hash
+has (sha256: 32, xxhash: 8 or 16), so a tail is never found, served or announced as a full block."""
 
 
 @dataclass(frozen=True)
@@ -33,12 +43,24 @@ class Tail:
         return self.parent, self.extra_keys, self.tokens
 
 
+def tail_key(parent: bytes | None, extra_keys: tuple | None, tokens: tuple[int, ...]) -> bytes:
+    """The tail's name in the offload tiers: `TAIL_KEY_PREFIX` and a sha256 of (parent, extra keys, token ids)."""
+    return TAIL_KEY_PREFIX + hashlib.sha256(repr((parent, extra_keys, tuple(tokens))).encode()).digest()
+
+
+def is_tail_key(key: bytes) -> bool:
+    """Whether an offload tier's key names a tail (`tail_key`), not a full block."""
+    return len(key) == len(TAIL_KEY_PREFIX) + 32 and key.startswith(TAIL_KEY_PREFIX)
+
+
 class TailCache:
     """At most `max_blocks` tails, least recently used first; each holds one reference to its block, which the
     caller frees for the tails `add` and `evict` return."""
 
-    def __init__(self, max_blocks: int) -> None:
+    def __init__(self, max_blocks: int, spill: Callable[[list[Tail]], None] | None = None) -> None:
         self.max_blocks = max_blocks
+        self.spill = spill
+        """Takes the tails `evict` drops, before their blocks are freed (the offload tiers' save)."""
         self._lru: OrderedDict[tuple, Tail] = OrderedDict()
         self._by_parent: dict[tuple, set[tuple[int, ...]]] = {}
         """(parent, extra keys) -> the token ids of the tails after that chain."""
@@ -69,9 +91,12 @@ class TailCache:
         return None if best is None else self._remove((parent, extra_keys, best))
 
     def evict(self, n: int) -> list[int]:
-        """Drops the n least recently used tails (fewer when fewer are kept); their block ids."""
-        victims = list(self._lru)[: max(n, 0)]
-        return [self._remove(key).block_id for key in victims]
+        """Drops the n least recently used tails (fewer when fewer are kept), handed to `spill` first; their block
+        ids."""
+        victims = [self._remove(key) for key in list(self._lru)[: max(n, 0)]]
+        if self.spill is not None and victims:
+            self.spill(victims)
+        return [tail.block_id for tail in victims]
 
     def _remove(self, key: tuple) -> Tail:
         tail = self._lru.pop(key)

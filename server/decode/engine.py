@@ -268,7 +268,7 @@ class DecodeEngine(Engine):
             if seq.tail_copy is not None:  # a kept tail's KV into its own block, before anything computes past it
                 self.cache.copy_block(seq.tail_copy[0].block_id, seq.tail_copy[1])
                 self.scheduler.tail_copied(seq)
-            if seq.offload_loads:
+            if seq.offload_loads or seq.offload_tail:
                 self._busy.add(seq.request_id)  # an abort meanwhile frees its blocks after the load
                 task = asyncio.ensure_future(self._load_offloaded(seq))
                 self._loads.add(task)
@@ -291,18 +291,23 @@ class DecodeEngine(Engine):
         """Loads the sequence's blocks the offload tiers hold, then announces it; a block that failed to load and
         those after it are no longer hits (the prefill tier sends them)."""
         loads, seq.offload_loads = seq.offload_loads, []
+        tail, seq.offload_tail = seq.offload_tail, None
+        tail_loaded = False
         try:
-            loaded, copies = await self.offload.load(loads)
+            loaded, copies = await self.offload.load(loads) if loads else (0, [])
+            if tail is not None and loaded == len(loads):  # the tail's KV follows the full blocks' only
+                tail_loaded, tail_copies = await self.offload.load_tail(*tail)
+                copies = [*copies, *tail_copies]
         except Exception:
             log.exception("request %s: loading %d KV blocks from the offload tiers failed; computing them",
-                          seq.request_id, len(loads))
+                          seq.request_id, len(loads) + (tail is not None))
             loaded, copies = 0, []
         finally:
             self._busy.discard(seq.request_id)
         if copies:
             self._copies.setdefault(seq.request_id, []).extend(copies)
         if seq.state is SeqState.WAITING_KV:
-            if loaded < len(loads):
+            if loaded < len(loads) or (tail is not None and not tail_loaded):
                 seq.num_hit_blocks -= len(loads) - loaded
                 seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_hit_blocks * self.layout.block_size)
             self._announce(seq)

@@ -12,8 +12,9 @@ A sequence's life here:
    blocks, listed in `offload_loads`, which the engine loads before it announces the sequence admitted. A sequence
    computed here (a local prefill, a readmitted one) also takes a kept tail (`kvcache/tail_cache.py`) whose tokens
    follow those blocks: its KV is copied into the sequence's next fresh block (`tail_copy`, done by the engine, then
-   `tail_copied`) and the prompt is computed from after it. (A prompt the prefill tier computes takes none: the
-   prefill worker computes and sends that block whole.)
+   `tail_copied`) and the prompt is computed from after it; a new prompt with offload tiers whose device cache
+   lacks that tail takes one the tiers hold (`offload_tail`, loaded with `offload_loads`). (A prompt the prefill
+   tier computes takes none: the prefill worker computes and sends that block whole.)
 3. `start`: its KV arrived; it runs. Its full prompt blocks enter the prefix cache, and each later block (the
    answer's) as soon as its KV is complete (`finished_step`: the step after its last token ran), so the next
    turn of a conversation finds its history, the model's own answers included, cached here. Only accepted tokens
@@ -61,6 +62,10 @@ class Offload(Protocol):
 
     def spill(self, evicted: list[tuple[int, bytes]]) -> None: ...
 
+    def held_tail(self, parent: bytes | None, extra_keys: tuple | None, tokens: list[int]) -> Tail | None: ...
+
+    def spill_tails(self, tails: list[Tail]) -> None: ...
+
 
 class QueueFull(Exception):
     """The waiting queue holds `max_queue` new sequences already."""
@@ -104,6 +109,7 @@ class Scheduler:
         if self.cache.enabled and not self.drops_blocks:
             self.offload = offload
             self.cache.spill = offload.spill
+            self.cache.tails.spill = offload.spill_tails
 
     @property
     def num_free_blocks(self) -> int:
@@ -164,16 +170,22 @@ class Scheduler:
             held = len(hits) + offloaded
             tail = self.cache.take_tail(hashes[held - 1] if held else None, extra_keys(seq.adapter_key),
                                         seq.token_ids[held * self.block_size : reusable])
-            num_cached = min(held * self.block_size + (len(tail.tokens) if tail else 0), kv_tokens)
+            saved_tail = None  # one the device cache dropped, that the tiers hold (loaded for a prompt computed here)
+            if tail is None and self.offload is not None and not resuming and self.cache.tails.max_blocks:
+                saved_tail = self.offload.held_tail(hashes[held - 1] if held else None, extra_keys(seq.adapter_key),
+                                                    seq.token_ids[held * self.block_size : reusable])
+            found = tail or saved_tail
+            num_cached = min(held * self.block_size + (len(found.tokens) if found else 0), kv_tokens)
             # Conditional disaggregation: a prompt this worker mostly holds is computed here.
             local = seq.local_prefill or (not resuming and seq.local_prefill_rule is not None
                                           and seq.local_prefill_rule.local(len(seq.prompt_ids), num_cached))
             # No block behind the windows of its first query: the prompt's first output when the prefill tier
             # sends the KV (it sends none there), else the first token computed here.
             computed_here = resuming or local
-            if tail is not None and not computed_here:  # the prefill tier computes and sends its block whole
-                self.cache.keep_tail(tail)
-                tail, num_cached = None, min(held * self.block_size, kv_tokens)
+            if found is not None and not computed_here:  # the prefill tier computes and sends its block whole
+                if tail is not None:
+                    self.cache.keep_tail(tail)
+                tail, saved_tail, num_cached = None, None, min(held * self.block_size, kv_tokens)
             dropped = self.behind_window(num_cached if computed_here else len(seq.prompt_ids))
             if need - max(len(hits), dropped) > self.cache.num_available:
                 self.cache.free(hits)
@@ -194,6 +206,7 @@ class Scheduler:
             else:
                 seq.num_hit_blocks = len(hits) + offloaded
                 seq.offload_loads = list(zip(fresh[:offloaded], hashes[len(hits) : len(hits) + offloaded]))
+                seq.offload_tail = None if saved_tail is None else (seq.block_table[held], saved_tail)
                 seq.local_prefill = local
                 seq.state = SeqState.WAITING_KV
                 self.loading.append(seq)

@@ -60,6 +60,9 @@ class Sequence:
     tail_copy: tuple[Tail, int] | None = None
     """Admitted after a kept tail (`kvcache/tail_cache.py`): the tail, its block held by this sequence, whose KV the
     engine copies into the block id given before the sequence computes past it (`Scheduler.tail_copied`)."""
+    offload_tail: tuple[int, Tail] | None = None
+    """Admitted after a tail the offload tiers hold (`kv_offload.py`): the block id its KV is loaded into, after the
+    `offload_loads`; a load that fails makes its tokens uncached (computed)."""
     num_stale_blocks: int = 0
     """Leading blocks whose windowed layers' KV never arrived (the prefill tier sends no KV behind a sliding
     window; `KvLayout.stale_tokens`): no other sequence may reuse them from the prefix cache."""

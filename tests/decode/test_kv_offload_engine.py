@@ -1,7 +1,8 @@
 """The decode engine over offload tiers: a prompt whose blocks the device cache evicted is served again from the
 host tier (its KV loaded, not computed) with transformers' greedy tokens; a truncated file, a full disk and a worker
 killed mid-save cost only misses; a prefill worker's prefix KV and a decode worker share blocks through the shared
-directory, both ways."""
+directory, both ways; a conversation's tail the device cache dropped comes back from the host tier (its KV that
+transformers computes), and one lost or corrupt there is computed again."""
 
 from __future__ import annotations
 
@@ -13,17 +14,18 @@ import numpy as np
 import torch
 
 from pdserve.kvcache import disk_store
-from pdserve.kvcache.block_bytes import layout_fingerprint
+from pdserve.kvcache.block_bytes import layout_fingerprint, unpack_block
 from pdserve.kvcache.block_hash import DEFAULT_HASHER
 from pdserve.kvcache.disk_store import DiskStore
 from pdserve.kvcache.host_store import HostStore
 from pdserve.kvcache.layout import KvLayout
+from pdserve.kvcache.tail_cache import TAIL_KEY_PREFIX, is_tail_key
 from pdserve.kvcache.tiered_store import TieredStore
 from pdserve.server.model.config import load_config
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.prefill.prefix_kv import PrefixKv
 
-from tests.decode.test_engine import _admit, _all_back, _drain, _engine, _hf_greedy
+from tests.decode.test_engine import _admit, _all_back, _drain, _engine, _hf_greedy, _request
 
 BS = 4
 FIRST = list(range(3, 14))  # 11 tokens: 2 full blocks the prefix cache may reuse
@@ -190,3 +192,67 @@ async def test_a_prefill_worker_loads_what_a_decode_worker_saved_to_the_shared_d
         np.testing.assert_allclose(v, hv[:, :8], atol=1e-4)
     finally:
         prefill.offload.close()
+
+
+
+async def _next_turn(engine, damage=lambda: None):
+    """Serves FIRST (3 answer tokens: KV for 13 tokens, 3 full blocks and a 1-token tail), then OTHER (which takes
+    every block: the tail and the full blocks are saved to the tiers), `damage()`, then the conversation's next
+    turn (FIRST, the answer, 3 new tokens) computed here: the turn, the tokens cached at its admission, the KV of
+    its 4th block then (the tail's slot first), its prompt and its tokens."""
+    _, answer = await _serve(engine, "first", FIRST, 3)
+    await _serve(engine, "other", OTHER, 2)
+    assert engine.offload.store.wait_saved(10) and engine.offload.tails_saved >= 1  # FIRST's tail among them
+    damage()
+    prompt = FIRST + answer + [90, 91, 92]
+    seq = engine.add(_request("turn2", prompt, 4))
+    await seq.admitted
+    cached = seq.num_cached_tokens
+    kv = unpack_block(engine.cache.layout, engine.cache.block_bytes([seq.block_table[3]])[0])
+    engine.start(seq, await engine.prefill_locally(seq))
+    return seq, cached, kv, prompt, [seq.output_ids[0], *await _drain(seq)]
+
+
+async def test_a_dropped_tail_comes_back_from_the_host_tier_with_transformers_kv_and_tokens(tiny_model):
+    path = tiny_model("llama")
+    engine = _engine(path, num_blocks=8, block_size=BS, offload=TieredStore([host := HostStore(1 << 20)]))
+    try:
+        seq, cached, kv, prompt, tokens = await _next_turn(engine)
+        assert any(is_tail_key(k) for k in host.keys())
+        assert (seq.num_hit_blocks, cached, engine.offload.tails_loaded) == (3, 13, 1)  # 13: 3 blocks and the tail
+        hk, hv = _hf_kv(path, prompt)  # the tail's KV as loaded: what transformers computes at position 12
+        np.testing.assert_allclose(kv.k[:, :1], hk[:, 12:13], atol=1e-4)
+        np.testing.assert_allclose(kv.v[:, :1], hv[:, 12:13], atol=1e-4)
+        assert tokens == _hf_greedy(path, prompt, 4)
+        assert _all_back(engine)
+    finally:
+        await engine.close()
+
+
+async def test_a_tail_lost_from_the_host_tier_or_corrupt_on_disk_is_computed_again(tiny_model, tmp_path):
+    path = tiny_model("llama")
+    host = HostStore(1 << 20)
+    engine = _engine(path, num_blocks=8, block_size=BS, offload=TieredStore([host]))
+    real_get = host.get
+    host.get = lambda key: None if is_tail_key(key) else real_get(key)  # held at admission, gone when loaded
+    try:
+        seq, cached, _, prompt, tokens = await _next_turn(engine)
+        assert (seq.num_hit_blocks, cached, engine.offload.tails_loaded) == (3, 12, 0)
+        assert tokens == _hf_greedy(path, prompt, 4)
+    finally:
+        await engine.close()
+    disk = DiskStore(tmp_path, 1 << 20, _fp(path))
+    engine = _engine(path, num_blocks=8, block_size=BS, offload=TieredStore([disk]))
+
+    def truncate_tails():
+        tails = [f for f in tmp_path.iterdir() if TAIL_KEY_PREFIX.hex() in f.name]
+        assert tails
+        for f in tails:
+            f.write_bytes(f.read_bytes()[:-100])
+
+    try:
+        seq, cached, _, prompt, tokens = await _next_turn(engine, truncate_tails)
+        assert (seq.num_hit_blocks, cached, engine.offload.tails_loaded, disk.stats.rejected) == (3, 12, 0, 1)
+        assert tokens == _hf_greedy(path, prompt, 4)
+    finally:
+        await engine.close()

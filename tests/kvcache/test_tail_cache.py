@@ -1,12 +1,15 @@
 """TailCache and the prefix cache's tails: the longest matching tail under the same chain and adapter, LRU-bounded,
-evicted before any full block when blocks are needed, no KV event."""
+evicted before any full block when blocks are needed (handed to the offload tiers' spill first), no KV event; a
+tail's key in the tiers is its own, never a block hash."""
 
 from __future__ import annotations
 
+from pdserve.kvcache.block_hash import BlockHasher
 from pdserve.kvcache.block_pool import BlockPool
+from pdserve.kvcache.host_store import HostStore
 from pdserve.kvcache.kv_events import KvEventRecorder
 from pdserve.kvcache.prefix_cache import PrefixCache
-from pdserve.kvcache.tail_cache import Tail, TailCache
+from pdserve.kvcache.tail_cache import TAIL_KEY_PREFIX, Tail, TailCache, is_tail_key, tail_key
 
 ADA = (("lora", "ada", "/a"),)
 
@@ -58,3 +61,36 @@ def test_a_disabled_prefix_cache_keeps_no_tail():
     block = cache.allocate(1)[0]
     cache.keep_tail(Tail(block, None, None, (1,)))
     assert cache.pool.num_free == 2 and cache.take_tail(None, None, [1, 2]) is None
+
+
+def test_evicted_tails_are_handed_to_spill_before_their_blocks_are_freed():
+    spilled = []
+    cache = PrefixCache(BlockPool(3), max_tails=2)
+    cache.tails.spill = lambda tails: spilled.append([(t.block_id, cache.pool.ref_count(t.block_id)) for t in tails])
+    a, b, c = cache.allocate(3)
+    cache.keep_tail(Tail(a, None, None, (1,)))
+    cache.keep_tail(Tail(b, b"h", None, (2, 3)))
+    cache.keep_tail(Tail(c, b"h", None, (4,)))  # past the bound: a, the least recently used, leaves
+    assert spilled == [[(a, 1)]]  # still held while spilled: its KV intact
+    assert cache.allocate(2) == [a, b] and spilled == [[(a, 1)], [(b, 1)]]  # taken for blocks: spilled too
+    cache.keep_tail(Tail(a, None, None, (2,)))
+    cache.keep_tail(Tail(b, None, None, (2,)))  # an equal tail kept already: b freed, nothing spilled
+    assert len(spilled) == 2 and cache.pool.num_free == 1 and len(cache.tails) == 2
+
+
+def test_a_tail_key_is_its_own_and_never_a_block_hash_nor_a_kv_event():
+    key = tail_key(b"p" * 32, None, (1, 2))
+    assert key == tail_key(b"p" * 32, None, [1, 2]) and key.startswith(TAIL_KEY_PREFIX) and len(key) == 45
+    assert len({key, tail_key(b"p" * 32, ADA, (1, 2)), tail_key(None, None, (1, 2)), tail_key(b"p" * 32, None, (1,)),
+                tail_key(b"q" * 32, None, (1, 2))}) == 5
+    assert is_tail_key(key) and not is_tail_key(key[:-1]) and not is_tail_key(b"x" * 45)
+    for algo in ("sha256", "sha256_cbor"):  # 32 bytes (xxhash's: 16)
+        assert not is_tail_key(BlockHasher(algo).hashes([1, 2, 3, 4], 4)[0])
+    published = []
+    recorder = KvEventRecorder("GPU", publisher=type("Sink", (), {"publish": lambda self, b: published.append(b)})())
+    host = HostStore(100, events=recorder)
+    assert host.put(key, b"k" * 60) and host.put(b"h" * 32, b"b" * 60)  # the block evicts the tail: no event
+    assert host.evict(b"h" * 32)
+    recorder.flush()
+    kinds = [(type(e).__name__, len(e.block_hashes)) for batch in published for e in batch.events]
+    assert kinds == [("BlockStored", 1), ("BlockRemoved", 1)]  # the block's, none for the tail
