@@ -90,7 +90,9 @@ def _unsplittable(config: ModelConfig, tp: int, ep: int = 1) -> list[str]:
     else:
         sizes = [("num_kv_heads", config.num_kv_heads)]
     bad = [f"{what} ({n})" for what, n in sizes if n % tp]
-    return bad + [f"num_experts ({moe.num_experts})"] * (moe is not None and moe.num_experts % (tp * ep) > 0)
+    if moe is not None and moe.num_experts % (tp * ep):  # over tp x ep together
+        bad.append(f"num_experts ({moe.num_experts})")
+    return bad
 
 
 def _fitting_sizes(config: ModelConfig, num_devices: int, num_processes: int, ep: int = 1) -> list[int]:

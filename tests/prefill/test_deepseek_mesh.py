@@ -20,6 +20,7 @@ import jax, jax.numpy as jnp, numpy as np
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.deepseek import _count
 from pdserve.server.prefill.main import load_engine
 from pdserve.server.prefill.model import load_params, make_prefill_fn
 from pdserve.server.prefill.sharding import default_size, make_mesh, shard_params
@@ -85,7 +86,7 @@ for p, r in zip(prompts, results):
     logits, k, _ = fn(params, jnp.asarray([p], jnp.int32), jnp.asarray([len(p)], jnp.int32))
     first.append(int(np.asarray(logits)[0].argmax()))
     kv_err = max(kv_err, float(np.abs(np.asarray(r.k) - np.asarray(k)[:, 0]).max()))
-experts = next(g["moe"]["e_gate"] for g in engine.runner.group_layers if g["moe"])
+experts = next(g["moe"]["e_gate"] for g in engine.runner.group_layers if _count(g["moe"]))
 report["served"] = {"mesh": dict(experts.sharding.mesh.shape), "first": [r.first_token for r in results],
                     "want": first, "kv_err": kv_err, "experts_per_device": per_device(experts, 1)}
 print(json.dumps(report))
