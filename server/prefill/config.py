@@ -57,7 +57,8 @@ class PrefillConfig(KvOffloadingConfig, LoraConfig):
     """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
     tensor_parallel_size: int | None = None
     """Devices the prefill model is sharded over (vLLM's flag): kv heads and MLP split Megatron-style
-    (sharding.py). Default: all the backend's devices, or the most of them that divide the model's kv heads."""
+    (sharding.py; DeepSeek's latent attention: by query heads, the latent whole on each device). Default: all the
+    backend's devices, or the most of them that divide the model's kv heads (DeepSeek: query heads)."""
     expert_parallel_size: int = 1
     """A mixture-of-experts model's experts split over this many times the tensor-parallel devices (a mesh of
     ep x tp, sharding.py): each device holds num_experts / (ep x tp) whole experts, the attention and dense

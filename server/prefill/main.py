@@ -125,12 +125,14 @@ async def start(config: PrefillConfig, options: serving.WorkerOptions = serving.
     return worker
 
 
-def _check_latent_attention(model_config: ModelConfig, config: PrefillConfig, devices: int) -> None:
-    """What the prefill tier does not do for DeepSeek's latent attention yet, refused at start (ModelLoadError)."""
-    if devices > 1:
-        raise ModelLoadError(f"{model_config.family}: the prefill tier computes latent attention (MLA) on one device "
-                             f"only (the expert-parallel split of its experts is not built); run each prefill "
-                             f"worker with --tensor-parallel-size 1 --expert-parallel-size 1 in one process")
+def _check_latent_attention(model_config: ModelConfig, config: PrefillConfig, processes: int) -> None:
+    """What the prefill tier does not do for DeepSeek's latent attention yet, refused at start (ModelLoadError).
+    A mesh of one process's devices serves it (heads over tp, experts over ep x tp: sharding.py)."""
+    if processes > 1:
+        raise ModelLoadError(f"{model_config.family}: the prefill tier serves latent attention (MLA) on the devices of "
+                             f"one process (a mesh of them: --tensor-parallel-size, --expert-parallel-size); a slice "
+                             f"of {processes} processes is not built for it: drop --coordinator-address / "
+                             f"--num-processes and run one prefill worker per host")
     if config.prefill_matmul == "onednn-bf16":
         raise ModelLoadError(f"--prefill-matmul onednn-bf16: the prefill tier computes {model_config.family}'s latent "
                              f"attention with XLA's matmuls only; pass --prefill-matmul auto, xla-fp32 or xla-bf16")
@@ -157,7 +159,7 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
     ep = config.expert_parallel_size
     tp = config.tensor_parallel_size or default_size(model_config, jax.device_count(), expert_parallel=ep)
     if model_config.mla is not None:
-        _check_latent_attention(model_config, config, tp * ep * jax.process_count())
+        _check_latent_attention(model_config, config, jax.process_count())
     choice = None if model_config.mla is not None else choose_matmul(config, model_config,
                                                                       devices=tp * ep * jax.process_count())
     forced = PATH_DTYPES.get(config.prefill_matmul) if model_config.mla is not None else None  # xla-fp32/-bf16
@@ -173,8 +175,9 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         params = dict(params, layers=bank.take(params["layers"]))
         matmul, held = bank.matmul, f" + {bank.nbytes / 2**20:.1f} MiB prepacked for oneDNN"
     if config.tensor_parallel_size is None and tp * ep < jax.device_count():
-        log.warning("sharding over %d of %d devices: the model's kv heads (%d) do not split over more",
-                    tp * ep, jax.device_count(), model_config.num_kv_heads)
+        log.warning("sharding over %d of %d devices: the model's %s (%d) do not split over more", tp * ep,
+                    jax.device_count(), *(("heads", model_config.num_heads) if model_config.mla is not None else
+                                          ("kv heads", model_config.num_kv_heads)))
     if tp * ep > 1 or jax.process_count() > 1:  # sharded at the edge; the model code is the same
         mesh = make_mesh(tp, ep)
         params = shard_params(params, mesh, model_config)

@@ -13,6 +13,13 @@ one all-reduce sums the [T k, H] outputs; no expert weight moves (tests/prefill/
 The model code is unchanged: jit the same prefill and pass it sharded params; activations and the
 KV (split over kv heads) follow the params' shardings, and `np.asarray` gathers a batch's KV to the host.
 
+DeepSeek (multi-head latent attention; params in two stacks, {"dense", "moe"}) splits the same way by query
+heads: wq / wq_b, kv_b_proj's halves (w_uk, w_uv) by output head over "tp", wo by input head, so each device
+expands the latents into its own heads' keys and values. The latent itself (wkv_a, its norm, the q LoRA's
+down-projection and norm) is computed replicated on every device: the KV entry each layer returns is the same
+whole [.., 1, C + R] whatever the mesh, no gather. The dense first layers and the shared experts split like the
+other families' MLPs over "tp", the routed experts over "ep" x "tp" as above.
+
 `start_distributed` joins a multi-host slice through `jax.distributed` before the mesh is made, so the
 mesh spans every process's devices (see README, "Prefill on a device mesh"); the same number of them on
 each process. There process 0 reads the outputs it needs on the host, so the engine's programs return
@@ -50,6 +57,13 @@ _LAYER_SPECS = {
     "e_gate": P(None, EXPERTS, None, None),  # [L, E, H, I]: experts split over every device (expert parallelism)
     "e_up": P(None, EXPERTS, None, None),  # [L, E, H, I]
     "e_down": P(None, EXPERTS, None, None),  # [L, E, I, H]
+    # DeepSeek's latent attention (wq [L, H, Hq, N + R] and wo [L, Hq, V, H] as above) and shared experts
+    "wq_b": P(None, None, AXIS, None),  # [L, q_lora, Hq, N + R]
+    "w_uk": P(None, None, AXIS, None),  # [L, C, Hq, N]
+    "w_uv": P(None, None, AXIS, None),  # [L, C, Hq, V]
+    "s_gate": P(None, None, AXIS),  # [L, H, Is]
+    "s_up": P(None, None, AXIS),  # [L, H, Is]
+    "s_down": P(None, AXIS, None),  # [L, Is, H]
 }
 
 
@@ -65,12 +79,20 @@ def start_distributed(coordinator_address: str | None, num_processes: int | None
 
 def _unsplittable(config: ModelConfig, tp: int, ep: int = 1) -> list[str]:
     """What of the model a tp x ep mesh does not split evenly, each named with its size."""
-    if config.moe is None:
-        return [f"{what} ({n})" for what, n in (("num_kv_heads", config.num_kv_heads),
-                                                ("intermediate_size", config.intermediate_size)) if n % tp]
-    experts = config.moe.num_experts
-    return [f"num_kv_heads ({config.num_kv_heads})"] * (config.num_kv_heads % tp > 0) + \
-        [f"num_experts ({experts})"] * (experts % (tp * ep) > 0)
+    moe = config.moe
+    if moe is None:
+        sizes = [("num_kv_heads", config.num_kv_heads), ("intermediate_size", config.intermediate_size)]
+    elif config.mla is not None:  # DeepSeek: query heads (one latent for all), dense first layers, shared experts
+        sizes = [("num_attention_heads", config.num_heads)]
+        sizes += [("intermediate_size", config.intermediate_size)] * (moe.dense_layers > 0)
+        sizes += [("the shared experts' intermediate size", moe.shared_intermediate_size)] * \
+            (moe.shared_intermediate_size > 0)
+    else:
+        sizes = [("num_kv_heads", config.num_kv_heads)]
+    bad = [f"{what} ({n})" for what, n in sizes if n % tp]
+    if moe is not None and moe.num_experts % (tp * ep):  # over tp x ep together
+        bad.append(f"num_experts ({moe.num_experts})")
+    return bad
 
 
 def _fitting_sizes(config: ModelConfig, num_devices: int, num_processes: int, ep: int = 1) -> list[int]:
@@ -137,14 +159,21 @@ def param_specs(params: Params, mesh: Mesh, config: ModelConfig) -> dict:
     if bad := _unsplittable(config, tp, ep):
         fits = _fitting_sizes(config, len(jax.devices()), jax.process_count(), ep)
         split = f"tensor parallelism {tp}" + (f" x expert parallelism {ep}" if ep > 1 else "")
-        raise ValueError(f"{split} must divide the model's {' and '.join(bad)}: each device holds whole kv heads "
+        heads = "heads" if config.mla is not None else "kv heads"
+        raise ValueError(f"{split} must divide the model's {' and '.join(bad)}: each device holds whole {heads} "
                          f"(and whole experts); use --tensor-parallel-size {' or '.join(map(str, fits)) or 'of 1'}"
                          + (" or another --expert-parallel-size" if ep > 1 else ""))
     specs = {name: P() for name in params if name != "layers"}
-    specs["layers"] = {name: _LAYER_SPECS.get(name, P()) for name in params["layers"]}
+    specs["layers"] = _layer_specs(params["layers"])
     if "lm_head" in params and config.vocab_size % tp == 0:
         specs["lm_head"] = P(AXIS, None)  # [V, H]
     return specs
+
+
+def _layer_specs(layers: Params) -> dict:
+    """The layer stacks' specs by weight name; DeepSeek's two stacks ({"dense", "moe"}) each so."""
+    return {name: _layer_specs(w) if isinstance(w, dict) else _LAYER_SPECS.get(name, P())
+            for name, w in layers.items()}
 
 
 def shard_params(params: Params, mesh: Mesh, config: ModelConfig) -> Params:

@@ -216,13 +216,13 @@ def test_what_the_prefill_tier_does_not_do_for_latent_attention_is_refused_at_st
 
     path = tiny_model("deepseek_v2")
     config = load_config(path)
-    _check_latent_attention(config, PrefillConfig(model_dir=path), devices=1)  # the default serves
-    with pytest.raises(ModelLoadError, match="on one device only .* --tensor-parallel-size 1 --expert-parallel-size 1"):
-        _check_latent_attention(config, PrefillConfig(model_dir=path), devices=2)
+    _check_latent_attention(config, PrefillConfig(model_dir=path), processes=1)  # one process's mesh serves
+    with pytest.raises(ModelLoadError, match="a slice of 2 processes is not built .* drop --coordinator-address"):
+        _check_latent_attention(config, PrefillConfig(model_dir=path), processes=2)
     with pytest.raises(ModelLoadError, match="--weight-dtype int8: .* use --weight-dtype auto"):
-        _check_latent_attention(config, PrefillConfig(model_dir=path, weight_dtype="int8"), devices=1)
+        _check_latent_attention(config, PrefillConfig(model_dir=path, weight_dtype="int8"), processes=1)
     with pytest.raises(ModelLoadError, match="--prefill-matmul onednn-bf16: .* pass --prefill-matmul auto"):
-        _check_latent_attention(config, PrefillConfig(model_dir=path, prefill_matmul="onednn-bf16"), devices=1)
+        _check_latent_attention(config, PrefillConfig(model_dir=path, prefill_matmul="onednn-bf16"), processes=1)
 
 
 async def test_latent_blocks_spill_to_an_offload_tier_and_come_back_as_entries():
