@@ -11,10 +11,12 @@ stage), correctness before speed:
 2. timing: a packed step of 8 prompts x 512 tokens on a Llama-3-8B-shape model of 8 layers (bf16), every token the
    base model, against the same step with the prompts naming 4 adapters (ranks 8/16/8/16 on attention, MLP, all
    seven and q/v projections: benchmarks/engine/lora_prefill.py's mix), on one --enable-lora engine (the base step
-   skips the deltas there, as it runs on a --enable-lora worker): each timed from enqueue to the last prompt's first
-   token, alternately, the median of the repetitions after an untimed first that compiles. The row is the base
-   step's time / the mixed step's time, target >= 1 / 1.3 (issue 41: a step mixing 4 adapters takes at most 1.3x
-   the base step's time).
+   skips the deltas there, as it runs on a --enable-lora worker), and the base step on an engine without
+   --enable-lora over the same weight arrays: each timed from enqueue to the last prompt's first token, in turn, the
+   median of the repetitions after an untimed first that compiles. The row with a target is the base step's time /
+   the mixed step's time, target >= 1 / 1.3 (issue 41: a step mixing 4 adapters takes at most 1.3x the base step's
+   time); beside it, what --enable-lora costs a base step (each projection's delta sits behind a `lax.cond` on
+   whether any token has an adapter).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ PARAM = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo", "gate_p
 
 def random_lora(name: str, rank: int, targets: tuple[str, ...], config, seed: int):
     """A LoraCheckpoint (as load_lora returns) of random A [r, in] and B [out, r] for every layer, scaling 2 (alpha =
-    2r): each delta about a fifth of its input's size, far above bf16's rounding."""
+    2r): each delta (x @ A) @ B of about 0.6 in each output (a Llama-3-8B projection's base output: about 1.3),
+    far above bf16's rounding."""
     from pdserve.server.model.lora import LoraCheckpoint, projection_shapes
 
     rng, shapes, weights = np.random.default_rng(seed), projection_shapes(config), {}
@@ -52,7 +55,7 @@ def random_lora(name: str, rank: int, targets: tuple[str, ...], config, seed: in
         for proj in targets:
             fan_in, fan_out = shapes[proj]
             a = rng.standard_normal((rank, fan_in)) / fan_in**0.5
-            b = 0.1 * rng.standard_normal((fan_out, rank)) / rank**0.5
+            b = 0.3 * rng.standard_normal((fan_out, rank)) / rank**0.5
             weights[(layer, proj)] = (a.astype(np.float32), b.astype(np.float32))
     return LoraCheckpoint(name, f"memory:{name}", rank, 2.0, weights)
 
@@ -181,11 +184,11 @@ def lora_check(where, dry_run: bool, check_type) -> list:
             plain = refs["base"][i]
             moved[n] = max(float(np.abs(plain.k - want.k).max()), float(np.abs(plain.v - want.v).max())) / scale
     one_step = steps == [len(names)]
-    passed = one_step and kv_err < kv_tol and lp_err < lp_tol and all(m > 10 * kv_tol for m in moved.values())
+    passed = one_step and kv_err < kv_tol and lp_err < lp_tol and all(m > 3 * kv_tol for m in moved.values())
     detail = (f"KV max error {kv_err:.2e} of the largest value (tolerance {kv_tol:g}), prompt logprobs max error "
               f"{lp_err:.2e} (tolerance {lp_tol:g}); the adapters move their KV by "
               + ", ".join(f"{n} {m:.2f}" for n, m in moved.items())
-              + f" (must exceed {10 * kv_tol:g}); steps run {steps} (one packed step of {len(names)} wanted)")
+              + f" (must exceed {3 * kv_tol:g}); steps run {steps} (one packed step of {len(names)} wanted)")
     return [check_type(name, passed, detail, kv_err, "prefill-lora")]
 
 
@@ -206,14 +209,16 @@ def lora_rows(where, dry_run: bool, out, row_type, log) -> None:
     greedy = gen_pb.SamplingParams(max_tokens=1, temperature=0.0)
 
     async def measure() -> dict[str, list[float]]:
-        engine = _engine(config, params, where, tokens, prompts, lora=True)
-        packed = [_pack(engine, c, i + 1) for i, c in enumerate(ckpts)]
-        cases = {"base": [None] * prompts, "mixed": [packed[i % len(packed)] for i in range(prompts)]}
+        engines = {"off": _engine(config, params, where, tokens, prompts, lora=False),
+                   "on": _engine(config, params, where, tokens, prompts, lora=True)}
+        packed = [_pack(engines["on"], c, i + 1) for i, c in enumerate(ckpts)]
+        cases = {"base (off)": ("off", [None] * prompts), "base": ("on", [None] * prompts),
+                 "mixed": ("on", [packed[i % len(packed)] for i in range(prompts)])}
         times: dict[str, list[float]] = {c: [] for c in cases}
-        for rep in range(reps + 1):  # the first untimed: it compiles the step's program
-            for case, adapters in cases.items():
+        for rep in range(reps + 1):  # the first untimed: it compiles each engine's step program
+            for case, (engine, adapters) in cases.items():
                 t = time.perf_counter()
-                jobs = [engine.enqueue(p, greedy, 0, kv_dtype, adapter=a) for p, a in zip(batch, adapters)]
+                jobs = [engines[engine].enqueue(p, greedy, 0, kv_dtype, adapter=a) for p, a in zip(batch, adapters)]
                 for job in jobs:  # enqueued together: one packed step
                     await job.first_token
                 elapsed = time.perf_counter() - t
@@ -222,15 +227,18 @@ def lora_rows(where, dry_run: bool, out, row_type, log) -> None:
                         pass
                 if rep:
                     times[case].append(elapsed)
-            log(f"prefill lora: rep {rep}: compiled" if not rep else
-                f"prefill lora: rep {rep}: base {times['base'][-1]:.4f} s, mixed {times['mixed'][-1]:.4f} s")
-        engine.close()
+            log(f"prefill lora: rep {rep}: compiled" if not rep else f"prefill lora: rep {rep}: " +
+                ", ".join(f"{c} {t[-1] * 1e3:.1f} ms" for c, t in times.items()))
+        for engine in engines.values():
+            engine.close()
         return times
 
     times = asyncio.run(measure())
-    base, mixed = statistics.median(times["base"]), statistics.median(times["mixed"])
+    off, base, mixed = (statistics.median(times[c]) for c in ("base (off)", "base", "mixed"))
     what = (f"{prompts} prompts x {tokens} tokens, one step, {len(ckpts)} adapters of ranks 8/16 "
             f"({config.num_layers}-layer {'Llama-3-8B shape' if not dry_run else 'tiny llama'})")
     out.row(row_type("prefill lora", f"{what}: ms, mixed vs base only", mixed * 1e3, base * 1e3, "ms"),
             row_type("prefill lora", f"{what}: base time / mixed time (target: mixed <= 1.3x)", base / mixed, 1.0,
-                     "x", target=1 / 1.3, needs=("prefill-lora",)))
+                     "x", target=1 / 1.3, needs=("prefill-lora",)),
+            row_type("prefill lora", f"{what}: base step's time without --enable-lora / with it", off / base, 1.0,
+                     "x"))
