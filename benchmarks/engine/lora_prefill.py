@@ -113,8 +113,6 @@ def vllm_prefill(model: Path, adapters: dict[str, Path], prompts: int, tokens: i
 
 def measure(model: Path, adapters: dict[str, Path], prompts: int, tokens: int, reps: int) -> dict:
     """In this process: tokens/s of the base step on `off` and `on`, and of the mixed step on `on` (see above)."""
-    import numpy as np
-
     from pdserve.kvcache.adapter_key import AdapterKey
     from pdserve.server.model.config import load_config
     from pdserve.server.model.weights import load_weights
