@@ -100,7 +100,8 @@ def vllm_prefill(model: Path, adapters: dict[str, Path], prompts: int, tokens: i
             runs.append(batch)
             lora_runs.append(lora)
     work.mkdir(parents=True, exist_ok=True)
-    got = vllm_rates(model, runs, 1, 1, work, dtype=dtype, loras=adapters, lora_runs=lora_runs, max_lora_rank=16)
+    got = vllm_rates(model, runs, 1, 1, work, dtype=dtype, kv_cache_bytes=256 * 2**20, loras=adapters,
+                     lora_runs=lora_runs, max_lora_rank=16)  # the KV set: vLLM's own sizing refuses a busy host
     if isinstance(got, str):
         return got
     seconds = {name: [r["prefill_seconds"] for r in got[len(cases) + i :: len(cases)]] for i, name in enumerate(cases)}
