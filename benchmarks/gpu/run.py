@@ -29,8 +29,11 @@ Life of a run, inside one budget (--time-limit, 500 s for one 600 s device call)
    read bandwidth, beside torch's grouped matmul; the LoRA BGMV kernels against the torch path, then a batch of
    16 mixing 4 adapters vs base only, `gpu/lora.py`); `mla` (`gpu/mla.py`: the absorbed-MLA decode kernel against
    expanded heads at DeepSeek-V2-Lite's attention shape, then its time per layer at batch 1/16/64 over 4k tokens
-   against the gathered torch path and expanded attention, and its latent reads against the read bandwidth); `prefill` (`gpu/prefill.py`'s `run`: the served JAX path's MFU at 512 and 4k tokens),
-   then `prefill-16k` on its own (only once the 512 and 4k rows are in); `handoff` (KvSender -> KvReceiver ->
+   against the gathered torch path and expanded attention, and its latent reads against the read bandwidth);
+   `prefill` (`gpu/prefill.py`'s `run`: the served JAX path's MFU at 512 and 4k tokens; then `gpu/prefill_lora.py`:
+   a packed step mixing the base and 2 adapters against merged-weight references, and a step of 8 x 512 tokens
+   mixing 4 adapters against the base step), then `prefill-16k` on its own (only once the 512 and 4k rows are in);
+   `handoff` (KvSender -> KvReceiver ->
    the decode cache on the device, against raw grpcio); `served` (`gpu/served.py`: a prefill worker, a decode
    worker and a coordinator as processes, greedy parity with transformers, TTFT/ITL through the gRPC API).
 4. A row with a target reads met or MISSED only when the checks it rests on passed; else `unverified`.
@@ -375,7 +378,18 @@ def _prefill_row(r: dict) -> Row:
 
 
 def prefill(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
+    from pdserve.benchmarks.gpu import prefill_lora
+    from pdserve.benchmarks.gpu.checks import Check
+
     _prefill(out, dry_run, (32, 64) if dry_run else (512, 4096))
+    gc.collect()
+    if out.allows("prefill LoRA check", 1 if dry_run else 25):
+        log("prefill: a step mixing the base and 2 adapters vs merged-weight references")
+        out.check(*prefill_lora.lora_check(out.path.parent, dry_run, Check))
+        gc.collect()
+    if out.allows("prefill LoRA timing", 1 if dry_run else 20):
+        log("prefill: a step mixing 4 adapters vs the base step")
+        prefill_lora.lora_rows(out.path.parent, dry_run, out, Row, log)
 
 
 def prefill_16k(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
@@ -478,13 +492,13 @@ class Stage:
 STAGES = (
     Stage("ceilings", ceilings, 0.05, 15),
     Stage("correctness", correctness, 0.14, 30),
-    Stage("decode", decode, 0.26, 60),
+    Stage("decode", decode, 0.24, 60),
     Stage("kernels", kernels, 0.10, 25),
     Stage("mla", mla, 0.06, 20),
-    Stage("prefill", prefill, 0.16, 60),
+    Stage("prefill", prefill, 0.19, 75),
     Stage("handoff", handoff, 0.05, 15),
     Stage("prefill-16k", prefill_16k, 0.10, 40),
-    Stage("served", served, 0.24, 90),
+    Stage("served", served, 0.23, 90),
 )
 
 

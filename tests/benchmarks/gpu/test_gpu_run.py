@@ -127,10 +127,10 @@ def test_dry_run_from_a_bare_checkout(bare_dry_run):
     groups = {c["group"] for c in doc["checks"]}
     assert all(c["passed"] for c in doc["checks"])
     assert {"kernel", "eager", "kv", "handoff", "served", "verify-kernel", "moe-kernel", "moe-grouped",
-            "mla-kernel", "lora-kernel"} <= groups
+            "mla-kernel", "lora-kernel", "prefill-lora"} <= groups
     sections = {r["section"] for r in doc["rows"]}
     assert {"ceiling", "decode bf16", "decode fp8", "verify attention", "fused moe", "grouped moe", "mla decode",
-            "lora bgmv",
+            "lora bgmv", "prefill lora",
             "prefill", "kv-handoff", "served"} <= sections
     verify = [r["measure"] for r in doc["rows"] if r["section"] == "verify attention"]
     assert any("verify k=1 " in m for m in verify) and any("verify k=7 " in m for m in verify)
@@ -185,7 +185,10 @@ def test_the_dry_run_has_every_stages_rows_targets_and_checks(bare_dry_run):
                        "batch 5: grouped-loop time / fused time": 1.0,
                        # the LoRA BGMV kernels (benchmarks/gpu/lora.py, in the kernels stage)
                        "batch 16, 4 adapters of rank 16, one layer's fused matmuls: base time / mixed time through "
-                       "the kernels (target: mixed <= 1.3x)": 1 / 1.3}
+                       "the kernels (target: mixed <= 1.3x)": 1 / 1.3,
+                       # the prefill tier's LoRA step (benchmarks/gpu/prefill_lora.py, in the prefill stage)
+                       "4 prompts x 16 tokens, one step, 4 adapters of ranks 8/16 (2-layer tiny llama): base time / "
+                       "mixed time (target: mixed <= 1.3x)": 1 / 1.3}
     assert any(r["section"] == "kv-handoff" for r in doc["rows"]) and any(r["section"] == "prefill" for r in doc["rows"])
     names = [c["name"] for c in doc["checks"]]
     assert all(c["passed"] for c in doc["checks"]), doc["checks"]
