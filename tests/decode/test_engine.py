@@ -17,18 +17,14 @@ from pdserve.server.decode.weights import build_model
 from pdserve.server.decode.sequence import Sequence
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
+from tests.hf_oracle import hf_greedy_tokens
 
 
 def _greedy(max_tokens: int) -> gen_pb.SamplingParams:
     return gen_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, top_p=1.0, top_k=0, ignore_eos=True)
 
 
-def _hf_greedy(path, ids: list[int], n: int) -> list[int]:
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(ids):].tolist()
+_hf_greedy = hf_greedy_tokens  # (path, ids, n): n tokens, an end-of-sequence token not ending them
 
 
 async def _drain(seq: Sequence) -> list[int]:

@@ -3,9 +3,8 @@ compare against transformers the same way."""
 
 from __future__ import annotations
 
-import torch
-
 from pdserve.server.client import build_request, stream
+from tests.hf_oracle import hf_greedy_tokens
 
 SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
 """n-gram speculation as the e2e tests turn it on (the counters' own test: tests/e2e/test_spec_decode.py)."""
@@ -26,11 +25,8 @@ than most prompts here; the MoEs pick 2 of 8 experts."""
 
 
 def hf_greedy(model_dir, prompt_ids: list[int]) -> list[int]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=MAX_TOKENS, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+    """transformers' greedy answer: MAX_TOKENS tokens, fewer when it ends at an end-of-sequence token."""
+    return hf_greedy_tokens(model_dir, prompt_ids, MAX_TOKENS, stop_at_eos=True)
 
 
 def generate_ids(addr: str, prompt: str) -> tuple[list[int], int]:

@@ -13,23 +13,18 @@ import re
 import grpc
 import httpx
 import pytest
-import torch
 
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tokenizer import Tokenizer
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.v1 import generation_pb2_grpc
 from tests.e2e.procs import Procs, Stream, counter, generate, request, wait_blocks_free, wait_until
+from tests.hf_oracle import hf_greedy_tokens
 
 BLOCK = 16
 
 
-def hf_greedy(model_dir, ids: list[int], n: int) -> list[int]:
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
-    return out[0, len(ids):].tolist()
+hf_greedy = hf_greedy_tokens  # (model_dir, ids, n): n tokens, an end-of-sequence token not ending them
 
 
 @pytest.fixture(scope="module")
