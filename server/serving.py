@@ -12,13 +12,14 @@ import asyncio
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pdserve.server.malformed import MalformedInterceptor
+from pdserve.server.prompt_exit import exit_promptly
 from pdserve.server.security import ClusterAuth, ClusterAuthInterceptor, TlsConfig, cluster_secret_interceptors
 
 from pdserve.kvcache.grpc_sender import CHANNEL_OPTIONS, MAX_MESSAGE_BYTES  # noqa: F401  (one definition, re-exported)
@@ -154,14 +155,16 @@ async def drain(health_servicer: health.aio.HealthServicer, names: list[str], bu
         log.warning("drain: in-flight requests still running after %.0f s; stopping anyway", seconds)
 
 
-def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Runs an async main on uvloop; Ctrl-C and SIGTERM end it cleanly."""
+def run(main: Callable[[], Coroutine[Any, Any, None]]) -> NoReturn:
+    """Runs an async main on uvloop; Ctrl-C and SIGTERM end it cleanly, and the process then exits at once
+    (prompt_exit.py); an exception from main ends it as any uncaught exception does."""
     import uvloop
 
     try:
         uvloop.run(main())
     except KeyboardInterrupt:
         pass
+    exit_promptly(0)
 
 
 async def wait_for_signal() -> None:
