@@ -266,7 +266,7 @@ def correctness(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
         out.check(*gpu_checks.kernel_checks(device, kv, plan.large_kernel_checks))
     else:
         out.note("paged kernel checks: skipped (triton missing, or CPU without TRITON_INTERPRET=1)")
-    out.check(*gpu_checks.parity_checks(device, cpu_kernel=interpreted and have_triton()))
+    out.check(*gpu_checks.parity_checks(device, cpu_kernel=interpreted and have_triton(), work=out.path.parent))
     out.check(gpu_checks.received_kv_check(device))
     out.check(*gpu_checks.weight_kernel_checks(device))
 
