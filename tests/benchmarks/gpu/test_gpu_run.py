@@ -209,3 +209,26 @@ def test_the_dry_run_has_every_stages_rows_targets_and_checks(bare_dry_run):
     checks_table = (out / "gpu.md").read_text().split("| check | group | result | detail |")[1]  # after the stages'
     assert checks_table.count("| ok |") == len(names)
     assert proc.stdout.splitlines()[0].split()[:2] == ["section", "measure"]  # the table is printed last, alone
+
+
+def test_the_tiny_llama_and_its_greedy_tokens_are_made_once_per_run(tmp_path, monkeypatch):
+    """The correctness stage makes the checkpoint and transformers' tokens; the served stage (another process)
+    reads both: one checkpoint per run folder, one reference per (prompts, tokens, device type)."""
+    from pdserve.benchmarks.gpu import checks as gpu_checks
+    from pdserve.server.model import tiny
+
+    made, generated = [], []
+    monkeypatch.setattr(tiny, "make_tiny_model", lambda path, family: made.append(family) or
+                        (path / "config.json").write_text("{}"))
+    monkeypatch.setattr(gpu_checks, "_hf_greedy", lambda path, prompts, n, device: generated.append(device.type) or
+                        [[7] * n for _ in prompts])
+    path = gpu_checks.tiny_llama(tmp_path)
+    assert path == tmp_path / "tiny-llama" and (path / "config.json").exists()
+    assert gpu_checks.tiny_llama(tmp_path) == path and made == ["llama"]
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama"]  # made aside, then renamed whole
+    assert gpu_checks.hf_greedy(path, [[1, 2], [3]], 2) == [[7, 7], [7, 7]]
+    assert gpu_checks.hf_greedy(path, [[1, 2], [3]], 2, "cpu") == [[7, 7], [7, 7]] and generated == ["cpu"]
+    assert gpu_checks.hf_greedy(path, [[1, 2], [3]], 3) == [[7, 7, 7], [7, 7, 7]] and generated == ["cpu", "cpu"]
+    assert gpu_checks.hf_greedy(path, [[1, 2], [3]], 2, "meta") == [[7, 7], [7, 7]]  # another device: its own
+    assert generated == ["cpu", "cpu", "meta"]
+    assert sorted(p.name for p in path.glob("greedy-*.json")) == ["greedy-cpu.json", "greedy-meta.json"]
