@@ -76,15 +76,47 @@ def kernel_checks(device: torch.device, kv_dtypes: tuple[str, ...], large: bool)
     return checks
 
 
-def _hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+PARITY_PROMPTS = [list(range(3, 14)), list(range(40, 45)), list(range(100, 133))]
+"""The prompts whose greedy tokens the correctness stage and the served stage check against transformers'."""
+
+
+def tiny_llama(work: Path) -> Path:
+    """The tiny random llama (fp32, `make_tiny_model`) the correctness and served stages check, made once in the
+    run's folder of stage files (`work`) and found there by the stages after (each its own process)."""
+    from pdserve.server.model.tiny import make_tiny_model
+
+    path = Path(work) / "tiny-llama"
+    if not path.is_dir():
+        tmp = Path(tempfile.mkdtemp(prefix="tiny-llama-", dir=work))
+        make_tiny_model(tmp, "llama")
+        tmp.rename(path)  # whole or absent: a stage killed while making it leaves no half checkpoint
+    return path
+
+
+def hf_greedy(path: Path, prompts: list[list[int]], n: int, device=None) -> list[list[int]]:
+    """transformers' greedy tokens (fp32, on `device`, the CPU by default), kept beside the checkpoint (one file
+    per device type) so that a later stage asking the same of the same checkpoint reads them."""
+    import json
+
+    device = torch.device(device or "cpu")
+    key = json.dumps([prompts, n])
+    kept = path / f"greedy-{device.type}.json"
+    known = json.loads(kept.read_text()) if kept.exists() else {}
+    if key not in known:
+        known[key] = _hf_greedy(path, prompts, n, device)
+        kept.write_text(json.dumps(known))
+    return known[key]
+
+
+def _hf_greedy(path: Path, prompts: list[list[int]], n: int, device: torch.device) -> list[list[int]]:
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
     out = []
     for ids in prompts:
         with torch.no_grad():
-            got = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
+            got = hf.generate(torch.tensor([ids], device=device), max_new_tokens=n, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
         out.append(got[0, len(ids):].tolist())
     return out
 
@@ -111,46 +143,43 @@ async def _engine_greedy(engine, prompts: list[list[int]], n: int) -> list[list[
         await engine.close()
 
 
-def parity_checks(device: torch.device, cpu_kernel: bool) -> list[Check]:
-    """A tiny random llama (fp32): greedy tokens of the served engine on the device, 3 requests batched
-    (a padded bucket of 4), with CUDA graphs and eager, equal transformers' on the CPU. Then the model's
+def parity_checks(device: torch.device, cpu_kernel: bool, work: Path) -> list[Check]:
+    """A tiny random llama (fp32, `tiny_llama(work)`): greedy tokens of the served engine on the device, 3 requests
+    batched (a padded bucket of 4), with CUDA graphs and eager, equal transformers' on the CPU. Then the model's
     decode through the paged kernel against the reference path, fp32 and int8 KV.
     cpu_kernel: on the CPU, also run the engine through the kernel (Triton's interpreter)."""
     from pdserve.server.decode.config import DecodeConfig
     from pdserve.server.decode.startup import build_native_engine
-    from pdserve.server.model.tiny import make_tiny_model
 
     checks = []
-    prompts = [list(range(3, 14)), list(range(40, 45)), list(range(100, 133))]
+    prompts = PARITY_PROMPTS
     n = 8
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "llama"
-        make_tiny_model(path, "llama")
-        expected = _hf_greedy(path, prompts, n)
-        modes = [("CUDA graphs", False), ("eager", True)] if device.type == "cuda" else [("eager", True)]
-        for label, eager in modes:
-            group = "eager" if eager else "graphs"
-            config = DecodeConfig(model_dir=path, device=str(device), kv_cache_tokens=1024, block_size=4,
-                                  max_running=8, enforce_eager=eager)
-            name = f"greedy tokens = transformers' ({device.type}, {label}, 3 requests batched)"
-            try:
-                _, engine, _ = build_native_engine(config)
-                if cpu_kernel and device.type == "cpu":
-                    engine.model.paged_kernel = True
-                    name += ", paged kernel (interpreter)"
-                runner = engine.runner
-                got = asyncio.run(_engine_greedy(engine, prompts, n))
-                steps = dict(runner.steps)  # a bucket whose capture failed runs eagerly: the steps say which ran
-                took = steps["eager"] == 0 if not eager else steps["graphs"] == 0
-                checks.append(Check(name, got == expected and took,
-                                    f"{type(runner).__name__}, steps {steps}: got {got}, transformers {expected}",
-                                    group=group))
-            except Exception as e:  # noqa: BLE001
-                checks.append(Check(name, False, f"raised {e!r}", group=group))
-        if device.type == "cuda":
-            checks.append(_speculative_parity(path, device, prompts, n))
-        if device.type == "cuda" or cpu_kernel:
-            checks += _kernel_in_model(path, device)
+    path = tiny_llama(work)
+    expected = hf_greedy(path, prompts, n)
+    modes = [("CUDA graphs", False), ("eager", True)] if device.type == "cuda" else [("eager", True)]
+    for label, eager in modes:
+        group = "eager" if eager else "graphs"
+        config = DecodeConfig(model_dir=path, device=str(device), kv_cache_tokens=1024, block_size=4,
+                              max_running=8, enforce_eager=eager)
+        name = f"greedy tokens = transformers' ({device.type}, {label}, 3 requests batched)"
+        try:
+            _, engine, _ = build_native_engine(config)
+            if cpu_kernel and device.type == "cpu":
+                engine.model.paged_kernel = True
+                name += ", paged kernel (interpreter)"
+            runner = engine.runner
+            got = asyncio.run(_engine_greedy(engine, prompts, n))
+            steps = dict(runner.steps)  # a bucket whose capture failed runs eagerly: the steps say which ran
+            took = steps["eager"] == 0 if not eager else steps["graphs"] == 0
+            checks.append(Check(name, got == expected and took,
+                                f"{type(runner).__name__}, steps {steps}: got {got}, transformers {expected}",
+                                group=group))
+        except Exception as e:  # noqa: BLE001
+            checks.append(Check(name, False, f"raised {e!r}", group=group))
+    if device.type == "cuda":
+        checks.append(_speculative_parity(path, device, prompts, n))
+    if device.type == "cuda" or cpu_kernel:
+        checks += _kernel_in_model(path, device)
     return checks
 
 
@@ -164,7 +193,7 @@ def _speculative_parity(path: Path, device: torch.device, prompts: list[list[int
     prompts = [p + p[:6] for p in prompts]
     name = "greedy tokens = transformers' (cuda, CUDA graphs, n-gram speculation k=3: verify graphs)"
     try:
-        expected = _hf_greedy(path, prompts, n)
+        expected = hf_greedy(path, prompts, n)
         config = DecodeConfig(model_dir=path, device=str(device), kv_cache_tokens=1024, block_size=4, max_running=8,
                               speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
         _, engine, _ = build_native_engine(config)

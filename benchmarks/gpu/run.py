@@ -12,8 +12,8 @@ the version and place of everything it imports.
 
 Life of a run, inside one budget (--time-limit, 500 s for one 600 s device call):
 1. Each stage runs in its own process (`--stage NAME`), under a deadline derived from what is left of the budget
-   (its share of the stages still to run): a stage that overruns is killed with its process group, and its
-   memory (torch's, JAX's) goes with it before the next starts.
+   (its share of the stages still to run; `--stage-limit STAGE=SECONDS` caps one): a stage that overruns is
+   killed with its process group, and its memory (torch's, JAX's) goes with it before the next starts.
 2. A stage writes its rows, checks and notes to its own file as each one is made; when it ends (done, failed,
    killed), the parent merges what it wrote and rewrites gpu.json and gpu.md in --out; gpu.log there gets every
    line of every stage as it comes. A failure is recorded with its stage and its traceback's tail.
@@ -47,6 +47,7 @@ import asyncio
 import gc
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -265,7 +266,7 @@ def correctness(plan: Plan, device, out: StageResult, dry_run: bool) -> None:
         out.check(*gpu_checks.kernel_checks(device, kv, plan.large_kernel_checks))
     else:
         out.note("paged kernel checks: skipped (triton missing, or CPU without TRITON_INTERPRET=1)")
-    out.check(*gpu_checks.parity_checks(device, cpu_kernel=interpreted and have_triton()))
+    out.check(*gpu_checks.parity_checks(device, cpu_kernel=interpreted and have_triton(), work=out.path.parent))
     out.check(gpu_checks.received_kv_check(device))
     out.check(*gpu_checks.weight_kernel_checks(device))
 
@@ -509,18 +510,18 @@ def run_stage(args) -> int:
     out = StageResult(args.stage_out, Deadline(args.deadline), context)
     out.save()
     try:
+        if stage.name in dict(i.split("=", 1) for i in args.inject):  # tests: a stage made to fail or overrun
+            how = dict(i.split("=", 1) for i in args.inject)[stage.name]  # (first: no import to wait for)
+            if how == "hang":
+                out.note("injected: this stage hangs")
+                time.sleep(3600)
+            raise RuntimeError(f"injected failure of stage {stage.name}")
         import torch
 
         from pdserve.server.decode.device import resolve_device
 
         device = resolve_device(args.device)
         plan = dry_plan() if args.dry_run else Plan(LLAMA3_8B)
-        if stage.name in dict(i.split("=", 1) for i in args.inject):  # tests: a stage made to fail or overrun
-            how = dict(i.split("=", 1) for i in args.inject)[stage.name]
-            if how == "hang":
-                out.note("injected: this stage hangs")
-                time.sleep(3600)
-            raise RuntimeError(f"injected failure of stage {stage.name}")
         stage.run(plan, device, out, args.dry_run)
         if device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # an asynchronous CUDA error surfaces here, in this stage
@@ -544,7 +545,8 @@ class Report:
                     "time_limit_s": args.time_limit, "stages": [], "rows": [], "checks": [], "ceilings": {},
                     "notes": [], "seconds": 0.0}
 
-    def merge(self, stage: str, part: dict, status: str, seconds: float, error: dict | None) -> None:
+    def merge(self, stage: str, part: dict, status: str, seconds: float, error: dict | None,
+              cpu_s: float = 0.0) -> None:
         d = self.doc
         for r in part.get("rows", []):
             d["rows"].append(dict(r, stage=stage))
@@ -552,7 +554,7 @@ class Report:
         d["ceilings"].update(part.get("ceilings", {}))
         d["notes"] += [f"{stage}: {n}" for n in part.get("notes", [])]
         d["stages"].append({"stage": stage, "status": status, "seconds": round(seconds, 1),
-                            "sys_path_first": part.get("sys_path_first"), **(error or {})})
+                            "cpu_s": round(cpu_s, 1), "sys_path_first": part.get("sys_path_first"), **(error or {})})
         self.write()
 
     def write(self) -> None:
@@ -615,6 +617,12 @@ def _launch(stage: Stage, args, work: Path, report: Report, seconds: float, logf
     return status, part, error
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of the finished processes this one waited for, and of those they waited for."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def orchestrate(args) -> int:
     site, carried = gpu_boot.carry(args.wheels)
     env = gpu_boot.versions()
@@ -639,16 +647,17 @@ def orchestrate(args) -> int:
             open(args.out / "gpu.log", "a") as logfile:
         for i, stage in enumerate(stages):
             shares = sum(s.share for s in stages[i:])
-            seconds = budget.left() * stage.share / shares
+            seconds = min(budget.left() * stage.share / shares, args.stage_limit.get(stage.name, float("inf")))
             if seconds < (1 if args.dry_run else stage.min_s):
                 report.merge(stage.name, {}, "skipped", 0.0, {"error": f"{budget.left():.0f} s left of --time-limit, "
                                                                f"{seconds:.0f} s its share; it needs {stage.min_s:.0f} s"})
                 continue
             log(f"stage {stage.name}: deadline {seconds:.0f} s ({budget.left():.0f} s left of the budget)")
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), _children_cpu_s()
             status, part, error = _launch(stage, args, Path(tmp), report, seconds, logfile)
-            report.merge(stage.name, part, status, time.perf_counter() - t, error)
-            log(f"stage {stage.name}: {status} in {time.perf_counter() - t:.0f} s" +
+            cpu = _children_cpu_s() - cpu
+            report.merge(stage.name, part, status, time.perf_counter() - t, error, cpu)
+            log(f"stage {stage.name}: {status} in {time.perf_counter() - t:.0f} s ({cpu:.0f} s of CPU)" +
                 (f": {error['error']}" if error else ""))
     log(f"done; wrote {args.out / 'gpu.json'}, gpu.md and gpu.log")
     print(table([row_from(r) for r in report.doc["rows"]], report.doc["checks"]))
@@ -705,6 +714,18 @@ def markdown(doc: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def _stage_limit(text: str) -> tuple[str, float]:
+    """--stage-limit STAGE=SECONDS -> (STAGE, SECONDS)."""
+    name, _, seconds = text.partition("=")
+    names = [s.name for s in STAGES]
+    try:
+        if name in names and float(seconds) > 0:
+            return name, float(seconds)
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{text!r}: give STAGE=SECONDS, a stage of {', '.join(names)} and seconds > 0")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -719,12 +740,15 @@ def main(argv: list[str] | None = None) -> int:
     names = [s.name for s in STAGES]
     p.add_argument("--skip", action="append", default=[], choices=names, help="leave a stage out")
     p.add_argument("--only", action="append", default=[], choices=names, help="run only these stages")
+    p.add_argument("--stage-limit", action="append", default=[], type=_stage_limit, metavar="STAGE=SECONDS",
+                   help="a stage's deadline at most SECONDS (default: its share of what is left of --time-limit)")
     p.add_argument("--stage", choices=names, help=argparse.SUPPRESS)  # a stage's own process
     p.add_argument("--stage-out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--context", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=60.0, help=argparse.SUPPRESS)
     p.add_argument("--inject", action="append", default=[], help=argparse.SUPPRESS)  # STAGE=fail|hang (tests)
     args = p.parse_args(argv)
+    args.stage_limit = dict(args.stage_limit)
     if args.stage:
         return run_stage(args)
     return orchestrate(args)

@@ -2,8 +2,9 @@
 (torch) and a coordinator, each its own process on this host (`boot.py cli ROLE`: the checkout's
 `pdserve`, the carried wheels), driven through the public gRPC API as a client would.
 
-1. Parity: a tiny random llama checkpoint (fp32, `make_tiny_model`) served by the pair on the device; the greedy
-   tokens of 3 prompts through the coordinator equal transformers' `generate` on the same device.
+1. Parity: a tiny random llama checkpoint (fp32, `checks.tiny_llama`: the correctness stage's) served by the pair
+   on the device; the greedy tokens of 3 prompts through the coordinator equal transformers' `generate` on the
+   same device (`checks.hf_greedy`: made once per device type, so a dry run reads the correctness stage's).
 2. Speed: a random Llama-3-8B-shape bf16 checkpoint (`write_random_checkpoint`: safetensors, 16 GB, to /dev/shm
    when it has room; a word-level tokenizer over the whole vocabulary) served by a fresh pair; TTFT and
    inter-token latency through `Generate` at 1k- and 4k-token prompts of random ids, batch 1 and 32 (requests
@@ -167,21 +168,6 @@ def _tokens(address: str, prompt: list[int], n: int) -> list[int]:
         return [t for m in generation_pb2_grpc.GenerationStub(ch).Generate(req, timeout=120) for t in m.token_ids]
 
 
-def _hf_greedy(path: Path, prompts: list[list[int]], n: int, device) -> list[list[int]]:
-    import torch
-    import transformers
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).eval()
-    out = []
-    for ids in prompts:
-        with torch.no_grad():
-            got = hf.generate(torch.tensor([ids], device=device), max_new_tokens=n, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        out.append(got[0, len(ids):].tolist())
-    del hf
-    return out
-
-
 def write_random_checkpoint(out: Path, raw_config: dict, device, seed: int = 0) -> Path:
     """An HF llama checkpoint of raw_config's shape with random bf16 weights (made on the device, one random
     tensor per shape shared by the layers: values do not change a step's cost), one safetensors shard per
@@ -248,8 +234,7 @@ def run(out, device, *, dry_run: bool, row_type, log) -> None:
     import numpy as np
 
     from pdserve.benchmarks.gpu.run import LLAMA3_8B, TINY
-    from pdserve.benchmarks.gpu.checks import Check
-    from pdserve.server.model.tiny import make_tiny_model
+    from pdserve.benchmarks.gpu.checks import PARITY_PROMPTS, Check, hf_greedy, tiny_llama
 
     dev = "cuda" if device.type == "cuda" else "cpu"
     decode_memory = ["--gpu-memory-utilization", str(DECODE_UTILIZATION)] if dev == "cuda" else \
@@ -260,11 +245,12 @@ def run(out, device, *, dry_run: bool, row_type, log) -> None:
                    *decode_memory]
     work = Path(tempfile.mkdtemp(prefix="pdserve-served-logs-"))
 
-    # 1. parity: a tiny fp32 llama, greedy through the pair against transformers on the same device
-    tiny = make_tiny_model(work / "tiny-llama", "llama")
-    prompts = [list(range(3, 14)), list(range(40, 45)), list(range(100, 133))]
+    # 1. parity: a tiny fp32 llama (the correctness stage's, when it ran: its checkpoint and its transformers
+    # tokens on this device are read, not made again), greedy through the pair against transformers on the device
+    tiny = tiny_llama(out.path.parent)
+    prompts = PARITY_PROMPTS
     n = 8
-    expected = _hf_greedy(tiny, prompts, n, device)
+    expected = hf_greedy(tiny, prompts, n, device)
     pair = Pair(tiny, work, dev, {"JAX_DEFAULT_MATMUL_PRECISION": "highest"},
                 [*prefill_args, "--dtype", "float32"], [*decode_args, "--dtype", "float32"], log)
     try:

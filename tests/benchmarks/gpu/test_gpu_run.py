@@ -88,6 +88,16 @@ def test_a_row_reads_unverified_when_a_check_it_needs_failed_or_never_ran():
     assert Row("x", "y", 1.0).verdict([]) == ""
 
 
+def test_a_stage_limit_names_a_stage_and_positive_seconds(capsys):
+    from pdserve.benchmarks.gpu.run import _stage_limit, main
+
+    assert _stage_limit("served=12.5") == ("served", 12.5)
+    for bad in ("served", "nope=3", "served=0", "served=soon"):
+        with pytest.raises(SystemExit):
+            main(["--stage-limit", bad])
+        assert "give STAGE=SECONDS, a stage of ceilings, correctness," in capsys.readouterr().err
+
+
 def _bare_env(**extra: str) -> dict[str, str]:
     """What the device's interpreter sees: site-packages without their .pth files (so no editable pdserve),
     run with -S; nothing else."""
@@ -142,19 +152,20 @@ def test_dry_run_from_a_bare_checkout(bare_dry_run):
 
 
 def test_a_failed_or_overrun_stage_leaves_the_earlier_rows(tmp_path):
-    """correctness made to hang (killed at its deadline) and handoff to fail: gpu.json still holds the ceilings'
-    rows, each failure with its stage, and the failure's traceback tail."""
+    """correctness made to hang (killed at its deadline, capped by --stage-limit) and handoff to fail: gpu.json
+    still holds the ceilings' rows, each failure with its stage, and the failure's traceback tail."""
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, "benchmarks/gpu.py", "--device", "cpu", "--dry-run", "--out", str(out),
-                          "--only", "ceilings", "--only", "correctness", "--only", "handoff", "--time-limit", "45",
+                          "--only", "ceilings", "--only", "correctness", "--only", "handoff", "--time-limit", "240",
+                          "--stage-limit", "correctness=8",  # the hang's deadline; ceilings keeps its share of 240 s
                           "--inject", "correctness=hang", "--inject", "handoff=fail", "--wheels", str(tmp_path)],
-                         capture_output=True, text=True, cwd=ROOT, timeout=120, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                         capture_output=True, text=True, cwd=ROOT, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert run.returncode == 1
     doc = json.loads((out / "gpu.json").read_text())
     stages = {s["stage"]: s for s in doc["stages"]}
     assert [s["stage"] for s in doc["stages"]] == ["ceilings", "correctness", "handoff"]
     assert stages["ceilings"]["status"] == "ok"
-    assert stages["correctness"]["status"] == "overran" and "overran its deadline" in stages["correctness"]["error"]
+    assert stages["correctness"]["status"] == "overran" and "overran its deadline of 8 s" in stages["correctness"]["error"]
     assert stages["handoff"]["status"] == "failed"
     assert "RuntimeError: injected failure of stage handoff" in stages["handoff"]["traceback"]
     assert [r["measure"].split()[0] for r in doc["rows"] if r["stage"] == "ceilings"] == ["device", "device", "bf16"]
@@ -198,3 +209,26 @@ def test_the_dry_run_has_every_stages_rows_targets_and_checks(bare_dry_run):
     checks_table = (out / "gpu.md").read_text().split("| check | group | result | detail |")[1]  # after the stages'
     assert checks_table.count("| ok |") == len(names)
     assert proc.stdout.splitlines()[0].split()[:2] == ["section", "measure"]  # the table is printed last, alone
+
+
+def test_the_tiny_llama_and_its_greedy_tokens_are_made_once_per_run(tmp_path, monkeypatch):
+    """The correctness stage makes the checkpoint and transformers' tokens; the served stage (another process)
+    reads both: one checkpoint per run folder, one reference per (prompts, tokens, device type)."""
+    from pdserve.benchmarks.gpu import checks as gpu_checks
+    from pdserve.server.model import tiny
+
+    made, generated = [], []
+    monkeypatch.setattr(tiny, "make_tiny_model", lambda path, family: made.append(family) or
+                        (path / "config.json").write_text("{}"))
+    monkeypatch.setattr(gpu_checks, "_hf_greedy", lambda path, prompts, n, device: generated.append(device.type) or
+                        [[7] * n for _ in prompts])
+    path = gpu_checks.tiny_llama(tmp_path)
+    assert path == tmp_path / "tiny-llama" and (path / "config.json").exists()
+    assert gpu_checks.tiny_llama(tmp_path) == path and made == ["llama"]
+    assert [p.name for p in tmp_path.iterdir()] == ["tiny-llama"]  # made aside, then renamed whole
+    assert gpu_checks.hf_greedy(path, [[1, 2], [3]], 2) == [[7, 7], [7, 7]]
+    assert gpu_checks.hf_greedy(path, [[1, 2], [3]], 2, "cpu") == [[7, 7], [7, 7]] and generated == ["cpu"]
+    assert gpu_checks.hf_greedy(path, [[1, 2], [3]], 3) == [[7, 7, 7], [7, 7, 7]] and generated == ["cpu", "cpu"]
+    assert gpu_checks.hf_greedy(path, [[1, 2], [3]], 2, "meta") == [[7, 7], [7, 7]]  # another device: its own
+    assert generated == ["cpu", "cpu", "meta"]
+    assert sorted(p.name for p in path.glob("greedy-*.json")) == ["greedy-cpu.json", "greedy-meta.json"]
