@@ -155,13 +155,19 @@ async def drain(health_servicer: health.aio.HealthServicer, names: list[str], bu
 
 
 def run(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """Runs an async main on uvloop; Ctrl-C and SIGTERM end it cleanly."""
+    """Runs an async main on uvloop; Ctrl-C and SIGTERM end it cleanly. Once it has stopped, every object
+    left is frozen out of the garbage collector: the interpreter's exit then skips collecting the heap that
+    torch, JAX and the model built (seconds of a stopping worker's CPU, for memory the exit frees anyway)."""
+    import gc
+
     import uvloop
 
     try:
         uvloop.run(main())
     except KeyboardInterrupt:
         pass
+    finally:
+        gc.freeze()
 
 
 async def wait_for_signal() -> None:
