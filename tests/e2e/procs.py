@@ -102,7 +102,9 @@ class Procs:
         return proc
 
     def coordinator(self, name: str = "coordinator", *args: str) -> Proc:
-        return self.start(name, "coordinator", "--heartbeat-timeout", "2", *args)
+        # a killed worker is dead at once (its port refuses GetInfo); a live one starved of CPU on a loaded machine
+        # may answer late, and must not be taken for dead (its requests failed) for that
+        return self.start(name, "coordinator", "--heartbeat-timeout", "10", *args)
 
     def worker(self, name: str, role: str, coordinator: Proc, *args: str, **kw) -> Proc:
         proc = self.start(name, role, "--coordinator", coordinator.address, *args, **kw)
