@@ -87,9 +87,11 @@ class Procs:
             secret_file.write_text(self.cluster_secret)
             cmd += ["--cluster-secret-file", str(secret_file)]
             internal = ((CLUSTER_SECRET_HEADER, self.cluster_secret),)
-        # One XLA compilation cache for the session: later prefill workers load, not compile.
-        cache = dict(JAX_COMPILATION_CACHE_DIR=str(self.tmp.parent / "jax-cache"),
-                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+        # The tests' XLA compilation cache (tests/conftest.py: one per machine, which in-process engines fill
+        # too): a prefill worker loads the programs an earlier run or test compiled instead of compiling them.
+        cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(self.tmp.parent / "jax-cache"))
+        cache = dict(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         env = dict(os.environ, PDSERVE_PROCESS=name, PDSERVE_LOG_LEVEL="INFO", **cache, **self.env)
         with open(log, "w") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -100,7 +102,9 @@ class Procs:
         return proc
 
     def coordinator(self, name: str = "coordinator", *args: str) -> Proc:
-        return self.start(name, "coordinator", "--heartbeat-timeout", "2", *args)
+        # a killed worker is dead at once (its port refuses GetInfo); a live one starved of CPU on a loaded machine
+        # may answer late, and must not be taken for dead (its requests failed) for that
+        return self.start(name, "coordinator", "--heartbeat-timeout", "10", *args)
 
     def worker(self, name: str, role: str, coordinator: Proc, *args: str, **kw) -> Proc:
         proc = self.start(name, role, "--coordinator", coordinator.address, *args, **kw)
@@ -213,6 +217,19 @@ class Stream(threading.Thread):
                     self.finish_reason = m.finish_reason or self.finish_reason
         except grpc.RpcError as e:
             self.error = e
+
+
+def greedy_at_once(address: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Each prompt's greedy tokens, every prompt streamed at once (a no-fault run, batched as the runs that a
+    test then faults are); raises the first stream's grpc.RpcError."""
+    streams = [Stream(address, request(p, max_tokens)) for p in prompts]
+    for s in streams:
+        s.join(120)
+    for s in streams:
+        if s.error is not None:
+            raise s.error
+        assert not s.is_alive(), "a no-fault stream still running after 120 s"
+    return [s.tokens for s in streams]
 
 
 def counter(samples: dict[str, float], name: str) -> float:

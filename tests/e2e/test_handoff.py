@@ -73,15 +73,15 @@ def _prefill_retries() -> float:
 async def test_a_long_prefill_queue_does_not_expire_leases(cluster):
     run = cluster.prefill.service.engine._run
 
-    def slow(*step):  # one prompt at a time, 0.2 s each: the 20th waits ~4 s, 8 leases
+    def slow(*step):  # one prompt at a time, 0.2 s each: the 10th waits ~2 s, 4 leases
         time.sleep(0.2)
         return run(*step)
 
     cluster.prefill.service.engine._run = slow
     retries = _prefill_retries()
-    prompts = [[5 + i, 6, 7, 8, 9] for i in range(20)]
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(10)]
     outputs = await asyncio.gather(*(cluster.generate(p) for p in prompts))
-    assert [len(o) for o in outputs] == [4] * 20
+    assert [len(o) for o in outputs] == [4] * 10
     assert _prefill_retries() == retries  # no re-prefill
     assert outputs[0] == await cluster.generate(prompts[0])  # the same tokens when alone
     assert cluster.free_blocks()[0] == cluster.free_blocks()[1]

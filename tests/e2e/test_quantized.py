@@ -11,7 +11,7 @@ from pdserve.benchmarks.engine.accuracy import Pipeline
 from pdserve.v1 import worker_pb2 as pb
 from pdserve.v1 import worker_pb2_grpc
 from tests.e2e.cluster import internal_metadata, pdserve_up, wait_all_blocks_free, worker_info
-from tests.e2e.procs import Procs, counter, generate, request, wait_until
+from tests.e2e.procs import Procs, counter, generate, list_workers, request, wait_until
 
 # (prefill weights, decode weights, KV dtype): every quantized weight format on each tier, both KV formats
 SETTINGS = [("int8", "fp8", "int8"), ("fp8", "int8", "fp8_e4m3")]
@@ -68,14 +68,21 @@ def test_kv_bytes_per_token_on_the_wire_from_the_transfer_metrics(tiny_model, tm
     kv_dtypes = ("float32", "bfloat16", "int8", "fp8_e4m3")
     prompt = list(range(3, 51))  # 48 tokens: 3 blocks of 16
     try:
-        prefill = procs.start("p0", "prefill")
+        # every process at once: their start-ups overlap
+        prefill = procs.start("p0", "prefill", wait=False)
+        decodes = {kv: procs.start(f"d-{kv}", "decode", "--kv-dtype", kv, "--kv-cache-tokens", "1024",
+                                   *(["--weight-dtype", "int8"] if kv == "int8" else []), wait=False)
+                   for kv in kv_dtypes}
+        coordinators = {kv: procs.start(f"c-{kv}", "coordinator", "--prefill", prefill.address, "--decode",
+                                        decodes[kv].address, metrics=False, wait=False) for kv in kv_dtypes}
+        for proc in [prefill, *decodes.values()]:
+            procs.wait_serving(proc)
         received = {}
         for kv in kv_dtypes:
-            decode = procs.start(f"d-{kv}", "decode", "--kv-dtype", kv, "--kv-cache-tokens", "1024",
-                                 *(["--weight-dtype", "int8"] if kv == "int8" else []))
-            coordinator = procs.start(f"c-{kv}", "coordinator", "--prefill", prefill.address, "--decode",
-                                      decode.address, metrics=False)
-            wait_until(lambda: healthy(coordinator.address), f"c-{kv} serving")
+            decode, coordinator = decodes[kv], coordinators[kv]
+            # serving, with the prefill worker ready too (a prompt must cross the wire, not be prefilled locally)
+            wait_until(lambda: healthy(coordinator.address)
+                       and [w.state for w in list_workers(coordinator)] == ["ready", "ready"], f"c-{kv} serving")
             assert len(generate(coordinator.address, request(prompt, 4))) == 4
             samples = decode.metrics()
             assert counter(samples, "pdserve_kv_transfer_seconds_count") == 1

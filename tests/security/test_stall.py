@@ -7,7 +7,8 @@ import os
 import signal
 import time
 
-from tests.e2e.procs import Stream, blocks, counter, generate, list_workers, request, wait_blocks_free, wait_until
+from tests.e2e.procs import (Stream, blocks, counter, greedy_at_once, list_workers, request, wait_blocks_free,
+                             wait_until)
 from tests.security.test_attacks import PROMPTS
 
 MAX_TOKENS = 400
@@ -27,7 +28,7 @@ def _held(streams: list[Stream]) -> list[Stream]:
 def test_streams_of_a_frozen_decode_worker_migrate(secured):
     coordinator, d0, d1 = (secured.procs[n] for n in ("coordinator", "d0", "d1"))
     wait_until(lambda: [w.state for w in list_workers(coordinator)] == ["ready"] * 3, "every worker ready")
-    reference = [generate(coordinator.address, request(p, MAX_TOKENS)) for p in PROMPTS]
+    reference = greedy_at_once(coordinator.address, PROMPTS, MAX_TOKENS)
     # A round whose streams all left the chosen worker before it froze shows nothing: it is run again.
     for _ in range(ROUNDS):
         before = counter(coordinator.metrics(), "pdserve_stalled_streams_total")

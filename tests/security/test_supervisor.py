@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.server.launcher import free_port
-from tests.e2e.procs import Stream, generate, request, wait_until
+from tests.e2e.procs import Stream, generate, greedy_at_once, request, wait_until
 from tests.security.test_attacks import PROMPTS
 
 MAX_TOKENS = 300
@@ -33,7 +33,9 @@ def up(tiny_model, tmp_path_factory):
     cmd = [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(tiny_model("llama")), "--port", "0",
            "--prefill-workers", "1", "--decode-workers", "2", "--state-file", str(state), "--stall-timeout", "5",
            "--metrics-port", str(metrics_port), "--http-port", str(http_port)]
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp.parent / "jax-cache"),
+    # the tests' compilation cache (tests/conftest.py): the prefill worker loads what earlier runs compiled
+    cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(tmp.parent / "jax-cache"))
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -113,14 +115,21 @@ def test_every_process_series_on_the_supervisors_metrics_labelled_by_process(up)
     assert engines == {"prefill-0": "0", "decode-0": "1", "decode-1": "2"}  # as the supervisor numbers them
 
 
+@pytest.fixture(scope="module")
+def reference(up) -> list[list[int]]:
+    """The no-fault tokens of PROMPTS (before any worker is killed)."""
+    address = json.loads(up[1].read_text())["coordinator"]
+    wait_until(lambda: _serving(address), "the coordinator serving")
+    return greedy_at_once(address, PROMPTS, MAX_TOKENS)
+
+
 @pytest.mark.parametrize("victim", ["decode-0", "prefill-0"])
-def test_kill_9_of_one_worker_under_load_loses_no_stream(up, victim):
+def test_kill_9_of_one_worker_under_load_loses_no_stream(up, reference, victim):
     popen, state_file, log, metrics_port, _ = up
     state = json.loads(state_file.read_text())
     restarts = state["restarts"]
     address = state["coordinator"]
     wait_until(lambda: _serving(address), "the coordinator serving")
-    reference = [generate(address, request(p, MAX_TOKENS)) for p in PROMPTS]
     streams = [Stream(address, request(p, MAX_TOKENS)) for p in PROMPTS]
     wait_until(lambda: all(s.tokens for s in streams), "every stream's first tokens", every=0.01)
     old_pid = state["pids"][victim]
