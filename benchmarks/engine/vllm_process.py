@@ -62,6 +62,7 @@ class VllmProcess:
             try:
                 line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
+                self.proc.kill()
                 self.close()
                 return -1, [*out, f"no answer within {timeout:.0f} s: the vLLM process was stopped"]
             if line is None:
