@@ -17,7 +17,8 @@ STAND_IN = textwrap.dedent(f"""
     import json, os, sys, time
     for line in sys.stdin:
         job = json.loads(line)
-        print("pid", os.getpid(), "cores", sorted(os.sched_getaffinity(0)), "bind", os.environ["VLLM_CPU_OMP_THREADS_BIND"])
+        bind = os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+        print("pid", os.getpid(), "cores", sorted(os.sched_getaffinity(0)), "bind", bind)
         print("job", *job, flush=True)
         if job[0] == "die":
             os._exit(3)
