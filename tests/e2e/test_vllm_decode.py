@@ -389,10 +389,11 @@ def test_tensor_parallel_vllm_decode_equals_transformers_and_leaves_no_stage(clu
     """--tensor-parallel-size 2: two vLLM rank processes, one kv head each, read the staged KV from /dev/shm."""
     procs = clusters.get("llama")
     coord = procs.procs["coordinator"]
-    for name, proc in list(procs.procs.items()):  # tp2 alone decodes (this test runs last: it stops the others)
-        if proc.role == "decode" and proc.popen.poll() is None:
-            procs.terminate(name)
-            proc.popen.wait(30)
+    live = [n for n, p in procs.procs.items() if p.role == "decode" and p.popen.poll() is None]
+    for name in live:  # tp2 alone decodes (this test runs last: it stops the others, which drain side by side)
+        procs.terminate(name)
+    for name in live:
+        procs.procs[name].popen.wait(30)
     tp2 = vllm_decode(procs, "tp2", "--tensor-parallel-size", "2")
     wait_until(lambda: [w.state for w in list_workers(coord) if w.role == "decode" and w.state == "ready"] == ["ready"],
                "tp2 the only decode worker ready")
