@@ -95,6 +95,14 @@ class Clusters:
 
 
 def vllm_decode(procs: Procs, name: str, *args: str, wait: bool = True):
+    """A vLLM decode worker; started again on fresh ports when one `free_port` chose was taken before the worker
+    bound it (on a loaded machine another process, or vLLM's own gloo and ZMQ sockets, can take it meanwhile)."""
+    try:
+        return procs.worker(name, "decode", procs.procs["coordinator"], *VLLM_ARGS, *args, python=str(VLLM_PYTHON),
+                            wait=wait, timeout=START_TIMEOUT)
+    except RuntimeError as e:
+        if "Address already in use" not in str(e):
+            raise
     return procs.worker(name, "decode", procs.procs["coordinator"], *VLLM_ARGS, *args, python=str(VLLM_PYTHON),
                         wait=wait, timeout=START_TIMEOUT)
 
