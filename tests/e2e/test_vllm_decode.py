@@ -33,37 +33,59 @@ from tests.vllm_python import VLLM_PYTHON, require_vllm_python
 
 VLLM_ARGS = ("--engine", "vllm", "--block-size", "32", "--kv-cache-tokens", "8192")
 START_TIMEOUT = 300.0  # vLLM's start-up on a loaded 2-core machine
+JAX_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
+"""The prefill workers' XLA cache: the tests' persistent one (tests/conftest.py), warm for every family's shapes."""
 
 require_vllm_python()
 
 
 class Clusters:
-    """A coordinator, a JAX prefill worker and one vLLM decode worker per checkpoint (and decode flags), started
-    on first use; `release` stops one no later test needs (each holds a JAX and a vLLM process)."""
+    """A coordinator, a JAX prefill worker and a vLLM decode worker "d0" per checkpoint, started on first use.
+    Asked for other decode flags, a family's cluster keeps its coordinator and prefill worker and swaps its decode
+    workers for one "d0" with those flags; `release` stops a cluster no later test needs (each holds a JAX and
+    a vLLM process)."""
 
     def __init__(self, tiny_model, tmp_factory):
         self.tiny_model, self.tmp_factory = tiny_model, tmp_factory
         self.by_family: dict[str, Procs] = {}
         self.http: dict[str, str] = {}
         """Each cluster's OpenAI front (the coordinator's --http-port)."""
+        self.decode_args: dict[str, tuple[str, ...]] = {}
+        """The flags of each cluster's "d0"."""
 
     def get(self, family: str, *decode_args: str) -> Procs:
-        key = " ".join((family, *decode_args))
-        if key not in self.by_family:
+        if family not in self.by_family:
             procs = Procs(self.tiny_model(family), self.tmp_factory.mktemp(f"vllm-{family}"))
-            self.by_family[key] = procs
+            self.by_family[family], self.decode_args[family] = procs, decode_args
             port = free_port()
-            self.http[key] = f"http://127.0.0.1:{port}"
+            self.http[family] = f"http://127.0.0.1:{port}"
             coord = procs.coordinator("coordinator", "--http-port", str(port))
-            procs.worker("p0", "prefill", coord, wait=False)
+            procs.worker("p0", "prefill", coord, "--compilation-cache", JAX_CACHE, wait=False)
             vllm_decode(procs, "d0", *decode_args)
             procs.wait_serving(procs.procs["p0"])
             wait_until(lambda: sorted(w.state for w in list_workers(coord)) == ["ready"] * 2, "2 workers ready",
                        START_TIMEOUT)
-        return self.by_family[key]
+        elif self.decode_args[family] != decode_args:
+            self._swap_decode(family, decode_args)
+        return self.by_family[family]
 
-    def release(self, family: str, *decode_args: str) -> None:
-        procs = self.by_family.pop(" ".join((family, *decode_args)), None)
+    def _swap_decode(self, family: str, decode_args: tuple[str, ...]) -> None:
+        """Every live decode worker of the family's cluster stops; a vLLM one with `decode_args` becomes "d0"."""
+        procs = self.by_family[family]
+        live = [n for n, p in procs.procs.items() if p.role == "decode" and p.popen.poll() is None]
+        for name in live:
+            procs.terminate(name)
+        for name in live:
+            procs.procs[name].popen.wait(30)
+        procs.procs[f"d0 {' '.join(self.decode_args[family])}"] = procs.procs.pop("d0")
+        coord = procs.procs["coordinator"]
+        wait_until(lambda: not [w for w in list_workers(coord) if w.role == "decode" and w.state == "ready"],
+                   "the stopped decode workers gone from the pool")
+        vllm_decode(procs, "d0", *decode_args)
+        self.decode_args[family] = decode_args
+
+    def release(self, family: str) -> None:
+        procs = self.by_family.pop(family, None)
         if procs is not None:
             procs.stop_all()
 
@@ -73,6 +95,14 @@ class Clusters:
 
 
 def vllm_decode(procs: Procs, name: str, *args: str, wait: bool = True):
+    """A vLLM decode worker; started again on fresh ports when one `free_port` chose was taken before the worker
+    bound it (on a loaded machine another process, or vLLM's own gloo and ZMQ sockets, can take it meanwhile)."""
+    try:
+        return procs.worker(name, "decode", procs.procs["coordinator"], *VLLM_ARGS, *args, python=str(VLLM_PYTHON),
+                            wait=wait, timeout=START_TIMEOUT)
+    except RuntimeError as e:
+        if "Address already in use" not in str(e):
+            raise
     return procs.worker(name, "decode", procs.procs["coordinator"], *VLLM_ARGS, *args, python=str(VLLM_PYTHON),
                         wait=wait, timeout=START_TIMEOUT)
 
@@ -310,18 +340,21 @@ def test_structured_output_through_vllm_decode_holds_every_answer_to_its_grammar
 
 
 def test_no_prefill_worker_alive_vllm_prefills_locally(clusters, tiny_model):
-    procs = clusters.get("qwen2")
-    coord, decode = procs.procs["coordinator"], procs.procs["d0"]
-    procs.kill("p0")
-    wait_until(lambda: all(w.state == "dead" for w in list_workers(coord) if w.role == "prefill"), "prefill dead")
-    model_dir = tiny_model("qwen2")
-    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    before = counter(decode.metrics(), "pdserve_local_prefill_fallbacks_total")
-    for prompt in PROMPTS[:2]:
-        ids, _ = generate_ids(coord.address, prompt)
-        assert ids == hf_greedy(model_dir, tok.encode(prompt).ids), prompt
-    assert counter(decode.metrics(), "pdserve_local_prefill_fallbacks_total") == before + 2
-    assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
+    procs = clusters.get("qwen2")  # (the qwen2 cluster's last test: it kills the prefill worker)
+    try:
+        coord, decode = procs.procs["coordinator"], procs.procs["d0"]
+        procs.kill("p0")
+        wait_until(lambda: all(w.state == "dead" for w in list_workers(coord) if w.role == "prefill"), "prefill dead")
+        model_dir = tiny_model("qwen2")
+        tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        before = counter(decode.metrics(), "pdserve_local_prefill_fallbacks_total")
+        for prompt in PROMPTS[:2]:
+            ids, _ = generate_ids(coord.address, prompt)
+            assert ids == hf_greedy(model_dir, tok.encode(prompt).ids), prompt
+        assert counter(decode.metrics(), "pdserve_local_prefill_fallbacks_total") == before + 2
+        assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
+    finally:
+        clusters.release("qwen2")
 
 
 def test_logprobs_through_vllm_decode_equal_transformers(clusters, tiny_model):
@@ -364,10 +397,11 @@ def test_tensor_parallel_vllm_decode_equals_transformers_and_leaves_no_stage(clu
     """--tensor-parallel-size 2: two vLLM rank processes, one kv head each, read the staged KV from /dev/shm."""
     procs = clusters.get("llama")
     coord = procs.procs["coordinator"]
-    for name, proc in list(procs.procs.items()):  # tp2 alone decodes (this test runs last: it stops the others)
-        if proc.role == "decode" and proc.popen.poll() is None:
-            procs.terminate(name)
-            proc.popen.wait(30)
+    live = [n for n, p in procs.procs.items() if p.role == "decode" and p.popen.poll() is None]
+    for name in live:  # tp2 alone decodes (this test runs last: it stops the others, which drain side by side)
+        procs.terminate(name)
+    for name in live:
+        procs.procs[name].popen.wait(30)
     tp2 = vllm_decode(procs, "tp2", "--tensor-parallel-size", "2")
     wait_until(lambda: [w.state for w in list_workers(coord) if w.role == "decode" and w.state == "ready"] == ["ready"],
                "tp2 the only decode worker ready")
@@ -404,28 +438,25 @@ def test_ngram_speculation_through_vllm_decode_keeps_greedy_and_counts_on_metric
     model_dir = tiny_model("llama")
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     expected = [hf_greedy(model_dir, tok.encode(p).ids) for p in SPEC_PROMPTS]
-    procs = clusters.get("llama", "--speculative-config", SPEC)
-    try:
-        decode = procs.procs["d0"]
-        assert "speculative decoding by vLLM's own ngram proposer" in decode.log.read_text()
-        with ThreadPoolExecutor(len(SPEC_PROMPTS)) as pool:
-            got = list(pool.map(lambda p: generate_ids(procs.procs["coordinator"].address, p), SPEC_PROMPTS))
-        assert [ids for ids, _ in got] == expected
-        d = decode.metrics()
-        drafts = counter(d, "pdserve_spec_decode_num_drafts_total")
-        proposed = counter(d, "pdserve_spec_decode_num_draft_tokens_total")
-        accepted = counter(d, "pdserve_spec_decode_num_accepted_tokens_total")
-        per_pos = counter(d, "pdserve_spec_decode_num_accepted_tokens_per_pos_total")
-        assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed and per_pos == accepted
-        vllm = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in decode.metrics_text().splitlines()
-                if line.startswith("vllm:spec_decode")}
-        own = f'model_name="{model_dir.name}",role="decode"'
-        assert vllm[f"vllm:spec_decode_num_drafts_total{{{own}}}"] == drafts
-        assert vllm[f"vllm:spec_decode_num_accepted_tokens_total{{{own}}}"] == accepted
-        assert counter(d, "pdserve_vllm_kv_load_failures_total") == 0
-        assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
-    finally:
-        clusters.release("llama", "--speculative-config", SPEC)
+    procs = clusters.get("llama", "--speculative-config", SPEC)  # the llama cluster, its decode worker swapped
+    decode = procs.procs["d0"]
+    assert "speculative decoding by vLLM's own ngram proposer" in decode.log.read_text()
+    with ThreadPoolExecutor(len(SPEC_PROMPTS)) as pool:
+        got = list(pool.map(lambda p: generate_ids(procs.procs["coordinator"].address, p), SPEC_PROMPTS))
+    assert [ids for ids, _ in got] == expected
+    d = decode.metrics()
+    drafts = counter(d, "pdserve_spec_decode_num_drafts_total")
+    proposed = counter(d, "pdserve_spec_decode_num_draft_tokens_total")
+    accepted = counter(d, "pdserve_spec_decode_num_accepted_tokens_total")
+    per_pos = counter(d, "pdserve_spec_decode_num_accepted_tokens_per_pos_total")
+    assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed and per_pos == accepted
+    vllm = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in decode.metrics_text().splitlines()
+            if line.startswith("vllm:spec_decode")}
+    own = f'model_name="{model_dir.name}",role="decode"'
+    assert vllm[f"vllm:spec_decode_num_drafts_total{{{own}}}"] == drafts
+    assert vllm[f"vllm:spec_decode_num_accepted_tokens_total{{{own}}}"] == accepted
+    assert counter(d, "pdserve_vllm_kv_load_failures_total") == 0
+    assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
 
 
 def _replay(endpoint: str, timeout_ms: int = 10_000) -> list[tuple[bytes, int, list]]:
@@ -456,9 +487,10 @@ def test_vllm_decode_publishes_its_blocks_as_kv_events_the_coordinator_reads(clu
     pub, replay = free_port(), free_port()
     config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
                          "replay_endpoint": f"tcp://*:{replay}", "topic": "kv@{worker}@tiny"})
-    procs = clusters.get("llama", "--kv-events-config", config)
+    procs = clusters.get("llama", "--kv-events-config", config)  # (the llama cluster's last test)
     try:
         coord, decode = procs.procs["coordinator"], procs.procs["d0"]
+        indexed = counter(coord.metrics(), "pdserve_kv_index_blocks")  # 0: no earlier worker published events
         source = info(decode).kv_events
         assert (source.endpoint, source.replay_endpoint) == (f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}")
         assert (source.topic, source.block_size, source.hash_algo) == (f"kv@{decode.address}@tiny", 32, "sha256")
@@ -479,7 +511,8 @@ def test_vllm_decode_publishes_its_blocks_as_kv_events_the_coordinator_reads(clu
         assert generate(coord.address, request(prompt, MAX_TOKENS)) == want  # vLLM's prefix cache holds 2 blocks
         assert not {h for e in stored()[before:] for h in e["block_hashes"]} & set(hashes)
         assert counter(decode.metrics(), "pdserve_vllm_kv_load_failures_total") == 0
-        wait_until(lambda: counter(coord.metrics(), "pdserve_kv_index_blocks") >= 2, "the coordinator's index", 30)
+        wait_until(lambda: counter(coord.metrics(), "pdserve_kv_index_blocks") >= indexed + 2, "the coordinator's index",
+                   30)
         assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
     finally:
-        clusters.release("llama", "--kv-events-config", config)
+        clusters.release("llama")

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 from pdserve.kvcache.adapter_key import AdapterKey
 from pdserve.kvcache.block_hash import BlockHasher
 
-from tests.vllm_python import VLLM_PYTHON, require_vllm_python
+from tests.vllm_python import require_vllm_python
+from tests.vllm_scripts import run_vllm_script
 
 require_vllm_python()
 
@@ -41,8 +41,7 @@ def test_an_adapters_block_names_are_vllms():
     tokens, block_size = list(range(100, 112)), 4
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     request = {"name": adapter.name, "id": adapter.id, "path": adapter.path, "tokens": tokens, "block_size": block_size}
-    run = subprocess.run([str(VLLM_PYTHON), "-c", ORACLE], input=json.dumps(request), capture_output=True, text=True,
-                         timeout=300, env=env, check=False)
+    run = run_vllm_script(code=ORACLE, stdin=json.dumps(request), env=env, timeout=300)
     line = next((l for l in run.stdout.splitlines() if l.startswith("ORACLE ")), None)
     assert line is not None, run.stderr[-3000:]
     oracle = json.loads(line.removeprefix("ORACLE "))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
@@ -18,7 +17,8 @@ from pdserve.kvcache.kv_events_config import KvEventsConfig
 from pdserve.kvcache.prefix_cache import PrefixCache
 
 from tests.kvcache.kv_events_helpers import Subscriber
-from tests.vllm_python import VLLM_PYTHON, require_vllm_python
+from tests.vllm_python import require_vllm_python
+from tests.vllm_scripts import run_vllm_script
 
 require_vllm_python()
 
@@ -56,8 +56,7 @@ print("ORACLE " + json.dumps(out))
 
 def _vllm(request: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-    run = subprocess.run([str(VLLM_PYTHON), "-c", ORACLE], input=json.dumps(request), capture_output=True, text=True,
-                         timeout=300, env=env, check=False)
+    run = run_vllm_script(code=ORACLE, stdin=json.dumps(request), env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     line = [x for x in run.stdout.splitlines() if x.startswith("ORACLE ")][-1]
     return json.loads(line.removeprefix("ORACLE "))

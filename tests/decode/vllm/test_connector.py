@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
-from tests.vllm_python import VLLM_PYTHON, require_vllm_python
+from tests.vllm_python import require_vllm_python
+from tests.vllm_scripts import run_vllm_script
 
 require_vllm_python()
 
@@ -13,7 +13,6 @@ TWIN = Path(__file__).with_name("connector_twin.py")
 
 
 def test_each_rank_loads_its_kv_heads_and_every_stage_is_released():
-    run = subprocess.run([str(VLLM_PYTHON), str(TWIN)], capture_output=True, text=True, timeout=600,
-                         cwd=Path(__file__).resolve().parents[3])
+    run = run_vllm_script(file=TWIN, timeout=600, cwd=Path(__file__).resolve().parents[3])
     assert run.returncode == 0, f"{TWIN.name} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
     assert run.stdout.splitlines()[-1] == "ok: 7 checks"
