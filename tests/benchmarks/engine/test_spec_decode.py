@@ -22,7 +22,12 @@ def test_a_tiny_run_writes_its_rows_and_speculation_changes_no_token(tiny_model,
     ngram = [by["self-repeating", b, "ngram"] for b in (1, 2)]
     drafts = sum(r["drafts"] for r in ngram)
     assert drafts > 0 and sum(r["acceptance"] * r["drafts"] for r in ngram) / drafts > 0.5
-    assert by["self-repeating", 1, "draft-self"]["acceptance"] == 1.0  # greedy: the target proposes its own tokens
+    # greedy: the target proposes its own tokens, so every proposal is accepted. How many it proposes is the
+    # speculation policy's choice from measured step costs (a self-draft's verify is dear: on a quiet machine the
+    # policy once took no proposal at batch 1 after warm-up), so judged over every draft-self row.
+    draft_self = [r for r in rows if r["method"] == "draft-self"]
+    assert sum(r["drafts"] for r in draft_self) > 0
+    assert all(r["acceptance"] == 1.0 for r in draft_self if r["drafts"]), draft_self
 
 
 def test_vllm_cpus_ngram_rows_stand_beside_pdserves_with_the_same_tokens(tiny_model, tmp_path):
