@@ -87,12 +87,9 @@ class Procs:
             secret_file.write_text(self.cluster_secret)
             cmd += ["--cluster-secret-file", str(secret_file)]
             internal = ((CLUSTER_SECRET_HEADER, self.cluster_secret),)
-        # The tests' XLA compilation cache (tests/conftest.py: one per machine, which in-process engines fill
-        # too): a prefill worker loads the programs an earlier run or test compiled instead of compiling them.
-        cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(self.tmp.parent / "jax-cache"))
-        cache = dict(JAX_COMPILATION_CACHE_DIR=cache_dir, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-        env = dict(os.environ, PDSERVE_PROCESS=name, PDSERVE_LOG_LEVEL="INFO", **cache, **self.env)
+        # The environment carries the tests' XLA compilation cache (tests/conftest.py: one per machine, which
+        # in-process engines fill too): a prefill worker loads what an earlier run or test compiled.
+        env = dict(os.environ, PDSERVE_PROCESS=name, PDSERVE_LOG_LEVEL="INFO", **self.env)
         with open(log, "w") as out:
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         proc = Proc(name, role, f"127.0.0.1:{port}", popen, log, mport, self.tls, internal)
@@ -235,3 +232,21 @@ def greedy_at_once(address: str, prompts: list[list[int]], max_tokens: int) -> l
 def counter(samples: dict[str, float], name: str) -> float:
     """A counter's value summed over its labels (0 when absent)."""
     return sum(v for k, v in samples.items() if re.fullmatch(rf"{name}(\{{.*\}})?", k))
+
+
+def spec_counters_agree(proc: Proc, model_name: str) -> tuple[dict[str, float], dict[str, float]]:
+    """A speculating decode worker's counters: drafts were made and some accepted, per-position acceptance sums to
+    the accepted tokens, and vLLM's names beside pdserve's carry the same values (with model_name and role).
+    Returns (pdserve's samples, vLLM's spec_decode samples) for the caller's further checks."""
+    d = proc.metrics()
+    drafts = counter(d, "pdserve_spec_decode_num_drafts_total")
+    proposed = counter(d, "pdserve_spec_decode_num_draft_tokens_total")
+    accepted = counter(d, "pdserve_spec_decode_num_accepted_tokens_total")
+    per_pos = counter(d, "pdserve_spec_decode_num_accepted_tokens_per_pos_total")
+    assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed and per_pos == accepted
+    vllm = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in proc.metrics_text().splitlines()
+            if line.startswith("vllm:spec_decode")}
+    own = f'model_name="{model_name}",role="decode"'
+    assert vllm[f"vllm:spec_decode_num_drafts_total{{{own}}}"] == drafts
+    assert vllm[f"vllm:spec_decode_num_accepted_tokens_total{{{own}}}"] == accepted
+    return d, vllm

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer
 from pdserve.v1 import generation_pb2 as gen_pb
 from pdserve.server.client import build_request, stream
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free
-from tests.e2e.procs import (Procs, Stream, blocks, counter, generate, list_workers, request, wait_blocks_free,
-                             wait_until)
+from tests.e2e.procs import (Procs, Stream, blocks, counter, generate, list_workers, request, spec_counters_agree,
+                             wait_blocks_free, wait_until)
 from tests.e2e.parity_cases import SPEC, hf_greedy
 
 PROMPTS = [
@@ -100,17 +100,8 @@ def test_a_speculating_decode_worker_counts_its_drafts_and_gives_transformers_to
         prompts = [[3, 14, 15, 92, 65, 35, 89], [7, 8, 9, 7, 8, 9, 7, 8]]
         for prompt in prompts:
             assert generate(coordinator.address, request(prompt, MAX_TOKENS)) == hf_greedy(model_dir, prompt)
-        d = d0.metrics()  # pdserve_* samples, without model_name and role
-        drafts = counter(d, "pdserve_spec_decode_num_drafts_total")
-        proposed = counter(d, "pdserve_spec_decode_num_draft_tokens_total")
+        d, vllm = spec_counters_agree(d0, model_dir.name)
         accepted = counter(d, "pdserve_spec_decode_num_accepted_tokens_total")
-        per_pos = counter(d, "pdserve_spec_decode_num_accepted_tokens_per_pos_total")
-        assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed and per_pos == accepted
-        vllm = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in d0.metrics_text().splitlines()
-                if line.startswith("vllm:spec_decode")}  # vLLM's names beside them, with model_name
-        own = f'model_name="{model_dir.name}",role="decode"'
-        assert vllm[f"vllm:spec_decode_num_drafts_total{{{own}}}"] == drafts
-        assert vllm[f"vllm:spec_decode_num_accepted_tokens_total{{{own}}}"] == accepted
         per_pos_vllm = {k: v for k, v in vllm.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos")}
         assert per_pos_vllm[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{model_dir.name}",'
                             f'position="0",role="decode"}}'] > 0

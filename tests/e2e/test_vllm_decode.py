@@ -25,7 +25,8 @@ from pdserve.server.client import open_channel
 from pdserve.server.launcher import free_port
 from pdserve.server.model.tiny import WINDOW
 from tests.e2e.cluster import pdserve_up, wait_all_blocks_free, worker_info
-from tests.e2e.procs import Procs, Stream, counter, generate, list_workers, request, wait_blocks_free, wait_until
+from tests.e2e.procs import (Procs, Stream, counter, generate, list_workers, request, spec_counters_agree,
+                             wait_blocks_free, wait_until)
 from tests.e2e.test_prefix_cache import hf_greedy as hf_greedy_n
 from tests.e2e.parity_cases import LONG_PROMPTS, MAX_TOKENS, PROMPTS, generate_ids, hf_greedy
 from tests.kvcache.kv_events_helpers import chain, wire
@@ -33,8 +34,6 @@ from tests.vllm_python import VLLM_PYTHON, require_vllm_python
 
 VLLM_ARGS = ("--engine", "vllm", "--block-size", "32", "--kv-cache-tokens", "8192")
 START_TIMEOUT = 300.0  # vLLM's start-up on a loaded 2-core machine
-JAX_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"]
-"""The prefill workers' XLA cache: the tests' persistent one (tests/conftest.py), warm for every family's shapes."""
 
 require_vllm_python()
 
@@ -60,7 +59,7 @@ class Clusters:
             port = free_port()
             self.http[family] = f"http://127.0.0.1:{port}"
             coord = procs.coordinator("coordinator", "--http-port", str(port))
-            procs.worker("p0", "prefill", coord, "--compilation-cache", JAX_CACHE, wait=False)
+            procs.worker("p0", "prefill", coord, wait=False)
             vllm_decode(procs, "d0", *decode_args)
             procs.wait_serving(procs.procs["p0"])
             wait_until(lambda: sorted(w.state for w in list_workers(coord)) == ["ready"] * 2, "2 workers ready",
@@ -444,17 +443,7 @@ def test_ngram_speculation_through_vllm_decode_keeps_greedy_and_counts_on_metric
     with ThreadPoolExecutor(len(SPEC_PROMPTS)) as pool:
         got = list(pool.map(lambda p: generate_ids(procs.procs["coordinator"].address, p), SPEC_PROMPTS))
     assert [ids for ids, _ in got] == expected
-    d = decode.metrics()
-    drafts = counter(d, "pdserve_spec_decode_num_drafts_total")
-    proposed = counter(d, "pdserve_spec_decode_num_draft_tokens_total")
-    accepted = counter(d, "pdserve_spec_decode_num_accepted_tokens_total")
-    per_pos = counter(d, "pdserve_spec_decode_num_accepted_tokens_per_pos_total")
-    assert drafts > 0 and proposed >= drafts and 0 < accepted <= proposed and per_pos == accepted
-    vllm = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in decode.metrics_text().splitlines()
-            if line.startswith("vllm:spec_decode")}
-    own = f'model_name="{model_dir.name}",role="decode"'
-    assert vllm[f"vllm:spec_decode_num_drafts_total{{{own}}}"] == drafts
-    assert vllm[f"vllm:spec_decode_num_accepted_tokens_total{{{own}}}"] == accepted
+    d, _ = spec_counters_agree(decode, model_dir.name)
     assert counter(d, "pdserve_vllm_kv_load_failures_total") == 0
     assert wait_blocks_free([decode]) == [(info(decode).load.total_kv_blocks,) * 2]
 

@@ -33,11 +33,8 @@ def up(tiny_model, tmp_path_factory):
     cmd = [sys.executable, "-m", "pdserve.server.cli", "up", "--model", str(tiny_model("llama")), "--port", "0",
            "--prefill-workers", "1", "--decode-workers", "2", "--state-file", str(state), "--stall-timeout", "5",
            "--metrics-port", str(metrics_port), "--http-port", str(http_port)]
-    # the tests' compilation cache (tests/conftest.py): the prefill worker loads what earlier runs compiled
-    cache_dir = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(tmp.parent / "jax-cache"))
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache_dir,
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
-    popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    # (the environment carries the tests' compilation cache, tests/conftest.py)
+    popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_until(lambda: state.exists() or popen.poll() is not None, "pdserve up started", timeout=180)
         assert popen.poll() is None, (tmp / "up.log").read_text()[-3000:]
