@@ -87,15 +87,31 @@ def test_sequences_preempted_on_a_small_cache_resume_with_transformers_tokens(cl
     assert free == total
 
 
+def _single_token_letters(tok: Tokenizer) -> str:
+    """The lowercase letters no other vocabulary entry contains: each is one token wherever it appears, so a
+    string of them is exactly as many tokens as letters."""
+    vocab = tok.hf.get_vocab()
+    return "".join(c for c in "abcdefghijklmnopqrstuvwxyz" if c in vocab and not any(c in v for v in vocab if v != c))
+
+
 def test_constrained_sequences_preempted_on_a_small_cache_keep_their_grammar(cluster):
     coordinator, d0 = cluster.procs["coordinator"], cluster.procs["d0"]
     tok = Tokenizer.from_dir(cluster.model_dir)
-    pattern = "[a-z]{110}"  # each sequence 40 + up to 110 tokens: three cannot fit 12 blocks together
+    letters = _single_token_letters(tok)
+    assert len(letters) >= 2, f"the tiny tokenizer has no two single-token letters ({letters!r}): pick other characters"
+    # each answer is exactly 110 tokens (one per letter), so each sequence grows to 40 + 110 tokens = 10 blocks:
+    # any two decoding at once overflow the 12 blocks, however the three requests are staggered
+    pattern = f"[{letters[:2]}]{{110}}"
     prompts = [[(17 * i + k) % 500 + 3 for i in range(40)] for k in range(3)]
-    # the prefill worker's background compiles done: its prefills are not staggered by them, so the three
-    # sequences decode at once (one finishing before the last arrives would leave no preemption to test)
+    # the prefill worker's background compiles done, and the grammar children of the coordinator and the decode
+    # worker started by a first constrained request: the three below arrive together, not staggered by either
     p0 = cluster.procs["p0"]
     wait_until(lambda: counter(p0.metrics(), "pdserve_prefill_compiles_pending") == 0, "p0's compiles done", timeout=300)
+    warm = Stream(coordinator.address, gen_pb.GenerateRequest(
+        token_ids=gen_pb.TokenIds(ids=prompts[0][:8]), sampling=gen_pb.SamplingParams(
+            max_tokens=4, temperature=0.0, structured=gen_pb.StructuredOutput(regex=pattern))))
+    warm.join(300)
+    assert warm.error is None
     preempted = counter(d0.metrics(), "pdserve_num_preemptions_total")
     streams = [Stream(coordinator.address, gen_pb.GenerateRequest(
         token_ids=gen_pb.TokenIds(ids=p), sampling=gen_pb.SamplingParams(
@@ -106,7 +122,7 @@ def test_constrained_sequences_preempted_on_a_small_cache_keep_their_grammar(clu
     assert [s.error for s in streams] == [None] * 3
     assert counter(d0.metrics(), "pdserve_num_preemptions_total") > preempted
     for s in streams:
-        assert s.finish_reason == gen_pb.FINISH_REASON_STOP
+        assert s.finish_reason == gen_pb.FINISH_REASON_STOP and len(s.tokens) == 110
         assert re.fullmatch(pattern, tok.decode(s.tokens)), tok.decode(s.tokens)
     free, total = wait_blocks_free([d0])[0]
     assert free == total
