@@ -9,9 +9,11 @@ are not read at all. Each expert is a pair of `Linear`s (gate|up fused, down), s
 compute dtype. Which experts run is read on the host (one small copy a layer): this path is eager, not for
 CUDA graphs.
 
-On the CPU (`group`, at start-up where `cpu_moe.prepare` measures it faster on the layer's weights) the same step
-is two calls of torch's grouped matmul over the experts' weights stacked (`cpu_moe.grouped_experts`): no loop
-over experts, no host read; the loop stays where the experts are prepacked for oneDNN or quantized.
+On the CPU, `cpu_moe.prepare` measures at start-up which runs the same step fastest on the layer's weights: one
+call of the fused C kernel over the experts' weights stacked (`fuse_cpu`, `cpu_moe_kernel`: no Python per
+expert, the weights read in place), two calls of torch's grouped matmul (`group`, `cpu_moe.grouped_experts`),
+or the loop over oneDNN-prepacked experts; the loop stays where the experts are quantized, and takes steps of
+more copies than the kernel's FUSED_MAX_COPIES (a long local prefill).
 
 On CUDA (`fuse`, at start-up where the probe `cuda_moe.runs` passes) the same step is two fused Triton kernels
 over the experts' weights stacked (`cuda_moe`): the copies sorted by expert on the device, a grouped matmul for
@@ -27,6 +29,10 @@ from torch import nn
 from pdserve.server.decode.cpu_moe import activation, combine
 from pdserve.server.decode.quant import Linear
 from pdserve.server.model.config import MoeConfig
+
+FUSED_MAX_COPIES = 1024
+"""The most token copies (tokens x top k) a step sends through the fused CPU kernel, whose scratch and sort grow
+with them: a decode batch's; a longer local prefill takes the loop."""
 
 
 def route(logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +86,8 @@ class MoeMlp(nn.Module):
         `cpu_moe.measure`)."""
         self.grouped = False
         """The step through `cpu_moe.grouped_experts` (one grouped matmul per projection) rather than the loop."""
+        self.cpu_fused = False
+        """The step through the fused C kernel (`cpu_moe_kernel`, one call) over `stacked`, once `fuse_cpu` ran."""
 
     def fuse(self) -> None:
         """The step through the fused kernels (`cuda_moe`) from now on: the weights (after any quantization)
@@ -96,6 +104,19 @@ class MoeMlp(nn.Module):
         self.stacked = self.stacked or self.fused or stack_experts(list(self.gate_up), list(self.down))
         self.grouped = True
 
+    def fuse_cpu(self) -> None:
+        """The step through the fused C kernel (`cpu_moe_kernel`) from now on: the experts' (plain fp32/bf16)
+        weights stacked, each expert's Linear a view of them (the loop's, for steps the kernel does not take)."""
+        from pdserve.server.decode.cuda_moe import stack_experts
+
+        self.stacked = self.stacked or stack_experts(list(self.gate_up), list(self.down))
+        self.cpu_fused = True
+
+    @property
+    def reads_plain(self) -> bool:
+        """Its step reads the experts' weights as loaded (grouped matmul, fused kernels): not to be prepacked."""
+        return self.grouped or self.cpu_fused or self.fused is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, d] -> [B, S, d]
         flat = x.reshape(-1, x.shape[-1])  # [T, d]
         weights, experts = route(F.linear(flat, self.router), self.moe, self.correction_bias)  # [T, k] each
@@ -103,6 +124,11 @@ class MoeMlp(nn.Module):
             from pdserve.server.decode.cuda_moe import fused_experts
 
             return fused_experts(flat, weights, experts, self.fused, self.act).view(x.shape)
+        if self.cpu_fused and experts.numel() <= FUSED_MAX_COPIES:
+            from pdserve.server.decode.cpu_moe_kernel import fused_experts as cpu_fused_experts
+
+            return cpu_fused_experts(flat, weights, experts, self.stacked.gate_up, self.stacked.down,
+                                     self.act).view(x.shape)
         if self.grouped:
             from pdserve.server.decode.cpu_moe import grouped_experts
 

@@ -1,12 +1,14 @@
-"""The CPU mixture-of-experts step through torch's grouped matmul (`cpu_moe`) against the loop over chosen experts,
-and the start-up choice between them (greedy tokens against transformers: test_moe.py)."""
+"""The CPU mixture-of-experts step through the fused C kernel (`cpu_moe_kernel`) and torch's grouped matmul
+(`cpu_moe`) against the loop over chosen experts, and the start-up choice between them (greedy tokens against
+transformers: test_moe.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pdserve.server.decode import cpu_moe
+from pdserve.server import hardware
+from pdserve.server.decode import cpu_moe, cpu_moe_kernel, moe
 from pdserve.server.decode.moe import MoeMlp
 from pdserve.server.decode.quant import quantize
 from pdserve.server.decode.startup import prepare
@@ -15,10 +17,10 @@ from pdserve.server.model.config import MoeConfig, load_config
 from pdserve.server.model.weights import load_weights
 
 
-def _mlp(dtype=torch.float32, experts=6, renormalize=False, act="silu") -> MoeMlp:
+def _mlp(dtype=torch.float32, experts=6, renormalize=False, act="silu", intermediate=24, top_k=2) -> MoeMlp:
     torch.manual_seed(0)
-    mlp = MoeMlp(MoeConfig(num_experts=experts, top_k=2, intermediate_size=24, renormalize=renormalize), 32, act,
-                 dtype, "cpu")
+    mlp = MoeMlp(MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=intermediate, renormalize=renormalize),
+                 32, act, dtype, "cpu")
     with torch.no_grad():
         for buffer in mlp.buffers():
             buffer.copy_(torch.randn(buffer.shape) * 0.3)
@@ -55,6 +57,77 @@ def test_grouped_step_equals_the_loop_without_calling_each_expert(dtype, tol, ac
     assert ((again - want).abs().max() / scale).item() < tol
 
 
+def test_the_fused_kernel_builds_here():
+    """Every development machine has a C compiler: the kernel is built (once, into the cache) and loaded."""
+    fn, why = cpu_moe_kernel.load()
+    assert fn is not None, why
+    assert hardware.cpu().family in why and cpu_moe_kernel.build().exists()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("act", ["silu", "gelu_pytorch_tanh"])
+@pytest.mark.parametrize("tokens,top_k", [(1, 2), (3, 2), (16, 2), (7, 4)])
+def test_fused_step_equals_the_loop_without_calling_each_expert(dtype, tol, act, tokens, top_k):
+    """The fused kernel computes what the loop does (experts unchosen, one row each, more rows than its block of
+    4), in one call: no expert's Linear runs."""
+    mlp = _mlp(dtype, renormalize=tokens == 3, act=act, intermediate=48, top_k=top_k)
+    x = torch.randn(1, tokens, 32, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    with torch.inference_mode():
+        want = mlp(x).float()
+        calls = []
+        for linear in (*mlp.gate_up, *mlp.down):
+            linear.register_forward_hook(lambda *_: calls.append(1))
+        mlp.fuse_cpu()
+        got = mlp(x)
+        assert not calls and got.dtype == dtype and got.shape == x.shape
+        mlp.cpu_fused = False  # the fallback, forced: the loop again, over the stacked weights' views
+        again = mlp(x).float()
+    assert calls
+    scale = want.abs().max()
+    assert ((got.float() - want).abs().max() / scale).item() < tol
+    assert ((again - want).abs().max() / scale).item() < tol
+
+
+def test_a_step_past_the_fused_kernels_copies_takes_the_loop(monkeypatch):
+    """A step of more token copies than FUSED_MAX_COPIES (a long local prefill) runs the loop, same values."""
+    mlp = _mlp(intermediate=48)
+    mlp.fuse_cpu()
+    x = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(2))
+    calls = []
+    for linear in (*mlp.gate_up, *mlp.down):
+        linear.register_forward_hook(lambda *_: calls.append(1))
+    with torch.inference_mode():
+        fused = mlp(x)
+        assert not calls
+        monkeypatch.setattr(moe, "FUSED_MAX_COPIES", 17)  # 9 tokens x 2 = 18 copies
+        looped = mlp(x)
+    assert calls
+    torch.testing.assert_close(looped, fused, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_kernel_says_what_it_does_not_take():
+    assert cpu_moe_kernel.takes(32, 48, torch.float32) is None
+    assert cpu_moe_kernel.takes(4096, 14336, torch.bfloat16) is None
+    assert "multiples of 16" in cpu_moe_kernel.takes(2048, 1407, torch.float32)  # DeepSeek-V2-Lite's experts
+    assert "fp32 or bf16" in cpu_moe_kernel.takes(32, 48, torch.float16)
+    mlp = _mlp()  # experts of 24: the kernel is not measured, and the start-up line says why
+    path, why = cpu_moe.choose(mlp)
+    assert path in ("grouped", "loop") and "no fused kernel: hidden (32) and expert (24) widths" in why
+
+
+def test_the_kernel_is_built_for_the_capped_instruction_set(monkeypatch, tmp_path):
+    """PDSERVE_CPU_ISA caps what the compiler targets; a machine without a compiler is told what to install."""
+    info = "model name : Xeon\nflags : avx2 fma avx512f avx512bw avx512vl avx512dq amx_bf16 amx_tile\n"
+    assert cpu_moe_kernel.isa_flags(hardware.read_cpu(info, "x86_64", cap="")) == \
+        ["-march=x86-64-v4", "-mprefer-vector-width=512"]
+    assert cpu_moe_kernel.isa_flags(hardware.read_cpu(info, "x86_64", cap="avx2")) == ["-march=x86-64-v3"]
+    assert cpu_moe_kernel.isa_flags(hardware.read_cpu("flags : sse2\n", "x86_64", cap="")) == []
+    monkeypatch.setenv("CC", "no-such-cc")
+    monkeypatch.setenv(cpu_moe_kernel.CACHE_ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match="install gcc or clang"):
+        cpu_moe_kernel.build()
+
+
 def test_choice_keeps_the_loop_for_prepacked_and_quantized_experts():
     packed = _mlp()
     for m in (*packed.gate_up, *packed.down):
@@ -78,6 +151,10 @@ def test_choice_on_plain_weights_is_measured_and_the_result_unchanged():
     assert mlp.grouped is False and mlp.stacked is not None  # measuring leaves the path as it was
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
+    wide = _mlp(intermediate=48)  # widths the fused kernel takes: it is measured too
+    path, why = cpu_moe.choose(wide, prepack=True)
+    assert path in cpu_moe.PATHS and "fused " in why and "loop over oneDNN-prepacked experts " in why
+    assert not wide.cpu_fused and not wide.gate_up[0].packed  # measuring leaves the path and the weights as they were
 
 
 @pytest.mark.parametrize("path", ["plain", "onednn"])
@@ -88,8 +165,10 @@ def test_startup_prepare_sets_every_moe_layer_and_says_so(tiny_model, path):
     said = prepare(model, path)
     assert "mixture of experts on cpu:" in said
     layers = [layer.experts for layer in model.layers if layer.experts is not None]
-    chosen = {mlp.grouped for mlp in layers}
+    chosen = {"fused" if mlp.cpu_fused else "grouped" if mlp.grouped else "loop" for mlp in layers}
     assert len(chosen) == 1  # one path for every layer
-    if model.layers[0].experts.gate_up[0].packed:  # oneDNN ran here: the loop keeps the prepacked weights
-        assert chosen == {False} and "loop" in said
-    assert f"{len(layers)} layers: {'grouped' if chosen == {True} else 'loop'}" in said
+    (kept,) = chosen
+    assert f"{len(layers)} layers: {kept} (" in said
+    # the experts are prepacked exactly where the loop was kept on a prepacked matmul path; the rest stays plain
+    packed = path == "onednn" and model.layers[0].wqkv.packed
+    assert {m.packed for mlp in layers for m in (*mlp.gate_up, *mlp.down)} == {packed and kept == "loop"}
