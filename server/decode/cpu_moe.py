@@ -3,8 +3,8 @@ chosen experts, chosen by measurement once at start (`prepare`), the choice logg
 
 - `fused` (`cpu_moe_kernel`): one C call per layer and step groups the copies by expert, streams each chosen
   expert's gate|up and down weights once over all its rows with the activation between, and sums the weighted
-  outputs: no Python per expert, no gather/scatter tensors, the weights read in place from the experts stacked
-  (`cuda_moe.stack_experts`), fp32 or bf16, single-threaded; built at start by the system's C compiler.
+  outputs: no Python per expert, no gather/scatter tensors; fp32 or bf16 weights laid out once in the kernel's
+  panels (in place of the experts' own), single-threaded; built at start by the system's C compiler.
 - `grouped`: the step's token copies sorted by expert, then one `torch._grouped_mm` call for gate|up and one for
   down over the experts' weights stacked, the activation and the weighted combine vectorised: no Python loop
   over experts and no host read of the routing. Plain float weights only (fp32/bf16/fp16).
@@ -88,13 +88,15 @@ def grouped_experts(flat: torch.Tensor, weights: torch.Tensor, experts: torch.Te
 
 
 def _timed(fn, reps: int = 7) -> float:
-    """The least seconds of a call over reps (after one warm-up): the figure a loaded machine disturbs least."""
+    """The least seconds of a call over reps (after one warm-up): the figure a loaded machine disturbs least. On
+    one torch thread, the process's CPU time (what other processes' load does not add to); on more, wall time."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return min(times)
 
 
@@ -111,25 +113,26 @@ def _prepacked_copies(linears) -> list[Linear]:
 def measure(mlp, paths: tuple[str, ...] = ("grouped", "loop"), prepack: bool = False) -> dict[str, float]:
     """Seconds per step of the layer on each path, summed over PROBE_TOKENS tokens (random inputs, the layer's own
     weights, which it stacks: `mlp.stacked` set, the path left as it was); prepack: the loop over prepacked copies
-    of the experts (the layer's own weights untouched)."""
+    of the experts; fused: over a copy of them in the kernel's panels (the layer's own weights untouched)."""
     mlp.stacked = mlp.stacked or stack_experts(list(mlp.gate_up), list(mlp.down))
     d = mlp.router.shape[1]
     g = torch.Generator().manual_seed(0)
-    was = mlp.grouped, mlp.cpu_fused, mlp.gate_up, mlp.down
+    was = mlp.grouped, mlp.cpu_panels, mlp.gate_up, mlp.down
+    panels = mlp.panels(cpu_moe_kernel.load().width) if "fused" in paths else None
     times = dict.fromkeys(paths, 0.0)
     try:
         with torch.inference_mode():
             for n in PROBE_TOKENS:
                 x = torch.randn(1, n, d, generator=g).to(mlp.router.dtype)
                 for path in paths:
-                    mlp.grouped, mlp.cpu_fused = path == "grouped", path == "fused"
+                    mlp.grouped, mlp.cpu_panels = path == "grouped", panels if path == "fused" else None
                     if path == "loop" and prepack:
                         mlp.gate_up = torch.nn.ModuleList(_prepacked_copies(was[2]))
                         mlp.down = torch.nn.ModuleList(_prepacked_copies(was[3]))
                     times[path] += _timed(lambda: mlp(x))
                     mlp.gate_up, mlp.down = was[2], was[3]
     finally:
-        mlp.grouped, mlp.cpu_fused, mlp.gate_up, mlp.down = was
+        mlp.grouped, mlp.cpu_panels, mlp.gate_up, mlp.down = was
     return times
 
 
@@ -144,10 +147,11 @@ def choose(mlp, prepack: bool = False) -> tuple[str, str]:
     if any(m.scale is not None for m in linears):
         return "loop", "the experts are quantized (the loop keeps their int8/fp8 kernels)"
     paths, skipped = [], []
-    fn, built = cpu_moe_kernel.load()
-    refused = cpu_moe_kernel.takes(mlp.router.shape[1], mlp.moe.intermediate_size, dtype)
-    if fn is None or refused:
-        skipped.append(f"no fused kernel: {refused or built}")
+    kernel = cpu_moe_kernel.load()
+    refused = kernel if isinstance(kernel, str) else \
+        cpu_moe_kernel.takes(mlp.router.shape[1], mlp.moe.intermediate_size, dtype, kernel.width)
+    if refused:
+        skipped.append(f"no fused kernel: {refused}")
     else:
         paths.append("fused")
     ok, why = grouped_runs(dtype)
@@ -172,12 +176,12 @@ def prepare(model, prepack: bool = False) -> str:
         return ""
     path, why = choose(layers[0], prepack)
     for mlp in layers:
-        mlp.grouped = mlp.cpu_fused = False
+        mlp.grouped = False
         if path == "grouped":
             mlp.group()
         elif path == "fused":
-            mlp.fuse_cpu()
+            mlp.fuse_cpu(cpu_moe_kernel.load().width)
     how = {"grouped": "one grouped matmul per projection over all experts",
-           "fused": f"one fused C kernel call per layer over all experts, {cpu_moe_kernel.load()[1]}",
+           "fused": f"one fused C kernel call per layer over all experts in its panels, {cpu_moe_kernel.load().how}",
            "loop": "one matmul pair per chosen expert through its Linears"}[path]
     return f"{len(layers)} layers: {path} ({how}; {why})"

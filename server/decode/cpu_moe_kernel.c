@@ -1,9 +1,10 @@
-/* A mixture-of-experts layer's expert step on the CPU in one call (`cpu_moe_kernel.py` builds and loads it):
- * the step's token copies grouped by expert, each chosen expert's gate|up and down weights streamed once over
- * all its rows (up to ROWS at a time), the activation between them, the routing-weighted sum into out. fp32
- * math; fp32 or bf16 weights read in place from the experts' stacked tensors ([E, 2I, d] and [E, d, I], row
- * major, as `cuda_moe.stack_experts` lays them out), so nothing is repacked or copied. Single-threaded: the
- * start-up measurement (`cpu_moe.prepare`) decides whether it beats the loop over oneDNN's threaded linears.
+/* A mixture-of-experts layer's expert step on the CPU in one call (`cpu_moe_kernel.py` builds, loads and feeds it):
+ * the step's token copies grouped by expert, each chosen expert's gate|up and down weights streamed once over all
+ * its rows (ROWS at a time), the activation between them, the routing-weighted sum into out. fp32 math over fp32
+ * or bf16 weights, which `cpu_moe_kernel.pack` lays out in panels ([E, N / WIDTH, K, WIDTH]: each panel one
+ * sequential stream, read WIDTH outputs at a time with no horizontal sums) once at start, in place of the
+ * experts' own. Single-threaded: the start-up measurement (`cpu_moe.prepare`) decides whether it beats the loop
+ * over oneDNN's threaded linears.
  *
  * No input parsing: every index comes from the router's top-k, every shape checked by the Python caller.
  */
@@ -11,20 +12,21 @@
 #include <string.h>
 
 #ifdef __AVX512F__
-#define LANES 16 /* floats per accumulator: one AVX-512 register */
+#define LANES 16 /* floats per vector: one AVX-512 register */
 #else
 #define LANES 8 /* one AVX2 register (two SSE/NEON ones) */
 #endif
-#ifndef COLS
-#define COLS 4 /* weight rows (outputs) computed together, sharing each load of x */
-#endif
-#ifndef ROWS
-#define ROWS 4 /* token rows computed together, sharing each load of the weights */
-#endif
+#define NV 4                 /* accumulator vectors per row */
+#define WIDTH (NV * LANES)   /* outputs per panel */
+#define ROWS 4               /* token rows computed together, sharing each load of the weights */
+#define PREFETCH_BYTES 8192  /* how far ahead of the loads the weights are prefetched (measured: 4-16 KiB) */
 
 typedef float f32xL __attribute__((vector_size(4 * LANES), aligned(4)));
 typedef uint16_t u16xL __attribute__((vector_size(2 * LANES), aligned(2)));
 typedef uint32_t u32xL __attribute__((vector_size(4 * LANES)));
+typedef int32_t i32xL __attribute__((vector_size(4 * LANES)));
+
+int moe_panel_width(void) { return WIDTH; }
 
 static inline __attribute__((always_inline)) f32xL load_w(const void *w, int bf16, size_t at) {
     if (bf16) {
@@ -34,74 +36,55 @@ static inline __attribute__((always_inline)) f32xL load_w(const void *w, int bf1
     return *(const f32xL *)((const float *)w + at);
 }
 
-static inline __attribute__((always_inline)) float hsum(f32xL v) {
-#if LANES == 16
-    typedef float f32x8 __attribute__((vector_size(32)));
-    f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-              __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-#else
-    typedef float f32x8 __attribute__((vector_size(32)));
-    f32x8 h = v;
-#endif
-    typedef float f32x4 __attribute__((vector_size(16)));
-    f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-    q += __builtin_shufflevector(q, q, 2, 3, 0, 1);
-    return q[0] + q[1];
-}
-
-/* y[r][n..n+COLS) = sum_k x[r][k] * w[n + j][k] for R rows of x (R <= ROWS); w is fp32 (bf16 == 0) or bf16. */
-static inline __attribute__((always_inline)) void block(const float *const *x, const int R, int K, const void *w,
-                                                        int bf16, int n, float *const *y) {
-    f32xL acc[ROWS][COLS] = {{{0}}};
-    for (int k = 0; k < K; k += LANES) {
-        f32xL wv[COLS];
+/* y[r][n..n+WIDTH) = sum_k x[r][k] * panel[k][0..WIDTH) for R rows of x (R <= ROWS). */
+static inline __attribute__((always_inline)) void panel_rows(const float *const *x, const int R, int K,
+                                                             const void *panel, int bf16, int n, float *const *y) {
+    const char *bytes = (const char *)panel;
+    const size_t row_bytes = (size_t)WIDTH * (bf16 ? 2 : 4);
+    f32xL acc[ROWS][NV] = {{{0}}};
+    for (int k = 0; k < K; k++) {
+        for (size_t line = 0; line < row_bytes; line += 64)
+            __builtin_prefetch(bytes + k * row_bytes + line + PREFETCH_BYTES, 0, 3);
+        f32xL wv[NV];
 #pragma GCC unroll 8
-        for (int j = 0; j < COLS; j++) wv[j] = load_w(w, bf16, (size_t)(n + j) * K + k);
+        for (int v = 0; v < NV; v++) wv[v] = load_w(panel, bf16, (size_t)k * WIDTH + v * LANES);
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            f32xL xv = *(const f32xL *)(x[r] + k);
+            const float xs = x[r][k];
 #pragma GCC unroll 8
-            for (int j = 0; j < COLS; j++) acc[r][j] += xv * wv[j];
+            for (int v = 0; v < NV; v++) acc[r][v] += xs * wv[v];
         }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int j = 0; j < COLS; j++) y[r][n + j] = hsum(acc[r][j]);
+        for (int v = 0; v < NV; v++) memcpy(y[r] + n + v * LANES, &acc[r][v], sizeof(f32xL));
 }
 
-/* y[m][n] = sum_k x[m][k] * w[n][k] for M rows of x and N outputs (N % COLS == 0, K % LANES == 0): each block of
- * COLS weight rows read from memory once for all M rows (ROWS at a time, the block staying in L1 between them). */
+/* y[m][0..N) = x[m] @ w for M rows of x, w in panels [N / WIDTH][K][WIDTH]: each panel read from memory once for
+ * all M rows (ROWS at a time, the panel staying in cache between them). */
 static void matmul(const float *const *x, int M, int K, const void *w, int bf16, int N, float *const *y) {
-    for (int n = 0; n < N; n += COLS)
+    const size_t elem = bf16 ? 2 : 4;
+    for (int n = 0; n < N; n += WIDTH) {
+        const void *panel = (const char *)w + (size_t)n * K * elem;
         for (int m = 0; m < M; m += ROWS) {
-            switch (M - m < ROWS ? M - m : ROWS) {
-            case 1: block(x + m, 1, K, w, bf16, n, y + m); break;
-            case 2: block(x + m, 2, K, w, bf16, n, y + m); break;
-            case 3: block(x + m, 3, K, w, bf16, n, y + m); break;
-#if ROWS > 4
-            case 4: block(x + m, 4, K, w, bf16, n, y + m); break;
-            case 5: block(x + m, 5, K, w, bf16, n, y + m); break;
-#endif
-#if ROWS > 6
-            case 6: block(x + m, 6, K, w, bf16, n, y + m); break;
-            case 7: block(x + m, 7, K, w, bf16, n, y + m); break;
-#endif
-            default: block(x + m, ROWS, K, w, bf16, n, y + m); break;
+            switch (M - m < ROWS ? M - m : ROWS) { /* the row count known to the compiler: unrolled */
+            case 1: panel_rows(x + m, 1, K, panel, bf16, n, y + m); break;
+            case 2: panel_rows(x + m, 2, K, panel, bf16, n, y + m); break;
+            case 3: panel_rows(x + m, 3, K, panel, bf16, n, y + m); break;
+            default: panel_rows(x + m, ROWS, K, panel, bf16, n, y + m); break;
             }
         }
+    }
 }
-
-typedef int32_t i32xL __attribute__((vector_size(4 * LANES)));
 
 /* Lane by lane: a where mask (a comparison's all-ones lanes), else b. */
 static inline __attribute__((always_inline)) f32xL pick(i32xL mask, f32xL a, f32xL b) {
     return (f32xL)(((i32xL)a & mask) | ((i32xL)b & ~mask));
 }
 
-/* e^x lane by lane (within a few ulp of expf over the clamped range [-87.3, 88.7]): 2^n e^r with
- * n = round(x / ln 2) and |r| <= ln 2 / 2, e^r by its degree-6 Taylor polynomial (the libm call does not
- * vectorise). */
+/* e^x lane by lane (within a few ulp of expf over the clamped range [-87.3, 88.7]; the libm call does not
+ * vectorise): 2^n e^r with n = round(x / ln 2), |r| <= ln 2 / 2, e^r by its degree-6 Taylor polynomial. */
 static inline __attribute__((always_inline)) f32xL vexp(f32xL x) {
     x = pick(x < 88.7f, x, (f32xL){} + 88.7f);
     x = pick(x > -87.3f, x, (f32xL){} - 87.3f);
@@ -123,23 +106,27 @@ static inline __attribute__((always_inline)) f32xL vexp(f32xL x) {
 /* h[i] = act(gate[i]) * up[i] for gate = gu[0:I], up = gu[I:2I] (I % LANES == 0); act 0: SiLU, 1: tanh-GELU. */
 static void activate(const float *gu, int I, int act, float *h) {
     for (int i = 0; i < I; i += LANES) {
-        f32xL g = *(const f32xL *)(gu + i), up = *(const f32xL *)(gu + I + i), a;
+        f32xL g, up, a;
+        memcpy(&g, gu + i, sizeof g);
+        memcpy(&up, gu + I + i, sizeof up);
         if (act == 0) {
             a = g / (1.0f + vexp(-g));
         } else { /* 0.5 g (1 + tanh(u)), tanh(u) = 1 - 2 / (e^2u + 1) */
             f32xL u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
             a = 0.5f * g * (2.0f - 2.0f / (vexp(2.0f * u) + 1.0f));
         }
-        *(f32xL *)(h + i) = a * up;
+        a *= up;
+        memcpy(h + i, &a, sizeof a);
     }
 }
 
 /* out[T, d] = sum over each token's k experts of weight * down(act(gate(x)) * up(x)).
- * x [T, d] fp32; ids [T, k] int64 in [0, E); weights [T, k] fp32; w13 [E, 2I, d], w2 [E, d, I] (fp32 or bf16);
- * scratch: at least T * k * (3 * I + d) floats. Returns 0, or -1 for shapes it does not take. */
+ * x [T, d] fp32; ids [T, k] int64 in [0, E); weights [T, k] fp32; w13 [E, 2I / WIDTH, d, WIDTH] and
+ * w2 [E, d / WIDTH, I, WIDTH] (fp32 or bf16) in panels; scratch: at least T * k * (3 * I + d) floats.
+ * Returns 0, or -1 for shapes it does not take. */
 int moe_experts(const float *x, int T, int d, int I, int E, int k, const int64_t *ids, const float *weights,
                 const void *w13, const void *w2, int bf16, int act, float *out, float *scratch) {
-    if (d % LANES || I % LANES || (2 * I) % COLS || d % COLS || T <= 0 || k <= 0 || E <= 0) return -1;
+    if (d % WIDTH || (2 * I) % WIDTH || I % LANES || T <= 0 || k <= 0 || E <= 0) return -1;
     const int copies = T * k;
     int counts[E + 1], fill[E], order[copies];
     memset(counts, 0, sizeof(int) * (E + 1));
@@ -147,24 +134,23 @@ int moe_experts(const float *x, int T, int d, int I, int E, int k, const int64_t
     for (int e = 0; e < E; e++) counts[e + 1] += counts[e]; /* counts[e]: expert e's first copy */
     memcpy(fill, counts, sizeof(int) * E);
     for (int c = 0; c < copies; c++) order[fill[ids[c]]++] = c; /* copies sorted by expert, stable */
-    memset(out, 0, sizeof(float) * (size_t)T * d);
     const size_t elem = bf16 ? 2 : 4;
     const float *xs[copies], *hs[copies];
-    float *gus[copies], *hw[copies], *ys[copies];
-    for (int c = 0; c < copies; c++) { /* each sorted copy's rows of scratch */
+    float *gus[copies], *ys[copies];
+    for (int c = 0; c < copies; c++) { /* each sorted copy's rows of scratch: gate|up, act * up, down */
         gus[c] = scratch + (size_t)c * (3 * I + d);
-        hw[c] = gus[c] + 2 * I;
-        hs[c] = hw[c];
-        ys[c] = hw[c] + I;
+        hs[c] = gus[c] + 2 * I;
+        ys[c] = gus[c] + 3 * I;
         xs[c] = x + (size_t)(order[c] / k) * d;
     }
     for (int e = 0; e < E; e++) {
         const int first = counts[e], M = counts[e + 1] - counts[e];
         if (!M) continue;
         matmul(xs + first, M, d, (const char *)w13 + (size_t)e * 2 * I * d * elem, bf16, 2 * I, gus + first);
-        for (int c = first; c < first + M; c++) activate(gus[c], I, act, hw[c]);
+        for (int c = first; c < first + M; c++) activate(gus[c], I, act, (float *)hs[c]);
         matmul(hs + first, M, I, (const char *)w2 + (size_t)e * d * I * elem, bf16, d, ys + first);
     }
+    memset(out, 0, sizeof(float) * (size_t)T * d);
     for (int c = 0; c < copies; c++) { /* the weighted sum, in the sorted copies' order */
         const int copy = order[c];
         const float wgt = weights[copy], *yc = ys[c];

@@ -10,10 +10,9 @@ compute dtype. Which experts run is read on the host (one small copy a layer): t
 CUDA graphs.
 
 On the CPU, `cpu_moe.prepare` measures at start-up which runs the same step fastest on the layer's weights: one
-call of the fused C kernel over the experts' weights stacked (`fuse_cpu`, `cpu_moe_kernel`: no Python per
-expert, the weights read in place), two calls of torch's grouped matmul (`group`, `cpu_moe.grouped_experts`),
-or the loop over oneDNN-prepacked experts; the loop stays where the experts are quantized, and takes steps of
-more copies than the kernel's FUSED_MAX_COPIES (a long local prefill).
+call of the fused C kernel over the experts' weights laid out in panels (`fuse_cpu`, `cpu_moe_kernel`: no Python
+per expert), two calls of torch's grouped matmul (`group`, `cpu_moe.grouped_experts`), or the loop over
+oneDNN-prepacked experts; the loop stays where the experts are quantized.
 
 On CUDA (`fuse`, at start-up where the probe `cuda_moe.runs` passes) the same step is two fused Triton kernels
 over the experts' weights stacked (`cuda_moe`): the copies sorted by expert on the device, a grouped matmul for
@@ -29,10 +28,6 @@ from torch import nn
 from pdserve.server.decode.cpu_moe import activation, combine
 from pdserve.server.decode.quant import Linear
 from pdserve.server.model.config import MoeConfig
-
-FUSED_MAX_COPIES = 1024
-"""The most token copies (tokens x top k) a step sends through the fused CPU kernel, whose scratch and sort grow
-with them: a decode batch's; a longer local prefill takes the loop."""
 
 
 def route(logits: torch.Tensor, moe: MoeConfig, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,8 +81,9 @@ class MoeMlp(nn.Module):
         `cpu_moe.measure`)."""
         self.grouped = False
         """The step through `cpu_moe.grouped_experts` (one grouped matmul per projection) rather than the loop."""
-        self.cpu_fused = False
-        """The step through the fused C kernel (`cpu_moe_kernel`, one call) over `stacked`, once `fuse_cpu` ran."""
+        self.cpu_panels: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(gate|up, down) in the fused C kernel's panels (`cpu_moe_kernel.pack`) once `fuse_cpu` ran: the step
+        through the kernel, the experts' Linears emptied."""
 
     def fuse(self) -> None:
         """The step through the fused kernels (`cuda_moe`) from now on: the weights (after any quantization)
@@ -104,17 +100,38 @@ class MoeMlp(nn.Module):
         self.stacked = self.stacked or self.fused or stack_experts(list(self.gate_up), list(self.down))
         self.grouped = True
 
-    def fuse_cpu(self) -> None:
-        """The step through the fused C kernel (`cpu_moe_kernel`) from now on: the experts' (plain fp32/bf16)
-        weights stacked, each expert's Linear a view of them (the loop's, for steps the kernel does not take)."""
-        from pdserve.server.decode.cuda_moe import stack_experts
+    def fuse_cpu(self, width: int) -> None:
+        """The step through the fused C kernel (`cpu_moe_kernel`, panels `width` outputs wide) from now on: the
+        experts' (plain fp32/bf16) weights laid out in its panels, in place of their own (the Linears keep empty
+        weights: the other paths are off)."""
+        from pdserve.server.decode.cpu_moe_kernel import pack
 
-        self.stacked = self.stacked or stack_experts(list(self.gate_up), list(self.down))
-        self.cpu_fused = True
+        self.cpu_panels = self.panels(width)
+        empty = torch.empty(0, dtype=self.router.dtype)
+        for m in (*self.gate_up, *self.down):
+            m.weight = nn.Buffer(empty)
+        self.stacked = None
+        self.grouped = False
+
+    def panels(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate|up, down) laid out for the fused C kernel (copies; `cpu_moe_kernel.pack`)."""
+        from pdserve.server.decode.cpu_moe_kernel import pack
+
+        if self.stacked is not None:
+            gate_up, down = self.stacked.gate_up, self.stacked.down
+        else:
+            gate_up = torch.stack([m.weight for m in self.gate_up])  # [E, 2 I, d]
+            down = torch.stack([m.weight for m in self.down])  # [E, d, I]
+        return pack(gate_up, width), pack(down, width)
+
+    @property
+    def cpu_fused(self) -> bool:
+        return self.cpu_panels is not None
 
     @property
     def reads_plain(self) -> bool:
-        """Its step reads the experts' weights as loaded (grouped matmul, fused kernels): not to be prepacked."""
+        """Its step reads the experts' weights as loaded or repacked (grouped matmul, fused kernels): not to be
+        prepacked for oneDNN."""
         return self.grouped or self.cpu_fused or self.fused is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, d] -> [B, S, d]
@@ -124,11 +141,10 @@ class MoeMlp(nn.Module):
             from pdserve.server.decode.cuda_moe import fused_experts
 
             return fused_experts(flat, weights, experts, self.fused, self.act).view(x.shape)
-        if self.cpu_fused and experts.numel() <= FUSED_MAX_COPIES:
+        if self.cpu_panels is not None:
             from pdserve.server.decode.cpu_moe_kernel import fused_experts as cpu_fused_experts
 
-            return cpu_fused_experts(flat, weights, experts, self.stacked.gate_up, self.stacked.down,
-                                     self.act).view(x.shape)
+            return cpu_fused_experts(flat, weights, experts, *self.cpu_panels, self.act).view(x.shape)
         if self.grouped:
             from pdserve.server.decode.cpu_moe import grouped_experts
 

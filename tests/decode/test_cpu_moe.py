@@ -17,10 +17,11 @@ from pdserve.server.model.config import MoeConfig, load_config
 from pdserve.server.model.weights import load_weights
 
 
-def _mlp(dtype=torch.float32, experts=6, renormalize=False, act="silu", intermediate=24, top_k=2) -> MoeMlp:
+def _mlp(dtype=torch.float32, experts=6, renormalize=False, act="silu", intermediate=24, top_k=2, hidden=32
+         ) -> MoeMlp:
     torch.manual_seed(0)
     mlp = MoeMlp(MoeConfig(num_experts=experts, top_k=top_k, intermediate_size=intermediate, renormalize=renormalize),
-                 32, act, dtype, "cpu")
+                 hidden, act, dtype, "cpu")
     with torch.no_grad():
         for buffer in mlp.buffers():
             buffer.copy_(torch.randn(buffer.shape) * 0.3)
@@ -57,11 +58,24 @@ def test_grouped_step_equals_the_loop_without_calling_each_expert(dtype, tol, ac
     assert ((again - want).abs().max() / scale).item() < tol
 
 
+def _kernel() -> cpu_moe_kernel.Kernel:
+    kernel = cpu_moe_kernel.load()
+    assert not isinstance(kernel, str), kernel
+    return kernel
+
+
 def test_the_fused_kernel_builds_here():
     """Every development machine has a C compiler: the kernel is built (once, into the cache) and loaded."""
-    fn, why = cpu_moe_kernel.load()
-    assert fn is not None, why
-    assert hardware.cpu().family in why and cpu_moe_kernel.build().exists()
+    kernel = _kernel()
+    assert hardware.cpu().family in kernel.how and cpu_moe_kernel.build().exists()
+    assert kernel.width in (32, 64)  # 4 vectors of 8 (AVX2) or 16 (AVX-512) floats
+
+
+def test_panels_hold_the_weights_as_the_kernel_reads_them():
+    w = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)  # [E, N, K]
+    panels = cpu_moe_kernel.pack(w, 2)  # [E, N / 2, K, 2]
+    assert panels.shape == (2, 2, 3, 2)
+    assert panels[1, 1].tolist() == [[18.0, 21.0], [19.0, 22.0], [20.0, 23.0]]  # expert 1, outputs 2-3, by k
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
@@ -69,50 +83,44 @@ def test_the_fused_kernel_builds_here():
 @pytest.mark.parametrize("tokens,top_k", [(1, 2), (3, 2), (16, 2), (7, 4)])
 def test_fused_step_equals_the_loop_without_calling_each_expert(dtype, tol, act, tokens, top_k):
     """The fused kernel computes what the loop does (experts unchosen, one row each, more rows than its block of
-    4), in one call: no expert's Linear runs."""
-    mlp = _mlp(dtype, renormalize=tokens == 3, act=act, intermediate=48, top_k=top_k)
-    x = torch.randn(1, tokens, 32, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+    4), in one call: no expert's Linear runs, and they hold no weights any more (the panels replace them)."""
+    width = _kernel().width
+    mlp = _mlp(dtype, renormalize=tokens == 3, act=act, intermediate=width, hidden=width, top_k=top_k)
+    x = torch.randn(1, tokens, width, generator=torch.Generator().manual_seed(tokens)).to(dtype)
     with torch.inference_mode():
         want = mlp(x).float()
         calls = []
         for linear in (*mlp.gate_up, *mlp.down):
             linear.register_forward_hook(lambda *_: calls.append(1))
-        mlp.fuse_cpu()
+        mlp.fuse_cpu(width)
         got = mlp(x)
-        assert not calls and got.dtype == dtype and got.shape == x.shape
-        mlp.cpu_fused = False  # the fallback, forced: the loop again, over the stacked weights' views
-        again = mlp(x).float()
-    assert calls
-    scale = want.abs().max()
-    assert ((got.float() - want).abs().max() / scale).item() < tol
-    assert ((again - want).abs().max() / scale).item() < tol
+    assert not calls and got.dtype == dtype and got.shape == x.shape
+    assert mlp.cpu_fused and mlp.stacked is None and {m.weight.numel() for m in (*mlp.gate_up, *mlp.down)} == {0}
+    assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
 
 
-def test_a_step_past_the_fused_kernels_copies_takes_the_loop(monkeypatch):
-    """A step of more token copies than FUSED_MAX_COPIES (a long local prefill) runs the loop, same values."""
-    mlp = _mlp(intermediate=48)
-    mlp.fuse_cpu()
-    x = torch.randn(1, 9, 32, generator=torch.Generator().manual_seed(2))
-    calls = []
-    for linear in (*mlp.gate_up, *mlp.down):
-        linear.register_forward_hook(lambda *_: calls.append(1))
+def test_a_step_past_the_kernels_copies_is_cut_into_calls(monkeypatch):
+    """A step of more token copies than one call takes (a long local prefill) runs as several calls, same values."""
+    width = _kernel().width
+    mlp = _mlp(intermediate=width, hidden=width)
+    x = torch.randn(1, 9, width, generator=torch.Generator().manual_seed(2))
     with torch.inference_mode():
-        fused = mlp(x)
-        assert not calls
-        monkeypatch.setattr(moe, "FUSED_MAX_COPIES", 17)  # 9 tokens x 2 = 18 copies
-        looped = mlp(x)
-    assert calls
-    torch.testing.assert_close(looped, fused, rtol=1e-5, atol=1e-5)
+        want = mlp(x)
+        mlp.fuse_cpu(width)
+        monkeypatch.setattr(cpu_moe_kernel, "MAX_COPIES", 4)  # 9 tokens x 2 copies: 5 calls of 2 tokens or fewer
+        got = mlp(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_fused_kernel_says_what_it_does_not_take():
-    assert cpu_moe_kernel.takes(32, 48, torch.float32) is None
-    assert cpu_moe_kernel.takes(4096, 14336, torch.bfloat16) is None
-    assert "multiples of 16" in cpu_moe_kernel.takes(2048, 1407, torch.float32)  # DeepSeek-V2-Lite's experts
-    assert "fp32 or bf16" in cpu_moe_kernel.takes(32, 48, torch.float16)
-    mlp = _mlp()  # experts of 24: the kernel is not measured, and the start-up line says why
+    assert cpu_moe_kernel.takes(64, 32, torch.float32, 64) is None
+    assert cpu_moe_kernel.takes(4096, 14336, torch.bfloat16, 64) is None  # Mixtral
+    assert cpu_moe_kernel.takes(2048, 768, torch.bfloat16, 64) is None  # Qwen3-30B-A3B
+    assert "multiples of 64" in cpu_moe_kernel.takes(2048, 1407, torch.float32, 64)
+    assert "fp32 or bf16" in cpu_moe_kernel.takes(64, 64, torch.float16, 64)
+    mlp = _mlp()  # hidden 32, experts of 24: the kernel is not measured, and the start-up line says why
     path, why = cpu_moe.choose(mlp)
-    assert path in ("grouped", "loop") and "no fused kernel: hidden (32) and expert (24) widths" in why
+    assert path in ("grouped", "loop") and "no fused kernel: the hidden width (32)" in why
 
 
 def test_the_kernel_is_built_for_the_capped_instruction_set(monkeypatch, tmp_path):
@@ -151,10 +159,16 @@ def test_choice_on_plain_weights_is_measured_and_the_result_unchanged():
     assert mlp.grouped is False and mlp.stacked is not None  # measuring leaves the path as it was
     with torch.inference_mode():
         torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
-    wide = _mlp(intermediate=48)  # widths the fused kernel takes: it is measured too
+    width = _kernel().width
+    wide = _mlp(intermediate=width, hidden=width)  # widths the fused kernel takes: it is measured too
+    x = torch.randn(1, 5, width, generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = wide(x)
     path, why = cpu_moe.choose(wide, prepack=True)
     assert path in cpu_moe.PATHS and "fused " in why and "loop over oneDNN-prepacked experts " in why
     assert not wide.cpu_fused and not wide.gate_up[0].packed  # measuring leaves the path and the weights as they were
+    with torch.inference_mode():
+        torch.testing.assert_close(wide(x), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("path", ["plain", "onednn"])

@@ -56,7 +56,9 @@ def test_batched_decode_matches_transformers_generate(models, path):
         if path == "grouped":
             mlp.group()
         elif path == "fused":
-            mlp.fuse_cpu()
+            from pdserve.server.decode import cpu_moe_kernel
+
+            mlp.fuse_cpu(cpu_moe_kernel.load().width)
         assert mlp.grouped == (path == "grouped") and mlp.cpu_fused == (path == "fused")
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
                for n in (5, 17, 30)]
