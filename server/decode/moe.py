@@ -81,9 +81,8 @@ class MoeMlp(nn.Module):
         `cpu_moe.measure`)."""
         self.grouped = False
         """The step through `cpu_moe.grouped_experts` (one grouped matmul per projection) rather than the loop."""
-        self.cpu_panels: tuple[torch.Tensor, torch.Tensor] | None = None
-        """(gate|up, down) in the fused C kernel's panels (`cpu_moe_kernel.pack`) once `fuse_cpu` ran: the step
-        through the kernel, the experts' Linears emptied."""
+        self.register_buffer("cpu_gate_up", None)  # [E, 2 I / w, d, w] the fused C kernel's panels (`fuse_cpu`)
+        self.register_buffer("cpu_down", None)  # [E, d / w, I, w]
 
     def fuse(self) -> None:
         """The step through the fused kernels (`cuda_moe`) from now on: the weights (after any quantization)
@@ -123,6 +122,16 @@ class MoeMlp(nn.Module):
             gate_up = torch.stack([m.weight for m in self.gate_up])  # [E, 2 I, d]
             down = torch.stack([m.weight for m in self.down])  # [E, d, I]
         return pack(gate_up, width), pack(down, width)
+
+    @property
+    def cpu_panels(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate|up, down) in the fused C kernel's panels (`cpu_moe_kernel.pack`) once `fuse_cpu` ran (buffers, so
+        that the weights' memory counts them): the step through the kernel, the experts' Linears emptied."""
+        return None if self.cpu_gate_up is None else (self.cpu_gate_up, self.cpu_down)
+
+    @cpu_panels.setter
+    def cpu_panels(self, panels: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.cpu_gate_up, self.cpu_down = (None, None) if panels is None else panels
 
     @property
     def cpu_fused(self) -> bool:

@@ -10,7 +10,7 @@ import torch
 from pdserve.server import hardware
 from pdserve.server.decode import cpu_moe, cpu_moe_kernel, moe
 from pdserve.server.decode.moe import MoeMlp
-from pdserve.server.decode.quant import quantize
+from pdserve.server.decode.quant import buffer_bytes, quantize
 from pdserve.server.decode.startup import prepare
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import MoeConfig, load_config
@@ -92,10 +92,12 @@ def test_fused_step_equals_the_loop_without_calling_each_expert(dtype, tol, act,
         calls = []
         for linear in (*mlp.gate_up, *mlp.down):
             linear.register_forward_hook(lambda *_: calls.append(1))
+        bytes_before = buffer_bytes(mlp)
         mlp.fuse_cpu(width)
         got = mlp(x)
     assert not calls and got.dtype == dtype and got.shape == x.shape
     assert mlp.cpu_fused and mlp.stacked is None and {m.weight.numel() for m in (*mlp.gate_up, *mlp.down)} == {0}
+    assert buffer_bytes(mlp) == bytes_before  # the panels hold the experts' weights, counted once
     assert ((got.float() - want).abs().max() / want.abs().max()).item() < tol
 
 
