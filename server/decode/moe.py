@@ -103,8 +103,6 @@ class MoeMlp(nn.Module):
         """The step through the fused C kernel (`cpu_moe_kernel`, panels `width` outputs wide) from now on: the
         experts' (plain fp32/bf16) weights laid out in its panels, in place of their own (the Linears keep empty
         weights: the other paths are off)."""
-        from pdserve.server.decode.cpu_moe_kernel import pack
-
         self.cpu_panels = self.panels(width)
         empty = torch.empty(0, dtype=self.router.dtype)
         for m in (*self.gate_up, *self.down):

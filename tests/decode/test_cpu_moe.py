@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.server import hardware
-from pdserve.server.decode import cpu_moe, cpu_moe_kernel, moe
+from pdserve.server.decode import cpu_moe, cpu_moe_kernel
 from pdserve.server.decode.moe import MoeMlp
 from pdserve.server.decode.quant import buffer_bytes, quantize
 from pdserve.server.decode.startup import prepare
