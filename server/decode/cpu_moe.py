@@ -182,6 +182,8 @@ def prepare(model, prepack: bool = False) -> str:
             mlp.group()
         elif path == "fused":
             mlp.fuse_cpu(cpu_moe_kernel.load().width)
+        else:  # the loop reads the Linears (views of the measured layer's stack until they are prepacked): no stack
+            mlp.stacked = None
     how = {"grouped": "one grouped matmul per projection over all experts",
            "fused": f"one fused C kernel call per layer over all experts in its panels, {cpu_moe_kernel.load().how}",
            "loop": "one matmul pair per chosen expert through its Linears"}[path]

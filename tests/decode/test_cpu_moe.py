@@ -188,3 +188,19 @@ def test_startup_prepare_sets_every_moe_layer_and_says_so(tiny_model, path):
     # the experts are prepacked exactly where the loop was kept on a prepacked matmul path; the rest stays plain
     packed = path == "onednn" and model.layers[0].wqkv.packed
     assert {m.packed for mlp in layers for m in (*mlp.gate_up, *mlp.down)} == {packed and kept == "loop"}
+    if kept == "loop":  # the measured layer keeps no stack beside its Linears' weights (prepacked: a copy)
+        assert {mlp.stacked for mlp in layers} == {None}
+
+
+def test_a_kept_loop_over_prepacked_experts_holds_one_copy_of_their_weights(tiny_model, monkeypatch):
+    """Measuring stacks the first layer's experts; where the loop is kept and prepacked, that stack is dropped (its
+    Linears hold the prepacked weights), so no layer's experts are held twice."""
+    model_dir = tiny_model("mixtral")
+    model = build_model(load_config(model_dir), load_weights(model_dir), dtype=torch.float32)
+    measured = cpu_moe.choose
+    monkeypatch.setattr(cpu_moe, "choose", lambda mlp, prepack=False: ("loop", measured(mlp, prepack)[1]))
+    said = prepare(model, "onednn")
+    layers = [layer.experts for layer in model.layers if layer.experts is not None]
+    assert f"{len(layers)} layers: loop (" in said and {mlp.stacked for mlp in layers} == {None}
+    if model.layers[0].wqkv.packed:  # oneDNN runs here
+        assert {m.packed for mlp in layers for m in (*mlp.gate_up, *mlp.down)} == {True}
