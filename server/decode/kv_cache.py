@@ -75,6 +75,12 @@ def _value_heads(layout: KvLayout) -> int:
     return 0 if layout.latent else layout.num_kv_heads
 
 
+def _blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """One layer's blocks [N, ...] at block_tables [B, M] -> [B, M, ...] (index_select: ~1.8x advanced indexing's
+    speed on the CPU at a decode step's sizes)."""
+    return cache.index_select(0, block_tables.flatten()).view(*block_tables.shape, *cache.shape[1:])
+
+
 def _runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
     """(index of the first, length, first block id) of each run of consecutive block ids."""
     runs: list[tuple[int, int, int]] = []
@@ -316,8 +322,8 @@ class PagedKvCache:
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V [B, Hkv, M * block_size, D] in dtype of one layer's blocks [B, M]: only those blocks are
         read, and a quantized cache dequantizes only them (in float32, then to dtype)."""
-        k = self.k[layer, block_tables]  # [B, M, bs, Hkv, D]
-        v = self.v[layer, block_tables]
+        k = _blocks(self.k[layer], block_tables)  # [B, M, bs, Hkv, D]
+        v = _blocks(self.v[layer], block_tables)
         if self.quantized:
             k = k.float() * self.k_scales[layer][block_tables][:, :, None, :, None]  # scales [B, M, 1, Hkv, 1]
             v = v.float() * self.v_scales[layer][block_tables][:, :, None, :, None]

@@ -163,10 +163,12 @@ class DecoderModel(nn.Module):
     def prepack(self, float32: bool = False) -> None:
         """On CPU, bf16/fp16 (with `float32`, fp32) linear weights reordered once for oneDNN (`Linear.prepack`):
         ~1.5x (bf16) to ~3x (fp32, 4-16 rows) the rate at which a decode step streams them. The LM head gets
-        a packed copy (V x d more memory) since the embedding lookup still reads the plain table. A no-op
-        elsewhere."""
+        a packed copy (V x d more memory) since the embedding lookup still reads the plain table. The experts of a
+        mixture whose step reads their weights as loaded (`MoeMlp.reads_plain`) stay plain. A no-op elsewhere."""
+        plain = {id(m) for layer in self.layers if getattr(layer, "experts", None) is not None
+                 and layer.experts.reads_plain for m in (*layer.experts.gate_up, *layer.experts.down)}
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, Linear) and id(module) not in plain:
                 module.prepack(float32)
         head = Linear.of(self.lm_head, None, self.dtype)
         head.prepack(float32)

@@ -9,9 +9,10 @@ are not read at all. Each expert is a pair of `Linear`s (gate|up fused, down), s
 compute dtype. Which experts run is read on the host (one small copy a layer): this path is eager, not for
 CUDA graphs.
 
-On the CPU (`group`, at start-up where `cpu_moe.prepare` measures it faster on the layer's weights) the same step
-is two calls of torch's grouped matmul over the experts' weights stacked (`cpu_moe.grouped_experts`): no loop
-over experts, no host read; the loop stays where the experts are prepacked for oneDNN or quantized.
+On the CPU, `cpu_moe.prepare` measures at start-up which runs the same step fastest on the layer's weights: one
+call of the fused C kernel over the experts' weights laid out in panels (`fuse_cpu`, `cpu_moe_kernel`: no Python
+per expert), two calls of torch's grouped matmul (`group`, `cpu_moe.grouped_experts`), or the loop over
+oneDNN-prepacked experts; the loop stays where the experts are quantized.
 
 On CUDA (`fuse`, at start-up where the probe `cuda_moe.runs` passes) the same step is two fused Triton kernels
 over the experts' weights stacked (`cuda_moe`): the copies sorted by expert on the device, a grouped matmul for
@@ -80,6 +81,8 @@ class MoeMlp(nn.Module):
         `cpu_moe.measure`)."""
         self.grouped = False
         """The step through `cpu_moe.grouped_experts` (one grouped matmul per projection) rather than the loop."""
+        self.register_buffer("cpu_gate_up", None)  # [E, 2 I / w, d, w] the fused C kernel's panels (`fuse_cpu`)
+        self.register_buffer("cpu_down", None)  # [E, d / w, I, w]
 
     def fuse(self) -> None:
         """The step through the fused kernels (`cuda_moe`) from now on: the weights (after any quantization)
@@ -96,6 +99,48 @@ class MoeMlp(nn.Module):
         self.stacked = self.stacked or self.fused or stack_experts(list(self.gate_up), list(self.down))
         self.grouped = True
 
+    def fuse_cpu(self, width: int) -> None:
+        """The step through the fused C kernel (`cpu_moe_kernel`, panels `width` outputs wide) from now on: the
+        experts' (plain fp32/bf16) weights laid out in its panels, in place of their own (the Linears keep empty
+        weights: the other paths are off)."""
+        self.cpu_panels = self.panels(width)
+        empty = torch.empty(0, dtype=self.router.dtype)
+        for m in (*self.gate_up, *self.down):
+            m.weight = nn.Buffer(empty)
+        self.stacked = None
+        self.grouped = False
+
+    def panels(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate|up, down) laid out for the fused C kernel (copies; `cpu_moe_kernel.pack`)."""
+        from pdserve.server.decode.cpu_moe_kernel import pack
+
+        if self.stacked is not None:
+            gate_up, down = self.stacked.gate_up, self.stacked.down
+        else:
+            gate_up = torch.stack([m.weight for m in self.gate_up])  # [E, 2 I, d]
+            down = torch.stack([m.weight for m in self.down])  # [E, d, I]
+        return pack(gate_up, width), pack(down, width)
+
+    @property
+    def cpu_panels(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(gate|up, down) in the fused C kernel's panels (`cpu_moe_kernel.pack`) once `fuse_cpu` ran (buffers, so
+        that the weights' memory counts them): the step through the kernel, the experts' Linears emptied."""
+        return None if self.cpu_gate_up is None else (self.cpu_gate_up, self.cpu_down)
+
+    @cpu_panels.setter
+    def cpu_panels(self, panels: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.cpu_gate_up, self.cpu_down = (None, None) if panels is None else panels
+
+    @property
+    def cpu_fused(self) -> bool:
+        return self.cpu_panels is not None
+
+    @property
+    def reads_plain(self) -> bool:
+        """Its step reads the experts' weights as loaded or repacked (grouped matmul, fused kernels): not to be
+        prepacked for oneDNN."""
+        return self.grouped or self.cpu_fused or self.fused is not None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B, S, d] -> [B, S, d]
         flat = x.reshape(-1, x.shape[-1])  # [T, d]
         weights, experts = route(F.linear(flat, self.router), self.moe, self.correction_bias)  # [T, k] each
@@ -103,6 +148,10 @@ class MoeMlp(nn.Module):
             from pdserve.server.decode.cuda_moe import fused_experts
 
             return fused_experts(flat, weights, experts, self.fused, self.act).view(x.shape)
+        if self.cpu_panels is not None:
+            from pdserve.server.decode.cpu_moe_kernel import fused_experts as cpu_fused_experts
+
+            return cpu_fused_experts(flat, weights, experts, *self.cpu_panels, self.act).view(x.shape)
         if self.grouped:
             from pdserve.server.decode.cpu_moe import grouped_experts
 

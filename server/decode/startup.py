@@ -6,7 +6,8 @@ decode step eager or CUDA-graphed. `benchmarks/gpu.py` starts it the same way (`
    --weight-dtype is int8/fp8 (through a kernel for the format where the device has one); on the CPU a
    bf16/fp16 checkpoint computes as `cpu_matmul` chooses from what the CPU runs (`hardware.py`): prepacked
    for oneDNN, torch's default linear, or upcast to fp32 (`prepare`), and a mixture of experts' step through
-   torch's grouped matmul or the loop over chosen experts, measured (`cpu_moe`). One start-up line names them.
+   the fused C kernel, torch's grouped matmul or the loop over chosen experts, measured
+   (`cpu_moe`). One start-up line names them.
 3. The KV layout; the cache's blocks from --kv-cache-tokens, else from memory (`device.py`).
 4. The engine: cache on the device, CUDA graphs captured per batch bucket (and with speculative decoding per
    (bucket, new tokens) for the verify step) unless --enforce-eager; on CUDA a mixture of experts through the
@@ -122,17 +123,21 @@ def build_draft(config: DecodeConfig, model_config: ModelConfig, device: torch.d
 
 def prepare(model: DecoderModel, path: str | None) -> str:
     """The load-time steps once the weights (and their quantization) are in, where the model runs: on the
-    CPU with a prepacked path (`cpu_matmul.PACKED`), the linears prepacked for oneDNN, then a mixture of experts'
-    step measured (`cpu_moe.prepare`: torch's grouped matmul or the loop over chosen experts); nothing otherwise
+    CPU, a mixture of experts' step measured (`cpu_moe.prepare`: the fused C kernel, torch's grouped matmul or the
+    loop over chosen experts), then with a prepacked path (`cpu_matmul.PACKED`) the linears prepacked for oneDNN
+    (the experts too where the loop was kept); nothing otherwise
     (CUDA included). Returns what it did, for the start-up log."""
     done = []
+    moe = ""
+    if path is not None and model.config.moe is not None:  # first: a path reading plain experts keeps them plain
+        moe = f"mixture of experts on cpu: {cpu_moe.prepare(model, prepack=path in cpu_matmul.PACKED)}"
     if path in cpu_matmul.PACKED:
         model.prepack(float32=True)
         packed = sum(isinstance(m, Linear) and m.packed for m in model.modules())
         if packed:
             done.append(f"{packed} matmul weights prepacked for oneDNN (the LM head's among them)")
-    if path is not None and model.config.moe is not None:
-        done.append(f"mixture of experts on cpu: {cpu_moe.prepare(model)}")
+    if moe:
+        done.append(moe)
     return "; ".join(done)
 
 

@@ -1,5 +1,5 @@
 """Mixture-of-experts models on the decode tier against transformers: prefill on this tier, then decode steps
-of a batch, through the loop over chosen experts and through torch's grouped matmul (`cpu_moe`); int8 expert
+of a batch, through the loop over chosen experts, torch's grouped matmul and the fused C kernel (`cpu_moe`); int8 expert
 weights stay close."""
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def _generate(model, prompts: list[torch.Tensor]) -> list[list[int]]:
     return tokens
 
 
-@pytest.mark.parametrize("path", ["loop", "grouped"])
+@pytest.mark.parametrize("path", ["loop", "grouped", "fused"])
 def test_batched_decode_matches_transformers_generate(models, path):
-    """Greedy tokens equal transformers' through either CPU expert step (`cpu_moe`): the loop over chosen experts
-    (the fallback) and torch's grouped matmul."""
+    """Greedy tokens equal transformers' through every CPU expert step (`cpu_moe`): the loop over chosen experts
+    (the fallback), torch's grouped matmul and the fused C kernel."""
     hf, config, weights = models
     model = build_model(config, weights)
     moe = [layer.experts for layer in model.layers if layer.experts is not None]
@@ -55,7 +55,11 @@ def test_batched_decode_matches_transformers_generate(models, path):
     for mlp in moe:
         if path == "grouped":
             mlp.group()
-        assert mlp.grouped == (path == "grouped")
+        elif path == "fused":
+            from pdserve.server.decode import cpu_moe_kernel
+
+            mlp.fuse_cpu(cpu_moe_kernel.load().width)
+        assert mlp.grouped == (path == "grouped") and mlp.cpu_fused == (path == "fused")
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
                for n in (5, 17, 30)]
     got = _generate(model, prompts)

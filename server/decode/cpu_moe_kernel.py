@@ -1,0 +1,146 @@
+"""The fused mixture-of-experts step on the CPU (`cpu_moe_kernel.c`): built once per machine with the system's C
+compiler, loaded through ctypes, called once per layer and step (`fused_experts`).
+
+One call groups the step's token copies by expert, streams each chosen expert's gate|up and down weights once
+over all its rows (4 at a time, the activation between), and writes the routing-weighted sum: no Python per
+expert, no gather or scatter tensors. The weights, fp32 or bf16 (fp32 math), are laid out once at start in panels
+of `Kernel.width` outputs (`pack`: [E, N, K] -> [E, N / width, K, width], each panel one sequential stream that the
+kernel prefetches ahead of its loads), in place of the experts' own. It is single-threaded: `cpu_moe.prepare`
+measures it against the other paths at the worker's thread count.
+
+Built with `-O3` and the instruction set `hardware.cpu()` reports (so `PDSERVE_CPU_ISA` caps it too), into
+$PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels) under a name hashing the source, the flags and the
+compiler; a machine without a C compiler (`cc`, or $CC) gets the other paths, said at start-up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.server import hardware
+
+SOURCE = Path(__file__).with_name("cpu_moe_kernel.c")
+CACHE_ENV = "PDSERVE_KERNEL_CACHE"
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+"""The expert weight dtypes it reads (the value: the kernel's bf16 flag)."""
+MAX_COPIES = 1024
+"""The most token copies (tokens x top k) one call takes (its sort and scratch grow with them): a longer step (a
+local prefill) is cut into calls of this many."""
+
+
+def isa_flags(cpu: hardware.Cpu) -> list[str]:
+    """The compiler's target flags for this CPU, after PDSERVE_CPU_ISA's cap."""
+    if cpu.arch == "x86_64":
+        if cpu.avx512:
+            return ["-march=x86-64-v4", "-mprefer-vector-width=512"]
+        return ["-march=x86-64-v3"] if cpu.has("avx2", "fma") else []
+    return ["-mcpu=native"] if cpu.arch == "aarch64" else []
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc"))
+
+
+def build(cpu: hardware.Cpu | None = None) -> Path:
+    """The kernel's shared library for this CPU, compiled once into the cache (reused while the source, flags and
+    compiler stay the same); RuntimeError naming what to do when it cannot be built."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')} not on PATH): install gcc or clang, or set "
+                           f"CC, for the fused CPU MoE step")
+    flags = ["-O3", *isa_flags(cpu or hardware.cpu()), "-fno-math-errno", "-fPIC", "-shared"]
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve" / "kernels")
+    target = cache / f"cpu_moe-{key}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run([cc, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{cc} could not build {SOURCE.name} ({' '.join(flags)}): {done.stderr.strip()[-400:]}")
+        os.replace(built, target)  # atomic: a concurrent start-up finds a whole file or none
+    return target
+
+
+@dataclass(frozen=True)
+class Kernel:
+    fn: ctypes._CFuncPtr
+    """moe_experts(x, T, d, I, E, k, ids, weights, w13, w2, bf16, act, out, scratch) -> 0, or -1 (shape refused)."""
+    width: int
+    """Outputs per weight panel (`pack`): the hidden size and twice the expert width must be multiples of it."""
+    how: str
+    """How it was built, for the start-up line."""
+
+
+@functools.cache
+def load() -> Kernel | str:
+    """The kernel, or why it is not here (once per process)."""
+    try:
+        path = build()
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return str(e)
+    p, i = ctypes.c_void_p, ctypes.c_int
+    fn = lib.moe_experts
+    fn.argtypes = [p, i, i, i, i, i, p, p, p, p, i, i, p, p]
+    fn.restype = ctypes.c_int
+    return Kernel(fn, lib.moe_panel_width(), f"built by {_compiler()} for {hardware.cpu().family} ({path.name})")
+
+
+def takes(hidden: int, expert_size: int, weight_dtype: torch.dtype, width: int) -> str | None:
+    """None where a kernel of panels `width` wide computes this layer, else why not."""
+    if weight_dtype not in DTYPES:
+        return f"it reads fp32 or bf16 expert weights, not {str(weight_dtype).removeprefix('torch.')}"
+    if hidden % width or 2 * expert_size % width:
+        return f"the hidden width ({hidden}) and twice the expert width ({expert_size}) must be multiples of {width}"
+    return None
+
+
+def pack(weight: torch.Tensor, width: int) -> torch.Tensor:
+    """The experts' stacked weights [E, N, K] (out, in) -> panels [E, N / width, K, width] (a copy), as the kernel
+    reads them."""
+    E, N, K = weight.shape
+    return weight.view(E, N // width, width, K).transpose(2, 3).contiguous()
+
+
+def fused_experts(flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor, act: str) -> torch.Tensor:
+    """sum over each token's k experts of weight * down(act(gate(x)) * up(x)) -> [T, d] in flat's dtype (act: SiLU,
+    else tanh-GELU, as `cpu_moe.activation`), in one kernel call per MAX_COPIES copies. flat [T, d]; weights f32
+    [T, k]; experts int64 [T, k]; gate_up [E, 2 I / w, d, w] and down [E, d / w, I, w] in panels (`pack`)."""
+    kernel = load()
+    if isinstance(kernel, str):
+        raise RuntimeError(f"the fused CPU MoE kernel is not built here: {kernel}")
+    T, d = flat.shape
+    E, _, _, width = gate_up.shape
+    I = down.shape[2]
+    k = experts.shape[1]
+    x = flat.to(torch.float32).contiguous()
+    ids = experts.to(torch.int64).contiguous()
+    w = weights.to(torch.float32).contiguous()
+    out = torch.empty(T, d, dtype=torch.float32)
+    step = max(1, MAX_COPIES // k)
+    scratch = torch.empty(min(T, step) * k * (3 * I + d), dtype=torch.float32)
+    for t in range(0, T, step):
+        n = min(step, T - t)
+        rc = kernel.fn(x[t].data_ptr(), n, d, I, E, k, ids[t].data_ptr(), w[t].data_ptr(), gate_up.data_ptr(),
+                       down.data_ptr(), DTYPES[gate_up.dtype], 0 if act == "silu" else 1, out[t].data_ptr(),
+                       scratch.data_ptr())
+        if rc:
+            raise ValueError(f"the fused CPU MoE kernel refused d {d}, I {I}, k {k} (panels of {width}); serve the "
+                             f"model with the loop (its start-up measures it)")
+    return out.to(flat.dtype)
