@@ -228,8 +228,10 @@ def pools_ready(address: str) -> bool:
     return health.status == health_pb2.HealthCheckResponse.SERVING and roles == {"prefill", "decode"}
 
 
-def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine: str = "native") -> Server:
-    """pdserve: a JAX prefill worker (core 0), a decode worker (core 1) on the native or vLLM engine."""
+def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine: str = "native",
+                  max_model_len: int | None = None) -> Server:
+    """pdserve: a JAX prefill worker (core 0), a decode worker (core 1) on the native or vLLM engine.
+    max_model_len: both workers' --max-model-len (None: the model's; vLLM's systems get the benchmark's)."""
     py = [sys.executable, "-m", "pdserve.server.cli"]
     if decode_engine == "vllm" and not VLLM.exists():
         raise SystemExit(f"{VLLM} is missing: run `make vllm-venv` first")
@@ -240,6 +242,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
     host = "127.0.0.1"
     logs = [out / "pdserve-prefill.log", out / "pdserve-decode.log", out / "pdserve-coordinator.log"]
     env = {"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")}
+    length = ["--max-model-len", str(max_model_len)] if max_model_len else []
     procs = [
         _spawn(
             [
@@ -257,6 +260,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
                 str(compile_cache_dir()),
                 "--metrics-port",  # when it has compiled every shape (it serves before: CompileWatch)
                 str(mp),
+                *length,
             ],
             logs[0],
             {0},
@@ -276,6 +280,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
                 dtype,
                 "--threads",
                 "1",
+                *length,
                 *decode_engine_args,
             ],
             logs[1],
@@ -340,9 +345,11 @@ def start_system(system: str, model: Path, args, out: Path) -> Server:
         return start_vllm(model, args.dtype, out, args.max_model_len, one_core=True)
     if system == "vllm-pd":
         return start_vllm_pd(model, args.dtype, out, args.max_model_len)
+    # pdserve's workers get the length vLLM gets where the benchmark asks (goodput's long prompts), else the model's
+    length = getattr(args, "pdserve_max_model_len", None)
     if system == "pdserve-vllm":  # pdserve's JAX prefill, vLLM's engine decoding through pdserve's connector
-        return start_pdserve(model, args.dtype, out, args.pdserve_front, decode_engine="vllm")
-    return start_pdserve(model, args.dtype, out, args.pdserve_front)
+        return start_pdserve(model, args.dtype, out, args.pdserve_front, decode_engine="vllm", max_model_len=length)
+    return start_pdserve(model, args.dtype, out, args.pdserve_front, max_model_len=length)
 
 
 # `pdserve up` as a user runs it.
