@@ -229,3 +229,22 @@ async def test_steps_take_the_prefill_core_while_no_prompt_prefills_here(tiny_mo
     assert [a.output_ids[0], *got] == _hf_greedy(path, a.prompt_ids, 40)  # the same tokens whatever the threads
     await engine.close()
     assert _engine(path, num_blocks=8).threads is None  # without it: torch's threads, untouched
+
+
+def test_the_flags_reach_the_engine(tiny_model):
+    """`pdserve decode --threads 1 --threads-while-prefill-idle 2` builds an engine with (1, 2); a negative
+    count is refused by name."""
+    from pathlib import Path
+
+    from pdserve.server.decode.config import DecodeConfig
+    from pdserve.server.decode.startup import build_native_engine
+
+    before = torch.get_num_threads()
+    try:
+        _, engine, _ = build_native_engine(DecodeConfig(model_dir=tiny_model("llama"), device="cpu",
+                                                        kv_cache_tokens=64, threads=1, threads_while_prefill_idle=2))
+        assert engine.threads == (1, 2)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="--threads-while-prefill-idle must be >= 0"):
+        DecodeConfig(model_dir=Path("m"), threads_while_prefill_idle=-1)
