@@ -228,8 +228,13 @@ def pools_ready(address: str) -> bool:
     return health.status == health_pb2.HealthCheckResponse.SERVING and roles == {"prefill", "decode"}
 
 
-def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine: str = "native") -> Server:
-    """pdserve: a JAX prefill worker (core 0), a decode worker (core 1) on the native or vLLM engine."""
+def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine: str = "native",
+                  max_model_len: int | None = None, decode_threads: int = 1, idle_prefill_threads: int = 0) -> Server:
+    """pdserve: a JAX prefill worker (core 0), a decode worker (core 1) on the native or vLLM engine.
+    max_model_len: both workers' --max-model-len (None: the model's; vLLM's systems get the benchmark's).
+    decode_threads: 1 (the decode worker owns core 1), or 2: its torch threads on both cores, core 0 shared with
+    the prefill worker (`pdserve-2t`, issue 43's steady-load measurement). idle_prefill_threads: the decode
+    worker's --threads-while-prefill-idle (2: both cores while no prompt prefills for it, `pdserve-adaptive`)."""
     py = [sys.executable, "-m", "pdserve.server.cli"]
     if decode_engine == "vllm" and not VLLM.exists():
         raise SystemExit(f"{VLLM} is missing: run `make vllm-venv` first")
@@ -240,6 +245,13 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
     host = "127.0.0.1"
     logs = [out / "pdserve-prefill.log", out / "pdserve-decode.log", out / "pdserve-coordinator.log"]
     env = {"PDSERVE_LOG_LEVEL": os.environ.get("PDSERVE_LOG_LEVEL", "WARNING")}
+    length = ["--max-model-len", str(max_model_len)] if max_model_len else []
+    most = max(decode_threads, idle_prefill_threads)
+    if decode_threads not in (1, 2) or most > 2:
+        raise ValueError(f"decode threads must be 1 or 2 (this layout has 2 cores), got {decode_threads}, "
+                         f"{idle_prefill_threads} while prefill idles")
+    decode_cores = {1} if most == 1 else {0, 1}
+    adaptive = ["--threads-while-prefill-idle", str(idle_prefill_threads)] if idle_prefill_threads else []
     procs = [
         _spawn(
             [
@@ -257,6 +269,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
                 str(compile_cache_dir()),
                 "--metrics-port",  # when it has compiled every shape (it serves before: CompileWatch)
                 str(mp),
+                *length,
             ],
             logs[0],
             {0},
@@ -275,12 +288,14 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
                 "--weight-dtype",
                 dtype,
                 "--threads",
-                "1",
+                str(decode_threads),
+                *adaptive,
+                *length,
                 *decode_engine_args,
             ],
             logs[1],
-            {1},
-            dict(env, PDSERVE_PROCESS="decode", VLLM_CPU_OMP_THREADS_BIND="1"),
+            decode_cores,
+            dict(env, PDSERVE_PROCESS="decode", VLLM_CPU_OMP_THREADS_BIND="1" if most == 1 else "0-1"),
         ),
     ]
     coord = [
@@ -340,9 +355,15 @@ def start_system(system: str, model: Path, args, out: Path) -> Server:
         return start_vllm(model, args.dtype, out, args.max_model_len, one_core=True)
     if system == "vllm-pd":
         return start_vllm_pd(model, args.dtype, out, args.max_model_len)
+    # pdserve's workers get the length vLLM gets where the benchmark asks (goodput's long prompts), else the model's
+    length = getattr(args, "pdserve_max_model_len", None)
     if system == "pdserve-vllm":  # pdserve's JAX prefill, vLLM's engine decoding through pdserve's connector
-        return start_pdserve(model, args.dtype, out, args.pdserve_front, decode_engine="vllm")
-    return start_pdserve(model, args.dtype, out, args.pdserve_front)
+        return start_pdserve(model, args.dtype, out, args.pdserve_front, decode_engine="vllm", max_model_len=length)
+    if system == "pdserve-2t":  # the decode worker's torch threads on both cores (core 0 shared with prefill)
+        return start_pdserve(model, args.dtype, out, args.pdserve_front, max_model_len=length, decode_threads=2)
+    if system == "pdserve-adaptive":  # 1 decode thread while a prompt prefills for it, both cores while none does
+        return start_pdserve(model, args.dtype, out, args.pdserve_front, max_model_len=length, idle_prefill_threads=2)
+    return start_pdserve(model, args.dtype, out, args.pdserve_front, max_model_len=length)
 
 
 # `pdserve up` as a user runs it.

@@ -33,6 +33,10 @@ The systems (2 cores):
 - `pdserve`: the prefill worker (JAX) pinned to core 0, the decode worker (torch, 1 thread) pinned to
   core 1, the coordinator unpinned; started role by role as in a deployment (`pdserve prefill|decode|
   coordinator`), driven through the coordinator's OpenAI HTTP front like vLLM (--pdserve-front grpc: gRPC).
+- `pdserve-2t`: the same with the decode worker's torch threads on both cores (2 threads, core 0 shared with
+  the prefill worker): what the decode tier gains in steady load, and what sharing costs its ITL in longbursts.
+- `pdserve-adaptive`: the decode worker on both cores with --threads 1 --threads-while-prefill-idle 2: two
+  threads for a step while no prompt prefills for it, one (leaving core 0 to the prefill worker) while one does.
 """
 
 from __future__ import annotations
@@ -232,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SYSTEMS = ["vllm", "vllm-1core", "vllm-pd", "pdserve", "pdserve-vllm"]
+SYSTEMS = ["vllm", "vllm-1core", "vllm-pd", "pdserve", "pdserve-vllm", "pdserve-2t", "pdserve-adaptive"]
 
 
 def main(argv: list[str] | None = None) -> int:

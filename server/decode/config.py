@@ -68,6 +68,11 @@ class DecodeConfig(KvOffloadingConfig, LoraConfig):
     bf16, else the fastest of those that run, measured at start."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
+    threads_while_prefill_idle: int = 0
+    """torch intra-op threads of a decode step while none of this worker's requests waits for its KV from the
+    prefill tier; --threads while one does; 0: --threads always. On a host whose cores the tiers share (the
+    decode worker's affinity spanning the prefill worker's core), its steps take the prefill core while no prompt
+    prefills for it and give it back while one does."""
     max_model_len: int | None = None
     """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
     tensor_parallel_size: int = 1
@@ -129,6 +134,9 @@ class DecodeConfig(KvOffloadingConfig, LoraConfig):
             raise ValueError(f"--engine must be one of {', '.join(DECODE_ENGINES)}, not {self.engine!r}")
         if self.max_running <= 0:
             raise ValueError(f"--max-running must be >= 1, got {self.max_running}")
+        if self.threads < 0 or self.threads_while_prefill_idle < 0:
+            raise ValueError(f"--threads and --threads-while-prefill-idle must be >= 0 (0: torch's default, and "
+                             f"--threads always), got {self.threads} and {self.threads_while_prefill_idle}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.tensor_parallel_size < 1:

@@ -64,7 +64,7 @@ class DecodeEngine(Engine):
                  max_model_len: int = 0, cuda_graphs: bool = False, grammars: Grammars | None = None,
                  speculative: SpeculativeConfig | None = None, draft_model: DecoderModel | None = None,
                  hasher: BlockHasher = DEFAULT_HASHER, kv_events: KvEventRecorder | None = None,
-                 offload: TieredStore | None = None, lora: LoraSlots | None = None):
+                 offload: TieredStore | None = None, lora: LoraSlots | None = None, idle_prefill_threads: int = 0):
         """max_model_len: 0 takes the model's, capped by what the cache holds. The cache lives on the model's
         device; cuda_graphs: replay the decode step from CUDA graphs (the cache gets one more block, their pad);
         grammars: the model's structured-output grammars (None: structured requests are refused);
@@ -72,7 +72,9 @@ class DecodeEngine(Engine):
         draft_model: method draft_model's draft on the model's device (its KV cache gets as many blocks);
         hasher, kv_events: the prefix cache's block names and KV events (Scheduler), flushed once a step;
         offload: the tiers under the prefix cache (`kv_offload.py`; not with a draft model, whose KV they lack);
-        lora: the LoRA adapters' slots (--enable-lora; None: a request naming an adapter is refused)."""
+        lora: the LoRA adapters' slots (--enable-lora; None: a request naming an adapter is refused);
+        idle_prefill_threads: torch threads of a step while no request waits on the prefill tier's KV, torch's
+        threads at construction (--threads) while one does (`step_threads`); 0: the same threads always."""
         if lora is not None and speculative is not None:
             raise ValueError("--enable-lora does not combine with --speculative-config yet; drop one of them")
         self.lora = lora
@@ -95,6 +97,9 @@ class DecodeEngine(Engine):
         self.max_model_len = resolve_max_model_len(model.config.max_model_len, max_model_len,
                                                    capacity=num_blocks * layout.block_size)
         self.sequences: dict[str, Sequence] = {}
+        self.threads = (torch.get_num_threads(), idle_prefill_threads) if idle_prefill_threads else None
+        """(threads while a prompt prefills for this worker, threads while none does); None: torch's, always."""
+        self._step_threads = 0
         self._busy: set[str] = set()
         """Request ids whose blocks a worker thread reads or writes now (the step, a local prefill)."""
         self._deferred: dict[str, tuple[Sequence, bool]] = {}
@@ -359,9 +364,19 @@ class DecodeEngine(Engine):
             self.kv_events.flush()  # what the last step (and admissions, arrivals) stored and evicted
         return batch
 
+    def step_threads(self) -> int:
+        """The torch threads of the next step: --threads while a request here waits for its KV from the prefill
+        tier (a prompt prefills for this worker now, or queues to), --threads-while-prefill-idle while none does;
+        0 without --threads-while-prefill-idle (torch's, unchanged)."""
+        if self.threads is None:
+            return 0
+        waiting = any(s.state is SeqState.WAITING_KV and not s.local_prefill for s in self.sequences.values())
+        return self.threads[0] if waiting else self.threads[1]
+
     async def _run(self, batch: list[Sequence], verify: VerifyFn | None = None) -> StepOut:
         """The step in a worker thread (`_step`), its sequences' blocks busy meanwhile; when it fails, each
         sequence alone (`_step_each`)."""
+        self._step_threads = self.step_threads()  # read here, on the event loop that changes the states
         ids = {s.request_id for s in batch}
         self._busy |= ids
         try:
@@ -379,6 +394,8 @@ class DecodeEngine(Engine):
         """The tokens every sequence in the batch emits, and their logprobs (runs in a worker thread): one
         each, or with a speculator's verifier, those its verify step accepts and the one after. The step's
         sampling batch is built once, for the verifier or (while a device runs the forward) for the logits."""
+        if self._step_threads and torch.get_num_threads() != self._step_threads:
+            torch.set_num_threads(self._step_threads)  # this thread's OpenMP team (`step_threads`)
         self._wait_for_copies(batch)
         self._resume(batch)
         if verify is not None:

@@ -181,7 +181,7 @@ def engine_for_model(config: DecodeConfig, model: DecoderModel, draft: DecoderMo
                           eos_ids=frozenset(model_config.eos_token_ids), max_model_len=config.max_model_len or 0,
                           cuda_graphs=cuda_graphs, speculative=config.speculative, draft_model=draft,
                           hasher=BlockHasher(config.prefix_caching_hash_algo), kv_events=kv_events, offload=offload,
-                          lora=lora_slots(config, model),
+                          lora=lora_slots(config, model), idle_prefill_threads=config.threads_while_prefill_idle,
                           grammars=Grammars.for_model(config.model_dir, model_config.vocab_size,
                                                       tuple(model_config.eos_token_ids), **Grammars.options(config)))
     if engine.grammars is not None:

@@ -14,7 +14,7 @@ from pdserve.benchmarks.clients import Target
 from pdserve.server.plan.run_summary import RequestOutput
 from pdserve.server.plan.arrivals import LoadSpec, arrival_offsets
 from pdserve.benchmarks.metrics import prometheus_value, throughput_timeline
-from pdserve.server.plan.run_summary import stats, summarize, tpot
+from pdserve.server.plan.run_summary import max_itl, stats, summarize, tpot
 
 approx = lambda x: pytest.approx(x, rel=1e-9, abs=1e-9)
 
@@ -104,6 +104,21 @@ def test_goodput_and_slo_attainment(traces):
     assert none["good_requests"] == 3  # no SLO: every completed request counts
     one_token = summarize(traces[1:2], slo_ttft_ms=600, slo_tpot_ms=1)  # TPOT of a 1-token request is 0
     assert one_token["good_requests"] == 1
+
+
+def test_the_itl_slo_judges_each_requests_longest_gap(traces):
+    """a's gaps are 200 and 300 ms (TPOT 250), c's 100 ms, b has none (one chunk): a meets a 250 ms TPOT SLO
+    but not a 250 ms ITL one, its one 300 ms stall counting whatever its mean."""
+    a, b, c, d = traces
+    assert (max_itl(a), max_itl(b), max_itl(c)) == (approx(0.3), 0.0, approx(0.1))
+    assert summarize(traces, slo_tpot_ms=250)["good_requests"] == 3
+    itl = summarize(traces, slo_itl_ms=250)
+    assert itl["good_requests"] == 2 and itl["slo"] == {"ttft_ms": None, "tpot_ms": None, "itl_ms": 250}
+    assert summarize(traces, slo_itl_ms=300.001)["good_requests"] == 3
+    assert summarize(traces, slo_ttft_ms=450, slo_itl_ms=250)["good_requests"] == 1  # c: b's TTFT is 500
+    assert summarize(traces, slo_itl_ms=1e9)["good_requests"] == 3  # d failed: never good
+    s = summarize(traces)
+    assert (s["max_itl_ms"]["n"], s["max_itl_ms"]["median"]) == (2, approx(200.0))  # a and c; b has one chunk
 
 
 def test_stats_empty_and_explicit_duration(traces):

@@ -195,3 +195,56 @@ async def test_an_unset_top_p_samples_the_whole_distribution_not_its_top_token()
     for _ in range(40):  # 80 draws from 50 near-equal tokens: top-1 would give one
         picked.update(SamplingBatch.of(seqs, 50).sample(logits.clone()).tolist())
     assert len(picked) > 10
+
+
+async def test_steps_take_the_prefill_core_while_no_prompt_prefills_here(tiny_model):
+    """--threads-while-prefill-idle: a step runs on that many torch threads while no request waits for its KV
+    from the prefill tier, on --threads (torch's at construction) while one does; a local prefill is no wait."""
+    path = tiny_model("llama")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = _engine(path, num_blocks=64, idle_prefill_threads=2)
+    finally:
+        torch.set_num_threads(before)
+    assert engine.threads == (1, 2) and engine.step_threads() == 2
+    seen: list[int] = []
+    decode = engine._decode
+    engine._decode = lambda batch: (seen.append(torch.get_num_threads()), decode(batch))[1]
+    a = await _admit(engine, "a", [3, 4, 5], 40)  # a local prefill: the prefill tier is not computing for it
+    while engine.steps < 2:
+        await asyncio.sleep(0.001)
+    remote = engine.add(pb.DecodeRequest(request_id="b", prompt_token_ids=[7, 8, 9], sampling=_greedy(4)))
+    await remote.admitted  # its blocks reserved: its KV is on the way from the prefill tier
+    assert engine.step_threads() == 1
+    mark = len(seen)
+    while len(seen) < mark + 3:
+        await asyncio.sleep(0.001)
+    engine.abort("b")  # the prefill failed, say: nothing waits on the prefill tier any more
+    assert engine.step_threads() == 2
+    mark2 = len(seen)
+    got = await _drain(a)
+    assert seen[:2] == [2, 2] and 1 in seen[mark:mark2] and seen[mark2 + 1:] == [2] * len(seen[mark2 + 1:])
+    assert set(seen[mark + 1:mark2]) == {1}  # every step that started while b waited (the first may have begun before)
+    assert [a.output_ids[0], *got] == _hf_greedy(path, a.prompt_ids, 40)  # the same tokens whatever the threads
+    await engine.close()
+    assert _engine(path, num_blocks=8).threads is None  # without it: torch's threads, untouched
+
+
+def test_the_flags_reach_the_engine(tiny_model):
+    """`pdserve decode --threads 1 --threads-while-prefill-idle 2` builds an engine with (1, 2); a negative
+    count is refused by name."""
+    from pathlib import Path
+
+    from pdserve.server.decode.config import DecodeConfig
+    from pdserve.server.decode.startup import build_native_engine
+
+    before = torch.get_num_threads()
+    try:
+        _, engine, _ = build_native_engine(DecodeConfig(model_dir=tiny_model("llama"), device="cpu",
+                                                        kv_cache_tokens=64, threads=1, threads_while_prefill_idle=2))
+        assert engine.threads == (1, 2)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="--threads-while-prefill-idle must be >= 0"):
+        DecodeConfig(model_dir=Path("m"), threads_while_prefill_idle=-1)
