@@ -23,6 +23,9 @@ CpuMatmul = Literal["auto", "onednn", "plain", "float32", "float32-onednn"]
 """How a checkpoint's matmuls compute on a CPU decode worker (`server/decode/cpu_matmul.py`)."""
 PrefillMatmul = Literal["auto", "xla-fp32", "xla-bf16", "onednn-bf16"]
 """How a CPU prefill worker's layer matmuls compute (`server/prefill/matmul_choice.py`); auto: the fastest measured."""
+PrefillAttention = Literal["auto", "xla", "host"]
+"""Where a CPU prefill worker's attention runs with --prefill-matmul onednn-bf16 (`server/prefill/matmul_choice.py`):
+xla (attention.py's blockwise), host (torch's flash attention, host_attention.py); auto: the faster measured."""
 EngineKind = Literal["native", "vllm"]
 """native: pdserve's torch engine; vllm: vLLM's engine fed through pdserve's KV connector."""
 ToolCallParser = Literal["hermes", "llama3_json", "mistral"]
@@ -36,6 +39,7 @@ LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 DECODE_ENGINES: tuple[str, ...] = get_args(EngineKind)
 CPU_MATMULS: tuple[str, ...] = get_args(CpuMatmul)
 PREFILL_MATMULS: tuple[str, ...] = get_args(PrefillMatmul)
+PREFILL_ATTENTIONS: tuple[str, ...] = get_args(PrefillAttention)
 DECODE_STREAMS: tuple[str, ...] = get_args(DecodeStreams)
 TOOL_CALL_PARSERS: tuple[str, ...] = get_args(ToolCallParser)
 

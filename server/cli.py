@@ -218,7 +218,8 @@ KV_OFFLOADING = ("kv_offloading_backend", "kv_offloading_size", "kv_offloading_d
                  "kv_offloading_shared_path", "kv_offloading_shared_size")
 """The offload tiers' flags (`server/kv_offloading.py`): every worker of `pdserve up` takes them (each its own
 disk path under --kv-offloading-disk-path, `launcher.offloading_args`; the shared path as given)."""
-UP_PREFILL = ("prefill_matmul", "tensor_parallel_size", "expert_parallel_size", "max_batch_tokens", "max_prefill_chunk",
+UP_PREFILL = ("prefill_matmul", "prefill_attention", "tensor_parallel_size", "expert_parallel_size",
+              "max_batch_tokens", "max_prefill_chunk",
               "prefix_cache_bytes", "kv_streams", "prefill_order", "compilation_cache", "compile_before_serving")
 UP_DECODE = ("kv_dtype", "max_running", "gpu_memory_utilization", "kv_cache_memory", "cpu_matmul", "enforce_eager",
              "speculative_config", "kv_events_config", "prefix_caching_hash_algo", *KV_OFFLOADING)

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from pdserve.kvcache.block_hash import DEFAULT_HASH_ALGO, BlockHasher, PrefixCachingHashAlgo
 from pdserve.kvcache.kv_events_config import KvEventsConfig, parse_kv_events_config
-from pdserve.server.choices import PREFILL_MATMULS, WEIGHT_DTYPES, PrefillMatmul, WeightDtype
+from pdserve.server.choices import (PREFILL_ATTENTIONS, PREFILL_MATMULS, WEIGHT_DTYPES, PrefillAttention, PrefillMatmul,
+                                    WeightDtype)
 from pdserve.server.flags import flag
 from pdserve.server.kv_offloading import KvOffloadingConfig
 from pdserve.server.lora_config import LoraConfig
@@ -53,6 +54,10 @@ class PrefillConfig(KvOffloadingConfig, LoraConfig):
     can serve the weights at start (cached per machine and model shape) and keeps the fastest exact-enough one;
     xla-fp32, xla-bf16 (XLA:CPU) or onednn-bf16 (oneDNN's bf16 linear through torch: AMX, AVX512-bf16) force one.
     A bf16 checkpoint may take any of them, an fp32 one computes in fp32. TPU/GPU: XLA in the weights' dtype."""
+    prefill_attention: PrefillAttention = "auto"
+    """Where attention runs beside --prefill-matmul onednn-bf16: auto measures XLA's blockwise attention against
+    torch's flash attention on the host (host_attention.py) at start, cached with the matmul choice; xla or host
+    force one. Other matmul paths, and soft-capped models (Gemma 2), keep XLA's."""
     max_model_len: int | None = None
     """Longest prompt + output served (vLLM's flag); at most the model's own. Default: the model's."""
     tensor_parallel_size: int | None = None
@@ -125,6 +130,9 @@ class PrefillConfig(KvOffloadingConfig, LoraConfig):
             raise ValueError(f"--weight-dtype must be one of {', '.join(WEIGHT_DTYPES)}, not {self.weight_dtype!r}")
         if self.prefill_matmul not in PREFILL_MATMULS:
             raise ValueError(f"--prefill-matmul must be one of {', '.join(PREFILL_MATMULS)}, not {self.prefill_matmul!r}")
+        if self.prefill_attention not in PREFILL_ATTENTIONS:
+            raise ValueError(f"--prefill-attention must be one of {', '.join(PREFILL_ATTENTIONS)}, not "
+                             f"{self.prefill_attention!r}")
         if self.prefill_matmul != "auto" and self.weight_dtype in ("int8", "fp8"):
             raise ValueError(f"--prefill-matmul {self.prefill_matmul} chooses unquantized weights' matmuls; "
                              f"--weight-dtype {self.weight_dtype} has its own: drop one of the two flags")

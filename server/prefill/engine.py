@@ -68,6 +68,7 @@ from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.lora import PrefillAdapter, PrefillLoras
 from pdserve.server.prefill.model import group_sizes
+from pdserve.server.prefill.kernels import Kernels
 from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.model_runner import ModelRunner, StepOutputs
 from pdserve.server.prefill.prefix_kv import BLOCK_SIZE, Fetched, PrefixKv
@@ -156,7 +157,7 @@ class PrefillJob:
 
 class PrefillEngine:
     def __init__(self, model_config: ModelConfig, params, config: PrefillConfig, grammars: Grammars | None = None,
-                 matmul: Matmul = xla_matmul):
+                 matmul: Matmul | Kernels = xla_matmul):
         """grammars: the model's structured-output grammars (None: structured requests are refused)."""
         self.model_config = model_config
         self.grammars = grammars
@@ -165,6 +166,8 @@ class PrefillEngine:
         self.max_len = pow2(self.max_model_len)
         self.matmul_path = "xla"
         """The layers' matmul path, as the start-up log names it (main.py sets it)."""
+        self.attention_path = "xla"
+        """Where attention runs ("host (...)" beside onednn-bf16: host_attention.py), as main.py logs it."""
         groups = group_sizes(model_config.num_layers, config.kv_layer_groups)
         self.lora = self._lora_slots(model_config, config, groups, params["embed"].dtype)
         """The LoRA adapters' host LRU and device slots (--enable-lora; None: a prompt naming one is refused)."""

@@ -27,7 +27,7 @@ from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
 from pdserve.server.prefill.matmul import OnednnWeights, xla_matmul
-from pdserve.server.prefill.matmul_choice import PATH_DTYPES, MatmulChoice, choose
+from pdserve.server.prefill.matmul_choice import PATH_DTYPES, MatmulChoice, choose, choose_attention
 from pdserve.server.prefill.model import compute_dtype, load_params, served_weight_dtype
 from pdserve.server.prefill.quant import param_bytes
 from pdserve.server.prefill.rates import queued_seconds
@@ -75,10 +75,11 @@ class PrefillWorker:
 
 def compute_path(engine: PrefillEngine) -> str:
     """What the layers' matmuls compute in, and where: "float32 matmuls on XLA:CPU", "bfloat16 matmuls on XLA:TPU",
-    or "bfloat16 matmuls on oneDNN (the rest on XLA:CPU)" (`--prefill-matmul onednn-bf16`)."""
+    or "bfloat16 matmuls on oneDNN (attention on the host, the rest on XLA:CPU)" (`--prefill-matmul onednn-bf16`)."""
     backend = jax.default_backend().upper()
     if engine.matmul_path.startswith("onednn"):
-        return f"bfloat16 matmuls on oneDNN (the rest on XLA:{backend})"
+        where = "attention on the host, " if engine.attention_path.startswith("host") else ""
+        return f"bfloat16 matmuls on oneDNN ({where}the rest on XLA:{backend})"
     dtype = "bfloat16" if engine.matmul_path.startswith("xla-bf16") else \
         compute_dtype(engine.model_config, str(engine.dtype), jax.default_backend())
     return f"{dtype} matmuls on XLA:{backend}"
@@ -169,11 +170,18 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
     if note := load_note(config.model_dir, "prefill", str(dtype), jax.default_backend()):
         log.info("%s", note)
     params = load_params(model_config, load_weights(config.model_dir), dtype=dtype)
-    matmul, held = xla_matmul, ""
+    matmul, held, where = xla_matmul, "", None
     if choice is not None and choice.path == "onednn-bf16":
         bank = OnednnWeights(threads=cores())
         params = dict(params, layers=bank.take(params["layers"]))
-        matmul, held = bank.matmul, f" + {bank.nbytes / 2**20:.1f} MiB prepacked for oneDNN"
+        t1 = time.perf_counter()
+        where = choose_attention(config.prefill_attention, choice.path, model_config, cores())
+        log.info("prefill attention: %s (chosen in %.1f s)", where.describe(), time.perf_counter() - t1)
+        matmul, held = bank.kernels(host_attention=where.where == "host"), \
+            f" + {bank.nbytes / 2**20:.1f} MiB prepacked for oneDNN"
+    elif config.prefill_attention == "host":
+        raise ValueError(f"--prefill-attention host runs beside --prefill-matmul onednn-bf16, and this worker's "
+                         f"matmuls are {choice.path if choice else 'XLA'}: pass --prefill-attention auto or xla")
     if config.tensor_parallel_size is None and tp * ep < jax.device_count():
         log.warning("sharding over %d of %d devices: the model's %s (%d) do not split over more", tp * ep,
                     jax.device_count(), *(("heads", model_config.num_heads) if model_config.mla is not None else
@@ -188,6 +196,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
     grammars = Grammars.for_model(config.model_dir, params.get("lm_head", params["embed"]).shape[0],
                                   tuple(model_config.eos_token_ids), **Grammars.options(config))
     engine = PrefillEngine(model_config, params, config, grammars=grammars, matmul=matmul)
+    if where is not None:
+        engine.attention_path = where.describe()
     engine.matmul_path = choice.describe() if choice else (f"xla-{'bf16' if dtype == 'bfloat16' else 'fp32'}"
                                                            f" ({dtype} weights on XLA:{jax.default_backend().upper()})"
                                                            if dtype in ("float32", "bfloat16") else

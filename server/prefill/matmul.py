@@ -11,7 +11,10 @@ x's dtype, accumulated in fp32.
   blocked layout (`OnednnWeights.take`); the params keep only a `Resident` handle per weight (its
   per-layer ids, so `lax.scan` and layer groups slice it as any weight), and the jitted program passes
   only activations to the host: one `onednn_linear` primitive per matmul, lowered to a host callback
-  whose output shape is static.
+  whose output shape is static. Fewer, larger calls: q, k and v are held as one packed weight `wqkv`
+  [H, Hq + 2 Hkv, D] (one linear, split in XLA), and the MLP is one host call (`OnednnWeights.mlp`:
+  gate with the activation fused, up with the product fused, down; oneDNN post-ops), so a layer crosses
+  to the host 3 times instead of 7 and the [T, I] intermediates never leave it.
 """
 
 from __future__ import annotations
@@ -80,10 +83,15 @@ class OnednnWeights:
             torch.set_num_threads(threads)
 
     def take(self, layers: dict[str, jax.Array]) -> dict:
-        """The layer params with each dense weight [L, ...] moved here (bf16) and a `Resident` in its place."""
+        """The layer params with each dense weight [L, ...] moved here (bf16) and a `Resident` in its place;
+        wq, wk, wv become one `wqkv` [L, H, Hq + 2 Hkv, D] (the model splits its result)."""
         out = dict(layers)
+        if all(name in layers for name in ("wq", "wk", "wv")):
+            qkv = np.concatenate([np.asarray(layers[n].astype(F32)) for n in ("wq", "wk", "wv")], axis=2)
+            out["wqkv"] = self.hold(qkv, 1)
+            del out["wq"], out["wk"], out["wv"]
         for name in DENSE:
-            if name in layers:
+            if name in out and not isinstance(out[name], Resident):
                 out[name] = self.hold(np.asarray(layers[name].astype(F32)), CONTRACTED_AXES[name])
         return out
 
@@ -106,6 +114,39 @@ class OnednnWeights:
         y = torch.ops.mkldnn._linear_pointwise(xt, self.packed[int(index)], None, "none", [], "")
         return y.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
+    def mlp_host(self, x: np.ndarray, ids: np.ndarray, act: str) -> np.ndarray:
+        """On the host: down(act(x @ gate) * (x @ up)) for x bf16 [T, H], ids int32 [3] (gate, up, down)
+        -> bf16 [T, H]; the activation and the product fused into the linears (oneDNN post-ops)."""
+        torch = self._torch
+        linear = torch.ops.mkldnn._linear_pointwise
+        xt = torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+        gate_id, up_id, down_id = (int(i) for i in ids)
+        attr, algorithm = POST_OPS[act]
+        gate = linear(xt, self.packed[gate_id], None, attr, [], algorithm)  # [T, I]
+        hidden = linear.binary(xt, gate, self.packed[up_id], None, "mul")  # [T, I]
+        y = linear(hidden, self.packed[down_id], None, "none", [], "")  # [T, H]
+        return y.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+    def mlp(self, h: jax.Array, w_gate, w_up, w_down, act: str) -> jax.Array:
+        """A `FusedMlp`: h [B, S, H] -> down(act(h @ gate) * (h @ up)) [B, S, H] in one host call, for
+        `Resident` weights and an activation oneDNN fuses (POST_OPS); None for any other (the caller's
+        matmuls then compute it)."""
+        weights = (w_gate, w_up, w_down)
+        if act not in POST_OPS or not all(isinstance(w, Resident) for w in weights) or h.dtype != jnp.bfloat16:
+            return None
+        ids = jnp.stack([w.ids for w in weights])  # [3] (per layer, inside the scan)
+        x2d = h.reshape(-1, h.shape[-1])  # [T, H]
+        y = onednn_mlp_p.bind(x2d, ids, bank=self, act=act)  # [T, H]
+        return y.reshape(h.shape)
+
+    def kernels(self, host_attention: bool = False):
+        """The `Kernels` the model runs with these weights: this bank's matmul and fused MLP, and the host's
+        attention (host_attention.py) where `host_attention`, else XLA's."""
+        from pdserve.server.prefill.host_attention import host_attention as on_host
+        from pdserve.server.prefill.kernels import Kernels
+
+        return Kernels(matmul=self.matmul, mlp=self.mlp, **({"attention": on_host} if host_attention else {}))
+
     def matmul(self, spec: str, x: jax.Array, w) -> jax.Array:
         """A `Matmul`: oneDNN for a `Resident` weight, XLA for any other."""
         if not isinstance(w, Resident):
@@ -118,6 +159,9 @@ class OnednnWeights:
         y = onednn_linear_p.bind(x2d, w.ids, bank=self, n=int(np.prod(n_shape)))  # [T, N]
         return y.reshape(*x.shape[:-k], *n_shape)
 
+
+POST_OPS = {"silu": ("swish", ""), "gelu_tanh": ("gelu", "tanh")}
+"""The MLP activations oneDNN fuses into the gate's linear: (post-op, algorithm)."""
 
 CONTRACTED_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 """Each dense weight's contracted leading axes (of one layer's weight), as prefill.quant's CONTRACTED."""
@@ -139,4 +183,20 @@ def _lower_onednn_linear(ctx, x, index, *, bank: OnednnWeights, n: int):
 
 
 mlir.register_lowering(onednn_linear_p, _lower_onednn_linear, platform="cpu", cacheable=False)
+
+onednn_mlp_p = Primitive("pdserve_onednn_mlp")
+"""x bf16 [T, H], ids int32 [3] -> bf16 [T, H]: `OnednnWeights.mlp_host` of `bank` (CPU backend only)."""
+onednn_mlp_p.def_abstract_eval(lambda x, ids, *, bank, act: jax.core.ShapedArray(x.shape, x.dtype))
+
+
+def _lower_onednn_mlp(ctx, x, ids, *, bank: OnednnWeights, act: str):
+    def host(x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray]:
+        return (bank.mlp_host(x, ids, act),)
+
+    result, _, _ = emit_python_callback(ctx, host, None, [x, ids], ctx.avals_in, ctx.avals_out,
+                                        has_side_effect=False, returns_token=False)
+    return result
+
+
+mlir.register_lowering(onednn_mlp_p, _lower_onednn_mlp, platform="cpu", cacheable=False)
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # read only, never written

@@ -2,8 +2,9 @@
 qwen3_moe; DeepSeek-V2/V3's layers and params are deepseek.py's (the hooks below hand them over).
 
 Per-layer weights are stacked on a leading layer axis, so the layer loop is one `jax.lax.scan` and
-compile time does not grow with depth. The layers' linears call the `matmul` given at the edge
-(matmul.py: XLA's einsum by default, or oneDNN's on weights held outside JAX); matmuls run in the
+compile time does not grow with depth. The layers' linears, MLP and attention run the `Kernels` given at the
+edge as `matmul` (kernels.py: XLA's einsum and attention by default, or oneDNN's matmuls and fused MLP on
+weights held outside JAX with the host's attention; a bare `Matmul` is its matmul); matmuls run in the
 compute dtype with fp32 accumulation;
 norms, softmax and RoPE run in fp32. Shapes: B batch, S sequence, H hidden, V vocab, L layers,
 Hq/Hkv query/kv heads, G = Hq // Hkv, D head dim, I intermediate.
@@ -22,9 +23,10 @@ import numpy as np
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.model.rope import inv_freq
 from pdserve.server.model.weights import EXPERT_NAMES
-from pdserve.server.prefill.attention import NO_WINDOW, attention
+from pdserve.server.prefill.attention import NO_WINDOW
 from pdserve.server.prefill.deepseek import deepseek_layer_group, load_deepseek_params, split_deepseek_layers
 from pdserve.server.prefill.lora_rows import LayerLora, LoraRows, add_delta, one_layer
+from pdserve.server.prefill.kernels import Kernels, as_kernels
 from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.moe import moe_mlp
 from pdserve.server.prefill.quant import WEIGHT_FORMATS, dequantize, quantize_layers
@@ -192,7 +194,7 @@ class Packing(NamedTuple):
 
 
 def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing, x: jax.Array, p: Params,
-           context_k: jax.Array, context_v: jax.Array, matmul: Matmul = xla_matmul, lora: LayerLora | None = None):
+           context_k: jax.Array, context_v: jax.Array, kernels: Kernels = Kernels(), lora: LayerLora | None = None):
     """One decoder layer. x [B, S, H], context k, v [B, C, Hkv, D] -> (x [B, S, H], (k, v) [B, S, Hkv, D]).
     cos, sin [B, S, D], or [2, B, S, D] (global, local) for a model whose windowed layers have their own RoPE.
     lora: the tokens' LoRA adapters (lora_rows.py), whose deltas join the projections they target."""
@@ -201,10 +203,17 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     if "rope" in p:
         cos, sin = cos[p["rope"]], sin[p["rope"]]
     w = partial(dequantize, p, dtype=x.dtype)  # int8/fp8 weights -> the compute dtype, fused by XLA
+    matmul = kernels.matmul
     h = _rms_norm(x, p["attn_norm"], eps)
-    q = delta("q_proj", h, matmul("bsh,hnd->bsnd", h, w("wq")))  # [B, S, Hq, D]
-    k = delta("k_proj", h, matmul("bsh,hnd->bsnd", h, w("wk")))  # [B, S, Hkv, D]
-    v = delta("v_proj", h, matmul("bsh,hnd->bsnd", h, w("wv")))  # [B, S, Hkv, D]
+    if "wqkv" in p:  # q, k, v packed in one weight [H, Hq + 2 Hkv, D] (matmul.py's OnednnWeights)
+        qkv = matmul("bsh,hnd->bsnd", h, p["wqkv"])  # [B, S, Hq + 2 Hkv, D]
+        hq, hkv = config.num_heads, config.num_kv_heads
+        q, k, v = qkv[:, :, :hq], qkv[:, :, hq : hq + hkv], qkv[:, :, hq + hkv :]
+        q, k, v = delta("q_proj", h, q), delta("k_proj", h, k), delta("v_proj", h, v)
+    else:
+        q = delta("q_proj", h, matmul("bsh,hnd->bsnd", h, w("wq")))  # [B, S, Hq, D]
+        k = delta("k_proj", h, matmul("bsh,hnd->bsnd", h, w("wk")))  # [B, S, Hkv, D]
+        v = delta("v_proj", h, matmul("bsh,hnd->bsnd", h, w("wv")))  # [B, S, Hkv, D]
     if config.qkv_bias:
         q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
     if config.qk_norm:
@@ -214,7 +223,7 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     values = jnp.concatenate([context_v.astype(v.dtype), v], axis=1)
     key_pos = jnp.concatenate([packing.context_positions, packing.positions], axis=1)  # [B, C + S]
     key_seg = jnp.concatenate([packing.context_segments, packing.segments], axis=1)
-    out = attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg, p.get("window"),
+    out = kernels.attention(q, keys, values, packing.positions, packing.segments, key_pos, key_seg, p.get("window"),
                     own_keys_from=context_k.shape[1], scale=config.scale,
                     softcap=config.attn_softcap)  # [B, S, Hq, D]
     attn = delta("o_proj", out, matmul("bsnd,ndh->bsh", out, w("wo")))  # [B, S, H]
@@ -225,7 +234,13 @@ def _layer(config: ModelConfig, cos: jax.Array, sin: jax.Array, packing: Packing
     x = x + attn
     h = _rms_norm(x, p["mlp_norm"], eps)
     act = jax.nn.silu if config.hidden_act == "silu" else partial(jax.nn.gelu, approximate=True)
-    if config.moe is not None:
+    fused = None
+    if config.moe is None and kernels.mlp is not None and lora is None:
+        fused = kernels.mlp(h, p["w_gate"], p["w_up"], p["w_down"], "silu" if config.hidden_act == "silu" else
+                            "gelu_tanh")  # [B, S, H], or None where it cannot
+    if fused is not None:
+        mlp = fused
+    elif config.moe is not None:
         mlp = moe_mlp(h, w("router"), w("e_gate"), w("e_up"), w("e_down"), config.moe, act)  # [B, S, H]
     else:
         gate = delta("gate_proj", h, matmul("bsh,hi->bsi", h, w("w_gate")))  # [B, S, I]
@@ -242,7 +257,7 @@ def _no_context(config: ModelConfig, layers: int, batch: int, dtype) -> tuple[ja
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 
-def _hidden(params: Params, tokens: jax.Array, config: ModelConfig, matmul: Matmul = xla_matmul):
+def _hidden(params: Params, tokens: jax.Array, config: ModelConfig, matmul: Matmul | Kernels = xla_matmul):
     """tokens [B, S] -> (hidden [B, S, H] before the final norm, k, v [L, B, S, Hkv, D])."""
     b, s = tokens.shape
     packing = Packing.plain(b, s)
@@ -273,7 +288,8 @@ def embed(params: Params, tokens: jax.Array, positions: jax.Array, *, config: Mo
 
 def layer_group(
     layers: Params, x: jax.Array, cos: jax.Array, sin: jax.Array, packing: Packing, context_k: jax.Array,
-    context_v: jax.Array, lora: LoraRows | None = None, *, config: ModelConfig, matmul: Matmul = xla_matmul
+    context_v: jax.Array, lora: LoraRows | None = None, *, config: ModelConfig,
+    matmul: Matmul | Kernels = xla_matmul
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The layers of one group: their own weight stack [size, ...] (`split_layers`), x [B, S, H],
     context k, v [size, B, C, Hkv, D] -> (x, k, v [size, B, S, Hkv, D]) of the new tokens. lora: the group's LoRA
@@ -289,10 +305,11 @@ def layer_group(
     if config.mla is not None:
         return deepseek_layer_group(layers, x, cos, sin, packing, context_k, context_v, config=config)
 
+    kernels = as_kernels(matmul)
     if lora is None:
         def step(h: jax.Array, xs):
             p, ck, cv = xs
-            return _layer(config, cos, sin, packing, h, p, ck, cv, matmul)
+            return _layer(config, cos, sin, packing, h, p, ck, cv, kernels)
 
         x, (k, v) = jax.lax.scan(step, x, (layers, context_k, context_v))
         return x, k, v
@@ -300,7 +317,7 @@ def layer_group(
 
     def lora_step(h: jax.Array, xs):
         p, ck, cv, layer_stacks = xs
-        return _layer(config, cos, sin, packing, h, p, ck, cv, matmul, LayerLora(layer_stacks, onehot, active))
+        return _layer(config, cos, sin, packing, h, p, ck, cv, kernels, LayerLora(layer_stacks, onehot, active))
 
     x, (k, v) = jax.lax.scan(lora_step, x, (layers, context_k, context_v, stacks))
     return x, k, v
@@ -330,17 +347,29 @@ def group_sizes(num_layers: int, num_groups: int) -> list[tuple[int, int]]:
     return [(start, min(size, num_layers - start)) for start in range(0, num_layers, size)]
 
 
+HEAD_ROWS = 8
+"""On the CPU backend, the lm_head multiplies at least this many rows: XLA:CPU's bf16 dot of a few rows by the
+[V, H] head takes a matrix-vector path that reads the head as fp32 (~290 ms for Qwen2.5-0.5B's on one core),
+where 8 rows take its matrix-matrix one (~38 ms); the padded rows' logits are dropped."""
+
+
 def _logits(params: Params, x: jax.Array, config: ModelConfig) -> jax.Array:
     """x [..., H] -> f32 [..., V]."""
     h = _rms_norm(x, params["final_norm"], config.rms_norm_eps)
     head = params.get("lm_head", params["embed"])  # [V, H]
-    logits = jnp.einsum("...h,vh->...v", h, head, preferred_element_type=F32)
+    rows = h.shape[0] if h.ndim == 2 else 0
+    if 0 < rows < HEAD_ROWS and jax.default_backend() == "cpu":
+        padded = jnp.pad(h, ((0, HEAD_ROWS - rows), (0, 0)))  # [HEAD_ROWS, H]
+        logits = jnp.einsum("rh,vh->rv", padded, head, preferred_element_type=F32)[:rows]
+    else:
+        logits = jnp.einsum("...h,vh->...v", h, head, preferred_element_type=F32)
     cap = config.final_softcap
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 
 
 def prefill(
-    params: Params, tokens: jax.Array, lengths: jax.Array, *, config: ModelConfig, matmul: Matmul = xla_matmul
+    params: Params, tokens: jax.Array, lengths: jax.Array, *, config: ModelConfig,
+    matmul: Matmul | Kernels = xla_matmul
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """tokens int32[B, S] right-padded, lengths int32[B] -> (logits f32[B, V] at lengths-1, k, v).
 
@@ -353,7 +382,7 @@ def prefill(
     return _logits(params, x_last, config), k, v
 
 
-def make_prefill_fn(config: ModelConfig, matmul: Matmul = xla_matmul) -> Callable:
+def make_prefill_fn(config: ModelConfig, matmul: Matmul | Kernels = xla_matmul) -> Callable:
     """The jitted prefill, called as fn(params, tokens, lengths); one compile per (B, S) shape."""
     return jax.jit(partial(prefill, config=config, matmul=matmul))
 
@@ -374,7 +403,7 @@ def prompt_logprobs_head(
 
 
 def forward_logits(params: Params, tokens: jax.Array, *, config: ModelConfig,
-                   matmul: Matmul = xla_matmul) -> jax.Array:
+                   matmul: Matmul | Kernels = xla_matmul) -> jax.Array:
     """Logits f32[B, S, V] at every position (for tests and benchmarks)."""
     x, _, _ = _hidden(params, tokens, config, matmul)
     return _logits(params, x, config)

@@ -20,6 +20,7 @@ from pdserve.server import logprobs
 from pdserve.server.model.config import ModelConfig
 from pdserve.server.prefill.lora import PrefillLoras
 from pdserve.server.prefill.lora_rows import LoraRows
+from pdserve.server.prefill.kernels import Kernels
 from pdserve.server.prefill.matmul import Matmul, xla_matmul
 from pdserve.server.prefill.model import Packing, embed, head, layer_group, prompt_logprobs_head, split_layers
 from pdserve.server.prefill.quant import quantize_kv_masked
@@ -53,7 +54,7 @@ class StepOutputs:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params, groups: list[tuple[int, int]], max_batch_size: int,
-                 matmul: Matmul = xla_matmul, lora: PrefillLoras | None = None):
+                 matmul: Matmul | Kernels = xla_matmul, lora: PrefillLoras | None = None):
         """lora: the LoRA adapters' device slots (--enable-lora): every layer group's program then takes their
         stacks and each token's slot; None: the programs have no LoRA input at all."""
         self.model_config = model_config

@@ -10,7 +10,8 @@ import pytest
 from pdserve.server import cli
 from pdserve.server.model.config import load_config
 from pdserve.server.prefill.config import PrefillConfig
-from pdserve.server.prefill.matmul_choice import cache_key, choose, layer_shapes, runnable
+from pdserve.server.prefill.matmul_choice import (TOLERANCE, cache_key, choose, choose_attention, layer_shapes, measure,
+                                                  measure_attention, runnable)
 
 
 def test_which_paths_can_serve_which_weights():
@@ -105,3 +106,47 @@ def test_the_flag_on_pdserve_prefill_and_up(tiny_model):
     assert prefill.prefill_matmul == "xla-bf16"
     with pytest.raises(ValueError, match="--weight-dtype int8 has its own"):
         PrefillConfig(model_dir=model, prefill_matmul="xla-bf16", weight_dtype="int8")
+
+
+def test_the_real_probes_measure_every_path_exactly_enough(tiny_model):
+    """`measure` runs each path's layer as the model does (onednn-bf16: packed q/k/v, the fused MLP) and checks it
+    against fp64; `measure_attention` times XLA's and the host's attention on one causal prompt."""
+    from pdserve.server import hardware
+
+    config = load_config(tiny_model("llama", "bfloat16"))
+    paths = ["xla-fp32", "xla-bf16"] + (["onednn-bf16"] if hardware.torch_probe().onednn_bf16 else [])
+    results = measure(paths, layer_shapes(config), tokens=64, reps=1)
+    assert sorted(results) == sorted(paths)
+    assert results["xla-fp32"][1] <= TOLERANCE["float32"]
+    assert all(err <= TOLERANCE["bfloat16"] and seconds > 0 for seconds, err in results.values())
+    if "onednn-bf16" in paths:
+        attention = measure_attention(config, tokens=64, reps=1)
+        assert sorted(attention) == ["host", "xla"]
+        assert all(err <= TOLERANCE["bfloat16"] and seconds > 0 for seconds, err in attention.values())
+
+
+def test_attention_is_chosen_by_measurement_beside_onednn_and_cached(tiny_model, tmp_path):
+    config = load_config(tiny_model("llama", "bfloat16"))
+    cache, calls = tmp_path / "prefill-matmul.json", []
+
+    def timer(results):
+        return lambda c: calls.append(c.num_heads) or results
+
+    host_faster = timer({"xla": (0.030, 4e-3), "host": (0.010, 4e-3)})
+    choice = choose_attention("auto", "onednn-bf16", config, threads=1, cache=cache, timer=host_faster)
+    assert (choice.where, choice.timings) == ("host", {"xla": 0.030, "host": 0.010})
+    assert "xla 30.0 ms" in choice.why and "host 10.0 ms" in choice.why
+    again = choose_attention("auto", "onednn-bf16", config, threads=1, cache=cache, timer=host_faster)
+    assert again.where == "host" and "cached in" in again.why and calls == [4]
+    wrong = timer({"xla": (0.030, 4e-3), "host": (0.010, 0.5)})  # a host kernel off by half: passed over
+    assert choose_attention("auto", "onednn-bf16", config, threads=2, cache=cache, timer=wrong).where == "xla"
+    assert choose_attention("xla", "onednn-bf16", config, 1, cache, timer=wrong).describe() == \
+        "xla (forced by --prefill-attention)"
+    assert choose_attention("auto", "xla-bf16", config, 1, cache, timer=wrong).describe() == "xla (beside xla-bf16)"
+    with pytest.raises(ValueError, match="--prefill-attention host runs beside --prefill-matmul onednn-bf16"):
+        choose_attention("host", "xla-fp32", config, 1, cache, timer=wrong)
+    capped = load_config(tiny_model("gemma2", "bfloat16"))
+    assert choose_attention("host", "onednn-bf16", capped, 1, cache, timer=wrong).where == "xla"
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="--prefill-attention must be one of auto, xla, host"):
+        PrefillConfig(model_dir=tiny_model("llama", "bfloat16"), prefill_attention="gpu")

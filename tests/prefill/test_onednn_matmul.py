@@ -43,26 +43,38 @@ def test_the_contraction_of_each_spec_the_model_uses():
 
 
 @needs_onednn
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_onednn_logits_match_transformers_bf16_and_xla_bf16(tiny_model, family):
+@pytest.mark.parametrize("family,host_attention", [("llama", True), ("qwen2", True), ("qwen2", False), ("qwen3", True),
+                                                   ("mistral-windowed", True), ("gemma3", True)])
+def test_onednn_logits_match_transformers_bf16_and_xla_bf16(tiny_model, family, host_attention):
+    """Packed q/k/v (Qwen2's biases after it), the fused MLP (silu; Gemma's tanh gelu), the host's attention (sliding
+    windows that cut: the tiny Mistral's and Gemma 3's window is shorter than the prompt)."""
     path = tiny_model(family, "bfloat16")
     config = load_config(path)
     params = load_params(config, load_weights(path), dtype="bfloat16")
     bank = OnednnWeights(threads=1)
     held = dict(params, layers=bank.take(params["layers"]))
     assert isinstance(held["layers"]["w_up"], Resident) and held["layers"]["w_up"].ids.shape == (config.num_layers,)
+    hq, hkv = config.num_heads, config.num_kv_heads
+    assert held["layers"]["wqkv"].shape == (config.hidden_size, hq + 2 * hkv, config.head_dim)
+    assert not {"wq", "wk", "wv"} & set(held["layers"])
     assert bank.nbytes == sum(np.asarray(params["layers"][n]).size * 2 for n in
                               ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"))
-    ids = _ids(13, seed=5)
-    got = np.asarray(jax.jit(lambda p, t: forward_logits(p, t, config=config, matmul=bank.matmul))(
+    ids = _ids(13 if family in ("llama", "qwen2", "qwen3") else 40, seed=5)
+    if config.layer_windows:
+        assert min(w for w in config.layer_windows if w) < len(ids)
+    kernels = bank.kernels(host_attention=host_attention)
+    got = np.asarray(jax.jit(lambda p, t: forward_logits(p, t, config=config, matmul=kernels))(
         held, jnp.asarray(ids[None])))[0]
     xla = np.asarray(forward_logits(params, jnp.asarray(ids[None]), config=config))[0]
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         want = hf(torch.tensor(ids[None].astype(np.int64))).logits[0].float().numpy()
-    # bf16 operands, fp32 accumulation on both sides: as close as XLA's bf16 path is (test_model.py's bound)
-    assert np.abs(got - xla).max() < 0.02
-    assert np.abs(got - want).max() < 0.05
+    # bf16 operands, fp32 accumulation on every side: no further from XLA's bf16 path than bf16 rounding takes it
+    # from transformers (0.02 at 13 tokens, test_model.py's bound; 40 tokens through windows and gelu round more),
+    # and as close to transformers as XLA's bf16 path is
+    xla_off = np.abs(xla - want).max()
+    assert np.abs(got - xla).max() < max(0.02, xla_off)
+    assert np.abs(got - want).max() < max(0.05, 1.25 * xla_off)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
 
 
@@ -73,8 +85,9 @@ def test_a_served_onednn_engine_answers_as_the_xla_bf16_one(tiny_model, tmp_path
     settings = dict(model_dir=path, max_batch_size=1, max_model_len=64, compilation_cache="none")
     onednn = load_engine(PrefillConfig(prefill_matmul="onednn-bf16", **settings), progress=False)
     xla = load_engine(PrefillConfig(prefill_matmul="xla-bf16", **settings), progress=False)
-    assert isinstance(onednn.runner.group_layers[0]["wq"], Resident)
+    assert isinstance(onednn.runner.group_layers[0]["wqkv"], Resident)
     assert onednn.matmul_path == "onednn-bf16 (forced by --prefill-matmul)"
+    assert onednn.attention_path.split(" ")[0] in ("host", "xla") and "fastest measured" in onednn.attention_path
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     prompts = [_ids(11 + seed * 7, seed).tolist() for seed in range(3)]
 
@@ -90,6 +103,47 @@ def test_a_served_onednn_engine_answers_as_the_xla_bf16_one(tiny_model, tmp_path
         top2 = torch.topk(logits, 2).values
         if top2[0] - top2[1] > 0.05:  # a clear winner: every bf16 path must pick it
             assert got.first_token == want.first_token == int(logits.argmax())
+
+
+@needs_onednn
+@pytest.mark.parametrize("family", ["qwen2", "mistral-windowed"])
+def test_packed_and_chunked_prompts_on_the_host_attention_answer_as_xla_bf16(tiny_model, tmp_path, monkeypatch,
+                                                                            family):
+    """Several prompts packed into one step, and prompts longer than --max-prefill-chunk (each later chunk reads the
+    earlier chunks' KV as context keys), with the host's attention forced: the same first tokens and KV as the
+    xla-bf16 engine, whose attention is XLA's."""
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    path = tiny_model(family, "bfloat16")
+    settings = dict(model_dir=path, max_batch_size=4, max_model_len=64, max_prefill_chunk=16, compilation_cache="none")
+    onednn = load_engine(PrefillConfig(prefill_matmul="onednn-bf16", prefill_attention="host", **settings),
+                         progress=False)
+    xla = load_engine(PrefillConfig(prefill_matmul="xla-bf16", **settings), progress=False)
+    assert onednn.attention_path == "host (forced by --prefill-attention)"
+    prompts = [_ids(n, seed).tolist() for seed, n in enumerate((5, 9, 37, 12))]
+
+    async def together():  # submitted at once: packed into shared steps, the 37-token one in 3 chunks
+        return [await asyncio.gather(*(engine.submit(ids, GREEDY, 0, "bfloat16") for ids in prompts))
+                for engine in (onednn, xla)]
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    for ids, got, want in zip(prompts, *asyncio.run(together())):
+        assert got.k.shape == want.k.shape
+        np.testing.assert_allclose(np.asarray(got.k, np.float32), np.asarray(want.k, np.float32), atol=0.05)
+        np.testing.assert_allclose(np.asarray(got.v, np.float32), np.asarray(want.v, np.float32), atol=0.05)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        top2 = torch.topk(logits, 2).values
+        if top2[0] - top2[1] > 0.05:
+            assert got.first_token == want.first_token == int(logits.argmax())
+
+
+def test_host_attention_beside_xla_matmuls_is_refused(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    settings = dict(model_dir=tiny_model("llama", "bfloat16"), max_batch_size=1, max_model_len=64,
+                    compilation_cache="none")
+    with pytest.raises(ValueError, match="--prefill-attention host runs beside --prefill-matmul onednn-bf16.*pass "
+                                         "--prefill-attention auto or xla"):
+        load_engine(PrefillConfig(prefill_matmul="xla-bf16", prefill_attention="host", **settings), progress=False)
 
 
 def test_auto_on_an_fp32_checkpoint_stays_fp32_and_exact(tiny_model, tmp_path, monkeypatch):

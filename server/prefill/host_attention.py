@@ -1,0 +1,113 @@
+"""Attention on the host, for the CPU backend's onednn-bf16 path: torch's CPU flash attention
+(`scaled_dot_product_attention`, bf16 in, fp32 accumulation, oneDNN/AMX brgemm kernels), called from the jitted
+layer through one host callback per layer, with attention.py's rule unchanged:
+
+query i reads key j iff seg[i] == seg[j] and 0 <= pos[i] - pos[j] < window.
+
+On the host each row is cut by segment (a packed step's prompts, each with its context keys). A segment whose
+keys are its queries' own, at the same strictly increasing positions, with no window that cuts, is plain causal
+attention (`is_causal`, the kernel skipping the blocks above the diagonal); any other (context from earlier chunks
+or cached blocks, a sliding window that cuts, gaps) passes the rule as a boolean mask, queries in chunks of
+`MASK_QUERIES` so the mask stays small. Padding queries (segment < 0) read nothing here and get zeros: their rows
+are never read (attention.py's kernels compute them, from padding keys, for nothing). A soft-capped model
+(Gemma 2), or activations not in bf16, keep attention.py's.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax._src.callback import emit_python_callback
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from pdserve.server.prefill.attention import NO_WINDOW, attention
+
+MASK_QUERIES = 512
+"""Queries per call where the rule passes as a mask: its [512, K] bool bounds the memory at any context."""
+
+
+def host_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own_keys_from: int | None = None,
+                   scale: float | None = None, softcap: float | None = None):
+    """An `Attention` (kernels.py): attention.py's `attention` result, computed on the host where it can be."""
+    if softcap is not None or q.dtype != jnp.bfloat16 or jax.default_backend() != "cpu":
+        return attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window, own_keys_from=own_keys_from, scale=scale,
+                         softcap=softcap)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    w = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
+    as32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    return host_attention_p.bind(q, k.astype(q.dtype), v.astype(q.dtype), as32(q_pos), as32(q_seg), as32(k_pos),
+                                 as32(k_seg), w, scale=float(scale))
+
+
+def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, q_seg: np.ndarray, k_pos: np.ndarray,
+           k_seg: np.ndarray, window: int, scale: float) -> np.ndarray:
+    """On the host: q bf16 [B, S, Hq, D], k, v [B, K, Hkv, D], positions and segments int32 [B, S] / [B, K]
+    -> bf16 [B, S, Hq, D] by the rule above."""
+    import torch
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    as_torch = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)  # noqa: E731
+    qt, kt, vt = as_torch(q), as_torch(k), as_torch(v)
+    out = torch.zeros(qt.shape, dtype=torch.bfloat16)  # [B, S, Hq, D]
+    for b in range(q.shape[0]):
+        for seg in np.unique(q_seg[b]):
+            if seg < 0:
+                continue
+            qi, ki = _where(q_seg[b] == seg), _where(k_seg[b] == seg)
+            qp, kp = q_pos[b, qi], k_pos[b, ki]
+            qi, ki = (i if isinstance(i, slice) else torch.from_numpy(i) for i in (qi, ki))
+            qs = qt[b, qi].transpose(0, 1)[None]  # [1, Hq, n, D]
+            ks, vs = (x[b, ki].transpose(0, 1)[None] for x in (kt, vt))  # [1, Hkv, m, D]
+            if _plain_causal(qp, kp, window):
+                o = sdpa(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)  # [1, Hq, n, D]
+            else:
+                o = torch.cat([_masked(qs[:, :, i:i + MASK_QUERIES], ks, vs, qp[i:i + MASK_QUERIES], kp, window,
+                                       scale) for i in range(0, len(qp), MASK_QUERIES)], dim=2)
+            out[b, qi] = o[0].transpose(0, 1)
+    return out.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+
+
+def _where(selected: np.ndarray) -> slice | np.ndarray:
+    """The indexes of `selected`, as a slice where they are one run (a view, no gather)."""
+    idx = np.flatnonzero(selected)
+    return slice(int(idx[0]), int(idx[-1]) + 1) if idx[-1] - idx[0] + 1 == len(idx) else idx
+
+
+def _plain_causal(qp: np.ndarray, kp: np.ndarray, window: int) -> bool:
+    """Whether the rule is `is_causal`'s mask (key j visible to query i iff j <= i) for these positions."""
+    return (len(qp) == len(kp) and np.array_equal(qp, kp) and bool(np.all(np.diff(qp) > 0))
+            and int(qp[-1]) - int(kp[0]) < window)
+
+
+def _masked(qs, ks, vs, qp: np.ndarray, kp: np.ndarray, window: int, scale: float):
+    """qs [1, Hq, n, D] against ks, vs [1, Hkv, m, D] under the rule's mask [n, m]; a query reading nothing: zeros."""
+    import torch
+
+    behind = qp[:, None].astype(np.int64) - kp[None, :]  # [n, m]
+    mask = (behind >= 0) & (behind < window)
+    seen = mask.any(axis=1)
+    o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=torch.from_numpy(mask | ~seen[:, None]),
+                                                         scale=scale, enable_gqa=True)
+    if not seen.all():
+        o[:, :, torch.from_numpy(~seen)] = 0
+    return o
+
+
+host_attention_p = Primitive("pdserve_host_attention")
+"""q, k, v bf16, positions and segments int32, window int32 [] -> bf16 like q: `attend` (CPU backend only)."""
+host_attention_p.def_abstract_eval(lambda q, *args, scale: jax.core.ShapedArray(q.shape, q.dtype))
+
+
+def _lower_host_attention(ctx, *args, scale: float):
+    def host(q, k, v, q_pos, q_seg, k_pos, k_seg, window) -> tuple[np.ndarray]:
+        return (attend(q, k, v, q_pos, q_seg, k_pos, k_seg, int(window), scale),)
+
+    result, _, _ = emit_python_callback(ctx, host, None, list(args), ctx.avals_in, ctx.avals_out,
+                                        has_side_effect=False, returns_token=False)
+    return result
+
+
+mlir.register_lowering(host_attention_p, _lower_host_attention, platform="cpu", cacheable=False)
