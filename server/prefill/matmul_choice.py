@@ -284,14 +284,8 @@ def choose(requested: str, weight_dtype: str, config: ModelConfig, onednn_bf16: 
     if (hit := _read_cache(path).get(key)) is not None and hit.get("path") in paths:
         return MatmulChoice(hit["path"], f"{hit['why']}; cached in {path}", hit.get("timings", {}))
     results = timer(paths, shapes)
-    exact = {p: t for p, (t, err) in results.items() if err <= TOLERANCE[PATH_DTYPES[p]]}
-    if not exact:
-        raise RuntimeError(f"no prefill matmul path computed exactly enough here ({_shown(results)}); pass "
-                           f"--prefill-matmul xla-fp32 and report this machine")
-    best = min(exact, key=exact.__getitem__)
-    refused = [p for p in results if p not in exact]
-    why = f"fastest measured: {_shown(results)} for one layer's matmuls at {PROBE_TOKENS} tokens" + \
-        (f"; not exact enough: {', '.join(refused)}" if refused else "")
+    best, why = _fastest_exact(results, {p: TOLERANCE[PATH_DTYPES[p]] for p in results}, "one layer's matmuls",
+                               "matmul path", "--prefill-matmul xla-fp32")
     choice = MatmulChoice(best, why, {p: t for p, (t, _) in results.items()})
     _write_cache(path, key, choice)
     return choice
@@ -320,17 +314,25 @@ def choose_attention(requested: str, matmul_path: str, config: ModelConfig, thre
     if (hit := _read_cache(path).get(key)) is not None and hit.get("where") in ("xla", "host"):
         return AttentionChoice(hit["where"], f"{hit['why']}; cached in {path}", hit.get("timings", {}))
     results = timer(config)
-    exact = {p: t for p, (t, err) in results.items() if err <= TOLERANCE["bfloat16"]}
-    if not exact:
-        raise RuntimeError(f"no prefill attention computed exactly enough here ({_shown(results)}); pass "
-                           f"--prefill-matmul xla-fp32 and report this machine")
-    best = min(exact, key=exact.__getitem__)
-    refused = [p for p in results if p not in exact]
-    why = f"fastest measured: {_shown(results)} for one layer at {PROBE_TOKENS} tokens" + \
-        (f"; not exact enough: {', '.join(refused)}" if refused else "")
+    best, why = _fastest_exact(results, dict.fromkeys(results, TOLERANCE["bfloat16"]), "one layer",
+                               "attention", "--prefill-attention xla")
     choice = AttentionChoice(best, why, {p: t for p, (t, _) in results.items()})
     _write_cache(path, key, choice)
     return choice
+
+
+def _fastest_exact(results: dict[str, tuple[float, float]], tolerance: dict[str, float], what: str, kind: str,
+                   fallback: str) -> tuple[str, str]:
+    """The fastest of the measured paths whose error is within its tolerance, and the start-up line's why;
+    RuntimeError naming `fallback` (the flag to pass) when none is."""
+    exact = {p: t for p, (t, err) in results.items() if err <= tolerance[p]}
+    if not exact:
+        raise RuntimeError(f"no prefill {kind} computed exactly enough here ({_shown(results)}); pass {fallback} "
+                           f"and report this machine")
+    refused = [p for p in results if p not in exact]
+    why = f"fastest measured: {_shown(results)} for {what} at {PROBE_TOKENS} tokens" + \
+        (f"; not exact enough: {', '.join(refused)}" if refused else "")
+    return min(exact, key=exact.__getitem__), why
 
 
 def _shown(results: dict[str, tuple[float, float]]) -> str:

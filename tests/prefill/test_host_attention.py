@@ -9,13 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pdserve.server import hardware
 from pdserve.server.prefill.attention import attention, blockwise_attention, reference_attention
 from pdserve.server.prefill.host_attention import host_attention
-
-needs_torch = pytest.mark.skipif(not hardware.torch_probe().onednn_bf16,
-                                 reason="the host attention serves the onednn-bf16 path, which this CPU has not")
-
 
 def _qkv(b: int, s: int, k: int, hq: int = 4, hkv: int = 2, d: int = 16, seed: int = 0):
     rng = np.random.default_rng(seed)
@@ -34,14 +29,12 @@ def _check(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None):
     return got
 
 
-@needs_torch
 def test_one_causal_prompt():
     q, k, v = _qkv(1, 40, 40)
     pos = np.arange(40)[None]
     _check(q, k, v, pos, np.zeros((1, 40)), pos, np.zeros((1, 40)))
 
 
-@needs_torch
 def test_packed_prompts_with_padding_in_two_rows():
     # row 0: prompts of 5, 9 and 3 tokens, then 7 padding slots; row 1: one prompt of 12 tokens, 12 padding
     seg = np.array([[0] * 5 + [1] * 9 + [2] * 3 + [-1] * 7, [0] * 12 + [-1] * 12])
@@ -50,7 +43,6 @@ def test_packed_prompts_with_padding_in_two_rows():
     _check(q, k, v, pos, seg, pos, seg)
 
 
-@needs_torch
 def test_context_keys_before_the_chunk_and_a_packed_prompt_beside_it():
     # context: 20 cached keys of prompt 0 (positions 0..19) then 4 padding; new: prompt 0's next 6 tokens
     # (positions 20..25) and prompt 1's 5 first ones
@@ -60,7 +52,6 @@ def test_context_keys_before_the_chunk_and_a_packed_prompt_beside_it():
     _check(q, k, v, q_pos, q_seg, np.concatenate([c_pos, q_pos], 1), np.concatenate([c_seg, q_seg], 1))
 
 
-@needs_torch
 @pytest.mark.parametrize("window", [4, 1, 2**30])
 def test_a_sliding_window_with_and_without_context(window):
     pos = np.arange(30)[None]
@@ -71,7 +62,6 @@ def test_a_sliding_window_with_and_without_context(window):
     _check(q, k, v, q_pos, np.zeros((1, 12)), np.concatenate([c_pos, q_pos], 1), np.zeros((1, 30)), jnp.int32(window))
 
 
-@needs_torch
 def test_many_queries_with_context_pass_the_mask_in_chunks(monkeypatch):
     from pdserve.server.prefill import host_attention as module
 
@@ -81,7 +71,6 @@ def test_many_queries_with_context_pass_the_mask_in_chunks(monkeypatch):
     _check(q, k, v, q_pos, np.zeros((1, 20)), np.concatenate([c_pos, q_pos], 1), np.zeros((1, 30)), jnp.int32(6))
 
 
-@needs_torch
 def test_a_soft_capped_model_and_fp32_keep_xlas_attention():
     q, k, v = _qkv(1, 16, 16, seed=6)
     pos, seg = jnp.arange(16, dtype=jnp.int32)[None], jnp.zeros((1, 16), jnp.int32)
