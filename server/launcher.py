@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,10 +28,41 @@ from pdserve.server.cluster_metrics import Target
 log = logging.getLogger("pdserve.launcher")
 
 
+_handed_out: set[int] = set()
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, for a process this one is about to start.
+
+    Port 0's choice comes from the kernel's ephemeral range, where outgoing connections (every gRPC channel of
+    the processes already running) take their local ports too, and it may return the same port twice in a row:
+    a worker started a moment later could find its port taken and exit. So the port is drawn at random below that
+    range, never twice from one process, and checked free by binding it; port 0 is the fallback."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(10_000, low) if low > 11_000 else 0
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32_768
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pdserve.server.launcher import free_port
 from tests.deploy.manifests import KUSTOMIZATIONS, POD_IP, by_kind, option, processes, render
 
 LOCAL = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOCAL, 0))
-        return s.getsockname()[1]
 
 
 def localize(argv: list[str], ports: dict[int, int], registry: str, model: str) -> list[str]:

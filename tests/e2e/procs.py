@@ -109,6 +109,31 @@ class Procs:
             wait_until(lambda: state_of(coordinator, proc) == "ready", f"{name} ready in {coordinator.name}")
         return proc
 
+    def wait_ready(self, coordinator: Proc, count: int, timeout: float = 120.0) -> None:
+        """Until `coordinator` lists `count` workers, all ready. A worker that exits meanwhile fails at once, and a
+        timeout names each worker's state, both with the tail of the workers' logs (what to look at next)."""
+        states: list[str] = []
+
+        def ready() -> bool:
+            nonlocal states
+            self._raise_if_a_worker_exited()
+            states = [w.state for w in list_workers(coordinator)]
+            return states == ["ready"] * count
+
+        try:
+            wait_until(ready, f"{count} workers ready in {coordinator.name}", timeout)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; its workers: {states}\n{self._worker_log_tails()}") from None
+
+    def _raise_if_a_worker_exited(self) -> None:
+        for proc in self.procs.values():
+            if proc.role != "coordinator" and proc.popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.log.read_text()[-3000:]}")
+
+    def _worker_log_tails(self) -> str:
+        return "\n".join(f"--- {p.name} ({p.log}):\n{p.log.read_text()[-1500:]}"
+                         for p in self.procs.values() if p.role != "coordinator")
+
     def wait_serving(self, proc: Proc, timeout: float = 120.0) -> None:
         def serving() -> bool:
             if proc.popen.poll() is not None:

@@ -29,7 +29,7 @@ def cluster(tiny_model, tmp_path_factory):
             procs.worker(name, role, a, wait=False)
         for name in ("p0", "p1", "d0", "d1"):
             procs.wait_serving(procs.procs[name])
-        wait_until(lambda: [w.state for w in list_workers(a)] == ["ready"] * 4, "4 workers ready in coord-a")
+        procs.wait_ready(a, 4)
         p = procs.procs
         procs.coordinator("coord-b", "--max-migrations", "0", "--prefill", p["p0"].address, "--prefill",
                           p["p1"].address, "--decode", p["d0"].address, "--decode", p["d1"].address)

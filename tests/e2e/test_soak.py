@@ -25,7 +25,7 @@ def cluster(tiny_model, tmp_path_factory):
         coordinator = procs.coordinator()
         for name, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
             procs.worker(name, role, coordinator, wait=False)
-        wait_until(lambda: [w.state for w in list_workers(coordinator)] == ["ready"] * 3, "3 workers ready", 120)
+        procs.wait_ready(coordinator, 3)
         yield procs
     finally:
         procs.stop_all()

@@ -123,7 +123,7 @@ def test_a_speculating_decode_worker_killed_mid_stream_migrates_with_exact_token
             procs.worker(name, role, a, *(["--speculative-config", SPEC] if role == "decode" else []), wait=False)
         for name in ("p0", "d0", "d1"):
             procs.wait_serving(procs.procs[name])
-        wait_until(lambda: [w.state for w in list_workers(a)] == ["ready"] * 3, "3 workers ready")
+        procs.wait_ready(a, 3)
         prompts = [[(7 * i + 5 * j) % 500 + 3 for j in range(12 + 3 * i)] for i in range(4)]
         reqs = [request(p, 200) for p in prompts]
         for i in (0, 2):  # seeded sampled beside greedy

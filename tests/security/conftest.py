@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.server.launcher import free_port
 from pdserve.server.security import CLUSTER_SECRET_HEADER
-from tests.e2e.procs import Procs, list_workers, wait_until
+from tests.e2e.procs import Procs
 
 SECRET = "test-cluster-secret-0123456789abcdef"
 INTERNAL = ((CLUSTER_SECRET_HEADER, SECRET),)
@@ -27,7 +27,7 @@ def secured(tiny_model, tmp_path_factory):
         procs.worker("p0", "prefill", coordinator, wait=False)
         procs.worker("d0", "decode", coordinator, "--kv-cache-tokens", "4096")
         procs.worker("d1", "decode", coordinator, "--kv-cache-tokens", "4096")
-        wait_until(lambda: [w.state for w in list_workers(coordinator)] == ["ready"] * 3, "p0, d0, d1 ready")
+        procs.wait_ready(coordinator, 3)
         yield procs
     finally:
         procs.stop_all()
