@@ -69,10 +69,13 @@ def _init(tokenizer_json: str | None, vocab_size: int, eos_ids: tuple[int, ...])
 
 
 def _run(conn: Connection) -> None:
-    kind, *init = conn.recv()
-    assert kind == "init", kind
-    _init(*init)
-    conn.send(("ready", None))
+    try:
+        kind, *init = conn.recv()
+        assert kind == "init", kind
+        _init(*init)
+        conn.send(("ready", None))
+    except (EOFError, OSError):
+        return  # the parent stopped before the child was ready
     threading.stack_size(CHILD_STACK_BYTES)
     while True:
         try:
@@ -90,7 +93,10 @@ def _run(conn: Connection) -> None:
         thread = threading.Thread(target=job, name="grammar-job")
         thread.start()
         thread.join()
-        conn.send(answer[0])
+        try:
+            conn.send(answer[0])
+        except OSError:
+            return  # the parent is gone (it stopped, or gave up on this job and closed the socket)
 
 
 if __name__ == "__main__":
