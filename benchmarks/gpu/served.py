@@ -243,7 +243,8 @@ def run(out, device, *, dry_run: bool, row_type, log) -> None:
     prefill_args = [*common, "--prefix-cache-bytes", "0", "--max-batch-tokens", "4096" if not dry_run else "256"]
     decode_args = [*common, "--device", dev, "--max-running", "32" if not dry_run else "4", "--no-enable-prefix-caching",
                    *decode_memory]
-    work = Path(tempfile.mkdtemp(prefix="pdserve-served-logs-"))
+    work = out.path.parent / "served-logs"  # the workers' logs come back with the results (a failure names them)
+    work.mkdir(parents=True, exist_ok=True)
 
     # 1. parity: a tiny fp32 llama (the correctness stage's, when it ran: its checkpoint and its transformers
     # tokens on this device are read, not made again), greedy through the pair against transformers on the device
