@@ -8,29 +8,26 @@ of `Kernel.width` outputs (`pack`: [E, N, K] -> [E, N / width, K, width], each p
 kernel prefetches ahead of its loads), in place of the experts' own. It is single-threaded: `cpu_moe.prepare`
 measures it against the other paths at the worker's thread count.
 
-Built with `-O3` and the instruction set `hardware.cpu()` reports (so `PDSERVE_CPU_ISA` caps it too), into
-$PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels) under a name hashing the source, the flags and the
-compiler; a machine without a C compiler (`cc`, or $CC) gets the other paths, said at start-up.
+Built with `-O3` and the instruction set `hardware.cpu()` reports (so `PDSERVE_CPU_ISA` caps it too) by
+`native_build`: found prebuilt in $PDSERVE_PREBUILT_KERNELS (the decode image's), else compiled once into
+$PDSERVE_KERNEL_CACHE; a machine with neither a prebuilt library nor a C compiler (`cc`, or $CC) gets the other
+paths, said at start-up.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from pdserve.server import hardware
+from pdserve.server import hardware, native_build
+from pdserve.server.native_build import NativeSource
 
-SOURCE = Path(__file__).with_name("cpu_moe_kernel.c")
-CACHE_ENV = "PDSERVE_KERNEL_CACHE"
+CACHE_ENV = native_build.CACHE_ENV
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 """The expert weight dtypes it reads (the value: the kernel's bf16 flag)."""
 MAX_COPIES = 1024
@@ -38,42 +35,18 @@ MAX_COPIES = 1024
 local prefill) is cut into calls of this many."""
 
 
+SOURCE = NativeSource(Path(__file__).with_name("cpu_moe_kernel.c"))
+
+
 def isa_flags(cpu: hardware.Cpu) -> list[str]:
     """The compiler's target flags for this CPU, after PDSERVE_CPU_ISA's cap."""
-    if cpu.arch == "x86_64":
-        if cpu.avx512:
-            return ["-march=x86-64-v4", "-mprefer-vector-width=512"]
-        return ["-march=x86-64-v3"] if cpu.has("avx2", "fma") else []
-    return ["-mcpu=native"] if cpu.arch == "aarch64" else []
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
+    return SOURCE.variants(cpu)[0]
 
 
 def build(cpu: hardware.Cpu | None = None) -> Path:
-    """The kernel's shared library for this CPU, compiled once into the cache (reused while the source, flags and
-    compiler stay the same); RuntimeError naming what to do when it cannot be built."""
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')} not on PATH): install gcc or clang, or set "
-                           f"CC, for the fused CPU MoE step")
-    flags = ["-O3", *isa_flags(cpu or hardware.cpu()), "-fno-math-errno", "-fPIC", "-shared"]
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version]).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve" / "kernels")
-    target = cache / f"cpu_moe-{key}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / target.name
-        done = subprocess.run([cc, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                              timeout=120)
-        if done.returncode:
-            raise RuntimeError(f"{cc} could not build {SOURCE.name} ({' '.join(flags)}): {done.stderr.strip()[-400:]}")
-        os.replace(built, target)  # atomic: a concurrent start-up finds a whole file or none
-    return target
+    """The kernel's shared library for this CPU (prebuilt, or compiled once into the cache: `native_build`);
+    RuntimeError naming what to do when it cannot be had."""
+    return native_build.build(SOURCE, cpu)[0]
 
 
 @dataclass(frozen=True)
@@ -90,7 +63,7 @@ class Kernel:
 def load() -> Kernel | str:
     """The kernel, or why it is not here (once per process)."""
     try:
-        path = build()
+        path, how = native_build.build(SOURCE)
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         return str(e)
@@ -98,7 +71,7 @@ def load() -> Kernel | str:
     fn = lib.moe_experts
     fn.argtypes = [p, i, i, i, i, i, p, p, p, p, i, i, p, p]
     fn.restype = ctypes.c_int
-    return Kernel(fn, lib.moe_panel_width(), f"built by {_compiler()} for {hardware.cpu().family} ({path.name})")
+    return Kernel(fn, lib.moe_panel_width(), f"{how}, for {hardware.cpu().family}")
 
 
 def takes(hidden: int, expert_size: int, weight_dtype: torch.dtype, width: int) -> str | None:

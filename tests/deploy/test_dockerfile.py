@@ -129,3 +129,14 @@ def test_the_coordinator_image_needs_neither_jax_nor_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_decode_image_ships_its_c_kernels_prebuilt():
+    """The runtime stage has no compiler: the build stage prebuilds the fused CPU MoE kernel for every x86-64
+    level, and the decode image points the worker at them (server/native_build.py; tests/test_native_build.py
+    loads such a library with no compiler on PATH)."""
+    all_stages = stages()
+    run = " ".join(values(all_stages["venv-decode"], "RUN"))
+    assert "-m pdserve.server.native_build --prebuild /opt/pdserve/kernels" in run
+    env = " ".join(values(all_stages["decode"], "ENV"))
+    assert "PDSERVE_PREBUILT_KERNELS=/opt/pdserve/kernels" in env
