@@ -1,10 +1,10 @@
 """The C kernels pdserve loads with ctypes: built once per machine with its compiler, or found prebuilt.
 
-A kernel is a `NativeSource`: one C file and the instruction-set variants it may be built for (`variants(cpu)`,
+A kernel is a `NativeSource`: one C (or C++) file and the instruction-set variants it may be built for (`variants(cpu)`,
 the best this CPU runs first). `build` returns its shared library:
 1. prebuilt: `$PDSERVE_PREBUILT_KERNELS` (the images set it) holding a library for this source and one of the
    CPU's variants, so a container without a compiler still runs the kernel (the best variant found is taken);
-2. else compiled with `cc` (or `$CC`) for the best variant into `$PDSERVE_KERNEL_CACHE` (default
+2. else compiled with `cc` (or `$CC`; C++: `c++`, `$CXX`) for the best variant into `$PDSERVE_KERNEL_CACHE` (default
    ~/.cache/pdserve/kernels), under a name hashing the source, the flags and the compiler: reused while they stay;
 3. else RuntimeError saying what to install or set.
 
@@ -47,11 +47,20 @@ def x86_variants(cpu: hardware.Cpu) -> list[list[str]]:
     return out + ([["-march=x86-64-v3"]] if cpu.has("avx2", "fma") else []) + [[]]
 
 
+def portable(cpu: hardware.Cpu) -> list[list[str]]:
+    """One variant for every CPU: code whose speed is not in its loops (a dispatch shim)."""
+    return [[]]
+
+
 @dataclass(frozen=True)
 class NativeSource:
     path: Path
     variants: Callable[[hardware.Cpu], list[list[str]]] = x86_variants
     """Target flags this CPU may run the kernel built with, best first; the last one must be portable."""
+    cxx: bool = False
+    """C++ (`c++`, or $CXX), not C."""
+    extra: Callable[[], list[str]] = list
+    """More flags, asked for when building or naming (include directories, -D of the versions they belong to)."""
 
     @property
     def stem(self) -> str:
@@ -59,12 +68,15 @@ class NativeSource:
 
     def library_name(self, flags: list[str], compiler: str = "") -> str:
         """The library's file name: the source and flags hashed (and the compiler's version, for a local build)."""
-        text = "\0".join([self.path.read_text(), *COMMON_FLAGS, *flags, compiler])
+        text = "\0".join([self.path.read_text(), *COMMON_FLAGS, *flags, *self.extra(), compiler])
         return f"{self.stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
 
+    def compiler_name(self) -> str:
+        return os.environ.get("CXX", "c++") if self.cxx else os.environ.get("CC", "cc")
 
-def compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
+
+def compiler(source: NativeSource | None = None) -> str | None:
+    return shutil.which(source.compiler_name() if source else os.environ.get("CC", "cc"))
 
 
 def cache_dir() -> Path:
@@ -82,11 +94,12 @@ def build(source: NativeSource, cpu: hardware.Cpu | None = None) -> tuple[Path, 
             path = Path(prebuilt) / source.library_name(flags)
             if path.exists():
                 return path, f"prebuilt for {' '.join(flags) or 'the baseline'} ({path})"
-    cc = compiler()
+    cc = compiler(source)
     if cc is None:
         where = f"none in ${PREBUILT_ENV} ({prebuilt}) for this CPU" if prebuilt else f"${PREBUILT_ENV} unset"
-        raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')} not on PATH) and no prebuilt {source.stem} "
-                           f"({where}): install gcc or clang, or set CC, or prebuild with `python -m "
+        kind, tools, env = ("C++", "g++ or clang++", "CXX") if source.cxx else ("C", "gcc or clang", "CC")
+        raise RuntimeError(f"no {kind} compiler ({source.compiler_name()} not on PATH) and no prebuilt {source.stem} "
+                           f"({where}): install {tools}, or set {env}, or prebuild with `python -m "
                            f"pdserve.server.native_build --prebuild DIR` and set {PREBUILT_ENV}=DIR")
     flags = variants[0]
     target = cache_dir() / source.library_name(flags, _version(cc))
@@ -99,7 +112,7 @@ def compile_into(source: NativeSource, flags: list[str], cc: str, target: Path) 
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        cmd = [cc, *COMMON_FLAGS, *flags, "-o", str(built), str(source.path)]
+        cmd = [cc, *COMMON_FLAGS, *flags, *source.extra(), "-o", str(built), str(source.path)]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise RuntimeError(f"{cc} could not build {source.path.name} ({' '.join(flags)}): "
@@ -113,13 +126,14 @@ def _version(cc: str) -> str:
 
 def prebuild(out: Path, names: list[str] | None = None) -> list[Path]:
     """Every variant of the named kernels (all by default) this architecture runs, built into `out`."""
-    cc = compiler()
-    if cc is None:
-        raise SystemExit(f"--prebuild needs a C compiler ({os.environ.get('CC', 'cc')} not on PATH): install gcc")
     every = hardware.read_cpu("flags : avx2 fma avx512f avx512bw avx512vl avx512dq\n", hardware.cpu().arch, cap="")
     built = []
     for name in names or list(KERNELS):
         source: NativeSource = importlib.import_module(KERNELS[name]).SOURCE
+        cc = compiler(source)
+        if cc is None:
+            raise SystemExit(f"--prebuild {name} needs a compiler ({source.compiler_name()} not on PATH): install "
+                             f"build-essential")
         for flags in source.variants(every):
             if any("native" in f for f in flags):
                 continue

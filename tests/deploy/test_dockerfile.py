@@ -137,6 +137,6 @@ def test_the_decode_image_ships_its_c_kernels_prebuilt():
     loads such a library with no compiler on PATH)."""
     all_stages = stages()
     run = " ".join(values(all_stages["venv-decode"], "RUN"))
-    assert "-m pdserve.server.native_build --prebuild /opt/pdserve/kernels" in run
+    assert "-m pdserve.server.native_build --prebuild /opt/pdserve/kernels --kernel cpu_moe" in run
     env = " ".join(values(all_stages["decode"], "ENV"))
     assert "PDSERVE_PREBUILT_KERNELS=/opt/pdserve/kernels" in env
