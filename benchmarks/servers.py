@@ -65,9 +65,16 @@ class Server:
 
 
 def _spawn(
-    cmd: list[str], log: Path, cores: set[int] | None = None, env: dict | None = None
+    cmd: list[str], log: Path, cores: set[int] | None = None, env: dict | None = None, nice: int = 0
 ) -> subprocess.Popen:
-    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
+    """nice: added to the process's niceness (its threads yield the cores they share to the others)."""
+
+    def pin() -> None:
+        if cores:
+            os.sched_setaffinity(0, cores)
+        if nice:
+            os.nice(nice)
+
     return subprocess.Popen(
         cmd,
         stdout=open(log, "w"),
@@ -229,12 +236,15 @@ def pools_ready(address: str) -> bool:
 
 
 def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine: str = "native",
-                  max_model_len: int | None = None, decode_threads: int = 1, idle_prefill_threads: int = 0) -> Server:
+                  max_model_len: int | None = None, decode_threads: int = 1, idle_prefill_threads: int = 0,
+                  decode_nice: int = 0) -> Server:
     """pdserve: a JAX prefill worker (core 0), a decode worker (core 1) on the native or vLLM engine.
     max_model_len: both workers' --max-model-len (None: the model's; vLLM's systems get the benchmark's).
     decode_threads: 1 (the decode worker owns core 1), or 2: its torch threads on both cores, core 0 shared with
     the prefill worker (`pdserve-2t`, issue 43's steady-load measurement). idle_prefill_threads: the decode
-    worker's --threads-while-prefill-idle (2: both cores while no prompt prefills for it, `pdserve-adaptive`)."""
+    worker's --threads-while-prefill-idle (2: both cores while no prompt prefills for it, `pdserve-adaptive`).
+    decode_nice: the decode worker's niceness (10 with 2 threads: its thread on core 0 yields to a prefill,
+    `pdserve-2t-yield`)."""
     py = [sys.executable, "-m", "pdserve.server.cli"]
     if decode_engine == "vllm" and not VLLM.exists():
         raise SystemExit(f"{VLLM} is missing: run `make vllm-venv` first")
@@ -296,6 +306,7 @@ def start_pdserve(model: Path, dtype: str, out: Path, front: str, decode_engine:
             logs[1],
             decode_cores,
             dict(env, PDSERVE_PROCESS="decode", VLLM_CPU_OMP_THREADS_BIND="1" if most == 1 else "0-1"),
+            decode_nice,
         ),
     ]
     coord = [
@@ -361,6 +372,9 @@ def start_system(system: str, model: Path, args, out: Path) -> Server:
         return start_pdserve(model, args.dtype, out, args.pdserve_front, decode_engine="vllm", max_model_len=length)
     if system == "pdserve-2t":  # the decode worker's torch threads on both cores (core 0 shared with prefill)
         return start_pdserve(model, args.dtype, out, args.pdserve_front, max_model_len=length, decode_threads=2)
+    if system == "pdserve-2t-yield":  # pdserve-2t with the decode worker niced: a prefill takes core 0 when it runs
+        return start_pdserve(model, args.dtype, out, args.pdserve_front, max_model_len=length, decode_threads=2,
+                             decode_nice=10)
     if system == "pdserve-adaptive":  # 1 decode thread while a prompt prefills for it, both cores while none does
         return start_pdserve(model, args.dtype, out, args.pdserve_front, max_model_len=length, idle_prefill_threads=2)
     return start_pdserve(model, args.dtype, out, args.pdserve_front, max_model_len=length)

@@ -35,6 +35,9 @@ The systems (2 cores):
   coordinator`), driven through the coordinator's OpenAI HTTP front like vLLM (--pdserve-front grpc: gRPC).
 - `pdserve-2t`: the same with the decode worker's torch threads on both cores (2 threads, core 0 shared with
   the prefill worker): what the decode tier gains in steady load, and what sharing costs its ITL in longbursts.
+- `pdserve-2t-yield`: `pdserve-2t` with the decode worker at niceness 10: while a prompt prefills, core 0 goes to
+  the prefill worker (its TTFT as on a core of its own) and the decode step waits for it, as a colocated engine's
+  step waits for a prefill chunk; the rest of the time decode has both cores.
 - `pdserve-adaptive`: the decode worker on both cores with --threads 1 --threads-while-prefill-idle 2: two
   threads for a step while no prompt prefills for it, one (leaving core 0 to the prefill worker) while one does.
 """
@@ -236,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-SYSTEMS = ["vllm", "vllm-1core", "vllm-pd", "pdserve", "pdserve-vllm", "pdserve-2t", "pdserve-adaptive"]
+SYSTEMS = ["vllm", "vllm-1core", "vllm-pd", "pdserve", "pdserve-vllm", "pdserve-2t", "pdserve-2t-yield",
+           "pdserve-adaptive"]
 
 
 def main(argv: list[str] | None = None) -> int:
