@@ -1,0 +1,177 @@
+"""The prefill's calls to the host from a jitted program (the CPU backend's onednn-bf16 path), as one named XLA FFI
+target, so the compiled program can be kept in JAX's persistent compilation cache.
+
+A host call is `call(name, param, args, out_avals)`: an op registered here by name (`register`: fn(inputs,
+outputs, param) writing its results into `outputs`, torch tensors over XLA's own buffers) and a string parameter.
+The program names the target "pdserve_host_call" with the attribute op = "name param", never a Python object: a
+Python callback's address in the program (jax's `emit_python_callback`) keeps JAX from caching it, so a bf16
+prefill worker compiled every start-up program at every start (~85 s on the 0.5B model).
+
+The target's handler (host_call.cc) is built once per machine with the C++ compiler (`c++`, or $CXX) against
+jaxlib's FFI headers into $PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels), under a name hashing the source,
+jaxlib's version and the compiler; at load it is given a function (ctypes) that runs the op in Python, on the
+buffers in place (no copy either way). Where it cannot be built the calls lower to Python callbacks as before
+(`load` says why, logged once): the same ops, and programs compiled at every start.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax._src.callback import emit_python_callback
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+log = logging.getLogger("pdserve.prefill")
+
+TARGET = "pdserve_host_call"
+SOURCE = Path(__file__).with_name("host_call.cc")
+CACHE_ENV = "PDSERVE_KERNEL_CACHE"
+Op = Callable[[list, list, str], None]
+"""fn(inputs, outputs, param): torch tensors over the call's argument and result buffers; writes every output."""
+OPS: dict[str, Op] = {}
+
+_XLA_DTYPES = {1: "bool", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "uint8", 10: "float16", 11: "float32",
+               12: "float64", 16: "bfloat16"}
+"""XLA's element type numbers (ffi::DataType) -> torch dtype names."""
+
+
+def register(name: str, fn: Op) -> None:
+    """Registers op `name` (no spaces) for `call`."""
+    if " " in name:
+        raise ValueError(f"host call op names hold no spaces: {name!r}")
+    OPS[name] = fn
+
+
+host_call_p = Primitive("pdserve_host_call")
+"""*args -> the results of op `name` with `param` on the host, shapes given by `out_avals` (CPU backend only)."""
+host_call_p.multiple_results = True
+host_call_p.def_abstract_eval(lambda *args, name, param, out_avals: list(out_avals))
+
+
+def call(name: str, param: str, args: Sequence[jax.Array], out_avals: Sequence[jax.core.ShapedArray]) -> list:
+    """The results of op `name` (`register`) on `args`, computed on the host from inside a jitted program."""
+    return host_call_p.bind(*args, name=name, param=param, out_avals=tuple(out_avals))
+
+
+def _lower(ctx, *args, name: str, param: str, out_avals):
+    if (why := load()) is None:
+        return jax.ffi.ffi_lowering(TARGET)(ctx, *args, op=f"{name} {param}")
+
+    def host(*arrays: np.ndarray) -> tuple[np.ndarray, ...]:
+        import torch
+
+        outputs = tuple(np.empty(a.shape, a.dtype) for a in ctx.avals_out)
+        as_torch = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(_int_like(a.dtype))).view(  # noqa: E731
+            getattr(torch, str(a.dtype)))
+        OPS[name]([as_torch(a) for a in arrays], [as_torch(a) for a in outputs], param)
+        return outputs
+
+    del why  # logged once by load()
+    result, _, _ = emit_python_callback(ctx, host, None, list(args), ctx.avals_in, ctx.avals_out,
+                                        has_side_effect=False, returns_token=False)
+    return result
+
+
+mlir.register_lowering(host_call_p, _lower, platform="cpu", cacheable=False)  # (the callback fallback is not)
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # the fallback's inputs: read only
+
+
+def _int_like(dtype: np.dtype) -> np.dtype:
+    """A numpy dtype torch.from_numpy takes, of dtype's width (bf16 has none in numpy's set torch reads)."""
+    return np.dtype(f"int{dtype.itemsize * 8}") if dtype.kind == "V" or str(dtype) == "bfloat16" else dtype
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
+def build() -> Path:
+    """The handler's shared library, compiled once into the cache; RuntimeError naming what to do when it cannot be."""
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH): install g++ or clang++, "
+                           f"or set CXX")
+    import jaxlib
+
+    flags = ["-O2", "-std=c++17", "-fPIC", "-shared", f"-I{jax.ffi.include_dir()}"]
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version, jaxlib.__version__]).encode()).hexdigest()
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve" / "kernels")
+    target = cache / f"host_call-{key[:16]}.so"
+    if target.exists():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run([cxx, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode:
+            raise RuntimeError(f"{cxx} could not build {SOURCE.name}: {done.stderr.strip()[-400:]}")
+        os.replace(built, target)  # atomic: a concurrent start-up finds a whole file or none
+    return target
+
+
+_HOST_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                            ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_void_p,
+                            ctypes.c_int64)
+
+
+def _run(op: int, op_len: int, n_args: int, count: int, buffers, meta, error: int, error_len: int) -> int:
+    """The handler's host function: runs the op on the call's buffers; 0, or 1 with the error written."""
+    try:
+        name, _, param = ctypes.string_at(op, op_len).decode().partition(" ")
+        tensors, at = [], 0
+        for i in range(count):
+            dtype, rank = meta[at], meta[at + 1]
+            shape = tuple(meta[at + 2 : at + 2 + rank])
+            at += 2 + rank
+            tensors.append(_tensor(buffers[i], _XLA_DTYPES[dtype], shape))
+        OPS[name](tensors[:n_args], tensors[n_args:], param)
+        return 0
+    except Exception as e:  # noqa: BLE001 -- reported through XLA, which raises it in the caller
+        message = f"{type(e).__name__}: {e}".encode()[:error_len]
+        ctypes.memmove(error, message, len(message))
+        return 1
+
+
+def _tensor(pointer: int | None, dtype: str, shape: tuple[int, ...]):
+    """A torch tensor over `pointer`'s buffer, in place."""
+    import torch
+
+    t = getattr(torch, dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=t).element_size()
+    if nbytes == 0 or not pointer:
+        return torch.empty(shape, dtype=t)
+    return torch.frombuffer((ctypes.c_byte * nbytes).from_address(pointer), dtype=t).view(shape)
+
+
+_host_fn = _HOST_FN(_run)  # kept alive for the process: the handler holds its address
+
+
+@functools.cache
+def load() -> str | None:
+    """Registers the FFI target (once per process); None, or why the host calls fall back to Python callbacks."""
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        why = f"the host calls' FFI handler is not built here ({e}): they run as Python callbacks, and the prefill's " \
+              f"programs that call the host compile at every start (not kept in the compilation cache)"
+        log.warning("%s", why)
+        return why
+    lib.pdserve_set_host_fn.argtypes = [_HOST_FN]
+    lib.pdserve_set_host_fn(_host_fn)
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.pdserve_host_call), platform="cpu")
+    return None
