@@ -1,6 +1,6 @@
 """Attention on the host, for the CPU backend's onednn-bf16 path: torch's CPU flash attention
 (`scaled_dot_product_attention`, bf16 in, fp32 accumulation, oneDNN/AMX brgemm kernels), called from the jitted
-layer through one host callback per layer, with attention.py's rule unchanged:
+layer through one host call per layer (host_call.py), with attention.py's rule unchanged:
 
 query i reads key j iff seg[i] == seg[j] and 0 <= pos[i] - pos[j] < window.
 

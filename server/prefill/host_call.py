@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import logging
 import os
 import shutil
@@ -138,7 +139,7 @@ def _run(op: int, op_len: int, n_args: int, count: int, buffers, meta, error: in
             dtype, rank = meta[at], meta[at + 1]
             shape = tuple(meta[at + 2 : at + 2 + rank])
             at += 2 + rank
-            tensors.append(_tensor(buffers[i], _XLA_DTYPES[dtype], shape))
+            tensors.append(_tensor(buffers[i], dtype, shape))
         OPS[name](tensors[:n_args], tensors[n_args:], param)
         return 0
     except Exception as e:  # noqa: BLE001 -- reported through XLA, which raises it in the caller
@@ -147,15 +148,28 @@ def _run(op: int, op_len: int, n_args: int, count: int, buffers, meta, error: in
         return 1
 
 
-def _tensor(pointer: int | None, dtype: str, shape: tuple[int, ...]):
-    """A torch tensor over `pointer`'s buffer, in place."""
+def _tensor(pointer: int | None, xla_dtype: int, shape: tuple[int, ...]):
+    """A torch tensor over `pointer`'s buffer of XLA element type `xla_dtype`, in place."""
+    dtype, width = _torch_dtype(xla_dtype)
+    nbytes = math.prod(shape) * width
+    if nbytes == 0 or not pointer:
+        return _torch().empty(shape, dtype=dtype)
+    return _torch().frombuffer((ctypes.c_byte * nbytes).from_address(pointer), dtype=dtype).view(shape)
+
+
+@functools.cache
+def _torch_dtype(xla_dtype: int) -> tuple:
+    """(torch dtype, its width in bytes) of XLA's element type number; KeyError for one no op takes."""
+    torch = _torch()
+    dtype = getattr(torch, _XLA_DTYPES[xla_dtype])
+    return dtype, torch.empty((), dtype=dtype).element_size()
+
+
+@functools.cache
+def _torch():
     import torch
 
-    t = getattr(torch, dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=t).element_size()
-    if nbytes == 0 or not pointer:
-        return torch.empty(shape, dtype=t)
-    return torch.frombuffer((ctypes.c_byte * nbytes).from_address(pointer), dtype=t).view(shape)
+    return torch
 
 
 _host_fn = _HOST_FN(_run)  # kept alive for the process: the handler holds its address

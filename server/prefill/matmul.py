@@ -10,8 +10,8 @@ x's dtype, accumulated in fp32.
   fp32 accumulation). The layers' dense weights live on the torch side, prepacked once into oneDNN's
   blocked layout (`OnednnWeights.take`); the params keep only a `Resident` handle per weight (its
   per-layer ids, so `lax.scan` and layer groups slice it as any weight), and the jitted program passes
-  only activations to the host: one `onednn_linear` primitive per matmul, lowered to a host callback
-  whose output shape is static. Fewer, larger calls: q, k and v are held as one packed weight `wqkv`
+  only activations and ids to the host: one `onednn_linear` host call per matmul (host_call.py: a named FFI
+  target, the buffers in place), whose output shape is static. Fewer, larger calls: q, k and v are held as one packed weight `wqkv`
   [H, Hq + 2 Hkv, D] (one linear, split in XLA), and the MLP is one host call (`OnednnWeights.mlp`:
   gate with the activation fused, up with the product fused, down; oneDNN post-ops), so a layer crosses
   to the host 3 times instead of 7 and the [T, I] intermediates never leave it.
