@@ -1,6 +1,7 @@
 """Attention on the host, for the CPU backend's onednn-bf16 path: torch's CPU flash attention
 (`scaled_dot_product_attention`, bf16 in, fp32 accumulation, oneDNN/AMX brgemm kernels), called from the jitted
-layer through one host call per layer (host_call.py), with attention.py's rule unchanged:
+layer through one call per layer (onednn_native.py's target, its C++ twin of `attend`; host_call.py's, running
+`attend`, where that library is not built), with attention.py's rule unchanged:
 
 query i reads key j iff seg[i] == seg[j] and 0 <= pos[i] - pos[j] < window.
 
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdserve.server.prefill import host_call
+from pdserve.server.prefill import host_call, onednn_native
 from pdserve.server.prefill.attention import NO_WINDOW, attention
 
 MASK_QUERIES = 512
@@ -36,8 +37,11 @@ def host_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own_keys
     w = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
     as32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     args = [q, k.astype(q.dtype), v.astype(q.dtype), as32(q_pos), as32(q_seg), as32(k_pos), as32(k_seg), w]
-    out, = host_call.call("attention", repr(float(scale)), args, [jax.core.ShapedArray(q.shape, q.dtype)])
-    return out
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if isinstance(onednn_native.load(), onednn_native.Native):  # the same rule in C++ (onednn_native.cc), no GIL
+        return onednn_native.call("pdserve_host_attention", args, out, scale=float(scale),
+                                  mask_queries=np.int64(MASK_QUERIES))
+    return host_call.call("attention", repr(float(scale)), args, [out])[0]
 
 
 def attend(inputs: list, outputs: list, scale: str) -> None:

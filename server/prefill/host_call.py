@@ -7,10 +7,10 @@ The program names the target "pdserve_host_call" with the attribute op = "name p
 Python callback's address in the program (jax's `emit_python_callback`) keeps JAX from caching it, so a bf16
 prefill worker compiled every start-up program at every start (~85 s on the 0.5B model).
 
-The target's handler (host_call.cc) is built once per machine with the C++ compiler (`c++`, or $CXX) against
-jaxlib's FFI headers into $PDSERVE_KERNEL_CACHE (default ~/.cache/pdserve/kernels), under a name hashing the source,
-jaxlib's version and the compiler; at load it is given a function (ctypes) that runs the op in Python, on the
-buffers in place (no copy either way). Where it cannot be built the calls lower to Python callbacks as before
+The target's handler (host_call.cc) is built once per machine (native_build.py); at load it is given a function
+(ctypes) that runs the op in Python, on the buffers in place (no copy either way). Beside oneDNN the prefill calls
+onednn_native.py's targets instead, which run without Python (no GIL on the call path); these ops are their
+fallback where torch's C++ library cannot be built against. Where it cannot be built the calls lower to Python callbacks as before
 (`load` says why, logged once): the same ops, and programs compiled at every start.
 """
 
@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import math
 import logging
-import os
-import shutil
+import math
 import subprocess
-import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,11 +31,12 @@ from jax._src.callback import emit_python_callback
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from pdserve.server.prefill import native_build
+
 log = logging.getLogger("pdserve.prefill")
 
 TARGET = "pdserve_host_call"
 SOURCE = Path(__file__).with_name("host_call.cc")
-CACHE_ENV = "PDSERVE_KERNEL_CACHE"
 Op = Callable[[list, list, str], None]
 """fn(inputs, outputs, param): torch tensors over the call's argument and result buffers; writes every output."""
 OPS: dict[str, Op] = {}
@@ -62,9 +59,11 @@ host_call_p.multiple_results = True
 host_call_p.def_abstract_eval(lambda *args, name, param, out_avals: list(out_avals))
 
 
-def call(name: str, param: str, args: Sequence[jax.Array], out_avals: Sequence[jax.core.ShapedArray]) -> list:
-    """The results of op `name` (`register`) on `args`, computed on the host from inside a jitted program."""
-    return host_call_p.bind(*args, name=name, param=param, out_avals=tuple(out_avals))
+def call(name: str, param: str, args: Sequence[jax.Array], out: Sequence[jax.ShapeDtypeStruct]) -> list:
+    """The results (shapes and dtypes `out`) of op `name` (`register`) on `args`, computed on the host from inside a
+    jitted program."""
+    avals = tuple(jax.core.ShapedArray(o.shape, o.dtype) for o in out)
+    return host_call_p.bind(*args, name=name, param=param, out_avals=avals)
 
 
 def _lower(ctx, *args, name: str, param: str, out_avals):
@@ -93,36 +92,6 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 def _int_like(dtype: np.dtype) -> np.dtype:
     """A numpy dtype torch.from_numpy takes, of dtype's width (bf16 has none in numpy's set torch reads)."""
     return np.dtype(f"int{dtype.itemsize * 8}") if dtype.kind == "V" or str(dtype) == "bfloat16" else dtype
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++"))
-
-
-def build() -> Path:
-    """The handler's shared library, compiled once into the cache; RuntimeError naming what to do when it cannot be."""
-    cxx = _compiler()
-    if cxx is None:
-        raise RuntimeError(f"no C++ compiler ({os.environ.get('CXX', 'c++')} not on PATH): install g++ or clang++, "
-                           f"or set CXX")
-    import jaxlib
-
-    flags = ["-O2", "-std=c++17", "-fPIC", "-shared", f"-I{jax.ffi.include_dir()}"]
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *flags, version, jaxlib.__version__]).encode()).hexdigest()
-    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "pdserve" / "kernels")
-    target = cache / f"host_call-{key[:16]}.so"
-    if target.exists():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        built = Path(tmp) / target.name
-        done = subprocess.run([cxx, *flags, "-o", str(built), str(SOURCE)], capture_output=True, text=True,
-                              timeout=300)
-        if done.returncode:
-            raise RuntimeError(f"{cxx} could not build {SOURCE.name}: {done.stderr.strip()[-400:]}")
-        os.replace(built, target)  # atomic: a concurrent start-up finds a whole file or none
-    return target
 
 
 _HOST_FN = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -179,7 +148,7 @@ _host_fn = _HOST_FN(_run)  # kept alive for the process: the handler holds its a
 def load() -> str | None:
     """Registers the FFI target (once per process); None, or why the host calls fall back to Python callbacks."""
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = ctypes.CDLL(str(native_build.build(SOURCE)))
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         why = f"the host calls' FFI handler is not built here ({e}): they run as Python callbacks, and the prefill's " \
               f"programs that call the host compile at every start (not kept in the compilation cache)"

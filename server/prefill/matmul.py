@@ -10,8 +10,9 @@ x's dtype, accumulated in fp32.
   fp32 accumulation). The layers' dense weights live on the torch side, prepacked once into oneDNN's
   blocked layout (`OnednnWeights.take`); the params keep only a `Resident` handle per weight (its
   per-layer ids, so `lax.scan` and layer groups slice it as any weight), and the jitted program passes
-  only activations and ids to the host: one `onednn_linear` host call per matmul (host_call.py: a named FFI
-  target, the buffers in place), whose output shape is static. Fewer, larger calls: q, k and v are held as one packed weight `wqkv`
+  only activations and ids to the host: one `pdserve_onednn_linear` call per matmul, whose output shape is
+  static (onednn_native.py: a named XLA FFI target calling torch's C++ ops on the buffers in place, no Python;
+  where that library cannot be built, host_call.py's target runs the same ops in Python). Fewer, larger calls: q, k and v are held as one packed weight `wqkv`
   [H, Hq + 2 Hkv, D] (one linear, split in XLA), and the MLP is one host call (`OnednnWeights.mlp`:
   gate with the activation fused, up with the product fused, down; oneDNN post-ops), so a layer crosses
   to the host 3 times instead of 7 and the [T, I] intermediates never leave it.
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pdserve.server.prefill import host_call
+from pdserve.server.prefill import host_call, onednn_native
 
 F32 = jnp.float32
 Matmul = Callable[[str, jax.Array, jax.Array], jax.Array]
@@ -68,28 +69,39 @@ def contraction(spec: str, x_ndim: int, w_ndim: int) -> int:
 
 
 PACKED: list = []
-"""The process's prepacked weights ([N, K] bf16 in oneDNN's blocked layout), indexed by a `Resident`'s ids: the
-programs pass ids, never a bank, so a compiled program is the same in every process (host_call.py)."""
+"""The prepacked weights ([N, K] bf16 in oneDNN's blocked layout) of the Python ops (host_call.py's, where
+onednn_native.py's library is not built), indexed by a `Resident`'s ids: the programs pass ids, never a bank, so a
+compiled program is the same in every process."""
 
 
-def _release(ids: list[int]) -> None:
-    for i in ids:
-        PACKED[i] = None
+def _release(native, ids: list[int]) -> None:
+    if isinstance(native, onednn_native.Native):
+        native.release(ids)
+    else:
+        for i in ids:
+            PACKED[i] = None
 
 
 class OnednnWeights:
     """The prefill's dense layer weights prepacked for oneDNN's bf16 linear (torch), one per (weight, layer), held
-    in `PACKED` while the bank lives."""
+    while the bank lives: on the C++ side (onednn_native.py: the calls take no GIL), or where that library is not
+    built, in `PACKED` for the same ops in Python (host_call.py)."""
 
     def __init__(self, threads: int | None = None):
         import torch
 
         self._torch = torch
+        self.native = onednn_native.load()
+        """onednn_native.Native, or why the calls go through Python."""
         self.ids: list[int] = []
         self.nbytes = 0
-        weakref.finalize(self, _release, self.ids)
+        weakref.finalize(self, _release, self.native, self.ids)
         if threads:
             torch.set_num_threads(threads)
+
+    @property
+    def without_python(self) -> bool:
+        return isinstance(self.native, onednn_native.Native)
 
     def take(self, layers: dict[str, jax.Array]) -> dict:
         """The layer params with each dense weight [L, ...] moved here (bf16) and a `Resident` in its place;
@@ -111,9 +123,12 @@ class OnednnWeights:
         for w in stack:
             k2d = w.reshape(int(np.prod(w.shape[:k])), -1)  # [K, N]
             dense = torch.from_numpy(np.ascontiguousarray(k2d.T, np.float32)).to(torch.bfloat16)  # [N, K]
-            PACKED.append(torch.ops.mkldnn._reorder_linear_weight(dense, None))
+            if self.without_python:
+                ids.append(self.native.hold(dense))
+            else:
+                PACKED.append(torch.ops.mkldnn._reorder_linear_weight(dense, None))
+                ids.append(len(PACKED) - 1)
             self.nbytes += dense.numel() * 2
-            ids.append(len(PACKED) - 1)
         self.ids.extend(ids)
         return Resident(jnp.asarray(ids, jnp.int32), tuple(stack.shape[1:]))
 
@@ -126,7 +141,11 @@ class OnednnWeights:
             return None
         ids = jnp.stack([w.ids for w in weights])  # [3] (per layer, inside the scan)
         x2d = h.reshape(-1, h.shape[-1])  # [T, H]
-        y, = host_call.call("onednn_mlp", act, [x2d, ids], [jax.core.ShapedArray(x2d.shape, x2d.dtype)])  # [T, H]
+        out = jax.ShapeDtypeStruct(x2d.shape, x2d.dtype)  # [T, H]
+        if self.without_python:
+            y = onednn_native.call("pdserve_onednn_mlp", [x2d, ids], out, act=act)
+        else:
+            y, = host_call.call("onednn_mlp", act, [x2d, ids], [out])
         return y.reshape(h.shape)
 
     def kernels(self, host_attention: bool = False):
@@ -147,7 +166,11 @@ class OnednnWeights:
         n_shape = w.shape[k:]
         x2d = x.reshape(-1, int(np.prod(x.shape[-k:])))  # [T, K]
         n = int(np.prod(n_shape))
-        y, = host_call.call("onednn_linear", "", [x2d, w.ids], [jax.core.ShapedArray((x2d.shape[0], n), x.dtype)])
+        out = jax.ShapeDtypeStruct((x2d.shape[0], n), x.dtype)  # [T, N]
+        if self.without_python:
+            y = onednn_native.call("pdserve_onednn_linear", [x2d, w.ids], out)
+        else:
+            y, = host_call.call("onednn_linear", "", [x2d, w.ids], [out])
         return y.reshape(*x.shape[:-k], *n_shape)
 
 

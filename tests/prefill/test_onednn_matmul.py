@@ -22,6 +22,7 @@ from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.main import load_engine
+from pdserve.server.prefill import onednn_native
 from pdserve.server.prefill.matmul import OnednnWeights, Resident, contraction
 from pdserve.server.prefill.model import forward_logits, load_params
 
@@ -43,15 +44,20 @@ def test_the_contraction_of_each_spec_the_model_uses():
 
 
 @needs_onednn
-@pytest.mark.parametrize("family,host_attention", [("llama", True), ("qwen2", True), ("qwen2", False), ("qwen3", True),
-                                                   ("mistral-windowed", True), ("gemma3", True)])
-def test_onednn_logits_match_transformers_bf16_and_xla_bf16(tiny_model, family, host_attention):
+@pytest.mark.parametrize("family,host_attention,native", [
+    ("llama", True, True), ("qwen2", True, True), ("qwen2", False, True), ("qwen3", True, True),
+    ("mistral-windowed", True, True), ("gemma3", True, True), ("qwen2", True, False), ("gemma3", True, False)])
+def test_onednn_logits_match_transformers_bf16_and_xla_bf16(tiny_model, monkeypatch, family, host_attention, native):
     """Packed q/k/v (Qwen2's biases after it), the fused MLP (silu; Gemma's tanh gelu), the host's attention (sliding
-    windows that cut: the tiny Mistral's and Gemma 3's window is shorter than the prompt)."""
+    windows that cut: the tiny Mistral's and Gemma 3's window is shorter than the prompt); called from C++
+    (onednn_native.py), or `native` False, through Python (host_call.py) as where that library is not built."""
+    if not native:
+        monkeypatch.setattr(onednn_native, "load", lambda: "as where the library is not built")
     path = tiny_model(family, "bfloat16")
     config = load_config(path)
     params = load_params(config, load_weights(path), dtype="bfloat16")
     bank = OnednnWeights(threads=1)
+    assert bank.without_python == native
     held = dict(params, layers=bank.take(params["layers"]))
     assert isinstance(held["layers"]["w_up"], Resident) and held["layers"]["w_up"].ids.shape == (config.num_layers,)
     hq, hkv = config.num_heads, config.num_kv_heads
@@ -76,6 +82,19 @@ def test_onednn_logits_match_transformers_bf16_and_xla_bf16(tiny_model, family, 
     assert np.abs(got - xla).max() < max(0.02, xla_off)
     assert np.abs(got - want).max() < max(0.05, 1.25 * xla_off)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+
+
+@needs_onednn
+def test_a_released_banks_weights_are_never_read():
+    bank = OnednnWeights(threads=1)
+    assert bank.without_python, onednn_native.load()
+    w = bank.hold(np.ones((1, 8, 4), np.float32), 1)  # one layer's [K 8, N 4]
+    x = jnp.ones((1, 3, 8), jnp.bfloat16)
+    matmul = jax.jit(lambda x, ids: bank.matmul("bsh,hn->bsn", x, Resident(ids, w.shape)))
+    assert np.asarray(matmul(x, w.ids[0]), np.float32).tolist() == [[[8.0] * 4] * 3]
+    del bank
+    with pytest.raises(Exception, match="weight .* is not held here"):
+        jax.block_until_ready(matmul(x, w.ids[0]))
 
 
 @needs_onednn
