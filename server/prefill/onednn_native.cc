@@ -21,6 +21,7 @@
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -31,7 +32,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-std::mutex weights_mutex;  // held while the store grows (at load); the calls read it
+std::shared_mutex weights_mutex;  // held to change the store (at load, at a bank's release); shared to read it
 std::vector<at::Tensor> weights;
 
 at::ScalarType TorchType(ffi::DataType t) {
@@ -53,7 +54,8 @@ c10::OperatorHandle Op(const char* name, const char* overload) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
 }
 
-const at::Tensor& Weight(int64_t id) {
+at::Tensor Weight(int64_t id) {
+  std::shared_lock<std::shared_mutex> lock(weights_mutex);
   if (id < 0 || id >= static_cast<int64_t>(weights.size()) || !weights[id].defined()) {
     throw std::out_of_range("weight " + std::to_string(id) + " is not held here (released, or never held)");
   }
@@ -203,7 +205,7 @@ int64_t pdserve_hold_weight(const void* data, int64_t n, int64_t k, char* error,
     static const c10::OperatorHandle op = Op("mkldnn::_reorder_linear_weight", "");
     std::vector<c10::IValue> stack{dense, c10::IValue()};
     op.callBoxed(&stack);
-    std::lock_guard<std::mutex> lock(weights_mutex);
+    std::unique_lock<std::shared_mutex> lock(weights_mutex);
     weights.push_back(stack[0].toTensor());
     return static_cast<int64_t>(weights.size()) - 1;
   } catch (const std::exception& e) {
@@ -213,7 +215,7 @@ int64_t pdserve_hold_weight(const void* data, int64_t n, int64_t k, char* error,
 }
 
 void pdserve_release_weight(int64_t id) {
-  std::lock_guard<std::mutex> lock(weights_mutex);
+  std::unique_lock<std::shared_mutex> lock(weights_mutex);
   if (id >= 0 && id < static_cast<int64_t>(weights.size())) weights[id] = at::Tensor();
 }
 

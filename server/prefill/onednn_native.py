@@ -64,9 +64,7 @@ def _flags() -> tuple[list[str], list[str]]:
 @functools.cache
 def load() -> Native | str:
     """The targets registered (once per process), or why not (logged once: the ops then run through Python)."""
-    try:
-        import torch  # noqa: F401  (its libraries loaded before ours, which link against them)
-
+    try:  # (_flags imports torch: its libraries are loaded before ours, which link against them)
         lib = ctypes.CDLL(str(native_build.build(SOURCE, *_flags())))
     except (ImportError, RuntimeError, OSError, subprocess.SubprocessError) as e:
         why = f"the oneDNN host calls run through Python (under the GIL): {SOURCE.name} is not built here ({e})"
