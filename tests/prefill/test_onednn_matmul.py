@@ -225,3 +225,45 @@ def test_an_avx2_only_machine_measures_the_xla_paths_and_refuses_onednn(tiny_mod
     assert found["path"].split(" ")[0] in ("xla-fp32", "xla-bf16") and "fastest measured" in found["path"]
     assert found["timed"] == [["xla-bf16", "xla-fp32"]]
     assert found["cached"] == [found["path"].split(" ")[0]]
+
+
+NO_COMPILER = r"""
+import asyncio, json, logging, sys
+import numpy as np
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.main import load_engine
+from pdserve.server.prefill import host_call, onednn_native
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+engine = load_engine(PrefillConfig(model_dir=sys.argv[1], max_batch_size=1, max_model_len=64, compilation_cache="none",
+                                   prefill_matmul="onednn-bf16", prefill_attention="host"), progress=False)
+ids = np.random.default_rng(3).integers(3, 200, 21).tolist()
+done = asyncio.run(engine.submit(ids, gen_pb.SamplingParams(max_tokens=1, temperature=0.0), 0, "bfloat16"))
+print(json.dumps({"token": done.first_token, "native": onednn_native.load(), "host_call": host_call.load()}))
+"""
+
+
+@needs_onednn
+def test_without_a_cxx_compiler_the_onednn_engine_calls_through_python_and_answers_the_same(tiny_model, tmp_path):
+    """No C++ compiler (and no built library): the host calls run as Python callbacks, the start-up says why, and
+    the engine's first token is the C++ path's."""
+    path = tiny_model("qwen2", "bfloat16")
+    done = subprocess.run([sys.executable, "-c", NO_COMPILER, str(path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-c++"),
+                               "PDSERVE_KERNEL_CACHE": str(tmp_path / "kernels")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    python = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "no C++ compiler" in python["native"] and "no C++ compiler" in python["host_call"]
+    assert "run through Python (under the GIL)" in done.stderr and "compile at every start" in done.stderr
+    config = load_config(path)
+    params = load_params(config, load_weights(path), dtype="bfloat16")
+    bank = OnednnWeights(threads=1)
+    assert bank.without_python, onednn_native.load()
+    held = dict(params, layers=bank.take(params["layers"]))
+    ids = np.random.default_rng(3).integers(3, 200, 21)
+    logits = np.asarray(forward_logits(held, jnp.asarray(ids[None]), config=config,
+                                       matmul=bank.kernels(host_attention=True)))[0, -1]
+    top2 = np.sort(logits)[-2:]
+    assert python["token"] in np.argsort(logits)[-2:].tolist()
+    if top2[1] - top2[0] > 0.05:  # a clear winner: both paths must pick it
+        assert python["token"] == int(logits.argmax())
