@@ -7,7 +7,8 @@ program compiled before it returns, as `--compile-before-serving all`) with its 
 directory shared by the starts, and reports its seconds (wall and CPU), the matmul path chosen, and JAX's
 compilation events: programs compiled by XLA and programs read from the cache (a program calling a Python
 callback is compiled at every start: JAX does not write it to the cache). The first start fills the cache; a second
-start whose programs all come from the cache compiles nothing. Run it with main's PYTHONPATH for the same figures of main.
+start whose programs all come from the cache compiles nothing. Run it with another checkout's PYTHONPATH (its path,
+`python benchmarks/engine/prefill_startup.py`) for that code's figures.
 """
 
 from __future__ import annotations

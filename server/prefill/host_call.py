@@ -1,17 +1,18 @@
 """The prefill's calls to the host from a jitted program (the CPU backend's onednn-bf16 path), as one named XLA FFI
 target, so the compiled program can be kept in JAX's persistent compilation cache.
 
-A host call is `call(name, param, args, out_avals)`: an op registered here by name (`register`: fn(inputs,
-outputs, param) writing its results into `outputs`, torch tensors over XLA's own buffers) and a string parameter.
-The program names the target "pdserve_host_call" with the attribute op = "name param", never a Python object: a
-Python callback's address in the program (jax's `emit_python_callback`) keeps JAX from caching it, so a bf16
-prefill worker compiled every start-up program at every start (~85 s on the 0.5B model).
+A host call is `call(name, param, args, out)`: an op registered here by name (`register`: fn(inputs, outputs,
+param) writing its results into `outputs`, torch tensors over XLA's own buffers) and a string parameter. The
+program names the target "pdserve_host_call" with the attribute op = "name param", never a Python object: a Python
+callback's address in the program (jax's `emit_python_callback`) keeps JAX from caching it, so a bf16 prefill
+worker compiled its host-calling programs at every start.
 
 The target's handler (host_call.cc) is built once per machine (native_build.py); at load it is given a function
-(ctypes) that runs the op in Python, on the buffers in place (no copy either way). Beside oneDNN the prefill calls
-onednn_native.py's targets instead, which run without Python (no GIL on the call path); these ops are their
-fallback where torch's C++ library cannot be built against. Where it cannot be built the calls lower to Python callbacks as before
-(`load` says why, logged once): the same ops, and programs compiled at every start.
+(ctypes) that runs the op in Python, on the buffers in place (no copy either way). The onednn-bf16 prefill calls
+onednn_native.py's targets instead, which run without Python (no GIL on the call path): these ops are their
+fallback where torch's C++ library cannot be built against. Where this handler cannot be built either (no C++
+compiler), the calls lower to Python callbacks as before (`load` says why, logged once): the same ops, and
+programs compiled at every start.
 """
 
 from __future__ import annotations

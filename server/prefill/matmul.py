@@ -12,8 +12,9 @@ x's dtype, accumulated in fp32.
   per-layer ids, so `lax.scan` and layer groups slice it as any weight), and the jitted program passes
   only activations and ids to the host: one `pdserve_onednn_linear` call per matmul, whose output shape is
   static (onednn_native.py: a named XLA FFI target calling torch's C++ ops on the buffers in place, no Python;
-  where that library cannot be built, host_call.py's target runs the same ops in Python). Fewer, larger calls: q, k and v are held as one packed weight `wqkv`
-  [H, Hq + 2 Hkv, D] (one linear, split in XLA), and the MLP is one host call (`OnednnWeights.mlp`:
+  where that library cannot be built, host_call.py's target runs the same ops in Python). Fewer, larger
+  calls: q, k and v are held as one packed weight `wqkv` [H, Hq + 2 Hkv, D] (one linear, split in XLA), and
+  the MLP is one host call (`OnednnWeights.mlp`:
   gate with the activation fused, up with the product fused, down; oneDNN post-ops), so a layer crosses
   to the host 3 times instead of 7 and the [T, I] intermediates never leave it.
 """

@@ -222,7 +222,8 @@ void pdserve_release_weight(int64_t id) {
 }  // extern "C"
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pdserve_onednn_linear, LinearCall,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>());
+                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(pdserve_onednn_mlp, MlpCall,
                               ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>()
                                   .Attr<std::string_view>("act"));
