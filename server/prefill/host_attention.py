@@ -1,6 +1,7 @@
 """Attention on the host, for the CPU backend's onednn-bf16 path: torch's CPU flash attention
 (`scaled_dot_product_attention`, bf16 in, fp32 accumulation, oneDNN/AMX brgemm kernels), called from the jitted
-layer through one host callback per layer, with attention.py's rule unchanged:
+layer through one call per layer (onednn_native.py's target, its C++ twin of `attend`; host_call.py's, running
+`attend`, where that library is not built), with attention.py's rule unchanged:
 
 query i reads key j iff seg[i] == seg[j] and 0 <= pos[i] - pos[j] < window.
 
@@ -17,12 +18,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from jax._src.callback import emit_python_callback
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
 
+from pdserve.server.prefill import host_call, onednn_native
 from pdserve.server.prefill.attention import NO_WINDOW, attention
 
 MASK_QUERIES = 512
@@ -38,21 +36,25 @@ def host_attention(q, k, v, q_pos, q_seg, k_pos, k_seg, window=None, *, own_keys
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     w = jnp.asarray(NO_WINDOW if window is None else window, jnp.int32)
     as32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    return host_attention_p.bind(q, k.astype(q.dtype), v.astype(q.dtype), as32(q_pos), as32(q_seg), as32(k_pos),
-                                 as32(k_seg), w, scale=float(scale))
+    args = [q, k.astype(q.dtype), v.astype(q.dtype), as32(q_pos), as32(q_seg), as32(k_pos), as32(k_seg), w]
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    if isinstance(onednn_native.load(), onednn_native.Native):  # the same rule in C++ (onednn_native.cc), no GIL
+        return onednn_native.call("pdserve_host_attention", args, out, scale=float(scale),
+                                  mask_queries=np.int64(MASK_QUERIES))
+    return host_call.call("attention", repr(float(scale)), args, [out])[0]
 
 
-def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, q_seg: np.ndarray, k_pos: np.ndarray,
-           k_seg: np.ndarray, window: int, scale: float) -> np.ndarray:
-    """On the host: q bf16 [B, S, Hq, D], k, v [B, K, Hkv, D], positions and segments int32 [B, S] / [B, K]
-    -> bf16 [B, S, Hq, D] by the rule above."""
+def attend(inputs: list, outputs: list, scale: str) -> None:
+    """On the host: q bf16 [B, S, Hq, D], k, v [B, K, Hkv, D], positions and segments int32 [B, S] / [B, K], window
+    int32 [] -> out bf16 [B, S, Hq, D] by the rule above (torch tensors over the call's buffers)."""
     import torch
 
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    as_torch = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)  # noqa: E731
-    qt, kt, vt = as_torch(q), as_torch(k), as_torch(v)
-    out = torch.zeros(qt.shape, dtype=torch.bfloat16)  # [B, S, Hq, D]
-    for b in range(q.shape[0]):
+    (qt, kt, vt, q_pos, q_seg, k_pos, k_seg, window), (out,) = inputs, outputs
+    q_pos, q_seg, k_pos, k_seg = (a.numpy() for a in (q_pos, q_seg, k_pos, k_seg))
+    window, scale = int(window), float(scale)
+    out.zero_()
+    for b in range(qt.shape[0]):
         for seg in np.unique(q_seg[b]):
             if seg < 0:
                 continue
@@ -67,7 +69,6 @@ def attend(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, q_seg
                 o = torch.cat([_masked(qs[:, :, i:i + MASK_QUERIES], ks, vs, qp[i:i + MASK_QUERIES], kp, window,
                                        scale) for i in range(0, len(qp), MASK_QUERIES)], dim=2)
             out[b, qi] = o[0].transpose(0, 1)
-    return out.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
 
 def _where(selected: np.ndarray) -> slice | np.ndarray:
@@ -96,18 +97,4 @@ def _masked(qs, ks, vs, qp: np.ndarray, kp: np.ndarray, window: int, scale: floa
     return o
 
 
-host_attention_p = Primitive("pdserve_host_attention")
-"""q, k, v bf16, positions and segments int32, window int32 [] -> bf16 like q: `attend` (CPU backend only)."""
-host_attention_p.def_abstract_eval(lambda q, *args, scale: jax.core.ShapedArray(q.shape, q.dtype))
-
-
-def _lower_host_attention(ctx, *args, scale: float):
-    def host(q, k, v, q_pos, q_seg, k_pos, k_seg, window) -> tuple[np.ndarray]:
-        return (attend(q, k, v, q_pos, q_seg, k_pos, k_seg, int(window), scale),)
-
-    result, _, _ = emit_python_callback(ctx, host, None, list(args), ctx.avals_in, ctx.avals_out,
-                                        has_side_effect=False, returns_token=False)
-    return result
-
-
-mlir.register_lowering(host_attention_p, _lower_host_attention, platform="cpu", cacheable=False)
+host_call.register("attention", attend)

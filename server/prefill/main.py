@@ -178,7 +178,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
         where = choose_attention(config.prefill_attention, choice.path, model_config, cores())
         log.info("prefill attention: %s (chosen in %.1f s)", where.describe(), time.perf_counter() - t1)
         matmul, held = bank.kernels(host_attention=where.where == "host"), \
-            f" + {bank.nbytes / 2**20:.1f} MiB prepacked for oneDNN"
+            f" + {bank.nbytes / 2**20:.1f} MiB prepacked for oneDNN, called " + \
+            ("from C++ (onednn_native)" if bank.without_python else "through Python (host_call)")
     elif config.prefill_attention == "host":
         raise ValueError(f"--prefill-attention host runs beside --prefill-matmul onednn-bf16, and this worker's "
                          f"matmuls are {choice.path if choice else 'XLA'}: pass --prefill-attention auto or xla")

@@ -10,26 +10,26 @@ x's dtype, accumulated in fp32.
   fp32 accumulation). The layers' dense weights live on the torch side, prepacked once into oneDNN's
   blocked layout (`OnednnWeights.take`); the params keep only a `Resident` handle per weight (its
   per-layer ids, so `lax.scan` and layer groups slice it as any weight), and the jitted program passes
-  only activations to the host: one `onednn_linear` primitive per matmul, lowered to a host callback
-  whose output shape is static. Fewer, larger calls: q, k and v are held as one packed weight `wqkv`
-  [H, Hq + 2 Hkv, D] (one linear, split in XLA), and the MLP is one host call (`OnednnWeights.mlp`:
+  only activations and ids to the host: one `pdserve_onednn_linear` call per matmul, whose output shape is
+  static (onednn_native.py: a named XLA FFI target calling torch's C++ ops on the buffers in place, no Python;
+  where that library cannot be built, host_call.py's target runs the same ops in Python). Fewer, larger
+  calls: q, k and v are held as one packed weight `wqkv` [H, Hq + 2 Hkv, D] (one linear, split in XLA), and
+  the MLP is one host call (`OnednnWeights.mlp`:
   gate with the activation fused, up with the product fused, down; oneDNN post-ops), so a layer crosses
   to the host 3 times instead of 7 and the [T, I] intermediates never leave it.
 """
 
 from __future__ import annotations
 
-import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
-from jax._src.callback import emit_python_callback
-from jax.extend.core import Primitive
-from jax.interpreters import mlir
+
+from pdserve.server.prefill import host_call, onednn_native
 
 F32 = jnp.float32
 Matmul = Callable[[str, jax.Array, jax.Array], jax.Array]
@@ -69,18 +69,40 @@ def contraction(spec: str, x_ndim: int, w_ndim: int) -> int:
     return k
 
 
+PACKED: list = []
+"""The prepacked weights ([N, K] bf16 in oneDNN's blocked layout) of the Python ops (host_call.py's, where
+onednn_native.py's library is not built), indexed by a `Resident`'s ids: the programs pass ids, never a bank, so a
+compiled program is the same in every process."""
+
+
+def _release(native, ids: list[int]) -> None:
+    if isinstance(native, onednn_native.Native):
+        native.release(ids)
+    else:
+        for i in ids:
+            PACKED[i] = None
+
+
 class OnednnWeights:
-    """The prefill's dense layer weights prepacked for oneDNN's bf16 linear (torch), one per (weight, layer)."""
+    """The prefill's dense layer weights prepacked for oneDNN's bf16 linear (torch), one per (weight, layer), held
+    while the bank lives: on the C++ side (onednn_native.py: the calls take no GIL), or where that library is not
+    built, in `PACKED` for the same ops in Python (host_call.py)."""
 
     def __init__(self, threads: int | None = None):
         import torch
 
         self._torch = torch
-        self.packed: list = []
-        """[N, K] bf16 weights in oneDNN's blocked layout, indexed by a Resident's ids."""
+        self.native = onednn_native.load()
+        """onednn_native.Native, or why the calls go through Python."""
+        self.ids: list[int] = []
         self.nbytes = 0
+        weakref.finalize(self, _release, self.native, self.ids)
         if threads:
             torch.set_num_threads(threads)
+
+    @property
+    def without_python(self) -> bool:
+        return isinstance(self.native, onednn_native.Native)
 
     def take(self, layers: dict[str, jax.Array]) -> dict:
         """The layer params with each dense weight [L, ...] moved here (bf16) and a `Resident` in its place;
@@ -102,30 +124,14 @@ class OnednnWeights:
         for w in stack:
             k2d = w.reshape(int(np.prod(w.shape[:k])), -1)  # [K, N]
             dense = torch.from_numpy(np.ascontiguousarray(k2d.T, np.float32)).to(torch.bfloat16)  # [N, K]
-            self.packed.append(torch.ops.mkldnn._reorder_linear_weight(dense, None))
+            if self.without_python:
+                ids.append(self.native.hold(dense))
+            else:
+                PACKED.append(torch.ops.mkldnn._reorder_linear_weight(dense, None))
+                ids.append(len(PACKED) - 1)
             self.nbytes += dense.numel() * 2
-            ids.append(len(self.packed) - 1)
+        self.ids.extend(ids)
         return Resident(jnp.asarray(ids, jnp.int32), tuple(stack.shape[1:]))
-
-    def linear(self, x: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """On the host: x bf16 [T, K] @ weight `index` -> bf16 [T, N] (oneDNN, fp32 accumulation)."""
-        torch = self._torch
-        xt = torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
-        y = torch.ops.mkldnn._linear_pointwise(xt, self.packed[int(index)], None, "none", [], "")
-        return y.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-
-    def mlp_host(self, x: np.ndarray, ids: np.ndarray, act: str) -> np.ndarray:
-        """On the host: down(act(x @ gate) * (x @ up)) for x bf16 [T, H], ids int32 [3] (gate, up, down)
-        -> bf16 [T, H]; the activation and the product fused into the linears (oneDNN post-ops)."""
-        torch = self._torch
-        linear = torch.ops.mkldnn._linear_pointwise
-        xt = torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
-        gate_id, up_id, down_id = (int(i) for i in ids)
-        attr, algorithm = POST_OPS[act]
-        gate = linear(xt, self.packed[gate_id], None, attr, [], algorithm)  # [T, I]
-        hidden = linear.binary(xt, gate, self.packed[up_id], None, "mul")  # [T, I]
-        y = linear(hidden, self.packed[down_id], None, "none", [], "")  # [T, H]
-        return y.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
 
     def mlp(self, h: jax.Array, w_gate, w_up, w_down, act: str) -> jax.Array:
         """A `FusedMlp`: h [B, S, H] -> down(act(h @ gate) * (h @ up)) [B, S, H] in one host call, for
@@ -136,7 +142,11 @@ class OnednnWeights:
             return None
         ids = jnp.stack([w.ids for w in weights])  # [3] (per layer, inside the scan)
         x2d = h.reshape(-1, h.shape[-1])  # [T, H]
-        y = onednn_mlp_p.bind(x2d, ids, bank=self, act=act)  # [T, H]
+        out = jax.ShapeDtypeStruct(x2d.shape, x2d.dtype)  # [T, H]
+        if self.without_python:
+            y = onednn_native.call("pdserve_onednn_mlp", [x2d, ids], out, act=act)
+        else:
+            y, = host_call.call("onednn_mlp", act, [x2d, ids], [out])
         return y.reshape(h.shape)
 
     def kernels(self, host_attention: bool = False):
@@ -156,7 +166,12 @@ class OnednnWeights:
         k = contraction(spec, x.ndim, len(w.shape))
         n_shape = w.shape[k:]
         x2d = x.reshape(-1, int(np.prod(x.shape[-k:])))  # [T, K]
-        y = onednn_linear_p.bind(x2d, w.ids, bank=self, n=int(np.prod(n_shape)))  # [T, N]
+        n = int(np.prod(n_shape))
+        out = jax.ShapeDtypeStruct((x2d.shape[0], n), x.dtype)  # [T, N]
+        if self.without_python:
+            y = onednn_native.call("pdserve_onednn_linear", [x2d, w.ids], out)
+        else:
+            y, = host_call.call("onednn_linear", "", [x2d, w.ids], [out])
         return y.reshape(*x.shape[:-k], *n_shape)
 
 
@@ -166,37 +181,27 @@ POST_OPS = {"silu": ("swish", ""), "gelu_tanh": ("gelu", "tanh")}
 CONTRACTED_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 """Each dense weight's contracted leading axes (of one layer's weight), as prefill.quant's CONTRACTED."""
 
-onednn_linear_p = Primitive("pdserve_onednn_linear")
-"""x bf16 [T, K], index int32 [] -> bf16 [T, N]: weight `index` of `bank`, on the host (CPU backend only)."""
-onednn_linear_p.def_abstract_eval(lambda x, index, *, bank, n: jax.core.ShapedArray((x.shape[0], n), x.dtype))
+def linear(inputs: list, outputs: list, param: str) -> None:
+    """On the host: x bf16 [T, K] @ packed weight `index` -> y bf16 [T, N] (oneDNN, fp32 accumulation)."""
+    import torch
+
+    (x, index), (y,) = inputs, outputs
+    y.copy_(torch.ops.mkldnn._linear_pointwise(x, PACKED[int(index)], None, "none", [], ""))
 
 
-def _lower_onednn_linear(ctx, x, index, *, bank: OnednnWeights, n: int):
-    # Not jax.pure_callback: its implementation device_puts the arguments and reads them back, which can
-    # wait on XLA:CPU's own thread pool from inside the running program (a deadlock on one core).
-    def host(x: np.ndarray, index: np.ndarray) -> tuple[np.ndarray]:
-        return (bank.linear(x, index),)
+def mlp(inputs: list, outputs: list, act: str) -> None:
+    """On the host: y = down(act(x @ gate) * (x @ up)) for x bf16 [T, H], ids int32 [3] (gate, up, down), the
+    activation and the product fused into the linears (oneDNN post-ops)."""
+    import torch
 
-    result, _, _ = emit_python_callback(ctx, host, None, [x, index], ctx.avals_in, ctx.avals_out,
-                                        has_side_effect=False, returns_token=False)
-    return result
-
-
-mlir.register_lowering(onednn_linear_p, _lower_onednn_linear, platform="cpu", cacheable=False)
-
-onednn_mlp_p = Primitive("pdserve_onednn_mlp")
-"""x bf16 [T, H], ids int32 [3] -> bf16 [T, H]: `OnednnWeights.mlp_host` of `bank` (CPU backend only)."""
-onednn_mlp_p.def_abstract_eval(lambda x, ids, *, bank, act: jax.core.ShapedArray(x.shape, x.dtype))
+    linear = torch.ops.mkldnn._linear_pointwise
+    (x, ids), (y,) = inputs, outputs
+    gate_id, up_id, down_id = (int(i) for i in ids)
+    attr, algorithm = POST_OPS[act]
+    gate = linear(x, PACKED[gate_id], None, attr, [], algorithm)  # [T, I]
+    hidden = linear.binary(x, gate, PACKED[up_id], None, "mul")  # [T, I]
+    y.copy_(linear(hidden, PACKED[down_id], None, "none", [], ""))  # [T, H]
 
 
-def _lower_onednn_mlp(ctx, x, ids, *, bank: OnednnWeights, act: str):
-    def host(x: np.ndarray, ids: np.ndarray) -> tuple[np.ndarray]:
-        return (bank.mlp_host(x, ids, act),)
-
-    result, _, _ = emit_python_callback(ctx, host, None, [x, ids], ctx.avals_in, ctx.avals_out,
-                                        has_side_effect=False, returns_token=False)
-    return result
-
-
-mlir.register_lowering(onednn_mlp_p, _lower_onednn_mlp, platform="cpu", cacheable=False)
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")  # read only, never written
+host_call.register("onednn_linear", linear)
+host_call.register("onednn_mlp", mlp)

@@ -1,6 +1,7 @@
-"""Attention on the host (torch's flash attention through a host callback) computes attention.py's rule for every
-case the prefill passes it: one causal prompt, packed prompts with padding, context keys before the new ones, a
-sliding window that cuts, GQA, several rows; a soft-capped model keeps XLA's."""
+"""Attention on the host (torch's flash attention, called from C++ through onednn_native.py's FFI target, or from
+Python through host_call.py's where that library is not built) computes attention.py's rule for every case the
+prefill passes it: one causal prompt, packed prompts with padding, context keys before the new ones, a sliding window
+that cuts, GQA, several rows; a soft-capped model keeps XLA's."""
 
 from __future__ import annotations
 
@@ -9,8 +10,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pdserve.server.prefill import onednn_native
 from pdserve.server.prefill.attention import attention, blockwise_attention, reference_attention
 from pdserve.server.prefill.host_attention import host_attention
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def path(request, monkeypatch):
+    """Each case on both paths: the C++ one (the library built here) and the Python one (as where it is not)."""
+    if request.param == "native":
+        assert isinstance(onednn_native.load(), onednn_native.Native), onednn_native.load()
+    else:
+        monkeypatch.setattr(onednn_native, "load", lambda: "as where the library is not built")
+    return request.param
+
 
 def _qkv(b: int, s: int, k: int, hq: int = 4, hkv: int = 2, d: int = 16, seed: int = 0):
     rng = np.random.default_rng(seed)

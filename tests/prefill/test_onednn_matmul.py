@@ -4,6 +4,7 @@ computes what the XLA paths and transformers compute; an AVX2-only machine falls
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.main import load_engine
+from pdserve.server.prefill import onednn_native
 from pdserve.server.prefill.matmul import OnednnWeights, Resident, contraction
 from pdserve.server.prefill.model import forward_logits, load_params
 
@@ -43,15 +45,20 @@ def test_the_contraction_of_each_spec_the_model_uses():
 
 
 @needs_onednn
-@pytest.mark.parametrize("family,host_attention", [("llama", True), ("qwen2", True), ("qwen2", False), ("qwen3", True),
-                                                   ("mistral-windowed", True), ("gemma3", True)])
-def test_onednn_logits_match_transformers_bf16_and_xla_bf16(tiny_model, family, host_attention):
+@pytest.mark.parametrize("family,host_attention,native", [
+    ("llama", True, True), ("qwen2", True, True), ("qwen2", False, True), ("qwen3", True, True),
+    ("mistral-windowed", True, True), ("gemma3", True, True), ("qwen2", True, False), ("gemma3", True, False)])
+def test_onednn_logits_match_transformers_bf16_and_xla_bf16(tiny_model, monkeypatch, family, host_attention, native):
     """Packed q/k/v (Qwen2's biases after it), the fused MLP (silu; Gemma's tanh gelu), the host's attention (sliding
-    windows that cut: the tiny Mistral's and Gemma 3's window is shorter than the prompt)."""
+    windows that cut: the tiny Mistral's and Gemma 3's window is shorter than the prompt); called from C++
+    (onednn_native.py), or `native` False, through Python (host_call.py) as where that library is not built."""
+    if not native:
+        monkeypatch.setattr(onednn_native, "load", lambda: "as where the library is not built")
     path = tiny_model(family, "bfloat16")
     config = load_config(path)
     params = load_params(config, load_weights(path), dtype="bfloat16")
     bank = OnednnWeights(threads=1)
+    assert bank.without_python == native
     held = dict(params, layers=bank.take(params["layers"]))
     assert isinstance(held["layers"]["w_up"], Resident) and held["layers"]["w_up"].ids.shape == (config.num_layers,)
     hq, hkv = config.num_heads, config.num_kv_heads
@@ -76,6 +83,26 @@ def test_onednn_logits_match_transformers_bf16_and_xla_bf16(tiny_model, family, 
     assert np.abs(got - xla).max() < max(0.02, xla_off)
     assert np.abs(got - want).max() < max(0.05, 1.25 * xla_off)
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+
+
+def _compiled_matmul(bank: OnednnWeights, w: Resident, x: jax.Array):
+    return jax.jit(lambda x, ids: bank.matmul("bsh,hn->bsn", x, Resident(ids, w.shape))).lower(x, w.ids[0]).compile()
+
+
+@needs_onednn
+def test_a_released_banks_weights_are_never_read():
+    """A program compiled against a bank (or read from the compilation cache) fails, naming the weight, once the
+    bank is gone: its ids are released on the C++ side, never reused."""
+    bank = OnednnWeights(threads=1)
+    assert bank.without_python, onednn_native.load()
+    w = bank.hold(np.ones((1, 8, 4), np.float32), 1)  # one layer's [K 8, N 4]
+    x = jnp.ones((1, 3, 8), jnp.bfloat16)
+    matmul = _compiled_matmul(bank, w, x)
+    assert np.asarray(matmul(x, w.ids[0]), np.float32).tolist() == [[[8.0] * 4] * 3]
+    del bank
+    gc.collect()
+    with pytest.raises(Exception, match=f"weight {int(w.ids[0])} is not held here"):
+        jax.block_until_ready(matmul(x, w.ids[0]))
 
 
 @needs_onednn
@@ -198,3 +225,45 @@ def test_an_avx2_only_machine_measures_the_xla_paths_and_refuses_onednn(tiny_mod
     assert found["path"].split(" ")[0] in ("xla-fp32", "xla-bf16") and "fastest measured" in found["path"]
     assert found["timed"] == [["xla-bf16", "xla-fp32"]]
     assert found["cached"] == [found["path"].split(" ")[0]]
+
+
+NO_COMPILER = r"""
+import asyncio, json, logging, sys
+import numpy as np
+from pdserve.v1 import generation_pb2 as gen_pb
+from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.main import load_engine
+from pdserve.server.prefill import host_call, onednn_native
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+engine = load_engine(PrefillConfig(model_dir=sys.argv[1], max_batch_size=1, max_model_len=64, compilation_cache="none",
+                                   prefill_matmul="onednn-bf16", prefill_attention="host"), progress=False)
+ids = np.random.default_rng(3).integers(3, 200, 21).tolist()
+done = asyncio.run(engine.submit(ids, gen_pb.SamplingParams(max_tokens=1, temperature=0.0), 0, "bfloat16"))
+print(json.dumps({"token": done.first_token, "native": onednn_native.load(), "host_call": host_call.load()}))
+"""
+
+
+@needs_onednn
+def test_without_a_cxx_compiler_the_onednn_engine_calls_through_python_and_answers_the_same(tiny_model, tmp_path):
+    """No C++ compiler (and no built library): the host calls run as Python callbacks, the start-up says why, and
+    the engine's first token is the C++ path's."""
+    path = tiny_model("qwen2", "bfloat16")
+    done = subprocess.run([sys.executable, "-c", NO_COMPILER, str(path)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PDSERVE_CACHE": str(tmp_path / "cache"), "CXX": str(tmp_path / "no-c++"),
+                               "PDSERVE_KERNEL_CACHE": str(tmp_path / "kernels")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    python = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "no C++ compiler" in python["native"] and "no C++ compiler" in python["host_call"]
+    assert "run through Python (under the GIL)" in done.stderr and "compile at every start" in done.stderr
+    config = load_config(path)
+    params = load_params(config, load_weights(path), dtype="bfloat16")
+    bank = OnednnWeights(threads=1)
+    assert bank.without_python, onednn_native.load()
+    held = dict(params, layers=bank.take(params["layers"]))
+    ids = np.random.default_rng(3).integers(3, 200, 21)
+    logits = np.asarray(forward_logits(held, jnp.asarray(ids[None]), config=config,
+                                       matmul=bank.kernels(host_attention=True)))[0, -1]
+    top2 = np.sort(logits)[-2:]
+    assert python["token"] in np.argsort(logits)[-2:].tolist()
+    if top2[1] - top2[0] > 0.05:  # a clear winner: both paths must pick it
+        assert python["token"] == int(logits.argmax())
