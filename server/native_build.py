@@ -59,8 +59,9 @@ class NativeSource:
     """Target flags this CPU may run the kernel built with, best first; the last one must be portable."""
     cxx: bool = False
     """C++ (`c++`, or $CXX), not C."""
-    extra: Callable[[], list[str]] = list
-    """More flags, asked for when building or naming (include directories, -D of the versions they belong to)."""
+    extra: Callable[[], tuple[list[str], list[str]]] = lambda: ([], [])
+    """(more flags, placed after the source: include and link flags; the versions of what they build against),
+    asked for when building or naming: both go into the library's name."""
 
     @property
     def stem(self) -> str:
@@ -68,7 +69,8 @@ class NativeSource:
 
     def library_name(self, flags: list[str], compiler: str = "") -> str:
         """The library's file name: the source and flags hashed (and the compiler's version, for a local build)."""
-        text = "\0".join([self.path.read_text(), *COMMON_FLAGS, *flags, *self.extra(), compiler])
+        more, versions = self.extra()
+        text = "\0".join([self.path.read_text(), *COMMON_FLAGS, *flags, *more, *versions, compiler])
         return f"{self.stem}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.so"
 
     def compiler_name(self) -> str:
@@ -112,8 +114,8 @@ def compile_into(source: NativeSource, flags: list[str], cc: str, target: Path) 
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        cmd = [cc, *COMMON_FLAGS, *flags, *source.extra(), "-o", str(built), str(source.path)]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        cmd = [cc, *COMMON_FLAGS, *flags, "-o", str(built), str(source.path), *source.extra()[0]]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if done.returncode:
             raise RuntimeError(f"{cc} could not build {source.path.name} ({' '.join(flags)}): "
                                f"{done.stderr.strip()[-400:]}")

@@ -32,12 +32,20 @@ from jax._src.callback import emit_python_callback
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from pdserve.server.prefill import native_build
+from pdserve.server import native_build
+from pdserve.server.native_build import NativeSource, portable
 
 log = logging.getLogger("pdserve.prefill")
 
 TARGET = "pdserve_host_call"
-SOURCE = Path(__file__).with_name("host_call.cc")
+def _ffi_flags() -> tuple[list[str], list[str]]:
+    """(flags, versions) for building against jaxlib's XLA FFI headers."""
+    import jaxlib
+
+    return ["-std=c++17", f"-I{jax.ffi.include_dir()}"], [jaxlib.__version__]
+
+
+SOURCE = NativeSource(Path(__file__).with_name("host_call.cc"), portable, cxx=True, extra=_ffi_flags)
 Op = Callable[[list, list, str], None]
 """fn(inputs, outputs, param): torch tensors over the call's argument and result buffers; writes every output."""
 OPS: dict[str, Op] = {}
@@ -149,7 +157,7 @@ _host_fn = _HOST_FN(_run)  # kept alive for the process: the handler holds its a
 def load() -> str | None:
     """Registers the FFI target (once per process); None, or why the host calls fall back to Python callbacks."""
     try:
-        lib = ctypes.CDLL(str(native_build.build(SOURCE)))
+        lib = ctypes.CDLL(str(native_build.build(SOURCE)[0]))
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         why = f"the host calls' FFI handler is not built here ({e}): they run as Python callbacks, and the prefill's " \
               f"programs that call the host compile at every start (not kept in the compilation cache)"

@@ -22,11 +22,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from pdserve.server.prefill import native_build
+from pdserve.server import native_build
+from pdserve.server.native_build import NativeSource, portable
+from pdserve.server.prefill.host_call import _ffi_flags
 
 log = logging.getLogger("pdserve.prefill")
 
-SOURCE = Path(__file__).with_name("onednn_native.cc")
+SOURCE = NativeSource(Path(__file__).with_name("onednn_native.cc"), portable, cxx=True, extra=lambda: _flags())
 TARGETS = ("pdserve_onednn_linear", "pdserve_onednn_mlp", "pdserve_host_attention")
 
 
@@ -50,24 +52,25 @@ class Native:
 
 
 def _flags() -> tuple[list[str], list[str]]:
-    """(compile and link flags, versions) for building against this process's torch."""
+    """(compile and link flags, versions) for building against jaxlib's FFI headers and this process's torch."""
     import torch
     from torch.utils import cpp_extension
 
+    flags, versions = _ffi_flags()
     lib_dir = cpp_extension.library_paths()[0]
-    flags = [f"-I{p}" for p in cpp_extension.include_paths()]
+    flags += [f"-I{p}" for p in cpp_extension.include_paths()]
     flags += [f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-L{lib_dir}", "-ltorch_cpu",
               "-lc10", f"-Wl,-rpath,{lib_dir}"]
-    return flags, [torch.__version__]
+    return flags, [*versions, torch.__version__]
 
 
 @functools.cache
 def load() -> Native | str:
     """The targets registered (once per process), or why not (logged once: the ops then run through Python)."""
     try:  # (_flags imports torch: its libraries are loaded before ours, which link against them)
-        lib = ctypes.CDLL(str(native_build.build(SOURCE, *_flags())))
+        lib = ctypes.CDLL(str(native_build.build(SOURCE)[0]))
     except (ImportError, RuntimeError, OSError, subprocess.SubprocessError) as e:
-        why = f"the oneDNN host calls run through Python (under the GIL): {SOURCE.name} is not built here ({e})"
+        why = f"the oneDNN host calls run through Python (under the GIL): {SOURCE.path.name} is not built here ({e})"
         log.warning("%s", why)
         return why
     lib.pdserve_hold_weight.restype = ctypes.c_int64
