@@ -106,7 +106,7 @@ class Warmup:
         self.finished = threading.Event()
         """Set when every job is done."""
         self.created = time.perf_counter()
-        self._executables = engine.runner.executables
+        self._executables = getattr(engine.runner, "executables", None)
 
     @property
     def pending(self) -> int:
