@@ -84,7 +84,7 @@ class ModelRunner:
         top = min(logprobs.MAX_LOGPROBS, model_config.vocab_size)
         self._embed = program("embed", partial(embed, config=model_config), model)
         self._group = program("layer_group", partial(layer_group, config=model_config, matmul=matmul),
-                              f"{model} {matmul.__module__}.{matmul.__qualname__}")
+                              f"{model} {'xla_matmul' if matmul is xla_matmul else type(matmul).__name__}")
         self._head = program("head", partial(head, config=model_config), model)
         self._penalize = program("penalize", penalize)
         self._sample = program("sample", sample)
