@@ -8,6 +8,7 @@ held the compile (the tests' cache, tests/conftest.py, holds every program once 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -67,17 +68,22 @@ def _entries(cache: ExecutableCache) -> list:
     return sorted(cache.directory.glob("*.exe"))
 
 
-async def test_a_restart_loads_every_program_untraced_and_answers_as_the_compiled_engine(llama, tmp_path):
+@pytest.fixture(scope="module")
+async def stored(llama, tmp_path_factory) -> tuple[ExecutableCache, PrefillEngine, list]:
+    """(the cache an engine filled, that engine, what an engine without the cache answers to `_serve`)."""
     want = await _serve(_engine(llama, None))  # JAX's jit as without the cache; JAX's persistent cache has them now
+    cache = ExecutableCache(tmp_path_factory.mktemp("executables"))
+    return cache, _engine(llama, cache), want
 
-    copied = ExecutableCache(tmp_path / "copied")
-    first = _engine(llama, copied)
+
+async def test_a_restart_loads_every_program_untraced_and_answers_as_the_compiled_engine(llama, stored):
+    copied, first, want = stored
     programs = copied.misses
     assert programs > len(first.shapes()) and copied.hits == copied.failures == copied.unstored == 0
     assert copied.copied == programs and len(_entries(copied)) == programs  # from JAX's persistent cache's bytes
     _same(await _serve(first), want)
 
-    again = ExecutableCache(tmp_path / "copied")
+    again = ExecutableCache(copied.directory)
     restarted = _engine(llama, again, warm=False)
     before = compiles()  # (loading the weights runs eager programs)
     restarted.warmup()
@@ -86,44 +92,50 @@ async def test_a_restart_loads_every_program_untraced_and_answers_as_the_compile
     assert compiles() == before, f"{compiles() - before} traces or compiles on a restart that loaded every program"
     assert restarted.runner._group.jitted._cache_size() == 0  # every step ran a loaded executable
     _same(got, want)
-    assert f"{programs} loaded, 0 compiled ({tmp_path / 'copied'})" == again.summary()
+    assert f"{programs} loaded, 0 compiled ({copied.directory})" == again.summary()
 
 
-async def test_entries_of_a_fresh_compile_load_and_answer_the_same(llama, tmp_path):
-    """With JAX's persistent cache off for the process, every program compiles and is written as compiled."""
-    want = await _serve(_engine(llama, None))
-    jax.config.update("jax_enable_compilation_cache", False)
-    from jax._src import compilation_cache
-
-    compilation_cache.reset_cache()
-    try:
-        fresh = ExecutableCache(tmp_path / "fresh")
-        _engine(llama, fresh)
-        assert fresh.copied == 0 and len(_entries(fresh)) == fresh.misses > 20
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        compilation_cache.reset_cache()
-    loaded = ExecutableCache(tmp_path / "fresh")
-    got = await _serve(_engine(llama, loaded))
-    assert loaded.hits == fresh.misses and loaded.misses == 0
-    _same(got, want)
-
-
-async def test_an_unloadable_entry_is_logged_removed_and_compiled_again(llama, tmp_path, caplog):
+async def test_an_unloadable_entry_is_logged_removed_and_compiled_again(llama, stored, tmp_path, caplog):
+    _, _, want = stored
+    shutil.copytree(stored[0].directory, tmp_path / "x")
     cache = ExecutableCache(tmp_path / "x")
-    want = await _serve(_engine(llama, cache))
     entries = _entries(cache)
     entries[0].write_bytes(b"not a pickle")
     entries[1].write_bytes(entries[1].read_bytes()[:100])  # truncated
     caplog.set_level("WARNING", logger="pdserve.prefill")
-    again = ExecutableCache(tmp_path / "x")
-    _same(await _serve(_engine(llama, again)), want)
-    assert (again.failures, again.hits) == (2, len(entries) - 2)
+    _same(await _serve(_engine(llama, cache)), want)
+    assert (cache.failures, cache.hits, cache.misses) == (2, len(entries) - 2, 0)
     assert caplog.text.count("does not load") == 2 and "compiling the program again" in caplog.text
     assert str(entries[0]) in caplog.text and str(entries[1]) in caplog.text
-    third = ExecutableCache(tmp_path / "x")
-    _engine(llama, third)
-    assert (third.hits, third.failures, third.misses) == (len(entries), 0, 0)  # written back
+    assert all(ExecutableCache(cache.directory).load(e.stem) is not None for e in entries[:2])  # written back
+
+
+def test_an_entry_of_a_fresh_compile_loads_and_answers_the_same(tmp_path):
+    """With JAX's persistent cache off, the program compiles in XLA and is written as compiled."""
+    from jax._src import compilation_cache
+
+    def f(x, parts):
+        return {"y": jnp.sin(x) @ parts[0] + parts[1].sum(), "n": jnp.argmax(x, axis=-1)}
+
+    args = (np.linspace(0, 1, 12, dtype=np.float32).reshape(3, 4), (np.ones((4, 2), np.float32), np.arange(5.0)))
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    jax.clear_caches()
+    try:
+        fresh = ExecutableCache(tmp_path, environment="env")
+        want = Program("f", jax.jit(f), cache=fresh)
+        want.compile(*args)
+        assert (fresh.misses, fresh.copied, fresh.unstored, len(_entries(fresh))) == (1, 0, 0, 1)
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+    loaded = ExecutableCache(tmp_path, environment="env")
+    got = Program("f", jax.jit(f), cache=loaded)
+    got.compile(*args)
+    assert loaded.hits == 1 and got.jitted._cache_size() == 0
+    out, expected = got(*args), want(*args)
+    assert got.jitted._cache_size() == 0  # the call ran the loaded executable
+    assert out["y"].tobytes() == expected["y"].tobytes() and out["n"].tolist() == expected["n"].tolist() == [3, 3, 3]
 
 
 def test_any_changed_input_of_a_key_misses(tmp_path):
