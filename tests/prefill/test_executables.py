@@ -144,7 +144,7 @@ def test_any_changed_input_of_a_key_misses(tmp_path):
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     base = cache.key("head", "config A", (f32, {"w": f32}), {"dtype": "bfloat16"})
     changed = [
-        ExecutableCache(tmp_path, environment="other").key("head", "config A", (f32, {"w": f32}), {"dtype": "bfloat16"}),
+        ExecutableCache(tmp_path, "other").key("head", "config A", (f32, {"w": f32}), {"dtype": "bfloat16"}),
         cache.key("embed", "config A", (f32, {"w": f32}), {"dtype": "bfloat16"}),
         cache.key("head", "config B", (f32, {"w": f32}), {"dtype": "bfloat16"}),
         cache.key("head", "config A", (f32, {"w": f32}), {"dtype": "float32"}),
