@@ -258,19 +258,24 @@ def _persistent_bytes(persistent_key: str) -> bytes:
 
 
 class _Origin(logging.Filter):
-    """Where the executables compiled on a thread came from: XLA reports every compile or persistent cache load
-    (`jax.monitoring`, BACKEND_COMPILE), JAX logs each persistent cache hit with its key at DEBUG (this filter
-    notes it and lets through to the handlers only what the logger passed before). No report at all: JAX's
-    in-process caches held the executable, whatever its origin."""
+    """Where the executables compiled on a thread came from, from what JAX reports on that thread: XLA's every
+    compile or persistent cache load (`jax.monitoring` duration BACKEND_COMPILE), the persistent cache consulted
+    (CONSULTED), its hit (HIT_EVENT, and the log line HIT with the key at DEBUG: this filter notes it and lets
+    through to the handlers only what the logger passed before), a fresh compile written to it (WRITTEN). No
+    report at all: JAX's in-process caches held the executable, whatever its origin."""
 
     HIT = "Persistent compilation cache hit for"
     BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+    CONSULTED = "/jax/compilation_cache/compile_requests_use_cache"
+    HIT_EVENT = "/jax/compilation_cache/cache_hits"
+    WRITTEN = "/jax/compilation_cache/cache_misses"
 
     def __init__(self, level: int):
         super().__init__()
         self.level = level
         self.local = threading.local()
         jax.monitoring.register_event_duration_secs_listener(self._on_event)
+        jax.monitoring.register_event_listener(self._on_event)
 
     def filter(self, record: logging.LogRecord) -> bool:
         seen = getattr(self.local, "seen", None)
@@ -278,23 +283,29 @@ class _Origin(logging.Filter):
             seen.hits.append(record.args[-1])
         return record.levelno >= self.level
 
-    def _on_event(self, event: str, duration: float, **kwargs) -> None:
+    def _on_event(self, event: str, *args, **kwargs) -> None:
         seen = getattr(self.local, "seen", None)
-        if seen is not None and event == self.BACKEND_COMPILE:
-            seen.backend += 1
+        if seen is not None:
+            seen.events.append(event)
 
 
 class _Seen:
     def __init__(self) -> None:
         self.hits: list[str] = []
-        self.backend = 0
+        self.events: list[str] = []
 
     @property
     def origin(self) -> str | None:
-        """"compiled" (by XLA, here), the persistent cache's key it was loaded under, or None (unknown)."""
-        if self.hits:
-            return self.hits[-1]
-        return "compiled" if self.backend else None
+        """"compiled" (by XLA, here), the persistent cache's key it was loaded under, or None: not known for
+        sure (no report, or reports that do not add up), and so not written."""
+        backend, hit = self.events.count(_Origin.BACKEND_COMPILE), self.events.count(_Origin.HIT_EVENT)
+        if backend != 1:
+            return None
+        if hit == 1 and len(self.hits) == 1:
+            return self.hits[0]
+        if not hit and not self.hits and (_Origin.CONSULTED not in self.events or _Origin.WRITTEN in self.events):
+            return "compiled"  # with no persistent cache, or a miss that XLA compiled and JAX wrote
+        return None
 
 
 _compiler_log = logging.getLogger("jax._src.compiler")

@@ -138,6 +138,19 @@ def test_an_entry_of_a_fresh_compile_loads_and_answers_the_same(tmp_path):
     assert out["y"].tobytes() == expected["y"].tobytes() and out["n"].tolist() == expected["n"].tolist() == [3, 3, 3]
 
 
+def test_an_executable_of_unknown_origin_is_served_but_not_written(tmp_path):
+    """JAX's in-process caches held it: it may have been loaded from the persistent cache, and XLA:CPU writes
+    such an executable back without its functions, so no entry is written."""
+    jitted = jax.jit(lambda x: x + 1)
+    spec = jax.ShapeDtypeStruct((3,), jnp.float32)
+    jitted.lower(spec).compile()
+    cache = ExecutableCache(tmp_path, "env")
+    program = Program("g", jitted, cache=cache)
+    program.compile(spec)
+    assert (cache.misses, cache.unstored, _entries(cache)) == (1, 1, [])
+    assert program(np.zeros(3, np.float32)).tolist() == [1, 1, 1]
+
+
 def test_any_changed_input_of_a_key_misses(tmp_path):
     cache = ExecutableCache(tmp_path, environment="env")
     f32, i32 = jax.ShapeDtypeStruct((2, 4), jnp.float32), jax.ShapeDtypeStruct((2, 4), jnp.int32)
