@@ -25,9 +25,11 @@ An entry is code the worker runs, like JAX's own cache entries: the directory mu
 the worker trusts (it lives in --compilation-cache's directory).
 
 XLA:CPU (jaxlib 0.10) re-serializes an executable that JAX's persistent cache loaded without its functions (the
-copy fails at run time: "Function ... not found"), so after a persistent-cache hit the entry is written from
-the persistent cache's own bytes of that executable (`_persistent_bytes`); when they cannot be found the entry
-is not written (logged once) and the next start misses again, as correct as without this cache.
+copy fails at run time: "Function ... not found"), so an entry is written only when what JAX reported on the
+compiling thread says where the executable came from (`_Origin`): compiled by XLA, serialized as it is; loaded
+from the persistent cache, written from that cache's own bytes of it (`_persistent_bytes`). Otherwise (JAX's
+in-process caches held it, or those bytes are gone) it serves but is not written ("not stored" in the start-up
+log), and the next start misses again: as correct as without this cache.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ _PACKAGE = Path(__file__).parents[2]
 class ExecutableCache:
     def __init__(self, directory: Path, environment: str | None = None):
         """directory: where entries live (made on the first write); environment: the key's shared part
-        (`environment()` when None)."""
+        (`environment_key()` when None)."""
         self.directory = directory
         self.environment = environment_key() if environment is None else environment
         self.hits = self.misses = self.failures = self.unstored = self.copied = 0
