@@ -74,6 +74,11 @@ class PrefillConfig(KvOffloadingConfig, LoraConfig):
     deployment given one directory on a shared filesystem) finds the compiles instead of redoing them, so it
     starts warm: auto: $JAX_COMPILATION_CACHE_DIR when set, else the machine's ($PDSERVE_CACHE/jax-compilation-cache,
     ~/.cache/pdserve by default); a directory; none: off."""
+    executable_cache: bool = True
+    """Keep the compiled programs' executables in --compilation-cache's directory (pdserve-executables/), keyed
+    by what their tracing depends on (server/prefill/executables.py), so a restart loads them without tracing
+    the model again; off with --no-executable-cache or PDSERVE_EXECUTABLE_CACHE=0, and with --compilation-cache
+    none. The oneDNN matmul path and slices of several processes compile as before."""
     compile_before_serving: CompileBeforeServing = "common"
     """What compiles before the worker serves: common: what serves any prompt (every step shape without
     context, one with the largest context, sampling, penalized sampling at its largest shape); the rest

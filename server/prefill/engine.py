@@ -66,6 +66,7 @@ from pdserve.server.kv_offloading import open_offload
 from pdserve.server.model.fingerprint import fingerprint
 from pdserve.server.model.config import ModelConfig, resolve_max_model_len
 from pdserve.server.prefill.config import PrefillConfig
+from pdserve.server.prefill.executables import ExecutableCache
 from pdserve.server.prefill.lora import PrefillAdapter, PrefillLoras
 from pdserve.server.prefill.model import group_sizes
 from pdserve.server.prefill.kernels import Kernels
@@ -157,8 +158,9 @@ class PrefillJob:
 
 class PrefillEngine:
     def __init__(self, model_config: ModelConfig, params, config: PrefillConfig, grammars: Grammars | None = None,
-                 matmul: Matmul | Kernels = xla_matmul):
-        """grammars: the model's structured-output grammars (None: structured requests are refused)."""
+                 matmul: Matmul | Kernels = xla_matmul, executables: ExecutableCache | None = None):
+        """grammars: the model's structured-output grammars (None: structured requests are refused);
+        executables: where the programs' executables are loaded from and stored (executables.py; None: none)."""
         self.model_config = model_config
         self.grammars = grammars
         self.config = config
@@ -171,7 +173,8 @@ class PrefillEngine:
         groups = group_sizes(model_config.num_layers, config.kv_layer_groups)
         self.lora = self._lora_slots(model_config, config, groups, params["embed"].dtype)
         """The LoRA adapters' host LRU and device slots (--enable-lora; None: a prompt naming one is refused)."""
-        self.runner = ModelRunner(model_config, params, groups, config.max_batch_size, matmul, self.lora)
+        self.runner = ModelRunner(model_config, params, groups, config.max_batch_size, matmul, self.lora,
+                                  executables)
         """The device programs (model_runner.py)."""
         self.token_buckets = token_buckets(config.max_batch_tokens, config.max_batch_size, self.max_len,
                                            config.min_bucket)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from pdserve.server.model.fp8_checkpoint import load_note
 from pdserve.server.model.weights import load_weights
 from pdserve.server.prefill.config import PrefillConfig
 from pdserve.server.prefill.engine import PrefillEngine
+from pdserve.server.prefill.executables import ExecutableCache
 from pdserve.server.prefill.matmul import OnednnWeights, xla_matmul
 from pdserve.server.prefill.matmul_choice import PATH_DTYPES, MatmulChoice, choose, choose_attention
 from pdserve.server.prefill.model import compute_dtype, load_params, served_weight_dtype
@@ -196,7 +198,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
     loaded = time.perf_counter() - t0
     grammars = Grammars.for_model(config.model_dir, params.get("lm_head", params["embed"]).shape[0],
                                   tuple(model_config.eos_token_ids), **Grammars.options(config))
-    engine = PrefillEngine(model_config, params, config, grammars=grammars, matmul=matmul)
+    executables = executable_cache(config) if matmul is xla_matmul and jax.process_count() == 1 else None
+    engine = PrefillEngine(model_config, params, config, grammars=grammars, matmul=matmul, executables=executables)
     if where is not None:
         engine.attention_path = where.describe()
     engine.matmul_path = choice.describe() if choice else (f"xla-{'bf16' if dtype == 'bfloat16' else 'fp32'}"
@@ -220,6 +223,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
              engine.matmul_path.split(" (")[0], len(first), len(warmup.jobs),
              len(engine.shapes()), compile_s,
              "" if warmup.finished.is_set() else "; the others compile while it serves, when no prompt waits")
+    if executables is not None:
+        log.info("prefill executable cache: %s", executables.summary())
     engine.compiling = warmup  # its programs' count and what is compiled, for the metrics and the steps
     if not warmup.finished.is_set():
         warmup.start(threads=1)
@@ -261,6 +266,15 @@ def compilation_cache_dir(setting: str | Path) -> Path | None:
     if str(setting) == "auto":
         return Path(jax.config.jax_compilation_cache_dir or compile_cache_dir())
     return Path(setting)
+
+
+def executable_cache(config: PrefillConfig) -> ExecutableCache | None:
+    """The compiled programs' cache (executables.py) in --compilation-cache's directory; None: off
+    (--no-executable-cache, PDSERVE_EXECUTABLE_CACHE=0, or no compilation cache)."""
+    directory = compilation_cache_dir(config.compilation_cache)
+    if not config.executable_cache or os.environ.get("PDSERVE_EXECUTABLE_CACHE", "1") == "0" or directory is None:
+        return None
+    return ExecutableCache(directory / "pdserve-executables")
 
 
 def use_compilation_cache(setting: str | Path) -> None:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from pdserve.kvcache.layout import NUMPY_DTYPES, QUANTIZED
 from pdserve.server import logprobs
 from pdserve.server.model.config import ModelConfig
+from pdserve.server.prefill.executables import ExecutableCache, Program
 from pdserve.server.prefill.lora import PrefillLoras
 from pdserve.server.prefill.lora_rows import LoraRows
 from pdserve.server.prefill.kernels import Kernels
@@ -54,9 +55,12 @@ class StepOutputs:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, params, groups: list[tuple[int, int]], max_batch_size: int,
-                 matmul: Matmul | Kernels = xla_matmul, lora: PrefillLoras | None = None):
+                 matmul: Matmul | Kernels = xla_matmul, lora: PrefillLoras | None = None,
+                 executables: ExecutableCache | None = None):
         """lora: the LoRA adapters' device slots (--enable-lora): every layer group's program then takes their
-        stacks and each token's slot; None: the programs have no LoRA input at all."""
+        stacks and each token's slot; None: the programs have no LoRA input at all. executables: where
+        `compile_*` load the programs' executables from, and store them (executables.py); None, or a matmul
+        path that calls host code: each compiles as JAX compiles it."""
         self.model_config = model_config
         self.lora = lora
         self.groups = groups
@@ -69,15 +73,25 @@ class ModelRunner:
         self.dtype = params["embed"].dtype
         self.vocab_size = self.params.get("lm_head", self.params["embed"]).shape[0]
         out = host_readable(params)  # on a mesh that spans processes: outputs replicated, for process 0 to read
-        self._embed = jax.jit(partial(embed, config=model_config), **out)
-        self._group = jax.jit(partial(layer_group, config=model_config, matmul=matmul), **out)
-        self._head = jax.jit(partial(head, config=model_config), **out)
-        self._penalize = jax.jit(penalize, **out)
-        self._sample = jax.jit(sample, **out)
-        self._prompt_logprobs = jax.jit(partial(prompt_logprobs_head, config=model_config,
-                                                top=min(logprobs.MAX_LOGPROBS, model_config.vocab_size)), **out)
-        self._quantize_kv = jax.jit(quantize_kv_masked, static_argnames=("block_size", "fmt"), **out)
-        self._cast = jax.jit(lambda a, dtype: a.astype(dtype), static_argnames=("dtype",), **out)
+        if matmul is not xla_matmul:  # the oneDNN path's programs call into the host's prepacked weights
+            executables = None
+        self.executables = executables
+
+        def program(name: str, fn, bound: str = "", **jit) -> Program:
+            return Program(name, jax.jit(fn, **jit, **out), f"{bound} {out}", executables)
+
+        model = repr(model_config)
+        top = min(logprobs.MAX_LOGPROBS, model_config.vocab_size)
+        self._embed = program("embed", partial(embed, config=model_config), model)
+        self._group = program("layer_group", partial(layer_group, config=model_config, matmul=matmul),
+                              f"{model} {'xla_matmul' if matmul is xla_matmul else type(matmul).__name__}")
+        self._head = program("head", partial(head, config=model_config), model)
+        self._penalize = program("penalize", penalize)
+        self._sample = program("sample", sample)
+        self._prompt_logprobs = program("prompt_logprobs", partial(prompt_logprobs_head, config=model_config, top=top),
+                                        f"{model} top {top}")
+        self._quantize_kv = program("quantize_kv", quantize_kv_masked, static_argnames=("block_size", "fmt"))
+        self._cast = program("cast", _cast, static_argnames=("dtype",))
         self._kv_avals: dict[tuple[int, int], jax.ShapeDtypeStruct] = {}
         """A layer group's k [l, 1, T, Hkv, D] as its program returns it, by (token slots, layers): what the
         wire formats' programs take (`compile_wire`)."""
@@ -141,7 +155,7 @@ class ModelRunner:
         ints = spec((1, shape.tokens), jnp.int32)
         ctx = spec((1, shape.context), jnp.int32)
         packing = Packing(ints, ints, ctx, ctx)
-        x, cos, sin = _avals(self._embed.lower(self.params, ints, ints).compile())
+        x, cos, sin = _avals(self._embed.compile(self.params, ints, ints))
         casts = {d for d in ("float32", "bfloat16") if jnp.dtype(d) != x.dtype}
         done = set()  # (size, x's sharding): the groups' programs differ only in these
         slots = spec((1, shape.tokens), jnp.int32)
@@ -150,13 +164,13 @@ class ModelRunner:
                 done.add((size, x.sharding))
                 context = spec((size, 1, shape.context, c.num_kv_heads, c.head_dim), self.dtype)
                 lora = self._lora_rows(g, slots)
-                x, k, _ = _avals(self._group.lower(layers, x, cos, sin, packing, context, context, lora).compile())
+                x, k, _ = _avals(self._group.compile(layers, x, cos, sin, packing, context, context, lora))
                 self._kv_avals[shape.tokens, size] = k
                 for dtype in casts:
-                    self._cast.lower(k, dtype=dtype).compile()
-        logits = [_avals(self._head.lower(self.params, x, spec((r,), jnp.int32)).compile())[0]
+                    self._cast.compile(k, dtype=dtype)
+        logits = [_avals(self._head.compile(self.params, x, spec((r,), jnp.int32)))[0]
                   for r in (1 << i for i in range(pow2(self.max_batch_size).bit_length()))]
-        self._prompt_logprobs.lower(self.params, x, ints).compile()
+        self._prompt_logprobs.compile(self.params, x, ints)
         return logits  # [R, V] at each row count R
 
     def wire_compiled(self, tokens: int, fmt: tuple[str, int]) -> bool:
@@ -176,9 +190,9 @@ class ModelRunner:
         for size in sorted({size for _, size in self.groups}):
             k = self._kv_avals[tokens, size]
             if dtype in QUANTIZED:
-                self._quantize_kv.lower(k, valid, block_size=block_size, fmt=dtype).compile()
+                self._quantize_kv.compile(k, valid, block_size=block_size, fmt=dtype)
             else:
-                self._cast.lower(k, dtype=dtype).compile()
+                self._cast.compile(k, dtype=dtype)
         self._wire_compiled.add((tokens, dtype, block_size))
 
     def compile_sample(self, logits: jax.ShapeDtypeStruct) -> None:
@@ -186,17 +200,21 @@ class ModelRunner:
         spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
         f32, i32, u32 = (spec((rows,), t) for t in (jnp.float32, jnp.int32, jnp.uint32))
         masks = spec((rows, (logits.shape[1] + 31) // 32), jnp.int32)
-        self._sample.lower(logits, f32, i32, f32, u32, i32, f32, masks).compile()
+        self._sample.compile(logits, f32, i32, f32, u32, i32, f32, masks)
 
     def compile_penalized(self, logits: jax.ShapeDtypeStruct, length: int) -> None:
         """The penalties over prompts padded to `length` at the head's logits' rows, and sampling of
         what they return."""
         spec, rows = jax.ShapeDtypeStruct, logits.shape[0]
         f32, i32 = spec((rows,), jnp.float32), spec((rows,), jnp.int32)
-        penalized, = _avals(self._penalize.lower(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
-                                                 spec(logits.shape, jnp.bool_)).compile())
+        penalized, = _avals(self._penalize.compile(logits, spec((rows, length), jnp.int32), i32, i32, f32, f32, f32,
+                                                   spec(logits.shape, jnp.bool_)))
         if penalized != logits:  # else `compile_sample`'s
             self.compile_sample(penalized)
+
+
+def _cast(a: jax.Array, dtype: str) -> jax.Array:
+    return a.astype(dtype)
 
 
 def _avals(compiled) -> tuple[jax.ShapeDtypeStruct, ...]:

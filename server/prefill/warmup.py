@@ -106,6 +106,7 @@ class Warmup:
         self.finished = threading.Event()
         """Set when every job is done."""
         self.created = time.perf_counter()
+        self._executables = getattr(engine.runner, "executables", None)
 
     @property
     def pending(self) -> int:
@@ -251,8 +252,9 @@ class Warmup:
                 self._all_done |= last
             if last:
                 atexit.unregister(self.stop)
-                log.info("prefill: all %d start-up programs compiled, %.1f s after the first began",
-                         len(self.jobs), time.perf_counter() - self.created)
+                log.info("prefill: all %d start-up programs compiled, %.1f s after the first began%s",
+                         len(self.jobs), time.perf_counter() - self.created,
+                         f" (executable cache: {self._executables.summary()})" if self._executables else "")
                 self.finished.set()
 
 

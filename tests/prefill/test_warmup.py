@@ -297,14 +297,17 @@ events = []
 jax.monitoring.register_event_listener(lambda e, **kw: events.append(e))
 jax.monitoring.register_event_duration_secs_listener(lambda e, d, **kw: events.append(e))
 args = cli.build_parser().parse_args(["prefill", "--model", sys.argv[1], "--compile-cache-dir", sys.argv[2],
-                                      "--max-batch-size", "1", "--max-model-len", "32", "--prefix-cache-bytes", "0"])
+                                      "--max-batch-size", "1", "--max-model-len", "32", "--prefix-cache-bytes", "0",
+                                      *sys.argv[3:]])
 config = cli._config(PrefillConfig, args, model_dir=Path(sys.argv[1]))
 engine = load_engine(config, progress=False, serving=True)  # the first set, then the rest in the background
 assert engine.compiling.finished.wait(600)
 print(json.dumps({"asked": events.count("/jax/compilation_cache/compile_requests_use_cache"),
                   "hits": events.count("/jax/compilation_cache/cache_hits"),
                   "misses": events.count("/jax/compilation_cache/cache_misses"),
-                  "programs": len(engine.compiling.jobs), "cache": str(jax.config.jax_compilation_cache_dir)}))
+                  "programs": len(engine.compiling.jobs), "cache": str(jax.config.jax_compilation_cache_dir),
+                  "executables": [executables.hits, executables.misses] if (executables := engine.runner.executables)
+                  else None}))
 """
 
 
@@ -314,15 +317,19 @@ def test_a_worker_restarted_on_the_same_compile_cache_dir_compiles_nothing(tiny_
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     shared = tmp_path / "shared-volume" / "jax"  # --compile-cache-dir: one directory for every worker
     runs = []
-    for _ in range(2):
-        proc = subprocess.run([sys.executable, "-c", RESTART, str(tiny_model("llama")), str(shared)], env=env,
+    for flags in ([], ["--no-executable-cache"], []):  # cold; JAX's cache alone; JAX's and the executable cache
+        proc = subprocess.run([sys.executable, "-c", RESTART, str(tiny_model("llama")), str(shared), *flags], env=env,
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-    cold, warm = runs
-    assert cold["cache"] == warm["cache"] == str(shared)
+    cold, warm, loaded = runs
+    assert cold["cache"] == warm["cache"] == loaded["cache"] == str(shared)
     assert cold["asked"] > 0 and cold["hits"] == 0 and cold["misses"] == cold["asked"]
     assert warm["hits"] == warm["asked"] == cold["asked"]  # every program, however small and quick
     assert warm["misses"] == 0  # the restart compiles nothing new (XLA compiles only on a miss)
-    assert cold["programs"] == warm["programs"] > 0
+    assert cold["programs"] == warm["programs"] == loaded["programs"] > 0
+    executables = cold["executables"][1]  # (server/prefill/executables.py) each compiled program's, stored
+    assert cold["executables"] == [0, executables] and executables >= cold["programs"] and warm["executables"] is None
+    assert loaded["executables"] == [executables, 0]  # a restart loads every one: JAX is asked only for the rest
+    assert loaded["misses"] == 0 and loaded["hits"] == loaded["asked"] == cold["asked"] - executables
     assert any(shared.iterdir()) and not (tmp_path / "machine").exists()
