@@ -51,7 +51,7 @@ from jax.experimental import serialize_executable
 
 log = logging.getLogger("pdserve.prefill")
 
-FORMAT = 2
+FORMAT = 3
 """Changes when an entry's layout does: older entries then miss."""
 
 _PACKAGE = Path(__file__).parents[2]
@@ -107,6 +107,8 @@ class ExecutableCache:
         try:
             if origin is None:
                 raise ValueError("JAX's in-process caches held it: its bytes are not known")
+            if len(compiled.runtime_executable().local_devices()) != 1:
+                raise ValueError("it runs over several devices (see _fits)")
             persistent_key = None if origin == "compiled" else origin
             blob = _serialize(compiled, persistent_key)
         except Exception as e:  # host callbacks, or a persistent cache entry gone meanwhile
@@ -124,6 +126,11 @@ class ExecutableCache:
             log.warning("prefill executable cache: cannot write in %s (%s); the next start compiles again",
                         self.directory, e)
             self._count("unstored")
+
+    def discard(self, key: str) -> None:
+        """Removes an entry that loaded but does not fit its call (counted as a failure)."""
+        (self.directory / f"{key}.exe").unlink(missing_ok=True)
+        self._count("failures")
 
     def summary(self) -> str:
         """What the log line says: hits, misses, failures, in the directory."""
@@ -158,6 +165,11 @@ class Program:
                 return compiled  # another step shape's program of the same arguments (the head's, the embedding's)
             key = self.cache.key(self.name, self.bound, args, static)
             compiled = self.cache.load(key)
+            if compiled is not None and not _fits(compiled, args):
+                log.warning("prefill executable cache: %s was compiled for other devices than %s's arguments; "
+                            "compiling the program again", key, self.name)
+                self.cache.discard(key)
+                compiled = None
             if compiled is None:
                 with _compile_origin() as seen:
                     compiled = self.jitted.lower(*args, **static).compile()
@@ -202,6 +214,22 @@ def _aval(leaf) -> str:
     where = None if sharding is None else (repr(sharding), sorted(d.id for d in sharding.device_set))
     weak = getattr(leaf, "weak_type", False)
     return f"{tuple(leaf.shape)} {leaf.dtype} {weak} {where}"
+
+
+def _fits(compiled: jax.stages.Compiled, args: tuple) -> bool:
+    """Whether an executable runs on one device, the one the call's committed arguments are on. An executable over
+    several devices, loaded back, refused the engine's host arrays at run time ("Expected args to
+    execute_sharded_on_local_devices to have 2 shards", jaxlib 0.10.2), where the freshly compiled one places
+    them itself: such programs are neither stored nor loaded."""
+    try:
+        devices = compiled.runtime_executable().local_devices()
+    except Exception:  # noqa: BLE001 - an executable that cannot say: not trusted
+        return False
+    if len(devices) != 1:
+        return False
+    want = {d.id for leaf in jax.tree.leaves(args) if (sharding := getattr(leaf, "sharding", None)) is not None
+            for d in sharding.device_set}
+    return not want or want == {devices[0].id}
 
 
 def _call_key(args: tuple, static: dict[str, Any]) -> tuple:
