@@ -35,7 +35,7 @@ KERNELS = {"cpu_moe": "pdserve.server.decode.cpu_moe_kernel"}
 COMMON_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared")
 
 
-def x86_variants(cpu: hardware.Cpu) -> list[list[str]]:
+def isa_variants(cpu: hardware.Cpu) -> list[list[str]]:
     """The target flags a CPU runs, best first (after PDSERVE_CPU_ISA's cap): x86-64-v4 with 512-bit vectors
     where AVX-512 is, v3 where AVX2 and FMA are, the baseline always (aarch64: this CPU's own, then the baseline;
     `--prebuild` skips what names the build machine's CPU)."""
@@ -55,7 +55,7 @@ def portable(cpu: hardware.Cpu) -> list[list[str]]:
 @dataclass(frozen=True)
 class NativeSource:
     path: Path
-    variants: Callable[[hardware.Cpu], list[list[str]]] = x86_variants
+    variants: Callable[[hardware.Cpu], list[list[str]]] = isa_variants
     """Target flags this CPU may run the kernel built with, best first; the last one must be portable."""
     cxx: bool = False
     """C++ (`c++`, or $CXX), not C."""

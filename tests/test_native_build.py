@@ -17,11 +17,11 @@ AVX512 = hardware.read_cpu("model name : new\nflags : avx2 fma avx512f avx512bw 
 
 
 def test_variants_run_from_the_best_this_cpu_has_down_to_the_baseline():
-    assert native_build.x86_variants(AVX512) == [["-march=x86-64-v4", "-mprefer-vector-width=512"],
+    assert native_build.isa_variants(AVX512) == [["-march=x86-64-v4", "-mprefer-vector-width=512"],
                                                  ["-march=x86-64-v3"], []]
-    assert native_build.x86_variants(SSE) == [[]]
+    assert native_build.isa_variants(SSE) == [[]]
     arm = hardware.read_cpu("Features : asimd\n", "aarch64", cap="")
-    assert native_build.x86_variants(arm) == [["-mcpu=native"], []]
+    assert native_build.isa_variants(arm) == [["-mcpu=native"], []]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def prebuilt(tmp_path_factory):
 
 def test_prebuild_builds_every_variant_this_architecture_runs(prebuilt):
     names = sorted(p.name for p in prebuilt.iterdir())
-    expected = sorted(cpu_moe_kernel.SOURCE.library_name(f) for f in native_build.x86_variants(AVX512)
+    expected = sorted(cpu_moe_kernel.SOURCE.library_name(f) for f in native_build.isa_variants(AVX512)
                       if not any("native" in x for x in f))
     assert names == expected
 
@@ -46,7 +46,7 @@ def test_without_a_compiler_the_prebuilt_library_for_this_cpu_is_loaded(prebuilt
     monkeypatch.setenv(native_build.PREBUILT_ENV, str(prebuilt))
     path, how = native_build.build(cpu_moe_kernel.SOURCE)
     assert path.parent == prebuilt and how.startswith("prebuilt")
-    assert path.name == cpu_moe_kernel.SOURCE.library_name(native_build.x86_variants(hardware.cpu())[0])
+    assert path.name == cpu_moe_kernel.SOURCE.library_name(native_build.isa_variants(hardware.cpu())[0])
     assert not (tmp_path / "cache").exists()  # nothing compiled
     assert ctypes.CDLL(str(path)).moe_panel_width() in (32, 64)
     # an older CPU takes the baseline library

@@ -198,7 +198,8 @@ def load_engine(config: PrefillConfig, progress: bool = True, serving: bool = Fa
     loaded = time.perf_counter() - t0
     grammars = Grammars.for_model(config.model_dir, params.get("lm_head", params["embed"]).shape[0],
                                   tuple(model_config.eos_token_ids), **Grammars.options(config))
-    executables = executable_cache(config) if matmul is xla_matmul and jax.process_count() == 1 else None
+    # (ModelRunner keeps the oneDNN path's programs out of it: they call the host's prepacked weights)
+    executables = executable_cache(config) if jax.process_count() == 1 else None
     engine = PrefillEngine(model_config, params, config, grammars=grammars, matmul=matmul, executables=executables)
     if where is not None:
         engine.attention_path = where.describe()
