@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytest_plugins = ["tests.loop_watch"]  # autouse: reports a held event loop
+
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3"]
 
 

@@ -18,11 +18,13 @@ Standard library only: it runs before anything is importable.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import importlib.metadata
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -136,14 +138,15 @@ def unpack(wheel_dir: Path, target: Path) -> list[str]:
 
 def carry(wheel_dir: Path | None) -> tuple[Path | None, list[str]]:
     """The carried wheels first on sys.path (and PYTHONPATH, for child processes) -> (their directory, the
-    distributions). A child of a process that carried them finds them on PYTHONPATH: nothing to do. No
-    directory, or no wheel in it: (None, [])."""
+    distributions); the directory is removed when this process exits. A child of a process that carried them
+    finds them on PYTHONPATH: nothing to do. No directory, or no wheel in it: (None, [])."""
     done = os.environ.get(CARRIED_ENV)
     if done:
         return Path(done), []
     if wheel_dir is None or not Path(wheel_dir).is_dir() or not any(Path(wheel_dir).glob("*.whl")):
         return None, []
     target = Path(tempfile.mkdtemp(prefix="pdserve-carried-"))
+    atexit.register(shutil.rmtree, target, ignore_errors=True)  # the children that read it end first
     dists = unpack(Path(wheel_dir), target)
     sys.path.insert(0, str(target))
     importlib.invalidate_caches()

@@ -70,8 +70,14 @@ async def client(cluster):
         yield c
 
 
-def sdk(cluster: Cluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{cluster.base}/v1", api_key="unused", max_retries=0, timeout=30)
+@pytest.fixture
+async def sdk(cluster):
+    """The OpenAI SDK's client, closed by the test that used it. One left to the garbage collector closes its
+    connections from a task its __del__ schedules; by then the socket was closed by the collector and its fd
+    number may belong to a new server's listener, which asyncio's late `remove_reader` then unregisters (the
+    next server accepts nothing: a read timeout, seen in CI)."""
+    async with openai.AsyncOpenAI(base_url=f"{cluster.base}/v1", api_key="unused", max_retries=0, timeout=30) as c:
+        yield c
 
 
 async def test_completion_without_stream(cluster, client):
@@ -107,12 +113,12 @@ async def test_completion_without_stream(cluster, client):
     assert sent.request_id.startswith(body["id"] + ".")
 
 
-async def test_completion_stream_through_the_sdk_with_usage(cluster):
+async def test_completion_stream_through_the_sdk_with_usage(cluster, sdk):
     ids = cluster.tokenizer.encode("x = 1\ny = 2")
     cluster.script(ids, FinishReason.FINISH_REASON_STOP)
     chunks = [
         c
-        async for c in await sdk(cluster).completions.create(
+        async for c in await sdk.completions.create(
             model=MODEL,
             prompt=[5, 6, 7],
             max_tokens=20,
@@ -131,17 +137,17 @@ async def test_completion_stream_through_the_sdk_with_usage(cluster):
     assert (sent.sampling.top_k, sent.sampling.ignore_eos, sent.sampling.max_tokens) == (4, True, 20)
 
 
-async def test_skip_special_tokens_false_puts_their_text_in_the_output(cluster):
+async def test_skip_special_tokens_false_puts_their_text_in_the_output(cluster, sdk):
     eos = cluster.tokenizer.eos_token_ids[0]
     for skip, tail in [(None, ""), (False, "<|endoftext|>")]:
         cluster.decode.requests.clear()
         cluster.script([*cluster.tokenizer.encode(" ok"), eos], FinishReason.FINISH_REASON_STOP)
         extra = {} if skip is None else {"skip_special_tokens": skip}
-        out = await sdk(cluster).completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body=extra)
+        out = await sdk.completions.create(model=MODEL, prompt="x", max_tokens=8, extra_body=extra)
         assert out.choices[0].text == " ok" + tail
 
 
-async def test_chat_stream_renders_the_template_and_streams_deltas(cluster, model_dir):
+async def test_chat_stream_renders_the_template_and_streams_deltas(cluster, model_dir, sdk):
     ids = cluster.tokenizer.encode("Hi there!")
     cluster.script(ids)
     messages = [
@@ -150,7 +156,7 @@ async def test_chat_stream_renders_the_template_and_streams_deltas(cluster, mode
     ]
     chunks = [
         c
-        async for c in await sdk(cluster).chat.completions.create(
+        async for c in await sdk.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=len(ids), stream=True, temperature=0
         )
     ]
@@ -163,10 +169,10 @@ async def test_chat_stream_renders_the_template_and_streams_deltas(cluster, mode
     assert list(cluster.decode.requests[0].prompt_token_ids) == cluster.tokenizer.encode(rendered)
 
 
-async def test_chat_without_stream_defaults_max_tokens_to_the_rest_of_the_context(cluster):
+async def test_chat_without_stream_defaults_max_tokens_to_the_rest_of_the_context(cluster, sdk):
     ids = cluster.tokenizer.encode("ok")
     cluster.script(ids, FinishReason.FINISH_REASON_STOP)
-    reply = await sdk(cluster).chat.completions.create(
+    reply = await sdk.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}]
     )
     assert reply.choices[0].message.content == "ok" and reply.choices[0].message.role == "assistant"
@@ -255,16 +261,16 @@ async def test_invalid_json_unknown_model_and_unknown_route(client):
     assert r.status_code == 404 and "error" in r.json()
 
 
-async def test_sdk_raises_bad_request_error(cluster):
+async def test_sdk_raises_bad_request_error(cluster, sdk):
     with pytest.raises(openai.BadRequestError) as e:
-        await sdk(cluster).completions.create(model=MODEL, prompt="x", n=17)
+        await sdk.completions.create(model=MODEL, prompt="x", n=17)
     assert e.value.status_code == 400 and "n must lie in [1, 16]" in e.value.message
 
 
-async def test_n_choices_are_n_generations_with_seeds_in_turn(cluster):
+async def test_n_choices_are_n_generations_with_seeds_in_turn(cluster, sdk):
     ids = cluster.tokenizer.encode(" print('hello')")
     cluster.script(ids)
-    reply = await sdk(cluster).completions.create(model=MODEL, prompt="x", n=3, seed=7, max_tokens=len(ids),
+    reply = await sdk.completions.create(model=MODEL, prompt="x", n=3, seed=7, max_tokens=len(ids),
                                                   logprobs=0)
     text = cluster.tokenizer.decode(ids)
     assert [(c.index, c.text, c.finish_reason) for c in reply.choices] == [(i, text, "length") for i in range(3)]
@@ -274,7 +280,7 @@ async def test_n_choices_are_n_generations_with_seeds_in_turn(cluster):
     assert sorted(r.sampling.seed for r in cluster.decode.requests) == [7, 8, 9]
 
     cluster.script(ids)
-    chunks = [c async for c in await sdk(cluster).chat.completions.create(
+    chunks = [c async for c in await sdk.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "x"}], n=2, max_tokens=len(ids), stream=True,
         stream_options={"include_usage": True})]
     for i in range(2):
@@ -335,8 +341,8 @@ async def _no_inflight(cluster: Cluster) -> None:
     assert [w.inflight for w in cluster.coordinator.pool.workers.values()] == [0, 0]
 
 
-async def test_models_health_and_metrics(cluster, client):
-    models = await sdk(cluster).models.list()
+async def test_models_health_and_metrics(cluster, client, sdk):
+    models = await sdk.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert (await client.get("/health")).status_code == 200
     r = await client.get("/metrics")

@@ -130,30 +130,30 @@ async def test_auto_streams_the_content_then_the_calls_and_answers_them_whole(ti
         tok = HfTokenizer.from_file(str(path / "tokenizer.json"))
         text = 'Checking. <tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
         ids = tok.encode(text, add_special_tokens=False).ids
-        sdk = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{pools.coordinator.http.port}/v1", api_key="x",
-                                 max_retries=0)
-        for stream in (False, True):
-            pools.prefill.first_token_id = ids[0]
-            pools.decode.events = [[i] for i in ids[1:]]
-            pools.decode.finish = generation_pb2.FINISH_REASON_STOP
-            out = await sdk.chat.completions.create(model=path.name, messages=[{"role": "user", "content": "x"}],
-                                                    tools=TOOLS, stream=stream)
-            if not stream:
-                message = out.choices[0].message
-                assert out.choices[0].finish_reason == "tool_calls" and message.content == "Checking. "
-                assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == [("f", '{"a": 1}')]
-                continue
-            content, calls, finish = [], [], None
-            async for chunk in out:
-                for choice in chunk.choices:
-                    if choice.delta.content:
-                        assert not calls  # content comes first
-                        content.append(choice.delta.content)
-                    calls += choice.delta.tool_calls or []
-                    finish = choice.finish_reason or finish
-            assert "".join(content) == "Checking. " and len(content) > 1  # streamed, not in one piece
-            assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [(0, "f", '{"a": 1}')]
-            assert calls[0].id.startswith("chatcmpl-tool-") and finish == "tool_calls"
-        await sdk.close()
+        base = f"http://127.0.0.1:{pools.coordinator.http.port}/v1"
+        async with openai.AsyncOpenAI(base_url=base, api_key="x", max_retries=0) as sdk:
+            for stream in (False, True):
+                pools.prefill.first_token_id = ids[0]
+                pools.decode.events = [[i] for i in ids[1:]]
+                pools.decode.finish = generation_pb2.FINISH_REASON_STOP
+                out = await sdk.chat.completions.create(
+                    model=path.name, messages=[{"role": "user", "content": "x"}], tools=TOOLS, stream=stream)
+                if not stream:
+                    message = out.choices[0].message
+                    assert out.choices[0].finish_reason == "tool_calls" and message.content == "Checking. "
+                    named = [(c.function.name, c.function.arguments) for c in message.tool_calls]
+                    assert named == [("f", '{"a": 1}')]
+                    continue
+                content, calls, finish = [], [], None
+                async for chunk in out:
+                    for choice in chunk.choices:
+                        if choice.delta.content:
+                            assert not calls  # content comes first
+                            content.append(choice.delta.content)
+                        calls += choice.delta.tool_calls or []
+                        finish = choice.finish_reason or finish
+                assert "".join(content) == "Checking. " and len(content) > 1  # streamed, not in one piece
+                assert [(c.index, c.function.name, c.function.arguments) for c in calls] == [(0, "f", '{"a": 1}')]
+                assert calls[0].id.startswith("chatcmpl-tool-") and finish == "tool_calls"
     finally:
         await pools.stop()

@@ -43,24 +43,24 @@ def _holding(cluster, name: str) -> list[str]:
 
 
 async def test_an_adapters_requests_follow_the_worker_that_holds_it(cluster):
-    sdk = openai.AsyncOpenAI(base_url=f"{cluster['http']}/v1", api_key="unused", max_retries=0, timeout=120)
-    first = await sdk.completions.create(model="ada", prompt=[60, 61, 62, 3], max_tokens=2, temperature=0)
-    assert first.model == "ada"
-    [holder] = _holding(cluster, "ada")
-    time.sleep(1.0)  # the coordinator's next GetInfo round (every 0.5 s) reads the holder's adapters
-    prompts = [[(37 * i + 11 * j) % 500 + 3 for j in range(20)] for i in range(8)]  # distinct first blocks
-    for prompt in prompts:  # one at a time: each sees the holder under its share of the load
-        reply = await sdk.completions.create(model="ada", prompt=prompt, max_tokens=2, temperature=0)
-        assert reply.model == "ada"
-    assert _holding(cluster, "ada") == [holder]  # the other worker never loaded it
-    text = httpx.get(f"{cluster['http']}/metrics", timeout=30).text
-    counts = {}
-    for labels, value in _samples(text, "pdserve_lora_requests_total"):
-        if labels["lora_name"] == "ada":
-            counts[labels["worker"]] = value
-    assert list(counts.values()) == [9.0], counts  # all nine on one decode worker
-    info = _samples(text, "vllm:lora_requests_info")
-    assert sorted(labels["worker"] for labels, _ in info) == ["decode-0", "decode-1"], info
-    assert all(labels["max_lora"] == "1" and labels["running_lora_adapters"] == "" for labels, _ in info)
-    assert all(abs(value - time.time()) < 60 for _, value in info)
-    await sdk.close()
+    async with openai.AsyncOpenAI(base_url=f"{cluster['http']}/v1", api_key="unused", max_retries=0,
+                                  timeout=120) as sdk:
+        first = await sdk.completions.create(model="ada", prompt=[60, 61, 62, 3], max_tokens=2, temperature=0)
+        assert first.model == "ada"
+        [holder] = _holding(cluster, "ada")
+        time.sleep(1.0)  # the coordinator's next GetInfo round (every 0.5 s) reads the holder's adapters
+        prompts = [[(37 * i + 11 * j) % 500 + 3 for j in range(20)] for i in range(8)]  # distinct first blocks
+        for prompt in prompts:  # one at a time: each sees the holder under its share of the load
+            reply = await sdk.completions.create(model="ada", prompt=prompt, max_tokens=2, temperature=0)
+            assert reply.model == "ada"
+        assert _holding(cluster, "ada") == [holder]  # the other worker never loaded it
+        text = httpx.get(f"{cluster['http']}/metrics", timeout=30).text
+        counts = {}
+        for labels, value in _samples(text, "pdserve_lora_requests_total"):
+            if labels["lora_name"] == "ada":
+                counts[labels["worker"]] = value
+        assert list(counts.values()) == [9.0], counts  # all nine on one decode worker
+        info = _samples(text, "vllm:lora_requests_info")
+        assert sorted(labels["worker"] for labels, _ in info) == ["decode-0", "decode-1"], info
+        assert all(labels["max_lora"] == "1" and labels["running_lora_adapters"] == "" for labels, _ in info)
+        assert all(abs(value - time.time()) < 60 for _, value in info)
