@@ -18,6 +18,7 @@ from pdserve.server.decode.sequence import Sequence
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from tests.hf_oracle import hf_greedy_tokens
+from tests.decode.loop_hold import held
 
 
 def _greedy(max_tokens: int) -> gen_pb.SamplingParams:
@@ -141,7 +142,8 @@ async def test_preempted_sequences_resume_without_losing_or_repeating_a_token(ti
     # 6 blocks of 4 tokens for three sequences growing to 19-22 tokens (5-6 blocks each): they must
     # take turns, preempted newest first, re-prefilled from their prompt + outputs on resume.
     engine = _engine(path, num_blocks=6, enable_prefix_caching=False)
-    seqs = [await _admit(engine, f"p{i}", p, 16) for i, p in enumerate(prompts)]
+    with held(engine):  # all three step from the first step: preempted whatever loads the machine
+        seqs = [await _admit(engine, f"p{i}", p, 16) for i, p in enumerate(prompts)]
     outs = await asyncio.gather(*(_drain(s) for s in seqs))
     assert engine.scheduler.num_preemptions >= 2
     for seq, out, prompt in zip(seqs, outs, prompts):

@@ -27,6 +27,7 @@ from pdserve.server.decode.spec.config import SpeculativeConfig
 from pdserve.server.decode.spec import speculator as speculator_module
 from pdserve.server.decode.spec.rejection import accept_or_resample, accepted
 from tests.decode.test_spec_engine import _admit, _all_back, _drain, _greedy, _manual, _model, _one_step, _reference
+from tests.decode.loop_hold import held
 
 
 def _engine(path, draft, num_blocks: int = 64, block_size: int = 4, k: int | None = 3, **kw) -> DecodeEngine:
@@ -162,7 +163,8 @@ async def test_preempted_sequences_with_a_draft_resume_with_the_tokens_of_specul
     results = []
     for k in (None, 3):
         engine = _engine(path, path, num_blocks=6, k=k, enable_prefix_caching=False)
-        seqs = [await _admit(engine, f"p{i}", p, _greedy(16)) for i, p in enumerate(prompts)]
+        with held(engine):  # all three step from the first step: preempted whatever loads the machine
+            seqs = [await _admit(engine, f"p{i}", p, _greedy(16)) for i, p in enumerate(prompts)]
         outs = await asyncio.gather(*(_drain(s) for s in seqs))
         assert engine.scheduler.num_preemptions >= 2
         results.append([[s.output_ids[0], *o] for s, o in zip(seqs, outs)])

@@ -17,6 +17,7 @@ from pdserve.server.decode.spec.config import SpeculativeConfig
 from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
+from tests.decode.loop_hold import held
 
 _MODELS: dict = {}
 
@@ -258,7 +259,8 @@ async def test_preempted_speculating_sequences_resume_without_losing_or_repeatin
     results = []
     for k in (None, 3):
         engine = _engine(path, num_blocks=6, k=k, enable_prefix_caching=False)
-        seqs = [await _admit(engine, f"p{i}", p, _greedy(16)) for i, p in enumerate(prompts)]
+        with held(engine):  # all three step from the first step: preempted whatever loads the machine
+            seqs = [await _admit(engine, f"p{i}", p, _greedy(16)) for i, p in enumerate(prompts)]
         outs = await asyncio.gather(*(_drain(s) for s in seqs))
         assert engine.scheduler.num_preemptions >= 2
         results.append([[s.output_ids[0], *o] for s, o in zip(seqs, outs)])
