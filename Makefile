@@ -33,10 +33,11 @@ demo: install
 	$(VENV)/bin/pdserve demo
 
 # The vLLM decode tests need .venv-vllm; here they fail rather than skip when it is missing.
-# One process: on 2 cores two pytest-xdist workers took as long (20:18 against 20:15; the suite's servers use both
-# cores already). On a larger machine: make test PYTEST_ARGS="-n 4 --dist loadfile" (a file per worker at a time,
-# so a file's shared cluster starts once).
-PYTEST_ARGS ?=
+# Two pytest-xdist workers, a file per worker at a time (a file's shared cluster starts once): on 2 cores one
+# process kept 1.2 cores busy on average (22:28), two took 14:30 (2026-12-07). More cores: TEST_WORKERS=4;
+# one process (to debug): make test PYTEST_ARGS=.
+TEST_WORKERS ?= 2
+PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile
 test: install vllm-venv
 	PDSERVE_REQUIRE_VLLM=1 $(PY) -m pytest -q --durations=10 $(PYTEST_ARGS)
 
