@@ -21,6 +21,7 @@ from pdserve.server.decode.weights import build_model
 from pdserve.server.model.config import load_config
 from pdserve.server.model.weights import load_weights
 from pdserve.server.model.tiny_lora import peft_greedy
+from tests.decode.loop_hold import held
 
 PROMPTS = {"base": [5, 17, 33, 41, 9, 12, 100, 7], "ada": [60, 61, 62, 3, 4, 5, 200, 201, 9],
            "bob": [11, 22, 33, 44, 55, 66, 77], "cy": [300, 301, 2, 3, 99]}
@@ -41,14 +42,22 @@ def _request(rid: str, prompt: list[int], max_tokens: int, adapter: AdapterKey |
     return pb.DecodeRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, lora=lora, local_prefill=True)
 
 
-async def _run(engine: DecodeEngine, rid: str, prompt: list[int], n: int, adapter: AdapterKey | None) -> Sequence:
+async def _admit(engine: DecodeEngine, rid: str, prompt: list[int], n: int, adapter: AdapterKey | None) -> Sequence:
     seq = engine.add(_request(rid, prompt, n, adapter))
     await seq.admitted
     assert seq.local_prefill
     engine.start(seq, await engine.prefill_locally(seq))
+    return seq
+
+
+async def _drain(seq: Sequence) -> Sequence:
     while await seq.events.get() is not None:
         pass
     return seq
+
+
+async def _run(engine: DecodeEngine, rid: str, prompt: list[int], n: int, adapter: AdapterKey | None) -> Sequence:
+    return await _drain(await _admit(engine, rid, prompt, n, adapter))
 
 
 def _keys(loras) -> dict[str, AdapterKey]:
@@ -135,7 +144,9 @@ async def test_preempted_adapter_sequences_recompute_with_their_adapter(tiny_lor
     layout = KvLayout(config.num_layers, config.num_kv_heads, config.head_dim, block_size=4, dtype="float32")
     slots = LoraSlots(config, 2, 3, 16, torch.float32, torch.device("cpu"))
     engine = DecodeEngine(model, layout, num_blocks=16, max_running=3, lora=slots, enable_prefix_caching=False)
-    seqs = await asyncio.gather(*(_run(engine, n, PROMPTS[n], 30, keys[n]) for n in ("ada", "bob", "cy")))
+    with held(engine):  # all three step from the first step: preempted whatever loads the machine
+        seqs = [await _admit(engine, n, PROMPTS[n], 30, keys[n]) for n in ("ada", "bob", "cy")]
+    await asyncio.gather(*(_drain(seq) for seq in seqs))
     assert engine.scheduler.num_preemptions > 0
     for seq in seqs:
         assert seq.output_ids == peft_greedy(base, loras[seq.lora.key.name], seq.prompt_ids, 30), seq.request_id
