@@ -34,8 +34,8 @@ demo: install
 
 # The vLLM decode tests need .venv-vllm; here they fail rather than skip when it is missing.
 # Two pytest-xdist workers, a file per worker at a time (a file's shared cluster starts once): on 2 cores one
-# process kept 1.2 cores busy on average (22:28), two took 14:30 (2026-12-07). More cores: TEST_WORKERS=4;
-# one process (to debug): make test PYTEST_ARGS=.
+# process kept 1.2 cores busy on average (22:28); two took 19:03 from a clean clone with every cache empty
+# (2026-12-07). More cores: TEST_WORKERS=4; one process (to debug): make test PYTEST_ARGS=.
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?= -n $(TEST_WORKERS) --dist loadfile
 test: install vllm-venv
