@@ -107,7 +107,7 @@ class ExecutableCache:
         try:
             if origin is None:
                 raise ValueError("JAX's in-process caches held it: its bytes are not known")
-            if len(compiled.runtime_executable().local_devices()) != 1:
+            if _device(compiled) is None:
                 raise ValueError("it runs over several devices (see _fits)")
             persistent_key = None if origin == "compiled" else origin
             blob = _serialize(compiled, persistent_key)
@@ -216,20 +216,26 @@ def _aval(leaf) -> str:
     return f"{tuple(leaf.shape)} {leaf.dtype} {weak} {where}"
 
 
+def _device(compiled: jax.stages.Compiled) -> int | None:
+    """The id of the one device an executable runs on; None when it runs over several (or cannot say)."""
+    try:
+        devices = compiled.runtime_executable().local_devices()
+    except Exception:  # noqa: BLE001 - an executable that cannot say: not trusted
+        return None
+    return devices[0].id if len(devices) == 1 else None
+
+
 def _fits(compiled: jax.stages.Compiled, args: tuple) -> bool:
     """Whether an executable runs on one device, the one the call's committed arguments are on. An executable over
     several devices, loaded back, refused the engine's host arrays at run time ("Expected args to
     execute_sharded_on_local_devices to have 2 shards", jaxlib 0.10.2), where the freshly compiled one places
     them itself: such programs are neither stored nor loaded."""
-    try:
-        devices = compiled.runtime_executable().local_devices()
-    except Exception:  # noqa: BLE001 - an executable that cannot say: not trusted
-        return False
-    if len(devices) != 1:
+    device = _device(compiled)
+    if device is None:
         return False
     want = {d.id for leaf in jax.tree.leaves(args) if (sharding := getattr(leaf, "sharding", None)) is not None
             for d in sharding.device_set}
-    return not want or want == {devices[0].id}
+    return not want or want == {device}
 
 
 def _call_key(args: tuple, static: dict[str, Any]) -> tuple:

@@ -270,8 +270,7 @@ async def test_sdk_raises_bad_request_error(cluster, sdk):
 async def test_n_choices_are_n_generations_with_seeds_in_turn(cluster, sdk):
     ids = cluster.tokenizer.encode(" print('hello')")
     cluster.script(ids)
-    reply = await sdk.completions.create(model=MODEL, prompt="x", n=3, seed=7, max_tokens=len(ids),
-                                                  logprobs=0)
+    reply = await sdk.completions.create(model=MODEL, prompt="x", n=3, seed=7, max_tokens=len(ids), logprobs=0)
     text = cluster.tokenizer.decode(ids)
     assert [(c.index, c.text, c.finish_reason) for c in reply.choices] == [(i, text, "length") for i in range(3)]
     assert [len(c.logprobs.tokens) for c in reply.choices] == [len(ids)] * 3
